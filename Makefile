@@ -1,0 +1,28 @@
+# `make demo` trains the embedded default model on 2 local ranks; `make test` runs the test suite.
+# Both create .venv and install what is missing. torch is pinned here to the CPU wheel on disk;
+# the package itself asks only for torch>=2.8.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export OMP_NUM_THREADS := 1
+export MKL_NUM_THREADS := 1
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fivefold train --nproc 2 --out runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/ddp.py
+
+clean:
+	rm -rf runs

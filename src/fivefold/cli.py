@@ -1,0 +1,109 @@
+"""Command line: `fivefold train ...` (and, as they land, `plan` and `schedule`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import ConfigError, load_config
+
+# flag -> dotted config key
+TRAIN_FLAGS = {
+    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
+    "zero": "parallel.zero", "sp_mode": "parallel.sp_mode", "order": "parallel.order",
+    "microbatches": "parallel.microbatches", "schedule": "parallel.schedule", "vpp": "parallel.vpp",
+    "bucket_mb": "parallel.bucket_mb",
+    "steps": "train.steps", "global_batch": "train.global_batch", "seq_len": "train.seq_len", "lr": "train.lr",
+    "dtype": "train.dtype", "seed": "train.seed", "out": "train.out", "data": "train.data",
+}
+
+
+def add_train_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", help="TOML file with [model], [parallel], [train] tables")
+    ap.add_argument("--nproc", type=int, help="local gloo ranks to spawn (default: the layout's world size)")
+    for name in ("dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "vpp", "steps", "global_batch",
+                 "seq_len", "seed"):
+        ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    ap.add_argument("--sp-mode", dest="sp_mode", choices=["none", "megatron", "ulysses", "ring"])
+    ap.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"])
+    ap.add_argument("--order", help="rank order, innermost first (default tp-cp-ep-dp-pp)")
+    ap.add_argument("--bucket-mb", dest="bucket_mb", type=float)
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"])
+    ap.add_argument("--out", help="output folder (metrics.jsonl, comm.json, run.json, checkpoint.pt)")
+    ap.add_argument("--data", nargs="+", help="text files, or token files (.u16/.bin, .u32, .npy)")
+    ap.add_argument("--resume", help="checkpoint file or run folder to continue from")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="any config key, e.g. --set model.hidden=256 (repeatable)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds before local ranks are killed")
+
+
+def resolve_train_config(args: argparse.Namespace):
+    overrides = {key: getattr(args, flag) for flag, key in TRAIN_FLAGS.items()}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key.strip()] = value.strip()
+    cfg = load_config(args.config, overrides)
+    p = cfg.parallel
+    if args.nproc and args.dp is None and p.world_size != args.nproc:
+        other = p.tp * p.cp * p.pp
+        if args.nproc % other:
+            raise ConfigError(f"--nproc {args.nproc} must divide by tp*cp*pp = {other}")
+        p.dp = args.nproc // other
+    return cfg
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .comm import CommLedger
+    from .train.launch import init_torchrun, run_ranks, torchrun_env
+    from .train.trainer import train_rank
+
+    cfg = resolve_train_config(args)
+    out = cfg.train.out
+    env = torchrun_env()
+    if env is not None:  # one rank of a torchrun job
+        rank, world = init_torchrun()
+        cfg.validate(world)
+        train_rank(rank, world, cfg.to_dict(), out, args.resume)
+        return 0
+    world = args.nproc or cfg.parallel.world_size
+    cfg.validate(world)
+    print(f"fivefold train: {world} rank(s), dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
+          f"cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
+          f"{cfg.model.num_params():,} parameters, {cfg.train.steps} steps -> {out}", file=sys.stderr)
+    results = run_ranks(train_rank, world, (cfg.to_dict(), out, args.resume), timeout_s=args.timeout)
+    hist = results[0]["history"]
+    if hist:
+        first, last = hist[0], hist[-1]
+        print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(hist)} steps")
+    print("\ncommunication (all ranks):")
+    print(CommLedger.read(Path(out) / "comm.json").table())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fivefold", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_train_args(sub.add_parser("train", help="train a model (embedded default when no config)"))
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "train":
+            return cmd_train(args)
+    except ConfigError as e:
+        print(f"fivefold: config error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a failing rank: its traceback is in the message
+        from .train.launch import RankError
+
+        if isinstance(e, (RankError, TimeoutError)):
+            print(f"fivefold: {e}", file=sys.stderr)
+            return 1
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Recorded collectives: every byte fivefold sends goes through these wrappers.
+
+A `Group` is a process group with a name (the parallel dimension it serves: "dp", "tp", ...), the
+global ranks in it, and the `CommLedger` it records into. Each wrapper issues the torch.distributed
+collective, then records calls, message bytes, bytes sent (from `comm/volume.py`) and seconds under
+(dim, op), where dim defaults to the group's name. Asynchronous calls return a `Handle` whose `wait()`
+adds the seconds spent waiting. A group of one rank sends nothing and records nothing.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import volume
+from .ledger import CommLedger
+
+
+@dataclass
+class Group:
+    name: str
+    ranks: list[int]
+    rank: int                      # this process's index inside the group
+    pg: object = None              # torch ProcessGroup (None when size == 1)
+    ledger: CommLedger = field(default_factory=CommLedger)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    @staticmethod
+    def single(name: str = "world", ledger: CommLedger | None = None) -> "Group":
+        return Group(name, [0], 0, None, ledger or CommLedger())
+
+
+class Handle:
+    """An in-flight collective; `wait()` blocks and records the waiting time."""
+
+    def __init__(self, work, ledger: CommLedger, dim: str, op: str, then=None):
+        self.work, self.ledger, self.dim, self.op, self.then = work, ledger, dim, op, then
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        t0 = time.perf_counter()
+        self.work.wait()
+        self.ledger.add_seconds(self.dim, self.op, time.perf_counter() - t0)
+        self.work = None
+        if self.then is not None:
+            self.then()
+
+
+DONE = Handle(None, CommLedger(), "", "")
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _issue(group: Group, dim: str | None, op: str, message_bytes: int, fn, async_op: bool, then=None, **kw):
+    dim = dim or group.name
+    t0 = time.perf_counter()
+    work = fn()
+    seconds = time.perf_counter() - t0
+    group.ledger.record(dim, op, message_bytes, volume.bytes_sent(op, message_bytes, group.size, **kw), seconds)
+    handle = Handle(work, group.ledger, dim, op, then)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False,
+               dim: str | None = None) -> Handle:
+    """In-place all-reduce of t over group (op: sum | max | min | avg)."""
+    if group.size == 1:
+        return DONE
+    avg = op == "avg"
+    then = (lambda: t.div_(group.size)) if avg else None
+    red = _REDUCE["sum" if avg else op]
+    return _issue(group, dim, "all_reduce", nbytes(t),
+                  lambda: dist.all_reduce(t, red, group=group.pg, async_op=True), async_op, then)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False,
+               dim: str | None = None) -> Handle:
+    """Gather equal shards `inp` from every rank into `out` (concatenated along dim 0)."""
+    if group.size == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp.view_as(out))
+        return DONE
+    return _issue(group, dim, "all_gather", nbytes(out),
+                  lambda: dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=True), async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False,
+                   dim: str | None = None) -> Handle:
+    """Sum `inp` over the group and leave this rank's 1/n chunk (along dim 0) in `out`."""
+    if group.size == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp.view_as(out))
+        return DONE
+    return _issue(group, dim, "reduce_scatter", nbytes(inp),
+                  lambda: dist.reduce_scatter_tensor(out, inp, group=group.pg, async_op=True), async_op)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, out_splits: list[int] | None = None,
+               in_splits: list[int] | None = None, async_op: bool = False, dim: str | None = None) -> Handle:
+    """Exchange chunks of dim 0: chunk i of `inp` goes to rank i; `out` holds what each rank sent us."""
+    if group.size == 1:
+        out.copy_(inp)
+        return DONE
+    row = nbytes(inp) // max(inp.shape[0], 1)
+    kept = (in_splits[group.rank] * row) if in_splits is not None else nbytes(inp) // group.size
+    return _issue(group, dim, "all_to_all", nbytes(inp),
+                  lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg, async_op=True),
+                  async_op, kept_bytes=kept)
+
+
+def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group,
+              async_op: bool = False, dim: str | None = None) -> Handle:
+    """Batched point-to-point: send each (tensor, peer) and receive into each (tensor, peer).
+
+    Peers are ranks inside the group. Sends and receives are issued together with batch_isend_irecv,
+    so two ranks exchanging in both directions cannot deadlock.
+    """
+    if not sends and not recvs:
+        return DONE
+    dim = dim or group.name
+    ops = [dist.P2POp(dist.isend, t, group.global_rank(p), group=group.pg) for t, p in sends]
+    ops += [dist.P2POp(dist.irecv, t, group.global_rank(p), group=group.pg) for t, p in recvs]
+    t0 = time.perf_counter()
+    works = dist.batch_isend_irecv(ops)
+    seconds = time.perf_counter() - t0
+    for t, _ in sends:
+        group.ledger.record(dim, "send", nbytes(t), volume.send(nbytes(t)), seconds / len(ops))
+    for t, _ in recvs:
+        group.ledger.record(dim, "recv", nbytes(t), volume.recv(nbytes(t)), seconds / len(ops))
+
+    class _All:
+        def wait(self):
+            for w in works:
+                w.wait()
+    handle = Handle(_All(), group.ledger, dim, "send" if sends else "recv")
+    if not async_op:
+        handle.wait()
+    return handle

@@ -1,0 +1,150 @@
+"""ParallelMesh: the world's ranks arranged on a grid, one named process group per dimension.
+
+The order string names the dimensions innermost first (default ``tp-cp-ep-dp-pp``): the first
+dimension's ranks are contiguous (stride 1), the next one's stride is the size of the first, and so
+on. Put the dimension with the most traffic innermost so its group lands inside one NVLink domain.
+
+Two grids share one order string (as in Megatron-Core):
+- the *dense* grid ``tp × cp × dp × pp`` (ep = 1) for attention, norms, embeddings and dense MLPs;
+- the *expert* grid ``tp × ep × edp × pp`` (cp = 1), where ``ep · edp = cp · dp``: experts are sharded
+  across ``ep`` ranks carved out of the data/context-parallel ranks, and each expert shard is
+  replicated ``edp`` ("expert-dp") times.
+
+Worked example: 16 ranks, tp=2, cp=1, dp=4, pp=2, ep=2, order ``tp-cp-ep-dp-pp``.
+
+Dense grid strides: tp 1, cp 2, dp 2, pp 8 (ep=1 and cp=1 take no room)::
+
+    rank  = tp + 2·dp + 8·pp
+    tp groups : [0,1] [2,3] [4,5] [6,7] [8,9] [10,11] [12,13] [14,15]
+    dp groups : [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]
+    pp groups : [0,8] [1,9] [2,10] ... [7,15]
+
+Expert grid (ep=2, edp=4·1/2=2) strides: tp 1, ep 2, edp 4, pp 8::
+
+    rank  = tp + 2·ep + 4·edp + 8·pp
+    ep groups  : [0,2] [1,3] [4,6] [5,7] [8,10] ...
+    edp groups : [0,4] [1,5] [2,6] [3,7] [8,12] ...
+
+Rank 5 is therefore tp=1, dp=2, pp=0 in the dense grid; ep=0, edp=1 in the expert grid. Its tp group is
+[4,5], dp group [1,3,5,7], pp group [5,13], ep group [5,7], expert-dp group [1,5]. The ``dp_cp`` group
+(gradient reduction when cp > 1) joins dp and cp; ``mp`` joins tp, cp and pp (the ranks that hold
+different parts of one model replica; used for the global grad norm).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from .comm import CommLedger, Group
+from .config import ConfigError, ParallelConfig
+
+DENSE_DIMS = ("tp", "cp", "dp", "pp")
+
+
+def grid_sizes(p: ParallelConfig) -> tuple[dict[str, int], dict[str, int]]:
+    """Sizes of the dense and the expert grids, keyed by the names in the order string."""
+    dense = {"tp": p.tp, "cp": p.cp, "ep": 1, "dp": p.dp, "pp": p.pp}
+    if (p.dp * p.cp) % p.ep:
+        raise ConfigError(f"ep ({p.ep}) must divide dp*cp ({p.dp * p.cp})")
+    expert = {"tp": p.tp, "cp": 1, "ep": p.ep, "dp": p.dp * p.cp // p.ep, "pp": p.pp}
+    return dense, expert
+
+
+def strides(sizes: dict[str, int], order: list[str]) -> dict[str, int]:
+    out, s = {}, 1
+    for d in order:
+        out[d] = s
+        s *= sizes[d]
+    return out
+
+
+def coords(rank: int, sizes: dict[str, int], order: list[str]) -> dict[str, int]:
+    """Coordinates of a global rank on a grid."""
+    st = strides(sizes, order)
+    return {d: (rank // st[d]) % sizes[d] for d in order}
+
+
+def rank_groups(sizes: dict[str, int], order: list[str], dims: tuple[str, ...]) -> list[list[int]]:
+    """All groups that vary along `dims` (others fixed); each group lists global ranks in order."""
+    st = strides(sizes, order)
+    others = [d for d in order if d not in dims]
+    groups = []
+    for fixed in itertools.product(*(range(sizes[d]) for d in others)):
+        base = sum(c * st[d] for d, c in zip(others, fixed))
+        # inner dims vary fastest: iterate dims in order, innermost first
+        inner = [d for d in order if d in dims]
+        members = []
+        for idx in itertools.product(*(range(sizes[d]) for d in reversed(inner))):
+            members.append(base + sum(c * st[d] for d, c in zip(reversed(inner), idx)))
+        groups.append(sorted(members))
+    return sorted(groups)
+
+
+# name -> (grid, dims varied). "world" is every rank.
+GROUP_SPECS = {
+    "tp": ("dense", ("tp",)),
+    "cp": ("dense", ("cp",)),
+    "dp": ("dense", ("dp",)),
+    "pp": ("dense", ("pp",)),
+    "dp_cp": ("dense", ("dp", "cp")),
+    "tp_cp": ("dense", ("tp", "cp")),
+    "mp": ("dense", ("tp", "cp", "pp")),
+    "ep": ("expert", ("ep",)),
+    "edp": ("expert", ("dp",)),
+}
+
+
+@dataclass
+class ParallelMesh:
+    """Every group a rank needs, built from a ParallelConfig.
+
+    `groups` maps a name (tp, cp, dp, pp, dp_cp, tp_cp, mp, ep, edp, world) to this rank's `Group`.
+    All groups record into one `ledger`. With world size 1 no process group is created.
+    """
+
+    config: ParallelConfig
+    rank: int = 0
+    ledger: CommLedger = field(default_factory=CommLedger)
+    groups: dict[str, Group] = field(default_factory=dict)
+
+    def __post_init__(self):
+        p = self.config
+        self.order = p.order.split("-")
+        self.dense, self.expert = grid_sizes(p)
+        self.world_size = p.world_size
+        self.ledger.rank, self.ledger.world_size = self.rank, self.world_size
+        self.coords = coords(self.rank, self.dense, self.order)
+        ecoords = coords(self.rank, self.expert, self.order)
+        self.coords.update({"ep": ecoords["ep"], "edp": ecoords["dp"]})
+        distributed = dist.is_available() and dist.is_initialized() and self.world_size > 1
+        if distributed and dist.get_world_size() != self.world_size:
+            raise ConfigError(f"world size {dist.get_world_size()} != tp*cp*dp*pp = {self.world_size}")
+        for name, (grid, dims) in GROUP_SPECS.items():
+            sizes = self.dense if grid == "dense" else self.expert
+            self.groups[name] = self._make(name, rank_groups(sizes, self.order, dims), distributed)
+        world = list(range(self.world_size))
+        self.groups["world"] = Group("world", world, self.rank, dist.group.WORLD if distributed else None,
+                                     self.ledger)
+
+    def _make(self, name: str, all_groups: list[list[int]], distributed: bool) -> Group:
+        mine = None
+        for ranks in all_groups:
+            pg = None
+            if distributed and len(ranks) > 1:
+                if len(ranks) == self.world_size:
+                    pg = dist.group.WORLD
+                else:
+                    pg = dist.new_group(ranks)  # every rank must create every group, in the same order
+            if self.rank in ranks:
+                mine = Group(name, ranks, ranks.index(self.rank), pg, self.ledger)
+        assert mine is not None
+        return mine
+
+    def __getitem__(self, name: str) -> Group:
+        return self.groups[name]
+
+    def describe(self) -> str:
+        c = self.coords
+        return " ".join(f"{d}={c[d]}" for d in ("tp", "cp", "dp", "pp", "ep", "edp"))

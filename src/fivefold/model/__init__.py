@@ -1,0 +1,3 @@
+from .transformer import Transformer, loss_sum
+
+__all__ = ["Transformer", "loss_sum"]

@@ -1,0 +1,147 @@
+"""A Llama-style decoder: RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU MLP,
+optionally tied input/output embeddings, causal scaled-dot-product attention.
+
+It matches Hugging Face's `LlamaForCausalLM` numerically (see `model/hf.py` and the tests): the same
+RMSNorm (computed in fp32), the same "rotate half" RoPE, the same GQA head grouping.
+
+Shapes: b batch, s sequence, h hidden, n query heads, k kv heads, d head dim, f ffn, v vocab.
+The model knows nothing of process groups; parallel layers wrap or replace its parts.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(seq: int, head_dim: int, theta: float, device=None, offset: int = 0):
+    """cos, sin of shape (s, d) for positions offset..offset+seq-1 (fp32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    pos = torch.arange(offset, offset + seq, dtype=torch.float32, device=device)
+    freqs_sd2 = torch.outer(pos, inv_freq)
+    emb_sd = torch.cat((freqs_sd2, freqs_sd2), dim=-1)
+    return emb_sd.cos(), emb_sd.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_sd.to(x_bnsd.dtype), sin_sd.to(x_bnsd.dtype)
+    return x_bnsd * cos + rotate_half(x_bnsd) * sin
+
+
+def attention_core(q_bnsd, k_bksd, v_bksd) -> torch.Tensor:
+    """Causal attention; kv heads are repeated to match query heads (head i uses kv head i // (n/k))."""
+    n, k = q_bnsd.shape[1], k_bksd.shape[1]
+    if n != k:
+        k_bksd = k_bksd.repeat_interleave(n // k, dim=1)
+        v_bksd = v_bksd.repeat_interleave(n // k, dim=1)
+    return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x_bsh: torch.Tensor, cos_sd, sin_sd) -> torch.Tensor:
+        b, s, _ = x_bsh.shape
+        d = self.head_dim
+        # head counts come from the projections' widths, so a tensor-parallel shard works unchanged
+        q_bnsd = self.wq(x_bsh).view(b, s, -1, d).transpose(1, 2)
+        k_bksd = self.wk(x_bsh).view(b, s, -1, d).transpose(1, 2)
+        v_bksd = self.wv(x_bsh).view(b, s, -1, d).transpose(1, 2)
+        q_bnsd, k_bksd = apply_rope(q_bnsd, cos_sd, sin_sd), apply_rope(k_bksd, cos_sd, sin_sd)
+        o_bnsd = attention_core(q_bnsd, k_bksd, v_bksd)
+        return self.wo(o_bnsd.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x_bsh)) * self.up(x_bsh))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.hidden, cfg.ffn)
+
+    def forward(self, x_bsh, cos_sd, sin_sd):
+        x_bsh = x_bsh + self.attn(self.attn_norm(x_bsh), cos_sd, sin_sd)
+        return x_bsh + self.mlp(self.mlp_norm(x_bsh))
+
+
+class Transformer(nn.Module):
+    """tokens (b, s) int64 -> logits (b, s, v)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Seeded init: N(0, init_std) for matrices, output projections scaled by 1/sqrt(2·layers)
+        (GPT-2 style), ones for norms. The same seed gives the same weights in every process."""
+        gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+                continue
+            scale = std / math.sqrt(2 * self.cfg.layers) if name.endswith(("wo.weight", "down.weight")) else std
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+    def rope(self, seq: int, device=None, offset: int = 0):
+        return rope_cos_sin(seq, self.cfg.head_dim, self.cfg.rope_theta, device, offset)
+
+    def forward(self, tokens_bs: torch.Tensor) -> torch.Tensor:
+        cos_sd, sin_sd = self.rope(tokens_bs.shape[1], tokens_bs.device)
+        x_bsh = self.embed(tokens_bs)
+        for layer in self.layers:
+            x_bsh = layer(x_bsh, cos_sd, sin_sd)
+        return self.head(self.norm(x_bsh))
+
+
+def loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of token cross-entropies in fp32. The trainer divides by the global token count,
+    so the loss is the mean over the global batch however it is split across ranks and micro-batches."""
+    return F.cross_entropy(logits_bsv.float().flatten(0, 1), targets_bs.flatten(), reduction="sum")

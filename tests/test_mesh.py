@@ -1,0 +1,54 @@
+import pytest
+
+from fivefold.config import ParallelConfig
+from fivefold.mesh import GROUP_SPECS, ParallelMesh, coords, grid_sizes, rank_groups
+
+LAYOUTS = [
+    dict(tp=2, dp=4, pp=2, ep=2),
+    dict(tp=2, cp=2, dp=2, pp=2, ep=4),
+    dict(tp=4, dp=2),
+    dict(dp=8),
+    dict(tp=2, cp=2, dp=2, pp=2, ep=2, order="tp-dp-cp-ep-pp"),
+    dict(pp=4, dp=2, order="pp-dp-tp-cp-ep"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_groups_partition_world(layout):
+    p = ParallelConfig(**layout)
+    dense, expert = grid_sizes(p)
+    order = p.order.split("-")
+    world = set(range(p.world_size))
+    for name, (grid, dims) in GROUP_SPECS.items():
+        sizes = dense if grid == "dense" else expert
+        groups = rank_groups(sizes, order, dims)
+        flat = [r for g in groups for r in g]
+        assert sorted(flat) == sorted(world), name            # a partition: every rank once
+        size = 1
+        for d in dims:
+            size *= sizes[d]
+        assert all(len(g) == size for g in groups), name        # the right size
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_innermost_is_contiguous(layout):
+    p = ParallelConfig(**layout)
+    order = p.order.split("-")
+    dense, _ = grid_sizes(p)
+    inner = next(d for d in order if dense[d] > 1)
+    for g in rank_groups(dense, order, (inner,)):
+        assert g == list(range(g[0], g[0] + len(g)))
+
+
+def test_docstring_example_rank5():
+    p = ParallelConfig(tp=2, dp=4, pp=2, ep=2)
+    mesh = ParallelMesh(p, rank=5)
+    assert mesh["tp"].ranks == [4, 5]
+    assert mesh["dp"].ranks == [1, 3, 5, 7]
+    assert mesh["pp"].ranks == [5, 13]
+    assert mesh["ep"].ranks == [5, 7]
+    assert mesh["edp"].ranks == [1, 5]
+    assert mesh.coords["tp"] == 1 and mesh.coords["dp"] == 2 and mesh.coords["pp"] == 0
+    assert mesh.coords["ep"] == 0 and mesh.coords["edp"] == 1
+    assert mesh["mp"].ranks == [4, 5, 12, 13]
+    assert coords(5, grid_sizes(p)[0], p.order.split("-"))["dp"] == 2

@@ -24,7 +24,28 @@ def ranks(fn, n: int, *args, timeout_s: float = TIMEOUT_S):
     return run_ranks(fn, n, args, timeout_s=timeout_s)
 
 
-def assert_states_close(a: dict, b: dict, rtol=1e-5, atol=1e-7) -> None:
+def assert_states_close(a: dict, b: dict, rtol=1e-5, atol=1e-7, outliers=0.0, outlier_atol=0.0) -> None:
+    """Every tensor within rtol/atol, except at most a fraction `outliers` of all elements, which must
+    still be within outlier_atol (see FP32 below for why fp32 runs need that)."""
     assert a.keys() == b.keys()
+    bad = total = 0
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        x, y = a[name].double(), b[name].double()
+        off = (x - y).abs() > atol + rtol * y.abs()
+        bad += int(off.sum())
+        total += x.numel()
+        if outlier_atol:
+            torch.testing.assert_close(x, y, rtol=0, atol=outlier_atol, msg=lambda m: f"{name}: {m}")
+        elif off.any():
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    assert bad <= outliers * total, f"{bad} of {total} elements differ by more than rtol={rtol}, atol={atol}"
+
+
+# fp32 parallel runs sum gradients in another order than one process. Where a gradient is ~0 (rare
+# bytes' embedding rows, a few MLP entries), that rounding noise is as large as the gradient, and Adam's
+# g/(sqrt(v)+eps) turns it into a visible change of that one element. So fp32 comparisons allow 0.1% of
+# elements outside rtol 1e-5 + atol 1e-6 (but within 1e-4 absolute); fp64 runs, where the noise is 1e-16, must agree
+# everywhere to 1e-10, which shows the differences are rounding and not a wrong reduction.
+FP32 = dict(rtol=1e-5, atol=1e-6, outliers=1e-3, outlier_atol=1e-4)
+FP64 = dict(rtol=1e-10, atol=1e-12)
+TOL = {"fp32": FP32, "fp64": FP64}

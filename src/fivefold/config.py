@@ -170,8 +170,8 @@ class TrainConfig:
     checkpoint: bool = True
 
     def validate(self) -> None:
-        if self.dtype not in ("fp32", "bf16"):
-            raise ConfigError(f"train.dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+        if self.dtype not in ("fp32", "bf16", "fp64"):
+            raise ConfigError(f"train.dtype must be 'fp32', 'bf16' or 'fp64' (for exactness checks), got {self.dtype!r}")
         for name in ("steps", "global_batch", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")

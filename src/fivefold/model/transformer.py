@@ -142,6 +142,7 @@ class Transformer(nn.Module):
 
 
 def loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of token cross-entropies in fp32. The trainer divides by the global token count,
+    """Sum (not mean) of token cross-entropies in fp32 (fp64 for fp64 models). The trainer divides by the global token count,
     so the loss is the mean over the global batch however it is split across ranks and micro-batches."""
-    return F.cross_entropy(logits_bsv.float().flatten(0, 1), targets_bs.flatten(), reduction="sum")
+    logits_bsv = logits_bsv if logits_bsv.dtype == torch.float64 else logits_bsv.float()
+    return F.cross_entropy(logits_bsv.flatten(0, 1), targets_bs.flatten(), reduction="sum")

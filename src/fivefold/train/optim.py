@@ -23,8 +23,8 @@ class AdamW:
         self.params, self.decay = params, decay
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
-        self.exp_avg = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-        self.exp_avg_sq = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        self.exp_avg = [torch.zeros_like(p) for p in params]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in params]
         self.t = 0
 
     @torch.no_grad()

@@ -34,7 +34,7 @@ from . import checkpoint
 from .data import Batches, read_tokens
 from .optim import AdamW, clip_, global_grad_norm, lr_at
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def supported(cfg: Config) -> None:
@@ -63,11 +63,13 @@ class Trainer:
         self.model = Transformer(cfg.model, seed=t.seed).to(self.dtype)
         self.params = unique_params(self.model)
         self.names = {id(p): n for n, p in self.model.named_parameters()}
-        self.dp = DataParallel(self.model, self.mesh["dp"], p.bucket_mb, grad_dtype=torch.float32)
-        if self.dtype == torch.float32:
+        # gradients and optimizer math in fp32 (fp64 when the model is fp64, for exactness checks)
+        self.master_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.dp = DataParallel(self.model, self.mesh["dp"], p.bucket_mb, grad_dtype=self.master_dtype)
+        if self.dtype == self.master_dtype:
             self.master = [q.data for q in self.params]
         else:
-            self.master = [q.detach().float().clone() for q in self.params]
+            self.master = [q.detach().to(self.master_dtype).clone() for q in self.params]
         self.opt = AdamW(self.master, [q.dim() >= 2 for q in self.params], (t.beta1, t.beta2), t.eps,
                          t.weight_decay)
         self.batches = Batches(tokens if tokens is not None else read_tokens(t.data, t.data_limit_mb),
@@ -97,7 +99,7 @@ class Trainer:
         clip_(grads, norm, cfg.grad_clip)
         lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
         self.opt.step(grads, lr)
-        if self.dtype != torch.float32:
+        if self.dtype != self.master_dtype:
             with torch.no_grad():
                 for q, m in zip(self.params, self.master):
                     q.copy_(m)
@@ -113,7 +115,7 @@ class Trainer:
         params = sum(q.numel() * q.element_size() for q in self.params)
         grads = sum(b.grad.numel() * b.grad.element_size() for b in self.dp.buckets)
         opt = self.opt.state_bytes()
-        if self.dtype != torch.float32:
+        if self.dtype != self.master_dtype:
             opt += sum(m.numel() * m.element_size() for m in self.master)
         return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 

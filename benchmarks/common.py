@@ -1,0 +1,46 @@
+"""Shared benchmark helpers: run a step function on ranks, median step time, peak RSS per rank."""
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from fivefold.config import ModelConfig  # noqa: E402
+
+BENCH_MODEL = ModelConfig(vocab=256, hidden=256, layers=4, heads=8, kv_heads=4, ffn=704, max_seq=256)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def time_steps(step, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def summarize(name: str, per_rank: list[dict]) -> dict:
+    """Median step time over ranks' medians (the slowest rank sets the pace) and max peak RSS."""
+    med = max(statistics.median(r["times"]) for r in per_rank)
+    rss = max(r["rss_mb"] for r in per_rank)
+    return {"name": name, "median_s": med, "peak_rss_mb": rss}
+
+
+def report(rows: list[dict], baseline: str) -> str:
+    base = next(r for r in rows if r["name"] == baseline)
+    lines = [f"{'impl':<28}{'median step':>14}{'peak RSS':>12}{'time ratio':>12}{'mem ratio':>11}"]
+    for r in rows:
+        lines.append(f"{r['name']:<28}{r['median_s'] * 1e3:>11.1f} ms{r['peak_rss_mb']:>9.0f} MB"
+                     f"{r['median_s'] / base['median_s']:>12.3f}{r['peak_rss_mb'] / base['peak_rss_mb']:>11.3f}")
+    return "\n".join(lines)

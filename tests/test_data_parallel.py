@@ -17,7 +17,7 @@ def run_steps(rank, world, cfg_dict, steps=3):
         snap = tr.ledger.snapshot()
         losses.append(tr.step(k)["loss"])
         per_step.append(tr.ledger.since(snap).rows())
-    n_params = sum(p.numel() for p in tr.params)
+    n_params = tr.n_params
     return {"losses": losses, "state": tr.full_state()["model"], "ledger": per_step, "params": n_params,
             "state_bytes": tr.model_state_bytes()}
 
@@ -59,10 +59,10 @@ def _accumulation(rank, world):
     from fivefold.model import loss_sum
     sent = []
     for i, (x, y) in enumerate(mbs):
-        with tr.dp.sync(i == len(mbs) - 1):
+        with tr.engine.sync(i == len(mbs) - 1):
             loss_sum(tr.model(x), y).backward()
         sent.append(tr.ledger.total("dp"))
-    tr.dp.finish()
+    tr.engine.finish()
     return sent, sum(p.numel() for p in tr.params)
 
 
@@ -78,7 +78,7 @@ def test_bf16_keeps_fp32_main_grads_and_masters():
     tr = Trainer(cfg, quiet=True)
     assert all(p.dtype == torch.bfloat16 for p in tr.params)
     assert all(p.main_grad.dtype == torch.float32 for p in tr.params)
-    assert all(m.dtype == torch.float32 for m in tr.master)
+    assert all(m.dtype == torch.float32 for m in tr.engine.master)
     m = tr.step(0)
     assert all(p.grad is None for p in tr.params)
     assert torch.isfinite(torch.tensor(m["loss"]))

@@ -116,6 +116,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     vpp: int = 1
     bucket_mb: float = 25.0
+    reshard_after_forward: bool = True   # ZeRO-3: free gathered params after forward (False: keep them)
 
     @property
     def world_size(self) -> int:
@@ -163,6 +164,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     dtype: str = "fp32"
+    main_grads_fp32: bool = True          # bf16 compute: accumulate and reduce gradients in fp32
     data: list[str] = field(default_factory=list)
     data_limit_mb: float = 8.0
     out: str = "runs/latest"

@@ -54,19 +54,18 @@ class Bucket:
         self.handle = None
 
 
-def make_buckets(params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dtype) -> list[Bucket]:
-    """Group parameters (given in backward order) into buckets of at most bucket_bytes each."""
-    buckets, current, size = [], [], 0
-    itemsize = torch.empty((), dtype=dtype).element_size()
+def bucketize(params: list[nn.Parameter], bucket_bytes: int, itemsize: int) -> list[list[nn.Parameter]]:
+    """Split params (in backward order) into consecutive groups of at most bucket_bytes each."""
+    out, cur, size = [], [], 0
     for p in params:
-        if current and size + p.numel() * itemsize > bucket_bytes:
-            buckets.append(Bucket(current, dtype, len(buckets)))
-            current, size = [], 0
-        current.append(p)
+        if cur and size + p.numel() * itemsize > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(p)
         size += p.numel() * itemsize
-    if current:
-        buckets.append(Bucket(current, dtype, len(buckets)))
-    return buckets
+    if cur:
+        out.append(cur)
+    return out
 
 
 def unique_params(module: nn.Module) -> list[nn.Parameter]:
@@ -97,7 +96,9 @@ class DataParallel:
         self.module, self.group, self.average = module, group, average
         self.params = unique_params(module)
         self.grad_dtype = grad_dtype
-        self.buckets = make_buckets(list(reversed(self.params)), int(bucket_mb * 2**20), grad_dtype)
+        itemsize = torch.empty((), dtype=grad_dtype).element_size()
+        self.buckets = [Bucket(ps, grad_dtype, i) for i, ps in
+                        enumerate(bucketize(list(reversed(self.params)), int(bucket_mb * 2**20), itemsize))]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._sync = True
         self._next = 0
@@ -162,3 +163,68 @@ class DataParallel:
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+class DataParallelOptimizer:
+    """Plain data parallelism with its optimizer: every rank holds full parameters, gradients (in
+    `DataParallel`'s buckets) and optimizer state. The same interface as `Zero`, so the trainer drives
+    either one: sync / finish / owned_grads / step / zero_grad / state_bytes / full_state."""
+
+    def __init__(self, model: nn.Module, group: Group, make_optimizer, bucket_mb: float = 25.0,
+                 master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None):
+        self.model = model
+        self.params = unique_params(model)
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.reducer = DataParallel(model, group, bucket_mb, grad_dtype=grad_dtype or master_dtype)
+        self.param_dtype = self.params[0].dtype
+        self.separate_master = self.param_dtype != master_dtype
+        if not self.separate_master:
+            self.master = [p.data for p in self.params]
+        else:
+            self.master = [p.detach().to(master_dtype).clone() for p in self.params]
+        self.optimizer = make_optimizer(self.master, [p.dim() >= 2 for p in self.params])
+
+    def sync(self, enabled: bool = True):
+        return self.reducer.sync(enabled)
+
+    def finish(self) -> None:
+        self.reducer.finish()
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        """Full gradients: replicated across the DP group, so the norm needs no DP reduction."""
+        return [p.main_grad for p in self.params]
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        self.optimizer.step(self.owned_grads(), lr)
+        if self.separate_master:
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+
+    def zero_grad(self) -> None:
+        self.reducer.zero_grad()
+
+    def state_bytes(self) -> dict:
+        nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        params = nb(self.params)
+        grads = nb(b.grad for b in self.reducer.buckets)
+        opt = self.optimizer.state_bytes() + (nb(self.master) if self.separate_master else 0)
+        return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+    def full_state(self) -> dict:
+        names = [self.names[id(p)] for p in self.params]
+        return {"model": {n: m.detach().clone() for n, m in zip(names, self.master)},
+                "exp_avg": {n: e.clone() for n, e in zip(names, self.optimizer.exp_avg)},
+                "exp_avg_sq": {n: e.clone() for n, e in zip(names, self.optimizer.exp_avg_sq)},
+                "opt_t": self.optimizer.t}
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict) -> None:
+        names = [self.names[id(p)] for p in self.params]
+        for n, p, m, ea, es in zip(names, self.params, self.master, self.optimizer.exp_avg,
+                                   self.optimizer.exp_avg_sq):
+            m.copy_(state["model"][n])
+            p.copy_(m)
+            ea.copy_(state["exp_avg"][n])
+            es.copy_(state["exp_avg_sq"][n])
+        self.optimizer.t = state["opt_t"]

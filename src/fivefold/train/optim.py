@@ -33,6 +33,7 @@ class AdamW:
         bc1 = 1 - self.beta1 ** self.t
         bc2_sqrt = math.sqrt(1 - self.beta2 ** self.t)
         for p, g, m, v, decay in zip(self.params, grads, self.exp_avg, self.exp_avg_sq, self.decay):
+            g = g.to(p.dtype)  # low-precision gradients (main_grads_fp32 = false) are upcast here
             if decay and self.weight_decay:
                 p.mul_(1 - lr * self.weight_decay)
             m.lerp_(g, 1 - self.beta1)

@@ -29,7 +29,8 @@ from ..comm import CommLedger
 from ..config import Config, ConfigError
 from ..mesh import ParallelMesh
 from ..model import Transformer, loss_sum
-from ..parallel.data import DataParallel, unique_params
+from ..parallel.data import DataParallelOptimizer, unique_params
+from ..parallel.zero import Zero
 from . import checkpoint
 from .data import Batches, read_tokens
 from .optim import AdamW, clip_, global_grad_norm, lr_at
@@ -41,11 +42,9 @@ def supported(cfg: Config) -> None:
     """Layouts the runtime does not run yet fail at start, naming what is missing."""
     p = cfg.parallel
     missing = [f"{d}={getattr(p, d)}" for d in ("tp", "pp", "cp", "ep") if getattr(p, d) > 1]
-    if p.zero:
-        missing.append(f"zero={p.zero}")
     if missing:
-        raise ConfigError(f"this runtime supports data parallelism only so far; unsupported: {', '.join(missing)} "
-                          f"(use dp and microbatches, or `fivefold plan` to estimate other layouts)")
+        raise ConfigError(f"this runtime supports data parallelism and ZeRO only so far; unsupported: "
+                          f"{', '.join(missing)} (use `fivefold plan` to estimate other layouts)")
 
 
 class Trainer:
@@ -59,19 +58,28 @@ class Trainer:
         self.ledger = CommLedger(rank, world_size)
         self.mesh = ParallelMesh(p, rank, self.ledger)
         self.dtype = DTYPES[t.dtype]
+        # optimizer math in fp32 (fp64 when the model is fp64, for exactness checks)
+        self.master_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        grad_dtype = self.master_dtype if t.main_grads_fp32 else self.dtype
 
         self.model = Transformer(cfg.model, seed=t.seed).to(self.dtype)
         self.params = unique_params(self.model)
-        self.names = {id(p): n for n, p in self.model.named_parameters()}
-        # gradients and optimizer math in fp32 (fp64 when the model is fp64, for exactness checks)
-        self.master_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        self.dp = DataParallel(self.model, self.mesh["dp"], p.bucket_mb, grad_dtype=self.master_dtype)
-        if self.dtype == self.master_dtype:
-            self.master = [q.data for q in self.params]
+        self.n_params = sum(q.numel() for q in self.params)
+
+        def make_optimizer(params, decay):
+            return AdamW(params, decay, (t.beta1, t.beta2), t.eps, t.weight_decay)
+
+        if p.zero:
+            if p.dp == 1 and not self.quiet:
+                print(f"note: ZeRO-{p.zero} with dp=1 shards over a single rank and saves no memory",
+                      file=sys.stderr)
+            self.engine = Zero(self.model, self.mesh["dp"], p.zero, make_optimizer, p.bucket_mb,
+                               self.master_dtype, grad_dtype, p.reshard_after_forward)
+            self.norm_group = self.mesh["world"]   # shards differ on every rank
         else:
-            self.master = [q.detach().to(self.master_dtype).clone() for q in self.params]
-        self.opt = AdamW(self.master, [q.dim() >= 2 for q in self.params], (t.beta1, t.beta2), t.eps,
-                         t.weight_decay)
+            self.engine = DataParallelOptimizer(self.model, self.mesh["dp"], make_optimizer, p.bucket_mb,
+                                                self.master_dtype, grad_dtype)
+            self.norm_group = self.mesh["mp"]      # replicated across dp: reduce only model-parallel parts
         self.batches = Batches(tokens if tokens is not None else read_tokens(t.data, t.data_limit_mb),
                                t.seq_len, t.global_batch, t.seed, cfg.model.vocab)
         self.step_count = 0
@@ -89,21 +97,17 @@ class Trainer:
         mbs = self.micro_batches(step)
         loss_local = torch.zeros(1, dtype=torch.float64)
         for i, (x_bs, y_bs) in enumerate(mbs):
-            with self.dp.sync(i == len(mbs) - 1):
+            with self.engine.sync(i == len(mbs) - 1):
                 loss = loss_sum(self.model(x_bs), y_bs) / n_tokens
                 loss.backward()
             loss_local += loss.detach().double()
-        self.dp.finish()
-        grads = [q.main_grad for q in self.params]
-        norm = global_grad_norm(grads, self.mesh["mp"])
+        self.engine.finish()
+        grads = self.engine.owned_grads()
+        norm = global_grad_norm(grads, self.norm_group)
         clip_(grads, norm, cfg.grad_clip)
         lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
-        self.opt.step(grads, lr)
-        if self.dtype != self.master_dtype:
-            with torch.no_grad():
-                for q, m in zip(self.params, self.master):
-                    q.copy_(m)
-        self.dp.zero_grad()
+        self.engine.step(lr)
+        self.engine.zero_grad()
         comm.all_reduce(loss_local, self.mesh["dp"], dim="loss")
         self.step_count = step + 1
         return {"step": step, "loss": float(loss_local), "grad_norm": norm, "lr": lr, "tokens": n_tokens,
@@ -112,30 +116,14 @@ class Trainer:
     # -- state -------------------------------------------------------------------------------
     def model_state_bytes(self) -> dict:
         """Bytes of model state held by this rank, counted from the tensors that exist."""
-        params = sum(q.numel() * q.element_size() for q in self.params)
-        grads = sum(b.grad.numel() * b.grad.element_size() for b in self.dp.buckets)
-        opt = self.opt.state_bytes()
-        if self.dtype != self.master_dtype:
-            opt += sum(m.numel() * m.element_size() for m in self.master)
-        return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+        return self.engine.state_bytes()
 
     def full_state(self) -> dict:
-        """Full model and optimizer state keyed by parameter name (fp32 masters)."""
-        names = [self.names[id(q)] for q in self.params]
-        return {"model": {n: m.detach().clone() for n, m in zip(names, self.master)},
-                "exp_avg": {n: e.clone() for n, e in zip(names, self.opt.exp_avg)},
-                "exp_avg_sq": {n: e.clone() for n, e in zip(names, self.opt.exp_avg_sq)},
-                "opt_t": self.opt.t}
+        """Full model and optimizer state keyed by parameter name (fp32 masters). Call on every rank."""
+        return self.engine.full_state()
 
     def load_full_state(self, state: dict) -> None:
-        names = [self.names[id(q)] for q in self.params]
-        with torch.no_grad():
-            for n, q, m, ea, es in zip(names, self.params, self.master, self.opt.exp_avg, self.opt.exp_avg_sq):
-                m.copy_(state["model"][n])
-                q.copy_(m)
-                ea.copy_(state["exp_avg"][n])
-                es.copy_(state["exp_avg_sq"][n])
-        self.opt.t = state["opt_t"]
+        self.engine.load_full_state(state)
 
     # -- the run -----------------------------------------------------------------------------
     def run(self, out: str | Path | None = None, resume: str | Path | None = None) -> dict:
@@ -160,6 +148,7 @@ class Trainer:
             bar.update(m)
         bar.close()
         total = self.ledger.gather()
+        self.all_state_bytes = gather_objects(self.model_state_bytes())
         state = self.full_state() if cfg.checkpoint else None
         if self.rank == 0:
             total.write(out / "comm.json")
@@ -169,10 +158,22 @@ class Trainer:
         return {"history": history, "comm": total.to_dict(), "state_bytes": self.model_state_bytes()}
 
     def run_info(self) -> dict:
-        return {"config": self.cfg.to_dict(), "params": sum(q.numel() for q in self.params),
+        return {"config": self.cfg.to_dict(), "params": self.n_params,
                 "world_size": self.world_size, "model_state_bytes_per_rank": self.model_state_bytes(),
+                "model_state_bytes_by_rank": self.all_state_bytes,
                 "versions": {"fivefold": __version__, "torch": torch.__version__,
                              "python": sys.version.split()[0], "platform": platform.platform()}}
+
+
+def gather_objects(obj) -> list:
+    """Every rank's obj (a bookkeeping exchange outside the ledger, like CommLedger.gather)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class Progress:

@@ -1,0 +1,84 @@
+"""One layout, every estimate: memory per stage, traffic per dimension and tier, bubble, step time, MFU.
+
+`estimate(model, layout, workload, topology)` validates the layout (ConfigError naming the rule), then
+runs memory.py, traffic.py and time.py and returns an `Estimate`, whose `to_dict()` is what
+`fivefold plan --json` prints.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .layout import Layout, Workload, check, microbatches
+from .memory import Memory, candidate_stages, memory
+from .models import PlanModel
+from .time import StepTime, step_time
+from .topology import GiB, Topology
+from .traffic import (Flow, by_dim, by_tier, place, placement, placement_warnings, recommend_order,
+                      stage_flows)
+
+
+@dataclass
+class Estimate:
+    model: PlanModel
+    layout: Layout
+    work: Workload
+    topo: Topology
+    memory: Memory
+    flows: list[Flow]                 # the most-loaded stage's rows (one rank, one step)
+    flows_by_stage: dict[int, list[Flow]]
+    time: StepTime
+    order: str                        # recommended
+    placement: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.most_loaded["total"] <= self.topo.accelerator.memory
+
+    def traffic(self) -> dict:
+        """Per dimension: rows of op, calls, message bytes, bytes sent per rank per step, tier, seconds."""
+        out: dict[str, list] = {}
+        for fl in self.flows:
+            out.setdefault(fl.dim, []).append({"op": fl.op, "calls": fl.calls, "message_bytes": fl.message_bytes,
+                                               "bytes": fl.bytes_sent, "group_size": fl.n, "tier": fl.tier,
+                                               "seconds": fl.seconds})
+        return out
+
+    def to_dict(self) -> dict:
+        t = self.time
+        return {
+            "model": {"name": self.model.name, "params": self.model.num_params(),
+                      "active_params": self.model.active_params()},
+            "topology": self.topo.name, "gpus": self.layout.gpus,
+            "layout": {**self.layout.to_dict(), "microbatches": microbatches(self.layout, self.work)},
+            "workload": dict(self.work.__dict__),
+            "memory": self.memory.to_dict(), "memory_limit": self.topo.accelerator.memory, "fits": self.fits,
+            "traffic": self.traffic(), "bytes_per_dim": by_dim(self.flows),
+            "bytes_per_tier": by_tier(self.flows, self.topo),
+            "bubble": t.bubble, "bubble_source": t.bubble_source, "step_time_s": t.step_time_s,
+            "tokens_per_s": t.tokens_per_s, "mfu": t.mfu, "hfu": t.hfu, "time": t.to_dict(),
+            "order": self.order, "layout_order": self.layout.order, "placement": self.placement,
+            "warnings": self.warnings,
+        }
+
+
+def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, gpus: int | None = None,
+             simulate: bool = True, all_stages: bool = True) -> Estimate:
+    """Everything about one layout. Raises ConfigError if the layout breaks a rule. With
+    all_stages=False only the stages that can be the most loaded are computed (fast; used by search)."""
+    check(model, layout, work, gpus)
+    topo.check(layout.gpus)
+    mem = memory(model, layout, work, all_stages)
+    stages = range(layout.pp) if all_stages else candidate_stages(model, layout.pp, layout.uneven)
+    by_stage = {j: place(stage_flows(model, layout, work, j), layout, topo) for j in stages}
+    worst = max(by_stage, key=lambda j: sum(f.bytes_sent for f in by_stage[j]))
+    states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
+    st = step_time(model, layout, work, topo, by_stage, states, simulate)
+    order = recommend_order(by_stage[worst])
+    warnings = placement_warnings(layout, topo, layout.order, order)
+    if mem.most_loaded["total"] > topo.accelerator.memory:
+        warnings.insert(0, f"does not fit: stage {mem.most_loaded['stage']} needs "
+                           f"{mem.most_loaded['total'] / GiB:.1f} GiB, {topo.accelerator.name} has "
+                           f"{topo.accelerator.memory / GiB:.0f} GiB")
+    return Estimate(model, layout, work, topo, mem, by_stage[worst], by_stage, st, order,
+                    placement(layout, topo, layout.order), warnings)

@@ -1,0 +1,337 @@
+"""Memory per rank and per pipeline stage: model states by ZeRO stage, activations by schedule.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", §3 and Table 1): per parameter `w` bytes of weights,
+`g` of gradients and `k` of optimizer state (Adam m and v in fp32: 8; plus an fp32 master copy when
+weights are 16-bit: 12, the paper's K). With n data-parallel ranks:
+
+    ZeRO-0  (w + g + k)·Φ        ZeRO-1  (w + g)·Φ + k·Φ/n
+    ZeRO-2  w·Φ + (g + k)·Φ/n    ZeRO-3  (w + g + k)·Φ/n
+
+Shards are padded so they are even: Φ/n is ceil(Φ/n). Dense parameters are sharded over dp·cp,
+routed experts over the expert-data-parallel group dp·cp/ep.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", §4): per layer, for s·b tokens, GPT-3 style (GeLU, dropout, 16-bit):
+
+    no parallelism           s·b·h·(34 + 5·a·s/h)
+    tensor parallel t        s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    + sequence parallel      s·b·h/t·(34 + 5·a·s/h)
+    selective recompute      the 5·a·s/h term goes (so does it with flash attention)
+    full recompute           2·s·b·h per layer (/t with sequence parallel)
+
+`layer_activation_bytes` derives these constants from the layer's tensors instead of hard-coding 34, so
+Llama-style layers (SwiGLU, GQA, RMSNorm, no dropout) and MoE layers get their own; on the GPT-3 shape it
+reproduces the table exactly (tests/test_plan_literature.py). Context parallelism (ring or Ulysses)
+divides the tokens a rank holds by cp. Pipeline schedules multiply by the micro-batches in flight:
+GPipe m; 1F1B min(p - j, m) on stage j (p on the first); interleaved (Narayanan et al. 2021) holds
+min(2(p-j-1) + (v-1)p + 1, m·v) chunks of L_j/v layers, i.e. p·(1 + (p-1)/(p·v)) stage-activations
+on the first stage.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from .layout import Layout, Workload, microbatches
+from .models import PlanModel
+
+COMPONENTS = ("weights", "grads", "optimizer", "activations", "buffers")
+
+
+# -- pipeline partition ------------------------------------------------------------------------------
+def stage_layers(layers: int, pp: int, uneven: bool = False) -> list[int]:
+    """Layers per stage. Even: as equal as possible, extra layers on the later stages. Uneven (Llama-3,
+    Dubey et al. 2024 §3.3.2): first and last stage one layer fewer, for the embedding and the loss."""
+    if pp == 1:
+        return [layers]
+    if uneven:
+        inner = stage_layers(layers + 2, pp)
+        inner[0] -= 1
+        inner[-1] -= 1
+        return inner
+    base, extra = divmod(layers, pp)
+    return [base + (1 if j >= pp - extra else 0) for j in range(pp)]
+
+
+@lru_cache(maxsize=4096)
+def stage_ranges(layers: int, pp: int, uneven: bool = False) -> tuple[range, ...]:
+    out, start = [], 0
+    for n in stage_layers(layers, pp, uneven):
+        out.append(range(start, start + n))
+        start += n
+    return tuple(out)
+
+
+def candidate_stages(model: PlanModel, pp: int, uneven: bool = False) -> list[int]:
+    """Stages that can be the most loaded: memory falls with the stage index within a run of stages of
+    equal layer count and kind (fewer micro-batches in flight), so only the first stage of each run, and
+    the first and last (embedding, head), need checking."""
+    counts = stage_layers(model.layers, pp, uneven)
+    out = {0, pp - 1}
+    for j in range(1, pp):
+        if counts[j] != counts[j - 1]:
+            out.add(j)
+    if model.moe and model.dense_layers:
+        for j, rng in enumerate(stage_ranges(model.layers, pp, uneven)):
+            if model.dense_layers in rng or model.dense_layers - 1 in rng:
+                out.update({j, min(j + 1, pp - 1)})
+    return sorted(out)
+
+
+def in_flight(schedule: str, pp: int, stage: int, m: int, vpp: int = 1) -> float:
+    """Micro-batches whose activations stage `stage` holds at its peak, in units of the whole stage."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved" and vpp > 1:
+        chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, m * vpp)
+        return chunks / vpp
+    return float(min(pp - stage, m))  # 1f1b, zero-bubble (ZB-H1 keeps 1F1B's peak)
+
+
+def interleaved_penalty(pp: int, vpp: int) -> float:
+    """First-stage activation factor of the interleaved schedule over 1F1B: 1 + (p-1)/(p·v)."""
+    return 1 + (pp - 1) / (pp * vpp)
+
+
+def time_stages(model: PlanModel, pp: int, uneven: bool = False) -> list[int]:
+    """Stages that can be the slowest: the first with the most layers, and the last (head and loss)."""
+    counts = stage_layers(model.layers, pp, uneven)
+    return sorted({counts.index(max(counts)), pp - 1})
+
+
+# -- parameters a rank holds -------------------------------------------------------------------------
+def padded_vocab(model: PlanModel, tp: int) -> int:
+    return math.ceil(model.vocab / tp) * tp
+
+
+def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) parameters of layer i on one rank: matrices split tp ways (K/V by min(tp, kv)
+    heads, replicated beyond), norms and row-parallel biases replicated, routed experts split ep ways
+    then tp ways. MLA is approximated: every projection split tp ways."""
+    h = model.hidden
+    norms = 2 * model._norm(h)
+    row_bias = h if model.linear_bias else 0
+    attn = model.attention_params()
+    if model.mla:
+        attn_rank = attn // tp
+    else:
+        kv = 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias)
+        attn_rank = (attn - kv - row_bias) // tp + kv // min(tp, model.kv_heads) + row_bias
+    if not model.is_moe_layer(i):
+        mlp = model.mlp_params(model.ffn)
+        return attn_rank + norms + (mlp - row_bias) // tp + row_bias, 0
+    shared = model.shared_experts * model.expert_params() // tp
+    experts = (model.experts // ep) * model.expert_params() // tp
+    return attn_rank + norms + model.router_params() + shared, experts
+
+
+@lru_cache(maxsize=4096)
+def _stage_param_table(model: PlanModel, tp: int, pp: int, ep: int, uneven: bool) -> tuple:
+    """Per stage: (dense, expert, largest layer) parameters on one rank."""
+    rows = []
+    vocab_rank = padded_vocab(model, tp) // tp * model.hidden
+    for j, rng in enumerate(stage_ranges(model.layers, pp, uneven)):
+        dense = expert = biggest = 0
+        for i in rng:
+            d, e = layer_rank_params(model, i, tp, ep)
+            dense, expert, biggest = dense + d, expert + e, max(biggest, d + e)
+        if j == 0:
+            dense += vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0)
+        if j == pp - 1:
+            dense += model._norm(model.hidden)
+            if not model.tie_embeddings or pp > 1:
+                dense += vocab_rank
+        rows.append((dense, expert, biggest))
+    return tuple(rows)
+
+
+def stage_params(model: PlanModel, layout: Layout, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters held by one rank of `stage` (tied embeddings: once when pp = 1, a copy
+    on the last stage when pp > 1, as Megatron does)."""
+    dense, expert, _ = _stage_param_table(model, layout.tp, layout.pp, layout.ep, layout.uneven)[stage]
+    return dense, expert
+
+
+def shard(count: int, n: int) -> int:
+    """Elements per rank of a flat buffer padded to a multiple of n."""
+    return math.ceil(count / n)
+
+
+def optimizer_bytes_per_param(work: Workload) -> int:
+    """Adam m and v in the master dtype, plus a master copy when weights are lower precision."""
+    return 2 * work.master_bytes + (work.master_bytes if work.param_bytes != work.master_bytes else 0)
+
+
+def zero_states(params: int, n: int, zero: int, w: int, g: int, k: int) -> dict:
+    """Bytes of weights, gradients and optimizer state per rank for `params` parameters sharded over n
+    ranks by ZeRO stage `zero` (Rajbhandari et al. 2020, §5.1 / Table 1)."""
+    sh = shard(params, n)
+    return {"weights": w * (sh if zero >= 3 else params),
+            "grads": g * (sh if zero >= 2 else params),
+            "optimizer": k * (sh if zero >= 1 else params)}
+
+
+def model_states(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
+    """Model-state bytes of one rank of `stage`: dense part over dp·cp, experts over dp·cp/ep."""
+    dense, expert = stage_params(model, layout, stage)
+    w, g, k = work.param_bytes, work.grad_bytes, optimizer_bytes_per_param(work)
+    out = zero_states(dense, layout.dp * layout.cp, layout.zero, w, g, k)
+    if expert:
+        ex = zero_states(expert, layout.edp, layout.zero, w, g, k)
+        out = {c: out[c] + ex[c] for c in out}
+    return out
+
+
+# -- activations --------------------------------------------------------------------------------------
+@dataclass
+class LayerActs:
+    """Bytes per token of one layer's stored activations, split by how tensor parallelism divides them."""
+
+    replicated: float = 0.0   # held whole by every tp rank (divided by t only with sequence parallel)
+    sharded: float = 0.0      # split t ways (heads, ffn)
+    scores: float = 0.0       # the s·a terms (softmax, dropout): split t ways; gone with flash/selective
+
+    def per_rank(self, tp: int, sp: bool, with_scores: bool) -> float:
+        rep = self.replicated / tp if sp else self.replicated
+        return rep + self.sharded / tp + (self.scores / tp if with_scores else 0.0)
+
+
+def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1) -> LayerActs:
+    """Korthikanti et al. 2022 §4.1, term by term, per token of one layer (bytes).
+
+    Attention: norm input, QKV input (replicated); Q, K, V, output-projection input (sharded); softmax
+    output (+ dropout mask and output) per key (scores); dropout mask after the projection. MLP: norm
+    input, first-linear input, dropout mask (replicated); GeLU input and output, or SwiGLU's gate, up and
+    product (sharded). MoE: router input and fp32 logits/probabilities (replicated), per routed copy
+    (top_k · capacity) the expert input (replicated) and SwiGLU internals (sharded), shared experts'
+    internals (sharded). K/V with fewer kv heads than tp are replicated per head group.
+    """
+    e, h = work.act_bytes, model.hidden
+    drop = 1 if model.dropout else 0
+    kv_split = min(tp, model.kv_heads) if not model.mla else tp
+    acts = LayerActs()
+    acts.replicated += 2 * e * h + drop * h                        # norm input, QKV input; dropout mask
+    acts.sharded += e * model.q_width + e * model.attn_out_width    # Q, output-projection input
+    acts.sharded += e * (model.kv_width + model.v_width) * tp / kv_split  # K, V
+    acts.scores += model.heads * work.seq * (e + drop * (1 + e))    # softmax out (+ dropout mask, output)
+    if work.flash:
+        acts.sharded += 4 * model.heads                             # fp32 log-sum-exp per head
+    acts.replicated += 2 * e * h + drop * h                         # MLP norm input, MLP input; mask
+    per_ffn = (2 if model.mlp == "gelu" else 3) * e
+    if not model.is_moe_layer(i):
+        acts.sharded += per_ffn * model.ffn
+        return acts
+    k = model.top_k * work.capacity_factor
+    acts.replicated += 2 * 4 * model.experts + k * e * h            # router logits+probs, expert inputs
+    acts.sharded += k * per_ffn * model.moe_ffn + model.shared_experts * per_ffn * model.moe_ffn
+    return acts
+
+
+def layer_activation_bytes(model: PlanModel, i: int, layout: Layout, work: Workload, tokens: float) -> float:
+    """Stored activation bytes of layer i for `tokens` tokens on one rank (without recompute storage)."""
+    a = layer_acts(model, i, work, layout.tp)
+    with_scores = not work.flash and layout.recompute == "none"
+    return tokens * a.per_rank(layout.tp, layout.sp, with_scores)
+
+
+def korthikanti(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none") -> float:
+    """The paper's closed forms (bytes per layer), for checking `layer_acts` against (§4.2, Table 2)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    s2 = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return s * b * h / t * (34 + s2)
+    return s * b * h * (10 + 24 / t + s2 / t)
+
+
+def rank_tokens(layout: Layout, work: Workload) -> float:
+    """Tokens of one micro-batch held by one rank (context parallel splits the sequence)."""
+    return layout.micro_batch * work.seq / layout.cp
+
+
+@lru_cache(maxsize=16384)
+def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_scores: bool, pp: int,
+                     uneven: bool) -> tuple:
+    """Per stage: (sum, max) over its layers of stored activation bytes per token on one rank."""
+    per_layer = {}
+    rows = []
+    for rng in stage_ranges(model.layers, pp, uneven):
+        vals = []
+        for i in rng:
+            key = model.is_moe_layer(i)
+            if key not in per_layer:
+                per_layer[key] = layer_acts(model, i, work, tp).per_rank(tp, sp, with_scores)
+            vals.append(per_layer[key])
+        rows.append((sum(vals), max(vals, default=0.0)))
+    return tuple(rows)
+
+
+def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """Peak activation bytes of one rank of `stage`: layers × micro-batches in flight, embedding on the
+    first stage, final norm, head and fp32 logits on the last; full recompute keeps each layer's input
+    plus one layer's working set."""
+    L = layout
+    T = rank_tokens(L, work)
+    e, h = work.act_bytes, model.hidden
+    n_layers = len(stage_ranges(model.layers, L.pp, L.uneven)[stage])
+    m = microbatches(L, work)
+    flight = in_flight(L.effective_schedule, L.pp, stage, m, L.vpp)
+    split = L.tp if L.sp else 1
+    with_scores = not work.flash and L.recompute == "none"
+    total_pt, max_pt = _stage_act_table(model, work, L.tp, L.sp, with_scores, L.pp, L.uneven)[stage]
+    if L.recompute == "full":
+        total = flight * n_layers * T * e * h / split + max_pt * T
+    else:
+        total = flight * total_pt * T
+    if stage == 0:
+        total += flight * T * e * h / split                     # embedding output
+    if stage == L.pp - 1:
+        vocab = padded_vocab(model, L.tp) / L.tp
+        total += flight * T * (2 * e * h / split + (e + 4) * vocab)  # norm and head input; logits (+fp32)
+    return total
+
+
+# -- the whole picture -------------------------------------------------------------------------------
+@dataclass
+class Memory:
+    """Per-stage bytes for one rank of each stage, and the most-loaded stage."""
+
+    stages: list[dict] = field(default_factory=list)
+    worst: int = 0
+
+    @property
+    def most_loaded(self) -> dict:
+        return self.stages[self.worst]
+
+    def to_dict(self) -> dict:
+        return {**{c: self.most_loaded[c] for c in COMPONENTS}, "total": self.most_loaded["total"],
+                "stage": self.most_loaded["stage"], "per_stage": self.stages}
+
+
+def zero3_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """ZeRO-3 gathers one layer's parameters at a time and prefetches the next: two layers unsharded."""
+    if layout.zero < 3:
+        return 0.0
+    biggest = _stage_param_table(model, layout.tp, layout.pp, layout.ep, layout.uneven)[stage][2]
+    return 2.0 * biggest * work.param_bytes
+
+
+def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
+    row = dict(model_states(model, layout, work, stage))
+    row["activations"] = stage_activations(model, layout, work, stage)
+    row["buffers"] = zero3_buffers(model, layout, work, stage)
+    row["total"] = sum(row[c] for c in COMPONENTS)
+    row["stage"] = stage
+    row["layers"] = len(stage_ranges(model.layers, layout.pp, layout.uneven)[stage])
+    return row
+
+
+def memory(model: PlanModel, layout: Layout, work: Workload, all_stages: bool = True) -> Memory:
+    """Bytes per rank on every pipeline stage (or only the candidates for the most loaded)."""
+    stages = range(layout.pp) if all_stages else candidate_stages(model, layout.pp, layout.uneven)
+    out = Memory([stage_memory(model, layout, work, j) for j in stages])
+    out.worst = max(range(len(out.stages)), key=lambda k: out.stages[k]["total"])
+    return out

@@ -1,0 +1,287 @@
+"""Model shapes for planning: presets, Hugging Face `config.json`, and our own `ModelConfig`.
+
+`PlanModel` extends the runtime's `ModelConfig` fields with what published models add: GPT-style
+LayerNorm with biases and learned positions (GPT-3), GeLU MLPs, linear biases (Qwen2's QKV bias) and
+DeepSeek's multi-head latent attention (MLA). It answers three questions for the planner:
+
+- parameters, per part (`embed_params`, `layer_params(i)`, `head_params`), each tied weight once;
+- the shapes activations and messages are made of (hidden, q/k/v widths, ffn, expert widths);
+- FLOPs per token (`flops_per_token`), from the matmul parameters and causal attention.
+
+Parameter counts equal the published totals (tests/test_plan_models.py): Llama-3 8B/70B/405B
+(Dubey et al. 2024, Table 3 shapes; exact totals of the released checkpoints), GPT-3 175B
+(Brown et al. 2020, Table 2.1), Mixtral 8x7B (Jiang et al. 2024, 46.7B total / 12.9B active),
+DeepSeek-V3 (DeepSeek-AI 2024, 671B total / 37B active, without the 14B multi-token-prediction module).
+
+Approximations (stated where they are used): MLA's activations are modelled as multi-head attention
+with the up-projected q/k/v widths (the compressed latents are small and ignored); MoE expert
+activations assume balanced routing.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
+from pathlib import Path
+
+from ..config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class PlanModel:
+    """Shape of a decoder-only transformer, as far as memory, bytes and FLOPs depend on it."""
+
+    name: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    tie_embeddings: bool = False
+    max_seq: int = 8192
+    # MoE: `experts` routed experts of width `moe_ffn`, `top_k` per token, `shared_experts` always on;
+    # the first `dense_layers` layers use the dense MLP of width `ffn`.
+    experts: int = 0
+    top_k: int = 1
+    moe_ffn: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    router_bias: bool = False          # DeepSeek-V3's per-expert score-correction bias
+    # variants
+    mlp: str = "swiglu"                # "swiglu" (3 matrices) or "gelu" (2 matrices)
+    norm: str = "rms"                  # "rms" (weight) or "layer" (weight and bias)
+    linear_bias: bool = False          # biases on every linear (GPT-3)
+    qkv_bias: bool = False             # biases on q, k, v only (Qwen2)
+    learned_pos: bool = False          # learned absolute position embedding (GPT-3)
+    dropout: bool = False              # dropout masks stored (Korthikanti's GPT counts them)
+    # multi-head latent attention (DeepSeek-V2/V3); 0 = standard (grouped-query) attention
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+
+    # -- shapes -------------------------------------------------------------------------------
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_dim + self.qk_rope_dim if self.mla else self.head_dim
+
+    @property
+    def v_dim_per_head(self) -> int:
+        return self.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def q_width(self) -> int:
+        """Width of the query projection output (heads · qk head dim)."""
+        return self.heads * self.qk_head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of one of K or V as attention sees it (MLA: up-projected, per-head K and V)."""
+        return (self.heads if self.mla else self.kv_heads) * self.qk_head_dim
+
+    @property
+    def v_width(self) -> int:
+        return (self.heads if self.mla else self.kv_heads) * self.v_dim_per_head
+
+    @property
+    def attn_out_width(self) -> int:
+        return self.heads * self.v_dim_per_head
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe and i >= self.dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.moe else 0
+
+    # -- parameters -----------------------------------------------------------------------------
+    def _norm(self, width: int) -> int:
+        return width * (2 if self.norm == "layer" else 1)
+
+    def _linear(self, n_in: int, n_out: int, bias: bool = False) -> int:
+        return n_in * n_out + (n_out if (bias or self.linear_bias) else 0)
+
+    def attention_params(self) -> int:
+        h = self.hidden
+        if self.mla:
+            q = (self._linear(h, self.q_lora_rank) + self.q_lora_rank
+                 + self._linear(self.q_lora_rank, self.heads * self.qk_head_dim)) if self.q_lora_rank \
+                else self._linear(h, self.heads * self.qk_head_dim)
+            kv = (self._linear(h, self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank
+                  + self._linear(self.kv_lora_rank, self.heads * (self.qk_nope_dim + self.v_head_dim)))
+            return q + kv + self._linear(self.attn_out_width, h)
+        kv = self.kv_heads * self.head_dim
+        return (self._linear(h, h, self.qkv_bias) + 2 * self._linear(h, kv, self.qkv_bias)
+                + self._linear(h, h))
+
+    def mlp_params(self, width: int) -> int:
+        h = self.hidden
+        if self.mlp == "gelu":
+            return self._linear(h, width) + self._linear(width, h)
+        return 2 * self._linear(h, width) + self._linear(width, h)
+
+    def expert_params(self) -> int:
+        """One routed expert."""
+        return self.mlp_params(self.moe_ffn)
+
+    def router_params(self) -> int:
+        return self.experts * self.hidden + (self.experts if self.router_bias else 0)
+
+    def layer_params(self, i: int, experts_held: int | None = None) -> int:
+        """Parameters of layer i; `experts_held` routed experts instead of all (expert parallelism)."""
+        return _layer_params(self, self.is_moe_layer(i), experts_held)
+
+    def layer_expert_params(self, i: int) -> int:
+        """Routed-expert parameters of layer i (the part sharded by expert parallelism)."""
+        return self.experts * self.expert_params() if self.is_moe_layer(i) else 0
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden + (self.max_seq * self.hidden if self.learned_pos else 0)
+
+    @property
+    def head_params(self) -> int:
+        """Final norm plus the output projection (zero extra when tied to the embedding)."""
+        return self._norm(self.hidden) + (0 if self.tie_embeddings else self.vocab * self.hidden)
+
+    def num_params(self) -> int:
+        """Total parameters, tied weights once."""
+        return self.embed_params + sum(self.layer_params(i) for i in range(self.layers)) + self.head_params
+
+    def active_params(self) -> int:
+        """Parameters one token uses (routed experts: top_k of them)."""
+        return (self.embed_params + self.head_params
+                + sum(self.layer_params(i, self.top_k if self.is_moe_layer(i) else None) for i in range(self.layers)))
+
+    # -- FLOPs ----------------------------------------------------------------------------------
+    def matmul_params_per_token(self) -> int:
+        """Weights a token multiplies by (routed: top_k experts; embedding lookup is free, the head is not)."""
+        return _matmul_params_per_token(self)
+
+    def attention_flops_per_token(self, seq: int, causal: bool = True) -> float:
+        """Forward FLOPs of QK^T and AV for one token, summed over layers (PaLM, Chowdhery et al. 2022,
+        App. B: 2·s·(d_qk + d_v) per head per layer, halved for a causal mask)."""
+        per_layer = 2.0 * seq * self.heads * (self.qk_head_dim + self.v_dim_per_head)
+        return self.layers * per_layer * (0.5 if causal else 1.0)
+
+    def flops_per_token(self, seq: int, causal: bool = True) -> float:
+        """Model FLOPs per token for forward + backward: 6·N_matmul + 3·attention (Kaplan et al. 2020;
+        Narayanan et al. 2021, eq. 1 without recomputation)."""
+        return 6.0 * self.matmul_params_per_token() + 3.0 * self.attention_flops_per_token(seq, causal)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@lru_cache(maxsize=1024)
+def _layer_params(model: PlanModel, moe: bool, experts_held: int | None) -> int:
+    base = model.attention_params() + 2 * model._norm(model.hidden)
+    if not moe:
+        return base + model.mlp_params(model.ffn)
+    e = model.experts if experts_held is None else experts_held
+    return base + model.router_params() + model.shared_experts * model.expert_params() + e * model.expert_params()
+
+
+@lru_cache(maxsize=256)
+def _matmul_params_per_token(model: PlanModel) -> int:
+    head = model.vocab * model.hidden
+    return sum(model.layer_params(i, model.top_k if model.is_moe_layer(i) else None)
+               for i in range(model.layers)) + head
+
+
+# -- presets ------------------------------------------------------------------------------------
+def _llama3(name, hidden, layers, heads, ffn, vocab=128256):
+    return PlanModel(name=name, vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=8, ffn=ffn,
+                     max_seq=8192)
+
+
+PRESETS: dict[str, PlanModel] = {
+    # Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3.
+    "llama3-8b": _llama3("llama3-8b", 4096, 32, 32, 14336),
+    "llama3-70b": _llama3("llama3-70b", 8192, 80, 64, 28672),
+    "llama3-405b": _llama3("llama3-405b", 16384, 126, 128, 53248),
+    # Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, 96 heads, d_ff = 4·d_model, n_ctx 2048,
+    # GPT-2's BPE vocabulary (50257), learned positions, LayerNorm, biases, tied embeddings.
+    "gpt3-175b": PlanModel(name="gpt3-175b", vocab=50257, hidden=12288, layers=96, heads=96, kv_heads=96,
+                           ffn=4 * 12288, tie_embeddings=True, max_seq=2048, mlp="gelu", norm="layer",
+                           linear_bias=True, learned_pos=True, dropout=True),
+    # Jiang et al. 2024, "Mixtral of Experts": Mistral-7B shapes, 8 experts, top-2.
+    "mixtral-8x7b": PlanModel(name="mixtral-8x7b", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8,
+                              ffn=14336, max_seq=32768, experts=8, top_k=2, moe_ffn=14336),
+    # DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §4.2: 61 layers, hidden 7168, MLA (128 heads,
+    # q rank 1536, kv rank 512, 128+64 qk dims, 128 v dims), first 3 layers dense (ffn 18432), then
+    # 1 shared + 256 routed experts of width 2048, top-8, a score-correction bias per expert.
+    "deepseek-v3": PlanModel(name="deepseek-v3", vocab=129280, hidden=7168, layers=61, heads=128, kv_heads=128,
+                             ffn=18432, max_seq=4096, experts=256, top_k=8, moe_ffn=2048, shared_experts=1,
+                             dense_layers=3, router_bias=True, q_lora_rank=1536, kv_lora_rank=512,
+                             qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128),
+}
+
+
+def from_model_config(cfg: ModelConfig, name: str = "custom") -> PlanModel:
+    """The planner's view of our own runtime model (Llama-style; MoE fields carried over)."""
+    return PlanModel(name=name, vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
+                     kv_heads=cfg.kv_heads, ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, max_seq=cfg.max_seq,
+                     experts=cfg.experts, top_k=cfg.top_k if cfg.experts else 1,
+                     moe_ffn=cfg.moe_ffn or cfg.ffn, shared_experts=cfg.shared_experts,
+                     dense_layers=cfg.dense_layers)
+
+
+def from_hf_config(d: dict, name: str = "hf") -> PlanModel:
+    """A Hugging Face `config.json` (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, DeepSeek-V2/V3)."""
+    try:
+        h, heads = d["hidden_size"], d["num_attention_heads"]
+        kind = d.get("model_type", "llama")
+        m = PlanModel(name=name, vocab=d["vocab_size"], hidden=h, layers=d["num_hidden_layers"], heads=heads,
+                      kv_heads=d.get("num_key_value_heads") or heads, ffn=d.get("intermediate_size", 4 * h),
+                      tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+                      max_seq=d.get("max_position_embeddings", 4096), qkv_bias=kind.startswith("qwen2"))
+    except KeyError as e:
+        raise ConfigError(f"Hugging Face config lacks {e.args[0]!r}; need hidden_size, num_attention_heads, "
+                          f"num_hidden_layers, vocab_size") from None
+    experts = d.get("num_local_experts") or d.get("n_routed_experts") or d.get("num_experts") or 0
+    if experts:
+        shared = d.get("n_shared_experts") or 0
+        shared_w = d.get("moe_intermediate_size") or d["intermediate_size"]
+        if d.get("shared_expert_intermediate_size"):  # Qwen2-MoE: one shared expert of its own width
+            shared = d["shared_expert_intermediate_size"] // shared_w
+        m = replace(m, experts=experts, top_k=d.get("num_experts_per_tok", 2), moe_ffn=shared_w,
+                    shared_experts=shared, dense_layers=d.get("first_k_dense_replace", 0),
+                    router_bias=d.get("topk_method") == "noaux_tc")
+    if d.get("kv_lora_rank"):
+        m = replace(m, q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
+                    qk_nope_dim=d["qk_nope_head_dim"], qk_rope_dim=d["qk_rope_head_dim"], v_head_dim=d["v_head_dim"])
+    return m
+
+
+def load_model(spec: str | ModelConfig | PlanModel) -> PlanModel:
+    """A preset name, a path to a Hugging Face config.json, a fivefold TOML ([model] table), or a config."""
+    if isinstance(spec, PlanModel):
+        return spec
+    if isinstance(spec, ModelConfig):
+        return from_model_config(spec)
+    key = spec.lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(spec)
+    if path.suffix == ".json" and path.exists():
+        return from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+    if path.suffix == ".toml" and path.exists():
+        from ..config import load_config
+        return from_model_config(load_config(path).model, name=path.stem)
+    raise ConfigError(f"unknown model {spec!r}; known models: {', '.join(PRESETS)} "
+                      f"(or a path to a Hugging Face config.json or a fivefold .toml)")

@@ -1,0 +1,155 @@
+"""Output: readable tables, JSON for machines, and a plot of memory per component and bytes per tier."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .estimate import Estimate
+from .layout import microbatches
+from .memory import COMPONENTS
+from .search import Result
+from .topology import GiB
+
+
+def gib(x: float) -> str:
+    return f"{x / GiB:.2f}"
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} PB"
+
+
+def _table(header: list[str], rows: list[list], align: str | None = None) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    align = align or "l" + "r" * (len(header) - 1)
+    fmt = lambda r: "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align))
+    return "\n".join([fmt(cells[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in cells[1:]])
+
+
+def memory_table(est: Estimate, max_stages: int = 16) -> str:
+    stages = est.memory.stages
+    if len(stages) > max_stages:  # the first, the most loaded, the last
+        keep = {0, est.memory.most_loaded["stage"], len(stages) - 1}
+        stages = [s for s in stages if s["stage"] in keep]
+    rows = [[s["stage"], s["layers"]] + [gib(s[c]) for c in COMPONENTS] + [gib(s["total"])] for s in stages]
+    return _table(["stage", "layers"] + list(COMPONENTS) + ["total GiB"], rows)
+
+
+def traffic_table(est: Estimate) -> str:
+    rows = [[f.dim, f.op, f.n, f.calls, human(f.message_bytes), human(f.bytes_sent), f.tier, f"{f.seconds:.4f}"]
+            for f in est.flows]
+    if not rows:
+        return "(no communication)"
+    return _table(["dim", "op", "group", "calls", "message", "sent/rank", "tier", "seconds"], rows, "llrrrrlr")
+
+
+def estimate_text(est: Estimate) -> str:
+    """The whole estimate of one layout as text."""
+    m, L, t, d = est.model, est.layout, est.time, est.to_dict()
+    lines = [
+        f"model {m.name}: {m.num_params() / 1e9:.2f} B parameters ({m.active_params() / 1e9:.2f} B active)",
+        f"cluster {est.topo.name}: {L.gpus} x {est.topo.accelerator.name}, tiers "
+        + ", ".join(f"{x.name}({x.size or 'all'})" for x in est.topo.tiers),
+        f"layout {L.short()}  schedule {L.effective_schedule}  microbatches {microbatches(L, est.work)}  "
+        f"seq {est.work.seq}  global batch {est.work.global_batch}  {est.work.dtype}",
+        "",
+        f"memory per rank (GiB; limit {gib(est.topo.accelerator.memory)}), most loaded: stage "
+        f"{est.memory.most_loaded['stage']}",
+        memory_table(est),
+        "",
+        f"traffic per rank per step (stage {_flows_stage(est)})",
+        traffic_table(est),
+        "bytes per tier: " + ", ".join(f"{k} {human(v)}" for k, v in d["bytes_per_tier"].items()),
+        "",
+        f"step {t.step_time_s:.3f} s = pipeline {t.pipeline_s:.3f} (compute {t.compute_s:.3f}, exposed tp/cp/ep "
+        f"{t.layer_comm_s:.3f}, bubble {t.bubble:.1%} from the {t.bubble_source}) + grads {t.grad_comm_s:.3f} "
+        f"+ step collectives {t.step_comm_s:.3f} + optimizer {t.optimizer_s:.3f}",
+        f"{t.tokens_per_s:,.0f} tokens/s   MFU {t.mfu:.1%}   HFU {t.hfu:.1%}   (efficiency {est.work.efficiency:.0%} of peak)",
+        "",
+        f"recommended order {est.order} (innermost first); this layout's order {L.order}: "
+        + ", ".join(f"{g} on {tier}" for g, tier in est.placement.items()),
+    ]
+    lines += [f"warning: {w}" for w in est.warnings]
+    return "\n".join(lines)
+
+
+def _flows_stage(est: Estimate) -> int:
+    for j, flows in est.flows_by_stage.items():
+        if flows is est.flows:
+            return j
+    return 0
+
+
+def search_text(res: Result, top: int = 10, examples: int = 3) -> str:
+    rows = []
+    for i, e in enumerate(res.best[:top]):
+        rows.append([i + 1, e.layout.short(), f"{e.time.step_time_s:.3f}", f"{e.time.mfu:.1%}", f"{e.time.bubble:.1%}",
+                     gib(e.memory.most_loaded["total"]), e.order])
+    lines = [f"searched {res.considered} layouts in {res.seconds:.2f} s: {len(res.ranked)} fit, "
+             f"{len(res.rejected)} rejected"]
+    if rows:
+        lines.append(_table(["#", "layout", "step s", "MFU", "bubble", "GiB", "order"], rows, "rlrrrrl"))
+    else:
+        lines.append("no layout fits")
+    lines.append("rejected, by reason: " + ", ".join(f"{k} {v}" for k, v in res.reasons().items()))
+    seen: dict[str, int] = {}
+    for lay, why in res.rejected:
+        key = why.split(":")[0]
+        if seen.get(key, 0) < examples:
+            seen[key] = seen.get(key, 0) + 1
+            lines.append(f"  {lay.short()}: {why}")
+    if res.best:
+        lines += ["", "best layout:", estimate_text(res.best[0])]
+    return "\n".join(lines)
+
+
+def search_dict(res: Result, max_rejected: int = 200) -> dict:
+    """The best estimate's keys at the top level, plus the ranking and the rejections."""
+    out = res.best[0].to_dict() if res.best else {}
+    out["search"] = {
+        "considered": res.considered, "fit": len(res.ranked), "seconds": res.seconds,
+        "ranked": [{"layout": e.layout.to_dict(), "step_time_s": e.time.step_time_s, "mfu": e.time.mfu,
+                    "memory_total": e.memory.most_loaded["total"], "bubble": e.time.bubble} for e in res.best],
+        "rejected_by_reason": res.reasons(),
+        "rejected": [{"layout": lay.to_dict(), "reason": why} for lay, why in res.rejected[:max_rejected]],
+    }
+    return out
+
+
+def to_json(d: dict) -> str:
+    return json.dumps(d, indent=1, default=str)
+
+
+def plot(est: Estimate, path: str | Path) -> Path:
+    """Two panels: memory per component per stage (stacked, GiB) and bytes per rank per tier."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    stages = est.memory.stages
+    xs = [str(s["stage"]) for s in stages]
+    bottom = [0.0] * len(stages)
+    for c in COMPONENTS:
+        vals = [s[c] / GiB for s in stages]
+        ax1.bar(xs, vals, bottom=bottom, label=c)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.axhline(est.topo.accelerator.memory / GiB, color="k", linestyle="--", linewidth=1, label="GPU memory")
+    ax1.set_xlabel("pipeline stage")
+    ax1.set_ylabel("GiB per rank")
+    ax1.set_title(f"{est.model.name}: memory per rank")
+    ax1.legend(fontsize=7)
+    tiers = est.to_dict()["bytes_per_tier"]
+    ax2.bar(list(tiers), [v / 1e9 for v in tiers.values()], color="tab:purple")
+    ax2.set_ylabel("GB sent per rank per step")
+    ax2.set_title(f"bytes per tier ({est.layout.short()})", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

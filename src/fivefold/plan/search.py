@@ -1,0 +1,140 @@
+"""Search every valid layout for a GPU count: those that fit ranked by step time, the rest with reasons.
+
+The space: tp (valid for the heads, kv heads and MLP widths, within the innermost tier unless fixed),
+pp, cp (ring or Ulysses), ep (MoE), dp = gpus/(tp·pp·cp), ZeRO 1-3 (ZeRO-1 sends the bytes of DDP and
+holds less, so stage 0 is searched only when fixed), micro-batch size, virtual stages, recompute.
+Megatron sequence parallelism is on whenever tp > 1 (same bytes, less memory).
+
+Prunings keep the whole space for 16,384 GPUs under 2 seconds, none of which drops a layout that
+could rank first: recompute is tried none → selective → full and the first that fits is kept (more
+recompute only adds time); once a ZeRO stage fits without recompute, higher stages are skipped (they
+only add traffic); and only the stages that can be the most loaded (`memory.candidate_stages`) or the
+slowest (`memory.time_stages`) are evaluated, with the closed-form bubble. The top results are then
+estimated in full on every stage (closed-form bubble, so ranking and figures agree).
+"""
+from __future__ import annotations
+
+import time as _time
+from dataclasses import dataclass, field
+
+from ..config import ConfigError, divisors
+from .estimate import Estimate, estimate
+from .layout import RECOMPUTE, Layout, Workload, check, valid_tp
+from .memory import Memory, candidate_stages, stage_memory, time_stages
+from .models import PlanModel
+from .time import step_time
+from .topology import GiB, Topology
+from .traffic import place, stage_flows
+
+SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode")
+
+
+@dataclass
+class Result:
+    ranked: list[tuple[float, Layout]] = field(default_factory=list)   # (step time, layout), fastest first
+    rejected: list[tuple[Layout, str]] = field(default_factory=list)
+    best: list[Estimate] = field(default_factory=list)                 # the top ones, estimated in full
+    considered: int = 0
+    seconds: float = 0.0
+
+    def reasons(self) -> dict[str, int]:
+        """Rejections counted by the rule or limit they broke (text before the first colon)."""
+        out: dict[str, int] = {}
+        for _, why in self.rejected:
+            key = why.split(":")[0]
+            out[key] = out.get(key, 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _options(name: str, fixed: dict, default: list) -> list:
+    return [fixed[name]] if fixed.get(name) is not None else default
+
+
+def _structures(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict, res: Result):
+    """Yield (tp, pp, cp, cp_mode, ep, dp) that divide the GPU count; reject tp beyond the first tier."""
+    domain = topo.tiers[0].size or gpus
+    for tp in _options("tp", fixed, [d for d in valid_tp(model) if gpus % d == 0]):
+        if fixed.get("tp") is None and tp > domain:
+            res.rejected.append((Layout(tp=tp), f"tp beyond the {topo.tiers[0].name} domain: tp={tp} > {domain} GPUs"))
+            continue
+        if gpus % tp:
+            continue
+        for pp in _options("pp", fixed, [d for d in divisors(gpus // tp) if d <= model.layers]):
+            if gpus % (tp * pp):
+                continue
+            for cp in _options("cp", fixed, [d for d in divisors(gpus // (tp * pp)) if d <= work.seq // 2 or d == 1]):
+                if gpus % (tp * pp * cp):
+                    continue
+                dp = gpus // (tp * pp * cp)
+                if fixed.get("dp") is not None and dp != fixed["dp"]:
+                    continue
+                modes = ["ring"] if cp == 1 else _options("cp_mode", fixed, ["ring", "ulysses"])
+                eps = [1] if not model.moe else [d for d in divisors(model.experts) if (dp * cp) % d == 0]
+                for mode in modes:
+                    for ep in _options("ep", fixed, eps):
+                        yield tp, pp, cp, mode, ep, dp
+
+
+def _fast_time(model, layout, work, topo, mem) -> float:
+    """Step time from the stages that can be slowest (most layers, or the head) and the closed-form bubble."""
+    stages = time_stages(model, layout.pp, layout.uneven)
+    flows = {j: place(stage_flows(model, layout, work, j), layout, topo) for j in stages}
+    states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
+    return step_time(model, layout, work, topo, flows, states, simulate=False).step_time_s
+
+
+def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict | None = None,
+           top: int = 5, order: str = "tp-cp-ep-pp-dp", uneven: bool = False, schedule: str = "1f1b") -> Result:
+    """All layouts for `gpus` GPUs with the `fixed` choices (keys of SEARCHED) held; see module doc."""
+    t0 = _time.perf_counter()
+    fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
+    topo.check(gpus)
+    res, limit = Result(), topo.accelerator.memory
+    for tp, pp, cp, mode, ep, dp in _structures(model, work, topo, gpus, fixed, res):
+        per_dp = work.global_batch // dp if work.global_batch % dp == 0 else 0
+        mbs = _options("micro_batch", fixed, [b for b in (1, 2, 4, 8) if per_dp and per_dp % b == 0] or [1])
+        vpps = _options("vpp", fixed, [1] if pp == 1 else [v for v in (1, 2, 4, 8) if pp * v <= model.layers])
+        zeros = _options("zero", fixed, [0] if dp * cp == 1 else [1, 2, 3])
+        recomputes = _options("recompute", fixed, list(RECOMPUTE))
+        for mb in mbs:
+            for v in vpps:
+                for z in zeros:
+                    if _one_structure(model, work, topo, gpus, res, limit, recomputes,
+                                      dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero=z, sp=tp > 1, cp_mode=mode, vpp=v,
+                                           micro_batch=mb, schedule="interleaved" if v > 1 else schedule,
+                                           order=order, uneven=uneven and pp > 1)):
+                        break  # fits without recompute: a higher ZeRO stage only adds traffic
+    res.ranked.sort(key=lambda x: x[0])
+    res.best = [estimate(model, lay, work, topo, gpus, simulate=False) for _, lay in res.ranked[:top]]
+    res.best.sort(key=lambda e: e.time.step_time_s)
+    res.seconds = _time.perf_counter() - t0
+    return res
+
+
+def _one_structure(model, work, topo, gpus, res: Result, limit: float, recomputes: list, kw: dict) -> bool:
+    """Try recompute none → selective → full for one layout; keep the first that fits. True when it fit
+    without recompute (or broke a rule that no ZeRO stage changes)."""
+    for rc in recomputes:
+        res.considered += 1
+        lay = Layout(recompute=rc, **kw)
+        try:
+            check(model, lay, work, gpus)
+        except ConfigError as e:
+            res.rejected.append((lay, f"rule: {e}"))
+            return True
+        over = None
+        rows = []
+        for j in candidate_stages(model, lay.pp, lay.uneven):
+            rows.append(stage_memory(model, lay, work, j))
+            if rows[-1]["total"] > limit:
+                over = rows[-1]
+                break
+        if over is not None:
+            res.rejected.append((lay, f"memory: stage {over['stage']} needs {over['total'] / GiB:.1f} GiB > "
+                                      f"{limit / GiB:.0f} GiB"))
+            continue
+        mem = Memory(rows)
+        mem.worst = max(range(len(rows)), key=lambda k: rows[k]["total"])
+        res.ranked.append((_fast_time(model, lay, work, topo, mem), lay))
+        return rc == "none"
+    return False

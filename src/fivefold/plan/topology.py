@@ -1,0 +1,220 @@
+"""Clusters: accelerators and network tiers, innermost first, and which tier a group of ranks crosses.
+
+A `Topology` is an `Accelerator` (peak FLOP/s per dtype, memory, HBM bandwidth) and a list of `Tier`s,
+innermost first. Tier i joins `size` consecutive ranks (a domain); each GPU has `bandwidth` bytes/s
+per direction into it, divided by `oversubscription` when the tier above it is oversubscribed.
+A group of ranks "lands on" the innermost tier whose domains hold every group of that dimension whole;
+its collectives then run at that tier's (slowest) bandwidth.
+
+Presets:
+- `dgx-h100`: DGX H100 SuperPOD style. 8 H100 per server on NVLink 4 (900 GB/s bidirectional, so
+  450 GB/s each way), one 400 Gb/s (50 GB/s) NIC per GPU on a rail-optimised leaf joining a scalable
+  unit of 32 servers (256 GPUs), and a non-blocking spine above (NVIDIA DGX SuperPOD reference
+  architecture).
+- `llama3`: the Llama-3 training cluster (Dubey et al. 2024, §3.3.1): 8 H100 per server on NVLink,
+  400 Gb/s RoCE per GPU, two servers (16 GPUs) per rack switch, 192 racks (3,072 GPUs) per pod at full
+  bisection, 8 pods (24,576 GPUs) joined by aggregation switches oversubscribed 1:7.
+- any custom TOML (see `load_topology`).
+"""
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from ..config import ConfigError
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """Peak dense FLOP/s per dtype, memory bytes, HBM bytes/s. An "80 GB" H100 or A100 holds 80 GiB."""
+
+    name: str
+    peak_flops: dict = field(default_factory=dict)
+    memory: float = 80 * GiB
+    hbm_bandwidth: float = 3.35e12
+
+    def peak(self, dtype: str) -> float:
+        key = {"fp64": "fp32"}.get(dtype, dtype)
+        if key not in self.peak_flops:
+            raise ConfigError(f"accelerator {self.name} has no peak for {dtype!r}; known: {', '.join(self.peak_flops)}")
+        return self.peak_flops[key]
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One network level: `size` GPUs per domain (None: the whole cluster), per-GPU bytes/s each way."""
+
+    name: str
+    size: int | None
+    bandwidth: float
+    latency: float = 5e-6
+    oversubscription: float = 1.0
+
+    @property
+    def effective_bandwidth(self) -> float:
+        return self.bandwidth / self.oversubscription
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    accelerator: Accelerator
+    tiers: tuple[Tier, ...]
+
+    @property
+    def max_gpus(self) -> int | None:
+        return self.tiers[-1].size
+
+    def check(self, gpus: int) -> None:
+        if self.max_gpus is not None and gpus > self.max_gpus:
+            raise ConfigError(f"topology {self.name} has {self.max_gpus} GPUs; asked for {gpus}")
+
+    def tier_index(self, block: int, world: int) -> int:
+        """Innermost tier whose domains hold every aligned block of `block` consecutive ranks."""
+        sizes = tuple(t.size for t in self.tiers)
+        return _tier_index(block, world, sizes)
+
+    def tier_of(self, block: int, world: int) -> Tier:
+        return self.tiers[self.tier_index(block, world)]
+
+
+@lru_cache(maxsize=65536)
+def _tier_index(block: int, world: int, sizes: tuple) -> int:
+    if block <= 1:
+        return 0
+    for i, size in enumerate(sizes):
+        if size is None or world <= size:
+            return i
+        if block > size:
+            continue
+        if size % block == 0 or not any((k * block) // size != ((k + 1) * block - 1) // size
+                                        for k in range(world // block)):
+            return i
+    return len(sizes) - 1
+
+
+# -- presets ------------------------------------------------------------------------------------
+ACCELERATORS: dict[str, Accelerator] = {
+    # NVIDIA H100 SXM5 datasheet: dense (no sparsity) tensor-core peaks.
+    "h100": Accelerator("H100-SXM-80GB", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 495e12,
+                                          "fp32": 67e12}, 80 * GiB, 3.35e12),
+    "h200": Accelerator("H200-SXM-141GB", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 495e12,
+                                           "fp32": 67e12}, 141 * GB, 4.8e12),
+    "a100": Accelerator("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+                        80 * GiB, 2.04e12),
+    "b200": Accelerator("B200-180GB", {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "tf32": 1100e12,
+                                       "fp32": 75e12}, 180 * GB, 8e12),
+}
+
+NVLINK4 = 450 * GB        # per GPU, each direction
+NIC_400G = 50 * GB        # 400 Gb/s per GPU
+
+TOPOLOGIES: dict[str, Topology] = {
+    "dgx-h100": Topology("dgx-h100", ACCELERATORS["h100"], (
+        Tier("nvlink", 8, NVLINK4, 2e-6),
+        Tier("leaf", 256, NIC_400G, 5e-6),
+        Tier("spine", None, NIC_400G, 8e-6),
+    )),
+    "llama3": Topology("llama3", ACCELERATORS["h100"], (
+        Tier("nvlink", 8, NVLINK4, 2e-6),
+        Tier("rack", 16, NIC_400G, 4e-6),
+        Tier("pod", 3072, NIC_400G, 8e-6),
+        Tier("cluster", 24576, NIC_400G, 12e-6, oversubscription=7.0),
+    )),
+}
+
+
+def topology_from_dict(d: dict, name: str = "custom") -> Topology:
+    """Build a topology from a TOML/dict form::
+
+        name = "my-cluster"
+        [accelerator]            # or: accelerator = "h100"
+        name = "H100"
+        memory_gib = 80          # or memory_gb (10^9 bytes)
+        hbm_gbps = 3350
+        peak_tflops = { bf16 = 989, fp8 = 1979 }
+        [[tier]]                 # innermost first; the last may omit size (whole cluster)
+        name = "nvlink"
+        size = 8
+        bandwidth_gbps = 450     # GB/s per GPU, each direction
+        latency_us = 2
+        oversubscription = 1
+    """
+    acc = d.get("accelerator", "h100")
+    if isinstance(acc, str):
+        if acc.lower() not in ACCELERATORS:
+            raise ConfigError(f"unknown accelerator {acc!r}; known: {', '.join(ACCELERATORS)}")
+        accel = ACCELERATORS[acc.lower()]
+    else:
+        try:
+            mem = acc["memory_gib"] * GiB if "memory_gib" in acc else acc["memory_gb"] * GB
+            accel = Accelerator(acc.get("name", "custom"), {k: v * 1e12 for k, v in acc["peak_tflops"].items()},
+                                mem, acc.get("hbm_gbps", 3350) * GB)
+        except KeyError as e:
+            raise ConfigError(f"[accelerator] needs {e.args[0]!r} (peak_tflops, memory_gb or memory_gib)") from None
+    raw = d.get("tier") or d.get("tiers")
+    if not raw:
+        raise ConfigError("a topology needs at least one [[tier]] (name, size, bandwidth_gbps)")
+    tiers = []
+    for i, t in enumerate(raw):
+        try:
+            tiers.append(Tier(t["name"], t.get("size"), t["bandwidth_gbps"] * GB, t.get("latency_us", 5) * 1e-6,
+                              t.get("oversubscription", 1.0)))
+        except KeyError as e:
+            raise ConfigError(f"tier {i} needs {e.args[0]!r} (name, size, bandwidth_gbps)") from None
+    sizes = [t.size for t in tiers]
+    for i in range(1, len(sizes)):
+        inner, outer = sizes[i - 1], sizes[i]
+        if inner is None or (outer is not None and (outer < inner or outer % inner)):
+            raise ConfigError(f"tier sizes must grow innermost first and nest (each a multiple of the one "
+                              f"inside it); got {sizes}")
+    return Topology(d.get("name", name), accel, tuple(tiers))
+
+
+def load_topology(spec: str | Topology) -> Topology:
+    """A preset name or a TOML file (see `topology_from_dict`)."""
+    if isinstance(spec, Topology):
+        return spec
+    if spec.lower() in TOPOLOGIES:
+        return TOPOLOGIES[spec.lower()]
+    path = Path(spec)
+    if path.suffix == ".toml" and path.exists():
+        with open(path, "rb") as f:
+            return topology_from_dict(tomllib.load(f), name=path.stem)
+    raise ConfigError(f"unknown topology {spec!r}; known topologies: {', '.join(TOPOLOGIES)} (or a .toml file)")
+
+
+def collective_latency(op: str, n: int, latency: float) -> float:
+    """Latency term (alpha) of one call (Thakur et al. 2005): all-reduce the better of a ring's 2(n-1)
+    hops and a tree's 2·log2(n) (NCCL switches to trees for small messages), all-gather,
+    reduce-scatter and pairwise all-to-all n-1 hops, point-to-point 1."""
+    if n <= 1 and op != "send":
+        return 0.0
+    if op == "all_reduce":
+        return min(2 * (n - 1), 2 * math.ceil(math.log2(n))) * latency
+    hops = {"all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1, "send": 1, "recv": 0}[op]
+    return hops * latency
+
+
+def group_bandwidth(topo: "Topology", tier_index: int, op: str, n: int, block: int) -> float:
+    """Per-rank bandwidth of a collective on a group of n ranks spanning `block` consecutive ranks whose
+    slowest tier is `tier_index`. Oversubscription of that tier bites in proportion to the traffic that
+    leaves a domain below it: an all-to-all sends (1-1/k) of its bytes out of each of the k domains it
+    spans, every rank at once; a ring (all-reduce, all-gather, reduce-scatter) or a pipeline crosses
+    each domain boundary once, so a domain of D ranks carries only D·k/n crossing flows on uplinks
+    worth D·bandwidth/oversubscription."""
+    tier = topo.tiers[tier_index]
+    if tier.oversubscription <= 1 or tier_index == 0:
+        return tier.bandwidth
+    inner = topo.tiers[tier_index - 1].size or block
+    k = max(1, math.ceil(block / inner))
+    if op == "all_to_all":
+        return tier.bandwidth / tier.oversubscription
+    return tier.bandwidth * min(1.0, n / (k * tier.oversubscription))
+

@@ -1,0 +1,339 @@
+"""Bytes per step that one rank sends, per parallel dimension and collective, and the tier each lands on.
+
+Every byte count goes through `fivefold.comm.volume`, the functions the runtime's ledger records with,
+so a row here — (dim, op): calls, message bytes, bytes sent — means what a ledger row means (summed over
+one optimizer step, for one rank). Dimension names are the ledger's: "dp" (gradient reduction, ZeRO
+gathers), "loss", "grad_norm", "tp", "cp", "pp", "ep", "edp" (expert gradients), "embed" (tied
+embedding gradients between the first and last pipeline stage).
+
+Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation element, per layer:
+
+- TP (Shoeybi et al. 2019): 2 all-reduces of T·h·e forward (after attention and MLP; g) and 2 backward
+  (before them; f). Vocab-parallel embedding: 1 all-reduce forward; LM head: 1 backward; vocab-parallel
+  cross-entropy: 3 all-reduces of T fp32 values (max, sum of exponentials, target logit).
+- SP (Korthikanti et al. 2022): each all-reduce becomes an all-gather and a reduce-scatter of the same
+  tensor, forward and backward (same bytes); norm-weight gradients all-reduced over tp once per step.
+- Full recompute re-runs the forward, and with it the forward collectives of TP/SP/CP/EP.
+- Ulysses (Jacobs et al. 2023): 4 all-to-alls forward (q, k, v; output) and 4 backward, each of the
+  rank's local tensor. Ring attention (Liu et al. 2023): cp-1 sends of the local K,V block forward,
+  cp-1 of K,V and cp-1 of dK,dV backward.
+- EP (Lepikhin et al. 2020; DeepSeek-V3 for FP8 dispatch): per MoE layer, dispatch and combine
+  all-to-alls forward and backward of top_k·capacity·(T/tp)·h elements (each tp rank sends only its
+  slice), then an all-gather inside tp after dispatch and a reduce-scatter before combine.
+- PP (Narayanan et al. 2021): one send of T·h·e (/t with SP) per micro-batch per boundary each way,
+  × v with interleaving; the matching receives are recorded with 0 bytes sent, as the ledger does.
+- DP: DDP one all-reduce of every gradient per step (after the last micro-batch). ZeRO-1:
+  reduce-scatter of gradients and all-gather of parameters, once per step. ZeRO-2: the reduce-scatter
+  per micro-batch (a rank keeps only its gradient shard while accumulating). ZeRO-3: all-gather of
+  parameters before each micro-batch's forward and again before its backward, reduce-scatter per
+  micro-batch (Rajbhandari et al. 2020, §7: 3Φ vs DDP's 2Φ). Buffers padded to a multiple of n.
+- loss: one all-reduce of a float64 over dp; grad_norm: one float64 over the model-parallel ranks
+  (tp·cp·pp, and dp too when ZeRO shards the gradients), when that group has more than one rank.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..comm import volume
+from .layout import Layout, Workload, microbatches
+from .memory import padded_vocab, shard, stage_params, stage_ranges
+from .models import PlanModel
+from .topology import Topology, collective_latency, group_bandwidth
+
+# group name -> (grid, dims it spans); as in fivefold.mesh.GROUP_SPECS
+GROUPS = {
+    "tp": ("dense", ("tp",)), "cp": ("dense", ("cp",)), "pp": ("dense", ("pp",)), "dp": ("dense", ("dp",)),
+    "dp_cp": ("dense", ("dp", "cp")), "mp": ("dense", ("tp", "cp", "pp")), "world": ("dense", ("tp", "cp", "dp", "pp")),
+    "ep": ("expert", ("ep",)), "edp": ("expert", ("dp",)),
+}
+
+# how exposed a dimension's time is (see time.py)
+KIND = {"tp": "layer", "cp": "layer", "ep": "layer", "pp": "pipeline", "dp": "grad", "edp": "grad",
+        "loss": "step", "grad_norm": "step", "embed": "step"}
+
+
+@dataclass
+class Flow:
+    """One (dim, op) row for one rank over one step: what a ledger row records, plus where it runs."""
+
+    dim: str
+    op: str
+    group: str
+    n: int
+    calls: int = 0
+    message_bytes: float = 0.0
+    bytes_sent: float = 0.0
+    tier: str = ""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Flows:
+    """Accumulates calls into rows keyed (dim, op), each sent through comm.volume."""
+
+    def __init__(self):
+        self.rows: dict[tuple[str, str], Flow] = {}
+
+    def add(self, dim: str, op: str, group: str, n: int, message_bytes: float, calls: float = 1) -> None:
+        if n <= 1 or calls <= 0 or message_bytes <= 0:
+            return
+        row = self.rows.setdefault((dim, op), Flow(dim, op, group, n))
+        row.calls += int(calls)
+        row.message_bytes += calls * message_bytes
+        row.bytes_sent += calls * volume.bytes_sent(op, message_bytes, n)
+
+    def list(self) -> list[Flow]:
+        return [self.rows[k] for k in sorted(self.rows)]
+
+
+def group_size(layout: Layout, group: str) -> int:
+    sizes = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
+             "edp": layout.edp}
+    grid, dims = GROUPS[group]
+    if grid == "expert":
+        return sizes[group]
+    n = 1
+    for d in dims:
+        n *= sizes[d]
+    return n
+
+
+# -- per dimension ------------------------------------------------------------------------------------
+def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
+    t = L.tp
+    if t == 1:
+        return
+    e, h = w.act_bytes, model.hidden
+    act = T * h * e
+    rng = stage_ranges(model.layers, L.pp, L.uneven)[stage]
+    fwd_passes = 2 if L.recompute == "full" else 1
+    per_layer_fwd = 2 * fwd_passes * m * len(rng)      # two g's per layer per micro-batch (and recompute)
+    per_layer_bwd = 2 * m * len(rng)                   # two f's
+    if L.sp:
+        f.add("tp", "all_gather", "tp", t, act, per_layer_fwd + per_layer_bwd)
+        f.add("tp", "reduce_scatter", "tp", t, act, per_layer_fwd + per_layer_bwd)
+    else:
+        f.add("tp", "all_reduce", "tp", t, act, per_layer_fwd + per_layer_bwd)
+    if stage == 0:  # vocab-parallel embedding: g forward
+        f.add("tp", "reduce_scatter" if L.sp else "all_reduce", "tp", t, act, m)
+    if stage == L.pp - 1:  # head input: f (SP: all-gather forward, reduce-scatter backward); CE reductions
+        if L.sp:
+            f.add("tp", "all_gather", "tp", t, act, m)
+            f.add("tp", "reduce_scatter", "tp", t, act, m)
+        else:
+            f.add("tp", "all_reduce", "tp", t, act, m)
+        f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, 3 * m)
+    if L.sp:  # norm weights see sequence shards: their gradients are all-reduced over tp once per step
+        norms = len(rng) * 2 * model._norm(h) + (model._norm(h) if stage == L.pp - 1 else 0)
+        f.add("tp", "all_reduce", "tp", t, norms * w.grad_bytes, 1)
+    moe = sum(1 for i in rng if model.is_moe_layer(i))
+    if moe:  # routed tokens gathered inside tp after dispatch, scattered before combine
+        routed = model.top_k * w.capacity_factor * T * h * e
+        calls = (fwd_passes + 1) * m * moe
+        f.add("tp", "all_gather", "tp", t, routed, calls)
+        f.add("tp", "reduce_scatter", "tp", t, routed, calls)
+
+
+def _cp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
+    c = L.cp
+    if c == 1:
+        return
+    e = w.act_bytes
+    n_layers = len(stage_ranges(model.layers, L.pp, L.uneven)[stage])
+    fwd_passes = 2 if L.recompute == "full" else 1
+    kv_split = L.tp if model.mla else min(L.tp, model.kv_heads)
+    kv = T * (model.kv_width + model.v_width) / kv_split * e
+    if L.cp_mode == "ring":
+        sends = (c - 1) * m * n_layers * (fwd_passes + 2)   # K,V forward; K,V and dK,dV backward
+        f.add("cp", "send", "cp", c, kv, sends)
+        f.add("cp", "recv", "cp", c, kv, sends)
+        return
+    q = T * model.q_width / L.tp * e
+    o = T * model.attn_out_width / L.tp * e
+    for msg in (q, kv / 2, kv / 2, o):  # q, k, v forward in; output back (and their gradients)
+        f.add("cp", "all_to_all", "cp", c, msg, (fwd_passes + 1) * m * n_layers)
+
+
+def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
+    if not model.moe or L.ep == 1:
+        return
+    rng = stage_ranges(model.layers, L.pp, L.uneven)[stage]
+    moe = sum(1 for i in rng if model.is_moe_layer(i))
+    fwd_passes = 2 if L.recompute == "full" else 1
+    tokens = model.top_k * w.capacity_factor * T / L.tp
+    msg = tokens * model.hidden * w.act_bytes
+    dispatch = tokens * model.hidden * (1 if w.fp8_dispatch else w.act_bytes)
+    calls = m * moe
+    f.add("ep", "all_to_all", "ep", L.ep, dispatch, fwd_passes * calls)   # dispatch forward
+    f.add("ep", "all_to_all", "ep", L.ep, msg, (fwd_passes + 2) * calls)  # combine fwd; both backward
+
+
+def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
+    p, v = L.pp, L.vpp if L.effective_schedule == "interleaved" else 1
+    if p == 1:
+        return
+    act = T * model.hidden * w.act_bytes / (L.tp if L.sp else 1)
+    fwd_sends = m * v - (m if stage == p - 1 else 0)   # the last chunk of the last stage sends nothing
+    bwd_sends = m * v - (m if stage == 0 else 0)       # nor does the first chunk of the first stage
+    f.add("pp", "send", "pp", p, act, fwd_sends + bwd_sends)
+    fwd_recvs = m * v - (m if stage == 0 else 0)
+    bwd_recvs = m * v - (m if stage == p - 1 else 0)
+    f.add("pp", "recv", "pp", p, act, fwd_recvs + bwd_recvs)
+    if model.tie_embeddings and stage in (0, p - 1):
+        emb = padded_vocab(model, L.tp) // L.tp * model.hidden
+        f.add("embed", "all_reduce", "pp", 2, emb * w.grad_bytes, 1)
+
+
+def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, w: Workload, m: int) -> None:
+    """Gradient reduction and ZeRO gathers for `params` parameters over n ranks."""
+    if n == 1 or params == 0:
+        return
+    padded = shard(params, n) * n
+    if L.zero == 0:
+        f.add(dim, "all_reduce", group, n, params * w.grad_bytes, 1)
+    elif L.zero == 1:
+        f.add(dim, "reduce_scatter", group, n, padded * w.grad_bytes, 1)
+        f.add(dim, "all_gather", group, n, padded * w.param_bytes, 1)
+    elif L.zero == 2:
+        f.add(dim, "reduce_scatter", group, n, padded * w.grad_bytes, m)
+        f.add(dim, "all_gather", group, n, padded * w.param_bytes, 1)
+    else:
+        f.add(dim, "all_gather", group, n, padded * w.param_bytes, 2 * m)
+        f.add(dim, "reduce_scatter", group, n, padded * w.grad_bytes, m)
+
+
+def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int) -> list[Flow]:
+    """Every (dim, op) row one rank of `stage` records in one optimizer step."""
+    L, f = layout, Flows()
+    m = microbatches(L, work)
+    T = L.micro_batch * work.seq / L.cp
+    _tp_flows(f, model, L, work, stage, m, T)
+    _cp_flows(f, model, L, work, stage, m, T)
+    _ep_flows(f, model, L, work, stage, m, T)
+    _pp_flows(f, model, L, work, stage, m, T)
+    dense, expert = stage_params(model, L, stage)
+    _grad_flows(f, "dp", "dp_cp", L.dp * L.cp, dense, L, work, m)
+    _grad_flows(f, "edp", "edp", L.edp, expert, L, work, m)
+    f.add("loss", "all_reduce", "dp", L.dp, 8, 1)
+    norm_group = "world" if L.zero >= 1 else "mp"
+    f.add("grad_norm", "all_reduce", norm_group, group_size(L, norm_group), 8, 1)
+    return f.list()
+
+
+# -- where the groups land ----------------------------------------------------------------------------
+def group_block(layout: Layout, group: str, order: str | None = None) -> int:
+    """Span of consecutive ranks that holds one group whole: stride of its outermost dim × that size."""
+    order_l = (order or layout.order).split("-")
+    grid, dims = GROUPS[group]
+    if grid == "dense":
+        sizes = {"tp": layout.tp, "cp": layout.cp, "ep": 1, "dp": layout.dp, "pp": layout.pp}
+    else:
+        sizes = {"tp": layout.tp, "cp": 1, "ep": layout.ep, "dp": layout.edp, "pp": layout.pp}
+    stride, block = 1, 1
+    for d in order_l:
+        if d in dims and sizes[d] > 1:
+            block = stride * sizes[d]
+        stride *= sizes[d]
+    return block
+
+
+def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None = None) -> list[Flow]:
+    """Fill each flow's tier (slowest it crosses) and seconds (bytes over that tier's bandwidth plus the
+    algorithm's latency hops)."""
+    world, tiers = layout.gpus, {}
+    for fl in flows:
+        if fl.group not in tiers:
+            block = group_block(layout, fl.group, order)
+            tiers[fl.group] = (block, topo.tier_index(block, world))
+        block, i = tiers[fl.group]
+        tier = topo.tiers[i]
+        fl.tier = tier.name
+        bw = group_bandwidth(topo, i, fl.op, fl.n, block)
+        fl.seconds = fl.bytes_sent / bw + fl.calls * collective_latency(fl.op, fl.n, tier.latency)
+    return flows
+
+
+def by_tier(flows: list[Flow], topo: Topology) -> dict[str, float]:
+    out = {t.name: 0.0 for t in topo.tiers}
+    for fl in flows:
+        out[fl.tier] = out.get(fl.tier, 0.0) + fl.bytes_sent
+    return out
+
+
+def by_dim(flows: list[Flow]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for fl in flows:
+        out[fl.dim] = out.get(fl.dim, 0.0) + fl.bytes_sent
+    return out
+
+
+def all_ranks(model: PlanModel, layout: Layout, work: Workload) -> dict[tuple[str, str], dict]:
+    """(dim, op) -> calls, message_bytes, bytes_sent summed over every rank for one step (what a
+    ledger gathered over ranks shows, per step)."""
+    ranks_per_stage = layout.gpus // layout.pp
+    out: dict[tuple[str, str], dict] = {}
+    for j in range(layout.pp):
+        for fl in stage_flows(model, layout, work, j):
+            row = out.setdefault((fl.dim, fl.op), {"calls": 0, "message_bytes": 0.0, "bytes_sent": 0.0})
+            row["calls"] += fl.calls * ranks_per_stage
+            row["message_bytes"] += fl.message_bytes * ranks_per_stage
+            row["bytes_sent"] += fl.bytes_sent * ranks_per_stage
+    return out
+
+
+
+# -- rank order -------------------------------------------------------------------------------------------
+MESH_DIM = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "embed": "pp", "dp": "dp", "edp": "dp"}
+FIELD_ORDER = ("tp", "cp", "ep", "pp", "dp")   # practice (Llama-3 §3.3.2; DESIGN): heaviest innermost
+
+
+def blocking_bytes(flows: list[Flow]) -> dict[str, float]:
+    """Per mesh dimension, bytes per rank per step."""
+    out = {d: 0.0 for d in FIELD_ORDER}
+    for fl in flows:
+        d = MESH_DIM.get(fl.dim)
+        if d is not None:
+            out[d] += fl.bytes_sent
+    return out
+
+
+def recommend_order(flows: list[Flow]) -> str:
+    """Order string, innermost first. Dimensions whose traffic blocks compute (tp, cp, ep inside every
+    layer; pp between stages) sorted by bytes, heaviest innermost; data parallelism outermost whatever its
+    bytes, since its gradient reduction overlaps the backward and tolerates latency (Dubey et al. 2024,
+    §3.3.2: order [TP, CP, PP, DP]). Ties keep the field's order tp, cp, ep, pp."""
+    weight = blocking_bytes(flows)
+    blocking = sorted(FIELD_ORDER[:-1], key=lambda d: (-weight[d], FIELD_ORDER.index(d)))
+    return "-".join(blocking + ["dp"])
+
+
+def placement(layout: Layout, topo: Topology, order: str) -> dict[str, str]:
+    """Tier each group of size > 1 lands on for a given order."""
+    out = {}
+    for g in ("tp", "cp", "ep", "pp", "dp", "edp"):
+        if group_size(layout, g) > 1 and (g != "edp" or layout.ep > 1):
+            out[g] = topo.tier_of(group_block(layout, g, order), layout.gpus).name
+    return out
+
+
+def placement_warnings(layout: Layout, topo: Topology, order: str, recommended: str) -> list[str]:
+    """Groups that cross a slow tier, and an order that differs from the recommended one."""
+    names = [t.name for t in topo.tiers]
+    where = placement(layout, topo, order)
+    out = []
+    if "tp" in where and where["tp"] != names[0]:
+        out.append(f"tp group crosses the {where['tp']} tier: tensor parallelism outside the {names[0]} domain")
+    for g in ("cp", "ep"):
+        if g in where and names.index(where[g]) > 1:
+            out.append(f"{g} group crosses the {where[g]} tier: per-layer traffic beyond the first two tiers")
+    for g, t in where.items():
+        tier = topo.tiers[names.index(t)]
+        if tier.oversubscription > 1 and g in ("tp", "cp", "ep", "pp"):
+            out.append(f"{g} traffic crosses the {t} tier, oversubscribed 1:{tier.oversubscription:g}")
+    live = [d for d in order.split("-") if group_size(layout, d) > 1]
+    best = [d for d in recommended.split("-") if d in live]
+    if live != best:
+        out.append(f"order {order} differs from the recommended {recommended} (heaviest traffic innermost)")
+    return out

@@ -1,0 +1,100 @@
+"""ZeRO-1/2/3 reproduce the single-process run, send the paper's bytes and hold the paper's memory."""
+import pytest
+import torch
+
+from fivefold.comm import volume
+from fivefold.train.trainer import Trainer
+
+from .helpers import TOL, assert_states_close, ranks, tiny_config
+from .test_data_parallel import reference, run_steps
+
+
+@pytest.mark.parametrize("stage, world", [(1, 2), (2, 2), (3, 2), (1, 4), (2, 4), (3, 4)])
+def test_zero_equals_single_process(stage, world):
+    """With gradient accumulation (2 micro-batches) and clipping (max norm 0.5) on."""
+    ref = reference(tiny_config())
+    out = ranks(run_steps, world, tiny_config(dp=world, zero=stage, microbatches=2, bucket_mb=0.05).to_dict())
+    assert ref["losses"][0] > 0 and any(m > 0 for m in ref["losses"])
+    for r in out:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+        assert_states_close(r["state"], ref["state"], **TOL["fp32"])
+
+
+def test_zero3_fp64_is_exact_and_keeping_params_gives_same_result():
+    ref_cfg = tiny_config()
+    ref_cfg.train.dtype = "fp64"
+    ref = reference(ref_cfg)
+    for keep in (True, False):
+        cfg = tiny_config(dp=2, zero=3, microbatches=2, reshard_after_forward=keep)
+        cfg.train.dtype = "fp64"
+        for r in ranks(run_steps, 2, cfg.to_dict()):
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-12, atol=0)
+            assert_states_close(r["state"], ref["state"], **TOL["fp64"])
+
+
+def dp_bytes(rows):
+    return sum(x["bytes_sent"] for x in rows if x["dim"] == "dp")
+
+
+@pytest.mark.parametrize("stage, keep, factor", [(1, True, 1.0), (2, True, 1.0), (3, True, 1.5), (3, False, 1.0)])
+def test_bytes_per_step_match_the_paper(stage, keep, factor):
+    """ZeRO-1/2 send the bytes of DP (2Φ(n-1)/n), ZeRO-3 1.5x that; keeping gathered params saves a gather."""
+    n = 4
+    out = ranks(run_steps, n, tiny_config(dp=n, zero=stage, reshard_after_forward=keep, bucket_mb=0.05).to_dict(), 2)
+    phi = out[0]["params"]
+    dp_formula = volume.all_reduce(4 * phi, n)
+    for r in out:
+        for rows in r["ledger"]:
+            assert dp_bytes(rows) == factor * dp_formula
+            ops = {x["op"]: x for x in rows if x["dim"] == "dp"}
+            assert ops["reduce_scatter"]["bytes_sent"] == volume.reduce_scatter(4 * phi, n)
+            gathers = 1 if stage < 3 or not keep else 2
+            assert ops["all_gather"]["bytes_sent"] == gathers * volume.all_gather(4 * phi, n)
+
+
+def test_stage2_reduces_every_microbatch_stage1_once():
+    n, m = 2, 4
+    for stage, rs_times in ((1, 1), (2, m)):
+        out = ranks(run_steps, n, tiny_config(dp=n, zero=stage, microbatches=m).to_dict(), 1)
+        rows = {x["op"]: x for x in out[0]["ledger"][0] if x["dim"] == "dp"}
+        assert rows["reduce_scatter"]["bytes_sent"] == rs_times * volume.reduce_scatter(4 * out[0]["params"], n)
+
+
+def _state_bytes(rank, world, cfg_dicts):
+    from fivefold.config import Config
+    out = []
+    for d in cfg_dicts:
+        tr = Trainer(Config.from_dict(d), rank, world, quiet=True)
+        tr.step(0)
+        out.append((tr.model_state_bytes(), tr.n_params))
+    return out
+
+
+def test_model_state_bytes_match_the_formula():
+    """ZeRO paper, sections 3 and 5: params w, grads g, optimizer K bytes per parameter (fp32: 4+4+8;
+    mixed precision: 2+2+12, or 2+4+12 with fp32 main gradients); stages 1, 2, 3 divide K, then g,
+    then w by n. Counted from the tensors each rank really holds, after a step."""
+    n = 4
+    cases, cfgs = [], []
+    for dtype, main_fp32 in (("fp32", True), ("bf16", False), ("bf16", True)):
+        for stage in (0, 1, 2, 3):
+            cfg = tiny_config(dp=n, zero=stage)
+            cfg.train.dtype, cfg.train.main_grads_fp32 = dtype, main_fp32
+            cases.append((dtype, main_fp32, stage))
+            cfgs.append(cfg.to_dict())
+    for rank_results in ranks(_state_bytes, n, cfgs):
+        for (dtype, main_fp32, stage), (got, phi) in zip(cases, rank_results):
+            w = 4 if dtype == "fp32" else 2
+            g = 4 if main_fp32 else w
+            k = 8 if dtype == "fp32" else 12
+            expect = {0: (w, g, k), 1: (w, g, k / n), 2: (w, g / n, k / n), 3: (w / n, g / n, k / n)}[stage]
+            assert (got["params"], got["grads"], got["optimizer"]) == tuple(int(x * phi) for x in expect), \
+                (dtype, main_fp32, stage)
+
+
+def test_zero_with_one_rank_runs():
+    cfg = tiny_config(zero=3)
+    ref = reference(tiny_config())
+    tr = Trainer(cfg, quiet=True)
+    losses = [tr.step(k)["loss"] for k in range(3)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-6, atol=0)

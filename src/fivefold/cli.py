@@ -1,4 +1,9 @@
-"""Command line: `fivefold train ...` (and, as they land, `plan` and `schedule`)."""
+"""Command line: `fivefold train | plan | schedule`.
+
+    fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --ep --zero ...] [--steps K] [--out DIR]
+    fivefold plan --model llama3-8b --gpus 64 --topology dgx-h100 [--tp --pp --dp ...] [--json]
+    fivefold schedule --pp 4 --microbatches 8 --schedule 1f1b [--vpp V] [--out F.svg]
+"""
 from __future__ import annotations
 
 import argparse
@@ -88,10 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fivefold", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_train_args(sub.add_parser("train", help="train a model (embedded default when no config)"))
+    from .parallel.pipeline.cli_schedule import add_schedule_args, cmd_schedule
+    add_schedule_args(sub.add_parser("schedule", help="simulate and draw a pipeline schedule"))
+    from .plan.cli import add_plan_args, cmd_plan
+    add_plan_args(sub.add_parser("plan", help="estimate memory, traffic and step time of a layout, or search"))
     args = ap.parse_args(argv)
     try:
         if args.cmd == "train":
             return cmd_train(args)
+        if args.cmd == "schedule":
+            return cmd_schedule(args)
+        if args.cmd == "plan":
+            return cmd_plan(args)
     except ConfigError as e:
         print(f"fivefold: config error: {e}", file=sys.stderr)
         return 2

@@ -12,14 +12,21 @@ from .helpers import TOL, assert_states_close, ranks, tiny_config
 def run_steps(rank, world, cfg_dict, steps=3):
     """Train `steps` steps; return per-step losses, the full state and this rank's ledger rows per step."""
     tr = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
-    losses, per_step = [], []
+    losses, norms, per_step = [], [], []
     for k in range(steps):
         snap = tr.ledger.snapshot()
-        losses.append(tr.step(k)["loss"])
+        m = tr.step(k)
+        losses.append(m["loss"])
+        norms.append(m["grad_norm"])
         per_step.append(tr.ledger.since(snap).rows())
     n_params = tr.n_params
-    return {"losses": losses, "state": tr.full_state()["model"], "ledger": per_step, "params": n_params,
+    return {"losses": losses, "grad_norms": norms, "state": tr.full_state()["model"], "ledger": per_step, "params": n_params,
             "state_bytes": tr.model_state_bytes()}
+
+
+def run_many(rank, world, cfg_dicts, steps=3):
+    """run_steps for several configs in one spawn (saves a process start per config)."""
+    return [run_steps(rank, world, d, steps) for d in cfg_dicts]
 
 
 def reference(cfg: Config, steps=3):

@@ -113,3 +113,20 @@ def test_failing_rank_from_the_cli(tmp_path):
     assert r.returncode == 1
     assert "rank 0 failed" in r.stderr or "rank 1 failed" in r.stderr
     assert "missing.txt" in r.stderr
+
+
+def test_torchrun_runs_one_rank_per_process(tmp_path):
+    """Under torchrun the same command is one rank of the job (gloo here, NCCL when CUDA is present)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(_port()), "-m", "fivefold.cli",
+                        "train", *TINY, "--out", str(tmp_path)], capture_output=True, text=True, timeout=240,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(metrics(tmp_path)) == 4
+    assert CommLedger.read(tmp_path / "comm.json").total("dp", "all_reduce", "calls") > 0
+
+
+def _port():
+    from fivefold.train.launch import free_port
+    return free_port()

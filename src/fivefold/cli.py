@@ -44,7 +44,8 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds before local ranks are killed")
 
 
-def resolve_train_config(args: argparse.Namespace):
+def resolve_train_config(args: argparse.Namespace, world: int | None = None):
+    """The config from file + flags; when dp is not given it fills the world left by tp*cp*pp."""
     overrides = {key: getattr(args, flag) for flag, key in TRAIN_FLAGS.items()}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -53,11 +54,12 @@ def resolve_train_config(args: argparse.Namespace):
         overrides[key.strip()] = value.strip()
     cfg = load_config(args.config, overrides)
     p = cfg.parallel
-    if args.nproc and args.dp is None and p.world_size != args.nproc:
+    world = world or args.nproc
+    if world and args.dp is None and p.world_size != world:
         other = p.tp * p.cp * p.pp
-        if args.nproc % other:
-            raise ConfigError(f"--nproc {args.nproc} must divide by tp*cp*pp = {other}")
-        p.dp = args.nproc // other
+        if world % other:
+            raise ConfigError(f"{world} ranks must divide by tp*cp*pp = {other}")
+        p.dp = world // other
     return cfg
 
 
@@ -66,12 +68,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train.launch import init_torchrun, run_ranks, torchrun_env
     from .train.trainer import train_rank
 
-    cfg = resolve_train_config(args)
-    out = cfg.train.out
     env = torchrun_env()
+    cfg = resolve_train_config(args, env[1] if env else None)
+    out = cfg.train.out
     if env is not None:  # one rank of a torchrun job
+        cfg.validate(env[1])
         rank, world = init_torchrun()
-        cfg.validate(world)
         train_rank(rank, world, cfg.to_dict(), out, args.resume)
         return 0
     world = args.nproc or cfg.parallel.world_size

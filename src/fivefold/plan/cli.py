@@ -131,6 +131,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError("searching needs --gpus (or give every degree: --tp --pp --cp --dp)")
     if sp_mode in CP_MODES:
         fixed["cp_mode"] = sp_mode
+    elif sp_mode is not None:
+        fixed["sp"] = sp_mode == "megatron"
     res = search(model, work, topo, gpus, fixed, top=args.top, order=order, uneven=args.uneven,
                  schedule=args.schedule or "1f1b")
     if args.json:

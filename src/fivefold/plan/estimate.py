@@ -51,13 +51,14 @@ class Estimate:
                       "active_params": self.model.active_params()},
             "topology": self.topo.name, "gpus": self.layout.gpus,
             "layout": {**self.layout.to_dict(), "microbatches": microbatches(self.layout, self.work)},
-            "workload": dict(self.work.__dict__),
+            "workload": {f: getattr(self.work, f) for f in self.work.__dataclass_fields__},
             "memory": self.memory.to_dict(), "memory_limit": self.topo.accelerator.memory, "fits": self.fits,
             "traffic": self.traffic(), "bytes_per_dim": by_dim(self.flows),
             "bytes_per_tier": by_tier(self.flows, self.topo),
             "bubble": t.bubble, "bubble_source": t.bubble_source, "step_time_s": t.step_time_s,
             "tokens_per_s": t.tokens_per_s, "mfu": t.mfu, "hfu": t.hfu, "time": t.to_dict(),
             "order": self.order, "layout_order": self.layout.order, "placement": self.placement,
+            "placement_recommended": placement(self.layout, self.topo, self.order),
             "warnings": self.warnings,
         }
 

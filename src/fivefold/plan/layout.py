@@ -39,6 +39,7 @@ class Layout:
     recompute: str = "none"
     order: str = "tp-cp-ep-dp-pp"
     uneven: bool = False           # Llama-3 split: first and last stage one layer fewer
+    bucket_mb: float = 25.0        # ZeRO-1/2 bucket size (sets where flat buffers are padded)
 
     @property
     def gpus(self) -> int:
@@ -96,6 +97,13 @@ class Workload:
     efficiency: float = 0.6        # fraction of peak FLOP/s the compute kernels reach
     causal: bool = True
 
+    def __hash__(self) -> int:     # hashed often as a cache key: compute once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(self.__dict__[f] for f in self.__dataclass_fields__))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @property
     def param_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
@@ -128,7 +136,8 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
     per_dp = t.global_batch // p.dp
     layout = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp_mode == "megatron",
                     cp_mode="ulysses" if p.sp_mode == "ulysses" else "ring", vpp=p.vpp,
-                    micro_batch=max(per_dp // p.microbatches, 1), schedule=p.schedule, order=p.order)
+                    micro_batch=max(per_dp // p.microbatches, 1), schedule=p.schedule, order=p.order,
+                    bucket_mb=p.bucket_mb)
     work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=False)
     return layout, work
 
@@ -186,8 +195,8 @@ def check(model: PlanModel, layout: Layout, work: Workload, gpus: int | None = N
                               f"divide by 2*cp = {2 * L.cp}; valid cp: {nearest(L.cp, ok)}")
         if L.cp_mode == "ulysses":
             n = L.tp * L.cp
-            ok = [d for d in divisors(model.heads // L.tp if model.heads % L.tp == 0 else 1)]
             if model.heads % n:
+                ok = divisors(model.heads // L.tp if model.heads % L.tp == 0 else 1)
                 raise ConfigError(f"Ulysses gives each of tp*cp = {n} ranks whole heads: heads ({model.heads}) must "
                                   f"divide by tp*cp; valid cp: {nearest(L.cp, ok)}")
             if work.seq % L.cp:

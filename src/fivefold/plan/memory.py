@@ -40,18 +40,19 @@ COMPONENTS = ("weights", "grads", "optimizer", "activations", "buffers")
 
 
 # -- pipeline partition ------------------------------------------------------------------------------
-def stage_layers(layers: int, pp: int, uneven: bool = False) -> list[int]:
+@lru_cache(maxsize=4096)
+def stage_layers(layers: int, pp: int, uneven: bool = False) -> tuple[int, ...]:
     """Layers per stage. Even: as equal as possible, extra layers on the later stages. Uneven (Llama-3,
     Dubey et al. 2024 §3.3.2): first and last stage one layer fewer, for the embedding and the loss."""
     if pp == 1:
-        return [layers]
+        return (layers,)
     if uneven:
-        inner = stage_layers(layers + 2, pp)
+        inner = list(stage_layers(layers + 2, pp))
         inner[0] -= 1
         inner[-1] -= 1
-        return inner
+        return tuple(inner)
     base, extra = divmod(layers, pp)
-    return [base + (1 if j >= pp - extra else 0) for j in range(pp)]
+    return tuple(base + (1 if j >= pp - extra else 0) for j in range(pp))
 
 
 @lru_cache(maxsize=4096)
@@ -63,7 +64,8 @@ def stage_ranges(layers: int, pp: int, uneven: bool = False) -> tuple[range, ...
     return tuple(out)
 
 
-def candidate_stages(model: PlanModel, pp: int, uneven: bool = False) -> list[int]:
+@lru_cache(maxsize=4096)
+def candidate_stages(model: PlanModel, pp: int, uneven: bool = False) -> tuple[int, ...]:
     """Stages that can be the most loaded: memory falls with the stage index within a run of stages of
     equal layer count and kind (fewer micro-batches in flight), so only the first stage of each run, and
     the first and last (embedding, head), need checking."""
@@ -76,7 +78,7 @@ def candidate_stages(model: PlanModel, pp: int, uneven: bool = False) -> list[in
         for j, rng in enumerate(stage_ranges(model.layers, pp, uneven)):
             if model.dense_layers in rng or model.dense_layers - 1 in rng:
                 out.update({j, min(j + 1, pp - 1)})
-    return sorted(out)
+    return tuple(sorted(out))
 
 
 def in_flight(schedule: str, pp: int, stage: int, m: int, vpp: int = 1) -> float:
@@ -96,10 +98,14 @@ def interleaved_penalty(pp: int, vpp: int) -> float:
     return 1 + (pp - 1) / (pp * vpp)
 
 
-def time_stages(model: PlanModel, pp: int, uneven: bool = False) -> list[int]:
-    """Stages that can be the slowest: the first with the most layers, and the last (head and loss)."""
+@lru_cache(maxsize=4096)
+def time_stages(model: PlanModel, pp: int, uneven: bool = False) -> tuple[int, ...]:
+    """Stages that can be the slowest: the first with the most layers, and the last (head and loss),
+    which alone suffices when it has as many layers (it computes the head; the first only looks up
+    the embedding)."""
     counts = stage_layers(model.layers, pp, uneven)
-    return sorted({counts.index(max(counts)), pp - 1})
+    most = counts.index(max(counts))
+    return (pp - 1,) if counts[most] == counts[-1] and not model.moe else tuple(sorted({most, pp - 1}))
 
 
 # -- parameters a rank holds -------------------------------------------------------------------------
@@ -160,6 +166,101 @@ def shard(count: int, n: int) -> int:
     return math.ceil(count / n)
 
 
+def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int, bool]]:
+    """(elements on one rank, is routed expert) of layer i's tensors in registration order. Exact for
+    our runtime's Llama block (attn_norm, wq, wk, wv, wo, mlp_norm, gate, up, down); other variants
+    are lumped per sub-block, which only moves ZeRO bucket boundaries."""
+    h = model.hidden
+    dense, expert = layer_rank_params(model, i, tp, ep)
+    norm = model._norm(h)
+    if model.mla or model.linear_bias or model.qkv_bias or model.is_moe_layer(i) or model.mlp != "swiglu":
+        attn = _attn_rank(model, tp)
+        mlp = dense - 2 * norm - attn     # dense MLP, or router + shared experts
+        out = [(norm, False), (attn, False), (norm, False), (mlp, False)]
+        return out + ([(expert, True)] if expert else [])
+    kv = model.kv_heads * model.head_dim * h // min(tp, model.kv_heads)
+    f = model.ffn * h // tp
+    return [(norm, False), (h * h // tp, False), (kv, False), (kv, False), (h * h // tp, False), (norm, False),
+            (f, False), (f, False), (f, False)]
+
+
+def _attn_rank(model: PlanModel, tp: int) -> int:
+    """Attention parameters of one rank (as in layer_rank_params)."""
+    h = model.hidden
+    row_bias = h if model.linear_bias else 0
+    attn = model.attention_params()
+    if model.mla:
+        return attn // tp
+    kv = 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias)
+    return (attn - kv - row_bias) // tp + kv // min(tp, model.kv_heads) + row_bias
+
+
+def root_tensors(model: PlanModel, layout: Layout, stage: int) -> list[int]:
+    """Embedding (first stage), final norm and untied head (last stage), in registration order."""
+    vocab_rank = padded_vocab(model, layout.tp) // layout.tp * model.hidden
+    out = []
+    if stage == 0:
+        out.append(vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0))
+    if stage == layout.pp - 1:
+        out.append(model._norm(model.hidden))
+        if not model.tie_embeddings or layout.pp > 1:
+            out.append(vocab_rank)
+    return out
+
+
+def bucketize(sizes: list[int], bucket_bytes: float, itemsize: int) -> list[int]:
+    """Greedy consecutive buckets of at most bucket_bytes (as parallel/data.py builds them)."""
+    out, cur, size = [], 0, 0.0
+    for n in sizes:
+        if cur and size + n * itemsize > bucket_bytes:
+            out.append(cur)
+            cur, size = 0, 0.0
+        cur += n
+        size += n * itemsize
+    if cur:
+        out.append(cur)
+    return out
+
+
+def zero_units(model: PlanModel, layout: Layout, grad_bytes: int, stage: int, expert: bool = False) -> tuple[int, ...]:
+    """Sizes of the flat buffers ZeRO shards, each padded to a multiple of n (parallel/zero.py): one per
+    transformer block plus a root unit (embedding, norm, head) for ZeRO-3; buckets of at most bucket_mb
+    MiB in backward order for ZeRO-1/2. `expert` selects the routed-expert parameters instead."""
+    L = layout
+    return _zero_units(model, L.tp, L.pp, L.ep, L.uneven, L.zero >= 3, L.bucket_mb, grad_bytes, stage, expert)
+
+
+@lru_cache(maxsize=8192)
+def _layer_tensor_sizes(model: PlanModel, moe: bool, tp: int, ep: int, expert: bool) -> tuple[int, ...]:
+    i = model.dense_layers if moe else 0
+    return tuple(n for n, ex in layer_tensors(model, i, tp, ep) if ex == expert)
+
+
+@lru_cache(maxsize=8192)
+def _zero_units(model: PlanModel, tp: int, pp: int, ep: int, uneven: bool, stage3: bool, bucket_mb: float,
+                grad_bytes: int, stage: int, expert: bool) -> tuple[int, ...]:
+    rng = stage_ranges(model.layers, pp, uneven)[stage]
+    per_layer = [_layer_tensor_sizes(model, model.is_moe_layer(i), tp, ep, expert) for i in rng]
+    lay = Layout(tp=tp, pp=pp, ep=ep)
+    root = [] if expert else root_tensors(model, lay, stage)
+    if stage3:
+        units = ([sum(root)] if root else []) + [sum(t) for t in per_layer]
+        return tuple(u for u in units if u)
+    first = root[:1] if stage == 0 else []
+    order = first + [n for t in per_layer for n in t] + root[len(first):]
+    return tuple(bucketize(list(reversed(order)), bucket_mb * 2**20, grad_bytes))
+
+
+@lru_cache(maxsize=65536)
+def unit_sums(units: tuple[int, ...], n: int) -> tuple[int, int, int]:
+    """(padded elements, shard elements k, real elements owned by rank 0) summed over units."""
+    padded = k = owned = 0
+    for u in units:
+        ku = shard(u, n)
+        padded, k, owned = padded + ku * n, k + ku, owned + min(ku, u)
+    return padded, k, owned
+
+
 def optimizer_bytes_per_param(work: Workload) -> int:
     """Adam m and v in the master dtype, plus a master copy when weights are lower precision."""
     return 2 * work.master_bytes + (work.master_bytes if work.param_bytes != work.master_bytes else 0)
@@ -174,15 +275,44 @@ def zero_states(params: int, n: int, zero: int, w: int, g: int, k: int) -> dict:
             "optimizer": k * (sh if zero >= 1 else params)}
 
 
+def unit_states(units: tuple[int, ...], n: int, zero: int, work: Workload, rank: int = 0) -> dict:
+    """Model-state bytes of group rank `rank` for ZeRO units (flat buffers padded to a multiple of n;
+    rank r owns elements [r·k, (r+1)·k)): stage 1/2 keep the padded parameters, stage 1 the padded
+    gradients too, stage 2/3 a gradient shard of k; Adam m, v over the real elements owned, the
+    master copy (when weights are 16-bit) over the whole shard k."""
+    w, g, mb = work.param_bytes, work.grad_bytes, work.master_bytes
+    if rank == 0:
+        padded, k, owned = unit_sums(units, n)
+    else:
+        padded, k = sum(shard(u, n) * n for u in units), sum(shard(u, n) for u in units)
+        owned = sum(max(0, min(shard(u, n), u - rank * shard(u, n))) for u in units)
+    master = k * mb if work.param_bytes != mb else 0
+    return {"weights": w * (k if zero >= 3 else padded), "grads": g * (padded if zero == 1 else k),
+            "optimizer": 2 * mb * owned + master}
+
+
 def model_states(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
-    """Model-state bytes of one rank of `stage`: dense part over dp·cp, experts over dp·cp/ep."""
+    """Model-state bytes of rank 0 of `stage` (the fullest shard): dense part over dp·cp, experts over
+    dp·cp/ep. Without ZeRO, the ZeRO paper's (w + g + k)·Φ; with it, per padded unit (`unit_states`)."""
+    L = layout
+    return dict(_model_states(model, L.tp, L.pp, L.ep, L.uneven, L.zero, L.bucket_mb, L.dp * L.cp, L.edp, work,
+                              stage))
+
+
+@lru_cache(maxsize=65536)
+def _model_states(model, tp, pp, ep, uneven, zero, bucket_mb, n_dense, n_expert, work, stage) -> tuple:
+    layout = Layout(tp=tp, pp=pp, ep=ep, uneven=uneven, zero=zero, bucket_mb=bucket_mb, dp=n_dense)
     dense, expert = stage_params(model, layout, stage)
     w, g, k = work.param_bytes, work.grad_bytes, optimizer_bytes_per_param(work)
-    out = zero_states(dense, layout.dp * layout.cp, layout.zero, w, g, k)
-    if expert:
-        ex = zero_states(expert, layout.edp, layout.zero, w, g, k)
-        out = {c: out[c] + ex[c] for c in out}
-    return out
+    groups = [(dense, n_dense, False)] + ([(expert, n_expert, True)] if expert else [])
+    out = {"weights": 0, "grads": 0, "optimizer": 0}
+    for count, n, is_expert in groups:
+        if zero == 0 or n == 1:
+            part = zero_states(count, 1, 0, w, g, k)
+        else:
+            part = unit_states(zero_units(model, layout, g, stage, is_expert), n, zero, work)
+        out = {c: out[c] + part[c] for c in out}
+    return tuple(out.items())
 
 
 # -- activations --------------------------------------------------------------------------------------
@@ -274,6 +404,14 @@ def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: i
     first stage, final norm, head and fp32 logits on the last; full recompute keeps each layer's input
     plus one layer's working set."""
     L = layout
+    return _stage_activations(model, work, L.tp, L.sp, L.cp, L.pp, L.dp, L.vpp, L.effective_schedule,
+                              L.micro_batch, L.recompute, L.uneven, stage)
+
+
+@lru_cache(maxsize=65536)
+def _stage_activations(model, work, tp, sp, cp, pp, dp, vpp, schedule, micro_batch, recompute, uneven, stage):
+    L = Layout(tp=tp, sp=sp, cp=cp, pp=pp, dp=dp, vpp=vpp, schedule=schedule, micro_batch=micro_batch,
+               recompute=recompute, uneven=uneven)
     T = rank_tokens(L, work)
     e, h = work.act_bytes, model.hidden
     n_layers = len(stage_ranges(model.layers, L.pp, L.uneven)[stage])

@@ -62,6 +62,13 @@ class PlanModel:
     qk_rope_dim: int = 0
     v_head_dim: int = 0
 
+    def __hash__(self) -> int:     # a cache key everywhere: hash the fields once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(self.__dict__[f] for f in self.__dataclass_fields__))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     # -- shapes -------------------------------------------------------------------------------
     @property
     def mla(self) -> bool:

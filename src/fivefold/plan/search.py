@@ -3,7 +3,7 @@
 The space: tp (valid for the heads, kv heads and MLP widths, within the innermost tier unless fixed),
 pp, cp (ring or Ulysses), ep (MoE), dp = gpus/(tp·pp·cp), ZeRO 1-3 (ZeRO-1 sends the bytes of DDP and
 holds less, so stage 0 is searched only when fixed), micro-batch size, virtual stages, recompute.
-Megatron sequence parallelism is on whenever tp > 1 (same bytes, less memory).
+Megatron sequence parallelism is on whenever tp > 1 (same bytes, less memory) unless fixed off.
 
 Prunings keep the whole space for 16,384 GPUs under 2 seconds, none of which drops a layout that
 could rank first: recompute is tried none → selective → full and the first that fits is kept (more
@@ -26,7 +26,7 @@ from .time import step_time
 from .topology import GiB, Topology
 from .traffic import place, stage_flows
 
-SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode")
+SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp")
 
 
 @dataclass
@@ -35,7 +35,8 @@ class Result:
     rejected: list[tuple[Layout, str]] = field(default_factory=list)
     best: list[Estimate] = field(default_factory=list)                 # the top ones, estimated in full
     considered: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0          # wall clock
+    cpu_seconds: float = 0.0      # this process's CPU time (what a loaded machine does not inflate)
 
     def reasons(self) -> dict[str, int]:
         """Rejections counted by the rule or limit they broke (text before the first colon)."""
@@ -86,7 +87,7 @@ def _fast_time(model, layout, work, topo, mem) -> float:
 def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict | None = None,
            top: int = 5, order: str = "tp-cp-ep-pp-dp", uneven: bool = False, schedule: str = "1f1b") -> Result:
     """All layouts for `gpus` GPUs with the `fixed` choices (keys of SEARCHED) held; see module doc."""
-    t0 = _time.perf_counter()
+    t0, c0 = _time.perf_counter(), _time.process_time()
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     topo.check(gpus)
     res, limit = Result(), topo.accelerator.memory
@@ -96,32 +97,50 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
         vpps = _options("vpp", fixed, [1] if pp == 1 else [v for v in (1, 2, 4, 8) if pp * v <= model.layers])
         zeros = _options("zero", fixed, [0] if dp * cp == 1 else [1, 2, 3])
         recomputes = _options("recompute", fixed, list(RECOMPUTE))
-        for mb in mbs:
-            for v in vpps:
+        sp = tp > 1 and fixed.get("sp", True)
+        base = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp=sp, cp_mode=mode, order=order,
+                    uneven=uneven and pp > 1)
+        for vi, v in enumerate(vpps):
+            kw = dict(base, vpp=v, schedule="interleaved" if v > 1 else schedule)
+            for i, mb in enumerate(mbs):
+                status = []
                 for z in zeros:
-                    if _one_structure(model, work, topo, gpus, res, limit, recomputes,
-                                      dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero=z, sp=tp > 1, cp_mode=mode, vpp=v,
-                                           micro_batch=mb, schedule="interleaved" if v > 1 else schedule,
-                                           order=order, uneven=uneven and pp > 1)):
-                        break  # fits without recompute: a higher ZeRO stage only adds traffic
+                    status.append(_one_layout(model, work, topo, gpus, res, limit, recomputes,
+                                              dict(kw, zero=z, micro_batch=mb)))
+                    if status[-1] in (FIT_NO_RECOMPUTE, RULE):
+                        break  # higher ZeRO stages only add traffic; a broken rule breaks them all
+                if status and all(st == NO_FIT for st in status):
+                    # activations grow with the micro-batch and with v: the rest cannot fit either
+                    why = f"memory: does not fit even with micro_batch {mb}, vpp {v}, every ZeRO stage and recompute"
+                    rest = [(v, b) for b in mbs[i + 1:]] + ([(w, b) for w in vpps[vi + 1:] for b in mbs] if i == 0 else [])
+                    _reject_all(res, base, rest, zeros, recomputes, schedule, why)
+                    break
+            else:
+                continue
+            if i == 0:
+                break
     res.ranked.sort(key=lambda x: x[0])
     res.best = [estimate(model, lay, work, topo, gpus, simulate=False) for _, lay in res.ranked[:top]]
     res.best.sort(key=lambda e: e.time.step_time_s)
     res.seconds = _time.perf_counter() - t0
+    res.cpu_seconds = _time.process_time() - c0
     return res
 
 
-def _one_structure(model, work, topo, gpus, res: Result, limit: float, recomputes: list, kw: dict) -> bool:
-    """Try recompute none → selective → full for one layout; keep the first that fits. True when it fit
-    without recompute (or broke a rule that no ZeRO stage changes)."""
-    for rc in recomputes:
+FIT_NO_RECOMPUTE, FIT, NO_FIT, RULE = "fit-no-recompute", "fit", "no-fit", "rule"
+
+
+def _one_layout(model, work, topo, gpus, res: Result, limit: float, recomputes: list, kw: dict) -> str:
+    """Try recompute none → selective → full for one layout; keep the first that fits."""
+    for i, rc in enumerate(recomputes):
         res.considered += 1
         lay = Layout(recompute=rc, **kw)
-        try:
-            check(model, lay, work, gpus)
-        except ConfigError as e:
-            res.rejected.append((lay, f"rule: {e}"))
-            return True
+        if i == 0:  # the rules do not depend on recompute
+            try:
+                check(model, lay, work, gpus)
+            except ConfigError as e:
+                res.rejected.append((lay, f"rule: {e}"))
+                return RULE
         over = None
         rows = []
         for j in candidate_stages(model, lay.pp, lay.uneven):
@@ -136,5 +155,14 @@ def _one_structure(model, work, topo, gpus, res: Result, limit: float, recompute
         mem = Memory(rows)
         mem.worst = max(range(len(rows)), key=lambda k: rows[k]["total"])
         res.ranked.append((_fast_time(model, lay, work, topo, mem), lay))
-        return rc == "none"
-    return False
+        return FIT_NO_RECOMPUTE if rc == "none" else FIT
+    return NO_FIT
+
+
+def _reject_all(res: Result, base: dict, pairs: list, zeros: list, recomputes: list, schedule: str, why: str) -> None:
+    for v, mb in pairs:
+        for z in zeros:
+            for rc in recomputes:
+                res.considered += 1
+                res.rejected.append((Layout(zero=z, vpp=v, micro_batch=mb, recompute=rc,
+                                            schedule="interleaved" if v > 1 else schedule, **base), why))

@@ -42,7 +42,7 @@ except Exception:  # noqa: BLE001 - any import problem means: use the closed for
     _schedules = None
     HAVE_SIMULATOR = False
 
-SIMULATE_MAX_ACTIONS = 20000
+SIMULATE_MAX_ACTIONS = 4096
 
 
 # -- FLOPs ---------------------------------------------------------------------------------------------

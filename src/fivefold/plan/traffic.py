@@ -9,8 +9,8 @@ embedding gradients between the first and last pipeline stage).
 Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation element, per layer:
 
 - TP (Shoeybi et al. 2019): 2 all-reduces of T·h·e forward (after attention and MLP; g) and 2 backward
-  (before them; f). Vocab-parallel embedding: 1 all-reduce forward; LM head: 1 backward; vocab-parallel
-  cross-entropy: 3 all-reduces of T fp32 values (max, sum of exponentials, target logit).
+  (before them; f). Vocab-parallel embedding: 1 all-reduce forward; LM head input: 1 backward; vocab-parallel
+  cross-entropy: an all-reduce of T fp32 maxima, then one of 2T (sum of exponentials, target logit).
 - SP (Korthikanti et al. 2022): each all-reduce becomes an all-gather and a reduce-scatter of the same
   tensor, forward and backward (same bytes); norm-weight gradients all-reduced over tp once per step.
 - Full recompute re-runs the forward, and with it the forward collectives of TP/SP/CP/EP.
@@ -27,7 +27,7 @@ Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation eleme
   per micro-batch (a rank keeps only its gradient shard while accumulating). ZeRO-3: all-gather of
   parameters before each micro-batch's forward and again before its backward, reduce-scatter per
   micro-batch (Rajbhandari et al. 2020, §7: 3Φ vs DDP's 2Φ). Buffers padded to a multiple of n.
-- loss: one all-reduce of a float64 over dp; grad_norm: one float64 over the model-parallel ranks
+- loss: one all-reduce of a float64 over dp, and over pp (only the last stage has it); grad_norm: one float64 over the model-parallel ranks
   (tp·cp·pp, and dp too when ZeRO shards the gradients), when that group has more than one rank.
 """
 from __future__ import annotations
@@ -36,9 +36,11 @@ from dataclasses import asdict, dataclass
 
 from ..comm import volume
 from .layout import Layout, Workload, microbatches
-from .memory import padded_vocab, shard, stage_params, stage_ranges
+from .memory import padded_vocab, stage_params, stage_ranges, unit_sums, zero_units
 from .models import PlanModel
 from .topology import Topology, collective_latency, group_bandwidth
+
+VOLUME = {op: getattr(volume, op) for op in volume.OPS}   # comm/volume.py's formula for each op
 
 # group name -> (grid, dims it spans); as in fivefold.mesh.GROUP_SPECS
 GROUPS = {
@@ -79,10 +81,12 @@ class Flows:
     def add(self, dim: str, op: str, group: str, n: int, message_bytes: float, calls: float = 1) -> None:
         if n <= 1 or calls <= 0 or message_bytes <= 0:
             return
-        row = self.rows.setdefault((dim, op), Flow(dim, op, group, n))
+        row = self.rows.get((dim, op))
+        if row is None:
+            row = self.rows[(dim, op)] = Flow(dim, op, group, n)
         row.calls += int(calls)
         row.message_bytes += calls * message_bytes
-        row.bytes_sent += calls * volume.bytes_sent(op, message_bytes, n)
+        row.bytes_sent += calls * VOLUME[op](message_bytes, n)
 
     def list(self) -> list[Flow]:
         return [self.rows[k] for k in sorted(self.rows)]
@@ -116,15 +120,20 @@ def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
         f.add("tp", "reduce_scatter", "tp", t, act, per_layer_fwd + per_layer_bwd)
     else:
         f.add("tp", "all_reduce", "tp", t, act, per_layer_fwd + per_layer_bwd)
-    if stage == 0:  # vocab-parallel embedding: g forward
-        f.add("tp", "reduce_scatter" if L.sp else "all_reduce", "tp", t, act, m)
+    if stage == 0:  # vocab-parallel embedding: g forward (SP: reduce-scatter forward, all-gather backward)
+        if L.sp:
+            f.add("tp", "reduce_scatter", "tp", t, act, m)
+            f.add("tp", "all_gather", "tp", t, act, m)
+        else:
+            f.add("tp", "all_reduce", "tp", t, act, m)
     if stage == L.pp - 1:  # head input: f (SP: all-gather forward, reduce-scatter backward); CE reductions
         if L.sp:
             f.add("tp", "all_gather", "tp", t, act, m)
             f.add("tp", "reduce_scatter", "tp", t, act, m)
         else:
             f.add("tp", "all_reduce", "tp", t, act, m)
-        f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, 3 * m)
+        f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, m)          # max logit
+        f.add("tp", "all_reduce", "tp", t, 2 * T * w.master_bytes, m)      # sum of exp, target logit
     if L.sp:  # norm weights see sequence shards: their gradients are all-reduced over tp once per step
         norms = len(rng) * 2 * model._norm(h) + (model._norm(h) if stage == L.pp - 1 else 0)
         f.add("tp", "all_reduce", "tp", t, norms * w.grad_bytes, 1)
@@ -186,11 +195,12 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
         f.add("embed", "all_reduce", "pp", 2, emb * w.grad_bytes, 1)
 
 
-def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, w: Workload, m: int) -> None:
-    """Gradient reduction and ZeRO gathers for `params` parameters over n ranks."""
+def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, w: Workload, m: int,
+                units: tuple[int, ...]) -> None:
+    """Gradient reduction and ZeRO gathers for `params` parameters over n ranks (ZeRO: per padded unit)."""
     if n == 1 or params == 0:
         return
-    padded = shard(params, n) * n
+    padded = unit_sums(units, n)[0]
     if L.zero == 0:
         f.add(dim, "all_reduce", group, n, params * w.grad_bytes, 1)
     elif L.zero == 1:
@@ -214,9 +224,11 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int) ->
     _ep_flows(f, model, L, work, stage, m, T)
     _pp_flows(f, model, L, work, stage, m, T)
     dense, expert = stage_params(model, L, stage)
-    _grad_flows(f, "dp", "dp_cp", L.dp * L.cp, dense, L, work, m)
-    _grad_flows(f, "edp", "edp", L.edp, expert, L, work, m)
+    units = (lambda ex: zero_units(model, L, work.grad_bytes, stage, ex) if L.zero else ())
+    _grad_flows(f, "dp", "dp_cp", L.dp * L.cp, dense, L, work, m, units(False))
+    _grad_flows(f, "edp", "edp", L.edp, expert, L, work, m, units(True))
     f.add("loss", "all_reduce", "dp", L.dp, 8, 1)
+    f.add("loss", "all_reduce", "pp", L.pp, 8, 1)      # only the last stage computed it
     norm_group = "world" if L.zero >= 1 else "mp"
     f.add("grad_norm", "all_reduce", norm_group, group_size(L, norm_group), 8, 1)
     return f.list()
@@ -303,10 +315,18 @@ def recommend_order(flows: list[Flow]) -> str:
     """Order string, innermost first. Dimensions whose traffic blocks compute (tp, cp, ep inside every
     layer; pp between stages) sorted by bytes, heaviest innermost; data parallelism outermost whatever its
     bytes, since its gradient reduction overlaps the backward and tolerates latency (Dubey et al. 2024,
-    §3.3.2: order [TP, CP, PP, DP]). Ties keep the field's order tp, cp, ep, pp."""
+    §3.3.2: order [TP, CP, PP, DP]). Dimensions that send nothing keep the field's slots. cp and ep live
+    in different grids (the expert grid has no cp, the dense grid no ep), so their relative order never
+    changes a group: when adjacent they are written cp first, as Megatron-Core does."""
     weight = blocking_bytes(flows)
-    blocking = sorted(FIELD_ORDER[:-1], key=lambda d: (-weight[d], FIELD_ORDER.index(d)))
-    return "-".join(blocking + ["dp"])
+    blocking = list(FIELD_ORDER[:-1])
+    live = [d for d in blocking if weight[d] > 0]
+    ranked = iter(sorted(live, key=lambda d: (-weight[d], FIELD_ORDER.index(d))))
+    dims = [next(ranked) if d in live else d for d in blocking]
+    for i in range(len(dims) - 1):
+        if dims[i] == "ep" and dims[i + 1] == "cp":
+            dims[i], dims[i + 1] = "cp", "ep"
+    return "-".join(dims + ["dp"])
 
 
 def placement(layout: Layout, topo: Topology, order: str) -> dict[str, str]:
@@ -335,5 +355,6 @@ def placement_warnings(layout: Layout, topo: Topology, order: str, recommended: 
     live = [d for d in order.split("-") if group_size(layout, d) > 1]
     best = [d for d in recommended.split("-") if d in live]
     if live != best:
-        out.append(f"order {order} differs from the recommended {recommended} (heaviest traffic innermost)")
+        out.append(f"order {order} places groups differently from the recommended {recommended} "
+                   f"(blocking traffic innermost, dp outermost)")
     return out

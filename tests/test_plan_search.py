@@ -1,0 +1,51 @@
+"""Search: every valid layout for a GPU count, fitting ones ranked by step time, rejections with reasons."""
+import pytest
+
+from fivefold.plan.estimate import estimate
+from fivefold.plan.layout import Workload
+from fivefold.plan.models import PRESETS
+from fivefold.plan.search import search
+from fivefold.plan.topology import TOPOLOGIES
+
+
+def test_whole_space_for_16384_gpus_in_under_two_seconds():
+    """Issue 6: the whole space (tp, pp, cp ring/Ulysses, dp, ZeRO, micro-batch, vpp, recompute) for
+    16,384 GPUs in under 2 s (CPU time of this process, so a busy shared machine does not fail it)."""
+    res = search(PRESETS["llama3-405b"], Workload(seq=8192, global_batch=2048), TOPOLOGIES["llama3"], 16384,
+                 top=3)
+    assert res.cpu_seconds < 2.0, res.cpu_seconds
+    assert res.considered > 10000 and res.ranked and res.rejected
+    reasons = res.reasons()
+    assert reasons["memory"] > 0 and reasons["rule"] > 0
+    best = res.best[0]
+    assert best.fits and best.layout.gpus == 16384
+    assert best.placement["tp"] == "nvlink"
+    times = [t for t, _ in res.ranked]
+    assert times == sorted(times)
+    # every rejection says why, e.g. a layout that does not fit names the stage and the bytes
+    lay, why = next((lay, why) for lay, why in res.rejected if why.startswith("memory"))
+    assert "GiB >" in why and "stage" in why
+
+
+def test_fixed_degrees_are_kept_and_rules_reported():
+    res = search(PRESETS["llama3-70b"], Workload(seq=4096, global_batch=12), TOPOLOGIES["dgx-h100"], 64,
+                 fixed={"tp": 8, "zero": 1}, top=3)
+    assert res.best and all(e.layout.tp == 8 and e.layout.zero == 1 for e in res.best)
+    assert all(lay.tp == 8 for lay, _ in res.rejected)
+    rules = [why for lay, why in res.rejected if why.startswith("rule:")]
+    assert any("global batch (12 sequences) must divide by dp*micro_batch" in why for why in rules)
+
+
+def test_search_best_matches_its_estimate_and_moe_searches_ep():
+    w = Workload(seq=4096, global_batch=256)
+    res = search(PRESETS["mixtral-8x7b"], w, TOPOLOGIES["dgx-h100"], 64, top=2)
+    best = res.best[0]
+    again = estimate(PRESETS["mixtral-8x7b"], best.layout, w, TOPOLOGIES["dgx-h100"], 64, simulate=False)
+    assert again.time.step_time_s == pytest.approx(best.time.step_time_s)
+    assert {lay.ep for _, lay in res.ranked} > {1}
+
+
+def test_nothing_fits():
+    res = search(PRESETS["llama3-405b"], Workload(seq=8192, global_batch=64), TOPOLOGIES["dgx-h100"], 8, top=3)
+    assert not res.ranked and not res.best
+    assert set(res.reasons()) <= {"memory", "rule"}

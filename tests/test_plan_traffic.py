@@ -1,0 +1,112 @@
+"""Traffic per dimension and collective, from comm/volume.py; tiers, rank order, placement warnings."""
+import pytest
+
+from fivefold.comm import volume
+from fivefold.plan.estimate import estimate
+from fivefold.plan.layout import Layout, Workload
+from fivefold.plan.models import PRESETS, from_model_config
+from fivefold.plan.topology import TOPOLOGIES
+from fivefold.plan.traffic import by_dim, group_block, recommend_order, stage_flows
+
+from .helpers import tiny_config
+
+LLAMA8 = PRESETS["llama3-8b"]
+MIXTRAL = PRESETS["mixtral-8x7b"]
+FP32 = Workload(seq=1024, global_batch=64, dtype="fp32")
+
+
+def rows(model, layout, work, stage=0):
+    return {(f.dim, f.op): f for f in stage_flows(model, layout, work, stage)}
+
+
+def dp_bytes(model, zero, work=FP32, n=8, mb=8):
+    layout = Layout(dp=n, zero=zero, micro_batch=mb)
+    return sum(f.bytes_sent for f in stage_flows(model, layout, work, 0) if f.dim == "dp")
+
+
+def test_zero_1_2_send_what_ddp_sends_and_zero_3_half_again():
+    """DESIGN / ZeRO §7: stages 1 and 2 send DDP's 2Φ(n-1)/n, stage 3 1.5x that (one micro-batch, fp32)."""
+    m = from_model_config(tiny_config().model)
+    ddp = dp_bytes(m, 0)
+    assert ddp == volume.all_reduce(4 * m.num_params(), 8)
+    assert dp_bytes(m, 1) == pytest.approx(ddp, rel=1e-3)     # differs only by bucket padding
+    assert dp_bytes(m, 2) == pytest.approx(ddp, rel=1e-3)
+    assert dp_bytes(m, 3) == pytest.approx(1.5 * ddp, rel=1e-3)
+
+
+def test_tensor_parallel_bytes_per_layer_and_sequence_parallel_same_bytes():
+    """Shoeybi et al. 2019: 2 all-reduces of b·s·h forward and 2 backward per layer; Korthikanti 2022:
+    SP turns each into an all-gather + reduce-scatter of the same bytes."""
+    w = Workload(seq=2048, global_batch=8, dtype="bf16")
+    tp, T, h, L = 4, 2048, LLAMA8.hidden, LLAMA8.layers
+    plain = rows(LLAMA8, Layout(tp=tp, dp=1, micro_batch=1), w)
+    msg = T * h * 2
+    per_layer = 4 * L * 8                        # 4 per layer per micro-batch, 8 micro-batches
+    ar = plain[("tp", "all_reduce")]
+    # + embedding (1/mb), head input (1/mb), and the cross-entropy reductions of 3T fp32 values per mb
+    assert ar.message_bytes == per_layer * msg + 2 * 8 * msg + 3 * 8 * T * 4
+    sp = rows(LLAMA8, Layout(tp=tp, dp=1, sp=True, micro_batch=1), w)
+    layer_sp = sp[("tp", "all_gather")].bytes_sent + sp[("tp", "reduce_scatter")].bytes_sent
+    norms = volume.all_reduce((2 * L + 1) * h * 4, tp)   # SP's norm-weight gradient all-reduce
+    assert layer_sp + sp[("tp", "all_reduce")].bytes_sent - norms == pytest.approx(ar.bytes_sent)
+
+
+def test_pipeline_sends_bsh_per_microbatch_per_boundary_times_v():
+    """Narayanan et al. 2021: b·s·h per micro-batch per boundary each way; x v interleaved."""
+    w = Workload(seq=1024, global_batch=32, dtype="bf16")
+    act = 1024 * LLAMA8.hidden * 2
+    for v in (1, 2):
+        lay = Layout(pp=4, dp=1, vpp=v, schedule="interleaved" if v > 1 else "1f1b")
+        mid = rows(LLAMA8, lay, w, stage=1)[("pp", "send")]
+        assert mid.bytes_sent == 2 * 32 * v * act
+        first = rows(LLAMA8, lay, w, stage=0)[("pp", "send")]
+        assert first.bytes_sent == (2 * v - 1) * 32 * act   # the first chunk sends no gradient back
+
+
+def test_expert_parallel_all_to_all_and_fp8_dispatch():
+    """Lepikhin et al. 2020: dispatch + combine all-to-all forward and backward per MoE layer; FP8
+    dispatch (DeepSeek-V3 §3.3) halves the forward dispatch bytes."""
+    w = Workload(seq=4096, global_batch=16, dtype="bf16")
+    lay = Layout(ep=8, dp=8, zero=1)
+    a2a = rows(MIXTRAL, lay, w)[("ep", "all_to_all")]
+    msg = 2 * 4096 * MIXTRAL.hidden * 2            # top_k copies of each token, bf16
+    assert a2a.calls == 4 * 32 * 2                  # 4 per layer, 32 layers, 2 micro-batches
+    assert a2a.bytes_sent == pytest.approx(4 * 32 * 2 * volume.all_to_all(msg, 8))
+    fp8 = rows(MIXTRAL, lay, Workload(seq=4096, global_batch=16, dtype="bf16", fp8_dispatch=True))
+    assert fp8[("ep", "all_to_all")].bytes_sent == pytest.approx(a2a.bytes_sent * 7 / 8)
+
+
+def test_context_parallel_ring_and_ulysses():
+    w = Workload(seq=8192, global_batch=8, dtype="bf16")
+    ring = rows(LLAMA8, Layout(cp=4, dp=2), w)
+    kv = 8192 / 4 * 2 * 1024 * 2                    # local K and V blocks
+    assert ring[("cp", "send")].bytes_sent == 3 * (4 - 1) * 32 * 4 * kv
+    assert ring[("cp", "recv")].bytes_sent == 0
+    uly = rows(LLAMA8, Layout(cp=4, dp=2, cp_mode="ulysses"), w)[("cp", "all_to_all")]
+    assert uly.calls == 8 * 32 * 4                   # 4 forward + 4 backward per layer per micro-batch
+
+
+def test_groups_land_on_tiers_and_tp_across_nodes_is_flagged():
+    topo = TOPOLOGIES["dgx-h100"]
+    lay = Layout(tp=8, pp=4, dp=16, order="tp-cp-ep-pp-dp")
+    assert group_block(lay, "tp") == 8 and group_block(lay, "pp") == 32 and group_block(lay, "dp") == 512
+    e = estimate(LLAMA8, lay, Workload(seq=4096, global_batch=256), topo)
+    assert e.placement == {"tp": "nvlink", "pp": "leaf", "dp": "spine"}
+    bad = estimate(LLAMA8, Layout(tp=16, dp=1, sp=True), Workload(seq=4096, global_batch=16), topo)
+    assert any("tp group crosses the leaf tier" in w for w in bad.warnings)
+    llama = TOPOLOGIES["llama3"]
+    big = estimate(PRESETS["llama3-405b"], Layout(tp=8, pp=16, dp=128, zero=1, sp=True, order="tp-cp-ep-dp-pp"),
+                   Workload(seq=8192, global_batch=2048), llama)
+    assert big.placement["pp"] == "cluster"
+    assert any("oversubscribed" in w for w in big.warnings)
+
+
+def test_order_for_a_large_moe_model_is_the_fields_practice():
+    """DESIGN and Megatron-Core practice: TP > SP/CP > EP > PP > DP, innermost first."""
+    for name, lay, seq in (("mixtral-8x7b", Layout(tp=2, cp=2, ep=8, pp=4, dp=16, zero=1, sp=True), 8192),
+                           ("deepseek-v3", Layout(tp=2, cp=2, ep=32, pp=8, dp=64, zero=1, sp=True), 4096)):
+        e = estimate(PRESETS[name], lay, Workload(seq=seq, global_batch=1024), TOPOLOGIES["dgx-h100"])
+        assert e.order == "tp-cp-ep-pp-dp", (name, by_dim(e.flows))
+    dense = estimate(LLAMA8, Layout(tp=4, pp=2, dp=4, sp=True, zero=1), Workload(seq=4096, global_batch=64),
+                     TOPOLOGIES["dgx-h100"])
+    assert recommend_order(dense.flows) == "tp-cp-ep-pp-dp"

@@ -52,3 +52,15 @@ def test_docstring_example_rank5():
     assert mesh.coords["ep"] == 0 and mesh.coords["edp"] == 1
     assert mesh["mp"].ranks == [4, 5, 12, 13]
     assert coords(5, grid_sizes(p)[0], p.order.split("-"))["dp"] == 2
+
+
+def test_embedding_group_joins_first_and_last_stage():
+    """Tied embeddings: the first and last rank of every pp group; middle stages are alone."""
+    p = ParallelConfig(tp=2, dp=2, pp=4)          # pp stride 4: pp groups [r, r+4, r+8, r+12]
+    assert ParallelMesh(p, rank=1)["embed"].ranks == [1, 13]
+    assert ParallelMesh(p, rank=13)["embed"].ranks == [1, 13]
+    assert ParallelMesh(p, rank=13)["embed"].rank == 1
+    assert ParallelMesh(p, rank=6)["embed"].ranks == [6]    # stage 1 holds no embedding
+    two = ParallelMesh(ParallelConfig(dp=2, pp=2), rank=3)
+    assert two["embed"].ranks == two["pp"].ranks == [1, 3]
+    assert ParallelMesh(ParallelConfig(dp=2), rank=1)["embed"].ranks == [1]

@@ -52,6 +52,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_seq: int = 256
     init_std: float = 0.02
+    dropout: float = 0.0          # residual dropout after attention and MLP (0: off, as in Llama)
     # Mixture of experts (room for the expert-parallel issue): 0 experts means a dense model.
     experts: int = 0
     top_k: int = 2
@@ -87,6 +88,8 @@ class ModelConfig:
             raise ConfigError(
                 f"model.heads ({self.heads}) must divide by model.kv_heads ({self.kv_heads}) for GQA; "
                 f"valid kv_heads: {nearest(self.kv_heads, divisors(self.heads))}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise ConfigError(f"model.top_k ({self.top_k}) must be between 1 and model.experts ({self.experts})")
 
@@ -94,6 +97,7 @@ class ModelConfig:
 SP_MODES = ("none", "megatron", "ulysses", "ring")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 DIMS = ("tp", "cp", "ep", "dp", "pp")
+RECOMPUTE = ("none", "full", "selective")
 
 
 @dataclass
@@ -117,6 +121,7 @@ class ParallelConfig:
     vpp: int = 1
     bucket_mb: float = 25.0
     reshard_after_forward: bool = True   # ZeRO-3: free gathered params after forward (False: keep them)
+    partition: str = "even"              # layers to pipeline stages: even | llama3 | counts "3,5,5,3"
 
     @property
     def world_size(self) -> int:
@@ -170,6 +175,7 @@ class TrainConfig:
     out: str = "runs/latest"
     log_every: int = 1
     checkpoint: bool = True
+    recompute: str = "none"               # activation checkpointing: none | full | selective
 
     def validate(self) -> None:
         if self.dtype not in ("fp32", "bf16", "fp64"):
@@ -181,6 +187,9 @@ class TrainConfig:
             raise ConfigError(f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         if self.warmup < 0:
             raise ConfigError(f"train.warmup must be >= 0, got {self.warmup}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"train.recompute must be one of {', '.join(RECOMPUTE)} (full: recompute each pipeline "
+                              f"chunk in backward; selective: only the attention core), got {self.recompute!r}")
 
 
 @dataclass
@@ -215,6 +224,10 @@ class Config:
             if m.ffn % p.tp:
                 raise ConfigError(f"model.ffn ({m.ffn}) must divide by tp ({p.tp}); valid tp: "
                                   f"{nearest(p.tp, divisors(m.ffn))}")
+            if p.sp_mode == "megatron" and t.seq_len % p.tp:
+                raise ConfigError(f"sequence parallelism splits the sequence over tp: train.seq_len ({t.seq_len}) "
+                                  f"must divide by tp ({p.tp}); valid seq_len: "
+                                  f"{nearest(t.seq_len, [k * p.tp for k in range(1, t.seq_len // p.tp + 3)])}")
         if p.pp > 1 and m.layers < p.pp * p.vpp:
             raise ConfigError(f"model.layers ({m.layers}) must be >= pp*vpp = {p.pp * p.vpp}: each (virtual) "
                               f"stage needs a layer; valid pp: {[d for d in range(1, m.layers + 1) if d * p.vpp <= m.layers][-3:]}")

@@ -28,7 +28,10 @@ Expert grid (ep=2, edp=4·1/2=2) strides: tp 1, ep 2, edp 4, pp 8::
 Rank 5 is therefore tp=1, dp=2, pp=0 in the dense grid; ep=0, edp=1 in the expert grid. Its tp group is
 [4,5], dp group [1,3,5,7], pp group [5,13], ep group [5,7], expert-dp group [1,5]. The ``dp_cp`` group
 (gradient reduction when cp > 1) joins dp and cp; ``mp`` joins tp, cp and pp (the ranks that hold
-different parts of one model replica; used for the global grad norm).
+different parts of one model replica; used for the global grad norm). ``embed`` holds the first and the
+last rank of each pp group, which keep the two copies of tied input/output embeddings and sum their
+gradients (in the example: [0,8], [1,9], ...; with pp = 4 and pp groups [r, r+4, r+8, r+12] it is
+[r, r+12], and ranks of the middle stages get a group of their own rank only).
 """
 from __future__ import annotations
 
@@ -100,7 +103,7 @@ GROUP_SPECS = {
 class ParallelMesh:
     """Every group a rank needs, built from a ParallelConfig.
 
-    `groups` maps a name (tp, cp, dp, pp, dp_cp, tp_cp, mp, ep, edp, world) to this rank's `Group`.
+    `groups` maps a name (tp, cp, dp, pp, dp_cp, tp_cp, mp, ep, edp, embed, world) to this rank's `Group`.
     All groups record into one `ledger`. With world size 1 no process group is created.
     """
 
@@ -124,6 +127,7 @@ class ParallelMesh:
         for name, (grid, dims) in GROUP_SPECS.items():
             sizes = self.dense if grid == "dense" else self.expert
             self.groups[name] = self._make(name, rank_groups(sizes, self.order, dims), distributed)
+        self.groups["embed"] = self._make_embed(distributed)
         world = list(range(self.world_size))
         self.groups["world"] = Group("world", world, self.rank, dist.group.WORLD if distributed else None,
                                      self.ledger)
@@ -140,6 +144,20 @@ class ParallelMesh:
             if self.rank in ranks:
                 mine = Group(name, ranks, ranks.index(self.rank), pg, self.ledger)
         assert mine is not None
+        return mine
+
+    def _make_embed(self, distributed: bool) -> Group:
+        """The first and last stage of each pipeline group (tied embeddings). With pp = 2 that is the pp
+        group itself, so its process group is reused."""
+        pp = self.groups["pp"]
+        if pp.size <= 2:
+            return Group("embed", pp.ranks, pp.rank, pp.pg, self.ledger)
+        mine = Group("embed", [self.rank], 0, None, self.ledger)
+        for g in rank_groups(self.dense, self.order, ("pp",)):
+            ends = [g[0], g[-1]]
+            pg = dist.new_group(ends) if distributed else None  # every rank creates every group, in order
+            if self.rank in ends:
+                mine = Group("embed", ends, ends.index(self.rank), pg, self.ledger)
         return mine
 
     def __getitem__(self, name: str) -> Group:

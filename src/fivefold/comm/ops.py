@@ -124,12 +124,26 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, out_splits: l
                   async_op, kept_bytes=kept)
 
 
+class _Joined:
+    """Several works waited for as one (idempotent)."""
+
+    def __init__(self, works):
+        self.works = list(works)
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        self.works = []
+
+
 def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group,
               async_op: bool = False, dim: str | None = None) -> Handle:
     """Batched point-to-point: send each (tensor, peer) and receive into each (tensor, peer).
 
     Peers are ranks inside the group. Sends and receives are issued together with batch_isend_irecv,
-    so two ranks exchanging in both directions cannot deadlock.
+    so two ranks exchanging in both directions cannot deadlock. The returned Handle waits for the whole
+    batch; `handle.parts` holds one Handle per op (the sends, then the receives, in the order given), so
+    a caller can wait for one receive just before it needs the tensor (the pipeline runtime does).
     """
     if not sends and not recvs:
         return DONE
@@ -144,11 +158,16 @@ def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
     for t, _ in recvs:
         group.ledger.record(dim, "recv", nbytes(t), volume.recv(nbytes(t)), seconds / len(ops))
 
+    if len(works) != len(ops):  # a backend that coalesces the batch into one work (NCCL): wait for all
+        works = [_Joined(works)] * len(ops)
+    parts = [Handle(w, group.ledger, dim, "send" if i < len(sends) else "recv") for i, w in enumerate(works)]
+
     class _All:
         def wait(self):
-            for w in works:
-                w.wait()
-    handle = Handle(_All(), group.ledger, dim, "send" if sends else "recv")
+            for part in parts:
+                part.wait()
+    handle = Handle(_All(), CommLedger(), dim, "send")  # the parts record the waiting time
+    handle.parts = parts
     if not async_op:
         handle.wait()
     return handle

@@ -58,16 +58,37 @@ def attention_core(q_bnsd, k_bksd, v_bksd) -> torch.Tensor:
     return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, is_causal=True)
 
 
+class Dropout(nn.Module):
+    """Inverted dropout whose mask is drawn from `generator` (None: torch's default stream).
+
+    Parallel layouts hand it a generator so that masks agree across ranks that hold the same
+    activations and differ across ranks that hold different ones (see parallel/tensor.py)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.generator: torch.Generator | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.p
+        return x * keep.to(x.dtype) / (1.0 - self.p)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.enter = nn.Identity()  # tensor parallelism puts its input op here (f, or the SP all-gather)
         self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+        self.core = attention_core  # selective recompute swaps in a checkpointed version (pipeline runtime)
 
     def forward(self, x_bsh: torch.Tensor, cos_sd, sin_sd) -> torch.Tensor:
+        x_bsh = self.enter(x_bsh)
         b, s, _ = x_bsh.shape
         d = self.head_dim
         # head counts come from the projections' widths, so a tensor-parallel shard works unchanged
@@ -75,18 +96,20 @@ class Attention(nn.Module):
         k_bksd = self.wk(x_bsh).view(b, s, -1, d).transpose(1, 2)
         v_bksd = self.wv(x_bsh).view(b, s, -1, d).transpose(1, 2)
         q_bnsd, k_bksd = apply_rope(q_bnsd, cos_sd, sin_sd), apply_rope(k_bksd, cos_sd, sin_sd)
-        o_bnsd = attention_core(q_bnsd, k_bksd, v_bksd)
+        o_bnsd = self.core(q_bnsd, k_bksd, v_bksd)
         return self.wo(o_bnsd.transpose(1, 2).reshape(b, s, -1))
 
 
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, ffn: int):
         super().__init__()
+        self.enter = nn.Identity()  # tensor parallelism puts its input op here (f, or the SP all-gather)
         self.gate = nn.Linear(hidden, ffn, bias=False)
         self.up = nn.Linear(hidden, ffn, bias=False)
         self.down = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        x_bsh = self.enter(x_bsh)
         return self.down(F.silu(self.gate(x_bsh)) * self.up(x_bsh))
 
 
@@ -97,10 +120,11 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.hidden, cfg.ffn)
+        self.drop = Dropout(cfg.dropout)  # on each branch before the residual add (0: off)
 
     def forward(self, x_bsh, cos_sd, sin_sd):
-        x_bsh = x_bsh + self.attn(self.attn_norm(x_bsh), cos_sd, sin_sd)
-        return x_bsh + self.mlp(self.mlp_norm(x_bsh))
+        x_bsh = x_bsh + self.drop(self.attn(self.attn_norm(x_bsh), cos_sd, sin_sd))
+        return x_bsh + self.drop(self.mlp(self.mlp_norm(x_bsh)))
 
 
 class Transformer(nn.Module):

@@ -190,9 +190,15 @@ class DataParallelOptimizer:
     def finish(self) -> None:
         self.reducer.finish()
 
-    def owned_grads(self) -> list[torch.Tensor]:
-        """Full gradients: replicated across the DP group, so the norm needs no DP reduction."""
-        return [p.main_grad for p in self.params]
+    def owned_grads(self, exclude: tuple = ()) -> list[torch.Tensor]:
+        """Full gradients: replicated across the DP group, so the norm needs no DP reduction. Parameters
+        in `exclude` are left out (a tied copy counted on another rank)."""
+        skip = {id(p) for p in exclude}
+        return [p.main_grad for p in self.params if id(p) not in skip]
+
+    def local_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """p's accumulated gradient on this rank, before (or without) the DP reduction; in place."""
+        return p.main_grad
 
     @torch.no_grad()
     def step(self, lr: float) -> None:

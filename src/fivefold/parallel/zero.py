@@ -245,9 +245,21 @@ class Zero:
             for u in self.units:
                 self._free(u)
 
-    def owned_grads(self) -> list[torch.Tensor]:
-        """This rank's gradient segments (no padding): each element of the model on exactly one rank."""
-        return [g[a:a + n] for g, segs in zip(self.grad_shards, self._segments) for _, a, n in segs]
+    def owned_grads(self, exclude: tuple = ()) -> list[torch.Tensor]:
+        """This rank's gradient segments (no padding): each element of the model on exactly one rank.
+        Segments of parameters in `exclude` are left out (a tied copy counted on another rank)."""
+        skip = {id(p) for p in exclude}
+        return [g[a:a + n] for u, g, segs in zip(self.units, self.grad_shards, self._segments)
+                for i, a, n in segs if id(u.params[i]) not in skip]
+
+    def local_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """Stage 1: p's accumulated gradient before the reduce-scatter (a view into the full gradient
+        buffer; accumulate with sync(False), change it, then reduce). Stages 2 and 3 keep none."""
+        if self.stage != 1:
+            raise RuntimeError(f"ZeRO-{self.stage} keeps no full local gradient (only stage 1 does)")
+        u = self.unit_of[p]
+        o = u.offsets[u.index[p]]
+        return self.full_grads[u.pos][o:o + p.numel()].view_as(p)
 
     # -- optimizer step ----------------------------------------------------------------------
     @torch.no_grad()

@@ -2,7 +2,8 @@
 
 Pure Python (no torch): `partition_layers` splits layers into (virtual) stages, `build_schedule` gives
 each rank its list of `Action`s, `simulate` runs the lists and reports bubble, in-flight micro-batches
-and deadlocks, `write_timeline` draws them. The process-level executor lives in `runtime.py`.
+and deadlocks, `write_timeline` draws them. The process-level executor lives in `runtime.py` (torch;
+imported by the trainer, not here, so planning and drawing need no torch).
 """
 from .partition import Partition, partition_layers
 from .schedules import (B, COMM, COMPUTE, F, I, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, W, Action, Block,

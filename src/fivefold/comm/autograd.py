@@ -1,0 +1,142 @@
+"""Differentiable collectives: each forward collective has the conjugate collective as its backward.
+
+Tensor parallelism (Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using
+Model Parallelism", 2019, section 3 and figure 3) needs two conjugate operators around each
+column-then-row split block:
+
+| op  | forward                 | backward                | where                                |
+|-----|-------------------------|-------------------------|--------------------------------------|
+| f   | identity                | all-reduce (sum)        | entering a column-parallel layer     |
+| g   | all-reduce (sum)        | identity                | leaving a row-parallel layer         |
+
+Sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models", 2022, section 4.2.2) keeps the activations between blocks split along the sequence, so norms
+and dropout run on 1/n of the tokens, and replaces f and g by another conjugate pair:
+
+| op  | forward                           | backward                          |
+|-----|-----------------------------------|-----------------------------------|
+| ḡ   | all-gather along the sequence     | reduce-scatter along the sequence |
+| ḡ*  | reduce-scatter along the sequence | all-gather along the sequence     |
+
+Traffic for an activation of S bytes (b·s·h elements) on n ranks: f and g each send one all-reduce,
+2(n-1)/n·S; ḡ and ḡ* each send one all-gather plus one reduce-scatter over forward and backward,
+(n-1)/n·S each, so SP sends exactly the bytes of plain TP. Every collective goes through
+`fivefold.comm`, so the ledger records it under the group's name ("tp").
+
+The sequence is dimension 1 of a (b, s, h) activation. Rank r of the group holds tokens
+[r·s/n, (r+1)·s/n) of every row.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .ops import Group
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy we may reduce in place (never write into autograd's own buffers)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
+    out = _fresh(t)
+    ops.all_reduce(out, group)
+    return out
+
+
+def _gather_seq(x_bsh: torch.Tensor, group: Group) -> torch.Tensor:
+    """(b, s/n, ...) on each rank -> (b, s, ...): rank r's tokens land at [r·s/n, (r+1)·s/n)."""
+    n = group.size
+    b, s_local, rest = x_bsh.shape[0], x_bsh.shape[1], tuple(x_bsh.shape[2:])
+    out = torch.empty((n * b, s_local) + rest, dtype=x_bsh.dtype, device=x_bsh.device)
+    ops.all_gather(out, x_bsh.contiguous(), group)  # rank-major: (n·b, s/n, ...)
+    return out.view((n, b, s_local) + rest).movedim(0, 1).reshape((b, n * s_local) + rest)
+
+
+def _reduce_scatter_seq(x_bsh: torch.Tensor, group: Group) -> torch.Tensor:
+    """(b, s, ...) partial sums on each rank -> (b, s/n, ...) of the sum, rank r keeping its tokens."""
+    n = group.size
+    b, s = x_bsh.shape[0], x_bsh.shape[1]
+    if s % n:
+        raise ValueError(f"sequence length {s} must divide by the tensor-parallel size {n}")
+    rest = tuple(x_bsh.shape[2:])
+    x_nbsh = x_bsh.reshape((b, n, s // n) + rest).movedim(1, 0).reshape((n * b, s // n) + rest)
+    out = torch.empty((b, s // n) + rest, dtype=x_bsh.dtype, device=x_bsh.device)
+    ops.reduce_scatter(out, x_nbsh, group)  # chunk r of the rank-major (n·b, s/n, ...) goes to rank r
+    return out
+
+
+class CopyToTensorRegion(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce of the input gradient backward (one all-reduce of
+    the activation, 2(n-1)/n·S bytes, in the backward pass only)."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromTensorRegion(torch.autograd.Function):
+    """Megatron's g: all-reduce forward (summing the row-parallel partial outputs), identity backward
+    (one all-reduce of the activation, 2(n-1)/n·S bytes, in the forward pass only)."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherSequence(torch.autograd.Function):
+    """Sequence parallel's ḡ (Korthikanti et al. 2022): all-gather the sequence shards forward,
+    reduce-scatter the gradient backward ((n-1)/n·S bytes each way)."""
+
+    @staticmethod
+    def forward(ctx, x_bsh, group: Group):
+        ctx.group = group
+        return _gather_seq(x_bsh, group)
+
+    @staticmethod
+    def backward(ctx, grad_bsh):
+        return _reduce_scatter_seq(grad_bsh, ctx.group), None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """Sequence parallel's ḡ*: reduce-scatter partial sums along the sequence forward, all-gather the
+    gradient backward ((n-1)/n·S bytes each way)."""
+
+    @staticmethod
+    def forward(ctx, x_bsh, group: Group):
+        ctx.group = group
+        return _reduce_scatter_seq(x_bsh, group)
+
+    @staticmethod
+    def backward(ctx, grad_bsh):
+        return _gather_seq(grad_bsh, ctx.group), None
+
+
+def copy_to_tensor_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """f: identity forward, all-reduce backward."""
+    return x if group.size == 1 else CopyToTensorRegion.apply(x, group)
+
+
+def reduce_from_tensor_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """g: all-reduce forward, identity backward."""
+    return x if group.size == 1 else ReduceFromTensorRegion.apply(x, group)
+
+
+def gather_sequence(x_bsh: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-gather along dim 1 forward, reduce-scatter backward."""
+    return x_bsh if group.size == 1 else GatherSequence.apply(x_bsh, group)
+
+
+def reduce_scatter_sequence(x_bsh: torch.Tensor, group: Group) -> torch.Tensor:
+    """Reduce-scatter along dim 1 forward, all-gather backward."""
+    return x_bsh if group.size == 1 else ReduceScatterSequence.apply(x_bsh, group)

@@ -1,0 +1,443 @@
+"""Pipeline runtime: run one rank's action list (schedules.py) for one optimizer step.
+
+Papers: GPipe (Huang et al. 2019), 1F1B / PipeDream-Flush and interleaving (Narayanan et al. 2019,
+2021), zero bubble ZB-H1 (Qi et al. 2023), activation recomputation (Chen et al. 2016, "Training Deep
+Nets with Sublinear Memory Cost"; selective: Korthikanti et al. 2022), tied embeddings (Press & Wolf 2017).
+
+Stages. Every rank builds the same full, seeded model and keeps only its chunks (`Stage`): chunk 0 also
+the embedding, the last chunk also the final norm, the head and the loss. Parameter names stay the
+single-process names (`layers.5.attn.wq.weight`), so checkpoints and tests compare directly. With tied
+embeddings the last stage holds a *copy* of the embedding as its head weight (same init); after the
+backward the two copies' gradients are summed over the `embed` group (first and last rank of the pp
+group), so both receive the same update. The copy is left out of the grad norm and the checkpoint.
+
+Execution (`PipelineRuntime.run`). Actions are taken in list order; `steps()` groups consecutive comm
+actions into one batch, posted with one `comm.send_recv` (batch_isend_irecv, ledger dim "pp"):
+
+* SEND_F / SEND_B send a chunk's output activation / input gradient, b·s·h elements (b micro-batch,
+  s sequence, h hidden) per micro-batch per chunk boundary each way; RECV_F / RECV_B post a receive
+  into a fresh buffer. Receives are waited for only just before the compute that uses them (looked up by
+  `message_key`), sends at the end of the step — so interleaving keeps its overlap.
+* F runs the chunk's forward (the last chunk adds `loss_fn(logits, y) / n_tokens`: the loss is the
+  sum over micro-batches of token-loss sums over the global token count, whatever the schedule).
+* B runs the chunk's full backward: weight gradients accumulate (the DP/ZeRO engine's hooks see them),
+  the input gradient goes out with the next SEND_B.
+* I (zero bubble) computes only gradients of activations: `autograd.grad` with respect to the chunk
+  input *and* to the output of every module that holds weights (recorded by forward hooks), keeping
+  the graph. Autograd skips every weight-gradient matmul, since no weight is asked for.
+* W then replays, per weight-holding module, `autograd.backward(output, d_output, inputs=weights)`:
+  exactly the weight half of the module's backward (dW = dYᵀX for a linear) with the same kernels, and
+  the accumulation fires the same gradient hooks as B. Nothing is recomputed.
+
+Activation checkpointing (`recompute`): "full" runs F without autograd, keeps only the chunk input (and
+the RNG states, so dropout masks repeat) and re-runs the forward at B or I; "selective" keeps everything
+but the attention core (softmax(QKᵀ)V), which torch.utils.checkpoint recomputes in backward.
+
+Measurement: every compute action is timed (`timeline`: kind, micro-batch, chunk, start, end), so a run
+can draw what happened beside what the simulator predicts (`write_report`).
+"""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ... import comm
+from ...comm import Group
+from ...model.transformer import rope_cos_sin
+from .partition import Partition
+from .schedules import (B, F, I, SEND_B, SEND_F, W, Action, Block, build_schedule, input_messages,
+                        message_key, simulate, simulate_schedule, steps, timeline_stats)
+
+RECOMPUTE = ("none", "full", "selective")
+
+
+# -------------------------------------------------------------------------------------------------------
+# Stages: the part of the model one rank holds
+
+class Stage(nn.Module):
+    """The chunks of `model` that pipeline rank `rank` holds (chunk c on rank c % pp), with the
+    single-process parameter names: `embed` (chunk 0), `layers.<i>` for its layers, `norm` and `head`
+    (last chunk). With tied embeddings and pp > 1 the head weight is a separate copy of the embedding
+    (`tied_copy`); on the first stage `tied` is the embedding itself."""
+
+    def __init__(self, model: nn.Module, partition: Partition, rank: int):
+        super().__init__()
+        self.partition, self.rank = partition, rank
+        self.chunks = partition.chunks_of(rank)
+        self.last = partition.chunks - 1
+        self.hidden = model.cfg.hidden
+        self.rope_args = (model.cfg.head_dim, model.cfg.rope_theta)
+        self.seq_split = 1   # Megatron sequence parallelism: boundary activations are sequence shards
+        self.tie = model.cfg.tie_embeddings and partition.pp > 1
+        if 0 in self.chunks:
+            self.embed = model.embed
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in partition.layers_of_rank(rank)})
+        if self.last in self.chunks:
+            self.norm, self.head = model.norm, model.head
+            if self.tie:  # same init, own storage
+                self.head.weight = nn.Parameter(model.head.weight.detach().clone())
+
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """This stage's copy of a tied embedding (the embedding on the first stage, the head weight on
+        the last), whose gradient is summed over the embed group; None elsewhere or when untied."""
+        if not self.tie:
+            return None
+        return self.embed.weight if 0 in self.chunks else self.tied_copy
+
+    @property
+    def tied_copy(self) -> nn.Parameter | None:
+        """The last stage's copy, left out of the grad norm and the checkpoint."""
+        return self.head.weight if self.tie and self.last in self.chunks else None
+
+    def boundary_shape(self, batch: int, seq: int) -> tuple[int, ...]:
+        """Shape of the activation (and its gradient) crossing a chunk boundary: b·s·h (s/tp with
+        sequence parallelism)."""
+        return (batch, seq // self.seq_split, self.hidden)
+
+    def rope(self, seq: int, device=None):
+        return rope_cos_sin(seq, *self.rope_args, device)
+
+    def forward_chunk(self, chunk: int, x: torch.Tensor, cos_sd, sin_sd) -> torch.Tensor:
+        """Tokens (chunk 0) or hidden states -> hidden states (or logits for the last chunk)."""
+        if chunk == 0:
+            x = self.embed(x)
+        for i in self.partition.layers_of(chunk):
+            x = self.layers[str(i)](x, cos_sd, sin_sd)
+        if chunk == self.last:
+            x = self.head(self.norm(x))
+        return x
+
+
+def stage_names(model: nn.Module, partition: Partition) -> list[list[tuple[str, torch.Size]]]:
+    """For every pipeline rank, the (name, shape) of the parameters it owns in the checkpoint (tied
+    copies excluded), in the full model's order. Every rank computes the same lists."""
+    named = list(model.named_parameters())   # a tied head weight appears once, as embed.weight
+    out = []
+    for r in range(partition.pp):
+        chunks = partition.chunks_of(r)
+        layers = {str(i) for i in partition.layers_of_rank(r)}
+        mine = []
+        for name, p in named:
+            part = name.split(".")
+            if ((part[0] == "embed" and 0 in chunks) or (part[0] == "layers" and part[1] in layers)
+                    or (part[0] in ("norm", "head") and partition.chunks - 1 in chunks)):
+                mine.append((name, p.shape))
+        out.append(mine)
+    return out
+
+
+def checkpointed(core: Callable) -> Callable:
+    """Selective recompute (Korthikanti et al. 2022): keep no activation inside the attention core; it
+    is recomputed from q, k, v in backward."""
+    def run(*args):
+        if not torch.is_grad_enabled():
+            return core(*args)
+        return checkpoint(core, *args, use_reentrant=False)
+    run.recomputes = True
+    return run
+
+
+def set_selective_recompute(module: nn.Module) -> None:
+    """Swap every attention core in `module` for its checkpointed version."""
+    for m in module.modules():
+        core = getattr(m, "core", None)
+        if callable(core) and not getattr(core, "recomputes", False):
+            m.core = checkpointed(core)
+
+
+# -------------------------------------------------------------------------------------------------------
+# Running the actions
+
+@dataclass
+class Saved:
+    """What a chunk's forward leaves for its backward."""
+    x: torch.Tensor                    # chunk input (tokens for chunk 0)
+    out: torch.Tensor | None           # output (the loss for the last chunk); None under full recompute
+    ops: list = field(default_factory=list)   # (weights, module output) for a split backward
+    rng: tuple | None = None           # RNG states before the forward (full recompute)
+
+
+class PipelineRuntime:
+    """Executes `actions` (this rank's list from `build_schedule`) on `stage` over the pipeline `group`.
+
+    `loss_fn(logits, targets)` returns the sum of token losses; `recompute` is none | full | selective.
+    After `run`, `timeline` lists this rank's compute blocks (kind, micro-batch, chunk, start, end) in
+    seconds of `time.perf_counter` (one clock per host)."""
+
+    def __init__(self, stage: Stage, actions: list[Action], group: Group, loss_fn: Callable,
+                 recompute: str = "none", dtype: torch.dtype = torch.float32):
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        self.stage, self.actions, self.group, self.loss_fn = stage, actions, group, loss_fn
+        self.recompute, self.dtype = recompute, dtype
+        self.pp, self.chunks = stage.partition.pp, stage.partition.chunks
+        self.split = any(a.kind in (I, W) for a in actions)
+        self.timeline: list[Block] = []
+        self._ops: list | None = None
+        if recompute == "selective":
+            set_selective_recompute(stage)
+        if self.split:
+            self._install_recording()
+
+    # -- one step ------------------------------------------------------------------------------
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int) -> torch.Tensor:
+        """Run every action for the step's micro-batches [(tokens, targets)]; return this rank's share of
+        the loss (nonzero on the last stage only) as a float64 tensor of one element."""
+        self.mbs, self.n_tokens = micro_batches, n_tokens
+        b, s = micro_batches[0][0].shape
+        self.shape = self.stage.boundary_shape(b, s)
+        self.cos_sd, self.sin_sd = self.stage.rope(s, micro_batches[0][0].device)
+        self.inbox: dict = {}      # message key -> (buffer, receive handle)
+        self.outbox: dict = {}     # message key -> tensor waiting for its SEND
+        self.sending: list = []    # (send handle, tensor) until the end of the step
+        self.saved: dict = {}      # (micro-batch, chunk) -> Saved
+        self.deferred: dict = {}   # (micro-batch, chunk) -> [(weights, output, d_output)] for W
+        self.loss = torch.zeros(1, dtype=torch.float64)
+        self.timeline = []
+        for item in steps(self.actions):
+            if isinstance(item, list):
+                self.post(item)
+            else:
+                self.compute(item)
+        for handle, _ in self.sending:
+            handle.wait()
+        assert not (self.saved or self.deferred or self.inbox or self.outbox), "actions left work undone"
+        self.sending = []
+        return self.loss
+
+    def post(self, batch: list[Action]) -> None:
+        """Post one batch of sends and receives together (one batch_isend_irecv); do not wait."""
+        sends, recvs, keys = [], [], []
+        for a in batch:
+            if a.kind in (SEND_F, SEND_B):
+                sends.append((self.outbox.pop(message_key(a)).contiguous(), a.peer))
+            else:
+                recvs.append((torch.empty(self.shape, dtype=self.dtype), a.peer))
+                keys.append(message_key(a))
+        handle = comm.send_recv(sends, recvs, self.group, async_op=True, dim="pp")
+        self.sending += [(h, t) for h, (t, _) in zip(handle.parts[:len(sends)], sends)]
+        for key, h, (buf, _) in zip(keys, handle.parts[len(sends):], recvs):
+            self.inbox[key] = (buf, h)
+
+    def receive(self, key) -> torch.Tensor:
+        buf, handle = self.inbox.pop(key)
+        handle.wait()
+        return buf
+
+    def compute(self, a: Action) -> None:
+        """Wait for the inputs a compute action needs, run it, and time it."""
+        got = {key: self.receive(key) for key in input_messages(a, self.pp, self.chunks)}
+        start = time.perf_counter()
+        if a.kind == F:
+            self.forward(a, got)
+        elif a.kind == B:
+            self.backward(a, got)
+        elif a.kind == I:
+            self.backward_input(a, got)
+        else:
+            self.backward_weight(a)
+        self.timeline.append(Block(a.kind, a.microbatch, a.chunk, start, time.perf_counter()))
+
+    # -- compute -------------------------------------------------------------------------------
+    def forward(self, a: Action, got: dict) -> None:
+        mb, c = a.microbatch, a.chunk
+        x = self.mbs[mb][0] if c == 0 else got[("F", mb, c - 1)].requires_grad_()
+        full = self.recompute == "full"
+        rng = self.rng_state() if full else None
+        with torch.no_grad() if full else nullcontext(), self.recording(self.split and not full) as ops:
+            out = self.run_chunk(c, mb, x)
+        if c == self.last:
+            self.loss += out.detach().double()
+        else:
+            self.outbox[("F", mb, c)] = out.detach()
+        self.saved[(mb, c)] = Saved(x, None if full else out, ops, rng)
+
+    def backward(self, a: Action, got: dict) -> None:
+        mb, c = a.microbatch, a.chunk
+        x, out, _ = self.restore(mb, c, record=False)
+        grad = None if c == self.last else got[("B", mb, c + 1)]
+        torch.autograd.backward(out, grad)
+        if c > 0:
+            self.outbox[("B", mb, c)] = x.grad
+
+    def backward_input(self, a: Action, got: dict) -> None:
+        """Zero bubble's I: gradients of the chunk input and of every weight-holding module's output,
+        no weight gradient (autograd computes only what leads to the requested tensors)."""
+        mb, c = a.microbatch, a.chunk
+        x, out, ops = self.restore(mb, c, record=True)
+        grad = None if c == self.last else got[("B", mb, c + 1)]
+        wanted = ([x] if c > 0 else []) + [o for _, o in ops]
+        grads = torch.autograd.grad(out, wanted, grad, retain_graph=True, allow_unused=True)
+        if c > 0:
+            self.outbox[("B", mb, c)] = grads[0]
+            grads = grads[1:]
+        self.deferred[(mb, c)] = [(w, o, g) for (w, o), g in zip(ops, grads) if g is not None]
+
+    def backward_weight(self, a: Action) -> None:
+        """Zero bubble's W: each module's weight gradients from its kept input and output gradient."""
+        for weights, out, grad in self.deferred.pop((a.microbatch, a.chunk)):
+            torch.autograd.backward(out, grad, inputs=list(weights))
+
+    @property
+    def last(self) -> int:
+        return self.chunks - 1
+
+    def run_chunk(self, chunk: int, mb: int, x: torch.Tensor) -> torch.Tensor:
+        out = self.stage.forward_chunk(chunk, x, self.cos_sd, self.sin_sd)
+        if chunk == self.last:
+            out = self.loss_fn(out, self.mbs[mb][1]) / self.n_tokens
+        return out
+
+    def restore(self, mb: int, c: int, record: bool) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """(input, output, recorded ops) of the forward of (mb, c), recomputing it under full recompute
+        (from the RNG states it started with, so dropout draws the same masks)."""
+        saved = self.saved.pop((mb, c))
+        if saved.out is not None:
+            return saved.x, saved.out, saved.ops
+        x = saved.x.detach().requires_grad_() if torch.is_floating_point(saved.x) else saved.x
+        now = self.rng_state()
+        self.set_rng_state(saved.rng)
+        with torch.enable_grad(), self.recording(record) as ops:
+            out = self.run_chunk(c, mb, x)
+        self.set_rng_state(now)
+        return x, out, ops
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _install_recording(self) -> None:
+        """Forward hooks that record (weights, output) of every module holding weights. W replays the
+        path from a module's output to its weights, so a weight must belong to one module only."""
+        owner: dict[int, nn.Module] = {}
+        for m in self.stage.modules():
+            weights = tuple(p for p in m.parameters(recurse=False) if p.requires_grad)
+            for p in weights:
+                if id(p) in owner:
+                    raise ValueError("the split backward (zb) needs each weight used by one module; a weight is "
+                                     "shared (tied embedding and head on one stage?)")
+                owner[id(p)] = m
+            if weights:
+                m.register_forward_hook(self._record_hook(weights))
+
+    def _record_hook(self, weights: tuple):
+        def hook(module, args, output):
+            if self._ops is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+                self._ops.append((weights, output))
+        return hook
+
+    @contextmanager
+    def recording(self, enabled: bool):
+        """Collect (weights, output) of every weight-holding module run inside (for a split backward)."""
+        if not enabled:
+            yield []
+            return
+        old, self._ops = self._ops, []
+        try:
+            yield self._ops
+        finally:
+            self._ops = old
+
+    def _generators(self) -> list[torch.Generator]:
+        return [m.generator for m in self.stage.modules() if isinstance(getattr(m, "generator", None), torch.Generator)]
+
+    def rng_state(self) -> tuple:
+        return torch.get_rng_state(), [g.get_state() for g in self._generators()]
+
+    def set_rng_state(self, state: tuple) -> None:
+        torch.set_rng_state(state[0])
+        for g, s in zip(self._generators(), state[1]):
+            g.set_state(s)
+
+    # -- after the backward --------------------------------------------------------------------
+    def reduce_tied(self, engine, group: Group) -> None:
+        """Sum the two copies' gradients of a tied embedding over the `embed` group (first and last
+        stage), before the data-parallel reduction: one all-reduce of v·h gradient elements."""
+        if self.stage.tied is not None:
+            comm.all_reduce(engine.local_grad(self.stage.tied), group, dim="embed")
+
+
+# -------------------------------------------------------------------------------------------------------
+# Full state across stages
+
+def gather_stages(state: dict, names: list[list[tuple[str, torch.Size]]], group: Group) -> dict:
+    """Every stage's part of a full state ({"model", "exp_avg", "exp_avg_sq": name -> tensor, "opt_t"})
+    on every rank: one all-gather over the pp group (ledger dim "checkpoint") of each stage's tensors,
+    flattened and padded to the largest stage."""
+    kinds = ("model", "exp_avg", "exp_avg_sq")
+    sizes = [sum(shape.numel() for _, shape in spec) for spec in names]
+    width = len(kinds) * max(sizes)
+    dtype = state["model"][names[group.rank][0][0]].dtype
+    mine = torch.zeros(width, dtype=dtype)
+    flat = [state[k][n].reshape(-1) for k in kinds for n, _ in names[group.rank]]
+    if flat:
+        torch.cat(flat, out=mine[:sum(t.numel() for t in flat)])
+    every = torch.empty(group.size * width, dtype=dtype)
+    comm.all_gather(every, mine, group, dim="checkpoint")
+    out = {k: {} for k in kinds}
+    for r, spec in enumerate(names):
+        o = r * width
+        for k in kinds:
+            for n, shape in spec:
+                out[k][n] = every[o:o + shape.numel()].view(shape).clone()
+                o += shape.numel()
+    out["opt_t"] = state["opt_t"]
+    return out
+
+
+# -------------------------------------------------------------------------------------------------------
+# Measured against simulated
+
+def mean_costs(timeline: list[list[Block]]) -> dict[tuple[str, int], float]:
+    """Mean measured seconds per (kind, chunk)."""
+    sums: dict = {}
+    for row in timeline:
+        for b in row:
+            s = sums.setdefault((b.kind, b.chunk), [0.0, 0])
+            s[0] += b.end - b.start
+            s[1] += 1
+    return {k: v[0] / v[1] for k, v in sums.items()}
+
+
+def report(timeline: list[list], schedule: str, pp: int, microbatches: int, vpp: int = 1) -> dict:
+    """Measured timeline (per pp rank, seconds from the first start) beside two simulations of the same
+    action lists: with the measured mean cost of each (kind, chunk) — what the schedule would give with
+    free, instant communication — and with the unit costs F=1, B=2, I=W=1."""
+    timeline = [[Block(*b) for b in row] for row in timeline]
+    t0 = min(b.start for row in timeline for b in row)
+    measured = [[Block(b.kind, b.microbatch, b.chunk, b.start - t0, b.end - t0) for b in row] for row in timeline]
+    costs = mean_costs(measured)
+    cost = {k: (lambda a, k=k: costs[(k, a.chunk)]) for k in "FBIW"}
+    actions = build_schedule(schedule, pp, microbatches, vpp)
+    sim = simulate(actions, cost["F"], cost["B"], cost["I"], cost["W"])
+    unit = simulate_schedule(schedule, pp, microbatches, vpp)
+    stats = timeline_stats(measured)
+    return {"schedule": schedule, "pp": pp, "vpp": vpp, "microbatches": microbatches,
+            "measured": {"bubble": stats["bubble"], "makespan": stats["makespan"], "busy": stats["busy"],
+                         "peak_in_flight": stats["peak_in_flight"],
+                         "timeline": [[list(b) for b in row] for row in measured]},
+            "simulated_measured_costs": {"bubble": sim.bubble, "makespan": sim.makespan,
+                                         "costs": {f"{k}{c}": v for (k, c), v in sorted(costs.items())},
+                                         "timeline": [[list(b) for b in row] for row in sim.timeline]},
+            "simulated_unit_costs": {"bubble": unit.bubble, "makespan": unit.makespan,
+                                     "timeline": [[list(b) for b in row] for row in unit.timeline]}}
+
+
+def write_report(out: str | Path, info: dict, drawing: str = "pipeline.svg") -> Path:
+    """OUT/pipeline.json (measured and simulated data) and OUT/pipeline.svg (or .png): the measured
+    timeline above the simulated one (measured costs)."""
+    from .timeline import write_comparison
+
+    out = Path(out)
+    (out / "pipeline.json").write_text(json.dumps(info))
+    vpp = f" vpp={info['vpp']}" if info["schedule"] == "interleaved" else ""
+    title = f"{info['schedule']} pp={info['pp']} m={info['microbatches']}{vpp}"
+    return write_comparison(out / drawing, info["measured"]["timeline"],
+                            info["simulated_measured_costs"]["timeline"], title)
+

@@ -1,0 +1,402 @@
+"""Tensor parallelism (Megatron) and Megatron sequence parallelism.
+
+Papers: Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism" (2019), section 3; Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models" (2022), section 4.2.2 for sequence parallelism.
+
+Each transformer block is split column-then-row, so the two matmuls of a part need no communication
+between them (GeLU/SwiGLU are element-wise on the column shards):
+
+    attention:  x ─f─> wq, wk, wv (column: this rank's heads) ─> attention ─> wo (row) ─g─> out
+    SwiGLU:     x ─f─> gate, up (column: ffn/n each) ─> silu(gate)·up ─> down (row) ─g─> out
+
+f is identity forward / all-reduce backward and g its conjugate (comm/autograd.py). Per layer and
+micro-batch each rank so sends 2 all-reduces of b·s·h forward (the two g) and 2 backward (the two f).
+K and V are split by heads when kv_heads % n == 0; when n % kv_heads == 0 each group of n/kv_heads
+consecutive ranks holds one KV head (the one its query heads use), and those ranks sum their partial
+K/V weight gradients once per step.
+
+Vocabulary: the embedding and the LM head are split by vocabulary rows. The vocab is padded to a
+multiple of n with zero rows; a rank looks up only the tokens in its range and the partial embeddings
+are summed (g). The LM head keeps its logits sharded (b, s, v/n) and `vocab_parallel_cross_entropy`
+all-reduces only the per-token max and the per-token sum-exp and target logit: the full logits are
+never gathered. Padded logits are set to -inf, so they never win the max and carry no probability,
+loss or gradient. Tied embeddings share one sharded weight (both split by vocabulary rows).
+
+Sequence parallelism (sp_mode "megatron"): between blocks the activations are split along the sequence
+(b, s/n, h); norms, residual adds and dropout run on 1/n of the tokens. f becomes an all-gather along
+the sequence (reduce-scatter backward) and g a reduce-scatter (all-gather backward): the same bytes as
+the all-reduces, since an all-reduce is a reduce-scatter plus an all-gather. Norm weights then see
+only their rank's tokens, so their gradients are partial and are all-reduced over tp once per step.
+
+Dropout streams: where activations are replicated over tp (between blocks without SP) every tp rank
+must drop the same elements, so all tp ranks of a group share one generator; with SP those activations
+are sequence shards and each tp rank draws its own stream.
+
+`parallelize(model, group, ...)` takes the full seeded model that every rank built and replaces its
+layers in place by this rank's shards, keeping parameter names; the returned `TensorParallel` knows how
+each parameter was split, so it can gather full tensors for checkpoints (dim "checkpoint"), slice them
+back, sum partial gradients and say which gradients a rank counts in the global norm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+from ..comm import Group
+from ..comm.autograd import (copy_to_tensor_region, gather_sequence, reduce_from_tensor_region,
+                             reduce_scatter_sequence)
+from ..model.transformer import Dropout, Transformer
+
+
+def padded_vocab(vocab: int, n: int) -> int:
+    """The vocabulary rounded up to a multiple of the tensor-parallel size."""
+    return -(-vocab // n) * n
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is laid out over the n ranks of the tp group.
+
+    dim: dimension of the full tensor split into pieces (None: the whole tensor on every rank).
+    full: size of that dimension in the single-process model (before vocabulary padding).
+    replicas: consecutive tp ranks holding the same piece (n for a replicated tensor; n/kv_heads for
+        K/V when n > kv_heads; else 1). Rank r holds piece r // replicas of n / replicas pieces.
+    partial_grads: each replica computes only part of the gradient (SP norms, replicated K/V); the
+        replicas sum them.
+    """
+
+    dim: int | None
+    full: int = 0
+    replicas: int = 1
+    partial_grads: bool = False
+
+    def piece(self, full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+        """This rank's piece of the full tensor, zero-padded to the common piece size."""
+        if self.dim is None:
+            return full.clone()
+        pieces = n // self.replicas
+        size = -(-self.full // pieces)
+        start = (rank // self.replicas) * size
+        stop = min(start + size, self.full)
+        shape = list(full.shape)
+        shape[self.dim] = size
+        out = torch.zeros(shape, dtype=full.dtype, device=full.device)
+        if stop > start:
+            out.narrow(self.dim, 0, stop - start).copy_(full.narrow(self.dim, start, stop - start))
+        return out
+
+    def assemble(self, pieces_n: torch.Tensor) -> torch.Tensor:
+        """The full tensor from every rank's piece, stacked along a new dim 0 in rank order."""
+        if self.dim is None:
+            return pieces_n[0].clone()
+        distinct = pieces_n[:: self.replicas]
+        return torch.cat(list(distinct), dim=self.dim).narrow(self.dim, 0, self.full).clone()
+
+
+# -- layers -------------------------------------------------------------------------------------
+
+class ParallelInput(nn.Module):
+    """Where a block part enters the tensor-parallel region: f (copy; all-reduce backward) or, under
+    sequence parallelism, the all-gather along the sequence (reduce-scatter backward). One per part,
+    shared by its column-parallel layers (wq, wk, wv; gate, up), so backward reduces once."""
+
+    def __init__(self, group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return gather_sequence(x_bsh, self.group)
+        return copy_to_tensor_region(x_bsh, self.group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Aᵀ with A's output rows (the "columns" of Megatron's X·A) split across ranks: this rank
+    holds rows [r·out/n, (r+1)·out/n) and produces that slice of y; no communication in forward.
+
+    `enter` is the input op: None when a shared `ParallelInput` already ran (attention, MLP), or a
+    `ParallelInput` of its own (the LM head)."""
+
+    def __init__(self, weight: nn.Parameter, enter: ParallelInput | None = None):
+        super().__init__()
+        self.weight = weight
+        self.enter = enter if enter is not None else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.enter(x), self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_r x_r A_rᵀ with A's input columns split across ranks: the input is already split (the
+    output of column-parallel layers), each rank's product is a partial sum, and g sums them: an
+    all-reduce, or under sequence parallelism a reduce-scatter along the sequence."""
+
+    def __init__(self, weight: nn.Parameter, group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.weight = weight
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(partial, self.group)
+        return reduce_from_tensor_region(partial, self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds embedding rows [start, start + v/n) of the padded vocabulary; it looks up the tokens
+    in its range, zeros the others, and the partial embeddings are summed over the group (all-reduce;
+    under sequence parallelism a reduce-scatter leaves each rank its sequence shard)."""
+
+    def __init__(self, weight: nn.Parameter, vocab_start: int, group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.weight = weight
+        self.vocab_start = vocab_start
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, tokens_bs: torch.Tensor) -> torch.Tensor:
+        local_bs = tokens_bs - self.vocab_start
+        outside_bs = (local_bs < 0) | (local_bs >= self.weight.shape[0])
+        x_bsh = F.embedding(local_bs.masked_fill(outside_bs, 0), self.weight)
+        x_bsh = x_bsh.masked_fill(outside_bs.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(x_bsh, self.group)
+        return reduce_from_tensor_region(x_bsh, self.group)
+
+
+# -- vocab-parallel cross-entropy ---------------------------------------------------------------
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split by vocabulary, without gathering them.
+
+    Forward: the max over the vocabulary (all-reduce max of t values), then one all-reduce (sum) of
+    the t sum-exps and t target logits (the target's logit lives on one rank, the others add 0).
+    Backward needs no communication: d loss / d logit = softmax - onehot(target), both local.
+    Columns at or beyond `vocab` (padding) are -inf: they never win the max and get probability 0."""
+
+    @staticmethod
+    def forward(ctx, logits_tv, targets_t, group: Group, vocab_start: int, vocab: int):
+        v_local = logits_tv.shape[-1]
+        real = max(0, min(v_local, vocab - vocab_start))
+        if real > 0:
+            max_t = logits_tv[:, :real].max(dim=-1).values.contiguous()
+        else:
+            max_t = torch.full(logits_tv.shape[:1], float("-inf"), dtype=logits_tv.dtype)
+        comm.all_reduce(max_t, group, op="max")
+        shifted_tv = logits_tv - max_t.unsqueeze(-1)
+        if real < v_local:
+            shifted_tv[:, real:] = float("-inf")
+        local_t = targets_t - vocab_start
+        mine_t = (local_t >= 0) & (local_t < real)
+        local_t = local_t.clamp(0, v_local - 1)
+        target_t = torch.where(mine_t, shifted_tv.gather(1, local_t.unsqueeze(1)).squeeze(1), 0.0)
+        probs_tv = shifted_tv.exp_()  # reuse the buffer: from here on it holds exp, then softmax
+        stats_2t = torch.stack([probs_tv.sum(dim=-1), target_t])
+        comm.all_reduce(stats_2t, group)
+        sum_exp_t, target_t = stats_2t[0], stats_2t[1]
+        probs_tv.div_(sum_exp_t.unsqueeze(-1))
+        ctx.save_for_backward(probs_tv, local_t, mine_t)
+        return sum_exp_t.log() - target_t
+
+    @staticmethod
+    def backward(ctx, grad_t):
+        probs_tv, local_t, mine_t = ctx.saved_tensors
+        grad_tv = probs_tv.clone()
+        rows = torch.arange(grad_tv.shape[0], device=grad_tv.device)
+        grad_tv[rows, local_t] -= mine_t.to(grad_tv.dtype)
+        grad_tv.mul_(grad_t.unsqueeze(-1))
+        return grad_tv, None, None, None, None
+
+
+def vocab_parallel_loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor, group: Group,
+                            vocab_start: int, vocab: int) -> torch.Tensor:
+    """Sum of token cross-entropies (fp32; fp64 for fp64 models), as `model.loss_sum` but for logits
+    split by vocabulary; every rank of the group gets the same value."""
+    logits_bsv = logits_bsv if logits_bsv.dtype == torch.float64 else logits_bsv.float()
+    loss_t = VocabParallelCrossEntropy.apply(logits_bsv.flatten(0, 1), targets_bs.flatten(), group,
+                                             vocab_start, vocab)
+    return loss_t.sum()
+
+
+# -- sharding a model ---------------------------------------------------------------------------
+
+class TensorParallel:
+    """How `parallelize` split a model; one per rank. Keyed by the single-process parameter names."""
+
+    def __init__(self, model: Transformer, group: Group, sequence_parallel: bool,
+                 specs: dict[nn.Parameter, ShardSpec], vocab_start: int, kv_group: Group | None):
+        self.model, self.group, self.sequence_parallel = model, group, sequence_parallel
+        self.vocab, self.vocab_start = model.cfg.vocab, vocab_start
+        self.kv_group = kv_group
+        self.spec_of = specs
+        self.specs = {name: specs[p] for name, p in model.named_parameters()}
+
+    def loss_sum(self, logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_loss_sum(logits_bsv, targets_bs, self.group, self.vocab_start, self.vocab)
+
+    # -- gradients ----------------------------------------------------------------------------
+    def not_counted(self) -> list[nn.Parameter]:
+        """Parameters whose gradient this rank leaves out of the global norm: of each set of replicas
+        only the first rank counts it, so every element of the model is counted once."""
+        return [p for p, spec in self.spec_of.items() if self.group.rank % spec.replicas]
+
+    def _sum_groups(self) -> list[tuple[Group, list[nn.Parameter]]]:
+        """(group, parameters) whose replicas hold partial gradients to be summed over that group."""
+        full = [p for p, s in self.spec_of.items() if s.partial_grads and s.replicas == self.group.size]
+        kv = [p for p, s in self.spec_of.items() if s.partial_grads and 1 < s.replicas < self.group.size]
+        return [(g, ps) for g, ps in ((self.group, full), (self.kv_group, kv)) if ps]
+
+    @torch.no_grad()
+    def sync_grads(self, owned_grads) -> None:
+        """Sum partial gradients over their replicas: one all-reduce per replica group per step (dim
+        "tp"), after the data-parallel reduction (sums commute).
+
+        `owned_grads(exclude=...)` is the engine's method: whole gradients, or ZeRO shard segments;
+        the tp ranks of one dp rank own the same segments, since their shards have the same shapes."""
+        for group, params in self._sum_groups():
+            keep = {id(p) for p in params}
+            grads = owned_grads(exclude=tuple(p for p in self.spec_of if id(p) not in keep))
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce(flat, group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    # -- full states ----------------------------------------------------------------------------
+    def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full single-process tensors from this rank's pieces (all-gather over tp, dim "checkpoint")."""
+        out = {}
+        for name, t in tensors.items():
+            spec = self.specs[name]
+            if spec.dim is None:
+                out[name] = t.clone()
+                continue
+            t = t.contiguous()
+            flat = torch.empty((self.group.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype)
+            comm.all_gather(flat, t, self.group, dim="checkpoint")
+            out[name] = spec.assemble(flat.view((self.group.size,) + tuple(t.shape)))
+        return out
+
+    def split(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's pieces of full single-process tensors."""
+        return {name: self.specs[name].piece(t, self.group.rank, self.group.size) for name, t in tensors.items()}
+
+    def gather_state(self, state: dict) -> dict:
+        """An engine's full_state (full over dp, pieces over tp) made full over tp too."""
+        return {k: self.gather(v) if isinstance(v, dict) else v for k, v in state.items()}
+
+    def split_state(self, state: dict) -> dict:
+        return {k: self.split(v) if isinstance(v, dict) else v for k, v in state.items()}
+
+
+def _shard(param: nn.Parameter, spec: ShardSpec, group: Group, specs: dict) -> nn.Parameter:
+    new = nn.Parameter(spec.piece(param.detach(), group.rank, group.size), requires_grad=param.requires_grad)
+    specs[new] = spec
+    return new
+
+
+@torch.no_grad()
+def parallelize(model: Transformer, group: Group, sequence_parallel: bool = False,
+                generator: torch.Generator | None = None, kv_group: Group | None = None) -> TensorParallel:
+    """Replace `model`'s layers in place by this rank's tensor-parallel shards (names unchanged).
+
+    Every rank passes the same full model (same seed); afterwards the ranks of `group` together
+    compute what the single-process model computes. `generator` drives dropout (see module doc);
+    `kv_group` is the group of ranks sharing a KV head when group.size > kv_heads (see `kv_replica_group`).
+    """
+    cfg, n = model.cfg, group.size
+    if cfg.experts:
+        raise NotImplementedError("tensor parallelism of mixture-of-experts layers comes with expert parallelism")
+    if cfg.heads % n or cfg.ffn % n or (cfg.kv_heads % n and n % cfg.kv_heads):
+        raise ValueError(f"tp={n} must divide heads ({cfg.heads}) and ffn ({cfg.ffn}) and divide or be a "
+                         f"multiple of kv_heads ({cfg.kv_heads})")
+    kv_replicas = n // cfg.kv_heads if n > cfg.kv_heads else 1
+    if 1 < kv_replicas < n and kv_group is None:
+        raise ValueError(f"tp={n} > kv_heads={cfg.kv_heads}: pass kv_group (see kv_replica_group)")
+    sp, d = sequence_parallel, cfg.head_dim
+    specs: dict[nn.Parameter, ShardSpec] = {}
+    replicated = ShardSpec(None, replicas=n, partial_grads=sp)
+
+    def column(linear: nn.Linear, spec: ShardSpec, enter=None) -> ColumnParallelLinear:
+        return ColumnParallelLinear(_shard(linear.weight, spec, group, specs), enter)
+
+    def row(linear: nn.Linear, full: int) -> RowParallelLinear:
+        return RowParallelLinear(_shard(linear.weight, ShardSpec(1, full), group, specs), group, sp)
+
+    for block in model.layers:
+        attn, mlp = block.attn, block.mlp
+        attn.enter = ParallelInput(group, sp)
+        attn.wq = column(attn.wq, ShardSpec(0, cfg.heads * d))
+        kv = ShardSpec(0, cfg.kv_heads * d, kv_replicas, partial_grads=kv_replicas > 1)
+        attn.wk, attn.wv = column(attn.wk, kv), column(attn.wv, kv)
+        attn.wo = row(attn.wo, cfg.heads * d)
+        mlp.enter = ParallelInput(group, sp)
+        mlp.gate = column(mlp.gate, ShardSpec(0, cfg.ffn))
+        mlp.up = column(mlp.up, ShardSpec(0, cfg.ffn))
+        mlp.down = row(mlp.down, cfg.ffn)
+        for norm in (block.attn_norm, block.mlp_norm):
+            specs[norm.weight] = replicated
+    specs[model.norm.weight] = replicated
+
+    vocab_spec = ShardSpec(0, cfg.vocab)
+    vocab_start = group.rank * padded_vocab(cfg.vocab, n) // n
+    embed_weight = _shard(model.embed.weight, vocab_spec, group, specs)
+    head_weight = embed_weight if cfg.tie_embeddings else _shard(model.head.weight, vocab_spec, group, specs)
+    model.embed = VocabParallelEmbedding(embed_weight, vocab_start, group, sp)
+    model.head = ColumnParallelLinear(head_weight, ParallelInput(group, sp))
+
+    for m in model.modules():
+        if isinstance(m, Dropout):
+            m.generator = generator
+    return TensorParallel(model, group, sp, specs, vocab_start, kv_group)
+
+
+# -- groups and streams the trainer needs ---------------------------------------------------------
+
+def kv_replica_group(mesh, replicas: int) -> Group:
+    """This rank's group of `replicas` consecutive tp ranks that hold the same KV head (tp > kv_heads).
+
+    Creating process groups is collective over the world: every rank creates every such group, in
+    the same order. Traffic over it is recorded under "tp"."""
+    from ..mesh import rank_groups
+
+    distributed = dist.is_available() and dist.is_initialized() and mesh.world_size > 1
+    mine = None
+    for tp_ranks in rank_groups(mesh.dense, mesh.order, ("tp",)):
+        for i in range(0, len(tp_ranks), replicas):
+            ranks = tp_ranks[i:i + replicas]
+            pg = dist.new_group(ranks) if distributed and len(ranks) > 1 else None
+            if mesh.rank in ranks:
+                mine = Group("tp", ranks, ranks.index(mesh.rank), pg, mesh.ledger)
+    assert mine is not None
+    return mine
+
+
+def dropout_generator(seed: int, coords: dict[str, int], sequence_parallel: bool) -> torch.Generator:
+    """The dropout stream of a rank: shared by the tp ranks of a group (replicated activations), or,
+    under sequence parallelism, one per tp rank (sequence-sharded activations). Always distinct
+    across data, context and pipeline ranks."""
+    stream = (coords.get("dp", 0), coords.get("cp", 0), coords.get("pp", 0),
+              coords.get("tp", 0) if sequence_parallel else -1)
+    s = seed
+    for c in stream:
+        s = (s * 1_000_003 + c + 2) % (2 ** 62)
+    return torch.Generator().manual_seed(s)
+
+
+def apply(model: Transformer, mesh, sequence_parallel: bool, seed: int) -> TensorParallel:
+    """`parallelize` over mesh["tp"], with the KV replica group and dropout stream this rank needs."""
+    tp = mesh["tp"]
+    kv = model.cfg.kv_heads
+    kv_group = kv_replica_group(mesh, tp.size // kv) if tp.size > kv and tp.size // kv < tp.size else None
+    return parallelize(model, tp, sequence_parallel, dropout_generator(seed, mesh.coords, sequence_parallel),
+                       kv_group)

@@ -1,0 +1,366 @@
+"""The pipeline runtime reproduces the single-process run for every schedule and sends the bytes of the
+formula; zero bubble's split backward and activation recomputation change nothing but time and memory.
+
+Multi-rank cases run in three spawns (2, 4 and 8 ranks, module fixtures); each test checks one property
+of their results against single-process references computed in this process. One-process tests drive
+the runtime directly on a single stage (pp = 1, no communication) to compare gradients exactly.
+"""
+import json
+import weakref
+
+import pytest
+import torch
+
+from fivefold.comm import Group, volume
+from fivefold.config import Config, ConfigError
+from fivefold.mesh import coords, grid_sizes
+from fivefold.model import Transformer, loss_sum
+from fivefold.parallel.pipeline import build_schedule, partition_layers
+from fivefold.parallel.pipeline.runtime import PipelineRuntime, Stage, stage_names
+from fivefold.train.trainer import Trainer
+
+from .helpers import TOL, assert_states_close, ranks, tiny_config
+from .test_data_parallel import reference, run_steps
+
+
+def cfg(layers=2, recompute="none", partition="even", **parallel) -> Config:
+    c = tiny_config(**parallel)
+    c.model.layers = layers
+    c.train.recompute = recompute
+    c.parallel.partition = partition
+    return c
+
+
+# name -> (world, config); the reference is the single-process run of the same model (same layer count)
+CASES = {
+    # 2 ranks
+    "pp2_gpipe": (2, dict(pp=2, schedule="gpipe", microbatches=4)),
+    "pp2_1f1b_full": (2, dict(pp=2, schedule="1f1b", microbatches=2, recompute="full")),
+    "pp2_interleaved_selective": (2, dict(pp=2, schedule="interleaved", vpp=2, microbatches=2, layers=4,
+                                          recompute="selective")),
+    "pp2_zb": (2, dict(pp=2, schedule="zb", microbatches=4)),
+    "pp2_zb_full": (2, dict(pp=2, schedule="zb", microbatches=2, recompute="full")),
+    # 4 ranks
+    "pp4_gpipe": (4, dict(pp=4, schedule="gpipe", microbatches=4, layers=4)),
+    "pp4_1f1b_llama3": (4, dict(pp=4, schedule="1f1b", microbatches=4, layers=8, partition="llama3")),
+    "pp4_interleaved": (4, dict(pp=4, schedule="interleaved", vpp=2, microbatches=4, layers=8)),
+    "pp4_zb": (4, dict(pp=4, schedule="zb", microbatches=4, layers=4)),
+    "pp2_dp2_zero1": (4, dict(pp=2, dp=2, zero=1, microbatches=2, bucket_mb=0.05)),
+    "pp2_tp2_sp_interleaved": (4, dict(pp=2, tp=2, sp_mode="megatron", schedule="interleaved", vpp=2,
+                                       microbatches=2, layers=4)),        # boundaries carry s/tp tokens
+    # 8 ranks: pipeline x tensor x data parallel with ZeRO-1
+    "pp2_tp2_dp2_zero1": (8, dict(pp=2, tp=2, dp=2, zero=1, microbatches=2, bucket_mb=0.05)),
+    "pp2_tp2_dp2_zero1_zb_full": (8, dict(pp=2, tp=2, dp=2, zero=1, microbatches=2, schedule="zb",
+                                          recompute="full")),
+}
+
+
+def case_config(name: str) -> Config:
+    return cfg(**CASES[name][1])
+
+
+# -- what each rank runs -------------------------------------------------------------------------
+
+def resume_half_way(rank, world, cfg_dict):
+    """Two steps, full state, a fresh trainer loads it and runs the third step."""
+    first = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
+    for k in range(2):
+        first.step(k)
+    state = first.full_state()
+    second = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
+    second.load_full_state(state)
+    second.step(2)
+    return {"state": second.full_state()["model"], "half": state["model"]}
+
+
+def train_run(rank, world, cfg_dict, out):
+    """A whole `fivefold train` run (writes metrics, comm, checkpoint, pipeline.json/svg on rank 0)."""
+    Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True).run(out)
+    return None
+
+
+def run_jobs(rank, world, jobs):
+    out = {}
+    for name, fn, args in jobs:
+        out[name] = fn(rank, world, *args)
+    return out
+
+
+def spawn(world, extra=()):
+    jobs = [(n, run_steps, (case_config(n).to_dict(),)) for n, (w, _) in CASES.items() if w == world]
+    per_rank = ranks(run_jobs, world, jobs + list(extra), timeout_s=400)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp2run")
+    run_cfg = cfg(pp=2, schedule="1f1b", microbatches=4)
+    run_cfg.train.steps, run_cfg.train.checkpoint = 2, True
+    extra = [("resume", resume_half_way, (cfg(pp=2, schedule="zb", microbatches=2).to_dict(),)),
+             ("run", train_run, (run_cfg.to_dict(), str(out)))]
+    results = spawn(2, extra)
+    results["run_dir"] = out
+    return results
+
+
+@pytest.fixture(scope="module")
+def four():
+    return spawn(4)
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return spawn(8)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Single-process runs of the same model over the same micro-batches (gradient accumulation), so the
+    comparison isolates the pipeline: its gradients are then bitwise those of one process, except the
+    tied embedding's (two copies summed in another order). Against one unsplit batch, Adam lifts the
+    accumulation's rounding above rtol 1e-5 on ~0.1% of an 8-layer model's elements (as in any layout)."""
+    cache = {}
+
+    def get(layers, microbatches=1):
+        if (layers, microbatches) not in cache:
+            cache[layers, microbatches] = reference(cfg(layers=layers, microbatches=microbatches))
+        return cache[layers, microbatches]
+    return get
+
+
+def check_equal(name, results, references):
+    c = case_config(name)
+    ref = references(c.model.layers, c.parallel.microbatches * c.parallel.dp)
+    for r in results[name]:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+        # the tied embedding is counted once: the norm is the single-process norm
+        torch.testing.assert_close(torch.tensor(r["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-5, atol=0)
+        assert_states_close(r["state"], ref["state"], **TOL["fp32"])
+
+
+@pytest.mark.parametrize("name", [n for n, (w, _) in CASES.items() if w == 2])
+def test_two_ranks_equal_single_process(name, two, references):
+    check_equal(name, two, references)
+
+
+@pytest.mark.parametrize("name", [n for n, (w, _) in CASES.items() if w == 4])
+def test_four_ranks_equal_single_process(name, four, references):
+    check_equal(name, four, references)
+
+
+@pytest.mark.parametrize("name", [n for n, (w, _) in CASES.items() if w == 8])
+def test_pp_tp_dp_zero1_on_eight_ranks_equals_single_process(name, eight, references):
+    check_equal(name, eight, references)
+
+
+# -- bytes -----------------------------------------------------------------------------------------
+
+def stage_of(c: Config, rank: int) -> int:
+    p = c.parallel
+    return coords(rank, grid_sizes(p)[0], p.order.split("-"))["pp"]
+
+
+def boundary_bytes(c: Config) -> int:
+    p, t = c.parallel, c.train
+    seq = t.seq_len // (p.tp if p.sp_mode == "megatron" else 1)
+    return (t.global_batch // (p.dp * p.microbatches)) * seq * c.model.hidden * 4
+
+
+def expected_pp(c: Config, stage: int) -> dict:
+    """Per rank per step: one send of b·s·h·bytes per micro-batch per chunk boundary each way (× v when
+    interleaved; s/tp with sequence parallelism); the last chunk sends no activation, the first no
+    gradient; receives mirror it."""
+    p, t = c.parallel, c.train
+    act = boundary_bytes(c)
+    m, v, last = p.microbatches, (p.vpp if p.schedule == "interleaved" else 1), p.pp - 1
+    sends = 2 * m * v - m * (stage == last) - m * (stage == 0)
+    recvs = 2 * m * v - m * (stage == 0) - m * (stage == last)
+    return {"send": (sends, sends * act, sends * volume.send(act)), "recv": (recvs, recvs * act, 0.0)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_p2p_bytes_match_the_formula(name, two, four, eight):
+    c = case_config(name)
+    world, p = CASES[name][0], c.parallel
+    results = {2: two, 4: four, 8: eight}[world][name]
+    v = p.vpp if p.schedule == "interleaved" else 1
+    act = boundary_bytes(c)
+    for rank, r in enumerate(results):
+        want = expected_pp(c, stage_of(c, rank))
+        for rows in r["ledger"]:
+            got = {x["op"]: (x["calls"], x["message_bytes"], x["bytes_sent"]) for x in rows if x["dim"] == "pp"}
+            assert got == want, (rank, got, want)
+    # summed over one pipeline's ranks: 2 (p·v - 1) boundaries-crossings of b·s·h per micro-batch
+    pipeline = [rank for rank in range(world) if coords(rank, grid_sizes(p)[0], p.order.split("-"))["dp"] == 0
+                and coords(rank, grid_sizes(p)[0], p.order.split("-"))["tp"] == 0]
+    total = sum(x["bytes_sent"] for rank in pipeline for x in results[rank]["ledger"][0]
+                if x["dim"] == "pp")
+    assert total == 2 * (p.pp * v - 1) * p.microbatches * volume.send(act)
+
+
+@pytest.mark.parametrize("name", ["pp2_gpipe", "pp4_zb", "pp2_tp2_dp2_zero1"])
+def test_tied_embedding_gradients_summed_once_per_step(name, two, four, eight):
+    """First and last stage all-reduce the embedding gradient (v·h/tp elements) once per step; the
+    middle stages send nothing under "embed"."""
+    c = case_config(name)
+    world, p = CASES[name][0], c.parallel
+    results = {2: two, 4: four, 8: eight}[world][name]
+    emb = c.model.vocab * c.model.hidden // p.tp * 4
+    for rank, r in enumerate(results):
+        rows = [x for x in r["ledger"][0] if x["dim"] == "embed"]
+        if stage_of(c, rank) in (0, p.pp - 1):
+            assert [(x["op"], x["calls"], x["message_bytes"], x["bytes_sent"]) for x in rows] == \
+                [("all_reduce", 1, emb, volume.all_reduce(emb, 2))]
+        else:
+            assert rows == []
+
+
+def test_loss_reported_by_every_rank(two, four):
+    for results in (two["pp2_gpipe"], four["pp2_dp2_zero1"], four["pp4_interleaved"]):
+        assert len({tuple(r["losses"]) for r in results}) == 1
+
+
+# -- checkpoints, resume, the measured timeline -------------------------------------------------
+
+def test_resume_from_full_state_is_exact(two, references):
+    """The full state holds the single-process names (the tied embedding once); loading it into a new
+    pipeline (both copies of the tied weight) and stepping gives the single-process third step."""
+    ref = references(2, 2)
+    for r in two["resume"]:
+        assert "head.weight" not in r["half"] and "embed.weight" in r["half"]
+        assert_states_close(r["state"], ref["state"], **TOL["fp32"])
+
+
+def test_training_run_writes_the_measured_timeline(two):
+    out = two["run_dir"]
+    info = json.loads((out / "pipeline.json").read_text())
+    assert (info["schedule"], info["pp"], info["microbatches"]) == ("1f1b", 2, 4)
+    measured = info["measured"]["timeline"]
+    assert len(measured) == 2
+    for rank, row in enumerate(measured):
+        assert sorted((b[0], b[1]) for b in row) == sorted((k, mb) for k in "FB" for mb in range(4))
+        assert all(b[2] == rank and b[4] >= b[3] >= 0 for b in row)
+    assert 0 < info["measured"]["bubble"] < 1
+    assert info["simulated_unit_costs"]["bubble"] == pytest.approx(1 / 5)   # (p-1)/(m+p-1)
+    assert 0 <= info["simulated_measured_costs"]["bubble"] < 1
+    svg = (out / "pipeline.svg").read_text()
+    assert "measured" in svg and "simulated" in svg
+    ck = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert set(ck["state"]["model"]) == {n for n, _ in Transformer(cfg().model).named_parameters()}
+
+
+# -- one process: the runtime on a single stage, compared exactly ---------------------------------
+
+class LiveSaved:
+    """Bytes of tensors autograd keeps for backward, and their peak (saved_tensors_hooks)."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+
+    def pack(self, t):
+        n = t.numel() * t.element_size()
+        self.now += n
+        self.peak = max(self.peak, self.now)
+        box = [t]
+        holder = type("Held", (), {})()
+        holder.box = box
+        weakref.finalize(holder, self.release, n)
+        return holder
+
+    def release(self, n):
+        self.now -= n
+
+    @staticmethod
+    def unpack(holder):
+        return holder.box[0]
+
+
+def one_stage(schedule: str, recompute: str = "none", m: int = 4):
+    """Run a schedule on one stage (pp = 1): loss, gradients by name, peak saved-activation bytes."""
+    c = cfg(layers=2)
+    c.model.tie_embeddings = False   # on one stage a tied weight would have two modules
+    model = Transformer(c.model, seed=3)
+    stage = Stage(model, partition_layers(2, 1), 0)
+    runtime = PipelineRuntime(stage, build_schedule(schedule, 1, m)[0], Group.single("pp"), loss_sum, recompute)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, c.model.vocab, (8, 32), generator=gen)
+    y = torch.roll(x, -1, 1)
+    live = LiveSaved()
+    with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+        loss = runtime.run(list(zip(x.chunk(m), y.chunk(m))), y.numel())
+    grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    return float(loss), grads, live.peak, runtime
+
+
+def test_split_backward_and_recompute_give_the_same_gradients():
+    """I + W (zero bubble) and full or selective recomputation give the gradients of a plain backward,
+    bitwise: the same kernels on the same numbers, only at other times."""
+    loss, grads, _, _ = one_stage("gpipe")
+    for schedule, recompute in (("zb", "none"), ("gpipe", "full"), ("gpipe", "selective"), ("zb", "full"),
+                                ("1f1b", "selective")):
+        other_loss, other, _, _ = one_stage(schedule, recompute)
+        assert other_loss == loss
+        for n in grads:
+            assert torch.equal(other[n], grads[n]), (schedule, recompute, n)
+
+
+def test_recompute_keeps_fewer_activations():
+    """GPipe keeps every micro-batch's activations: full recompute keeps only chunk inputs (and the
+    activations of the one chunk being recomputed), selective drops the attention core's."""
+    peaks = {r: one_stage("gpipe", r)[2] for r in ("none", "selective", "full")}
+    assert peaks["full"] < peaks["selective"] < peaks["none"]
+    assert peaks["full"] < peaks["none"] / 2
+
+
+def test_weight_gradient_waits_for_w():
+    """After I the weights have no gradient yet; W adds exactly the missing part."""
+    c = cfg(layers=2)
+    c.model.tie_embeddings = False
+    stage = Stage(Transformer(c.model, seed=3), partition_layers(2, 1), 0)
+    actions = build_schedule("zb", 1, 1)[0]
+    assert [a.kind for a in actions] == ["F", "I", "W"]
+    runtime = PipelineRuntime(stage, actions[:2], Group.single("pp"), loss_sum)
+    x = torch.randint(0, c.model.vocab, (2, 16))
+    runtime.mbs, runtime.n_tokens = [(x, torch.roll(x, -1, 1))], x.numel()
+    runtime.cos_sd, runtime.sin_sd = stage.rope(16)
+    runtime.saved, runtime.deferred, runtime.outbox, runtime.loss = {}, {}, {}, torch.zeros(1, dtype=torch.float64)
+    runtime.timeline = []
+    for a in actions:
+        runtime.compute(a)
+        if a.kind == "I":
+            assert all(p.grad is None for p in stage.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in stage.parameters())
+
+
+# -- stages and configuration ---------------------------------------------------------------------
+
+def test_stages_keep_single_process_names_and_a_tied_copy():
+    c = cfg(layers=4)
+    part = partition_layers(4, 2, 2)          # chunks 0..3 -> ranks 0, 1, 0, 1
+    model = Transformer(c.model, seed=1)
+    names = stage_names(model, part)
+    first = Stage(Transformer(c.model, seed=1), part, 0)
+    last = Stage(Transformer(c.model, seed=1), part, 1)
+    assert [n for n, _ in first.named_parameters()] == [n for n, _ in names[0]]
+    assert {n for n, _ in last.named_parameters()} == {n for n, _ in names[1]} | {"head.weight"}
+    assert first.tied is first.embed.weight and first.tied_copy is None
+    assert last.tied is last.tied_copy is last.head.weight
+    assert torch.equal(last.head.weight, first.embed.weight)
+    assert last.head.weight.data_ptr() != first.embed.weight.data_ptr()
+    assert {n.split(".")[1] for n, _ in names[0] if n.startswith("layers")} == {"0", "2"}
+
+
+def test_config_rules_for_pipeline():
+    with pytest.raises(ConfigError, match="ZeRO-2 with pp > 1"):
+        Trainer(cfg(pp=2, dp=1, zero=2, microbatches=2), 0, 2)
+    with pytest.raises(ConfigError, match="needs pp > 1"):
+        Trainer(cfg(recompute="full"), 0, 1)
+    with pytest.raises(ConfigError, match="train.recompute must be one of"):
+        cfg(recompute="some").validate()
+    odd = cfg(pp=2, schedule="interleaved", vpp=2, microbatches=3, layers=4)
+    odd.train.global_batch = 6
+    with pytest.raises(ConfigError, match="divisible by pp"):
+        Trainer(odd, 0, 2)
+    with pytest.raises(ConfigError, match="sums to"):
+        Trainer(cfg(pp=2, microbatches=2, partition="1,2"), 0, 2)

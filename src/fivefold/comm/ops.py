@@ -74,6 +74,10 @@ def _issue(group: Group, dim: str | None, op: str, message_bytes: int, fn, async
     return handle
 
 
+# torch 2.13 renamed the tensor collectives (the old names warn); older releases have only the old ones
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -97,7 +101,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
             out.copy_(inp.view_as(out))
         return DONE
     return _issue(group, dim, "all_gather", nbytes(out),
-                  lambda: dist.all_gather_into_tensor(out, inp, group=group.pg, async_op=True), async_op)
+                  lambda: _all_gather_tensor(out, inp, group=group.pg, async_op=True), async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False,
@@ -108,7 +112,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op:
             out.copy_(inp.view_as(out))
         return DONE
     return _issue(group, dim, "reduce_scatter", nbytes(inp),
-                  lambda: dist.reduce_scatter_tensor(out, inp, group=group.pg, async_op=True), async_op)
+                  lambda: _reduce_scatter_tensor(out, inp, group=group.pg, async_op=True), async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, out_splits: list[int] | None = None,

@@ -18,7 +18,7 @@ TRAIN_FLAGS = {
     "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
     "zero": "parallel.zero", "sp_mode": "parallel.sp_mode", "order": "parallel.order",
     "microbatches": "parallel.microbatches", "schedule": "parallel.schedule", "vpp": "parallel.vpp",
-    "bucket_mb": "parallel.bucket_mb",
+    "bucket_mb": "parallel.bucket_mb", "partition": "parallel.partition", "recompute": "train.recompute",
     "steps": "train.steps", "global_batch": "train.global_batch", "seq_len": "train.seq_len", "lr": "train.lr",
     "dtype": "train.dtype", "seed": "train.seed", "out": "train.out", "data": "train.data",
 }
@@ -34,6 +34,8 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"])
     ap.add_argument("--order", help="rank order, innermost first (default tp-cp-ep-dp-pp)")
     ap.add_argument("--bucket-mb", dest="bucket_mb", type=float)
+    ap.add_argument("--partition", help="layers to pipeline stages: even | llama3 | counts like 3,5,5,3")
+    ap.add_argument("--recompute", choices=["none", "full", "selective"], help="activation checkpointing (pp)")
     ap.add_argument("--lr", type=float)
     ap.add_argument("--dtype", choices=["fp32", "bf16"])
     ap.add_argument("--out", help="output folder (metrics.jsonl, comm.json, run.json, checkpoint.pt)")

@@ -110,3 +110,38 @@ def test_order_for_a_large_moe_model_is_the_fields_practice():
     dense = estimate(LLAMA8, Layout(tp=4, pp=2, dp=4, sp=True, zero=1), Workload(seq=4096, global_batch=64),
                      TOPOLOGIES["dgx-h100"])
     assert recommend_order(dense.flows) == "tp-cp-ep-pp-dp"
+
+
+def test_partial_gradients_of_replicated_kv_and_sp_norms_are_summed_once_per_step():
+    """parallel/tensor.py: when tp > kv_heads the tp/kv_heads ranks sharing a K/V head sum their K/V
+    weight gradients (one all-reduce on that subgroup per step); under SP the norm weights' gradients
+    are summed over tp; with ZeRO a rank sends only its shard's part (the mean over dp ranks here)."""
+    from dataclasses import replace
+
+    w = Workload(seq=1024, global_batch=8, dtype="bf16")
+    h, L, hd = LLAMA8.hidden, LLAMA8.layers, LLAMA8.head_dim
+    no_rep = replace(LLAMA8, kv_heads=16)              # tp 16 splits the K/V heads: nothing to sum
+    kv = 2 * L * hd * h * 4                            # one K and one V head per rank, fp32 gradients
+    for dp, zero in ((1, 0), (2, 1)):
+        lay = Layout(tp=16, dp=dp, zero=zero)
+        got, ref = rows(LLAMA8, lay, w)[("tp", "all_reduce")], rows(no_rep, lay, w)[("tp", "all_reduce")]
+        assert got.calls == ref.calls + 1
+        assert got.message_bytes - ref.message_bytes == kv / dp
+        assert got.bytes_sent - ref.bytes_sent == pytest.approx(volume.all_reduce(kv / dp, 2))
+    sp = rows(LLAMA8, Layout(tp=8, dp=1, sp=True), w)[("tp", "all_reduce")]
+    assert sp.calls == 2 * 8 + 1                         # two cross-entropy reductions per micro-batch, one sync
+    assert sp.message_bytes == 3 * 1024 * 4 * 8 + (2 * L + 1) * h * 4
+
+
+def test_gradient_reduction_calls_one_per_bucket_or_unit():
+    """data.py / zero.py: DDP and ZeRO-1/2 make one call per bucket, ZeRO-3 one per unit (block, root),
+    gathered twice per micro-batch unless parameters stay gathered from forward to backward."""
+    m = from_model_config(tiny_config().model)      # 2 blocks + root
+    w = Workload(seq=32, global_batch=4, dtype="fp32")
+    ddp = rows(m, Layout(dp=2, bucket_mb=0.05), w)[("dp", "all_reduce")]
+    assert ddp.calls > 1 and ddp.message_bytes == 4 * m.num_params()
+    z3 = rows(m, Layout(dp=2, zero=3, micro_batch=1), w)      # 2 micro-batches
+    assert z3[("dp", "all_gather")].calls == 2 * 2 * 3 and z3[("dp", "reduce_scatter")].calls == 2 * 3
+    keep = rows(m, Layout(dp=2, zero=3, micro_batch=1, reshard=False), w)
+    assert keep[("dp", "all_gather")].calls == 2 * 3
+    assert keep[("dp", "all_gather")].bytes_sent == pytest.approx(z3[("dp", "all_gather")].bytes_sent / 2)

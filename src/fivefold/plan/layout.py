@@ -39,7 +39,8 @@ class Layout:
     recompute: str = "none"
     order: str = "tp-cp-ep-dp-pp"
     uneven: bool = False           # Llama-3 split: first and last stage one layer fewer
-    bucket_mb: float = 25.0        # ZeRO-1/2 bucket size (sets where flat buffers are padded)
+    bucket_mb: float = 25.0        # DDP / ZeRO-1/2 bucket size (sets where flat buffers are padded)
+    reshard: bool = True           # ZeRO-3: free gathered parameters after forward (False: keep them to backward)
 
     @property
     def gpus(self) -> int:
@@ -137,7 +138,7 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
     layout = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp_mode == "megatron",
                     cp_mode="ulysses" if p.sp_mode == "ulysses" else "ring", vpp=p.vpp,
                     micro_batch=max(per_dp // p.microbatches, 1), schedule=p.schedule, order=p.order,
-                    bucket_mb=p.bucket_mb)
+                    bucket_mb=p.bucket_mb, reshard=p.reshard_after_forward)
     work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=False)
     return layout, work
 

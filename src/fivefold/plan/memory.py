@@ -166,22 +166,30 @@ def shard(count: int, n: int) -> int:
     return math.ceil(count / n)
 
 
-def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int, bool]]:
-    """(elements on one rank, is routed expert) of layer i's tensors in registration order. Exact for
-    our runtime's Llama block (attn_norm, wq, wk, wv, wo, mlp_norm, gate, up, down); other variants
-    are lumped per sub-block, which only moves ZeRO bucket boundaries."""
+def exact_tensors(model: PlanModel) -> bool:
+    """Whether `layer_tensors` lists every layer's tensors one by one (our runtime's Llama block), none
+    lumped per sub-block."""
+    return not (model.mla or model.linear_bias or model.qkv_bias or model.moe or model.mlp != "swiglu")
+
+
+def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int, bool, str]]:
+    """(elements on one rank, is routed expert, tag) of layer i's tensors in registration order. Exact
+    for our runtime's Llama block (attn_norm, wq, wk, wv, wo, mlp_norm, gate, up, down; see
+    `exact_tensors`); other variants are lumped per sub-block, which only moves ZeRO bucket boundaries.
+    Tags: "norm" (replicated over tp), "kv" (K/V weights, replicated over tp/kv_heads ranks when
+    tp > kv_heads), "" otherwise; a lump holding K/V is tagged "" (see `exact_tensors`)."""
     h = model.hidden
     dense, expert = layer_rank_params(model, i, tp, ep)
     norm = model._norm(h)
     if model.mla or model.linear_bias or model.qkv_bias or model.is_moe_layer(i) or model.mlp != "swiglu":
         attn = _attn_rank(model, tp)
         mlp = dense - 2 * norm - attn     # dense MLP, or router + shared experts
-        out = [(norm, False), (attn, False), (norm, False), (mlp, False)]
-        return out + ([(expert, True)] if expert else [])
+        out = [(norm, False, "norm"), (attn, False, ""), (norm, False, "norm"), (mlp, False, "")]
+        return out + ([(expert, True, "")] if expert else [])
     kv = model.kv_heads * model.head_dim * h // min(tp, model.kv_heads)
     f = model.ffn * h // tp
-    return [(norm, False), (h * h // tp, False), (kv, False), (kv, False), (h * h // tp, False), (norm, False),
-            (f, False), (f, False), (f, False)]
+    return [(norm, False, "norm"), (h * h // tp, False, ""), (kv, False, "kv"), (kv, False, "kv"),
+            (h * h // tp, False, ""), (norm, False, "norm"), (f, False, ""), (f, False, ""), (f, False, "")]
 
 
 def _attn_rank(model: PlanModel, tp: int) -> int:
@@ -197,58 +205,95 @@ def _attn_rank(model: PlanModel, tp: int) -> int:
 
 def root_tensors(model: PlanModel, layout: Layout, stage: int) -> list[int]:
     """Embedding (first stage), final norm and untied head (last stage), in registration order."""
+    return [n for n, _ in root_tensors_tagged(model, layout, stage)]
+
+
+def root_tensors_tagged(model: PlanModel, layout: Layout, stage: int) -> list[tuple[int, str]]:
+    """`root_tensors` with `layer_tensors`' tags (the final norm is "norm")."""
     vocab_rank = padded_vocab(model, layout.tp) // layout.tp * model.hidden
     out = []
     if stage == 0:
-        out.append(vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0))
+        out.append((vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0), ""))
     if stage == layout.pp - 1:
-        out.append(model._norm(model.hidden))
+        out.append((model._norm(model.hidden), "norm"))
         if not model.tie_embeddings or layout.pp > 1:
-            out.append(vocab_rank)
+            out.append((vocab_rank, ""))
     return out
 
 
 def bucketize(sizes: list[int], bucket_bytes: float, itemsize: int) -> list[int]:
     """Greedy consecutive buckets of at most bucket_bytes (as parallel/data.py builds them)."""
-    out, cur, size = [], 0, 0.0
-    for n in sizes:
-        if cur and size + n * itemsize > bucket_bytes:
-            out.append(cur)
-            cur, size = 0, 0.0
-        cur += n
-        size += n * itemsize
+    return [sum(n for n, _ in b) for b in _bucketize_tagged([(n, "") for n in sizes], bucket_bytes, itemsize)]
+
+
+def _bucketize_tagged(tensors: list[tuple[int, str]], bucket_bytes: float, itemsize: int) -> list[tuple]:
+    out, cur, size = [], [], 0.0
+    for t in tensors:
+        if cur and size + t[0] * itemsize > bucket_bytes:
+            out.append(tuple(cur))
+            cur, size = [], 0.0
+        cur.append(t)
+        size += t[0] * itemsize
     if cur:
-        out.append(cur)
+        out.append(tuple(cur))
     return out
 
 
 def zero_units(model: PlanModel, layout: Layout, grad_bytes: int, stage: int, expert: bool = False) -> tuple[int, ...]:
     """Sizes of the flat buffers ZeRO shards, each padded to a multiple of n (parallel/zero.py): one per
     transformer block plus a root unit (embedding, norm, head) for ZeRO-3; buckets of at most bucket_mb
-    MiB in backward order for ZeRO-1/2. `expert` selects the routed-expert parameters instead."""
+    MiB in backward order for ZeRO-1/2 (and, with zero = 0, DDP's all-reduce buckets, parallel/data.py).
+    `expert` selects the routed-expert parameters instead."""
     L = layout
     return _zero_units(model, L.tp, L.pp, L.ep, L.uneven, L.zero >= 3, L.bucket_mb, grad_bytes, stage, expert)
 
 
 @lru_cache(maxsize=8192)
-def _layer_tensor_sizes(model: PlanModel, moe: bool, tp: int, ep: int, expert: bool) -> tuple[int, ...]:
-    i = model.dense_layers if moe else 0
-    return tuple(n for n, ex in layer_tensors(model, i, tp, ep) if ex == expert)
+def _zero_units(*key) -> tuple[int, ...]:
+    return tuple(sum(n for n, _ in u) for u in _unit_tensors(*key))
+
+
+def unit_tensors(model: PlanModel, layout: Layout, grad_bytes: int, stage: int,
+                 expert: bool = False) -> tuple[tuple[tuple[int, str], ...], ...]:
+    """`zero_units` tensor by tensor: per unit, its tensors' (elements, tag) in flat-buffer order."""
+    L = layout
+    return _unit_tensors(model, L.tp, L.pp, L.ep, L.uneven, L.zero >= 3, L.bucket_mb, grad_bytes, stage, expert)
 
 
 @lru_cache(maxsize=8192)
-def _zero_units(model: PlanModel, tp: int, pp: int, ep: int, uneven: bool, stage3: bool, bucket_mb: float,
-                grad_bytes: int, stage: int, expert: bool) -> tuple[int, ...]:
+def _layer_tensors_tagged(model: PlanModel, moe: bool, tp: int, ep: int, expert: bool) -> tuple[tuple[int, str], ...]:
+    i = model.dense_layers if moe else 0
+    return tuple((n, tag) for n, ex, tag in layer_tensors(model, i, tp, ep) if ex == expert)
+
+
+@lru_cache(maxsize=8192)
+def _unit_tensors(model: PlanModel, tp: int, pp: int, ep: int, uneven: bool, stage3: bool, bucket_mb: float,
+                  grad_bytes: int, stage: int, expert: bool) -> tuple:
     rng = stage_ranges(model.layers, pp, uneven)[stage]
-    per_layer = [_layer_tensor_sizes(model, model.is_moe_layer(i), tp, ep, expert) for i in rng]
+    per_layer = [_layer_tensors_tagged(model, model.is_moe_layer(i), tp, ep, expert) for i in rng]
     lay = Layout(tp=tp, pp=pp, ep=ep)
-    root = [] if expert else root_tensors(model, lay, stage)
+    root = [] if expert else root_tensors_tagged(model, lay, stage)
     if stage3:
-        units = ([sum(root)] if root else []) + [sum(t) for t in per_layer]
-        return tuple(u for u in units if u)
+        units = ([tuple(root)] if root else []) + [t for t in per_layer]
+        return tuple(u for u in units if sum(n for n, _ in u))
     first = root[:1] if stage == 0 else []
-    order = first + [n for t in per_layer for n in t] + root[len(first):]
-    return tuple(bucketize(list(reversed(order)), bucket_mb * 2**20, grad_bytes))
+    order = first + [t for ts in per_layer for t in ts] + root[len(first):]
+    return tuple(_bucketize_tagged(list(reversed(order)), int(bucket_mb * 2**20), grad_bytes))
+
+
+def owned_tagged(units: tuple, n: int, rank: int) -> dict[str, int]:
+    """Elements per tag that group rank `rank` owns of ZeRO units sharded over n ranks (rank r owns
+    elements [r·k, (r+1)·k) of each unit padded to a multiple of n, k = padded/n)."""
+    out: dict[str, int] = {}
+    for u in units:
+        k = shard(sum(e for e, _ in u), n)
+        lo, hi, o = rank * k, (rank + 1) * k, 0
+        for e, tag in u:
+            a, b = max(o, lo), min(o + e, hi)
+            if a < b:
+                out[tag] = out.get(tag, 0) + b - a
+            o += e
+    return out
 
 
 @lru_cache(maxsize=65536)
@@ -450,11 +495,12 @@ class Memory:
 
 
 def zero3_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
-    """ZeRO-3 gathers one layer's parameters at a time and prefetches the next: two layers unsharded."""
+    """ZeRO-3 gathers one layer's parameters at a time and prefetches the next: two layers unsharded.
+    Without resharding after forward every layer stays gathered until its backward: the whole stage."""
     if layout.zero < 3:
         return 0.0
-    biggest = _stage_param_table(model, layout.tp, layout.pp, layout.ep, layout.uneven)[stage][2]
-    return 2.0 * biggest * work.param_bytes
+    dense, expert, biggest = _stage_param_table(model, layout.tp, layout.pp, layout.ep, layout.uneven)[stage]
+    return (2.0 * biggest if layout.reshard else float(dense + expert)) * work.param_bytes
 
 
 def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:

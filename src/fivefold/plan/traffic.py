@@ -10,9 +10,16 @@ Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation eleme
 
 - TP (Shoeybi et al. 2019): 2 all-reduces of T·h·e forward (after attention and MLP; g) and 2 backward
   (before them; f). Vocab-parallel embedding: 1 all-reduce forward; LM head input: 1 backward; vocab-parallel
-  cross-entropy: an all-reduce of T fp32 maxima, then one of 2T (sum of exponentials, target logit).
+  cross-entropy: an all-reduce of T fp32 maxima, then one of 2T (sum of exponentials, target logit)
+  (fp64 for an fp64 model).
 - SP (Korthikanti et al. 2022): each all-reduce becomes an all-gather and a reduce-scatter of the same
-  tensor, forward and backward (same bytes); norm-weight gradients all-reduced over tp once per step.
+  tensor, forward and backward (same bytes); the embedding's g a reduce-scatter forward and an
+  all-gather backward, the head input's f an all-gather forward and a reduce-scatter backward.
+- Partial gradients of tp-replicated weights, summed once per step after the dp reduction: under SP the
+  norm weights (each tp rank saw only its tokens), all-reduced over tp; when tp > kv_heads the K/V
+  weights, all-reduced over the tp/kv_heads ranks sharing a head (over all of tp when kv_heads = 1,
+  together with the norms). Message: the owned gradients in the gradient dtype (ZeRO: the rank's shard
+  segments of them, so it differs by dp rank; see `_tp_sync_flows`).
 - Full recompute re-runs the forward, and with it the forward collectives of TP/SP/CP/EP.
 - Ulysses (Jacobs et al. 2023): 4 all-to-alls forward (q, k, v; output) and 4 backward, each of the
   rank's local tensor. Ring attention (Liu et al. 2023): cp-1 sends of the local K,V block forward,
@@ -22,21 +29,25 @@ Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation eleme
   slice), then an all-gather inside tp after dispatch and a reduce-scatter before combine.
 - PP (Narayanan et al. 2021): one send of T·h·e (/t with SP) per micro-batch per boundary each way,
   × v with interleaving; the matching receives are recorded with 0 bytes sent, as the ledger does.
-- DP: DDP one all-reduce of every gradient per step (after the last micro-batch). ZeRO-1:
-  reduce-scatter of gradients and all-gather of parameters, once per step. ZeRO-2: the reduce-scatter
-  per micro-batch (a rank keeps only its gradient shard while accumulating). ZeRO-3: all-gather of
-  parameters before each micro-batch's forward and again before its backward, reduce-scatter per
-  micro-batch (Rajbhandari et al. 2020, §7: 3Φ vs DDP's 2Φ). Buffers padded to a multiple of n.
+- DP: one call per bucket of at most bucket_mb (DDP, ZeRO-1/2) or per unit (ZeRO-3: a block, and the
+  root: embedding, final norm, head). DDP all-reduces every gradient once per step (after the last
+  micro-batch). ZeRO-1: reduce-scatter of gradients and all-gather of parameters, once per step.
+  ZeRO-2: the reduce-scatter per micro-batch (a rank keeps only its gradient shard while accumulating).
+  ZeRO-3: all-gather of parameters before each micro-batch's forward and again before its backward
+  (once without resharding after forward), reduce-scatter per micro-batch (Rajbhandari et al. 2020,
+  §7: 3Φ vs DDP's 2Φ). ZeRO buffers padded to a multiple of n.
 - loss: one all-reduce of a float64 over dp, and over pp (only the last stage has it); grad_norm: one float64 over the model-parallel ranks
   (tp·cp·pp, and dp too when ZeRO shards the gradients), when that group has more than one rank.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from ..comm import volume
 from .layout import Layout, Workload, microbatches
-from .memory import padded_vocab, stage_params, stage_ranges, unit_sums, zero_units
+from .memory import (exact_tensors, owned_tagged, padded_vocab, stage_params, stage_ranges, unit_sums,
+                     unit_tensors, zero_units)
 from .models import PlanModel
 from .topology import Topology, collective_latency, group_bandwidth
 
@@ -88,6 +99,17 @@ class Flows:
         row.message_bytes += calls * message_bytes
         row.bytes_sent += calls * VOLUME[op](message_bytes, n)
 
+    def add_total(self, dim: str, op: str, group: str, n: int, total_message_bytes: float, calls: int) -> None:
+        """`calls` calls whose messages sum to `total_message_bytes` (bytes sent are linear in the message)."""
+        if n <= 1 or calls <= 0 or total_message_bytes <= 0:
+            return
+        row = self.rows.get((dim, op))
+        if row is None:
+            row = self.rows[(dim, op)] = Flow(dim, op, group, n)
+        row.calls += int(calls)
+        row.message_bytes += total_message_bytes
+        row.bytes_sent += VOLUME[op](total_message_bytes, n)
+
     def list(self) -> list[Flow]:
         return [self.rows[k] for k in sorted(self.rows)]
 
@@ -134,15 +156,67 @@ def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
             f.add("tp", "all_reduce", "tp", t, act, m)
         f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, m)          # max logit
         f.add("tp", "all_reduce", "tp", t, 2 * T * w.master_bytes, m)      # sum of exp, target logit
-    if L.sp:  # norm weights see sequence shards: their gradients are all-reduced over tp once per step
-        norms = len(rng) * 2 * model._norm(h) + (model._norm(h) if stage == L.pp - 1 else 0)
-        f.add("tp", "all_reduce", "tp", t, norms * w.grad_bytes, 1)
     moe = sum(1 for i in rng if model.is_moe_layer(i))
     if moe:  # routed tokens gathered inside tp after dispatch, scattered before combine
         routed = model.top_k * w.capacity_factor * T * h * e
         calls = (fwd_passes + 1) * m * moe
         f.add("tp", "all_gather", "tp", t, routed, calls)
         f.add("tp", "reduce_scatter", "tp", t, routed, calls)
+
+
+def kv_replicas(model: PlanModel, tp: int) -> int:
+    """Consecutive tp ranks holding the same K/V head: tp/kv_heads when tp > kv_heads, else 1 (MLA: 1)."""
+    return tp // model.kv_heads if tp > model.kv_heads and not model.mla else 1
+
+
+def partial_grad_params(model: PlanModel, L: Layout, stage: int) -> dict[str, int]:
+    """Parameters per rank of `stage` whose gradients are partial sums over tp replicas, by tag: "norm"
+    (replicated on every tp rank and seeing only its sequence shard under SP: norm weights, and
+    row-parallel biases and MoE routers where the model has them) and "kv" (K/V weights of a head
+    shared by tp/kv_heads ranks, each computing the part of its own query heads)."""
+    return dict(_partial_grad_params(model, L.tp, L.pp, L.uneven, L.sp, stage))
+
+
+@lru_cache(maxsize=16384)
+def _partial_grad_params(model: PlanModel, tp: int, pp: int, uneven: bool, sp: bool, stage: int) -> tuple:
+    if tp == 1:
+        return ()
+    h, rng = model.hidden, stage_ranges(model.layers, pp, uneven)[stage]
+    out = {}
+    if sp:
+        per = {False: 2 * model._norm(h) + (2 * h if model.linear_bias else 0),
+               True: 2 * model._norm(h) + (h if model.linear_bias else 0) + model.router_params()}
+        out["norm"] = sum(per[model.is_moe_layer(i)] for i in rng) + (model._norm(h) if stage == pp - 1 else 0)
+    if kv_replicas(model, tp) > 1:
+        out["kv"] = len(rng) * 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias) // model.kv_heads
+    return tuple(out.items())
+
+
+def _tp_sync_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int,
+                   dp_rank: int | None) -> None:
+    """Partial gradients of tp-replicated parameters summed over their replicas once per step, after the
+    data-parallel reduction (parallel/tensor.py, `TensorParallel.sync_grads`): one all-reduce over tp of
+    the "norm" set (and of K/V when kv_heads == 1, every tp rank then holding the one head), one over the
+    tp/kv_heads ranks sharing a K/V head otherwise. Each rank sends the gradients it owns: all of them
+    without ZeRO; with ZeRO its shard's segments of them, so the message differs by dp rank (summing to
+    the whole set over the dp·cp ranks) and a rank that owns none skips the call. With `dp_rank` those are
+    that rank's exact segments; without it, the mean over dp ranks (one call)."""
+    parts = partial_grad_params(model, L, stage)
+    if not parts:
+        return
+    r = kv_replicas(model, L.tp)
+    n_zero = L.dp * L.cp if L.zero else 1
+    if n_zero > 1 and dp_rank is not None and exact_tensors(model):
+        owned = owned_tagged(unit_tensors(model, L, w.grad_bytes, stage), n_zero, dp_rank)
+        if not L.sp:
+            owned.pop("norm", None)
+    else:
+        owned = {tag: count / n_zero for tag, count in parts.items()}
+    full = owned.get("norm", 0) + (owned.get("kv", 0) if r == L.tp else 0)
+    f.add("tp", "all_reduce", "tp", L.tp, full * w.grad_bytes, 1)
+    if 1 < r < L.tp:  # recorded under "tp" too (kv_replica_group): its bytes use n = r; the row keeps
+        # the tp group's n and tier, which contain this subgroup's
+        f.add("tp", "all_reduce", "tp", r, owned.get("kv", 0) * w.grad_bytes, 1)
 
 
 def _cp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
@@ -197,36 +271,44 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
 
 def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, w: Workload, m: int,
                 units: tuple[int, ...]) -> None:
-    """Gradient reduction and ZeRO gathers for `params` parameters over n ranks (ZeRO: per padded unit)."""
+    """Gradient reduction and ZeRO gathers for `params` parameters over n ranks: one call per bucket
+    (DDP, ZeRO-1/2) or unit (ZeRO-3), `units` their sizes; ZeRO's are padded to a multiple of n."""
     if n == 1 or params == 0:
         return
-    padded = unit_sums(units, n)[0]
+    u = len(units) or 1
     if L.zero == 0:
-        f.add(dim, "all_reduce", group, n, params * w.grad_bytes, 1)
-    elif L.zero == 1:
-        f.add(dim, "reduce_scatter", group, n, padded * w.grad_bytes, 1)
-        f.add(dim, "all_gather", group, n, padded * w.param_bytes, 1)
+        f.add_total(dim, "all_reduce", group, n, params * w.grad_bytes, u)
+        return
+    padded = unit_sums(units, n)[0]
+    if L.zero == 1:
+        f.add_total(dim, "reduce_scatter", group, n, padded * w.grad_bytes, u)
+        f.add_total(dim, "all_gather", group, n, padded * w.param_bytes, u)
     elif L.zero == 2:
-        f.add(dim, "reduce_scatter", group, n, padded * w.grad_bytes, m)
-        f.add(dim, "all_gather", group, n, padded * w.param_bytes, 1)
-    else:
-        f.add(dim, "all_gather", group, n, padded * w.param_bytes, 2 * m)
-        f.add(dim, "reduce_scatter", group, n, padded * w.grad_bytes, m)
+        f.add_total(dim, "reduce_scatter", group, n, m * padded * w.grad_bytes, m * u)
+        f.add_total(dim, "all_gather", group, n, padded * w.param_bytes, u)
+    else:  # gathered before each forward and (resharded after it) again before each backward
+        gathers = (2 if L.reshard else 1) * m
+        f.add_total(dim, "all_gather", group, n, gathers * padded * w.param_bytes, gathers * u)
+        f.add_total(dim, "reduce_scatter", group, n, m * padded * w.grad_bytes, m * u)
 
 
-def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int) -> list[Flow]:
-    """Every (dim, op) row one rank of `stage` records in one optimizer step."""
+def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
+                dp_rank: int | None = None) -> list[Flow]:
+    """Every (dim, op) row one rank of `stage` records in one optimizer step. Rows are the same on every
+    rank of a stage except the tp gradient sync under ZeRO (see `_tp_sync_flows`): for it `dp_rank`
+    picks the data-parallel rank (its index in the dp·cp group), None the mean over them."""
     L, f = layout, Flows()
     m = microbatches(L, work)
     T = L.micro_batch * work.seq / L.cp
     _tp_flows(f, model, L, work, stage, m, T)
+    _tp_sync_flows(f, model, L, work, stage, dp_rank)
     _cp_flows(f, model, L, work, stage, m, T)
     _ep_flows(f, model, L, work, stage, m, T)
     _pp_flows(f, model, L, work, stage, m, T)
     dense, expert = stage_params(model, L, stage)
-    units = (lambda ex: zero_units(model, L, work.grad_bytes, stage, ex) if L.zero else ())
-    _grad_flows(f, "dp", "dp_cp", L.dp * L.cp, dense, L, work, m, units(False))
-    _grad_flows(f, "edp", "edp", L.edp, expert, L, work, m, units(True))
+    units = (lambda ex, n: zero_units(model, L, work.grad_bytes, stage, ex) if n > 1 else ())
+    _grad_flows(f, "dp", "dp_cp", L.dp * L.cp, dense, L, work, m, units(False, L.dp * L.cp))
+    _grad_flows(f, "edp", "edp", L.edp, expert, L, work, m, units(True, L.edp))
     f.add("loss", "all_reduce", "dp", L.dp, 8, 1)
     f.add("loss", "all_reduce", "pp", L.pp, 8, 1)      # only the last stage computed it
     norm_group = "world" if L.zero >= 1 else "mp"
@@ -283,15 +365,20 @@ def by_dim(flows: list[Flow]) -> dict[str, float]:
 
 def all_ranks(model: PlanModel, layout: Layout, work: Workload) -> dict[tuple[str, str], dict]:
     """(dim, op) -> calls, message_bytes, bytes_sent summed over every rank for one step (what a
-    ledger gathered over ranks shows, per step)."""
-    ranks_per_stage = layout.gpus // layout.pp
+    ledger gathered over ranks shows, per step); under ZeRO each data-parallel rank's own rows."""
+    L = layout
+    n = L.dp * L.cp
+    ranks_per_stage = L.gpus // L.pp
+    per_dp = L.zero >= 1 and n > 1 and L.tp > 1
     out: dict[tuple[str, str], dict] = {}
-    for j in range(layout.pp):
-        for fl in stage_flows(model, layout, work, j):
-            row = out.setdefault((fl.dim, fl.op), {"calls": 0, "message_bytes": 0.0, "bytes_sent": 0.0})
-            row["calls"] += fl.calls * ranks_per_stage
-            row["message_bytes"] += fl.message_bytes * ranks_per_stage
-            row["bytes_sent"] += fl.bytes_sent * ranks_per_stage
+    for j in range(L.pp):
+        for flows, weight in ([(stage_flows(model, L, work, j, r), ranks_per_stage // n) for r in range(n)]
+                              if per_dp else [(stage_flows(model, L, work, j), ranks_per_stage)]):
+            for fl in flows:
+                row = out.setdefault((fl.dim, fl.op), {"calls": 0, "message_bytes": 0.0, "bytes_sent": 0.0})
+                row["calls"] += fl.calls * weight
+                row["message_bytes"] += fl.message_bytes * weight
+                row["bytes_sent"] += fl.bytes_sent * weight
     return out
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..config import DIMS, SCHEDULES, Config, ConfigError, divisors, nearest
-from .models import PlanModel
+from .models import PlanModel, cached_hash
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8, "fp8": 1}
 RECOMPUTE = ("none", "selective", "full")
@@ -99,11 +99,7 @@ class Workload:
     causal: bool = True
 
     def __hash__(self) -> int:     # hashed often as a cache key: compute once
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(self.__dict__[f] for f in self.__dataclass_fields__))
-            object.__setattr__(self, "_hash", h)
-        return h
+        return cached_hash(self)
 
     @property
     def param_bytes(self) -> int:

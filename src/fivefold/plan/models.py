@@ -27,6 +27,15 @@ from pathlib import Path
 from ..config import ConfigError, ModelConfig
 
 
+def cached_hash(obj) -> int:
+    """Hash of a frozen dataclass's fields, computed once and kept on the object (planner cache keys)."""
+    h = obj.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(obj.__dict__[f] for f in obj.__dataclass_fields__))
+        object.__setattr__(obj, "_hash", h)
+    return h
+
+
 @dataclass(frozen=True)
 class PlanModel:
     """Shape of a decoder-only transformer, as far as memory, bytes and FLOPs depend on it."""
@@ -63,11 +72,7 @@ class PlanModel:
     v_head_dim: int = 0
 
     def __hash__(self) -> int:     # a cache key everywhere: hash the fields once
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(self.__dict__[f] for f in self.__dataclass_fields__))
-            object.__setattr__(self, "_hash", h)
-        return h
+        return cached_hash(self)
 
     # -- shapes -------------------------------------------------------------------------------
     @property

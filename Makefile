@@ -23,6 +23,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/ddp.py
+	$(PY) benchmarks/zero.py --no-deepspeed
+	$(PY) benchmarks/tensor.py
+	$(PY) benchmarks/pipeline.py
 
 clean:
 	rm -rf runs

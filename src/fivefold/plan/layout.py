@@ -134,7 +134,8 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
     layout = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp_mode == "megatron",
                     cp_mode="ulysses" if p.sp_mode == "ulysses" else "ring", vpp=p.vpp,
                     micro_batch=max(per_dp // p.microbatches, 1), schedule=p.schedule, order=p.order,
-                    bucket_mb=p.bucket_mb, reshard=p.reshard_after_forward)
+                    bucket_mb=p.bucket_mb, reshard=p.reshard_after_forward, uneven=p.partition == "llama3",
+                    recompute=t.recompute)
     work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=False)
     return layout, work
 

@@ -44,3 +44,29 @@ def report(rows: list[dict], baseline: str) -> str:
         lines.append(f"{r['name']:<28}{r['median_s'] * 1e3:>11.1f} ms{r['peak_rss_mb']:>9.0f} MB"
                      f"{r['median_s'] / base['median_s']:>12.3f}{r['peak_rss_mb'] / base['peak_rss_mb']:>11.3f}")
     return "\n".join(lines)
+
+
+def best_of_rounds(bench_rank, nproc: int, impls: list[tuple[str, str]], args_of, rounds: int,
+                   keep_going: bool = False) -> dict[str, dict]:
+    """Alternate the implementations `rounds` times in fresh processes; keep each one's fastest round
+    (the machine is noisy). `args_of(impl)` gives bench_rank's arguments after (rank, world). A row also
+    carries the first rank's `first_loss` when bench_rank returns one. With keep_going, an implementation
+    that cannot run here is reported and skipped."""
+    from fivefold.train.launch import run_ranks
+
+    best: dict[str, dict] = {}
+    for _ in range(rounds):
+        for impl, name in impls:
+            try:
+                per_rank = run_ranks(bench_rank, nproc, args_of(impl), timeout_s=900)
+            except Exception as e:  # noqa: BLE001
+                if not keep_going:
+                    raise
+                print(f"{name}: failed: {str(e).strip().splitlines()[-1]}")
+                continue
+            row = summarize(name, per_rank)
+            if "first_loss" in per_rank[0]:
+                row["first_loss"] = per_rank[0]["first_loss"]
+            if name not in best or row["median_s"] < best[name]["median_s"]:
+                best[name] = row
+    return best

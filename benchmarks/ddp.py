@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import BENCH_MODEL, peak_rss_mb, report, summarize, time_steps
-
-from fivefold.train.launch import run_ranks
+from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, report, time_steps
 
 
 def bench_rank(rank, world, impl, steps, bucket_mb, batch, seq):
@@ -63,13 +61,9 @@ def main():
     n = BENCH_MODEL.num_params()
     print(f"model: {n / 1e6:.2f} M parameters, batch {a.batch}x{a.seq} per rank, {a.nproc} gloo ranks, "
           f"bucket {a.bucket_mb} MB, {a.steps} timed steps")
-    best: dict[str, dict] = {}
-    for _ in range(a.rounds):  # alternate, keep each implementation's best round (machine noise)
-        for impl, name in (("torch", "torch DDP"), ("ours", "fivefold DataParallel")):
-            per_rank = run_ranks(bench_rank, a.nproc, (impl, a.steps, a.bucket_mb, a.batch, a.seq), timeout_s=900)
-            row = summarize(name, per_rank)
-            if name not in best or row["median_s"] < best[name]["median_s"]:
-                best[name] = row
+    impls = [("torch", "torch DDP"), ("ours", "fivefold DataParallel")]
+    best = best_of_rounds(bench_rank, a.nproc, impls, lambda impl: (impl, a.steps, a.bucket_mb, a.batch, a.seq),
+                          a.rounds)
     print(report(list(best.values()), "torch DDP"))
 
 

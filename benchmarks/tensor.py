@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import argparse
 
-from common import BENCH_MODEL, peak_rss_mb, summarize, time_steps
+from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, time_steps
 
-from fivefold.train.launch import run_ranks
 
 
 def bench_rank(rank, world, impl, steps, batch, seq):
@@ -140,14 +139,7 @@ def main():
              ("dtensor_sp", "DTensor TP+SP"), ("ours_sp", "fivefold TP+SP")]
     print(f"model: {BENCH_MODEL.num_params() / 1e6:.2f} M parameters, batch {a.batch}x{a.seq}, tp={a.nproc} "
           f"gloo ranks, {a.steps} timed steps, best of {a.rounds} rounds")
-    best: dict[str, dict] = {}
-    for _ in range(a.rounds):
-        for impl, name in impls:
-            per_rank = run_ranks(bench_rank, a.nproc, (impl, a.steps, a.batch, a.seq), timeout_s=900)
-            row = summarize(name, per_rank)
-            row["first_loss"] = per_rank[0]["first_loss"]
-            if name not in best or row["median_s"] < best[name]["median_s"]:
-                best[name] = row
+    best = best_of_rounds(bench_rank, a.nproc, impls, lambda impl: (impl, a.steps, a.batch, a.seq), a.rounds)
     print(f"{'impl':<18}{'median step':>13}{'peak RSS':>11}{'first loss':>12}   ours / DTensor (time, memory)")
     peer = {"fivefold TP": "DTensor TP", "fivefold TP+SP": "DTensor TP+SP"}
     for name, r in best.items():

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 
-from common import BENCH_MODEL, peak_rss_mb, summarize, time_steps
+from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, time_steps
 
-from fivefold.train.launch import run_ranks
 
 
 def bench_rank(rank, world, impl, steps, batch, seq):
     import torch
 
-    from fivefold.model import Transformer, loss_sum
+    from fivefold.model import Transformer
 
     model = Transformer(BENCH_MODEL, seed=0)
     gen = torch.Generator().manual_seed(rank)
@@ -125,17 +124,8 @@ def main():
             print(f"DeepSpeed not available: {e}")
     print(f"model: {BENCH_MODEL.num_params() / 1e6:.2f} M parameters, batch {a.batch}x{a.seq} per rank, "
           f"{a.nproc} gloo ranks, {a.steps} timed steps, best of {a.rounds} rounds")
-    best: dict[str, dict] = {}
-    for _ in range(a.rounds):
-        for impl, name in impls:
-            try:
-                per_rank = run_ranks(bench_rank, a.nproc, (impl, a.steps, a.batch, a.seq), timeout_s=900)
-            except Exception as e:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
-                print(f"{name}: failed: {str(e).strip().splitlines()[-1]}")
-                continue
-            row = summarize(name, per_rank)
-            if name not in best or row["median_s"] < best[name]["median_s"]:
-                best[name] = row
+    best = best_of_rounds(bench_rank, a.nproc, impls, lambda impl: (impl, a.steps, a.batch, a.seq), a.rounds,
+                          keep_going=True)
     print(f"{'impl':<22}{'median step':>13}{'peak RSS':>11}{'time ratio':>20}{'mem ratio':>11}")
     base = {"fivefold ZeRO-3": "torch FSDP2", "fivefold ZeRO-1": "fivefold DP", "fivefold ZeRO-2": "fivefold DP"}
     for name, r in best.items():

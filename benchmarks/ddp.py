@@ -28,7 +28,7 @@ def bench_rank(rank, world, impl, steps, bucket_mb, batch, seq):
     y = torch.roll(x, -1, 1)
     if impl == "ours":
         mesh = ParallelMesh(ParallelConfig(dp=world), rank, CommLedger(rank, world))
-        dp = DataParallel(model, mesh["dp"], bucket_mb=bucket_mb, average=True)
+        dp = DataParallel(model, mesh, bucket_mb=bucket_mb, average=True)
         net = model
     else:
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
@@ -38,6 +38,7 @@ def bench_rank(rank, world, impl, steps, bucket_mb, batch, seq):
         loss = loss_sum(net(x), y) / y.numel()
         loss.backward()
         if impl == "ours":
+            dp.end_backward()
             dp.finish()
         opt.step()
         if impl == "ours":

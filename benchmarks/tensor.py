@@ -47,25 +47,32 @@ def bench_rank(rank, world, impl, steps, batch, seq):
 def ours_step(model, rank, world, sp, x, y):
     import torch
 
+    from fivefold import comm
     from fivefold.comm import CommLedger
     from fivefold.config import ParallelConfig
     from fivefold.mesh import ParallelMesh
-    from fivefold.parallel import tensor
+    from fivefold.model import loss_sum
+    from fivefold.parallel.placement import by_group
+    from fivefold.parallel.tensor import TensorParallelism
 
     mesh = ParallelMesh(ParallelConfig(tp=world), rank, CommLedger(rank, world))
-    tp = tensor.parallelize(model, mesh["tp"], sequence_parallel=sp)
+    tp = TensorParallelism(mesh, sp, seed=0)
+    tp.apply(model)
+    vocab_parallel_loss = tp.loss(loss_sum)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=False)
-
-    def owned_grads(exclude=()):
-        skip = {id(p) for p in exclude}
-        return [p.grad for p in params if id(p) not in skip]
+    partial = by_group(params, "partial").get("tp", [])   # norm weights saw only this rank's tokens
 
     def step():
-        loss = tp.loss_sum(model(x), y) / y.numel()
+        loss = vocab_parallel_loss(model(x), y) / y.numel()
         loss.backward()
-        if sp:
-            tp.sync_grads(owned_grads)  # norm weights saw only this rank's tokens
+        if partial:
+            flat = torch.cat([p.grad.reshape(-1) for p in partial])
+            comm.all_reduce(flat, mesh["tp"])
+            offset = 0
+            for p in partial:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
         opt.step()
         opt.zero_grad()
         return float(loss.detach())

@@ -47,12 +47,12 @@ def ours_step(model, rank, world, impl, x, y, n_tokens):
     mesh = ParallelMesh(ParallelConfig(dp=world), rank, CommLedger(rank, world))
     make = lambda params, decay: AdamW(params, decay, weight_decay=0.1)  # noqa: E731
     stage = int(impl[-1])
-    engine = (Zero(model, mesh["dp"], stage, make, bucket_mb=4) if stage else
-              DataParallelOptimizer(model, mesh["dp"], make, bucket_mb=4))
+    engine = (Zero(model, mesh, stage, make, bucket_mb=4) if stage else
+              DataParallelOptimizer(model, mesh, make, bucket_mb=4))
 
     def step():
-        with engine.sync(True):
-            (loss_sum(model(x), y) / n_tokens).backward()
+        (loss_sum(model(x), y) / n_tokens).backward()
+        engine.end_backward()
         engine.finish()
         engine.step(1e-4)
         engine.zero_grad()

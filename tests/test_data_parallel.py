@@ -66,8 +66,9 @@ def _accumulation(rank, world):
     from fivefold.model import loss_sum
     sent = []
     for i, (x, y) in enumerate(mbs):
-        with tr.engine.sync(i == len(mbs) - 1):
-            loss_sum(tr.model(x), y).backward()
+        tr.engine.set_sync(i == len(mbs) - 1)
+        loss_sum(tr.model(x), y).backward()
+        tr.engine.end_backward()
         sent.append(tr.ledger.total("dp"))
     tr.engine.finish()
     return sent, sum(p.numel() for p in tr.params)

@@ -40,12 +40,17 @@ CASES = {
                                           recompute="selective")),
     "pp2_zb": (2, dict(pp=2, schedule="zb", microbatches=4)),
     "pp2_zb_full": (2, dict(pp=2, schedule="zb", microbatches=2, recompute="full")),
+    "pp2_zero2_1f1b": (2, dict(pp=2, zero=2, microbatches=2, bucket_mb=0.05)),
+    "pp2_zero3_interleaved": (2, dict(pp=2, zero=3, schedule="interleaved", vpp=2, microbatches=2, layers=4)),
     # 4 ranks
     "pp4_gpipe": (4, dict(pp=4, schedule="gpipe", microbatches=4, layers=4)),
     "pp4_1f1b_llama3": (4, dict(pp=4, schedule="1f1b", microbatches=4, layers=8, partition="llama3")),
     "pp4_interleaved": (4, dict(pp=4, schedule="interleaved", vpp=2, microbatches=4, layers=8)),
     "pp4_zb": (4, dict(pp=4, schedule="zb", microbatches=4, layers=4)),
     "pp2_dp2_zero1": (4, dict(pp=2, dp=2, zero=1, microbatches=2, bucket_mb=0.05)),
+    "pp2_dp2_zero2_interleaved": (4, dict(pp=2, dp=2, zero=2, schedule="interleaved", vpp=2, microbatches=2,
+                                          layers=4, bucket_mb=0.05)),
+    "pp2_dp2_zero3_1f1b_full": (4, dict(pp=2, dp=2, zero=3, microbatches=2, recompute="full")),
     "pp2_tp2_sp_interleaved": (4, dict(pp=2, tp=2, sp_mode="megatron", schedule="interleaved", vpp=2,
                                        microbatches=2, layers=4)),        # boundaries carry s/tp tokens
     # 8 ranks: pipeline x tensor x data parallel with ZeRO-1
@@ -199,7 +204,32 @@ def test_p2p_bytes_match_the_formula(name, two, four, eight):
     assert total == 2 * (p.pp * v - 1) * p.microbatches * volume.send(act)
 
 
-@pytest.mark.parametrize("name", ["pp2_gpipe", "pp4_zb", "pp2_tp2_dp2_zero1"])
+@pytest.mark.parametrize("name", ["pp2_zero2_1f1b", "pp2_zero3_interleaved", "pp2_dp2_zero2_interleaved",
+                                  "pp2_dp2_zero3_1f1b_full"])
+def test_zero_under_pipeline_reduces_once_per_step(name, two, four):
+    """Under a pipeline ZeRO-2/3 reduce-scatter each unit once per step (gradients accumulate unsharded
+    over the micro-batches, as ZeRO-1); ZeRO-3 all-gathers each block before every forward and backward
+    it runs (once more for the recomputed forward under full recompute) and the root unit once."""
+    c = case_config(name)
+    p = c.parallel
+    results = {2: two, 4: four}[CASES[name][0]][name]
+    per_use = 3 if c.train.recompute == "full" else 2
+    for rank, r in enumerate(results):
+        blocks = len(partition_layers(c.model.layers, p.pp, p.vpp).layers_of_rank(stage_of(c, rank)))
+        for rows in r["ledger"]:
+            got = {x["op"]: x["calls"] for x in rows if x["dim"] == "dp"}
+            if p.dp == 1:
+                assert got == {}, got   # a group of one sends nothing
+                continue
+            units = got["reduce_scatter"]
+            if p.zero == 3:
+                assert units == blocks + 1                          # one per block and the root
+                assert got["all_gather"] == per_use * p.microbatches * blocks + 1
+            else:
+                assert got["all_gather"] == units                   # the parameters, after the step
+
+
+@pytest.mark.parametrize("name", ["pp2_gpipe", "pp4_zb", "pp2_tp2_dp2_zero1", "pp2_zero3_interleaved"])
 def test_tied_embedding_gradients_summed_once_per_step(name, two, four, eight):
     """First and last stage all-reduce the embedding gradient (v·h/tp elements) once per step; the
     middle stages send nothing under "embed"."""
@@ -352,8 +382,10 @@ def test_stages_keep_single_process_names_and_a_tied_copy():
 
 
 def test_config_rules_for_pipeline():
-    with pytest.raises(ConfigError, match="ZeRO-2 with pp > 1"):
-        Trainer(cfg(pp=2, dp=1, zero=2, microbatches=2), 0, 2)
+    with pytest.raises(ConfigError, match="zb schedule with ZeRO-3"):
+        Trainer(cfg(pp=2, dp=1, zero=3, schedule="zb", microbatches=2), 0, 2)
+    with pytest.raises(ConfigError, match="reshard_after_forward = true"):
+        Trainer(cfg(pp=2, dp=1, zero=3, microbatches=2, reshard_after_forward=False), 0, 2)
     with pytest.raises(ConfigError, match="needs pp > 1"):
         Trainer(cfg(recompute="full"), 0, 1)
     with pytest.raises(ConfigError, match="train.recompute must be one of"):

@@ -30,10 +30,14 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_cos_sin(seq: int, head_dim: int, theta: float, device=None, offset: int = 0):
-    """cos, sin of shape (s, d) for positions offset..offset+seq-1 (fp32)."""
+def rope_cos_sin(positions, head_dim: int, theta: float, device=None, offset: int = 0):
+    """cos, sin of shape (s, d) (fp32) for `positions`: a 1-D tensor of position ids (any order:
+    context parallelism gives a rank non-contiguous ones), or a length s for offset..offset+s-1."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-    pos = torch.arange(offset, offset + seq, dtype=torch.float32, device=device)
+    if isinstance(positions, int):
+        pos = torch.arange(offset, offset + positions, dtype=torch.float32, device=device)
+    else:
+        pos = positions.to(device=device, dtype=torch.float32)
     freqs_sd2 = torch.outer(pos, inv_freq)
     emb_sd = torch.cat((freqs_sd2, freqs_sd2), dim=-1)
     return emb_sd.cos(), emb_sd.sin()
@@ -154,11 +158,12 @@ class Transformer(nn.Module):
             scale = std / math.sqrt(2 * self.cfg.layers) if name.endswith(("wo.weight", "down.weight")) else std
             p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
-    def rope(self, seq: int, device=None, offset: int = 0):
-        return rope_cos_sin(seq, self.cfg.head_dim, self.cfg.rope_theta, device, offset)
+    def rope(self, positions, device=None, offset: int = 0):
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, device, offset)
 
-    def forward(self, tokens_bs: torch.Tensor) -> torch.Tensor:
-        cos_sd, sin_sd = self.rope(tokens_bs.shape[1], tokens_bs.device)
+    def forward(self, tokens_bs: torch.Tensor, positions_s: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for tokens at `positions_s` (position ids shared by the batch; default 0..s-1)."""
+        cos_sd, sin_sd = self.rope(tokens_bs.shape[1] if positions_s is None else positions_s, tokens_bs.device)
         x_bsh = self.embed(tokens_bs)
         for layer in self.layers:
             x_bsh = layer(x_bsh, cos_sd, sin_sd)

@@ -4,39 +4,46 @@ Paper: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Paralle
 gradient bucketing, and all-reduce overlapped with the backward pass.
 
 How it works here:
-- Parameters are packed (in reverse registration order, close to the order backward produces their
-  gradients) into buckets of at most `bucket_mb` MiB. Each bucket owns one flat gradient buffer, and
-  each parameter's gradient (`param.main_grad`) is a view into it.
+- Parameters are partitioned by the group their gradient is summed over (`placement.reduce`, see
+  placement.py: dp, dp×cp, expert-dp); each partition is packed (in reverse registration order, close
+  to the order backward produces gradients) into buckets of at most `bucket_mb` MiB, so a bucket never
+  mixes groups. Each bucket owns one flat gradient buffer; each parameter's gradient
+  (`param.main_grad`) is a view into it.
 - A post-accumulate-grad hook counts, per bucket, the parameters whose gradient is final. When the last
-  one arrives, the bucket's buffer is all-reduced asynchronously while backward goes on. Buckets are
-  launched strictly in index order so every rank issues the same collectives in the same order.
-- Gradient accumulation: with `sync=False` (every micro-batch but the last) hooks only accumulate; no
-  byte is sent until the last micro-batch.
+  one arrives, the bucket's buffer is all-reduced asynchronously over its group while backward goes on.
+  Within a group buckets are launched strictly in index order, so every rank of the group issues the
+  same collectives in the same order.
+- Gradient accumulation: with `set_sync(False)` (every micro-batch but the last) hooks only accumulate;
+  no byte is sent until the last micro-batch.
 - When compute is fp32, autograd accumulates directly into the bucket view (no copy). When compute is
   bf16, the gradient buffer is fp32: the hook adds the bf16 gradient into it and frees it ("main grads").
-- `finish()` launches any bucket still pending (parameters that got no gradient) and waits for all.
+- `end_backward()` launches buckets still pending (parameters that got no gradient); `finish()` waits.
 
-Communication per step, per rank: one ring all-reduce of every gradient, 2·Φ·(n-1)/n · bytes-per-grad,
-in the "dp" dimension of the ledger. Gradients are summed, not averaged: the trainer's loss is already
-divided by the global token count (pass `average=True` for the usual mean over replicas).
+Communication per step, per rank: one ring all-reduce of every gradient over its group,
+2·Φ·(n-1)/n · bytes-per-grad, recorded under the group's name ("dp"). Gradients are summed, not
+averaged: the trainer's loss is already divided by the global token count (`average=True` gives the
+usual mean over replicas).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from typing import Mapping
 
 import torch
 from torch import nn
 
 from .. import comm
 from ..comm import Group
+from ..shapes import bucket_ranges
+from .engine import counted, nbytes, reduce_partitions, unique_params
+
+__all__ = ["Bucket", "DataParallel", "DataParallelOptimizer", "bucketize", "unique_params"]
 
 
 class Bucket:
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, index: int):
-        self.params = params
-        self.index = index
+    def __init__(self, params: list[nn.Parameter], group: Group, dtype: torch.dtype, device):
+        self.params, self.group = params, group
         self.numel = sum(p.numel() for p in params)
-        self.grad = torch.zeros(self.numel, dtype=dtype)
+        self.grad = torch.zeros(self.numel, dtype=dtype, device=device)
         self.pending = set()
         self.handle = None
         offset = 0
@@ -54,54 +61,31 @@ class Bucket:
         self.handle = None
 
 
-def bucketize(params: list[nn.Parameter], bucket_bytes: int, itemsize: int) -> list[list[nn.Parameter]]:
-    """Split params (in backward order) into consecutive groups of at most bucket_bytes each."""
-    out, cur, size = [], [], 0
-    for p in params:
-        if cur and size + p.numel() * itemsize > bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(p)
-        size += p.numel() * itemsize
-    if cur:
-        out.append(cur)
-    return out
-
-
-def unique_params(module: nn.Module) -> list[nn.Parameter]:
-    """Trainable parameters, each tied weight once, in registration order."""
-    seen, out = set(), []
-    for p in module.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+def bucketize(params: list, bucket_bytes: int, itemsize: int) -> list[list]:
+    """Split params (in backward order) into consecutive groups of at most bucket_bytes each
+    (`shapes.bucket_ranges`, the rule the planner uses too)."""
+    return [[params[i] for i in idx] for idx in bucket_ranges([p.numel() for p in params], bucket_bytes, itemsize)]
 
 
 class DataParallel:
-    """Bucketed, overlapped gradient all-reduce for `module` over `group`.
+    """Bucketed, overlapped gradient all-reduce for `module`, each parameter over the group its
+    placement names (`groups[placement.reduce]`; a plain parameter goes over groups["dp"])."""
 
-    Use:
-        dp = DataParallel(model, mesh["dp"])
-        for i, mb in enumerate(micro_batches):
-            with dp.sync(i == len(micro_batches) - 1):
-                loss(model(mb)).backward()
-        dp.finish()            # gradients now in p.main_grad (also p.grad when fp32)
-        ... optimizer step on main_grad ...
-        dp.zero_grad()
-    """
-
-    def __init__(self, module: nn.Module, group: Group, bucket_mb: float = 25.0,
+    def __init__(self, module: nn.Module, groups: Mapping[str, Group], bucket_mb: float = 25.0,
                  grad_dtype: torch.dtype = torch.float32, average: bool = False):
-        self.module, self.group, self.average = module, group, average
+        self.module, self.average = module, average
         self.params = unique_params(module)
         self.grad_dtype = grad_dtype
         itemsize = torch.empty((), dtype=grad_dtype).element_size()
-        self.buckets = [Bucket(ps, grad_dtype, i) for i, ps in
-                        enumerate(bucketize(list(reversed(self.params)), int(bucket_mb * 2**20), itemsize))]
+        device = self.params[0].device if self.params else None
+        self.partitions = reduce_partitions(list(reversed(self.params)), groups)
+        self.lanes = [[Bucket(ps, group, grad_dtype, device) for ps in bucketize(members, int(bucket_mb * 2**20), itemsize)]
+                      for group, members in self.partitions]   # one ordered lane of buckets per group
+        self.buckets = [b for lane in self.lanes for b in lane]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.lane_of = {id(b): i for i, lane in enumerate(self.lanes) for b in lane}
         self._sync = True
-        self._next = 0
+        self._next = [0] * len(self.lanes)
         self._hooks = []
         for p in self.params:
             p.main_grad = self.bucket_of[p].view(p)
@@ -121,61 +105,70 @@ class DataParallel:
         bucket = self.bucket_of[p]
         bucket.pending.discard(p)
         if not bucket.pending:
-            self._launch_ready()
+            self._launch_ready(self.lane_of[id(bucket)])
 
-    def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and not self.buckets[self._next].pending:
-            self._launch(self.buckets[self._next])
-            self._next += 1
+    def _launch_ready(self, lane: int) -> None:
+        buckets = self.lanes[lane]
+        while self._next[lane] < len(buckets) and not buckets[self._next[lane]].pending:
+            b = buckets[self._next[lane]]
+            b.handle = comm.all_reduce(b.grad, b.group, async_op=True)
+            self._next[lane] += 1
 
-    def _launch(self, bucket: Bucket) -> None:
-        bucket.handle = comm.all_reduce(bucket.grad, self.group, async_op=True, dim="dp")
+    # -- the engine protocol (engine.py) --------------------------------------------------------
+    def set_sync(self, enabled: bool) -> None:
+        """With sync off, backward accumulates gradients without communicating."""
+        self._sync = enabled
 
-    # -- public ------------------------------------------------------------------------------
-    @contextmanager
-    def sync(self, enabled: bool = True):
-        """Inside `sync(False)`, backward accumulates gradients without communicating."""
-        old, self._sync = self._sync, enabled
-        try:
-            yield
-        finally:
-            self._sync = old
+    def end_backward(self) -> None:
+        """After a backward that syncs: launch buckets not yet sent (parameters without gradients)."""
+        if not self._sync:
+            return
+        for lane, buckets in enumerate(self.lanes):
+            for b in buckets[self._next[lane]:]:
+                b.pending.clear()
+            self._launch_ready(lane)
 
     def finish(self) -> None:
-        """Launch buckets not yet sent (parameters without gradients), wait for all reductions."""
-        for b in self.buckets[self._next:]:
-            b.pending.clear()
-        self._launch_ready()
+        """Wait for all reductions."""
         for b in self.buckets:
             if b.handle is not None:
                 b.handle.wait()
+                b.handle = None
                 if self.average:
-                    b.grad.div_(self.group.size)
+                    b.grad.div_(b.group.size)
 
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.grad.zero_()
             b.reset()
-        self._next = 0
+        self._next = [0] * len(self.lanes)
         for p in self.params:
             p.grad = p.main_grad if p.dtype == self.grad_dtype else None
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
+        self._hooks = []
 
 
 class DataParallelOptimizer:
     """Plain data parallelism with its optimizer: every rank holds full parameters, gradients (in
-    `DataParallel`'s buckets) and optimizer state. The same interface as `Zero`, so the trainer drives
-    either one: sync / finish / owned_grads / step / zero_grad / state_bytes / full_state."""
+    `DataParallel`'s buckets) and optimizer state. Implements the engine protocol (engine.py).
 
-    def __init__(self, model: nn.Module, group: Group, make_optimizer, bucket_mb: float = 25.0,
+    Norm: gradients are replicated over their reduce group. When every parameter is reduced over "dp",
+    the norm needs only the model-parallel ranks (`groups["mp"]`, which hold different pieces); otherwise
+    each replicated gradient is counted by rank 0 of its reduce group and the norm goes over the world."""
+
+    def __init__(self, model: nn.Module, groups: Mapping[str, Group], make_optimizer, bucket_mb: float = 25.0,
                  master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None):
         self.model = model
         self.params = unique_params(model)
         self.names = {id(p): n for n, p in model.named_parameters()}
-        self.reducer = DataParallel(model, group, bucket_mb, grad_dtype=grad_dtype or master_dtype)
+        self.reducer = DataParallel(model, groups, bucket_mb, grad_dtype=grad_dtype or master_dtype)
+        only_dp = all(g.name == "dp" for g, _ in self.reducer.partitions)
+        self.norm_group = groups["mp"] if only_dp else groups["world"]
+        self._norm_params = [p for p in self.params if counted(p) and
+                             (only_dp or self.reducer.bucket_of[p].group.rank == 0)]
         self.param_dtype = self.params[0].dtype
         self.separate_master = self.param_dtype != master_dtype
         if not self.separate_master:
@@ -184,20 +177,24 @@ class DataParallelOptimizer:
             self.master = [p.detach().to(master_dtype).clone() for p in self.params]
         self.optimizer = make_optimizer(self.master, [p.dim() >= 2 for p in self.params])
 
-    def sync(self, enabled: bool = True):
-        return self.reducer.sync(enabled)
+    def set_sync(self, enabled: bool) -> None:
+        self.reducer.set_sync(enabled)
+
+    def end_backward(self) -> None:
+        self.reducer.end_backward()
 
     def finish(self) -> None:
         self.reducer.finish()
 
-    def owned_grads(self, exclude: tuple = ()) -> list[torch.Tensor]:
-        """Full gradients: replicated across the DP group, so the norm needs no DP reduction. Parameters
-        in `exclude` are left out (a tied copy counted on another rank)."""
-        skip = {id(p) for p in exclude}
-        return [p.main_grad for p in self.params if id(p) not in skip]
+    def owned_grads(self, params: list[nn.Parameter] | None = None) -> list[torch.Tensor]:
+        """Full gradients of `params` (default: all), replicated across their reduce group."""
+        return [p.main_grad for p in (self.params if params is None else params)]
+
+    def norm_grads(self) -> list[torch.Tensor]:
+        return self.owned_grads(self._norm_params)
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor:
-        """p's accumulated gradient on this rank, before (or without) the DP reduction; in place."""
+        """p's accumulated gradient on this rank, before (or without) the reduction; in place."""
         return p.main_grad
 
     @torch.no_grad()
@@ -210,11 +207,13 @@ class DataParallelOptimizer:
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
 
+    def remove(self) -> None:
+        self.reducer.remove()
+
     def state_bytes(self) -> dict:
-        nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        params = nb(self.params)
-        grads = nb(b.grad for b in self.reducer.buckets)
-        opt = self.optimizer.state_bytes() + (nb(self.master) if self.separate_master else 0)
+        params = nbytes(self.params)
+        grads = nbytes(b.grad for b in self.reducer.buckets)
+        opt = self.optimizer.state_bytes() + (nbytes(self.master) if self.separate_master else 0)
         return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
     def full_state(self) -> dict:

@@ -34,9 +34,11 @@ must drop the same elements, so all tp ranks of a group share one generator; wit
 are sequence shards and each tp rank draws its own stream.
 
 `parallelize(model, group, ...)` takes the full seeded model that every rank built and replaces its
-layers in place by this rank's shards, keeping parameter names; the returned `TensorParallel` knows how
-each parameter was split, so it can gather full tensors for checkpoints (dim "checkpoint"), slice them
-back, sum partial gradients and say which gradients a rank counts in the global norm.
+layers in place by this rank's shards, keeping parameter names, and writes each parameter's placement
+(placement.py): its `Shard` over "tp", which group sums its partial gradients ("tp" for SP norms and
+K/V replicated over all of tp, "tp_kv" for K/V shared by tp/kv_heads ranks) and which rank counts it in
+the global norm. `TensorParallelism` is the dimension object the trainer applies (parallelize.py): it
+also gathers full tensors for checkpoints (dim "checkpoint") and slices them back.
 """
 from __future__ import annotations
 
@@ -52,51 +54,8 @@ from ..comm import Group
 from ..comm.autograd import (copy_to_tensor_region, gather_sequence, reduce_from_tensor_region,
                              reduce_scatter_sequence)
 from ..model.transformer import Dropout, Transformer
-
-
-def padded_vocab(vocab: int, n: int) -> int:
-    """The vocabulary rounded up to a multiple of the tensor-parallel size."""
-    return -(-vocab // n) * n
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How one parameter is laid out over the n ranks of the tp group.
-
-    dim: dimension of the full tensor split into pieces (None: the whole tensor on every rank).
-    full: size of that dimension in the single-process model (before vocabulary padding).
-    replicas: consecutive tp ranks holding the same piece (n for a replicated tensor; n/kv_heads for
-        K/V when n > kv_heads; else 1). Rank r holds piece r // replicas of n / replicas pieces.
-    partial_grads: each replica computes only part of the gradient (SP norms, replicated K/V); the
-        replicas sum them.
-    """
-
-    dim: int | None
-    full: int = 0
-    replicas: int = 1
-    partial_grads: bool = False
-
-    def piece(self, full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
-        """This rank's piece of the full tensor, zero-padded to the common piece size."""
-        if self.dim is None:
-            return full.clone()
-        pieces = n // self.replicas
-        size = -(-self.full // pieces)
-        start = (rank // self.replicas) * size
-        stop = min(start + size, self.full)
-        shape = list(full.shape)
-        shape[self.dim] = size
-        out = torch.zeros(shape, dtype=full.dtype, device=full.device)
-        if stop > start:
-            out.narrow(self.dim, 0, stop - start).copy_(full.narrow(self.dim, start, stop - start))
-        return out
-
-    def assemble(self, pieces_n: torch.Tensor) -> torch.Tensor:
-        """The full tensor from every rank's piece, stacked along a new dim 0 in rank order."""
-        if self.dim is None:
-            return pieces_n[0].clone()
-        distinct = pieces_n[:: self.replicas]
-        return torch.cat(list(distinct), dim=self.dim).narrow(self.dim, 0, self.full).clone()
+from ..shapes import padded_vocab
+from .placement import Shard, add_shard, place, placement_of
 
 
 # -- layers -------------------------------------------------------------------------------------
@@ -187,7 +146,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         if real > 0:
             max_t = logits_tv[:, :real].max(dim=-1).values.contiguous()
         else:
-            max_t = torch.full(logits_tv.shape[:1], float("-inf"), dtype=logits_tv.dtype)
+            max_t = torch.full(logits_tv.shape[:1], float("-inf"), dtype=logits_tv.dtype, device=logits_tv.device)
         comm.all_reduce(max_t, group, op="max")
         shifted_tv = logits_tv - max_t.unsqueeze(-1)
         if real < v_local:
@@ -226,88 +185,73 @@ def vocab_parallel_loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor, 
 
 # -- sharding a model ---------------------------------------------------------------------------
 
-class TensorParallel:
-    """How `parallelize` split a model; one per rank. Keyed by the single-process parameter names."""
+class TensorParallelism:
+    """The tensor-parallel dimension (parallelize.py's protocol): shards a model in place (`apply`),
+    gives the vocab-parallel loss, gathers full states and splits them back. The partial gradients of
+    replicated parameters are summed by the trainer from their placements (`partial`: "tp", "tp_kv")."""
 
-    def __init__(self, model: Transformer, group: Group, sequence_parallel: bool,
-                 specs: dict[nn.Parameter, ShardSpec], vocab_start: int, kv_group: Group | None):
-        self.model, self.group, self.sequence_parallel = model, group, sequence_parallel
-        self.vocab, self.vocab_start = model.cfg.vocab, vocab_start
-        self.kv_group = kv_group
-        self.spec_of = specs
-        self.specs = {name: specs[p] for name, p in model.named_parameters()}
+    name = "tp"
 
-    def loss_sum(self, logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_loss_sum(logits_bsv, targets_bs, self.group, self.vocab_start, self.vocab)
+    def __init__(self, mesh, sequence_parallel: bool, seed: int):
+        self.mesh, self.group, self.sequence_parallel, self.seed = mesh, mesh["tp"], sequence_parallel, seed
+        self.shards: dict[str, Shard] = {}
 
-    # -- gradients ----------------------------------------------------------------------------
-    def not_counted(self) -> list[nn.Parameter]:
-        """Parameters whose gradient this rank leaves out of the global norm: of each set of replicas
-        only the first rank counts it, so every element of the model is counted once."""
-        return [p for p, spec in self.spec_of.items() if self.group.rank % spec.replicas]
+    def apply(self, model: Transformer) -> Transformer:
+        tp, kv = self.group, model.cfg.kv_heads
+        if tp.size > kv and tp.size // kv < tp.size:
+            self.mesh.groups["tp_kv"] = kv_replica_group(self.mesh, tp.size // kv)
+        self.vocab, self.vocab_start = model.cfg.vocab, parallelize(
+            model, tp, self.sequence_parallel, dropout_generator(self.seed, self.mesh.coords, self.sequence_parallel),
+            self.mesh.groups.get("tp_kv"))
+        self.shards = {name: placement_of(p).shard("tp") for name, p in model.named_parameters(remove_duplicate=False)}
+        return model
 
-    def _sum_groups(self) -> list[tuple[Group, list[nn.Parameter]]]:
-        """(group, parameters) whose replicas hold partial gradients to be summed over that group."""
-        full = [p for p, s in self.spec_of.items() if s.partial_grads and s.replicas == self.group.size]
-        kv = [p for p, s in self.spec_of.items() if s.partial_grads and 1 < s.replicas < self.group.size]
-        return [(g, ps) for g, ps in ((self.group, full), (self.kv_group, kv)) if ps]
-
-    @torch.no_grad()
-    def sync_grads(self, owned_grads) -> None:
-        """Sum partial gradients over their replicas: one all-reduce per replica group per step (dim
-        "tp"), after the data-parallel reduction (sums commute).
-
-        `owned_grads(exclude=...)` is the engine's method: whole gradients, or ZeRO shard segments;
-        the tp ranks of one dp rank own the same segments, since their shards have the same shapes."""
-        for group, params in self._sum_groups():
-            keep = {id(p) for p in params}
-            grads = owned_grads(exclude=tuple(p for p in self.spec_of if id(p) not in keep))
-            if not grads:
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+    def loss(self, loss_sum):
+        def vocab_parallel(logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
+            return vocab_parallel_loss_sum(logits_bsv, targets_bs, self.group, self.vocab_start, self.vocab)
+        return vocab_parallel
 
     # -- full states ----------------------------------------------------------------------------
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full single-process tensors from this rank's pieces (all-gather over tp, dim "checkpoint")."""
         out = {}
         for name, t in tensors.items():
-            spec = self.specs[name]
-            if spec.dim is None:
+            shard = self.shards[name]
+            if shard.dim is None:
                 out[name] = t.clone()
                 continue
             t = t.contiguous()
-            flat = torch.empty((self.group.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype)
+            flat = torch.empty((self.group.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
             comm.all_gather(flat, t, self.group, dim="checkpoint")
-            out[name] = spec.assemble(flat.view((self.group.size,) + tuple(t.shape)))
+            out[name] = shard.assemble(flat.view((self.group.size,) + tuple(t.shape)))
         return out
 
     def split(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's pieces of full single-process tensors."""
-        return {name: self.specs[name].piece(t, self.group.rank, self.group.size) for name, t in tensors.items()}
+        return {name: self.shards[name].piece(t, self.group.rank, self.group.size) for name, t in tensors.items()}
 
     def gather_state(self, state: dict) -> dict:
-        """An engine's full_state (full over dp, pieces over tp) made full over tp too."""
+        """A state full over the dimensions applied before (pieces over tp) made full over tp too."""
         return {k: self.gather(v) if isinstance(v, dict) else v for k, v in state.items()}
 
     def split_state(self, state: dict) -> dict:
         return {k: self.split(v) if isinstance(v, dict) else v for k, v in state.items()}
 
 
-def _shard(param: nn.Parameter, spec: ShardSpec, group: Group, specs: dict) -> nn.Parameter:
-    new = nn.Parameter(spec.piece(param.detach(), group.rank, group.size), requires_grad=param.requires_grad)
-    specs[new] = spec
-    return new
+def _shard(param: nn.Parameter, shard: Shard, group: Group, partial: str | None = None) -> nn.Parameter:
+    """A new parameter holding this rank's piece, with its placement: sharded over tp, counted in the
+    norm by the first of its replicas, its partial gradients summed over `partial`."""
+    new = nn.Parameter(shard.piece(param.detach(), group.rank, group.size), requires_grad=param.requires_grad)
+    new.placement = placement_of(param)
+    add_shard(new, shard)
+    return place(new, partial=partial, counted=group.rank % shard.replicas == 0)
 
 
 @torch.no_grad()
 def parallelize(model: Transformer, group: Group, sequence_parallel: bool = False,
-                generator: torch.Generator | None = None, kv_group: Group | None = None) -> TensorParallel:
-    """Replace `model`'s layers in place by this rank's tensor-parallel shards (names unchanged).
+                generator: torch.Generator | None = None, kv_group: Group | None = None) -> int:
+    """Replace `model`'s layers in place by this rank's tensor-parallel shards (names unchanged), write
+    every parameter's placement (placement.py), and return this rank's first vocabulary row.
 
     Every rank passes the same full model (same seed); afterwards the ranks of `group` together
     compute what the single-process model computes. `generator` drives dropout (see module doc);
@@ -316,48 +260,53 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
     cfg, n = model.cfg, group.size
     if cfg.experts:
         raise NotImplementedError("tensor parallelism of mixture-of-experts layers comes with expert parallelism")
-    if cfg.heads % n or cfg.ffn % n or (cfg.kv_heads % n and n % cfg.kv_heads):
-        raise ValueError(f"tp={n} must divide heads ({cfg.heads}) and ffn ({cfg.ffn}) and divide or be a "
-                         f"multiple of kv_heads ({cfg.kv_heads})")
-    kv_replicas = n // cfg.kv_heads if n > cfg.kv_heads else 1
+    kv_replicas = kv_replicas_of(n, cfg.kv_heads)
     if 1 < kv_replicas < n and kv_group is None:
         raise ValueError(f"tp={n} > kv_heads={cfg.kv_heads}: pass kv_group (see kv_replica_group)")
     sp, d = sequence_parallel, cfg.head_dim
-    specs: dict[nn.Parameter, ShardSpec] = {}
-    replicated = ShardSpec(None, replicas=n, partial_grads=sp)
 
-    def column(linear: nn.Linear, spec: ShardSpec, enter=None) -> ColumnParallelLinear:
-        return ColumnParallelLinear(_shard(linear.weight, spec, group, specs), enter)
+    def column(linear: nn.Linear, shard: Shard, partial: str | None = None, enter=None) -> ColumnParallelLinear:
+        return ColumnParallelLinear(_shard(linear.weight, shard, group, partial), enter)
 
     def row(linear: nn.Linear, full: int) -> RowParallelLinear:
-        return RowParallelLinear(_shard(linear.weight, ShardSpec(1, full), group, specs), group, sp)
+        return RowParallelLinear(_shard(linear.weight, Shard("tp", 1, full), group), group, sp)
+
+    def replicated(weight: nn.Parameter) -> None:  # norms: whole on every rank; partial grads under SP
+        add_shard(weight, Shard("tp", None, replicas=n))
+        place(weight, partial="tp" if sp else None, counted=group.rank == 0)
 
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
         attn.enter = ParallelInput(group, sp)
-        attn.wq = column(attn.wq, ShardSpec(0, cfg.heads * d))
-        kv = ShardSpec(0, cfg.kv_heads * d, kv_replicas, partial_grads=kv_replicas > 1)
-        attn.wk, attn.wv = column(attn.wk, kv), column(attn.wv, kv)
+        attn.wq = column(attn.wq, Shard("tp", 0, cfg.heads * d))
+        kv = Shard("tp", 0, cfg.kv_heads * d, kv_replicas)
+        kv_partial = "tp_kv" if 1 < kv_replicas < n else ("tp" if kv_replicas == n > 1 else None)
+        attn.wk, attn.wv = column(attn.wk, kv, kv_partial), column(attn.wv, kv, kv_partial)
         attn.wo = row(attn.wo, cfg.heads * d)
         mlp.enter = ParallelInput(group, sp)
-        mlp.gate = column(mlp.gate, ShardSpec(0, cfg.ffn))
-        mlp.up = column(mlp.up, ShardSpec(0, cfg.ffn))
+        mlp.gate = column(mlp.gate, Shard("tp", 0, cfg.ffn))
+        mlp.up = column(mlp.up, Shard("tp", 0, cfg.ffn))
         mlp.down = row(mlp.down, cfg.ffn)
-        for norm in (block.attn_norm, block.mlp_norm):
-            specs[norm.weight] = replicated
-    specs[model.norm.weight] = replicated
+        replicated(block.attn_norm.weight)
+        replicated(block.mlp_norm.weight)
+    replicated(model.norm.weight)
 
-    vocab_spec = ShardSpec(0, cfg.vocab)
+    vocab = Shard("tp", 0, cfg.vocab)
     vocab_start = group.rank * padded_vocab(cfg.vocab, n) // n
-    embed_weight = _shard(model.embed.weight, vocab_spec, group, specs)
-    head_weight = embed_weight if cfg.tie_embeddings else _shard(model.head.weight, vocab_spec, group, specs)
+    embed_weight = _shard(model.embed.weight, vocab, group)
+    head_weight = embed_weight if cfg.tie_embeddings else _shard(model.head.weight, vocab, group)
     model.embed = VocabParallelEmbedding(embed_weight, vocab_start, group, sp)
     model.head = ColumnParallelLinear(head_weight, ParallelInput(group, sp))
 
     for m in model.modules():
         if isinstance(m, Dropout):
             m.generator = generator
-    return TensorParallel(model, group, sp, specs, vocab_start, kv_group)
+    return vocab_start
+
+
+def kv_replicas_of(tp: int, kv_heads: int) -> int:
+    """Consecutive tp ranks holding the same K/V head: tp / kv_heads when tp > kv_heads, else 1."""
+    return tp // kv_heads if tp > kv_heads else 1
 
 
 # -- groups and streams the trainer needs ---------------------------------------------------------
@@ -391,12 +340,3 @@ def dropout_generator(seed: int, coords: dict[str, int], sequence_parallel: bool
     for c in stream:
         s = (s * 1_000_003 + c + 2) % (2 ** 62)
     return torch.Generator().manual_seed(s)
-
-
-def apply(model: Transformer, mesh, sequence_parallel: bool, seed: int) -> TensorParallel:
-    """`parallelize` over mesh["tp"], with the KV replica group and dropout stream this rank needs."""
-    tp = mesh["tp"]
-    kv = model.cfg.kv_heads
-    kv_group = kv_replica_group(mesh, tp.size // kv) if tp.size > kv and tp.size // kv < tp.size else None
-    return parallelize(model, tp, sequence_parallel, dropout_generator(seed, mesh.coords, sequence_parallel),
-                       kv_group)

@@ -6,12 +6,14 @@ Paper: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion 
 bf16 compute also the fp32 master, 12 bytes) plus the parameter and its gradient. Stage 1 divides the
 optimizer state by n, stage 2 also the gradients, stage 3 also the parameters.
 
-Layout. Parameters are packed into *units*, each a flat buffer padded to a multiple of n; rank r owns
-elements [r·k, (r+1)·k) of every unit, k = padded/n. Stages 1 and 2 make units of at most `bucket_mb`
-MiB (in backward order, like data.py); stage 3 makes one unit per transformer block plus a "root" unit
-(embedding, final norm, head), so a block's weights can be gathered just before it runs.
+Layout. Parameters are partitioned by the group their gradient is summed over (`placement.reduce`:
+dp, dp×cp, expert-dp) and each partition is packed into *units*, each a flat buffer padded to a multiple
+of its group's size n; rank r of the group owns elements [r·k, (r+1)·k) of every unit, k = padded/n.
+Stages 1 and 2 make units of at most `bucket_mb` MiB (in backward order, like data.py); stage 3 makes
+one unit per transformer block (and group) plus "root" units (embedding, final norm, head), so a block's
+weights can be gathered just before it runs.
 
-Communication per step, per rank, n = dp size, Φ parameters, g / w bytes per gradient / parameter:
+Communication per step, per rank, n = group size, Φ parameters, g / w bytes per gradient / parameter:
 
 | stage | backward                                 | after the optimizer step     | total (g = w)     |
 |-------|------------------------------------------|------------------------------|-------------------|
@@ -26,45 +28,58 @@ as DeepSpeed and FSDP do, since a rank keeps no full gradient to accumulate into
 all-gather fewer (2Φ(n-1)/n), at the memory cost of full parameters during the step (FSDP's
 reshard_after_forward).
 
+Under a pipeline (`pipeline=True`) a stage's micro-batch backwards are spread over the whole step and
+interleaved with other micro-batches' forwards, so stages 2 and 3 do what FSDP does under
+torch.distributed.pipelining: gradients accumulate unsharded in the unit's buffer from the first
+micro-batch's backward and each unit is reduce-scattered once, when the step's backward is over
+(the bytes of stage 1; the full gradient lives only during the backward phase, not between steps).
+Stage 3 then gathers a block before each forward and each backward it runs (2m all-gathers per block
+per step, 3m with full recompute), frees it after, and keeps the root unit gathered for the step.
+
 The optimizer (train/optim.py's AdamW) updates this rank's shard through per-parameter views, so the
 arithmetic on every element is the single-process arithmetic.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from typing import Mapping
 
 import torch
 from torch import nn
 
 from .. import comm
 from ..comm import Group
+from ..shapes import padded, segments
 from .data import bucketize
+from .engine import counted, nbytes, reduce_partitions, unique_params
+
+# Reduce-scatters in flight before the oldest is waited for and folded into its shard: enough to
+# overlap one with the next unit's backward, few enough to bound the temporary buffers.
+MAX_INFLIGHT = 2
 
 
 class Unit:
-    """A flat, padded group of parameters, sharded evenly over n ranks."""
+    """A flat, padded group of parameters, sharded evenly over the ranks of `group`."""
 
-    def __init__(self, name: str, params: list[nn.Parameter], names: list[str], n: int, rank: int):
-        self.name, self.params, self.names = name, params, names
+    def __init__(self, name: str, params: list[nn.Parameter], names: list[str], group: Group):
+        self.name, self.params, self.names, self.group = name, params, names, group
         self.shapes = [p.shape for p in params]
-        self.offsets, o = [], 0
-        for p in params:
-            self.offsets.append(o)
-            o += p.numel()
-        self.numel = o
-        self.padded = -(-o // n) * n
-        self.k = self.padded // n
-        self.lo, self.hi = rank * self.k, (rank + 1) * self.k
+        numels = [p.numel() for p in params]
+        self.offsets = [sum(numels[:i]) for i in range(len(numels))]
+        self.numel = sum(numels)
+        self.padded = padded(self.numel, group.size)
+        self.shard_size = self.padded // group.size
+        self.lo, self.hi = group.rank * self.shard_size, (group.rank + 1) * self.shard_size
+        self.segments = segments(numels, self.lo, self.hi)   # (param index, start in shard, length)
         self.index = {p: i for i, p in enumerate(params)}
-        # backward state
-        self.pending: set = set()
-        self.staging: torch.Tensor | None = None
+        self.pending: set = set()     # parameters whose final gradient has not arrived
+        self.seen: set = set()        # stage 3 under a pipeline: parameters done in this backward
+        self.grad: torch.Tensor | None = None   # the unit's full gradient while it accumulates
         self.gathered = False
         self.gather_handle = None
         self.full: torch.Tensor | None = None
 
-    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=dtype)
+    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype, device=None) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=dtype, device=device)
         for t, o in zip(tensors, self.offsets):
             flat[o:o + t.numel()].copy_(t.reshape(-1))
         return flat
@@ -72,168 +87,117 @@ class Unit:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o:o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
 
-    def segments(self) -> list[tuple[int, int, int]]:
-        """(param index, start in shard, length) for each parameter overlapping this rank's shard."""
-        out = []
-        for i, (o, s) in enumerate(zip(self.offsets, self.shapes)):
-            a, b = max(o, self.lo), min(o + s.numel(), self.hi)
-            if a < b:
-                out.append((i, a - self.lo, b - a))
-        return out
+    def grad_view(self, p: nn.Parameter) -> torch.Tensor:
+        o = self.offsets[self.index[p]]
+        return self.grad[o:o + p.numel()].view_as(p)
 
 
-def stage3_units(model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
-    """One unit per block of `model.layers`, plus 'root' for everything else (embedding, norm, head)."""
-    units = []
-    block_ids = set()
-    for i, block in enumerate(model.layers):
-        names = [f"layers.{i}.{n}" for n, _ in block.named_parameters()]
-        units.append((f"layers.{i}", block, names))
-        block_ids.update(id(p) for p in block.parameters())
-    root = [n for n, p in model.named_parameters() if id(p) not in block_ids]
-    return [("root", model, root)] + units
+class ShardedOptimizer:
+    """What every ZeRO stage shares: units per reduce group, gradient shards, the reduce-scatter of
+    gradients, AdamW on this rank's shards, state gathering. Subclasses decide where parameters live
+    (`Zero12`: full flat buffers; `Zero3`: shards only). Implements the engine protocol (engine.py)."""
 
+    stage = 0
 
-class Zero:
-    """ZeRO stage 1, 2 or 3 for `model` over the data-parallel `group`, with AdamW on the shards.
-
-    Use like DataParallel plus the optimizer:
-        z = Zero(model, mesh["dp"], stage=3, make_optimizer=lambda params, decay: AdamW(...))
-        for i, mb in enumerate(micro_batches):
-            with z.sync(i == last):
-                loss(model(mb)).backward()
-        z.finish()
-        norm = global_grad_norm(z.owned_grads(), mesh["dp"]); clip_(z.owned_grads(), norm, max)
-        z.step(lr)          # update own shards, then (stages 1, 2) all-gather the parameters
-        z.zero_grad()
-    """
-
-    def __init__(self, model: nn.Module, group: Group, stage: int, make_optimizer, bucket_mb: float = 25.0,
+    def __init__(self, model: nn.Module, groups: Mapping[str, Group], make_optimizer,
                  master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
-                 reshard_after_forward: bool = True):
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        self.model, self.group, self.stage = model, group, stage
-        self.n, self.rank = group.size, group.rank
-        self.param_dtype = next(model.parameters()).dtype
+                 pipeline: bool = False):
+        self.model, self.pipeline = model, pipeline
+        self.params = unique_params(model)
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.norm_group = groups["world"]   # shards differ on every rank
+        self.param_dtype = self.params[0].dtype
+        self.device = self.params[0].device
         self.master_dtype = master_dtype
         self.grad_dtype = grad_dtype or master_dtype
-        self.reshard_after_forward = reshard_after_forward
+        # stage 1 always, stages 2/3 under a pipeline: gradients accumulate unsharded until the sync
+        self.keeps_full_grads = self.stage == 1 or pipeline
         self._sync = True
-        self._inflight: list = []   # (unit, handle, tmp shard) reduce-scatters not yet folded in
+        self._inflight: list = []   # (unit, handle, reduced shard, source) not yet folded in
         self._hooks = []
-        names = {id(p): n for n, p in model.named_parameters()}
-        if stage == 3:
-            specs = stage3_units(model)
-            named = dict(model.named_parameters())
-            self.units = [Unit(name, [named[n] for n in pnames], pnames, self.n, self.rank)
-                          for name, _, pnames in specs]
-            self.modules = [m for _, m, _ in specs]
-        else:
-            params = list(reversed(list(dict.fromkeys(model.parameters()))))
-            self.units = [Unit(f"bucket{i}", ps, [names[id(p)] for p in ps], self.n, self.rank)
-                          for i, ps in enumerate(bucketize(params, int(bucket_mb * 2**20),
-                                                           torch.empty((), dtype=self.grad_dtype).element_size()))]
+        self.units = self.make_units(groups)
         for j, u in enumerate(self.units):
             u.pos = j
         self.unit_of = {p: u for u in self.units for p in u.params}
-        self._build_storage()
-        self.grad_shards = [torch.zeros(u.k, dtype=self.grad_dtype) for u in self.units]
-        if stage == 1:  # stage 1 keeps full gradients, reduce-scattered once per step
-            self.full_grads = [torch.zeros(u.padded, dtype=self.grad_dtype) for u in self.units]
-        self._segments = [u.segments() for u in self.units]
+        self.param_shards, self.master_shards = [], []
+        self.build_storage()
+        self.grad_shards = [torch.zeros(u.shard_size, dtype=self.grad_dtype, device=self.device) for u in self.units]
         opt_params, decay = [], []
-        for u, m, segs in zip(self.units, self.master_shards, self._segments):
-            for i, a, n in segs:
+        for u, m in zip(self.units, self.master_shards):
+            for i, a, n in u.segments:
                 opt_params.append(m[a:a + n])
                 decay.append(len(u.shapes[i]) >= 2)
         self.optimizer = make_optimizer(opt_params, decay)
         for p in self.unit_of:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        if stage == 3:
-            self._install_stage3_hooks()
         self.zero_grad()
 
-    # -- storage -----------------------------------------------------------------------------
-    def _build_storage(self) -> None:
-        """Stages 1/2: full flat parameters (params are views), own slice of them is the master in fp32.
-        Stage 3: only the shard of parameters stays; full parameters exist while a unit is gathered."""
-        self.param_flats, self.param_shards, self.master_shards = [], [], []
-        with torch.no_grad():
-            for u in self.units:
-                flat = u.flatten([p.data for p in u.params], self.param_dtype)
-                if self.stage == 3:
-                    shard = flat[u.lo:u.hi].clone()
-                    self.param_shards.append(shard)
-                    for p in u.params:
-                        p.data = torch.empty(0, dtype=self.param_dtype)
-                    master = shard if self.master_dtype == self.param_dtype else shard.to(self.master_dtype)
-                else:
-                    self.param_flats.append(flat)
-                    for p, v in zip(u.params, u.views(flat)):
-                        p.data = v
-                    shard = flat[u.lo:u.hi]
-                    self.param_shards.append(shard)
-                    master = shard if self.master_dtype == self.param_dtype else shard.to(self.master_dtype)
-                self.master_shards.append(master)
+    def make_units(self, groups: Mapping[str, Group]) -> list[Unit]:
+        raise NotImplementedError
+
+    def build_storage(self) -> None:
+        raise NotImplementedError
+
+    def _master(self, shard: torch.Tensor) -> torch.Tensor:
+        return shard if self.master_dtype == self.param_dtype else shard.to(self.master_dtype)
 
     # -- gradients ---------------------------------------------------------------------------
+    @property
+    def reduces_each_backward(self) -> bool:
+        """Stages 2 and 3 outside a pipeline reduce every micro-batch: they keep no full gradient."""
+        return not self.keeps_full_grads
+
+    def _unit_grad(self, u: Unit) -> torch.Tensor:
+        if u.grad is None:
+            u.grad = torch.zeros(u.padded, dtype=self.grad_dtype, device=self.device)
+        return u.grad
+
     def _on_grad(self, p: nn.Parameter) -> None:
         u = self.unit_of[p]
-        i = u.index[p]
-        o, n = u.offsets[i], p.numel()
-        if self.stage == 1:
-            self.full_grads[u.pos][o:o + n].add_(p.grad.reshape(-1))
-            p.grad = None
-            if not self._sync:
-                return
-        else:
-            if u.staging is None:
-                u.staging = torch.zeros(u.padded, dtype=self.grad_dtype)
-            u.staging[o:o + n].add_(p.grad.reshape(-1))
-            p.grad = None
-        u.pending.discard(p)
-        if not u.pending:
-            self._reduce(u)
+        self._unit_grad(u)
+        u.grad_view(p).add_(p.grad)
+        p.grad = None
+        self.after_grad(u, p)
+        if self.reduces_each_backward or self._sync:
+            u.pending.discard(p)
+            if not u.pending:
+                self._reduce(u)
+
+    def after_grad(self, u: Unit, p: nn.Parameter) -> None:
+        """Called when p's gradient has been added to its unit (stage 3 frees finished blocks)."""
 
     def _reduce(self, u: Unit) -> None:
-        """Reduce-scatter a complete unit's gradients; fold the result into the grad shard later."""
-        j = u.pos
-        src = self.full_grads[j] if self.stage == 1 else u.staging
-        tmp = torch.empty(u.k, dtype=self.grad_dtype)
-        handle = comm.reduce_scatter(tmp, src, self.group, async_op=True, dim="dp")
-        self._inflight.append((j, handle, tmp))
-        u.staging = None
-        if self.stage == 3:
-            self._free(u)
-        while len(self._inflight) > 2:  # bound the memory of in-flight reductions
+        """Reduce-scatter a complete unit's gradients over its group; fold the result in later."""
+        tmp = torch.empty(u.shard_size, dtype=self.grad_dtype, device=self.device)
+        handle = comm.reduce_scatter(tmp, u.grad, u.group, async_op=True)
+        self._inflight.append((u, handle, tmp, u.grad))
+        if self.stage != 1:
+            u.grad = None
+        self.after_reduce(u)
+        while len(self._inflight) > MAX_INFLIGHT:
             self._fold(self._inflight.pop(0))
 
+    def after_reduce(self, u: Unit) -> None:
+        """Called when a unit's gradient reduction has been launched."""
+
     def _fold(self, item) -> None:
-        j, handle, tmp = item
+        u, handle, tmp, _ = item
         handle.wait()
-        if self.stage == 1:
-            self.grad_shards[j].copy_(tmp)
-        else:
-            self.grad_shards[j].add_(tmp)
+        self.grad_shards[u.pos].add_(tmp)
 
-    @contextmanager
-    def sync(self, enabled: bool = True):
-        """Stage 1 sends nothing inside sync(False); stages 2 and 3 reduce every micro-batch."""
-        old, self._sync = self._sync, enabled
-        try:
-            yield
-        finally:
-            self._sync = old
-            if self.stage >= 2 or enabled:
-                self._end_backward()
+    # -- the engine protocol -----------------------------------------------------------------
+    def set_sync(self, enabled: bool) -> None:
+        """With sync off, gradients accumulate (stage 1, and every stage under a pipeline); stages 2
+        and 3 outside a pipeline reduce every backward regardless."""
+        self._sync = enabled
 
-    def _end_backward(self) -> None:
-        """After a backward that syncs: reduce units still waiting for gradients (parameters that got
-        none count as zero; every rank runs the same graph, so all skip the same ones)."""
+    def end_backward(self) -> None:
+        """After a backward that reduces: reduce the units still waiting for gradients (parameters that
+        got none count as zero; every rank of a group runs the same graph, so all skip the same ones)."""
+        if not (self.reduces_each_backward or self._sync):
+            return
         for u in self.units:
-            started = u.pending != set(u.params)
-            if u.pending and (self.stage == 1 or started):
+            if u.pending and u.grad is not None:
                 self._reduce(u)
             u.pending = set(u.params)
 
@@ -241,121 +205,74 @@ class Zero:
         """Wait for every reduce-scatter; afterwards `owned_grads()` holds the reduced shards."""
         while self._inflight:
             self._fold(self._inflight.pop(0))
-        if self.stage == 3:
-            for u in self.units:
-                self._free(u)
 
-    def owned_grads(self, exclude: tuple = ()) -> list[torch.Tensor]:
-        """This rank's gradient segments (no padding): each element of the model on exactly one rank.
-        Segments of parameters in `exclude` are left out (a tied copy counted on another rank)."""
-        skip = {id(p) for p in exclude}
-        return [g[a:a + n] for u, g, segs in zip(self.units, self.grad_shards, self._segments)
-                for i, a, n in segs if id(u.params[i]) not in skip]
+    def owned_grads(self, params: list[nn.Parameter] | None = None) -> list[torch.Tensor]:
+        """This rank's gradient segments (no padding) of `params` (default: all): each element of the
+        model on exactly one rank of its reduce group."""
+        wanted = None if params is None else {id(p) for p in params}
+        return [g[a:a + n] for u, g in zip(self.units, self.grad_shards)
+                for i, a, n in u.segments if wanted is None or id(u.params[i]) in wanted]
+
+    def norm_grads(self) -> list[torch.Tensor]:
+        return self.owned_grads([p for p in self.params if counted(p)])
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor:
-        """Stage 1: p's accumulated gradient before the reduce-scatter (a view into the full gradient
-        buffer; accumulate with sync(False), change it, then reduce). Stages 2 and 3 keep none."""
-        if self.stage != 1:
-            raise RuntimeError(f"ZeRO-{self.stage} keeps no full local gradient (only stage 1 does)")
+        """p's accumulated gradient before the reduce-scatter (a view into its unit's full gradient;
+        accumulate with sync off, change it, then reduce). Only engines that keep full gradients
+        during the step have one: stage 1, and stages 2/3 under a pipeline."""
+        if not self.keeps_full_grads:
+            raise RuntimeError(f"ZeRO-{self.stage} outside a pipeline keeps no full local gradient")
         u = self.unit_of[p]
-        o = u.offsets[u.index[p]]
-        return self.full_grads[u.pos][o:o + p.numel()].view_as(p)
+        self._unit_grad(u)
+        return u.grad_view(p)
 
-    # -- optimizer step ----------------------------------------------------------------------
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        grads = self.owned_grads()
-        self.optimizer.step(grads, lr)
+        self.optimizer.step(self.owned_grads(), lr)
         for j, u in enumerate(self.units):
             if self.master_shards[j] is not self.param_shards[j]:
                 self.param_shards[j].copy_(self.master_shards[j])
-            if self.stage < 3:
-                own = self.param_shards[j].clone()
-                comm.all_gather(self.param_flats[j], own, self.group, dim="dp")
+        self.after_step()
+
+    def after_step(self) -> None:
+        """Called after the shards were updated (stages 1, 2 all-gather the parameters)."""
 
     def zero_grad(self) -> None:
         for g in self.grad_shards:
             g.zero_()
-        if self.stage == 1:
-            for g in self.full_grads:
-                g.zero_()
         for u in self.units:
             u.pending = set(u.params)
-            u.staging = None
+            u.seen = set()
+            if self.stage == 1:
+                self._unit_grad(u).zero_()
+            else:
+                u.grad = None
 
-    # -- stage 3: gather before use, free after ------------------------------------------------
-    def _gather_async(self, u: Unit) -> None:
-        if u.gathered or u.gather_handle is not None:
-            return
-        j = u.pos
-        u.full = torch.empty(u.padded, dtype=self.param_dtype)
-        u.gather_handle = comm.all_gather(u.full, self.param_shards[j], self.group, async_op=True, dim="dp")
-
-    def _gather(self, u: Unit) -> None:
-        self._gather_async(u)
-        if u.gather_handle is not None:
-            u.gather_handle.wait()
-            u.gather_handle = None
-            for p, v in zip(u.params, u.views(u.full)):
-                p.data = v
-            u.gathered = True
-
-    def _free(self, u: Unit) -> None:
-        if u.gathered:
-            for p in u.params:
-                p.data = torch.empty(0, dtype=self.param_dtype)
-            u.full = None
-            u.gathered = False
-
-    def _install_stage3_hooks(self) -> None:
-        def pre_forward(idx):
-            def hook(module, args):
-                u = self.units[idx]
-                self._gather(u)
-                nxt = idx + 1 if idx + 1 < len(self.units) else None
-                if nxt is not None and torch.is_grad_enabled():
-                    self._gather_async(self.units[nxt])  # prefetch the next block
-            return hook
-
-        def post_forward(idx):
-            def hook(module, args, output):
-                u = self.units[idx]
-                if torch.is_grad_enabled() and output.requires_grad:
-                    output.register_hook(lambda grad, idx=idx: self._pre_backward(idx) or grad)
-                if self.reshard_after_forward:
-                    self._free(u)  # the root's hook fires after the whole forward
-                return output
-            return hook
-
-        for idx, module in enumerate(self.modules):
-            self._hooks.append(module.register_forward_pre_hook(pre_forward(idx)))
-            self._hooks.append(module.register_forward_hook(post_forward(idx)))
-
-    def _pre_backward(self, idx: int) -> None:
-        """Before unit idx's backward: gather it (if freed) and prefetch the unit that runs next."""
-        self._gather(self.units[idx])
-        prev = idx - 1 if idx > 1 else None   # blocks run backward from last to first; root already held
-        if idx == 0:
-            prev = len(self.units) - 1 if len(self.units) > 1 else None
-        if prev is not None:
-            self._gather_async(self.units[prev])
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     # -- accounting and checkpoints ------------------------------------------------------------
+    def param_bytes(self) -> int:
+        raise NotImplementedError
+
     def state_bytes(self) -> dict:
         """Model-state bytes this rank holds between steps, counted from the tensors."""
-        nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        params = nb(self.param_shards) if self.stage == 3 else nb(self.param_flats)
-        grads = nb(self.full_grads) if self.stage == 1 else nb(self.grad_shards)
+        params = self.param_bytes()
+        # stage 1 holds full gradients (its shards are the reduced slices of them); the others hold shards
+        full = nbytes(u.grad for u in self.units if u.grad is not None)
+        grads = full if self.stage == 1 else nbytes(self.grad_shards) + full
         opt = self.optimizer.state_bytes()
         if self.master_dtype != self.param_dtype:
-            opt += nb(self.master_shards)
+            opt += nbytes(self.master_shards)
         return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
     def _gather_shards(self, shards: list[torch.Tensor], dtype) -> dict[str, torch.Tensor]:
         out = {}
         for u, s in zip(self.units, shards):
-            full = torch.empty(u.padded, dtype=dtype)
-            comm.all_gather(full, s.to(dtype).contiguous(), self.group, dim="checkpoint")
+            full = torch.empty(u.padded, dtype=dtype, device=self.device)
+            comm.all_gather(full, s.to(dtype).contiguous(), u.group, dim="checkpoint")
             for name, v in zip(u.names, u.views(full)):
                 out[name] = v.clone()
         return out
@@ -363,9 +280,9 @@ class Zero:
     def _opt_shards(self, states: list[torch.Tensor]) -> list[torch.Tensor]:
         """Optimizer state (kept per segment) laid back into padded shards."""
         shards, it = [], iter(states)
-        for u, segs in zip(self.units, self._segments):
-            s = torch.zeros(u.k, dtype=self.master_dtype)
-            for _, a, n in segs:
+        for u in self.units:
+            s = torch.zeros(u.shard_size, dtype=self.master_dtype, device=self.device)
+            for _, a, n in u.segments:
                 s[a:a + n].copy_(next(it))
             shards.append(s)
         return shards
@@ -380,17 +297,209 @@ class Zero:
     @torch.no_grad()
     def load_full_state(self, state: dict) -> None:
         for j, u in enumerate(self.units):
-            m = self.master_shards[j]
-            flat = u.flatten([state["model"][n] for n in u.names], self.master_dtype)
-            m.copy_(flat[u.lo:u.hi])
-            if m is not self.param_shards[j]:
-                self.param_shards[j].copy_(m)
-            if self.stage < 3:
-                self.param_flats[j].copy_(flat)
+            flat = u.flatten([state["model"][n] for n in u.names], self.master_dtype, self.device)
+            self.master_shards[j].copy_(flat[u.lo:u.hi])
+            if self.master_shards[j] is not self.param_shards[j]:
+                self.param_shards[j].copy_(self.master_shards[j])
+            self.load_params(j, flat)
         for key, states in (("exp_avg", self.optimizer.exp_avg), ("exp_avg_sq", self.optimizer.exp_avg_sq)):
             it = iter(states)
-            for u, segs in zip(self.units, self._segments):
-                flat = u.flatten([state[key][n] for n in u.names], self.master_dtype)
-                for _, a, n in segs:
+            for u in self.units:
+                flat = u.flatten([state[key][n] for n in u.names], self.master_dtype, self.device)
+                for _, a, n in u.segments:
                     next(it).copy_(flat[u.lo + a:u.lo + a + n])
         self.optimizer.t = state["opt_t"]
+
+    def load_params(self, j: int, flat: torch.Tensor) -> None:
+        """Stages 1, 2: the full flat parameters of unit j from a loaded state."""
+
+
+class Zero12(ShardedOptimizer):
+    """ZeRO stages 1 and 2: full parameters in flat per-unit buffers (the parameters are views), this
+    rank's slice is its shard; after the step each unit's shards are all-gathered."""
+
+    def __init__(self, model, groups, stage: int, make_optimizer, bucket_mb: float = 25.0, **kw):
+        self.stage, self.bucket_mb = stage, bucket_mb
+        super().__init__(model, groups, make_optimizer, **kw)
+
+    def make_units(self, groups) -> list[Unit]:
+        itemsize = torch.empty((), dtype=self.grad_dtype).element_size()
+        units = []
+        for group, params in reduce_partitions(list(reversed(self.params)), groups):
+            for ps in bucketize(params, int(self.bucket_mb * 2**20), itemsize):
+                units.append(Unit(f"bucket{len(units)}", ps, [self.names[id(p)] for p in ps], group))
+        return units
+
+    @torch.no_grad()
+    def build_storage(self) -> None:
+        self.param_flats = []
+        for u in self.units:
+            flat = u.flatten([p.data for p in u.params], self.param_dtype, self.device)
+            self.param_flats.append(flat)
+            for p, v in zip(u.params, u.views(flat)):
+                p.data = v
+            self.param_shards.append(flat[u.lo:u.hi])
+            self.master_shards.append(self._master(flat[u.lo:u.hi]))
+
+    def after_step(self) -> None:
+        for j, u in enumerate(self.units):
+            comm.all_gather(self.param_flats[j], self.param_shards[j].clone(), u.group)
+
+    def param_bytes(self) -> int:
+        return nbytes(self.param_flats)
+
+    def load_params(self, j: int, flat: torch.Tensor) -> None:
+        self.param_flats[j].copy_(flat)
+
+
+class Zero3(ShardedOptimizer):
+    """ZeRO stage 3: only parameter shards stay; a unit is all-gathered before its module runs
+    (forward and backward) and freed after, with the next unit prefetched."""
+
+    stage = 3
+
+    def __init__(self, model, groups, make_optimizer, reshard_after_forward: bool = True, **kw):
+        self.reshard_after_forward = reshard_after_forward
+        super().__init__(model, groups, make_optimizer, **kw)
+        self._install_hooks()
+
+    def make_units(self, groups) -> list[Unit]:
+        """A "slot" per module that runs as a whole (root, then each block), a unit per reduce group."""
+        self.slots: list[list[Unit]] = []
+        for name, params, _ in self.modules_to_gather():
+            slot = []
+            for group, ps in reduce_partitions(params, groups):
+                slot.append(Unit(name, ps, [self.names[id(p)] for p in ps], group))
+            self.slots.append(slot)
+        return [u for slot in self.slots for u in slot]
+
+    def modules_to_gather(self) -> list[tuple[str, list[nn.Parameter], list[nn.Module]]]:
+        """(name, parameters, modules whose forward needs them): 'root' (everything outside the blocks;
+        hooked on the model, or under a pipeline on each module holding root parameters), then one
+        entry per block of `model.layers` (a ModuleList, or a pipeline stage's ModuleDict)."""
+        blocks, in_blocks = [], set()
+        for key, block in self.model.layers.named_children():
+            params = [p for p in unique_params(block)]
+            blocks.append((f"layers.{key}", params, [block]))
+            in_blocks.update(id(p) for p in params)
+        root = [p for p in self.params if id(p) not in in_blocks]
+        if self.pipeline:
+            holders = [m for name, m in self.model.named_children() if name != "layers"
+                       and any(id(p) not in in_blocks for p in m.parameters())]
+        else:
+            holders = [self.model]
+        return [("root", root, holders)] + blocks
+
+    @torch.no_grad()
+    def build_storage(self) -> None:
+        for u in self.units:
+            flat = u.flatten([p.data for p in u.params], self.param_dtype, self.device)
+            shard = flat[u.lo:u.hi].clone()
+            self.param_shards.append(shard)
+            self.master_shards.append(self._master(shard))
+            for p in u.params:
+                p.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
+
+    def param_bytes(self) -> int:
+        return nbytes(self.param_shards)
+
+    # -- gather before use, free after -----------------------------------------------------------
+    def _gather_async(self, slot: int) -> None:
+        for u in self.slots[slot]:
+            if u.gathered or u.gather_handle is not None:
+                continue
+            u.full = torch.empty(u.padded, dtype=self.param_dtype, device=self.device)
+            u.gather_handle = comm.all_gather(u.full, self.param_shards[u.pos], u.group, async_op=True)
+
+    def _gather(self, slot: int) -> None:
+        self._gather_async(slot)
+        for u in self.slots[slot]:
+            if u.gather_handle is not None:
+                u.gather_handle.wait()
+                u.gather_handle = None
+                for p, v in zip(u.params, u.views(u.full)):
+                    p.data = v
+                u.gathered = True
+
+    def _free_unit(self, u: Unit) -> None:
+        if u.gathered:
+            for p in u.params:
+                p.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
+            u.full = None
+            u.gathered = False
+
+    def _free(self, slot: int) -> None:
+        for u in self.slots[slot]:
+            self._free_unit(u)
+
+    def after_reduce(self, u: Unit) -> None:
+        if self.reduces_each_backward:
+            self._free_unit(u)
+
+    def after_grad(self, u: Unit, p: nn.Parameter) -> None:
+        """Under a pipeline the reduction waits for the step's end: free a block unit as soon as this
+        backward has produced all its gradients (the root stays gathered for the step)."""
+        if not self.pipeline or u.name == "root":
+            return
+        u.seen.add(p)
+        if len(u.seen) == len(u.params):
+            u.seen = set()
+            self._free_unit(u)
+
+    def finish(self) -> None:
+        super().finish()
+        for slot in range(len(self.slots)):
+            self._free(slot)
+
+    def _install_hooks(self) -> None:
+        prefetch = not self.pipeline   # under a pipeline the next module to run depends on the schedule
+        last = len(self.slots) - 1
+
+        def pre_forward(idx):
+            def hook(module, args):
+                self._gather(idx)
+                if prefetch and idx < last and torch.is_grad_enabled():
+                    self._gather_async(idx + 1)  # prefetch the next block
+            return hook
+
+        def post_forward(idx):
+            def hook(module, args, output):
+                if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                    output.register_hook(lambda grad, idx=idx: self._pre_backward(idx) or grad)
+                if self.reshard_after_forward and not (self.pipeline and idx == 0):
+                    self._free(idx)  # the root's hook fires after the whole forward
+                return output
+            return hook
+
+        for idx, (_, _, modules) in enumerate(self.modules_to_gather()):
+            for module in modules:
+                self._hooks.append(module.register_forward_pre_hook(pre_forward(idx)))
+                self._hooks.append(module.register_forward_hook(post_forward(idx)))
+
+    def _pre_backward(self, idx: int) -> None:
+        """Before slot idx's backward: gather it (if freed) and prefetch the slot that runs next."""
+        self._gather(idx)
+        if self.pipeline:
+            return
+        prev = idx - 1 if idx > 1 else None   # blocks run backward from last to first; root already held
+        if idx == 0:
+            prev = len(self.slots) - 1 if len(self.slots) > 1 else None
+        if prev is not None:
+            self._gather_async(prev)
+
+
+def Zero(model: nn.Module, groups: Mapping[str, Group], stage: int, make_optimizer, bucket_mb: float = 25.0,
+         master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
+         reshard_after_forward: bool = True, pipeline: bool = False) -> ShardedOptimizer:
+    """ZeRO stage 1, 2 or 3 for `model`, each parameter over `groups[placement.reduce]`, with AdamW
+    (from `make_optimizer(params, decay)`) on this rank's shards.
+
+        z = Zero(model, mesh, stage=3, make_optimizer=lambda params, decay: AdamW(params, decay))
+        ... the engine protocol (engine.py) ...
+    """
+    kw = dict(master_dtype=master_dtype, grad_dtype=grad_dtype, pipeline=pipeline)
+    if stage == 3:
+        return Zero3(model, groups, make_optimizer, reshard_after_forward, **kw)
+    if stage in (1, 2):
+        return Zero12(model, groups, stage, make_optimizer, bucket_mb, **kw)
+    raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")

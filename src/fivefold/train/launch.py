@@ -120,9 +120,11 @@ def torchrun_env() -> tuple[int, int] | None:
     return None
 
 
-def init_torchrun(timeout_s: float = 1800) -> tuple[int, int]:
-    """Join a torchrun job: NCCL when CUDA is present, else gloo."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+def init_torchrun(timeout_s: float = 1800, device: str = "auto") -> tuple[int, int]:
+    """Join a torchrun job: NCCL when the run's device (train.device: auto | cpu | cuda) is CUDA, else gloo.
+    On CUDA each rank takes the GPU of its local rank (torchrun's LOCAL_RANK)."""
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if cuda else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))

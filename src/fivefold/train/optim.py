@@ -71,7 +71,7 @@ def global_grad_norm(owned: list[torch.Tensor], group: Group | None = None) -> f
     is counted exactly once across `group` (the ranks holding different pieces: tensor, pipeline and
     ZeRO shards). Replicated gradients must be passed by one rank only.
     """
-    sq = torch.zeros(1, dtype=torch.float64)
+    sq = torch.zeros(1, dtype=torch.float64, device=owned[0].device if owned else None)
     for g in owned:
         sq += g.double().pow(2).sum()
     if group is not None and group.size > 1:

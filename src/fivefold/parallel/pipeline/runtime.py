@@ -52,6 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from ... import comm
 from ...comm import Group
 from ...model.transformer import rope_cos_sin
+from ..placement import full_shape, place, placement_of
 from .partition import Partition
 from .schedules import (B, F, I, SEND_B, SEND_F, W, Action, Block, build_schedule, input_messages,
                         message_key, simulate, simulate_schedule, steps, timeline_stats)
@@ -82,8 +83,12 @@ class Stage(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in partition.layers_of_rank(rank)})
         if self.last in self.chunks:
             self.norm, self.head = model.norm, model.head
-            if self.tie:  # same init, own storage
-                self.head.weight = nn.Parameter(model.head.weight.detach().clone())
+            if self.tie:  # same init, own storage; the first stage counts the weight in the norm
+                copy = nn.Parameter(model.head.weight.detach().clone())
+                copy.placement = placement_of(model.head.weight)
+                self.head.weight = place(copy, tied="embed", counted=False)
+        if self.tie and 0 in self.chunks:
+            place(self.embed.weight, tied="embed")
 
     @property
     def tied(self) -> nn.Parameter | None:
@@ -103,8 +108,9 @@ class Stage(nn.Module):
         sequence parallelism)."""
         return (batch, seq // self.seq_split, self.hidden)
 
-    def rope(self, seq: int, device=None):
-        return rope_cos_sin(seq, *self.rope_args, device)
+    def rope(self, positions, device=None):
+        """cos, sin for `positions` (a 1-D tensor of position ids, or a length: 0..seq-1)."""
+        return rope_cos_sin(positions, *self.rope_args, device)
 
     def forward_chunk(self, chunk: int, x: torch.Tensor, cos_sd, sin_sd) -> torch.Tensor:
         """Tokens (chunk 0) or hidden states -> hidden states (or logits for the last chunk)."""
@@ -118,8 +124,9 @@ class Stage(nn.Module):
 
 
 def stage_names(model: nn.Module, partition: Partition) -> list[list[tuple[str, torch.Size]]]:
-    """For every pipeline rank, the (name, shape) of the parameters it owns in the checkpoint (tied
-    copies excluded), in the full model's order. Every rank computes the same lists."""
+    """For every pipeline rank, the (name, full shape) of the parameters it owns in the checkpoint (tied
+    copies excluded), in the full model's order. Every rank computes the same lists. Shapes are the
+    single-process ones (from each parameter's placement), whatever other dimensions sharded."""
     named = list(model.named_parameters())   # a tied head weight appears once, as embed.weight
     out = []
     for r in range(partition.pp):
@@ -130,7 +137,7 @@ def stage_names(model: nn.Module, partition: Partition) -> list[list[tuple[str, 
             part = name.split(".")
             if ((part[0] == "embed" and 0 in chunks) or (part[0] == "layers" and part[1] in layers)
                     or (part[0] in ("norm", "head") and partition.chunks - 1 in chunks)):
-                mine.append((name, p.shape))
+                mine.append((name, full_shape(p)))
         out.append(mine)
     return out
 
@@ -189,19 +196,22 @@ class PipelineRuntime:
             self._install_recording()
 
     # -- one step ------------------------------------------------------------------------------
-    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int) -> torch.Tensor:
-        """Run every action for the step's micro-batches [(tokens, targets)]; return this rank's share of
-        the loss (nonzero on the last stage only) as a float64 tensor of one element."""
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Run every action for the step's micro-batches [(tokens, targets)], whose tokens sit at
+        `positions` (position ids, default 0..s-1); return this rank's share of the loss (nonzero on the
+        last stage only) as a float64 tensor of one element."""
         self.mbs, self.n_tokens = micro_batches, n_tokens
+        self.device = micro_batches[0][0].device
         b, s = micro_batches[0][0].shape
         self.shape = self.stage.boundary_shape(b, s)
-        self.cos_sd, self.sin_sd = self.stage.rope(s, micro_batches[0][0].device)
+        self.cos_sd, self.sin_sd = self.stage.rope(s if positions is None else positions, micro_batches[0][0].device)
         self.inbox: dict = {}      # message key -> (buffer, receive handle)
         self.outbox: dict = {}     # message key -> tensor waiting for its SEND
         self.sending: list = []    # (send handle, tensor) until the end of the step
         self.saved: dict = {}      # (micro-batch, chunk) -> Saved
         self.deferred: dict = {}   # (micro-batch, chunk) -> [(weights, output, d_output)] for W
-        self.loss = torch.zeros(1, dtype=torch.float64)
+        self.loss = torch.zeros(1, dtype=torch.float64, device=micro_batches[0][0].device)
         self.timeline = []
         for item in steps(self.actions):
             if isinstance(item, list):
@@ -221,7 +231,7 @@ class PipelineRuntime:
             if a.kind in (SEND_F, SEND_B):
                 sends.append((self.outbox.pop(message_key(a)).contiguous(), a.peer))
             else:
-                recvs.append((torch.empty(self.shape, dtype=self.dtype), a.peer))
+                recvs.append((torch.empty(self.shape, dtype=self.dtype, device=self.device), a.peer))
                 keys.append(message_key(a))
         handle = comm.send_recv(sends, recvs, self.group, async_op=True, dim="pp")
         self.sending += [(h, t) for h, (t, _) in zip(handle.parts[:len(sends)], sends)]
@@ -355,13 +365,6 @@ class PipelineRuntime:
         for g, s in zip(self._generators(), state[1]):
             g.set_state(s)
 
-    # -- after the backward --------------------------------------------------------------------
-    def reduce_tied(self, engine, group: Group) -> None:
-        """Sum the two copies' gradients of a tied embedding over the `embed` group (first and last
-        stage), before the data-parallel reduction: one all-reduce of v·h gradient elements."""
-        if self.stage.tied is not None:
-            comm.all_reduce(engine.local_grad(self.stage.tied), group, dim="embed")
-
 
 # -------------------------------------------------------------------------------------------------------
 # Full state across stages
@@ -374,11 +377,12 @@ def gather_stages(state: dict, names: list[list[tuple[str, torch.Size]]], group:
     sizes = [sum(shape.numel() for _, shape in spec) for spec in names]
     width = len(kinds) * max(sizes)
     dtype = state["model"][names[group.rank][0][0]].dtype
-    mine = torch.zeros(width, dtype=dtype)
+    device = state["model"][names[group.rank][0][0]].device
+    mine = torch.zeros(width, dtype=dtype, device=device)
     flat = [state[k][n].reshape(-1) for k in kinds for n, _ in names[group.rank]]
     if flat:
         torch.cat(flat, out=mine[:sum(t.numel() for t in flat)])
-    every = torch.empty(group.size * width, dtype=dtype)
+    every = torch.empty(group.size * width, dtype=dtype, device=device)
     comm.all_gather(every, mine, group, dim="checkpoint")
     out = {k: {} for k in kinds}
     for r, spec in enumerate(names):

@@ -1,0 +1,94 @@
+"""The gradient engine: what the trainer asks of data parallelism (DDP) and ZeRO-1/2/3.
+
+An engine owns the parameters' gradients and the optimizer. It partitions the parameters by the group
+their gradient is summed over (`placement.reduce`: dp, dp×cp, expert-dp, ...) and reduces each
+partition over its own group; buckets and ZeRO units never mix groups. One step, explicitly:
+
+    for i, (x, y) in enumerate(micro_batches):
+        engine.set_sync(i == last)     # are this backward's gradients the step's final ones?
+        loss(model(x), y).backward()   # hooks accumulate, and reduce what is final (overlapped)
+        engine.end_backward()          # reduce what the backward left pending (grad-less params)
+    engine.finish()                    # wait for every reduction
+    ... sum partial gradients (placement.partial), norm over engine.norm_group, clip ...
+    engine.step(lr); engine.zero_grad()
+
+A pipeline runs every micro-batch's backward with `set_sync(False)`, sums tied copies' local gradients
+(`local_grad`), then calls `set_sync(True)` and `end_backward()` once to reduce everything.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Protocol
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..comm import Group
+from .placement import by_group, placement_of
+
+
+class Engine(Protocol):
+    params: list[nn.Parameter]
+    norm_group: Group
+
+    def set_sync(self, enabled: bool) -> None: ...
+    def end_backward(self) -> None: ...
+    def finish(self) -> None: ...
+    def local_grad(self, p: nn.Parameter) -> torch.Tensor: ...
+    def owned_grads(self, params: list[nn.Parameter] | None = None) -> list[torch.Tensor]: ...
+    def norm_grads(self) -> list[torch.Tensor]: ...
+    def step(self, lr: float) -> None: ...
+    def zero_grad(self) -> None: ...
+    def state_bytes(self) -> dict: ...
+    def full_state(self) -> dict: ...
+    def load_full_state(self, state: dict) -> None: ...
+    def remove(self) -> None: ...
+
+
+def unique_params(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters, each tied weight once, in registration order."""
+    seen, out = set(), []
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def reduce_partitions(params: list[nn.Parameter], groups: Mapping[str, Group]) -> list[tuple[Group, list]]:
+    """(group, parameters) for each reduction group named by the parameters' placements, in the order
+    the groups first appear in `params` (the same on every rank of a group)."""
+    return [(groups[name], ps) for name, ps in by_group(params, "reduce").items()]
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@torch.no_grad()
+def sum_partial_grads(engine: Engine, groups: Mapping[str, Group]) -> None:
+    """Sum gradients that the ranks of a group each computed in part (`placement.partial`): one
+    all-reduce per group per step, after the engine's reduction (sums commute). The ranks of such a
+    group hold the same pieces, so they own the same gradient segments under ZeRO too."""
+    for name, params in by_group(engine.params, "partial").items():
+        grads = engine.owned_grads(params)
+        if not grads:
+            continue
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, groups[name])
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+@torch.no_grad()
+def sum_tied_grads(engine: Engine, groups: Mapping[str, Group]) -> None:
+    """Sum the local gradients of a tied weight's copies (`placement.tied`) before the reduction."""
+    for name, params in by_group(engine.params, "tied").items():
+        for p in params:
+            comm.all_reduce(engine.local_grad(p), groups[name], dim=name)
+
+
+def counted(p: nn.Parameter) -> bool:
+    return placement_of(p).counted

@@ -1,0 +1,174 @@
+"""One seam for every parallelism: each dimension is an object with the same small interface, and
+`parallelize` applies them to the full seeded model in one documented order.
+
+    tp → cp → ep → pp        (as torchtitan's parallelize_llama: apply_tp → apply_cp → ... → apply_fsdp)
+
+then the gradient engine (DDP or ZeRO, data.py / zero.py) wraps whatever parameters this rank holds,
+partitioned by each parameter's `placement.reduce` group. Each dimension shards what it owns in place
+and writes the parameters' placements (placement.py); the trainer never names a dimension.
+
+A dimension (`Parallelism`) may provide, all optional but `name` and `apply`:
+
+    apply(model) -> model          shard or cut the model; return what this rank runs
+    loss(loss_sum) -> loss_sum     wrap the token-loss function (tp: vocab-parallel cross-entropy)
+    shard_batch(x, y, pos) -> ...  the part of a micro-batch this rank sees (cp: a sequence slice)
+    forward_backward(...)          run the step's forward and backward itself (pp: the schedule)
+    loss_group: str                a group whose ranks each hold part of the loss, summed for reporting
+    gather_state / split_state     a full checkpoint state from this rank's pieces, and back
+    write(out)                     files this dimension reports after a run (pp: the timeline)
+
+State flows out through the dimensions in the order they were applied (each widens the state by
+gathering its own pieces: tp gathers the tp pieces of this stage's tensors, then pp gathers the stages)
+and back in the reverse order. Context and expert parallelism plug in between tp and pp: cp's apply
+swaps the attention core and writes `reduce="dp_cp"` on dense parameters, its shard_batch slices the
+sequence and gives position ids; ep's apply replaces the MoE experts by this rank's and writes
+`reduce="edp"` plus an "ep" shard on expert weights.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..config import Config
+from .engine import Engine, sum_tied_grads
+
+LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Parallelism(Protocol):
+    name: str
+
+    def apply(self, model: nn.Module) -> nn.Module: ...
+
+
+def parallelize(model: nn.Module, mesh, cfg: Config) -> tuple[nn.Module, list]:
+    """Apply every dimension with degree > 1, in the order tp → cp → ep → pp; return the module this
+    rank runs and the applied dimension objects."""
+    from .tensor import TensorParallelism
+
+    p, t = cfg.parallel, cfg.train
+    dims = []
+    if p.tp > 1:
+        dims.append(TensorParallelism(mesh, p.sp_mode == "megatron", t.seed))
+    if p.pp > 1:
+        dims.append(PipelineParallelism(mesh, cfg))
+    for d in dims:
+        model = d.apply(model)
+    return model, dims
+
+
+def loss_function(dims: list, loss_sum: LossSum) -> LossSum:
+    for d in dims:
+        if hasattr(d, "loss"):
+            loss_sum = d.loss(loss_sum)
+    return loss_sum
+
+
+def gather_state(dims: list, state: dict) -> dict:
+    for d in dims:
+        if hasattr(d, "gather_state"):
+            state = d.gather_state(state)
+    return state
+
+
+def split_state(dims: list, state: dict) -> dict:
+    for d in reversed(dims):
+        if hasattr(d, "split_state"):
+            state = d.split_state(state)
+    return state
+
+
+class PipelineParallelism:
+    """The pipeline dimension (pipeline/runtime.py): cuts the (tp-sharded) model to this rank's stage,
+    runs the step's forward and backward by the schedule's action list, sums tied embedding copies,
+    and gathers the stages' states into one."""
+
+    name = "pp"
+    loss_group = "pp"   # only the last stage computes the loss
+
+    def __init__(self, mesh, cfg: Config):
+        from .pipeline import build_schedule, partition_layers
+
+        p = cfg.parallel
+        self.mesh, self.cfg = mesh, cfg
+        self.partition = partition_layers(cfg.model.layers, p.pp, p.vpp, p.partition)
+        self.rank = mesh.coords["pp"]
+        self.actions = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp)[self.rank]
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        from .pipeline.runtime import Stage, stage_names
+
+        self.names = stage_names(model, self.partition)   # (name, piece shape) per stage, before the cut
+        from .pipeline.runtime import PipelineRuntime
+
+        self.stage = Stage(model, self.partition, self.rank)
+        p = self.cfg.parallel
+        self.stage.seq_split = p.tp if p.sp_mode == "megatron" else 1
+        dtype = next(self.stage.parameters()).dtype
+        self.runtime = PipelineRuntime(self.stage, self.actions, self.mesh["pp"], None, self.cfg.train.recompute, dtype)
+        return self.stage
+
+    def forward_backward(self, model: nn.Module, loss_sum: LossSum, engine: Engine, micro_batches: list,
+                         n_tokens: int, positions=None) -> torch.Tensor:
+        """Every micro-batch's forward and backward by the schedule, gradients accumulating locally; then
+        the tied copies' gradients are summed (dim "embed") and the engine reduces once."""
+        self.runtime.loss_fn = loss_sum
+        engine.set_sync(False)
+        loss_local = self.runtime.run(micro_batches, n_tokens, positions)
+        sum_tied_grads(engine, self.mesh)
+        engine.set_sync(True)
+        engine.end_backward()
+        return loss_local
+
+    def gather_state(self, state: dict) -> dict:
+        from .pipeline.runtime import gather_stages
+
+        return gather_stages(self.stage_state(state, with_copy=False), self.names, self.mesh["pp"])
+
+    def split_state(self, state: dict) -> dict:
+        return self.stage_state(state, with_copy=True)
+
+    def stage_state(self, state: dict, with_copy: bool) -> dict:
+        """This stage's entries of a full state; with_copy adds the tied head copy (= the embedding),
+        without it the copy is dropped (the checkpoint holds the embedding once)."""
+        names = {n: n for n, _ in self.names[self.rank]}
+        if self.stage.tied_copy is not None and with_copy:
+            names["head.weight"] = "embed.weight"
+        return {k: ({n: v[src] for n, src in names.items()} if isinstance(v, dict) else v) for k, v in state.items()}
+
+    def write(self, out: Path, gather_objects, rank: int) -> None:
+        """OUT/pipeline.json and OUT/pipeline.svg: the last step's measured timeline of the pp ranks of
+        rank 0's group beside the simulated one (call on every rank: gathers the timelines)."""
+        from .pipeline.runtime import report, write_report
+
+        timelines = gather_objects([tuple(b) for b in self.runtime.timeline])
+        if rank == 0:
+            p = self.cfg.parallel
+            rows = [timelines[r] for r in self.mesh["pp"].ranks]
+            write_report(out, report(rows, p.schedule, p.pp, p.microbatches, p.vpp))
+
+
+def direct_forward_backward(model: nn.Module, loss_sum: LossSum, engine: Engine, micro_batches: list,
+                            n_tokens: int, positions=None) -> torch.Tensor:
+    """Forward and backward of each micro-batch in turn; only the last one's backward reduces."""
+    loss_local = torch.zeros(1, dtype=torch.float64, device=micro_batches[0][0].device)
+    for i, (x_bs, y_bs) in enumerate(micro_batches):
+        engine.set_sync(i == len(micro_batches) - 1)
+        loss = loss_sum(model(x_bs, positions), y_bs) / n_tokens
+        loss.backward()
+        engine.end_backward()
+        loss_local += loss.detach().double()
+    return loss_local
+
+
+def sum_loss(loss_local: torch.Tensor, mesh, dims: list) -> None:
+    """The step's loss on every rank: summed over dp (each rank's share of the batch) and over the
+    groups of the dimensions that split it (pp: only the last stage holds it)."""
+    comm.all_reduce(loss_local, mesh["dp"], dim="loss")
+    for d in dims:
+        if getattr(d, "loss_group", None):
+            comm.all_reduce(loss_local, mesh[d.loss_group], dim="loss")

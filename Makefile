@@ -1,4 +1,5 @@
-# `make demo` trains the embedded default model on 2 local ranks; `make test` runs the test suite.
+# `make demo` trains the embedded default model on 2 local ranks; `make test` runs the test suite;
+# `make layers` checks DESIGN.md's import arrows (import-linter; tests/test_layers.py runs it too).
 # Both create .venv and install what is missing. torch is pinned here to the CPU wheel on disk;
 # the package itself asks only for torch>=2.8.
 VENV := .venv
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS := 1
 export MKL_NUM_THREADS := 1
 
-.PHONY: demo test bench clean
+.PHONY: demo test layers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,6 +21,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+layers: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: $(STAMP)
 	$(PY) benchmarks/ddp.py

@@ -1,6 +1,9 @@
+import typing
+
 import pytest
 
-from fivefold.config import Config, ConfigError, load_config
+from fivefold.config import Config, ConfigError, ParallelConfig, TrainConfig, field_type, load_config
+from fivefold.rules import CpMode, Device, SpMode, ZeroStage, cp_degrees, kv_replicas
 
 
 def test_defaults_validate():
@@ -22,11 +25,23 @@ def test_toml_and_overrides(tmp_path):
     ({"model.hidden": 100, "model.heads": 3}, 1, ["must divide by model.heads"]),
     ({"train.global_batch": 10, "parallel.dp": 4}, 4, ["global_batch (10)", "dp*microbatches", "8, 12]"]),
     ({"train.seq_len": 512}, 1, ["seq_len (512)", "max_seq"]),
-    ({"parallel.zero": 5}, 1, ["zero must be one of 0, 1, 2, 3"]),
     ({"parallel.tp": 3, "parallel.dp": 1}, 3, ["heads (4) must divide by tp (3)", "valid tp"]),
     ({"parallel.order": "tp-dp-pp"}, 1, ["must name each of"]),
     ({"parallel.ep": 3, "parallel.dp": 2}, 2, ["ep (3) must divide dp*cp"]),
     ({"parallel.pp": 8, "parallel.dp": 1}, 8, ["layers (4) must be >= pp*vpp"]),
+    ({"parallel.pp": 2, "parallel.microbatches": 2, "parallel.partition": "1,2"}, 2, ["sums to 3", "4 layers"]),
+    ({"parallel.pp": 2, "parallel.microbatches": 2, "parallel.partition": "balanced"}, 2,
+     ["partition must be one of even, llama3 or layer counts"]),
+    ({"parallel.pp": 2}, 2, ["schedule 1f1b needs microbatches >= pp (2), got 1"]),
+    ({"parallel.ep": 2, "parallel.dp": 2}, 2, ["needs a mixture-of-experts model"]),
+    ({"parallel.ep": 4, "parallel.dp": 4, "model.experts": 6}, 4, ["experts (6) must divide by ep (4)", "valid ep"]),
+    ({"parallel.cp": 2, "parallel.cp_mode": "ulysses", "parallel.tp": 4, "parallel.dp": 1, "model.kv_heads": 4},
+     8, ["Ulysses", "heads/tp = 4/4 = 1 must divide by cp (2)", "valid cp: [1]"]),
+    ({"parallel.cp": 3, "parallel.dp": 1}, 3, ["ring attention", "2*cp = 6", "valid cp: [1, 2, 4]"]),
+    ({"parallel.cp": 2, "parallel.cp_mode": "ulysses", "parallel.dp": 1, "train.seq_len": 33,
+      "model.max_seq": 64}, 2, ["seq_len (33) must divide by cp (2)"]),
+    ({"parallel.tp": 2, "parallel.sp_mode": "megatron", "parallel.dp": 1, "train.seq_len": 33,
+      "model.max_seq": 64}, 2, ["seq_len (33) must divide by tp (2)", "valid seq_len: [30, 32, 34]"]),
 ])
 def test_errors_name_rule_and_suggest(overrides, world, words):
     cfg = load_config(None, overrides)
@@ -41,3 +56,51 @@ def test_unknown_key_lists_valid_ones():
         load_config(None, {"model.hiden": 3})
     with pytest.raises(ConfigError, match="must be of type int"):
         load_config(None, {"model.hidden": "lots"})
+
+
+def test_ulysses_degree_rules_not_ring_rules():
+    """Ulysses needs seq % cp (not ring's 2*cp); ring needs 2*cp; hybrid splits cp into Ulysses x ring."""
+    ok = load_config(None, {"parallel.cp": 2, "parallel.cp_mode": "ulysses", "parallel.dp": 1, "train.seq_len": 34,
+                            "model.max_seq": 64})
+    ok.validate(2)
+    assert cp_degrees("ulysses", 4, heads=8) == (4, 1) and cp_degrees("ring", 4, heads=8) == (1, 4)
+    assert cp_degrees("hybrid", 8, heads=8, tp=2) == (4, 2)     # 4 heads per tp rank: Ulysses 4, ring 2
+    assert cp_degrees("hybrid", 6, heads=4) == (2, 3)
+    assert [kv_replicas(tp, 2) for tp in (1, 2, 4, 8)] == [1, 1, 2, 4]
+
+
+@pytest.mark.parametrize("key, value, expect", [
+    ("train.checkpoint", "ture", "must be a boolean"),
+    ("train.checkpoint", "2", "must be a boolean"),
+    ("parallel.zero", 5, "parallel.zero must be one of 0, 1, 2, 3, got 5"),
+    ("parallel.zero", "two", "must be of type int"),
+    ("parallel.sp_mode", "ulysses", "parallel.sp_mode must be one of none, megatron, got 'ulysses'"),
+    ("parallel.cp_mode", "zigzag", "must be one of ulysses, ring, hybrid"),
+    ("train.device", "tpu", "must be one of auto, cpu, cuda"),
+    ("train.steps", 2.5, "must be of type int"),
+    ("train.steps", True, "must be of type int"),
+    ("parallel.order", 3, "must be of type str"),
+])
+def test_overrides_are_strict(key, value, expect):
+    with pytest.raises(ConfigError, match=expect.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, {key: value})
+
+
+def test_overrides_convert_by_declared_type():
+    cfg = load_config(None, {"train.checkpoint": "Off", "parallel.reshard_after_forward": "YES", "parallel.zero": "2",
+                             "train.device": "cpu", "parallel.cp_mode": "hybrid", "parallel.bucket_mb": "0.5",
+                             "train.steps": 3.0})
+    assert cfg.train.checkpoint is False and cfg.parallel.reshard_after_forward is True
+    assert (cfg.parallel.zero, cfg.train.device, cfg.parallel.cp_mode) == (2, "cpu", "hybrid")
+    assert cfg.parallel.bucket_mb == 0.5 and cfg.train.steps == 3
+    assert field_type("parallel.zero") is ZeroStage and field_type("parallel.sp_mode") is SpMode
+    assert field_type("parallel.cp_mode") is CpMode and field_type("train.device") is Device
+    assert (ParallelConfig().cp_mode, TrainConfig().device) == ("ring", "auto")
+
+
+def test_validate_checks_choices_of_configs_built_in_code():
+    cfg = Config()
+    cfg.parallel.schedule = "zigzag"
+    with pytest.raises(ConfigError, match="parallel.schedule must be one of gpipe, 1f1b, interleaved, zb"):
+        cfg.validate(1)
+    assert typing.get_origin(field_type("train.recompute")) is typing.Literal

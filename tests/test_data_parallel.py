@@ -104,3 +104,20 @@ def test_bf16_dp_matches_single_process_loosely():
     cfg2.train.dtype = "bf16"
     out = ranks(run_steps, 2, cfg2.to_dict())
     torch.testing.assert_close(torch.tensor(out[0]["losses"]), torch.tensor(ref["losses"]), rtol=2e-2, atol=0)
+
+
+def test_device_option_places_model_and_state():
+    """train.device = cpu puts every parameter, gradient buffer and optimizer state on the CPU; asking
+    for CUDA where there is none fails at start with one line."""
+    from fivefold.config import ConfigError
+
+    cfg = tiny_config(zero=1)
+    cfg.train.device = "cpu"
+    tr = Trainer(cfg, quiet=True)
+    tr.step(0)
+    tensors = list(tr.params) + tr.engine.grad_shards + tr.engine.optimizer.exp_avg
+    assert {t.device.type for t in tensors} == {"cpu"}
+    if not torch.cuda.is_available():
+        cfg.train.device = "cuda"
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            Trainer(cfg, quiet=True)

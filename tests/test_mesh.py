@@ -64,3 +64,20 @@ def test_embedding_group_joins_first_and_last_stage():
     two = ParallelMesh(ParallelConfig(dp=2, pp=2), rank=3)
     assert two["embed"].ranks == two["pp"].ranks == [1, 3]
     assert ParallelMesh(ParallelConfig(dp=2), rank=1)["embed"].ranks == [1]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_planner_places_the_groups_the_mesh_makes(layout):
+    """fivefold.grid is shared: the planner's group sizes are the mesh's, and each group lies inside one
+    aligned block of `group_block` consecutive ranks (what decides the network tier it crosses)."""
+    from fivefold.grid import group_block, group_size
+
+    p = ParallelConfig(**layout)
+    for rank in (0, p.world_size - 1):
+        mesh = ParallelMesh(p, rank=rank)
+        for name in GROUP_SPECS:
+            g = mesh[name].ranks
+            block = group_block(p, name, p.order)
+            assert len(g) == group_size(p, name), name
+            assert len({r // block for r in g}) == 1 and len(g) <= block, (name, g, block)
+    assert mesh["world"].ranks == list(range(p.world_size))

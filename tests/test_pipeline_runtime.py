@@ -78,6 +78,15 @@ def resume_half_way(rank, world, cfg_dict):
     return {"state": second.full_state()["model"], "half": state["model"]}
 
 
+def with_aux_loss(rank, world, cfg_dict):
+    """Three steps with an auxiliary loss on every block's output, through the model's channel."""
+    tr = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
+    for block in tr.model.layers.children():   # a ModuleList, or a stage's ModuleDict
+        block.register_forward_hook(lambda m, args, out: m.aux.add(out, 0.05 * out.float().pow(2).mean()))
+    losses = [tr.step(k)["loss"] for k in range(3)]
+    return {"losses": losses, "state": tr.full_state()["model"]}
+
+
 def train_run(rank, world, cfg_dict, out):
     """A whole `fivefold train` run (writes metrics, comm, checkpoint, pipeline.json/svg on rank 0)."""
     Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True).run(out)
@@ -103,6 +112,7 @@ def two(tmp_path_factory):
     run_cfg = cfg(pp=2, schedule="1f1b", microbatches=4)
     run_cfg.train.steps, run_cfg.train.checkpoint = 2, True
     extra = [("resume", resume_half_way, (cfg(pp=2, schedule="zb", microbatches=2).to_dict(),)),
+             ("aux", with_aux_loss, (cfg(pp=2, microbatches=2, recompute="full").to_dict(),)),
              ("run", train_run, (run_cfg.to_dict(), str(out)))]
     results = spawn(2, extra)
     results["run_dir"] = out
@@ -249,6 +259,17 @@ def test_tied_embedding_gradients_summed_once_per_step(name, two, four, eight):
 def test_loss_reported_by_every_rank(two, four):
     for results in (two["pp2_gpipe"], four["pp2_dp2_zero1"], four["pp4_interleaved"]):
         assert len({tuple(r["losses"]) for r in results}) == 1
+
+
+def test_auxiliary_losses_train_through_the_pipeline(two, references):
+    """An auxiliary loss added inside the blocks (model.aux) gives the single-process gradients under
+    pp = 2 with full recompute: it is trained on the stage that holds its block, counted once."""
+    single = with_aux_loss(0, 1, cfg(microbatches=2).to_dict())
+    without = references(2, 2)
+    assert not torch.allclose(single["state"]["layers.0.mlp.up.weight"], without["state"]["layers.0.mlp.up.weight"])
+    for r in two["aux"]:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+        assert_states_close(r["state"], single["state"], **TOL["fp32"])
 
 
 # -- checkpoints, resume, the measured timeline -------------------------------------------------

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from fivefold.config import ConfigError
-from fivefold.plan.cli import add_plan_args, cmd_plan, main
+from fivefold.cli import main
+from fivefold.plan.cli import add_plan_args, cmd_plan
 
 
 def run(argv, capsys):
@@ -64,5 +65,5 @@ def test_bad_input(capsys):
         run(["--model", "llama3-8b", "--topology", "nowhere"], capsys)
     with pytest.raises(ConfigError, match=r"tp \(3\)"):
         run(["--model", "llama3-8b", "--tp", "3"], capsys)
-    assert main(["--model", "llama3-8b", "--gpus", "64", "--tp", "8", "--pp", "3", "--cp", "1"]) == 2
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "64", "--tp", "8", "--pp", "3", "--cp", "1"]) == 2
     assert "must divide" in capsys.readouterr().err

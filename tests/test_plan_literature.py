@@ -8,7 +8,7 @@ from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.memory import (interleaved_penalty, in_flight, korthikanti, layer_acts, layer_rank_params, memory,
                                   zero_states)
 from fivefold.plan.models import PRESETS
-from fivefold.plan.time import HAVE_SIMULATOR, closed_form_bubble, simulate_pipeline
+from fivefold.plan.time import closed_form_bubble, simulate_pipeline
 from fivefold.plan.topology import TOPOLOGIES, GiB, topology_from_dict
 
 GB = 1e9
@@ -91,7 +91,7 @@ def test_korthikanti_per_layer_formulas(name):
 
 def _kort_memory(name, sp, recompute):
     a, h, L, p, gb, mb = KORTHIKANTI_MODELS[name]
-    layout = Layout(tp=8, pp=p, dp=1, sp=sp, recompute=recompute, micro_batch=mb)
+    layout = Layout(tp=8, pp=p, dp=1, sp_mode="megatron" if sp else "none", recompute=recompute, micro_batch=mb)
     return memory(_gpt(a, h, L), layout, Workload(seq=2048, global_batch=gb, flash=False))
 
 
@@ -119,7 +119,7 @@ def test_korthikanti_530b_mfu():
     w = Workload(seq=2048, global_batch=2240, flash=False)
     mfu = {}
     for rc, sp in (("selective", True), ("full", True)):
-        e = estimate(m, Layout(tp=8, pp=35, dp=8, sp=sp, recompute=rc), w, selene)
+        e = estimate(m, Layout(tp=8, pp=35, dp=8, sp_mode="megatron" if sp else "none", recompute=rc), w, selene)
         assert e.fits
         mfu[rc] = e.time.mfu
     assert mfu["selective"] == pytest.approx(0.542, rel=0.2)
@@ -138,10 +138,10 @@ def test_megatron_bubble_formulas(p, m, v):
     # Qi et al. 2023, "Zero Bubble Pipeline Parallelism": ZB-H1 idles (p-1)(F+I-W), a third of 1F1B's
     zb = closed_form_bubble("zb", p, m, f=1.0, b=2.0)
     assert zb == pytest.approx((p - 1) / (3 * m + p - 1))
-    if HAVE_SIMULATOR:  # the schedule simulator of the pipeline issue agrees with unit costs
-        for name, vv in (("1f1b", 1), ("interleaved", v) if m % p == 0 else ("1f1b", 1)):
-            sim = simulate_pipeline(name, p, m, vv, [1.0] * p, [2.0] * p, 0.0)
-            assert sim[1] == pytest.approx(closed_form_bubble(name, p, m, vv))
+    # the schedule simulator (parallel/pipeline/schedules.py) agrees with unit costs
+    for name, vv in (("1f1b", 1), ("interleaved", v) if m % p == 0 else ("1f1b", 1)):
+        sim = simulate_pipeline(name, p, m, vv, [1.0] * p, [2.0] * p, 0.0)
+        assert sim[1] == pytest.approx(closed_form_bubble(name, p, m, vv))
 
 
 def test_interleaved_memory_penalty():
@@ -171,7 +171,7 @@ def test_llama3_405b_layouts_fit_and_mfu_is_near_reported(gpus, tp, cp, pp, dp, 
     # FSDP reduce-scatters one transformer block at a time: buckets of one layer's fp32 gradients (the
     # planner charges each call its latency, as the runtime makes one call per bucket)
     block_mb = layer_rank_params(model, 0, tp, 1)[0] * 4 / 2**20
-    layout = Layout(tp=tp, cp=cp, pp=pp, dp=dp, zero=2, sp=True, vpp=4, uneven=True, order="tp-cp-ep-pp-dp",
+    layout = Layout(tp=tp, cp=cp, pp=pp, dp=dp, zero=2, sp_mode="megatron", vpp=4, partition="llama3", order="tp-cp-ep-pp-dp",
                     bucket_mb=block_mb)
     e = estimate(model, layout, Workload(seq=seq, global_batch=gb), TOPOLOGIES["llama3"], gpus)
     assert e.fits, e.warnings

@@ -5,6 +5,10 @@ from fivefold.config import ConfigError
 from fivefold.plan.layout import Layout, Workload, check
 from fivefold.plan.memory import (layer_acts, memory, model_states, stage_layers, stage_params,
                                   stage_activations)
+
+
+def counts(layers, pp, vpp=1, partition="even"):
+    return tuple(len(r) for r in stage_layers(layers, pp, vpp, partition))
 from fivefold.plan.models import PRESETS
 
 LLAMA8, L405, MIXTRAL = PRESETS["llama3-8b"], PRESETS["llama3-405b"], PRESETS["mixtral-8x7b"]
@@ -13,9 +17,12 @@ W = Workload(seq=4096, global_batch=64)
 
 def test_llama3_uneven_split_and_even_split():
     """Dubey et al. 2024 §3.3.2: 126 layers on 16 stages, first and last one layer fewer."""
-    assert stage_layers(126, 16, uneven=True) == (7,) + (8,) * 14 + (7,)
-    assert stage_layers(32, 4) == (8, 8, 8, 8)
-    assert stage_layers(10, 4) == (2, 2, 3, 3)
+    assert counts(126, 16, partition="llama3") == (7,) + (8,) * 14 + (7,)
+    assert counts(32, 4) == (8, 8, 8, 8)
+    assert counts(10, 4) == (2, 2, 3, 3)
+    assert counts(5, 2, partition="llama3") == (3, 2)            # the runtime's split (the review's drift case)
+    assert counts(9, 3, partition="llama3") == (3, 4, 2)
+    assert stage_layers(16, 2, vpp=2) == ((0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15))
 
 
 def test_embedding_on_first_stage_head_on_last():
@@ -69,8 +76,8 @@ def test_full_recompute_keeps_layer_inputs():
     """Korthikanti §4.3: full recompute stores each layer's input (2sbh, /t with SP) plus, while one
     layer is recomputed, that layer's activations."""
     w, T, h = Workload(seq=4096, global_batch=1), 4096, LLAMA8.hidden
-    none = stage_activations(LLAMA8, Layout(tp=8, pp=2, sp=True), w, 0)
-    full = stage_activations(LLAMA8, Layout(tp=8, pp=2, sp=True, recompute="full"), w, 0)
+    none = stage_activations(LLAMA8, Layout(tp=8, pp=2, sp_mode="megatron"), w, 0)
+    full = stage_activations(LLAMA8, Layout(tp=8, pp=2, sp_mode="megatron", recompute="full"), w, 0)
     emb = T * 2 * h / 8
     one_layer = (none - emb) / 16
     assert full == pytest.approx(16 * T * 2 * h / 8 + one_layer + emb)
@@ -79,15 +86,15 @@ def test_full_recompute_keeps_layer_inputs():
 def test_bad_layouts_name_the_rule_and_nearest_values():
     with pytest.raises(ConfigError, match=r"tp \(3\).*valid tp: \[2, 4\]|valid tp: \[1, 2, 4\]"):
         check(LLAMA8, Layout(tp=3), W)
-    with pytest.raises(ConfigError, match=r"GPU count 64 must equal.*dp = 8"):
+    with pytest.raises(ConfigError, match=r"world size 64 must equal.*dp = 8"):
         check(LLAMA8, Layout(tp=8, dp=2), W, gpus=64)
-    with pytest.raises(ConfigError, match=r"layers \(32\) must be >= pp\*vpp.*valid pp"):
+    with pytest.raises(ConfigError, match=r"layers \(32\) must be >= pp\*vpp.*valid: pp"):
         check(LLAMA8, Layout(pp=64), W)
     with pytest.raises(ConfigError, match=r"experts \(8\) must divide by ep \(3\); valid ep"):
         check(MIXTRAL, Layout(ep=3, dp=6), Workload(seq=4096, global_batch=60))
     with pytest.raises(ConfigError, match=r"needs a mixture-of-experts model"):
         check(LLAMA8, Layout(ep=2, dp=2), W)
-    with pytest.raises(ConfigError, match=r"global batch \(64 sequences\) must divide by dp\*micro_batch"):
+    with pytest.raises(ConfigError, match=r"global_batch \(64\) must divide by dp\*micro_batch"):
         check(LLAMA8, Layout(dp=3), W)
     with pytest.raises(ConfigError, match=r"Ulysses.*valid cp"):
         check(L405, Layout(tp=8, cp=32, cp_mode="ulysses"), Workload(seq=8192, global_batch=64))

@@ -35,6 +35,7 @@ LAYOUTS = [
     (dict(tp=2, dp=1, sp_mode="megatron", microbatches=2), "fp32"),        # all-gather / reduce-scatter
     (dict(tp=2, dp=1, sp_mode="megatron", microbatches=2), "bf16", dict(vocab=259)),  # bf16 acts, padded vocab
     (dict(pp=2, dp=1, microbatches=2), "fp32"),                            # sends, tied embedding, loss
+    (dict(pp=2, dp=1, microbatches=2, partition="llama3"), "fp32", dict(layers=5)),  # split (3, 2), not (2, 3)
     # 4 ranks
     (dict(tp=4, dp=1, sp_mode="megatron", microbatches=2), "fp32", dict(vocab=262)),  # K/V over 2 ranks each
     (dict(tp=2, dp=2, zero=1, microbatches=2, bucket_mb=0.05), "bf16"),   # tp x ZeRO-1 buckets
@@ -42,6 +43,12 @@ LAYOUTS = [
     (dict(tp=2, dp=2, zero=3, reshard_after_forward=False, microbatches=2), "bf16",
      dict(kv_heads=1)),                                                    # K/V sync over tp; one dp rank owns it
     (dict(pp=2, tp=2, dp=1, sp_mode="megatron", microbatches=2), "fp32"),  # pp x tp x SP
+    (dict(pp=2, dp=2, zero=1, vpp=2, schedule="interleaved", partition="llama3", microbatches=2, bucket_mb=0.05),
+     "fp32", dict(layers=5)),                                              # chunks (1,2,1,1): rank layers 2, 3
+    (dict(pp=2, dp=2, zero=2, schedule="interleaved", vpp=2, microbatches=2, bucket_mb=0.05), "fp32",
+     dict(layers=4)),                                                      # ZeRO-2 under pp: reduced once per step
+    (dict(pp=2, dp=2, zero=3, microbatches=2), "bf16"),                    # ZeRO-3 under pp: 2m gathers per block
+    (dict(pp=2, dp=2, zero=3, microbatches=2, partition="llama3"), "fp32", dict(layers=5)),  # root once per step
     (dict(cp=2, dp=1), "fp32"),                                            # not in the runtime yet
 ]
 

@@ -33,7 +33,7 @@ def test_fixed_degrees_are_kept_and_rules_reported():
     assert res.best and all(e.layout.tp == 8 and e.layout.zero == 1 for e in res.best)
     assert all(lay.tp == 8 for lay, _ in res.rejected)
     rules = [why for lay, why in res.rejected if why.startswith("rule:")]
-    assert any("global batch (12 sequences) must divide by dp*micro_batch" in why for why in rules)
+    assert any("global_batch (12) must divide by dp*micro_batch" in why for why in rules)
 
 
 def test_search_best_matches_its_estimate_and_moe_searches_ep():

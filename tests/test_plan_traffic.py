@@ -45,7 +45,7 @@ def test_tensor_parallel_bytes_per_layer_and_sequence_parallel_same_bytes():
     ar = plain[("tp", "all_reduce")]
     # + embedding (1/mb), head input (1/mb), and the cross-entropy reductions of 3T fp32 values per mb
     assert ar.message_bytes == per_layer * msg + 2 * 8 * msg + 3 * 8 * T * 4
-    sp = rows(LLAMA8, Layout(tp=tp, dp=1, sp=True, micro_batch=1), w)
+    sp = rows(LLAMA8, Layout(tp=tp, dp=1, sp_mode="megatron", micro_batch=1), w)
     layer_sp = sp[("tp", "all_gather")].bytes_sent + sp[("tp", "reduce_scatter")].bytes_sent
     norms = volume.all_reduce((2 * L + 1) * h * 4, tp)   # SP's norm-weight gradient all-reduce
     assert layer_sp + sp[("tp", "all_reduce")].bytes_sent - norms == pytest.approx(ar.bytes_sent)
@@ -92,10 +92,10 @@ def test_groups_land_on_tiers_and_tp_across_nodes_is_flagged():
     assert group_block(lay, "tp") == 8 and group_block(lay, "pp") == 32 and group_block(lay, "dp") == 512
     e = estimate(LLAMA8, lay, Workload(seq=4096, global_batch=256), topo)
     assert e.placement == {"tp": "nvlink", "pp": "leaf", "dp": "spine"}
-    bad = estimate(LLAMA8, Layout(tp=16, dp=1, sp=True), Workload(seq=4096, global_batch=16), topo)
+    bad = estimate(LLAMA8, Layout(tp=16, dp=1, sp_mode="megatron"), Workload(seq=4096, global_batch=16), topo)
     assert any("tp group crosses the leaf tier" in w for w in bad.warnings)
     llama = TOPOLOGIES["llama3"]
-    big = estimate(PRESETS["llama3-405b"], Layout(tp=8, pp=16, dp=128, zero=1, sp=True, order="tp-cp-ep-dp-pp"),
+    big = estimate(PRESETS["llama3-405b"], Layout(tp=8, pp=16, dp=128, zero=1, sp_mode="megatron", order="tp-cp-ep-dp-pp"),
                    Workload(seq=8192, global_batch=2048), llama)
     assert big.placement["pp"] == "cluster"
     assert any("oversubscribed" in w for w in big.warnings)
@@ -103,11 +103,11 @@ def test_groups_land_on_tiers_and_tp_across_nodes_is_flagged():
 
 def test_order_for_a_large_moe_model_is_the_fields_practice():
     """DESIGN and Megatron-Core practice: TP > SP/CP > EP > PP > DP, innermost first."""
-    for name, lay, seq in (("mixtral-8x7b", Layout(tp=2, cp=2, ep=8, pp=4, dp=16, zero=1, sp=True), 8192),
-                           ("deepseek-v3", Layout(tp=2, cp=2, ep=32, pp=8, dp=64, zero=1, sp=True), 4096)):
+    for name, lay, seq in (("mixtral-8x7b", Layout(tp=2, cp=2, ep=8, pp=4, dp=16, zero=1, sp_mode="megatron"), 8192),
+                           ("deepseek-v3", Layout(tp=2, cp=2, ep=32, pp=8, dp=64, zero=1, sp_mode="megatron"), 4096)):
         e = estimate(PRESETS[name], lay, Workload(seq=seq, global_batch=1024), TOPOLOGIES["dgx-h100"])
         assert e.order == "tp-cp-ep-pp-dp", (name, by_dim(e.flows))
-    dense = estimate(LLAMA8, Layout(tp=4, pp=2, dp=4, sp=True, zero=1), Workload(seq=4096, global_batch=64),
+    dense = estimate(LLAMA8, Layout(tp=4, pp=2, dp=4, sp_mode="megatron", zero=1), Workload(seq=4096, global_batch=64),
                      TOPOLOGIES["dgx-h100"])
     assert recommend_order(dense.flows) == "tp-cp-ep-pp-dp"
 
@@ -128,7 +128,7 @@ def test_partial_gradients_of_replicated_kv_and_sp_norms_are_summed_once_per_ste
         assert got.calls == ref.calls + 1
         assert got.message_bytes - ref.message_bytes == kv / dp
         assert got.bytes_sent - ref.bytes_sent == pytest.approx(volume.all_reduce(kv / dp, 2))
-    sp = rows(LLAMA8, Layout(tp=8, dp=1, sp=True), w)[("tp", "all_reduce")]
+    sp = rows(LLAMA8, Layout(tp=8, dp=1, sp_mode="megatron"), w)[("tp", "all_reduce")]
     assert sp.calls == 2 * 8 + 1                         # two cross-entropy reductions per micro-batch, one sync
     assert sp.message_bytes == 3 * 1024 * 4 * 8 + (2 * L + 1) * h * 4
 
@@ -142,6 +142,21 @@ def test_gradient_reduction_calls_one_per_bucket_or_unit():
     assert ddp.calls > 1 and ddp.message_bytes == 4 * m.num_params()
     z3 = rows(m, Layout(dp=2, zero=3, micro_batch=1), w)      # 2 micro-batches
     assert z3[("dp", "all_gather")].calls == 2 * 2 * 3 and z3[("dp", "reduce_scatter")].calls == 2 * 3
-    keep = rows(m, Layout(dp=2, zero=3, micro_batch=1, reshard=False), w)
+    keep = rows(m, Layout(dp=2, zero=3, micro_batch=1, reshard_after_forward=False), w)
     assert keep[("dp", "all_gather")].calls == 2 * 3
     assert keep[("dp", "all_gather")].bytes_sent == pytest.approx(z3[("dp", "all_gather")].bytes_sent / 2)
+
+
+def test_hybrid_context_parallel_is_ulysses_inside_and_ring_across():
+    """Hybrid (USP): Ulysses over the largest degree the heads of a tp rank allow, ring over the rest;
+    ring blocks after the all-to-all hold u times the tokens and 1/u of the heads (same bytes)."""
+    w = Workload(seq=8192, global_batch=8, dtype="bf16")
+    hyb = rows(LLAMA8, Layout(tp=8, cp=8, dp=1, cp_mode="hybrid"), w)    # 4 heads per tp rank: u 4, ring 2
+    uly = rows(LLAMA8, Layout(tp=8, cp=4, dp=1, cp_mode="ulysses"), w)
+    ring = rows(LLAMA8, Layout(tp=8, cp=8, dp=1, cp_mode="ring"), w)
+    a2a, send = hyb[("cp", "all_to_all")], hyb[("cp", "send")]
+    assert a2a.n == 4 and send.n == 2
+    assert a2a.calls == 8 * 32 * 8                   # 4 forward + 4 backward per layer per micro-batch
+    assert a2a.message_bytes == pytest.approx(uly[("cp", "all_to_all")].message_bytes / 2)   # half the tokens
+    kv = ring[("cp", "send")].message_bytes / ring[("cp", "send")].calls
+    assert send.calls == (2 - 1) * 8 * 32 * 3 and send.message_bytes == send.calls * kv

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from fivefold.comm import Group, volume
 from fivefold.config import Config, ConfigError, ModelConfig
 from fivefold.parallel import tensor
-from fivefold.parallel.tensor import ShardSpec, VocabParallelCrossEntropy, padded_vocab
+from fivefold.parallel.placement import Shard
+from fivefold.parallel.tensor import VocabParallelCrossEntropy
+from fivefold.shapes import padded_vocab
 from fivefold.train import checkpoint
 from fivefold.train.trainer import Trainer
 
@@ -298,16 +300,16 @@ def test_padded_logits_never_win_or_carry_loss():
 def test_shard_specs_split_and_reassemble():
     full = torch.arange(10 * 3.0).view(10, 3)
     n = 4
-    vocab = ShardSpec(0, 10)                    # padded to 12: pieces of 3, the last one holds 1 row + 2 zeros
+    vocab = Shard("tp", 0, 10)                    # padded to 12: pieces of 3, the last one holds 1 row + 2 zeros
     pieces = [vocab.piece(full, r, n) for r in range(n)]
     assert all(p.shape == (3, 3) for p in pieces) and torch.equal(pieces[3][1:], torch.zeros(2, 3))
     assert torch.equal(vocab.assemble(torch.stack(pieces)), full)
-    kv = ShardSpec(0, 4, replicas=2)            # 2 KV heads of 2 rows on 4 ranks: ranks 0,1 hold head 0
+    kv = Shard("tp", 0, 4, replicas=2)            # 2 KV heads of 2 rows on 4 ranks: ranks 0,1 hold head 0
     kvfull = full[:4]
     pieces = [kv.piece(kvfull, r, n) for r in range(n)]
     assert torch.equal(pieces[0], pieces[1]) and torch.equal(pieces[2], kvfull[2:])
     assert torch.equal(kv.assemble(torch.stack(pieces)), kvfull)
-    row = ShardSpec(1, 3)
+    row = Shard("tp", 1, 3)
     assert torch.equal(row.assemble(torch.stack([row.piece(full, r, 3) for r in range(3)])), full)
 
 
@@ -320,6 +322,11 @@ def test_config_rules_for_tensor_parallel():
     c.train.seq_len = 30
     with pytest.raises(ConfigError, match="seq_len .* must divide by tp"):
         c.validate(4)
-    c = tiny_config(tp=2, sp_mode="ulysses")
-    with pytest.raises(ConfigError, match="sp_mode=ulysses"):
-        Trainer(c, 0, 2)
+    c = tiny_config(tp=2)
+    c.parallel.sp_mode = "ulysses"              # a context-parallel mode, not TP's sequence parallelism
+    with pytest.raises(ConfigError, match="sp_mode must be one of none, megatron"):
+        c.validate(2)
+    c = tiny_config(tp=2, cp=2)
+    c.parallel.dp = 1
+    with pytest.raises(ConfigError, match="not yet: cp=2"):
+        Trainer(c, 0, 4)

@@ -1,45 +1,57 @@
 """Command line: `fivefold train | plan | schedule`.
 
-    fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --ep --zero ...] [--steps K] [--out DIR]
+    fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --cp-mode --ep --zero ...] [--steps K] [--out DIR]
     fivefold plan --model llama3-8b --gpus 64 --topology dgx-h100 [--tp --pp --dp ...] [--json]
     fivefold schedule --pp 4 --microbatches 8 --schedule 1f1b [--vpp V] [--out F.svg]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+import typing
 from pathlib import Path
+from typing import Literal
 
-from .config import ConfigError, load_config
+from .config import ConfigError, field_type, load_config
+from .rules import PartitionKind, choices
 
-# flag -> dotted config key
+# flag -> dotted config key; each flag's type and choices come from the field's declared type
 TRAIN_FLAGS = {
     "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
-    "zero": "parallel.zero", "sp_mode": "parallel.sp_mode", "order": "parallel.order",
-    "microbatches": "parallel.microbatches", "schedule": "parallel.schedule", "vpp": "parallel.vpp",
-    "bucket_mb": "parallel.bucket_mb", "partition": "parallel.partition", "recompute": "train.recompute",
-    "steps": "train.steps", "global_batch": "train.global_batch", "seq_len": "train.seq_len", "lr": "train.lr",
-    "dtype": "train.dtype", "seed": "train.seed", "out": "train.out", "data": "train.data",
+    "zero": "parallel.zero", "sp_mode": "parallel.sp_mode", "cp_mode": "parallel.cp_mode",
+    "order": "parallel.order", "microbatches": "parallel.microbatches", "schedule": "parallel.schedule",
+    "vpp": "parallel.vpp", "bucket_mb": "parallel.bucket_mb", "partition": "parallel.partition",
+    "recompute": "train.recompute", "steps": "train.steps", "global_batch": "train.global_batch",
+    "seq_len": "train.seq_len", "lr": "train.lr", "dtype": "train.dtype", "device": "train.device",
+    "seed": "train.seed", "out": "train.out", "data": "train.data",
 }
+HELP = {
+    "sp_mode": "Megatron sequence parallelism inside tp",
+    "cp_mode": "context parallelism: Ulysses all-to-all, ring attention, or both (hybrid)",
+    "order": "rank order, innermost first (default tp-cp-ep-dp-pp)",
+    "partition": f"layers to pipeline stages: {' | '.join(choices(PartitionKind))} | counts like 3,5,5,3",
+    "recompute": "activation checkpointing (pp)",
+    "out": "output folder (metrics.jsonl, comm.json, run.json, checkpoint.pt)",
+    "data": "text files, or token files (.u16/.bin, .u32, .npy)",
+}
+
+
+def flag_kwargs(kind) -> dict:
+    """argparse keywords for a config field's type: Literal -> choices, list -> nargs."""
+    if typing.get_origin(kind) is Literal:
+        values = choices(kind)
+        return {"type": type(values[0]), "choices": values}
+    if typing.get_origin(kind) is list:
+        return {"nargs": "+"}
+    return {"type": kind}
 
 
 def add_train_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", help="TOML file with [model], [parallel], [train] tables")
     ap.add_argument("--nproc", type=int, help="local gloo ranks to spawn (default: the layout's world size)")
-    for name in ("dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "vpp", "steps", "global_batch",
-                 "seq_len", "seed"):
-        ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
-    ap.add_argument("--sp-mode", dest="sp_mode", choices=["none", "megatron", "ulysses", "ring"])
-    ap.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"])
-    ap.add_argument("--order", help="rank order, innermost first (default tp-cp-ep-dp-pp)")
-    ap.add_argument("--bucket-mb", dest="bucket_mb", type=float)
-    ap.add_argument("--partition", help="layers to pipeline stages: even | llama3 | counts like 3,5,5,3")
-    ap.add_argument("--recompute", choices=["none", "full", "selective"], help="activation checkpointing (pp)")
-    ap.add_argument("--lr", type=float)
-    ap.add_argument("--dtype", choices=["fp32", "bf16"])
-    ap.add_argument("--out", help="output folder (metrics.jsonl, comm.json, run.json, checkpoint.pt)")
-    ap.add_argument("--data", nargs="+", help="text files, or token files (.u16/.bin, .u32, .npy)")
+    for flag, key in TRAIN_FLAGS.items():
+        ap.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help=HELP.get(flag),
+                        **flag_kwargs(field_type(key)))
     ap.add_argument("--resume", help="checkpoint file or run folder to continue from")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any config key, e.g. --set model.hidden=256 (repeatable)")
@@ -67,19 +79,23 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .comm import CommLedger
-    from .train.launch import init_torchrun, run_ranks, torchrun_env
-    from .train.trainer import train_rank
+    from .train.launch import init_torchrun, leave_torchrun, run_ranks, torchrun_env
+    from .train.trainer import resolve_device, supported, train_rank
 
     env = torchrun_env()
     cfg = resolve_train_config(args, env[1] if env else None)
     out = cfg.train.out
     if env is not None:  # one rank of a torchrun job
         cfg.validate(env[1])
-        rank, world = init_torchrun()
+        supported(cfg)
+        resolve_device(cfg.train.device)
+        rank, world = init_torchrun(device=cfg.train.device)
         train_rank(rank, world, cfg.to_dict(), out, args.resume)
-        return 0
+        leave_torchrun(0)   # does not return; a failure above propagates with its traceback as usual
     world = args.nproc or cfg.parallel.world_size
     cfg.validate(world)
+    supported(cfg)                      # before any rank starts: what the runtime does not run yet,
+    resolve_device(cfg.train.device)    # and a CUDA device asked for where there is none
     print(f"fivefold train: {world} rank(s), dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
           f"cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
           f"{cfg.model.num_params():,} parameters, {cfg.train.steps} steps -> {out}", file=sys.stderr)

@@ -13,28 +13,27 @@ TOML file with one table per part::
 
 and take overrides from the command line (`--dp 2`, `--steps 10`, ...). `Config.validate(world_size)`
 checks every rule at start and raises `ConfigError` naming the rule and the nearest valid values, so a
-bad layout fails before any process waits on another.
+bad layout fails before any process waits on another. The rules themselves live in `fivefold.rules`
+(shared with the mesh, the runtime and the planner); choice fields are typed with its `Literal`s, and
+overrides are converted strictly by those types (`--set train.checkpoint=ture` is an error).
 """
 from __future__ import annotations
 
 import dataclasses
 import tomllib
+import typing
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from . import rules
+from .grid import DEFAULT_ORDER, parse_order
+from .rules import (ConfigError, CpMode, Device, Dtype, Recompute, Schedule, SpMode, ZeroStage, check_choice,
+                    choices, divisors, nearest)
 
-class ConfigError(ValueError):
-    """A configuration breaks a rule; the message names the rule and suggests valid values."""
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def nearest(value: int, candidates: list[int], k: int = 3) -> list[int]:
-    """The k candidates closest to value, in ascending order."""
-    return sorted(sorted(candidates, key=lambda c: (abs(c - value), c))[:k])
+__all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "apply_overrides",
+           "divisors", "field_type", "load_config", "nearest"]
 
 
 @dataclass
@@ -53,7 +52,7 @@ class ModelConfig:
     max_seq: int = 256
     init_std: float = 0.02
     dropout: float = 0.0          # residual dropout after attention and MLP (0: off, as in Llama)
-    # Mixture of experts (room for the expert-parallel issue): 0 experts means a dense model.
+    # Mixture of experts: 0 experts means a dense model.
     experts: int = 0
     top_k: int = 2
     moe_ffn: int = 0
@@ -76,28 +75,12 @@ class ModelConfig:
 
     def validate(self) -> None:
         for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
-        if self.hidden % self.heads:
-            raise ConfigError(
-                f"model.hidden ({self.hidden}) must divide by model.heads ({self.heads}); "
-                f"valid heads: {nearest(self.heads, divisors(self.hidden))}")
-        if self.head_dim % 2:
-            raise ConfigError(f"head dim hidden/heads = {self.head_dim} must be even for RoPE")
-        if self.heads % self.kv_heads:
-            raise ConfigError(
-                f"model.heads ({self.heads}) must divide by model.kv_heads ({self.kv_heads}) for GQA; "
-                f"valid kv_heads: {nearest(self.kv_heads, divisors(self.heads))}")
+            rules.check_positive(f"model.{name}", getattr(self, name))
+        rules.check_attention(self.hidden, self.heads, self.kv_heads)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise ConfigError(f"model.top_k ({self.top_k}) must be between 1 and model.experts ({self.experts})")
-
-
-SP_MODES = ("none", "megatron", "ulysses", "ring")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-DIMS = ("tp", "cp", "ep", "dp", "pp")
-RECOMPUTE = ("none", "full", "selective")
 
 
 @dataclass
@@ -113,11 +96,12 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    zero: int = 0
-    sp_mode: str = "none"
-    order: str = "tp-cp-ep-dp-pp"
-    microbatches: int = 1
-    schedule: str = "1f1b"
+    zero: ZeroStage = 0
+    sp_mode: SpMode = "none"             # Megatron sequence parallelism inside the tp group
+    cp_mode: CpMode = "ring"             # how cp > 1 splits attention: ulysses | ring | hybrid
+    order: str = DEFAULT_ORDER
+    microbatches: int = 1                # micro-batches per step (a count; the planner's micro_batch is a size)
+    schedule: Schedule = "1f1b"
     vpp: int = 1
     bucket_mb: float = 25.0
     reshard_after_forward: bool = True   # ZeRO-3: free gathered params after forward (False: keep them)
@@ -129,29 +113,12 @@ class ParallelConfig:
 
     def validate(self, world_size: int | None = None) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "microbatches", "vpp"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"parallel.zero must be one of 0, 1, 2, 3 (ZeRO stage), got {self.zero}")
-        if self.sp_mode not in SP_MODES:
-            raise ConfigError(f"parallel.sp_mode must be one of {', '.join(SP_MODES)}, got {self.sp_mode!r}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        dims = self.order.split("-")
-        if sorted(dims) != sorted(DIMS):
-            raise ConfigError(
-                f"parallel.order must name each of {', '.join(DIMS)} once, innermost first "
-                f"(default 'tp-cp-ep-dp-pp'), got {self.order!r}")
-        if (self.dp * self.cp) % self.ep:
-            raise ConfigError(
-                f"parallel.ep ({self.ep}) must divide dp*cp ({self.dp * self.cp}): experts are sharded across "
-                f"data/context-parallel ranks; valid ep: {nearest(self.ep, divisors(self.dp * self.cp))}")
-        if world_size is not None and world_size != self.world_size:
-            raise ConfigError(
-                f"world size {world_size} must equal tp*cp*dp*pp = {self.tp}*{self.cp}*{self.dp}*{self.pp} "
-                f"= {self.world_size}; with the other degrees fixed, dp = {world_size / (self.tp * self.cp * self.pp):g} "
-                f"(valid world sizes near {world_size}: "
-                f"{nearest(world_size, [k * self.tp * self.cp * self.pp for k in range(1, 2 * world_size + 2)])})")
+            rules.check_positive(f"parallel.{name}", getattr(self, name))
+        _check_choices(self, "parallel")
+        parse_order(self.order)
+        rules.check_expert_grid(self.ep, self.dp, self.cp)
+        if world_size is not None:
+            rules.check_world_size(world_size, self.tp, self.cp, self.dp, self.pp)
 
 
 @dataclass
@@ -168,28 +135,24 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     seed: int = 1234
-    dtype: str = "fp32"
+    dtype: Dtype = "fp32"
     main_grads_fp32: bool = True          # bf16 compute: accumulate and reduce gradients in fp32
     data: list[str] = field(default_factory=list)
     data_limit_mb: float = 8.0
     out: str = "runs/latest"
     log_every: int = 1
     checkpoint: bool = True
-    recompute: str = "none"               # activation checkpointing: none | full | selective
+    recompute: Recompute = "none"         # activation checkpointing (full: each pipeline chunk; selective: attention core)
+    device: Device = "auto"               # auto: CUDA when available, else CPU
 
     def validate(self) -> None:
-        if self.dtype not in ("fp32", "bf16", "fp64"):
-            raise ConfigError(f"train.dtype must be 'fp32', 'bf16' or 'fp64' (for exactness checks), got {self.dtype!r}")
+        _check_choices(self, "train")
         for name in ("steps", "global_batch", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+            rules.check_positive(f"train.{name}", getattr(self, name))
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         if self.warmup < 0:
             raise ConfigError(f"train.warmup must be >= 0, got {self.warmup}")
-        if self.recompute not in RECOMPUTE:
-            raise ConfigError(f"train.recompute must be one of {', '.join(RECOMPUTE)} (full: recompute each pipeline "
-                              f"chunk in backward; selective: only the attention core), got {self.recompute!r}")
 
 
 @dataclass
@@ -207,34 +170,14 @@ class Config:
         if t.seq_len > m.max_seq:
             raise ConfigError(f"train.seq_len ({t.seq_len}) must be <= model.max_seq ({m.max_seq}); "
                               f"raise model.max_seq or use seq_len {m.max_seq}")
-        per = p.dp * p.microbatches
-        if t.global_batch % per:
-            ok = nearest(t.global_batch, [k * per for k in range(1, t.global_batch // per + 3)])
-            raise ConfigError(
-                f"train.global_batch ({t.global_batch}) must divide by dp*microbatches = {p.dp}*{p.microbatches} "
-                f"= {per}; valid global batches: {ok}")
-        if p.tp > 1:
-            if m.heads % p.tp:
-                raise ConfigError(f"model.heads ({m.heads}) must divide by tp ({p.tp}); valid tp: "
-                                  f"{nearest(p.tp, divisors(m.heads))}")
-            if m.kv_heads % p.tp and p.tp % m.kv_heads:
-                ok = [d for d in divisors(m.heads) if m.kv_heads % d == 0 or d % m.kv_heads == 0]
-                raise ConfigError(f"tp ({p.tp}) must divide kv_heads ({m.kv_heads}) or be a multiple of it; "
-                                  f"valid tp: {nearest(p.tp, ok)}")
-            if m.ffn % p.tp:
-                raise ConfigError(f"model.ffn ({m.ffn}) must divide by tp ({p.tp}); valid tp: "
-                                  f"{nearest(p.tp, divisors(m.ffn))}")
-            if p.sp_mode == "megatron" and t.seq_len % p.tp:
-                raise ConfigError(f"sequence parallelism splits the sequence over tp: train.seq_len ({t.seq_len}) "
-                                  f"must divide by tp ({p.tp}); valid seq_len: "
-                                  f"{nearest(t.seq_len, [k * p.tp for k in range(1, t.seq_len // p.tp + 3)])}")
-        if p.pp > 1 and m.layers < p.pp * p.vpp:
-            raise ConfigError(f"model.layers ({m.layers}) must be >= pp*vpp = {p.pp * p.vpp}: each (virtual) "
-                              f"stage needs a layer; valid pp: {[d for d in range(1, m.layers + 1) if d * p.vpp <= m.layers][-3:]}")
-        if p.pp > 1 and p.microbatches < p.pp and p.schedule != "gpipe":
-            raise ConfigError(f"schedule {p.schedule} needs microbatches >= pp ({p.pp}), got {p.microbatches}")
-        if p.cp > 1 and t.seq_len % (2 * p.cp):
-            raise ConfigError(f"train.seq_len ({t.seq_len}) must divide by 2*cp = {2 * p.cp}")
+        rules.check_global_batch(t.global_batch, p.dp, p.microbatches)
+        ffn = {"ffn": m.ffn} if not m.experts else {"ffn": m.ffn, "moe_ffn": m.moe_ffn or m.ffn}
+        rules.check_tensor_parallel(p.tp, m.heads, m.kv_heads, ffn)
+        rules.check_sequence_parallel(p.sp_mode, p.tp, t.seq_len)
+        rules.check_partition(m.layers, p.pp, p.vpp, p.partition)
+        rules.check_microbatches(p.schedule, p.pp, p.microbatches)
+        rules.check_context_parallel(p.cp_mode, p.cp, p.tp, m.heads, t.seq_len)
+        rules.check_expert_parallel(p.ep, p.dp, p.cp, m.experts)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -252,7 +195,7 @@ class Config:
 
 
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
-    """Set dotted keys like 'parallel.dp' on cfg, converting to each field's type."""
+    """Set dotted keys like 'parallel.dp' on cfg, converting each value strictly to its field's type."""
     for key, value in overrides.items():
         if value is None:
             continue
@@ -260,31 +203,62 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
         obj = getattr(cfg, part, None)
         if obj is None or not dataclasses.is_dataclass(obj):
             raise ConfigError(f"unknown config table {part!r}; valid tables: model, parallel, train")
-        fields = {f.name: f for f in dataclasses.fields(obj)}
-        if name not in fields:
-            raise ConfigError(f"unknown key {key!r}; valid keys in [{part}]: {', '.join(sorted(fields))}")
-        current = getattr(obj, name)
-        setattr(obj, name, _convert(value, current, key))
+        hints = _hints(type(obj))
+        if name not in hints:
+            raise ConfigError(f"unknown key {key!r}; valid keys in [{part}]: {', '.join(sorted(hints))}")
+        setattr(obj, name, _convert(value, hints[name], key))
     return cfg
 
 
-def _convert(value: Any, current: Any, key: str) -> Any:
+def field_type(key: str) -> Any:
+    """The declared type of a dotted config key, e.g. field_type('parallel.zero') is `ZeroStage`."""
+    part, _, name = key.partition(".")
+    return _hints({"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}[part])[name]
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_choices(obj: Any, part: str) -> None:
+    """Every Literal-typed field of a config part holds one of its values."""
+    for name, kind in _hints(type(obj)).items():
+        if typing.get_origin(kind) is Literal:
+            check_choice(f"{part}.{name}", getattr(obj, name), kind)
+
+
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _convert(value: Any, kind: Any, key: str) -> Any:
+    """`value` (from TOML or the command line) as type `kind`; ConfigError if it is not one."""
+    if typing.get_origin(kind) is Literal:
+        ok = choices(kind)
+        out = _convert(value, type(ok[0]), key) if not isinstance(value, type(ok[0])) else value
+        check_choice(key, out, kind)
+        return out
+    bad = ConfigError(f"{key} must be of type {getattr(kind, '__name__', kind)}, got {value!r}")
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (str, int)) and str(value).strip().lower() in TRUE + FALSE:
+            return str(value).strip().lower() in TRUE
+        raise ConfigError(f"{key} must be a boolean ({'/'.join(TRUE)} or {'/'.join(FALSE)}), got {value!r}")
+    if typing.get_origin(kind) is list:
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+    if isinstance(value, bool) or kind not in (int, float, str):
+        raise bad
     try:
-        if isinstance(current, bool):
-            if isinstance(value, str):
-                return value.lower() in ("1", "true", "yes", "on")
-            return bool(value)
-        if isinstance(current, int):
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
+        if kind is int and isinstance(value, float):
+            if not value.is_integer():
+                raise bad
             return int(value)
-        if isinstance(current, float):
-            return float(value)
-        if isinstance(current, list):
-            return list(value) if isinstance(value, (list, tuple)) else [value]
-        return value
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key} must be of type {type(current).__name__}, got {value!r}") from None
+        if kind is str and not isinstance(value, str):
+            raise bad
+        return kind(value)
+    except ValueError:
+        raise bad from None
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:

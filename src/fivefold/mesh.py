@@ -1,6 +1,7 @@
 """ParallelMesh: the world's ranks arranged on a grid, one named process group per dimension.
 
-The order string names the dimensions innermost first (default ``tp-cp-ep-dp-pp``): the first
+The grid maths (order, strides, which ranks form each named group) live in `fivefold.grid`, torch-free,
+so the planner places the very same groups; this module makes their process groups. The order string names the dimensions innermost first (default ``tp-cp-ep-dp-pp``): the first
 dimension's ranks are contiguous (stride 1), the next one's stride is the size of the first, and so
 on. Put the dimension with the most traffic innermost so its group lands inside one NVLink domain.
 
@@ -35,68 +36,16 @@ gradients (in the example: [0,8], [1,9], ...; with pp = 4 and pp groups [r, r+4,
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from .comm import CommLedger, Group
-from .config import ConfigError, ParallelConfig
+from .config import ParallelConfig
+from .grid import GROUP_SPECS, coords, grid_sizes, parse_order, rank_groups, strides
+from .rules import check_world_size
 
-DENSE_DIMS = ("tp", "cp", "dp", "pp")
-
-
-def grid_sizes(p: ParallelConfig) -> tuple[dict[str, int], dict[str, int]]:
-    """Sizes of the dense and the expert grids, keyed by the names in the order string."""
-    dense = {"tp": p.tp, "cp": p.cp, "ep": 1, "dp": p.dp, "pp": p.pp}
-    if (p.dp * p.cp) % p.ep:
-        raise ConfigError(f"ep ({p.ep}) must divide dp*cp ({p.dp * p.cp})")
-    expert = {"tp": p.tp, "cp": 1, "ep": p.ep, "dp": p.dp * p.cp // p.ep, "pp": p.pp}
-    return dense, expert
-
-
-def strides(sizes: dict[str, int], order: list[str]) -> dict[str, int]:
-    out, s = {}, 1
-    for d in order:
-        out[d] = s
-        s *= sizes[d]
-    return out
-
-
-def coords(rank: int, sizes: dict[str, int], order: list[str]) -> dict[str, int]:
-    """Coordinates of a global rank on a grid."""
-    st = strides(sizes, order)
-    return {d: (rank // st[d]) % sizes[d] for d in order}
-
-
-def rank_groups(sizes: dict[str, int], order: list[str], dims: tuple[str, ...]) -> list[list[int]]:
-    """All groups that vary along `dims` (others fixed); each group lists global ranks in order."""
-    st = strides(sizes, order)
-    others = [d for d in order if d not in dims]
-    groups = []
-    for fixed in itertools.product(*(range(sizes[d]) for d in others)):
-        base = sum(c * st[d] for d, c in zip(others, fixed))
-        # inner dims vary fastest: iterate dims in order, innermost first
-        inner = [d for d in order if d in dims]
-        members = []
-        for idx in itertools.product(*(range(sizes[d]) for d in reversed(inner))):
-            members.append(base + sum(c * st[d] for d, c in zip(reversed(inner), idx)))
-        groups.append(sorted(members))
-    return sorted(groups)
-
-
-# name -> (grid, dims varied). "world" is every rank.
-GROUP_SPECS = {
-    "tp": ("dense", ("tp",)),
-    "cp": ("dense", ("cp",)),
-    "dp": ("dense", ("dp",)),
-    "pp": ("dense", ("pp",)),
-    "dp_cp": ("dense", ("dp", "cp")),
-    "tp_cp": ("dense", ("tp", "cp")),
-    "mp": ("dense", ("tp", "cp", "pp")),
-    "ep": ("expert", ("ep",)),
-    "edp": ("expert", ("dp",)),
-}
+__all__ = ["GROUP_SPECS", "ParallelMesh", "coords", "grid_sizes", "rank_groups", "strides"]
 
 
 @dataclass
@@ -114,7 +63,7 @@ class ParallelMesh:
 
     def __post_init__(self):
         p = self.config
-        self.order = p.order.split("-")
+        self.order = parse_order(p.order)
         self.dense, self.expert = grid_sizes(p)
         self.world_size = p.world_size
         self.ledger.rank, self.ledger.world_size = self.rank, self.world_size
@@ -122,15 +71,12 @@ class ParallelMesh:
         ecoords = coords(self.rank, self.expert, self.order)
         self.coords.update({"ep": ecoords["ep"], "edp": ecoords["dp"]})
         distributed = dist.is_available() and dist.is_initialized() and self.world_size > 1
-        if distributed and dist.get_world_size() != self.world_size:
-            raise ConfigError(f"world size {dist.get_world_size()} != tp*cp*dp*pp = {self.world_size}")
+        if distributed:
+            check_world_size(dist.get_world_size(), p.tp, p.cp, p.dp, p.pp)
         for name, (grid, dims) in GROUP_SPECS.items():
             sizes = self.dense if grid == "dense" else self.expert
             self.groups[name] = self._make(name, rank_groups(sizes, self.order, dims), distributed)
         self.groups["embed"] = self._make_embed(distributed)
-        world = list(range(self.world_size))
-        self.groups["world"] = Group("world", world, self.rank, dist.group.WORLD if distributed else None,
-                                     self.ledger)
 
     def _make(self, name: str, all_groups: list[list[int]], distributed: bool) -> Group:
         mine = None

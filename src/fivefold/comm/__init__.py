@@ -5,8 +5,8 @@ stay importable without torch: the planner uses them and never needs torch.distr
 """
 from .ledger import CommLedger, fmt_bytes
 
-_OPS = ("DONE", "Group", "Handle", "all_gather", "all_reduce", "all_to_all", "nbytes", "reduce_scatter",
-        "send_recv")
+_OPS = ("DONE", "Group", "Handle", "all_gather", "all_reduce", "all_to_all", "gather_objects", "nbytes",
+        "reduce_scatter", "send_recv")
 
 __all__ = ["CommLedger", "fmt_bytes", *_OPS]
 

@@ -147,9 +147,14 @@ class CommLedger:
         return "\n".join(lines)
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
+def fmt_bytes(n: float, binary: bool = True) -> str:
+    """Bytes with an honest unit: binary KiB/MiB/GiB/TiB/PiB (powers of 1024, the default, as memory is
+    counted) or decimal kB/MB/GB/TB/PB (powers of 1000, as link bandwidths are quoted)."""
+    base, units = (1024, ("B", "KiB", "MiB", "GiB", "TiB", "PiB")) if binary else (1000, ("B", "kB", "MB", "GB", "TB", "PB"))
+    for unit in units[:-1]:
+        if abs(n) < base:
+            break
+        n /= base
+    else:
+        unit = units[-1]
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

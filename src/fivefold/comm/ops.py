@@ -175,3 +175,12 @@ def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
     if not async_op:
         handle.wait()
     return handle
+
+
+def gather_objects(obj) -> list:
+    """Every rank's obj (a bookkeeping exchange outside the ledger, like CommLedger.gather)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

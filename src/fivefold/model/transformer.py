@@ -80,6 +80,47 @@ class Dropout(nn.Module):
         return x * keep.to(x.dtype) / (1.0 - self.p)
 
 
+class AttachAuxLoss(torch.autograd.Function):
+    """x -> x; when x's gradient comes back, `loss` receives the gradient 1 (so it is trained)."""
+
+    @staticmethod
+    def forward(ctx, x, loss):
+        ctx.save_for_backward(loss)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        (loss,) = ctx.saved_tensors
+        return grad_x, torch.ones_like(loss)
+
+
+class AuxLosses:
+    """The model's one channel for auxiliary losses (MoE load balance, router z-loss).
+
+    A module that computes such a loss passes the activation it rides on through `add(x, loss)`: the
+    forward returns x unchanged, and the backward that reaches x also gives `loss` the gradient 1. The
+    loss is thus trained by the backward that already runs through its block: the single-process
+    backward, or the pipeline runtime's backward of whichever stage holds the block, with nothing but the
+    activation crossing a stage boundary (Megatron-Core's MoEAuxLossAutoScaler does the same). A module
+    scales its loss itself, like the main loss (a share of the global batch). Values are recorded,
+    detached, only by a forward that builds a graph, so a forward re-run for recomputation counts once;
+    `take()` returns their sum and clears them."""
+
+    def __init__(self):
+        self.values: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return x
+        self.values.append(loss.detach())
+        return AttachAuxLoss.apply(x, loss)
+
+    def take(self) -> float:
+        total = float(sum(v.double().sum() for v in self.values)) if self.values else 0.0
+        self.values = []
+        return total
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -118,8 +159,9 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, aux: AuxLosses | None = None):
         super().__init__()
+        self.aux = aux if aux is not None else AuxLosses()   # where this block's auxiliary losses go
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
@@ -132,13 +174,18 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens (b, s) int64 -> logits (b, s, v)."""
+    """tokens (b, s) int64 at position ids (s,) -> logits (b, s, v); auxiliary losses through `aux`.
+
+    Contract the parallel layers and the pipeline rely on: `forward(tokens_bs, positions_s=None)` returns
+    the logits only; positions default to 0..s-1 and may be any ids (context parallelism hands a rank
+    non-contiguous ones); auxiliary losses go through the one `AuxLosses` channel shared by every block."""
 
     def __init__(self, cfg: ModelConfig, seed: int | None = None):
         super().__init__()
         self.cfg = cfg
+        self.aux = AuxLosses()
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(Block(cfg, self.aux) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
+from .. import comm, rules
 from ..comm import Group
 from ..comm.autograd import (copy_to_tensor_region, gather_sequence, reduce_from_tensor_region,
                              reduce_scatter_sequence)
@@ -197,9 +197,9 @@ class TensorParallelism:
         self.shards: dict[str, Shard] = {}
 
     def apply(self, model: Transformer) -> Transformer:
-        tp, kv = self.group, model.cfg.kv_heads
-        if tp.size > kv and tp.size // kv < tp.size:
-            self.mesh.groups["tp_kv"] = kv_replica_group(self.mesh, tp.size // kv)
+        tp, replicas = self.group, rules.kv_replicas(self.group.size, model.cfg.kv_heads)
+        if 1 < replicas < tp.size:   # K/V heads shared by a subgroup of tp: their partial grads sum there
+            self.mesh.groups["tp_kv"] = kv_replica_group(self.mesh, replicas)
         self.vocab, self.vocab_start = model.cfg.vocab, parallelize(
             model, tp, self.sequence_parallel, dropout_generator(self.seed, self.mesh.coords, self.sequence_parallel),
             self.mesh.groups.get("tp_kv"))
@@ -260,7 +260,8 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
     cfg, n = model.cfg, group.size
     if cfg.experts:
         raise NotImplementedError("tensor parallelism of mixture-of-experts layers comes with expert parallelism")
-    kv_replicas = kv_replicas_of(n, cfg.kv_heads)
+    rules.check_tensor_parallel(n, cfg.heads, cfg.kv_heads, {"ffn": cfg.ffn})
+    kv_replicas = rules.kv_replicas(n, cfg.kv_heads)
     if 1 < kv_replicas < n and kv_group is None:
         raise ValueError(f"tp={n} > kv_heads={cfg.kv_heads}: pass kv_group (see kv_replica_group)")
     sp, d = sequence_parallel, cfg.head_dim
@@ -302,11 +303,6 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
         if isinstance(m, Dropout):
             m.generator = generator
     return vocab_start
-
-
-def kv_replicas_of(tp: int, kv_heads: int) -> int:
-    """Consecutive tp ranks holding the same K/V head: tp / kv_heads when tp > kv_heads, else 1."""
-    return tp // kv_heads if tp > kv_heads else 1
 
 
 # -- groups and streams the trainer needs ---------------------------------------------------------

@@ -378,7 +378,8 @@ class Zero3(ShardedOptimizer):
         hooked on the model, or under a pipeline on each module holding root parameters), then one
         entry per block of `model.layers` (a ModuleList, or a pipeline stage's ModuleDict)."""
         blocks, in_blocks = [], set()
-        for key, block in self.model.layers.named_children():
+        layers = getattr(self.model, "layers", nn.ModuleList())
+        for key, block in layers.named_children():
             params = [p for p in unique_params(block)]
             blocks.append((f"layers.{key}", params, [block]))
             in_blocks.update(id(p) for p in params)

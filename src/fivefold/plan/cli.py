@@ -5,7 +5,7 @@ ep for a MoE model) it estimates that layout; with some left out it searches ove
 stage, micro-batch size, virtual stages and recompute where those are not given either.
 
     fivefold plan --model llama3-405b --gpus 16384 --topology llama3 --tp 8 --pp 16 --zero 2 \\
-        --seq 8192 --global-batch 2048 --vpp 4 --uneven
+        --seq 8192 --global-batch 2048 --vpp 4 --partition llama3
     fivefold plan --model mixtral-8x7b --gpus 256 --topology dgx-h100 --json
     fivefold plan --config run.toml --topology dgx-h100        # the model and layout of a training config
 """
@@ -16,9 +16,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import load_config
+from ..grid import DEFAULT_ORDER
+from ..rules import ConfigError, CpMode, Dtype, PartitionKind, Recompute, Schedule, SpMode, choices
 from .estimate import estimate
-from .layout import CP_MODES, RECOMPUTE, Layout, Workload, from_config
+from .layout import GradDtype, Layout, Workload, from_config
 from .models import PRESETS, PlanModel, from_model_config, load_model
 from .report import estimate_text, plot, search_dict, search_text, to_json
 from .search import search
@@ -35,17 +37,21 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--accelerator", choices=list(ACCELERATORS), help="replace the topology's accelerator")
     for name in ("tp", "pp", "dp", "cp", "ep", "zero", "vpp"):
         ap.add_argument(f"--{name}", type=int)
-    ap.add_argument("--sp-mode", dest="sp_mode", choices=["none", "megatron"] + list(CP_MODES),
-                    help="megatron (default when tp > 1), or ulysses/ring for cp")
+    ap.add_argument("--sp-mode", dest="sp_mode", choices=choices(SpMode),
+                    help="Megatron sequence parallelism (default megatron when tp > 1)")
+    ap.add_argument("--cp-mode", dest="cp_mode", choices=choices(CpMode),
+                    help="context parallelism: Ulysses all-to-all, ring attention, or both (default: search them)")
     ap.add_argument("--seq", type=int, help="sequence length (default min(model max, 4096))")
     ap.add_argument("--global-batch", dest="global_batch", type=int, help="sequences per step (default 1024)")
     ap.add_argument("--micro-batch", dest="micro_batch", type=int, help="sequences per micro-batch")
-    ap.add_argument("--recompute", choices=list(RECOMPUTE))
-    ap.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"], default=None)
-    ap.add_argument("--order", help="rank order, innermost first (default tp-cp-ep-pp-dp)")
-    ap.add_argument("--uneven", action="store_true", help="Llama-3 split: first and last stage one layer fewer")
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="weights and activations (bf16)")
-    ap.add_argument("--grad-dtype", dest="grad_dtype", choices=["fp32", "param"], default="fp32",
+    ap.add_argument("--recompute", choices=choices(Recompute))
+    ap.add_argument("--schedule", choices=choices(Schedule), default=None)
+    ap.add_argument("--order", help=f"rank order, innermost first (default {DEFAULT_ORDER})")
+    ap.add_argument("--partition", help=f"layers to pipeline stages: {' | '.join(choices(PartitionKind))} | "
+                                        f"counts like 3,5,5,3 (default even)")
+    ap.add_argument("--uneven", action="store_true", help="the same as --partition llama3")
+    ap.add_argument("--dtype", choices=choices(Dtype), default=None, help="weights and activations (bf16)")
+    ap.add_argument("--grad-dtype", dest="grad_dtype", choices=choices(GradDtype), default="fp32",
                     help="gradient accumulation: fp32 main grads, or the weights' dtype")
     ap.add_argument("--no-flash", dest="flash", action="store_false", help="store the s^2 attention scores")
     ap.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", help="MoE dispatch in FP8")
@@ -61,17 +67,16 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
     """Model, default layout and workload, and the degrees the user fixed (from --config, then flags)."""
     fixed = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute")}
     if args.config:
-        from ..config import load_config
         cfg = load_config(args.config)
         model = from_model_config(cfg.model, name=Path(args.config).stem)
         layout, work = from_config(cfg)
-        for k in ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch"):
+        for k in fixed:
             if fixed[k] is None:
                 fixed[k] = getattr(layout, k)
         work = replace(work, flash=args.flash)
     else:
         model = load_model(args.model or "llama3-8b")
-        layout, work = Layout(order="tp-cp-ep-pp-dp"), Workload(seq=min(model.max_seq, 4096), global_batch=1024)
+        layout, work = Layout(), Workload(seq=min(model.max_seq, 4096), global_batch=1024)
     if args.model and args.config:
         model = load_model(args.model)
     work = replace(work, seq=args.seq or work.seq, global_batch=args.global_batch or work.global_batch,
@@ -109,14 +114,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.accelerator:
         topo = replace(topo, accelerator=ACCELERATORS[args.accelerator])
     full = _complete(fixed, args.gpus, model) and not args.search
-    sp_mode = args.sp_mode
     order = args.order or layout.order
+    partition = args.partition or ("llama3" if args.uneven else layout.partition)
     if full:
+        sp_mode = args.sp_mode or ("megatron" if fixed["tp"] > 1 and not args.config else layout.sp_mode)
         lay = Layout(tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=fixed["cp"], ep=fixed["ep"] or 1,
                      zero=fixed["zero"] or 0, vpp=fixed["vpp"] or 1, micro_batch=fixed["micro_batch"] or 1,
-                     recompute=fixed["recompute"] or "none", order=order, uneven=args.uneven,
-                     sp=(sp_mode == "megatron") if sp_mode else (fixed["tp"] > 1 and not args.config) or layout.sp,
-                     cp_mode=sp_mode if sp_mode in CP_MODES else layout.cp_mode,
+                     recompute=fixed["recompute"] or "none", order=order, partition=partition, sp_mode=sp_mode,
+                     cp_mode=args.cp_mode or layout.cp_mode, bucket_mb=layout.bucket_mb,
+                     reshard_after_forward=layout.reshard_after_forward,
                      schedule=args.schedule or ("interleaved" if (fixed["vpp"] or 1) > 1 else layout.schedule))
         est = estimate(model, lay, work, topo, args.gpus)
         if args.json:
@@ -129,11 +135,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     gpus = args.gpus
     if not gpus:
         raise ConfigError("searching needs --gpus (or give every degree: --tp --pp --cp --dp)")
-    if sp_mode in CP_MODES:
-        fixed["cp_mode"] = sp_mode
-    elif sp_mode is not None:
-        fixed["sp"] = sp_mode == "megatron"
-    res = search(model, work, topo, gpus, fixed, top=args.top, order=order, uneven=args.uneven,
+    fixed.update(sp_mode=args.sp_mode, cp_mode=args.cp_mode)
+    res = search(model, work, topo, gpus, fixed, top=args.top, order=order, partition=partition,
                  schedule=args.schedule or "1f1b")
     if args.json:
         print(to_json(search_dict(res)))
@@ -142,20 +145,3 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.plot and res.best:
         print(f"plot: {plot(res.best[0], args.plot)}", file=sys.stderr)
     return 0 if res.best else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m fivefold.plan.cli ...`), as `fivefold plan` will run it."""
-    ap = argparse.ArgumentParser(prog="fivefold plan", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_plan_args(ap)
-    args = ap.parse_args(argv)
-    try:
-        return cmd_plan(args)
-    except ConfigError as e:
-        print(f"fivefold: config error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -70,7 +70,7 @@ def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, g
     check(model, layout, work, gpus)
     topo.check(layout.gpus)
     mem = memory(model, layout, work, all_stages)
-    stages = range(layout.pp) if all_stages else candidate_stages(model, layout.pp, layout.uneven)
+    stages = range(layout.pp) if all_stages else candidate_stages(model, layout.pp, layout.vpp, layout.partition)
     by_stage = {j: place(stage_flows(model, layout, work, j), layout, topo) for j in stages}
     worst = max(by_stage, key=lambda j: sum(f.bytes_sent for f in by_stage[j]))
     states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))

@@ -29,10 +29,11 @@ on the first stage.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from ..parallel.pipeline.partition import partition_layers
+from ..shapes import bucket_ranges, padded, padded_vocab, segments, shard_size
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
 
@@ -41,41 +42,31 @@ COMPONENTS = ("weights", "grads", "optimizer", "activations", "buffers")
 
 # -- pipeline partition ------------------------------------------------------------------------------
 @lru_cache(maxsize=4096)
-def stage_layers(layers: int, pp: int, uneven: bool = False) -> tuple[int, ...]:
-    """Layers per stage. Even: as equal as possible, extra layers on the later stages. Uneven (Llama-3,
-    Dubey et al. 2024 §3.3.2): first and last stage one layer fewer, for the embedding and the loss."""
-    if pp == 1:
-        return (layers,)
-    if uneven:
-        inner = list(stage_layers(layers + 2, pp))
-        inner[0] -= 1
-        inner[-1] -= 1
-        return tuple(inner)
-    base, extra = divmod(layers, pp)
-    return tuple(base + (1 if j >= pp - extra else 0) for j in range(pp))
+def stage_layers(layers: int, pp: int, vpp: int = 1, partition: str = "even") -> tuple[tuple[int, ...], ...]:
+    """Per pipeline rank, the layers it holds (all its virtual stages, in model order). This is the
+    runtime's split, `fivefold.parallel.pipeline.partition` (even, Llama-3 or user counts over pp·vpp
+    chunks, chunk c on rank c % pp), so every planned stage is the one that runs."""
+    part = partition_layers(layers, pp, vpp, partition)
+    return tuple(tuple(part.layers_of_rank(r)) for r in range(pp))
+
+
+def layout_layers(model: PlanModel, layout: Layout) -> tuple[tuple[int, ...], ...]:
+    """`stage_layers` of a model under a layout."""
+    return stage_layers(model.layers, layout.pp, layout.vpp, layout.partition)
 
 
 @lru_cache(maxsize=4096)
-def stage_ranges(layers: int, pp: int, uneven: bool = False) -> tuple[range, ...]:
-    out, start = [], 0
-    for n in stage_layers(layers, pp, uneven):
-        out.append(range(start, start + n))
-        start += n
-    return tuple(out)
-
-
-@lru_cache(maxsize=4096)
-def candidate_stages(model: PlanModel, pp: int, uneven: bool = False) -> tuple[int, ...]:
+def candidate_stages(model: PlanModel, pp: int, vpp: int = 1, partition: str = "even") -> tuple[int, ...]:
     """Stages that can be the most loaded: memory falls with the stage index within a run of stages of
     equal layer count and kind (fewer micro-batches in flight), so only the first stage of each run, and
     the first and last (embedding, head), need checking."""
-    counts = stage_layers(model.layers, pp, uneven)
+    ranks = stage_layers(model.layers, pp, vpp, partition)
     out = {0, pp - 1}
     for j in range(1, pp):
-        if counts[j] != counts[j - 1]:
+        if len(ranks[j]) != len(ranks[j - 1]):
             out.add(j)
     if model.moe and model.dense_layers:
-        for j, rng in enumerate(stage_ranges(model.layers, pp, uneven)):
+        for j, rng in enumerate(ranks):
             if model.dense_layers in rng or model.dense_layers - 1 in rng:
                 out.update({j, min(j + 1, pp - 1)})
     return tuple(sorted(out))
@@ -99,20 +90,16 @@ def interleaved_penalty(pp: int, vpp: int) -> float:
 
 
 @lru_cache(maxsize=4096)
-def time_stages(model: PlanModel, pp: int, uneven: bool = False) -> tuple[int, ...]:
+def time_stages(model: PlanModel, pp: int, vpp: int = 1, partition: str = "even") -> tuple[int, ...]:
     """Stages that can be the slowest: the first with the most layers, and the last (head and loss),
     which alone suffices when it has as many layers (it computes the head; the first only looks up
     the embedding)."""
-    counts = stage_layers(model.layers, pp, uneven)
+    counts = [len(r) for r in stage_layers(model.layers, pp, vpp, partition)]
     most = counts.index(max(counts))
     return (pp - 1,) if counts[most] == counts[-1] and not model.moe else tuple(sorted({most, pp - 1}))
 
 
 # -- parameters a rank holds -------------------------------------------------------------------------
-def padded_vocab(model: PlanModel, tp: int) -> int:
-    return math.ceil(model.vocab / tp) * tp
-
-
 def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) parameters of layer i on one rank: matrices split tp ways (K/V by min(tp, kv)
     heads, replicated beyond), norms and row-parallel biases replicated, routed experts split ep ways
@@ -135,11 +122,11 @@ def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, 
 
 
 @lru_cache(maxsize=4096)
-def _stage_param_table(model: PlanModel, tp: int, pp: int, ep: int, uneven: bool) -> tuple:
+def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int) -> tuple:
     """Per stage: (dense, expert, largest layer) parameters on one rank."""
     rows = []
-    vocab_rank = padded_vocab(model, tp) // tp * model.hidden
-    for j, rng in enumerate(stage_ranges(model.layers, pp, uneven)):
+    vocab_rank = padded_vocab(model.vocab, tp) // tp * model.hidden
+    for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
         dense = expert = biggest = 0
         for i in rng:
             d, e = layer_rank_params(model, i, tp, ep)
@@ -157,13 +144,13 @@ def _stage_param_table(model: PlanModel, tp: int, pp: int, ep: int, uneven: bool
 def stage_params(model: PlanModel, layout: Layout, stage: int) -> tuple[int, int]:
     """(dense, expert) parameters held by one rank of `stage` (tied embeddings: once when pp = 1, a copy
     on the last stage when pp > 1, as Megatron does)."""
-    dense, expert, _ = _stage_param_table(model, layout.tp, layout.pp, layout.ep, layout.uneven)[stage]
+    dense, expert, _ = _param_table(model, layout)[stage]
     return dense, expert
 
 
-def shard(count: int, n: int) -> int:
-    """Elements per rank of a flat buffer padded to a multiple of n."""
-    return math.ceil(count / n)
+def _param_table(model: PlanModel, layout: Layout) -> tuple:
+    L = layout
+    return _stage_param_table(model, L.tp, L.pp, L.vpp, L.partition, L.ep)
 
 
 def exact_tensors(model: PlanModel) -> bool:
@@ -203,39 +190,17 @@ def _attn_rank(model: PlanModel, tp: int) -> int:
     return (attn - kv - row_bias) // tp + kv // min(tp, model.kv_heads) + row_bias
 
 
-def root_tensors(model: PlanModel, layout: Layout, stage: int) -> list[int]:
-    """Embedding (first stage), final norm and untied head (last stage), in registration order."""
-    return [n for n, _ in root_tensors_tagged(model, layout, stage)]
-
-
-def root_tensors_tagged(model: PlanModel, layout: Layout, stage: int) -> list[tuple[int, str]]:
-    """`root_tensors` with `layer_tensors`' tags (the final norm is "norm")."""
-    vocab_rank = padded_vocab(model, layout.tp) // layout.tp * model.hidden
+def root_tensors(model: PlanModel, tp: int, pp: int, stage: int) -> list[tuple[int, str]]:
+    """(elements on one rank, tag) of the embedding (first stage), final norm ("norm") and untied head
+    (last stage), in registration order; tags as in `layer_tensors`."""
+    vocab_rank = padded_vocab(model.vocab, tp) // tp * model.hidden
     out = []
     if stage == 0:
         out.append((vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0), ""))
-    if stage == layout.pp - 1:
+    if stage == pp - 1:
         out.append((model._norm(model.hidden), "norm"))
-        if not model.tie_embeddings or layout.pp > 1:
+        if not model.tie_embeddings or pp > 1:
             out.append((vocab_rank, ""))
-    return out
-
-
-def bucketize(sizes: list[int], bucket_bytes: float, itemsize: int) -> list[int]:
-    """Greedy consecutive buckets of at most bucket_bytes (as parallel/data.py builds them)."""
-    return [sum(n for n, _ in b) for b in _bucketize_tagged([(n, "") for n in sizes], bucket_bytes, itemsize)]
-
-
-def _bucketize_tagged(tensors: list[tuple[int, str]], bucket_bytes: float, itemsize: int) -> list[tuple]:
-    out, cur, size = [], [], 0.0
-    for t in tensors:
-        if cur and size + t[0] * itemsize > bucket_bytes:
-            out.append(tuple(cur))
-            cur, size = [], 0.0
-        cur.append(t)
-        size += t[0] * itemsize
-    if cur:
-        out.append(tuple(cur))
     return out
 
 
@@ -245,7 +210,8 @@ def zero_units(model: PlanModel, layout: Layout, grad_bytes: int, stage: int, ex
     MiB in backward order for ZeRO-1/2 (and, with zero = 0, DDP's all-reduce buckets, parallel/data.py).
     `expert` selects the routed-expert parameters instead."""
     L = layout
-    return _zero_units(model, L.tp, L.pp, L.ep, L.uneven, L.zero >= 3, L.bucket_mb, grad_bytes, stage, expert)
+    return _zero_units(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.zero >= 3, L.bucket_mb, grad_bytes, stage,
+                       expert)
 
 
 @lru_cache(maxsize=8192)
@@ -257,7 +223,8 @@ def unit_tensors(model: PlanModel, layout: Layout, grad_bytes: int, stage: int,
                  expert: bool = False) -> tuple[tuple[tuple[int, str], ...], ...]:
     """`zero_units` tensor by tensor: per unit, its tensors' (elements, tag) in flat-buffer order."""
     L = layout
-    return _unit_tensors(model, L.tp, L.pp, L.ep, L.uneven, L.zero >= 3, L.bucket_mb, grad_bytes, stage, expert)
+    return _unit_tensors(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.zero >= 3, L.bucket_mb, grad_bytes, stage,
+                         expert)
 
 
 @lru_cache(maxsize=8192)
@@ -267,18 +234,18 @@ def _layer_tensors_tagged(model: PlanModel, moe: bool, tp: int, ep: int, expert:
 
 
 @lru_cache(maxsize=8192)
-def _unit_tensors(model: PlanModel, tp: int, pp: int, ep: int, uneven: bool, stage3: bool, bucket_mb: float,
-                  grad_bytes: int, stage: int, expert: bool) -> tuple:
-    rng = stage_ranges(model.layers, pp, uneven)[stage]
+def _unit_tensors(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int, stage3: bool,
+                  bucket_mb: float, grad_bytes: int, stage: int, expert: bool) -> tuple:
+    rng = stage_layers(model.layers, pp, vpp, partition)[stage]
     per_layer = [_layer_tensors_tagged(model, model.is_moe_layer(i), tp, ep, expert) for i in rng]
-    lay = Layout(tp=tp, pp=pp, ep=ep)
-    root = [] if expert else root_tensors_tagged(model, lay, stage)
+    root = [] if expert else root_tensors(model, tp, pp, stage)
     if stage3:
         units = ([tuple(root)] if root else []) + [t for t in per_layer]
         return tuple(u for u in units if sum(n for n, _ in u))
     first = root[:1] if stage == 0 else []
-    order = first + [t for ts in per_layer for t in ts] + root[len(first):]
-    return tuple(_bucketize_tagged(list(reversed(order)), int(bucket_mb * 2**20), grad_bytes))
+    order = list(reversed(first + [t for ts in per_layer for t in ts] + root[len(first):]))  # backward order
+    buckets = bucket_ranges([n for n, _ in order], int(bucket_mb * 2**20), grad_bytes)  # bucket_mb is MiB
+    return tuple(tuple(order[i] for i in b) for b in buckets)
 
 
 def owned_tagged(units: tuple, n: int, rank: int) -> dict[str, int]:
@@ -286,24 +253,20 @@ def owned_tagged(units: tuple, n: int, rank: int) -> dict[str, int]:
     elements [r·k, (r+1)·k) of each unit padded to a multiple of n, k = padded/n)."""
     out: dict[str, int] = {}
     for u in units:
-        k = shard(sum(e for e, _ in u), n)
-        lo, hi, o = rank * k, (rank + 1) * k, 0
-        for e, tag in u:
-            a, b = max(o, lo), min(o + e, hi)
-            if a < b:
-                out[tag] = out.get(tag, 0) + b - a
-            o += e
+        k = shard_size(sum(e for e, _ in u), n)
+        for i, _, length in segments([e for e, _ in u], rank * k, (rank + 1) * k):
+            out[u[i][1]] = out.get(u[i][1], 0) + length
     return out
 
 
 @lru_cache(maxsize=65536)
 def unit_sums(units: tuple[int, ...], n: int) -> tuple[int, int, int]:
     """(padded elements, shard elements k, real elements owned by rank 0) summed over units."""
-    padded = k = owned = 0
+    total = k = owned = 0
     for u in units:
-        ku = shard(u, n)
-        padded, k, owned = padded + ku * n, k + ku, owned + min(ku, u)
-    return padded, k, owned
+        ku = shard_size(u, n)
+        total, k, owned = total + ku * n, k + ku, owned + min(ku, u)
+    return total, k, owned
 
 
 def optimizer_bytes_per_param(work: Workload) -> int:
@@ -314,7 +277,7 @@ def optimizer_bytes_per_param(work: Workload) -> int:
 def zero_states(params: int, n: int, zero: int, w: int, g: int, k: int) -> dict:
     """Bytes of weights, gradients and optimizer state per rank for `params` parameters sharded over n
     ranks by ZeRO stage `zero` (Rajbhandari et al. 2020, §5.1 / Table 1)."""
-    sh = shard(params, n)
+    sh = shard_size(params, n)
     return {"weights": w * (sh if zero >= 3 else params),
             "grads": g * (sh if zero >= 2 else params),
             "optimizer": k * (sh if zero >= 1 else params)}
@@ -327,12 +290,12 @@ def unit_states(units: tuple[int, ...], n: int, zero: int, work: Workload, rank:
     master copy (when weights are 16-bit) over the whole shard k."""
     w, g, mb = work.param_bytes, work.grad_bytes, work.master_bytes
     if rank == 0:
-        padded, k, owned = unit_sums(units, n)
+        total, k, owned = unit_sums(units, n)
     else:
-        padded, k = sum(shard(u, n) * n for u in units), sum(shard(u, n) for u in units)
-        owned = sum(max(0, min(shard(u, n), u - rank * shard(u, n))) for u in units)
+        total, k = sum(padded(u, n) for u in units), sum(shard_size(u, n) for u in units)
+        owned = sum(max(0, min(shard_size(u, n), u - rank * shard_size(u, n))) for u in units)
     master = k * mb if work.param_bytes != mb else 0
-    return {"weights": w * (k if zero >= 3 else padded), "grads": g * (padded if zero == 1 else k),
+    return {"weights": w * (k if zero >= 3 else total), "grads": g * (total if zero == 1 else k),
             "optimizer": 2 * mb * owned + master}
 
 
@@ -340,13 +303,13 @@ def model_states(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     """Model-state bytes of rank 0 of `stage` (the fullest shard): dense part over dp·cp, experts over
     dp·cp/ep. Without ZeRO, the ZeRO paper's (w + g + k)·Φ; with it, per padded unit (`unit_states`)."""
     L = layout
-    return dict(_model_states(model, L.tp, L.pp, L.ep, L.uneven, L.zero, L.bucket_mb, L.dp * L.cp, L.edp, work,
-                              stage))
+    return dict(_model_states(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.zero, L.bucket_mb, L.dp * L.cp, L.edp,
+                              work, stage))
 
 
 @lru_cache(maxsize=65536)
-def _model_states(model, tp, pp, ep, uneven, zero, bucket_mb, n_dense, n_expert, work, stage) -> tuple:
-    layout = Layout(tp=tp, pp=pp, ep=ep, uneven=uneven, zero=zero, bucket_mb=bucket_mb, dp=n_dense)
+def _model_states(model, tp, pp, vpp, partition, ep, zero, bucket_mb, n_dense, n_expert, work, stage) -> tuple:
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, partition=partition, ep=ep, zero=zero, bucket_mb=bucket_mb, dp=n_dense)
     dense, expert = stage_params(model, layout, stage)
     w, g, k = work.param_bytes, work.grad_bytes, optimizer_bytes_per_param(work)
     groups = [(dense, n_dense, False)] + ([(expert, n_expert, True)] if expert else [])
@@ -409,7 +372,7 @@ def layer_activation_bytes(model: PlanModel, i: int, layout: Layout, work: Workl
     """Stored activation bytes of layer i for `tokens` tokens on one rank (without recompute storage)."""
     a = layer_acts(model, i, work, layout.tp)
     with_scores = not work.flash and layout.recompute == "none"
-    return tokens * a.per_rank(layout.tp, layout.sp, with_scores)
+    return tokens * a.per_rank(layout.tp, layout.seq_parallel, with_scores)
 
 
 def korthikanti(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none") -> float:
@@ -428,12 +391,12 @@ def rank_tokens(layout: Layout, work: Workload) -> float:
 
 
 @lru_cache(maxsize=16384)
-def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_scores: bool, pp: int,
-                     uneven: bool) -> tuple:
+def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_scores: bool, pp: int, vpp: int,
+                     partition: str) -> tuple:
     """Per stage: (sum, max) over its layers of stored activation bytes per token on one rank."""
     per_layer = {}
     rows = []
-    for rng in stage_ranges(model.layers, pp, uneven):
+    for rng in stage_layers(model.layers, pp, vpp, partition):
         vals = []
         for i in rng:
             key = model.is_moe_layer(i)
@@ -449,22 +412,23 @@ def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: i
     first stage, final norm, head and fp32 logits on the last; full recompute keeps each layer's input
     plus one layer's working set."""
     L = layout
-    return _stage_activations(model, work, L.tp, L.sp, L.cp, L.pp, L.dp, L.vpp, L.effective_schedule,
-                              L.micro_batch, L.recompute, L.uneven, stage)
+    return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.effective_schedule,
+                              L.micro_batch, L.recompute, L.partition, stage)
 
 
 @lru_cache(maxsize=65536)
-def _stage_activations(model, work, tp, sp, cp, pp, dp, vpp, schedule, micro_batch, recompute, uneven, stage):
-    L = Layout(tp=tp, sp=sp, cp=cp, pp=pp, dp=dp, vpp=vpp, schedule=schedule, micro_batch=micro_batch,
-               recompute=recompute, uneven=uneven)
+def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micro_batch, recompute, partition, stage):
+    L = Layout(tp=tp, sp_mode=sp_mode, cp=cp, pp=pp, dp=dp, vpp=vpp, schedule=schedule, micro_batch=micro_batch,
+               recompute=recompute, partition=partition)
     T = rank_tokens(L, work)
     e, h = work.act_bytes, model.hidden
-    n_layers = len(stage_ranges(model.layers, L.pp, L.uneven)[stage])
+    n_layers = len(layout_layers(model, L)[stage])
     m = microbatches(L, work)
     flight = in_flight(L.effective_schedule, L.pp, stage, m, L.vpp)
-    split = L.tp if L.sp else 1
+    split = L.tp if L.seq_parallel else 1
     with_scores = not work.flash and L.recompute == "none"
-    total_pt, max_pt = _stage_act_table(model, work, L.tp, L.sp, with_scores, L.pp, L.uneven)[stage]
+    total_pt, max_pt = _stage_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp,
+                                        L.partition)[stage]
     if L.recompute == "full":
         total = flight * n_layers * T * e * h / split + max_pt * T
     else:
@@ -472,7 +436,7 @@ def _stage_activations(model, work, tp, sp, cp, pp, dp, vpp, schedule, micro_bat
     if stage == 0:
         total += flight * T * e * h / split                     # embedding output
     if stage == L.pp - 1:
-        vocab = padded_vocab(model, L.tp) / L.tp
+        vocab = padded_vocab(model.vocab, L.tp) / L.tp
         total += flight * T * (2 * e * h / split + (e + 4) * vocab)  # norm and head input; logits (+fp32)
     return total
 
@@ -499,8 +463,8 @@ def zero3_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) 
     Without resharding after forward every layer stays gathered until its backward: the whole stage."""
     if layout.zero < 3:
         return 0.0
-    dense, expert, biggest = _stage_param_table(model, layout.tp, layout.pp, layout.ep, layout.uneven)[stage]
-    return (2.0 * biggest if layout.reshard else float(dense + expert)) * work.param_bytes
+    dense, expert, biggest = _param_table(model, layout)[stage]
+    return (2.0 * biggest if layout.reshard_after_forward else float(dense + expert)) * work.param_bytes
 
 
 def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
@@ -509,13 +473,13 @@ def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     row["buffers"] = zero3_buffers(model, layout, work, stage)
     row["total"] = sum(row[c] for c in COMPONENTS)
     row["stage"] = stage
-    row["layers"] = len(stage_ranges(model.layers, layout.pp, layout.uneven)[stage])
+    row["layers"] = len(layout_layers(model, layout)[stage])
     return row
 
 
 def memory(model: PlanModel, layout: Layout, work: Workload, all_stages: bool = True) -> Memory:
     """Bytes per rank on every pipeline stage (or only the candidates for the most loaded)."""
-    stages = range(layout.pp) if all_stages else candidate_stages(model, layout.pp, layout.uneven)
+    stages = range(layout.pp) if all_stages else candidate_stages(model, layout.pp, layout.vpp, layout.partition)
     out = Memory([stage_memory(model, layout, work, j) for j in stages])
     out.worst = max(range(len(out.stages)), key=lambda k: out.stages[k]["total"])
     return out

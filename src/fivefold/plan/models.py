@@ -116,10 +116,6 @@ class PlanModel:
     def is_moe_layer(self, i: int) -> bool:
         return self.moe and i >= self.dense_layers
 
-    @property
-    def moe_layers(self) -> int:
-        return self.layers - self.dense_layers if self.moe else 0
-
     # -- parameters -----------------------------------------------------------------------------
     def _norm(self, width: int) -> int:
         return width * (2 if self.norm == "layer" else 1)
@@ -156,10 +152,6 @@ class PlanModel:
     def layer_params(self, i: int, experts_held: int | None = None) -> int:
         """Parameters of layer i; `experts_held` routed experts instead of all (expert parallelism)."""
         return _layer_params(self, self.is_moe_layer(i), experts_held)
-
-    def layer_expert_params(self, i: int) -> int:
-        """Routed-expert parameters of layer i (the part sharded by expert parallelism)."""
-        return self.experts * self.expert_params() if self.is_moe_layer(i) else 0
 
     @property
     def embed_params(self) -> int:

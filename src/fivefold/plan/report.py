@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..comm.ledger import fmt_bytes
 from .estimate import Estimate
 from .layout import microbatches
 from .memory import COMPONENTS
@@ -13,14 +14,6 @@ from .topology import GiB
 
 def gib(x: float) -> str:
     return f"{x / GiB:.2f}"
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} PB"
 
 
 def _table(header: list[str], rows: list[list], align: str | None = None) -> str:
@@ -41,7 +34,7 @@ def memory_table(est: Estimate, max_stages: int = 16) -> str:
 
 
 def traffic_table(est: Estimate) -> str:
-    rows = [[f.dim, f.op, f.n, f.calls, human(f.message_bytes), human(f.bytes_sent), f.tier, f"{f.seconds:.4f}"]
+    rows = [[f.dim, f.op, f.n, f.calls, fmt_bytes(f.message_bytes), fmt_bytes(f.bytes_sent), f.tier, f"{f.seconds:.4f}"]
             for f in est.flows]
     if not rows:
         return "(no communication)"
@@ -64,7 +57,7 @@ def estimate_text(est: Estimate) -> str:
         "",
         f"traffic per rank per step (stage {_flows_stage(est)})",
         traffic_table(est),
-        "bytes per tier: " + ", ".join(f"{k} {human(v)}" for k, v in d["bytes_per_tier"].items()),
+        "bytes per tier: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in d["bytes_per_tier"].items()),
         "",
         f"step {t.step_time_s:.3f} s = pipeline {t.pipeline_s:.3f} (compute {t.compute_s:.3f}, exposed tp/cp/ep "
         f"{t.layer_comm_s:.3f}, bubble {t.bubble:.1%} from the {t.bubble_source}) + grads {t.grad_comm_s:.3f} "

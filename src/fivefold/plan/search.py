@@ -1,9 +1,12 @@
 """Search every valid layout for a GPU count: those that fit ranked by step time, the rest with reasons.
 
 The space: tp (valid for the heads, kv heads and MLP widths, within the innermost tier unless fixed),
-pp, cp (ring or Ulysses), ep (MoE), dp = gpus/(tp·pp·cp), ZeRO 1-3 (ZeRO-1 sends the bytes of DDP and
-holds less, so stage 0 is searched only when fixed), micro-batch size, virtual stages, recompute.
-Megatron sequence parallelism is on whenever tp > 1 (same bytes, less memory) unless fixed off.
+pp, cp (ring, Ulysses, and hybrid where it differs from both), ep (MoE), dp = gpus/(tp·pp·cp), ZeRO 1-3
+(ZeRO-1 sends the bytes of DDP and holds less, so stage 0 is searched only when fixed), micro-batch
+size, virtual stages, recompute. Megatron sequence parallelism is on whenever tp > 1 (same bytes, less
+memory) unless fixed off (sp_mode "none"). Micro-batch sizes and virtual stages are tried from
+`POWERS` (1, 2, 4, 8): larger ones only add activation memory (micro-batch) or messages (vpp) for a
+bubble that is already small.
 
 Prunings keep the whole space for 16,384 GPUs under 2 seconds, none of which drops a layout that
 could rank first: recompute is tried none → selective → full and the first that fits is kept (more
@@ -17,16 +20,18 @@ from __future__ import annotations
 import time as _time
 from dataclasses import dataclass, field
 
-from ..config import ConfigError, divisors
+from ..grid import DEFAULT_ORDER
+from ..rules import ConfigError, Recompute, choices, cp_degrees, divisors
 from .estimate import Estimate, estimate
-from .layout import RECOMPUTE, Layout, Workload, check, valid_tp
+from .layout import Layout, Workload, check, valid_tp
 from .memory import Memory, candidate_stages, stage_memory, time_stages
 from .models import PlanModel
 from .time import step_time
 from .topology import GiB, Topology
 from .traffic import place, stage_flows
 
-SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp")
+SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode")
+POWERS = (1, 2, 4, 8)   # micro-batch sizes and virtual stages tried
 
 
 @dataclass
@@ -69,37 +74,44 @@ def _structures(model: PlanModel, work: Workload, topo: Topology, gpus: int, fix
                 dp = gpus // (tp * pp * cp)
                 if fixed.get("dp") is not None and dp != fixed["dp"]:
                     continue
-                modes = ["ring"] if cp == 1 else _options("cp_mode", fixed, ["ring", "ulysses"])
+                modes = ["ring"] if cp == 1 else _options("cp_mode", fixed, _cp_modes(model, tp, cp))
                 eps = [1] if not model.moe else [d for d in divisors(model.experts) if (dp * cp) % d == 0]
                 for mode in modes:
                     for ep in _options("ep", fixed, eps):
                         yield tp, pp, cp, mode, ep, dp
 
 
+def _cp_modes(model: PlanModel, tp: int, cp: int) -> list[str]:
+    """Ring and Ulysses, and hybrid when its split differs from both (else it is one of them)."""
+    u, _ = cp_degrees("hybrid", cp, model.heads, tp)
+    return ["ring", "ulysses"] + (["hybrid"] if 1 < u < cp else [])
+
+
 def _fast_time(model, layout, work, topo, mem) -> float:
     """Step time from the stages that can be slowest (most layers, or the head) and the closed-form bubble."""
-    stages = time_stages(model, layout.pp, layout.uneven)
+    stages = time_stages(model, layout.pp, layout.vpp, layout.partition)
     flows = {j: place(stage_flows(model, layout, work, j), layout, topo) for j in stages}
     states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
     return step_time(model, layout, work, topo, flows, states, simulate=False).step_time_s
 
 
 def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict | None = None,
-           top: int = 5, order: str = "tp-cp-ep-pp-dp", uneven: bool = False, schedule: str = "1f1b") -> Result:
-    """All layouts for `gpus` GPUs with the `fixed` choices (keys of SEARCHED) held; see module doc."""
+           top: int = 5, order: str = DEFAULT_ORDER, partition: str = "even", schedule: str = "1f1b") -> Result:
+    """All layouts for `gpus` GPUs with the `fixed` choices (keys of SEARCHED) held, ranks in `order`,
+    layers split by `partition` (even or llama3; counts only with pp fixed); see module doc."""
     t0, c0 = _time.perf_counter(), _time.process_time()
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     topo.check(gpus)
     res, limit = Result(), topo.accelerator.memory
     for tp, pp, cp, mode, ep, dp in _structures(model, work, topo, gpus, fixed, res):
         per_dp = work.global_batch // dp if work.global_batch % dp == 0 else 0
-        mbs = _options("micro_batch", fixed, [b for b in (1, 2, 4, 8) if per_dp and per_dp % b == 0] or [1])
-        vpps = _options("vpp", fixed, [1] if pp == 1 else [v for v in (1, 2, 4, 8) if pp * v <= model.layers])
+        mbs = _options("micro_batch", fixed, [b for b in POWERS if per_dp and per_dp % b == 0] or [1])
+        vpps = _options("vpp", fixed, [1] if pp == 1 else [v for v in POWERS if pp * v <= model.layers])
         zeros = _options("zero", fixed, [0] if dp * cp == 1 else [1, 2, 3])
-        recomputes = _options("recompute", fixed, list(RECOMPUTE))
-        sp = tp > 1 and fixed.get("sp", True)
-        base = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp=sp, cp_mode=mode, order=order,
-                    uneven=uneven and pp > 1)
+        recomputes = _options("recompute", fixed, list(choices(Recompute)))
+        sp_mode = fixed.get("sp_mode", "megatron") if tp > 1 else "none"
+        base = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp_mode=sp_mode, cp_mode=mode, order=order,
+                    partition=partition if pp > 1 else "even")
         for vi, v in enumerate(vpps):
             kw = dict(base, vpp=v, schedule="interleaved" if v > 1 else schedule)
             for i, mb in enumerate(mbs):
@@ -143,7 +155,7 @@ def _one_layout(model, work, topo, gpus, res: Result, limit: float, recomputes: 
                 return RULE
         over = None
         rows = []
-        for j in candidate_stages(model, lay.pp, lay.uneven):
+        for j in candidate_stages(model, lay.pp, lay.vpp, lay.partition):
             rows.append(stage_memory(model, lay, work, j))
             if rows[-1]["total"] > limit:
                 over = rows[-1]

@@ -18,9 +18,9 @@ Communication: a collective takes bytes_sent / (tier bandwidth / oversubscriptio
 - loss, grad_norm, tied-embedding reductions: exposed (small).
 - optimizer step: memory bound, reads and writes every model-state byte once.
 
-Pipeline bubble: the schedule simulator `fivefold.parallel.pipeline.schedules` when it can be imported,
-with per-stage forward/backward costs (uneven stages, embedding and head included); otherwise, or when
-the schedule is too long to simulate quickly, the closed forms (Narayanan et al. 2021):
+Pipeline bubble: the schedule simulator `fivefold.parallel.pipeline.schedules` (pure Python), with
+per-stage forward/backward costs (uneven stages, embedding and head included); when the schedule is too
+long to simulate quickly, or the schedule does not apply (interleaved with m % p != 0), the closed forms (Narayanan et al. 2021):
 (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved, and ZB-H1's (p-1)(F+I-W) idle
 (Qi et al. 2023).
 """
@@ -29,37 +29,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from ..parallel.pipeline import schedules as _schedules
+from ..rules import ConfigError
 from .layout import Layout, Workload, microbatches
-from .memory import stage_ranges
+from .memory import layout_layers, stage_layers
 from .models import PlanModel
 from .topology import Topology
 from .traffic import KIND, Flow
 
-try:  # the pure schedule simulator of the pipeline issue; planning works without it
-    from ..parallel.pipeline import schedules as _schedules
-    HAVE_SIMULATOR = hasattr(_schedules, "build_schedule") and hasattr(_schedules, "simulate")
-except Exception:  # noqa: BLE001 - any import problem means: use the closed forms
-    _schedules = None
-    HAVE_SIMULATOR = False
-
-SIMULATE_MAX_ACTIONS = 4096
+SIMULATE_MAX_ACTIONS = 4096   # 2·p·m·v compute actions; longer schedules use the closed forms (speed)
 
 
 # -- FLOPs ---------------------------------------------------------------------------------------------
 def stage_forward_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) -> tuple[float, float]:
     """(all, attention-core) forward FLOPs of one micro-batch on one rank of `stage`."""
     tokens = layout.micro_batch * work.seq / (layout.tp * layout.cp)
-    n_layers = len(stage_ranges(model.layers, layout.pp, layout.uneven)[stage])
+    n_layers = len(layout_layers(model, layout)[stage])
     attn = model.attention_flops_per_token(work.seq, work.causal) / model.layers
-    weights = _stage_active_weights(model, layout.pp, layout.uneven)[stage]
+    weights = _stage_active_weights(model, layout.pp, layout.vpp, layout.partition)[stage]
     return tokens * (2.0 * weights + attn * n_layers), tokens * attn * n_layers
 
 
 @lru_cache(maxsize=4096)
-def _stage_active_weights(model: PlanModel, pp: int, uneven: bool) -> tuple:
+def _stage_active_weights(model: PlanModel, pp: int, vpp: int, partition: str) -> tuple:
     """Per stage, the weights one token multiplies by (top_k routed experts; the head on the last)."""
     out = []
-    for j, rng in enumerate(stage_ranges(model.layers, pp, uneven)):
+    for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
         w = sum(model.layer_params(i, model.top_k if model.is_moe_layer(i) else None) for i in rng)
         out.append(w + (model.vocab * model.hidden if j == pp - 1 else 0))
     return tuple(out)
@@ -78,19 +73,20 @@ def closed_form_bubble(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0
 
 def simulate_pipeline(schedule: str, p: int, m: int, v: int, cost_f: list[float], cost_b: list[float],
                       comm: float) -> tuple[float, float] | None:
-    """(makespan, bubble) from the schedule simulator with per-stage costs, or None if unavailable."""
-    if not HAVE_SIMULATOR or p == 1 or 2 * p * m * v > SIMULATE_MAX_ACTIONS:
+    """(makespan, bubble) from the schedule simulator with per-stage costs, or None when the schedule is
+    too long to simulate or does not apply to (p, m, v)."""
+    if p == 1 or 2 * p * m * v > SIMULATE_MAX_ACTIONS:
         return None
     try:
         actions = _schedules.build_schedule(schedule, p, m, v)
-        chunks = p * v
-        f = [cost_f[c % p] / v for c in range(chunks)]
-        b = [cost_b[c % p] / v for c in range(chunks)]
-        half = [x / 2 for x in b]
-        sim = _schedules.simulate(actions, cost_f=f, cost_b=b, cost_i=half, cost_w=half, comm=comm)
-        return float(sim.makespan), float(sim.bubble)
-    except Exception:  # noqa: BLE001 - e.g. interleaved with m % p != 0: fall back to the closed form
+    except ConfigError:  # e.g. interleaved with m % p != 0: the closed form
         return None
+    chunks = p * v
+    f = [cost_f[c % p] / v for c in range(chunks)]
+    b = [cost_b[c % p] / v for c in range(chunks)]
+    half = [x / 2 for x in b]
+    sim = _schedules.simulate(actions, cost_f=f, cost_b=b, cost_i=half, cost_w=half, comm=comm)
+    return float(sim.makespan), float(sim.bubble)
 
 
 # -- step time ------------------------------------------------------------------------------------------
@@ -144,8 +140,9 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     for j, flows in flows_by_stage.items():
         fwd, attn = stage_forward_flops(model, L, work, j)
         extra = fwd if L.recompute == "full" else (attn if L.recompute == "selective" else 0.0)
-        secs = _per_dim_seconds([f for f in flows if KIND.get(f.dim) == "layer"])
-        ring = secs.pop("cp", 0.0) if L.cp_mode == "ring" else 0.0
+        ring = sum(f.seconds for f in flows if f.dim == "cp" and f.op in ("send", "recv"))
+        secs = _per_dim_seconds([f for f in flows if KIND.get(f.dim) == "layer" and f.op not in ("send", "recv")])
+        # ring sends hide behind the attention of the block before: forward, and backward at 2x forward
         comm_mb = sum(secs.values()) / m + max(0.0, ring / m - 3 * attn / peak)
         t_f = fwd / peak
         cost_f[j] = t_f + comm_mb / 2

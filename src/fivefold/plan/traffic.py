@@ -44,21 +44,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from .. import grid
 from ..comm import volume
+from ..rules import cp_degrees, kv_replicas
+from ..shapes import padded_vocab
 from .layout import Layout, Workload, microbatches
-from .memory import (exact_tensors, owned_tagged, padded_vocab, stage_params, stage_ranges, unit_sums,
-                     unit_tensors, zero_units)
+from .memory import (exact_tensors, layout_layers, owned_tagged, root_tensors, stage_params, unit_sums, unit_tensors,
+                     zero_units)
 from .models import PlanModel
 from .topology import Topology, collective_latency, group_bandwidth
 
 VOLUME = {op: getattr(volume, op) for op in volume.OPS}   # comm/volume.py's formula for each op
-
-# group name -> (grid, dims it spans); as in fivefold.mesh.GROUP_SPECS
-GROUPS = {
-    "tp": ("dense", ("tp",)), "cp": ("dense", ("cp",)), "pp": ("dense", ("pp",)), "dp": ("dense", ("dp",)),
-    "dp_cp": ("dense", ("dp", "cp")), "mp": ("dense", ("tp", "cp", "pp")), "world": ("dense", ("tp", "cp", "dp", "pp")),
-    "ep": ("expert", ("ep",)), "edp": ("expert", ("dp",)),
-}
 
 # how exposed a dimension's time is (see time.py)
 KIND = {"tp": "layer", "cp": "layer", "ep": "layer", "pp": "pipeline", "dp": "grad", "edp": "grad",
@@ -115,15 +111,8 @@ class Flows:
 
 
 def group_size(layout: Layout, group: str) -> int:
-    sizes = {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
-             "edp": layout.edp}
-    grid, dims = GROUPS[group]
-    if grid == "expert":
-        return sizes[group]
-    n = 1
-    for d in dims:
-        n *= sizes[d]
-    return n
+    """Ranks in a mesh group (`fivefold.grid.GROUP_SPECS`) under this layout."""
+    return grid.group_size(layout, group)
 
 
 # -- per dimension ------------------------------------------------------------------------------------
@@ -133,23 +122,23 @@ def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
         return
     e, h = w.act_bytes, model.hidden
     act = T * h * e
-    rng = stage_ranges(model.layers, L.pp, L.uneven)[stage]
+    rng = layout_layers(model, L)[stage]
     fwd_passes = 2 if L.recompute == "full" else 1
     per_layer_fwd = 2 * fwd_passes * m * len(rng)      # two g's per layer per micro-batch (and recompute)
     per_layer_bwd = 2 * m * len(rng)                   # two f's
-    if L.sp:
+    if L.seq_parallel:
         f.add("tp", "all_gather", "tp", t, act, per_layer_fwd + per_layer_bwd)
         f.add("tp", "reduce_scatter", "tp", t, act, per_layer_fwd + per_layer_bwd)
     else:
         f.add("tp", "all_reduce", "tp", t, act, per_layer_fwd + per_layer_bwd)
     if stage == 0:  # vocab-parallel embedding: g forward (SP: reduce-scatter forward, all-gather backward)
-        if L.sp:
+        if L.seq_parallel:
             f.add("tp", "reduce_scatter", "tp", t, act, m)
             f.add("tp", "all_gather", "tp", t, act, m)
         else:
             f.add("tp", "all_reduce", "tp", t, act, m)
     if stage == L.pp - 1:  # head input: f (SP: all-gather forward, reduce-scatter backward); CE reductions
-        if L.sp:
+        if L.seq_parallel:
             f.add("tp", "all_gather", "tp", t, act, m)
             f.add("tp", "reduce_scatter", "tp", t, act, m)
         else:
@@ -164,9 +153,9 @@ def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
         f.add("tp", "reduce_scatter", "tp", t, routed, calls)
 
 
-def kv_replicas(model: PlanModel, tp: int) -> int:
-    """Consecutive tp ranks holding the same K/V head: tp/kv_heads when tp > kv_heads, else 1 (MLA: 1)."""
-    return tp // model.kv_heads if tp > model.kv_heads and not model.mla else 1
+def model_kv_replicas(model: PlanModel, tp: int) -> int:
+    """`rules.kv_replicas` for a model (latent attention splits its up-projected K/V by heads: 1)."""
+    return 1 if model.mla else kv_replicas(tp, model.kv_heads)
 
 
 def partial_grad_params(model: PlanModel, L: Layout, stage: int) -> dict[str, int]:
@@ -174,20 +163,20 @@ def partial_grad_params(model: PlanModel, L: Layout, stage: int) -> dict[str, in
     (replicated on every tp rank and seeing only its sequence shard under SP: norm weights, and
     row-parallel biases and MoE routers where the model has them) and "kv" (K/V weights of a head
     shared by tp/kv_heads ranks, each computing the part of its own query heads)."""
-    return dict(_partial_grad_params(model, L.tp, L.pp, L.uneven, L.sp, stage))
+    return dict(_partial_grad_params(model, L.tp, L.pp, L.vpp, L.partition, L.seq_parallel, stage))
 
 
 @lru_cache(maxsize=16384)
-def _partial_grad_params(model: PlanModel, tp: int, pp: int, uneven: bool, sp: bool, stage: int) -> tuple:
+def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, sp: bool, stage: int) -> tuple:
     if tp == 1:
         return ()
-    h, rng = model.hidden, stage_ranges(model.layers, pp, uneven)[stage]
+    h, rng = model.hidden, layout_layers(model, Layout(pp=pp, vpp=vpp, partition=partition))[stage]
     out = {}
     if sp:
         per = {False: 2 * model._norm(h) + (2 * h if model.linear_bias else 0),
                True: 2 * model._norm(h) + (h if model.linear_bias else 0) + model.router_params()}
         out["norm"] = sum(per[model.is_moe_layer(i)] for i in rng) + (model._norm(h) if stage == pp - 1 else 0)
-    if kv_replicas(model, tp) > 1:
+    if model_kv_replicas(model, tp) > 1:
         out["kv"] = len(rng) * 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias) // model.kv_heads
     return tuple(out.items())
 
@@ -204,11 +193,11 @@ def _tp_sync_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: in
     parts = partial_grad_params(model, L, stage)
     if not parts:
         return
-    r = kv_replicas(model, L.tp)
+    r = model_kv_replicas(model, L.tp)
     n_zero = L.dp * L.cp if L.zero else 1
     if n_zero > 1 and dp_rank is not None and exact_tensors(model):
         owned = owned_tagged(unit_tensors(model, L, w.grad_bytes, stage), n_zero, dp_rank)
-        if not L.sp:
+        if not L.seq_parallel:
             owned.pop("norm", None)
     else:
         owned = {tag: count / n_zero for tag, count in parts.items()}
@@ -220,29 +209,31 @@ def _tp_sync_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: in
 
 
 def _cp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
-    c = L.cp
-    if c == 1:
+    """Ulysses all-to-alls over its degree u and ring sends over its degree r (u·r = cp; see
+    `rules.cp_degrees`: hybrid runs both, Ulysses inside each ring rank's u contiguous ranks)."""
+    if L.cp == 1:
         return
     e = w.act_bytes
-    n_layers = len(stage_ranges(model.layers, L.pp, L.uneven)[stage])
+    n_layers = len(layout_layers(model, L)[stage])
     fwd_passes = 2 if L.recompute == "full" else 1
+    u, r = cp_degrees(L.cp_mode, L.cp, model.heads, L.tp)
     kv_split = L.tp if model.mla else min(L.tp, model.kv_heads)
-    kv = T * (model.kv_width + model.v_width) / kv_split * e
-    if L.cp_mode == "ring":
-        sends = (c - 1) * m * n_layers * (fwd_passes + 2)   # K,V forward; K,V and dK,dV backward
-        f.add("cp", "send", "cp", c, kv, sends)
-        f.add("cp", "recv", "cp", c, kv, sends)
-        return
-    q = T * model.q_width / L.tp * e
-    o = T * model.attn_out_width / L.tp * e
-    for msg in (q, kv / 2, kv / 2, o):  # q, k, v forward in; output back (and their gradients)
-        f.add("cp", "all_to_all", "cp", c, msg, (fwd_passes + 1) * m * n_layers)
+    kv = T * (model.kv_width + model.v_width) / kv_split * e       # local K and V, before Ulysses
+    if u > 1:
+        q = T * model.q_width / L.tp * e
+        o = T * model.attn_out_width / L.tp * e
+        for msg in (q, kv / 2, kv / 2, o):  # q, k, v forward in; output back (and their gradients)
+            f.add("cp", "all_to_all", "cp", u, msg, (fwd_passes + 1) * m * n_layers)
+    if r > 1:  # after Ulysses a ring rank's block holds u times the tokens and 1/u of the heads: same bytes
+        sends = (r - 1) * m * n_layers * (fwd_passes + 2)   # K,V forward; K,V and dK,dV backward
+        f.add("cp", "send", "cp", r, kv, sends)
+        f.add("cp", "recv", "cp", r, kv, sends)
 
 
 def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
     if not model.moe or L.ep == 1:
         return
-    rng = stage_ranges(model.layers, L.pp, L.uneven)[stage]
+    rng = layout_layers(model, L)[stage]
     moe = sum(1 for i in rng if model.is_moe_layer(i))
     fwd_passes = 2 if L.recompute == "full" else 1
     tokens = model.top_k * w.capacity_factor * T / L.tp
@@ -257,7 +248,7 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     p, v = L.pp, L.vpp if L.effective_schedule == "interleaved" else 1
     if p == 1:
         return
-    act = T * model.hidden * w.act_bytes / (L.tp if L.sp else 1)
+    act = T * model.hidden * w.act_bytes / (L.tp if L.seq_parallel else 1)
     fwd_sends = m * v - (m if stage == p - 1 else 0)   # the last chunk of the last stage sends nothing
     bwd_sends = m * v - (m if stage == 0 else 0)       # nor does the first chunk of the first stage
     f.add("pp", "send", "pp", p, act, fwd_sends + bwd_sends)
@@ -265,14 +256,15 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     bwd_recvs = m * v - (m if stage == p - 1 else 0)
     f.add("pp", "recv", "pp", p, act, fwd_recvs + bwd_recvs)
     if model.tie_embeddings and stage in (0, p - 1):
-        emb = padded_vocab(model, L.tp) // L.tp * model.hidden
+        emb = padded_vocab(model.vocab, L.tp) // L.tp * model.hidden
         f.add("embed", "all_reduce", "pp", 2, emb * w.grad_bytes, 1)
 
 
 def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, w: Workload, m: int,
-                units: tuple[int, ...]) -> None:
+                units: tuple[int, ...], root: int = 0) -> None:
     """Gradient reduction and ZeRO gathers for `params` parameters over n ranks: one call per bucket
-    (DDP, ZeRO-1/2) or unit (ZeRO-3), `units` their sizes; ZeRO's are padded to a multiple of n."""
+    (DDP, ZeRO-1/2) or unit (ZeRO-3), `units` their sizes (the first `root` of them ZeRO-3's root unit);
+    ZeRO's are padded to a multiple of n (parallel/zero.py)."""
     if n == 1 or params == 0:
         return
     u = len(units) or 1
@@ -280,14 +272,24 @@ def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, 
         f.add_total(dim, "all_reduce", group, n, params * w.grad_bytes, u)
         return
     padded = unit_sums(units, n)[0]
-    if L.zero == 1:
+    if L.zero == 1 or (L.zero == 2 and L.pp > 1):
+        # once per step: ZeRO-1 always; ZeRO-2 under a pipeline accumulates over the micro-batches
         f.add_total(dim, "reduce_scatter", group, n, padded * w.grad_bytes, u)
         f.add_total(dim, "all_gather", group, n, padded * w.param_bytes, u)
     elif L.zero == 2:
         f.add_total(dim, "reduce_scatter", group, n, m * padded * w.grad_bytes, m * u)
         f.add_total(dim, "all_gather", group, n, padded * w.param_bytes, u)
+    elif L.pp > 1:
+        # under a pipeline: each block gathered before every forward and backward it runs (and the
+        # recomputed forward), the root unit once for the step; each unit reduce-scattered once
+        per_use = 3 if L.recompute == "full" else 2
+        root_padded = unit_sums(units[:root], n)[0] if root else 0
+        gathers = root + per_use * m * (u - root)
+        f.add_total(dim, "all_gather", group, n, (root_padded + per_use * m * (padded - root_padded)) * w.param_bytes,
+                    gathers)
+        f.add_total(dim, "reduce_scatter", group, n, padded * w.grad_bytes, u)
     else:  # gathered before each forward and (resharded after it) again before each backward
-        gathers = (2 if L.reshard else 1) * m
+        gathers = (2 if L.reshard_after_forward else 1) * m
         f.add_total(dim, "all_gather", group, n, gathers * padded * w.param_bytes, gathers * u)
         f.add_total(dim, "reduce_scatter", group, n, m * padded * w.grad_bytes, m * u)
 
@@ -307,7 +309,8 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
     _pp_flows(f, model, L, work, stage, m, T)
     dense, expert = stage_params(model, L, stage)
     units = (lambda ex, n: zero_units(model, L, work.grad_bytes, stage, ex) if n > 1 else ())
-    _grad_flows(f, "dp", "dp_cp", L.dp * L.cp, dense, L, work, m, units(False, L.dp * L.cp))
+    root = 1 if L.zero >= 3 and any(n for n, _ in root_tensors(model, L.tp, L.pp, stage)) else 0
+    _grad_flows(f, "dp", "dp_cp", L.dp * L.cp, dense, L, work, m, units(False, L.dp * L.cp), root)
     _grad_flows(f, "edp", "edp", L.edp, expert, L, work, m, units(True, L.edp))
     f.add("loss", "all_reduce", "dp", L.dp, 8, 1)
     f.add("loss", "all_reduce", "pp", L.pp, 8, 1)      # only the last stage computed it
@@ -318,19 +321,8 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
 
 # -- where the groups land ----------------------------------------------------------------------------
 def group_block(layout: Layout, group: str, order: str | None = None) -> int:
-    """Span of consecutive ranks that holds one group whole: stride of its outermost dim × that size."""
-    order_l = (order or layout.order).split("-")
-    grid, dims = GROUPS[group]
-    if grid == "dense":
-        sizes = {"tp": layout.tp, "cp": layout.cp, "ep": 1, "dp": layout.dp, "pp": layout.pp}
-    else:
-        sizes = {"tp": layout.tp, "cp": 1, "ep": layout.ep, "dp": layout.edp, "pp": layout.pp}
-    stride, block = 1, 1
-    for d in order_l:
-        if d in dims and sizes[d] > 1:
-            block = stride * sizes[d]
-        stride *= sizes[d]
-    return block
+    """Span of consecutive ranks that holds one group whole (`fivefold.grid.group_block`)."""
+    return grid.group_block(layout, group, order or layout.order)
 
 
 def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None = None) -> list[Flow]:

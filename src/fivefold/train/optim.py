@@ -44,14 +44,6 @@ class AdamW:
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
 
-    def state_dict(self) -> dict:
-        return {"t": self.t, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.t = d["t"]
-        for dst, src in zip(self.exp_avg + self.exp_avg_sq, d["exp_avg"] + d["exp_avg_sq"]):
-            dst.copy_(src)
-
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
     """Linear warmup over `warmup` steps, then cosine decay to min_lr at the last step."""

@@ -1,8 +1,10 @@
 """The training loop: one rank's view of a run.
 
-`Trainer(cfg, rank, world_size)` builds the mesh, the model (the same seeded weights on every rank),
-the data-parallel gradient reducer, the AdamW optimizer (on fp32 master weights when compute is bf16)
-and the data. `step(k)` runs one optimizer step over the global batch of step k and returns its metrics.
+`Trainer(cfg, rank, world_size)` builds the mesh, the full model (the same seeded weights on every
+rank), applies the parallel dimensions to it (`parallelize`: tp → cp → ep → pp, each writing the
+placements of the parameters it shards), wraps what this rank holds in the gradient engine (DDP or
+ZeRO over the placements' groups, with AdamW on fp32 master weights when compute is bf16) and reads the
+data. `step(k)` runs one optimizer step over the global batch of step k and returns its metrics.
 `run()` trains `cfg.train.steps` steps and writes, on rank 0:
 
     OUT/metrics.jsonl  one line per step: step, loss, grad_norm, lr, tokens, seconds
@@ -29,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
-from ..comm import CommLedger
+from .. import __version__, rules
+from ..comm import CommLedger, gather_objects
 from ..config import Config, ConfigError
 from ..mesh import ParallelMesh
 from ..model import Transformer, loss_sum
@@ -42,6 +44,7 @@ from ..parallel.zero import Zero
 from . import checkpoint
 from .data import Batches, read_tokens
 from .optim import AdamW, clip_, global_grad_norm, lr_at
+from .progress import Progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 # Each rank's default torch stream (dropout without a generator, sampling) is seeded seed + stride·rank;
@@ -50,25 +53,8 @@ RANK_SEED_STRIDE = 7919
 
 
 def supported(cfg: Config) -> None:
-    """Layouts the runtime does not run yet fail at start, naming what is missing."""
-    p, t = cfg.parallel, cfg.train
-    missing = [f"{d}={getattr(p, d)}" for d in ("cp", "ep") if getattr(p, d) > 1]
-    if missing:
-        raise ConfigError(f"this runtime runs data, tensor (+ Megatron SP) and pipeline parallelism and ZeRO; not yet: "
-                          f"{', '.join(missing)} (use `fivefold plan` to estimate those layouts)")
-    if p.pp > 1 and p.schedule == "zb" and p.tp > 1 and p.sp_mode == "megatron":
-        raise ConfigError("the zb schedule with Megatron sequence parallelism is not supported (its weight-gradient "
-                          "pass would repeat the reduce-scatter's backward all-gather); use 1f1b or sp_mode none")
-    if p.pp > 1 and p.zero == 3 and p.schedule == "zb":
-        raise ConfigError("the zb schedule with ZeRO-3 is not supported (its weight-gradient pass runs outside the "
-                          "block whose parameters ZeRO-3 gathers); use 1f1b or interleaved, or zero <= 2")
-    if p.pp > 1 and p.zero == 3 and not p.reshard_after_forward:
-        raise ConfigError("ZeRO-3 with pp > 1 needs parallel.reshard_after_forward = true (a block kept gathered "
-                          "across the schedule's interleaved micro-batches would send a schedule-dependent number of "
-                          "all-gathers); set it to true")
-    if p.pp == 1 and t.recompute != "none":
-        raise ConfigError(f"train.recompute = {t.recompute!r} is done by the pipeline runtime, so it needs pp > 1 "
-                          f"(got pp = 1); use recompute = 'none'")
+    """Layouts the runtime does not run yet fail at start, naming what is missing (rules.py)."""
+    rules.check_runtime_support(cfg.parallel, cfg.train)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -140,6 +126,7 @@ class Trainer:
         cfg = self.cfg.train
         n_tokens = self.batches.tokens_per_step()
         loss_local = self.forward_backward(self.model, self.loss_sum, self.engine, self.micro_batches(step), n_tokens)
+        self.model.aux.take()   # auxiliary losses trained in that backward (reported by the layers making them)
         self.engine.finish()
         sum_partial_grads(self.engine, self.mesh)                  # e.g. SP norms, replicated K/V
         norm = global_grad_norm(self.engine.norm_grads(), self.engine.norm_group)
@@ -206,46 +193,6 @@ class Trainer:
                 "model_state_bytes_by_rank": self.all_state_bytes,
                 "versions": {"fivefold": __version__, "torch": torch.__version__,
                              "python": sys.version.split()[0], "platform": platform.platform()}}
-
-
-def gather_objects(obj) -> list:
-    """Every rank's obj (a bookkeeping exchange outside the ledger, like CommLedger.gather)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-class Progress:
-    """A one-line progress bar on stderr: step, loss, tokens/s."""
-
-    def __init__(self, total: int, enabled: bool = True, width: int = 24):
-        self.total, self.enabled, self.width = total, enabled, width
-        self.tty = sys.stderr.isatty()
-        self.t0 = time.perf_counter()
-        self.tokens = 0
-
-    def update(self, m: dict) -> None:
-        if not self.enabled:
-            return
-        self.tokens += m["tokens"]
-        done = m["step"] + 1
-        rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
-        fill = int(self.width * done / self.total)
-        line = (f"step {done:>5}/{self.total} [{'#' * fill}{'.' * (self.width - fill)}] "
-                f"loss {m['loss']:.4f}  grad {m['grad_norm']:.3f}  lr {m['lr']:.2e}  {rate:,.0f} tok/s")
-        if self.tty:
-            sys.stderr.write("\r" + line)
-        elif done == 1 or done == self.total or done % max(self.total // 20, 1) == 0:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
 
 
 def train_rank(rank: int, world_size: int, cfg_dict: dict, out: str | None = None, resume: str | None = None) -> dict:

@@ -24,14 +24,17 @@ Four ways to split (`partition_layers(..., method=...)`):
                   chunk; among those, the one with the smallest sum of squared chunk costs (most even).
 * a list        — the user's layer counts per chunk (also accepted as a string "7,9,9,7").
 
-Bad input raises `fivefold.config.ConfigError` naming the rule and suggesting valid values.
+Bad input raises `ConfigError` naming the rule and suggesting valid values; the rules (layers >= pp·vpp,
+a user list's counts) are `fivefold.rules`', which `Config.validate` applies too. Pure Python: the
+planner imports this module for its stage split.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from fivefold.config import ConfigError
+from fivefold import rules
+from fivefold.rules import ConfigError
 
 METHODS = ("even", "llama3", "cost")
 
@@ -78,16 +81,7 @@ class Partition:
 
 def check_sizes(layers: int, pp: int, vpp: int = 1) -> None:
     """Every (virtual) stage needs at least one layer: layers >= pp * vpp."""
-    if pp < 1 or vpp < 1:
-        raise ConfigError(f"pp and vpp must be >= 1, got pp={pp}, vpp={vpp}")
-    if layers < 1:
-        raise ConfigError(f"model.layers must be >= 1, got {layers}")
-    if layers < pp * vpp:
-        other = (f"or vpp <= {layers // pp} at pp={pp}" if layers >= pp
-                 else f"no vpp works at pp={pp} (more stages than layers)")
-        raise ConfigError(
-            f"model.layers ({layers}) must be >= pp*vpp = {pp}*{vpp} = {pp * vpp}: every (virtual) pipeline "
-            f"stage needs at least one layer; valid: pp <= {layers // vpp} at vpp={vpp}, {other}")
+    rules.check_pipeline_layers(layers, pp, vpp)
 
 
 def even_counts(layers: int, chunks: int) -> list[int]:
@@ -159,27 +153,13 @@ def cost_counts(costs: Sequence[float], chunks: int, embed_cost: float = 0.0, he
 
 
 def parse_counts(value: Union[str, Sequence[int]]) -> list[int]:
-    if isinstance(value, str):
-        try:
-            return [int(x) for x in value.replace(" ", "").split(",") if x]
-        except ValueError:
-            raise ConfigError(f"a layer split is a comma-separated list of integers, e.g. '7,9,9,7'; got {value!r}")
-    return [int(x) for x in value]
+    return rules.parse_counts(value)
 
 
 def check_counts(counts: Sequence[int], layers: int, pp: int, vpp: int) -> None:
     chunks = pp * vpp
     hint = f"e.g. even {even_counts(layers, chunks)} or llama3 {llama3_counts(layers, chunks)}"
-    if len(counts) != chunks:
-        raise ConfigError(f"a layer split lists one count per (virtual) stage: pp*vpp = {pp}*{vpp} = {chunks} "
-                          f"counts, got {len(counts)} ({list(counts)}); {hint}")
-    if min(counts) < 1:
-        bad = [i for i, n in enumerate(counts) if n < 1]
-        raise ConfigError(f"every (virtual) stage needs at least one layer; stage(s) {bad} of {list(counts)} "
-                          f"have none; {hint}")
-    if sum(counts) != layers:
-        raise ConfigError(f"a layer split must cover every layer once: {list(counts)} sums to {sum(counts)}, "
-                          f"the model has {layers} layers; {hint}")
+    rules.check_counts(list(counts), layers, pp, vpp, hint)
 
 
 def partition_layers(layers: int, pp: int, vpp: int = 1, method: Union[str, Sequence[int]] = "even",

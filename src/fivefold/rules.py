@@ -1,0 +1,265 @@
+"""Every rule a model and a parallel layout must obey, once, torch-free.
+
+Each rule is a plain function that returns nothing when the rule holds and raises `ConfigError` with one
+line naming the rule and the nearest valid values when it does not. `Config.validate`, the mesh, the
+runtime and the planner (`plan/layout.py:check`) call these same functions, so a layout the planner
+accepts is one the runtime runs, with the same message when it is not.
+
+The choices a field can take are `Literal` types (`ZeroStage`, `SpMode`, `CpMode`, `Schedule`,
+`Recompute`, `PartitionKind`, `Dtype`, `Device`, `Dim`); `choices(T)` lists them, for argparse and for
+`check_choice`.
+"""
+from __future__ import annotations
+
+from math import gcd
+from typing import Literal, get_args
+
+ZeroStage = Literal[0, 1, 2, 3]
+SpMode = Literal["none", "megatron"]                  # Megatron sequence parallelism inside tp
+CpMode = Literal["ulysses", "ring", "hybrid"]         # how context parallelism splits attention
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
+Recompute = Literal["none", "selective", "full"]      # activation checkpointing
+PartitionKind = Literal["even", "llama3"]             # named layer splits; a list "3,5,5,3" is the third kind
+Dtype = Literal["fp32", "bf16", "fp64"]               # fp64 for exactness checks
+Device = Literal["auto", "cpu", "cuda"]
+Dim = Literal["tp", "cp", "ep", "dp", "pp"]           # the grid's dimensions
+
+
+class ConfigError(ValueError):
+    """A configuration breaks a rule; the message names the rule and suggests valid values."""
+
+
+def choices(kind) -> tuple:
+    """The values a Literal type allows, in declaration order."""
+    return get_args(kind)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def nearest(value: int, candidates: list[int], k: int = 3) -> list[int]:
+    """The k candidates closest to value, in ascending order."""
+    return sorted(sorted(candidates, key=lambda c: (abs(c - value), c))[:k])
+
+
+def _multiples(of: int, around: int) -> list[int]:
+    """Multiples of `of` up to a little past `around` (candidates for a value that must divide by `of`)."""
+    return [k * of for k in range(1, around // of + 3)]
+
+
+# -- fields ------------------------------------------------------------------------------------------
+def check_choice(name: str, value, kind) -> None:
+    """value is one of the Literal `kind`'s values."""
+    ok = choices(kind)
+    if value not in ok or type(value) is not type(ok[0]):
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, ok))}, got {value!r}")
+
+
+def check_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{name} must be >= 1, got {value}")
+
+
+# -- model ---------------------------------------------------------------------------------------------
+def check_attention(hidden: int, heads: int, kv_heads: int) -> None:
+    """hidden splits into heads of even size (RoPE rotates pairs); heads split into kv_heads groups (GQA)."""
+    if hidden % heads:
+        raise ConfigError(f"model.hidden ({hidden}) must divide by model.heads ({heads}); "
+                          f"valid heads: {nearest(heads, divisors(hidden))}")
+    if (hidden // heads) % 2:
+        raise ConfigError(f"head dim hidden/heads = {hidden // heads} must be even for RoPE; valid heads: "
+                          f"{nearest(heads, [d for d in divisors(hidden) if (hidden // d) % 2 == 0])}")
+    if heads % kv_heads:
+        raise ConfigError(f"model.heads ({heads}) must divide by model.kv_heads ({kv_heads}) for GQA; "
+                          f"valid kv_heads: {nearest(kv_heads, divisors(heads))}")
+
+
+# -- tensor parallel -----------------------------------------------------------------------------------
+def kv_replicas(tp: int, kv_heads: int) -> int:
+    """Consecutive tp ranks that hold the same K/V head: tp/kv_heads when tp > kv_heads, else 1."""
+    return tp // kv_heads if tp > kv_heads else 1
+
+
+def valid_tp(heads: int, kv_heads: int | None, widths: dict[str, int] | None = None) -> list[int]:
+    """tp degrees that split the heads, split the K/V heads or replicate them evenly (skipped when
+    kv_heads is None, e.g. for latent attention), and split every MLP width."""
+    return [d for d in divisors(heads)
+            if (kv_heads is None or kv_heads % d == 0 or d % kv_heads == 0)
+            and all(w % d == 0 for w in (widths or {}).values())]
+
+
+def check_tensor_parallel(tp: int, heads: int, kv_heads: int | None, widths: dict[str, int] | None = None) -> None:
+    """Megatron TP gives each rank whole attention heads and a column/row slice of every MLP width;
+    K/V heads are split, or replicated over tp/kv_heads ranks each."""
+    if tp == 1:
+        return
+    broken = [f"heads ({heads}) must divide by tp ({tp}): each tp rank computes whole heads"] if heads % tp else []
+    if kv_heads is not None and kv_heads % tp and tp % kv_heads:
+        broken.append(f"tp ({tp}) must divide kv_heads ({kv_heads}) or be a multiple of it")
+    broken += [f"{name} ({w}) must divide by tp ({tp})" for name, w in (widths or {}).items() if w % tp]
+    if broken:
+        raise ConfigError(f"{broken[0]}; valid tp: {nearest(tp, valid_tp(heads, kv_heads, widths))}")
+
+
+def check_sequence_parallel(sp_mode: str, tp: int, seq_len: int) -> None:
+    """Megatron SP splits the sequence between blocks over the tp ranks."""
+    if sp_mode == "megatron" and tp > 1 and seq_len % tp:
+        raise ConfigError(f"sequence parallelism splits the sequence over tp: seq_len ({seq_len}) must divide by "
+                          f"tp ({tp}); valid seq_len: {nearest(seq_len, _multiples(tp, seq_len))}")
+
+
+# -- context parallel ----------------------------------------------------------------------------------
+def cp_degrees(cp_mode: str, cp: int, heads: int, tp: int = 1) -> tuple[int, int]:
+    """(Ulysses degree, ring degree) whose product is cp. Ulysses: (cp, 1); ring: (1, cp); hybrid (USP,
+    Fang & Zhao 2024): all-to-all over the largest divisor u of cp that divides the heads of a tp rank
+    (the inner, contiguous ranks), ring attention over the cp/u outer ranks."""
+    if cp_mode == "ulysses":
+        return cp, 1
+    if cp_mode == "ring":
+        return 1, cp
+    u = gcd(cp, heads // tp if heads % tp == 0 else 1)
+    return u, cp // u
+
+
+def check_context_parallel(cp_mode: str, cp: int, tp: int, heads: int, seq_len: int) -> None:
+    """Ulysses gives each of its ranks whole heads of the full sequence: heads/tp % cp and seq % cp.
+    Ring attention splits the sequence into 2·cp zig-zag chunks (causal load balance): seq % (2·cp).
+    Hybrid: Ulysses over its inner degree (whole heads by construction), the 2·cp chunks of the ring."""
+    if cp == 1:
+        return
+    if cp_mode == "ulysses":
+        per_tp = heads // tp if heads % tp == 0 else heads
+        if per_tp % cp:
+            raise ConfigError(f"Ulysses gives each cp rank whole heads: heads/tp = {heads}/{tp} = {per_tp} must "
+                              f"divide by cp ({cp}); valid cp: {nearest(cp, divisors(per_tp))}, or cp_mode ring/hybrid")
+        if seq_len % cp:
+            raise ConfigError(f"Ulysses splits the sequence over cp: seq_len ({seq_len}) must divide by cp ({cp}); "
+                              f"valid cp: {nearest(cp, divisors(seq_len))}")
+        return
+    if seq_len % (2 * cp):
+        what = "ring attention" if cp_mode == "ring" else "hybrid context parallelism (its ring)"
+        raise ConfigError(f"{what} splits the sequence into 2*cp zig-zag chunks: seq_len ({seq_len}) must divide "
+                          f"by 2*cp = {2 * cp}; valid cp: {nearest(cp, [d for d in divisors(seq_len) if seq_len % (2 * d) == 0])}")
+
+
+# -- expert parallel -----------------------------------------------------------------------------------
+def check_expert_grid(ep: int, dp: int, cp: int) -> None:
+    """Experts are sharded over ep ranks carved out of dp·cp (Megatron-Core): ep | dp·cp."""
+    if (dp * cp) % ep:
+        raise ConfigError(f"ep ({ep}) must divide dp*cp ({dp * cp}): experts are sharded across data/context-parallel "
+                          f"ranks; valid ep: {nearest(ep, divisors(dp * cp))}")
+
+
+def check_expert_parallel(ep: int, dp: int, cp: int, experts: int) -> None:
+    """`check_expert_grid`, and each ep rank holds experts/ep whole experts; ep > 1 needs a
+    mixture-of-experts model."""
+    check_expert_grid(ep, dp, cp)
+    if ep > 1 and experts == 0:
+        raise ConfigError(f"ep ({ep}) needs a mixture-of-experts model (experts > 0); this model is dense: valid ep: [1]")
+    if experts and experts % ep:
+        raise ConfigError(f"experts ({experts}) must divide by ep ({ep}); valid ep: "
+                          f"{nearest(ep, [d for d in divisors(experts) if (dp * cp) % d == 0])}")
+
+
+# -- pipeline ------------------------------------------------------------------------------------------
+def check_pipeline_layers(layers: int, pp: int, vpp: int = 1) -> None:
+    """Every (virtual) pipeline stage needs at least one layer: layers >= pp·vpp."""
+    check_positive("pp", pp)
+    check_positive("vpp", vpp)
+    check_positive("model.layers", layers)
+    if layers < pp * vpp:
+        other = (f"or vpp <= {layers // pp} at pp={pp}" if layers >= pp
+                 else f"no vpp works at pp={pp} (more stages than layers)")
+        raise ConfigError(f"model.layers ({layers}) must be >= pp*vpp = {pp}*{vpp} = {pp * vpp}: every (virtual) "
+                          f"pipeline stage needs at least one layer; valid: pp <= {layers // vpp} at vpp={vpp}, {other}")
+
+
+def parse_counts(value) -> list[int]:
+    """Layer counts per (virtual) stage from "7,9,9,7" or a sequence of integers."""
+    if isinstance(value, str):
+        try:
+            return [int(x) for x in value.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise ConfigError(f"a layer split is a comma-separated list of integers, e.g. '7,9,9,7'; got {value!r}") from None
+    return [int(x) for x in value]
+
+
+def check_counts(counts: list[int], layers: int, pp: int, vpp: int = 1, hint: str = "") -> None:
+    """A user's split: one count per (virtual) stage, each >= 1, summing to the layers."""
+    chunks = pp * vpp
+    hint = hint or f"e.g. {' or '.join(map(repr, choices(PartitionKind)))}"
+    if len(counts) != chunks:
+        raise ConfigError(f"a layer split lists one count per (virtual) stage: pp*vpp = {pp}*{vpp} = {chunks} "
+                          f"counts, got {len(counts)} ({list(counts)}); {hint}")
+    if min(counts) < 1:
+        bad = [i for i, n in enumerate(counts) if n < 1]
+        raise ConfigError(f"every (virtual) stage needs at least one layer; stage(s) {bad} of {list(counts)} "
+                          f"have none; {hint}")
+    if sum(counts) != layers:
+        raise ConfigError(f"a layer split must cover every layer once: {list(counts)} sums to {sum(counts)}, "
+                          f"the model has {layers} layers; {hint}")
+
+
+def check_partition(layers: int, pp: int, vpp: int, partition: str) -> None:
+    """`parallel.partition` names a split (even, llama3) or lists layer counts per (virtual) stage.
+    Both named splits exist whenever every stage can have a layer (`partition.llama3_counts` gives a
+    too-short model one layer per stage)."""
+    check_pipeline_layers(layers, pp, vpp)
+    if partition in choices(PartitionKind):
+        return
+    if not any(ch.isdigit() for ch in partition):
+        raise ConfigError(f"parallel.partition must be one of {', '.join(choices(PartitionKind))} or layer counts "
+                          f"like '3,5,5,3', got {partition!r}")
+    check_counts(parse_counts(partition), layers, pp, vpp)
+
+
+def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:
+    """1F1B-like schedules keep pp micro-batches in flight to fill the pipeline; GPipe runs any number."""
+    if pp > 1 and schedule != "gpipe" and microbatches < pp:
+        raise ConfigError(f"schedule {schedule} needs microbatches >= pp ({pp}), got {microbatches}; "
+                          f"valid: microbatches >= {pp}, or schedule gpipe")
+
+
+# -- batch and world -----------------------------------------------------------------------------------
+def check_global_batch(global_batch: int, dp: int, per_rank: int, what: str = "microbatches") -> None:
+    """The global batch (sequences) splits evenly over the dp ranks and then into micro-batches: it must
+    divide by dp·microbatches (a count; the runtime's view) or dp·micro_batch (a size; the planner's)."""
+    per = dp * per_rank
+    if global_batch % per:
+        raise ConfigError(f"global_batch ({global_batch}) must divide by dp*{what} = {dp}*{per_rank} = {per}; "
+                          f"valid global batches: {nearest(global_batch, _multiples(per, global_batch))}")
+
+
+def check_world_size(world: int, tp: int, cp: int, dp: int, pp: int) -> None:
+    """Every rank is one point of the grid: world = tp·cp·dp·pp."""
+    if world == tp * cp * dp * pp:
+        return
+    rest = tp * cp * pp
+    fix = f"with the other degrees fixed dp = {world // rest}; " if world % rest == 0 else ""
+    raise ConfigError(f"world size {world} must equal tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} = {tp * cp * dp * pp}; "
+                      f"{fix}valid world sizes (multiples of tp*cp*pp = {rest}): {nearest(world, _multiples(rest, world))}")
+
+
+# -- what the runtime runs today -----------------------------------------------------------------------
+def check_runtime_support(parallel, train) -> None:
+    """Layouts the planner can estimate but the training runtime does not run (yet), named at start.
+    `parallel` and `train` are a ParallelConfig and a TrainConfig (read by attribute)."""
+    p, t = parallel, train
+    missing = [f"{d}={getattr(p, d)}" for d in ("cp", "ep") if getattr(p, d) > 1]
+    if missing:
+        raise ConfigError(f"this runtime runs data, tensor (+ Megatron SP) and pipeline parallelism and ZeRO; not yet: "
+                          f"{', '.join(missing)} (use `fivefold plan` to estimate those layouts)")
+    if p.pp > 1 and p.schedule == "zb" and p.tp > 1 and p.sp_mode == "megatron":
+        raise ConfigError("the zb schedule with Megatron sequence parallelism is not supported (its weight-gradient "
+                          "pass would repeat the reduce-scatter's backward all-gather); use 1f1b or sp_mode none")
+    if p.pp > 1 and p.zero == 3 and p.schedule == "zb":
+        raise ConfigError("the zb schedule with ZeRO-3 is not supported (its weight-gradient pass runs outside the "
+                          "block whose parameters ZeRO-3 gathers); use 1f1b or interleaved, or zero <= 2")
+    if p.pp > 1 and p.zero == 3 and not p.reshard_after_forward:
+        raise ConfigError("ZeRO-3 with pp > 1 needs parallel.reshard_after_forward = true (a block kept gathered "
+                          "across the schedule's interleaved micro-batches would send a schedule-dependent number of "
+                          "all-gathers); set it to true")
+    if p.pp == 1 and t.recompute != "none":
+        raise ConfigError(f"train.recompute = {t.recompute!r} is done by the pipeline runtime, so it needs pp > 1 "
+                          f"(got pp = 1); use recompute = 'none'")

@@ -1,0 +1,15 @@
+"""DESIGN.md's import arrows hold: `lint-imports` checks the contracts in pyproject.toml
+([tool.importlinter]: the layers, a torch-free planner, nothing imports the CLI)."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_contracts_hold():
+    exe = Path(sys.executable).parent / "lint-imports"
+    assert exe.exists(), "lint-imports is missing: install the test extra (pip install -e '.[test]')"
+    r = subprocess.run([str(exe), "--no-cache", "--no-logo"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "0 broken" in r.stdout

@@ -88,14 +88,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if env is not None:  # one rank of a torchrun job
         cfg.validate(env[1])
         supported(cfg)
-        resolve_device(cfg.train.device)
         rank, world = init_torchrun(device=cfg.train.device)
         train_rank(rank, world, cfg.to_dict(), out, args.resume)
         leave_torchrun(0)   # does not return; a failure above propagates with its traceback as usual
     world = args.nproc or cfg.parallel.world_size
     cfg.validate(world)
-    supported(cfg)                      # before any rank starts: what the runtime does not run yet,
-    resolve_device(cfg.train.device)    # and a CUDA device asked for where there is none
+    supported(cfg)                                          # before any rank starts: what the runtime
+    resolve_device(cfg.train.device, "gloo" if world > 1 else None)   # does not run, a device it cannot use
     print(f"fivefold train: {world} rank(s), dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
           f"cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
           f"{cfg.model.num_params():,} parameters, {cfg.train.steps} steps -> {out}", file=sys.stderr)

@@ -53,13 +53,17 @@ class ParallelMesh:
     """Every group a rank needs, built from a ParallelConfig.
 
     `groups` maps a name (tp, cp, dp, pp, dp_cp, tp_cp, mp, ep, edp, embed, world) to this rank's `Group`.
-    All groups record into one `ledger`. With world size 1 no process group is created.
+    With `kv_replicas` > 1 (tp > kv_heads: `rules.kv_replicas`) and smaller than tp, "tp_kv" is also
+    made: each run of kv_replicas consecutive tp ranks that hold the same K/V head, which sum their
+    partial K/V weight gradients (recorded under "tp": it is tensor parallelism's traffic). All groups
+    record into one `ledger`. With world size 1 no process group is created.
     """
 
     config: ParallelConfig
     rank: int = 0
     ledger: CommLedger = field(default_factory=CommLedger)
     groups: dict[str, Group] = field(default_factory=dict)
+    kv_replicas: int = 1
 
     def __post_init__(self):
         p = self.config
@@ -77,6 +81,10 @@ class ParallelMesh:
             sizes = self.dense if grid == "dense" else self.expert
             self.groups[name] = self._make(name, rank_groups(sizes, self.order, dims), distributed)
         self.groups["embed"] = self._make_embed(distributed)
+        if 1 < self.kv_replicas < p.tp:
+            runs = [ranks[i:i + self.kv_replicas] for ranks in rank_groups(self.dense, self.order, ("tp",))
+                    for i in range(0, len(ranks), self.kv_replicas)]
+            self.groups["tp_kv"] = self._make("tp", runs, distributed)
 
     def _make(self, name: str, all_groups: list[list[int]], distributed: bool) -> Group:
         mine = None

@@ -263,3 +263,11 @@ def check_runtime_support(parallel, train) -> None:
     if p.pp == 1 and t.recompute != "none":
         raise ConfigError(f"train.recompute = {t.recompute!r} is done by the pipeline runtime, so it needs pp > 1 "
                           f"(got pp = 1); use recompute = 'none'")
+
+
+def grad_norm_group(zero: int, only_dp: bool = True) -> str:
+    """The group the global gradient norm's sum of squares is all-reduced over. ZeRO shards differ on
+    every rank: "world". DDP gradients reduced over dp are replicated across it, so only the ranks that
+    hold different pieces add: "mp" (tp × cp × pp); when some reduce over another group (dp × cp,
+    expert-dp) each replicated gradient is counted by rank 0 of its group and the sum goes over "world"."""
+    return "world" if zero or not only_dp else "mp"

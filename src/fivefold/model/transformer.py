@@ -76,7 +76,8 @@ class Dropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.p
+        g = self.generator   # drawn where the generator lives (CPU for parallel layouts), so masks match any device
+        keep = (torch.rand(x.shape, generator=g, device=g.device if g is not None else x.device) >= self.p).to(x.device)
         return x * keep.to(x.dtype) / (1.0 - self.p)
 
 

@@ -31,7 +31,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .. import comm
+from .. import comm, rules
 from ..comm import Group
 from ..shapes import bucket_ranges
 from .engine import counted, nbytes, reduce_partitions, unique_params
@@ -130,6 +130,8 @@ class DataParallel:
 
     def finish(self) -> None:
         """Wait for all reductions."""
+        if self._sync and any(n < len(lane) for n, lane in zip(self._next, self.lanes)):
+            raise RuntimeError("buckets left unsent: call end_backward() after the step's last backward")
         for b in self.buckets:
             if b.handle is not None:
                 b.handle.wait()
@@ -166,7 +168,7 @@ class DataParallelOptimizer:
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.reducer = DataParallel(model, groups, bucket_mb, grad_dtype=grad_dtype or master_dtype)
         only_dp = all(g.name == "dp" for g, _ in self.reducer.partitions)
-        self.norm_group = groups["mp"] if only_dp else groups["world"]
+        self.norm_group = groups[rules.grad_norm_group(0, only_dp)]
         self._norm_params = [p for p in self.params if counted(p) and
                              (only_dp or self.reducer.bucket_of[p].group.rank == 0)]
         self.param_dtype = self.params[0].dtype

@@ -11,18 +11,21 @@ A dimension (`Parallelism`) may provide, all optional but `name` and `apply`:
 
     apply(model) -> model          shard or cut the model; return what this rank runs
     loss(loss_sum) -> loss_sum     wrap the token-loss function (tp: vocab-parallel cross-entropy)
-    shard_batch(x, y, pos) -> ...  the part of a micro-batch this rank sees (cp: a sequence slice)
     forward_backward(...)          run the step's forward and backward itself (pp: the schedule)
+    schedules_backward: bool       its backwards interleave with other micro-batches' forwards, so the
+                                   engine accumulates the step's gradients and reduces them once (pp)
     loss_group: str                a group whose ranks each hold part of the loss, summed for reporting
     gather_state / split_state     a full checkpoint state from this rank's pieces, and back
-    write(out)                     files this dimension reports after a run (pp: the timeline)
+    write(out, gather_objects, rank)  files it reports after a run (pp: the timeline)
 
 State flows out through the dimensions in the order they were applied (each widens the state by
 gathering its own pieces: tp gathers the tp pieces of this stage's tensors, then pp gathers the stages)
-and back in the reverse order. Context and expert parallelism plug in between tp and pp: cp's apply
-swaps the attention core and writes `reduce="dp_cp"` on dense parameters, its shard_batch slices the
-sequence and gives position ids; ep's apply replaces the MoE experts by this rank's and writes
-`reduce="edp"` plus an "ep" shard on expert weights.
+and back in the reverse order. How context and expert parallelism will plug in (not built yet): cp's
+apply swaps each attention core for the Ulysses / ring one and writes `reduce="dp_cp"` on the dense
+parameters; a `shard_batch` hook will slice each micro-batch along the sequence and hand the model its
+position ids (`forward(tokens, positions)`); ep's apply replaces the MoE experts by this rank's and
+writes `reduce="edp"` plus an "ep" `Shard` on expert weights, and its load-balance loss goes through
+`model.aux`.
 """
 from __future__ import annotations
 
@@ -88,7 +91,8 @@ class PipelineParallelism:
     and gathers the stages' states into one."""
 
     name = "pp"
-    loss_group = "pp"   # only the last stage computes the loss
+    loss_group = "pp"          # only the last stage computes the loss
+    schedules_backward = True  # micro-batch backwards spread over the step: engines reduce once, at its end
 
     def __init__(self, mesh, cfg: Config):
         from .pipeline import build_schedule, partition_layers

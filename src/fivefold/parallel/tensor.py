@@ -45,7 +45,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -197,12 +196,10 @@ class TensorParallelism:
         self.shards: dict[str, Shard] = {}
 
     def apply(self, model: Transformer) -> Transformer:
-        tp, replicas = self.group, rules.kv_replicas(self.group.size, model.cfg.kv_heads)
-        if 1 < replicas < tp.size:   # K/V heads shared by a subgroup of tp: their partial grads sum there
-            self.mesh.groups["tp_kv"] = kv_replica_group(self.mesh, replicas)
         self.vocab, self.vocab_start = model.cfg.vocab, parallelize(
-            model, tp, self.sequence_parallel, dropout_generator(self.seed, self.mesh.coords, self.sequence_parallel),
-            self.mesh.groups.get("tp_kv"))
+            model, self.group, self.sequence_parallel,
+            dropout_generator(self.seed, self.mesh.coords, self.sequence_parallel),
+            self.mesh.groups.get("tp_kv"))   # made by the mesh when tp > kv_heads
         self.shards = {name: placement_of(p).shard("tp") for name, p in model.named_parameters(remove_duplicate=False)}
         return model
 
@@ -255,7 +252,7 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
 
     Every rank passes the same full model (same seed); afterwards the ranks of `group` together
     compute what the single-process model computes. `generator` drives dropout (see module doc);
-    `kv_group` is the group of ranks sharing a KV head when group.size > kv_heads (see `kv_replica_group`).
+    `kv_group` is the group of ranks sharing a KV head when group.size > kv_heads (the mesh's "tp_kv").
     """
     cfg, n = model.cfg, group.size
     if cfg.experts:
@@ -263,7 +260,7 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
     rules.check_tensor_parallel(n, cfg.heads, cfg.kv_heads, {"ffn": cfg.ffn})
     kv_replicas = rules.kv_replicas(n, cfg.kv_heads)
     if 1 < kv_replicas < n and kv_group is None:
-        raise ValueError(f"tp={n} > kv_heads={cfg.kv_heads}: pass kv_group (see kv_replica_group)")
+        raise ValueError(f"tp={n} > kv_heads={cfg.kv_heads}: pass kv_group (ParallelMesh's 'tp_kv')")
     sp, d = sequence_parallel, cfg.head_dim
 
     def column(linear: nn.Linear, shard: Shard, partial: str | None = None, enter=None) -> ColumnParallelLinear:
@@ -305,26 +302,7 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
     return vocab_start
 
 
-# -- groups and streams the trainer needs ---------------------------------------------------------
-
-def kv_replica_group(mesh, replicas: int) -> Group:
-    """This rank's group of `replicas` consecutive tp ranks that hold the same KV head (tp > kv_heads).
-
-    Creating process groups is collective over the world: every rank creates every such group, in
-    the same order. Traffic over it is recorded under "tp"."""
-    from ..mesh import rank_groups
-
-    distributed = dist.is_available() and dist.is_initialized() and mesh.world_size > 1
-    mine = None
-    for tp_ranks in rank_groups(mesh.dense, mesh.order, ("tp",)):
-        for i in range(0, len(tp_ranks), replicas):
-            ranks = tp_ranks[i:i + replicas]
-            pg = dist.new_group(ranks) if distributed and len(ranks) > 1 else None
-            if mesh.rank in ranks:
-                mine = Group("tp", ranks, ranks.index(mesh.rank), pg, mesh.ledger)
-    assert mine is not None
-    return mine
-
+# -- dropout streams ---------------------------------------------------------
 
 def dropout_generator(seed: int, coords: dict[str, int], sequence_parallel: bool) -> torch.Generator:
     """The dropout stream of a rank: shared by the tp ranks of a group (replicated activations), or,

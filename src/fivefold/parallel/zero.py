@@ -46,7 +46,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .. import comm
+from .. import comm, rules
 from ..comm import Group
 from ..shapes import padded, segments
 from .data import bucketize
@@ -88,8 +88,9 @@ class Unit:
         return [flat[o:o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
 
     def grad_view(self, p: nn.Parameter) -> torch.Tensor:
-        o = self.offsets[self.index[p]]
-        return self.grad[o:o + p.numel()].view_as(p)
+        """p's slice of the unit's full gradient (by its recorded shape: a ZeRO-3 parameter may be freed)."""
+        i = self.index[p]
+        return self.grad[self.offsets[i]:self.offsets[i] + self.shapes[i].numel()].view(self.shapes[i])
 
 
 class ShardedOptimizer:
@@ -105,7 +106,7 @@ class ShardedOptimizer:
         self.model, self.pipeline = model, pipeline
         self.params = unique_params(model)
         self.names = {id(p): n for n, p in model.named_parameters()}
-        self.norm_group = groups["world"]   # shards differ on every rank
+        self.norm_group = groups[rules.grad_norm_group(self.stage)]   # shards differ on every rank
         self.param_dtype = self.params[0].dtype
         self.device = self.params[0].device
         self.master_dtype = master_dtype
@@ -121,7 +122,9 @@ class ShardedOptimizer:
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.param_shards, self.master_shards = [], []
         self.build_storage()
-        self.grad_shards = [torch.zeros(u.shard_size, dtype=self.grad_dtype, device=self.device) for u in self.units]
+        # stage 1 keeps full gradients; its shard is its slice of them (the reduced values copied in)
+        self.grad_shards = [self._unit_grad(u)[u.lo:u.hi] if self.stage == 1 else
+                            torch.zeros(u.shard_size, dtype=self.grad_dtype, device=self.device) for u in self.units]
         opt_params, decay = [], []
         for u, m in zip(self.units, self.master_shards):
             for i, a, n in u.segments:
@@ -183,7 +186,10 @@ class ShardedOptimizer:
     def _fold(self, item) -> None:
         u, handle, tmp, _ = item
         handle.wait()
-        self.grad_shards[u.pos].add_(tmp)
+        if self.stage == 1:   # reduced once per step, into the slice that held the local sum
+            self.grad_shards[u.pos].copy_(tmp)
+        else:                 # reduced every micro-batch (or once), summed into the shard
+            self.grad_shards[u.pos].add_(tmp)
 
     # -- the engine protocol -----------------------------------------------------------------
     def set_sync(self, enabled: bool) -> None:
@@ -203,6 +209,8 @@ class ShardedOptimizer:
 
     def finish(self) -> None:
         """Wait for every reduce-scatter; afterwards `owned_grads()` holds the reduced shards."""
+        if any(u.grad is not None and u.pending != set(u.params) for u in self.units if self.stage != 1):
+            raise RuntimeError("a unit holds gradients never reduced: call end_backward() after each backward")
         while self._inflight:
             self._fold(self._inflight.pop(0))
 
@@ -260,7 +268,7 @@ class ShardedOptimizer:
     def state_bytes(self) -> dict:
         """Model-state bytes this rank holds between steps, counted from the tensors."""
         params = self.param_bytes()
-        # stage 1 holds full gradients (its shards are the reduced slices of them); the others hold shards
+        # stage 1 holds full gradients (its shards are slices of them); the others hold shards
         full = nbytes(u.grad for u in self.units if u.grad is not None)
         grads = full if self.stage == 1 else nbytes(self.grad_shards) + full
         opt = self.optimizer.state_bytes()
@@ -481,6 +489,8 @@ class Zero3(ShardedOptimizer):
         """Before slot idx's backward: gather it (if freed) and prefetch the slot that runs next."""
         self._gather(idx)
         if self.pipeline:
+            for u in self.slots[idx]:
+                u.seen = set()   # this backward's gradients: free the unit once all have arrived
             return
         prev = idx - 1 if idx > 1 else None   # blocks run backward from last to first; root already held
         if idx == 0:

@@ -458,19 +458,30 @@ class Memory:
                 "stage": self.most_loaded["stage"], "per_stage": self.stages}
 
 
-def zero3_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
-    """ZeRO-3 gathers one layer's parameters at a time and prefetches the next: two layers unsharded.
-    Without resharding after forward every layer stays gathered until its backward: the whole stage."""
-    if layout.zero < 3:
+def zero_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """What ZeRO-2/3 hold unsharded during a step, beyond the model states between steps.
+
+    ZeRO-3 gathers one layer's parameters at a time and prefetches the next: two layers unsharded.
+    Without resharding after forward every layer stays gathered until its backward: the whole stage.
+    Under a pipeline (parallel/zero.py) ZeRO-2/3 accumulate the stage's full gradient over the step's
+    micro-batches and ZeRO-3 keeps the root unit (embedding / final norm, head) gathered for the step."""
+    if layout.zero < 2:
         return 0.0
     dense, expert, biggest = _param_table(model, layout)[stage]
-    return (2.0 * biggest if layout.reshard_after_forward else float(dense + expert)) * work.param_bytes
+    out = 0.0
+    if layout.zero == 3:
+        out += (2.0 * biggest if layout.reshard_after_forward else float(dense + expert)) * work.param_bytes
+    if layout.pp > 1:
+        out += float(dense + expert) * work.grad_bytes
+        if layout.zero == 3:
+            out += sum(n for n, _ in root_tensors(model, layout.tp, layout.pp, stage)) * work.param_bytes
+    return out
 
 
 def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
     row = dict(model_states(model, layout, work, stage))
     row["activations"] = stage_activations(model, layout, work, stage)
-    row["buffers"] = zero3_buffers(model, layout, work, stage)
+    row["buffers"] = zero_buffers(model, layout, work, stage)
     row["total"] = sum(row[c] for c in COMPONENTS)
     row["stage"] = stage
     row["layers"] = len(layout_layers(model, layout)[stage])

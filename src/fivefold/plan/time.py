@@ -14,7 +14,9 @@ Communication: a collective takes bytes_sent / (tier bandwidth / oversubscriptio
   with the closed forms, 2(p-1) transfers for fill and drain).
 - dp/edp (DDP, ZeRO-1/2): the gradient reduction overlaps the last micro-batch's backward and the
   parameter all-gather the first micro-batch's forward (Megatron's overlap_grad_reduce and
-  overlap_param_gather); ZeRO-2/3 per-micro-batch collectives overlap their own micro-batch.
+  overlap_param_gather); ZeRO-2/3 per-micro-batch collectives overlap their own micro-batch. Under a
+  pipeline the runtime reduces every gradient once, after the schedule has drained (exposed), and
+  ZeRO-3's per-use gathers are not prefetched (exposed).
 - loss, grad_norm, tied-embedding reductions: exposed (small).
 - optimizer step: memory bound, reads and writes every model-state byte once.
 
@@ -117,10 +119,12 @@ def _per_dim_seconds(flows: list[Flow]) -> dict[str, float]:
     return out
 
 
-def _grad_exposed(flows: list[Flow], zero: int, m: int, t_fwd: float, t_bwd: float) -> float:
+def _grad_exposed(flows: list[Flow], zero: int, m: int, t_fwd: float, t_bwd: float, pp: int = 1) -> float:
     """Exposed gradient-reduction and ZeRO-gather time, with the overlap windows stated in the module doc."""
     rs = sum(f.seconds for f in flows if KIND.get(f.dim) == "grad" and f.op in ("all_reduce", "reduce_scatter"))
     ag = sum(f.seconds for f in flows if KIND.get(f.dim) == "grad" and f.op == "all_gather")
+    if pp > 1:   # reductions start when the schedule has drained; ZeRO-3 gathers are not prefetched
+        return rs + (ag if zero == 3 else max(0.0, ag - t_fwd))
     if zero <= 1:
         return max(0.0, rs - t_bwd) + max(0.0, ag - t_fwd)
     if zero == 2:
@@ -168,7 +172,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     out.compute_s = m * (cost_f[slow] + cost_b[slow] - layer_comm[slow])
     out.layer_comm_s = m * layer_comm[slow]
     worst = flows_by_stage[slow]
-    out.grad_comm_s = _grad_exposed(worst, L.zero, m, compute_f[slow], 2 * compute_f[slow])
+    out.grad_comm_s = _grad_exposed(worst, L.zero, m, compute_f[slow], 2 * compute_f[slow], L.pp)
     out.step_comm_s = sum(f.seconds for f in worst if KIND.get(f.dim) == "step")
     out.optimizer_s = 2 * states_bytes / topo.accelerator.hbm_bandwidth
     out.step_time_s = out.pipeline_s + out.grad_comm_s + out.step_comm_s + out.optimizer_s

@@ -46,7 +46,7 @@ from functools import lru_cache
 
 from .. import grid
 from ..comm import volume
-from ..rules import cp_degrees, kv_replicas
+from ..rules import cp_degrees, grad_norm_group, kv_replicas
 from ..shapes import padded_vocab
 from .layout import Layout, Workload, microbatches
 from .memory import (exact_tensors, layout_layers, owned_tagged, root_tensors, stage_params, unit_sums, unit_tensors,
@@ -203,7 +203,7 @@ def _tp_sync_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: in
         owned = {tag: count / n_zero for tag, count in parts.items()}
     full = owned.get("norm", 0) + (owned.get("kv", 0) if r == L.tp else 0)
     f.add("tp", "all_reduce", "tp", L.tp, full * w.grad_bytes, 1)
-    if 1 < r < L.tp:  # recorded under "tp" too (kv_replica_group): its bytes use n = r; the row keeps
+    if 1 < r < L.tp:  # recorded under "tp" too (the mesh's "tp_kv" group): its bytes use n = r; the row keeps
         # the tp group's n and tier, which contain this subgroup's
         f.add("tp", "all_reduce", "tp", r, owned.get("kv", 0) * w.grad_bytes, 1)
 
@@ -314,7 +314,8 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
     _grad_flows(f, "edp", "edp", L.edp, expert, L, work, m, units(True, L.edp))
     f.add("loss", "all_reduce", "dp", L.dp, 8, 1)
     f.add("loss", "all_reduce", "pp", L.pp, 8, 1)      # only the last stage computed it
-    norm_group = "world" if L.zero >= 1 else "mp"
+    # (dense gradients are reduced over dp×cp when cp > 1, expert ones over expert-dp when ep > 1)
+    norm_group = grad_norm_group(L.zero, only_dp=L.cp == 1 and L.ep == 1)
     f.add("grad_norm", "all_reduce", norm_group, group_size(L, norm_group), 8, 1)
     return f.list()
 

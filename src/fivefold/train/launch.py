@@ -125,7 +125,7 @@ def init_torchrun(timeout_s: float = 1800, device: str = "auto") -> tuple[int, i
     """Join a torchrun job: NCCL when the run's device (train.device: auto | cpu | cuda) is CUDA, else gloo.
     On CUDA each rank takes the GPU of its local rank (torchrun's LOCAL_RANK)."""
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    backend = "nccl" if cuda else "gloo"
+    backend = "nccl" if cuda else "gloo"   # the trainer resolves train.device from this backend
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from .. import __version__, rules
 from ..comm import CommLedger, gather_objects
@@ -57,13 +58,19 @@ def supported(cfg: Config) -> None:
     rules.check_runtime_support(cfg.parallel, cfg.train)
 
 
-def resolve_device(name: str) -> torch.device:
-    """train.device: auto (CUDA when present, else CPU), cpu or cuda (the current CUDA device, which the
-    launcher sets from torchrun's local rank)."""
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+def resolve_device(name: str, backend: str | None) -> torch.device:
+    """train.device for ranks joined over `backend` (None: a single process). auto: CUDA when present and
+    the ranks talk over NCCL (torchrun), else CPU — local `--nproc` ranks talk over gloo on the CPU.
+    cuda: the current CUDA device, which the launcher set from torchrun's local rank."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() and backend in (None, "nccl") else "cpu"
+    if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("train.device = 'cuda' but torch finds no CUDA device; use device = 'cpu' or 'auto'")
+    if backend == "gloo":
+        raise ConfigError("train.device = 'cuda' needs NCCL: run the job under torchrun (one process per GPU); "
+                          "local --nproc ranks run on the CPU over gloo (use device = 'cpu' or 'auto')")
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -78,10 +85,10 @@ class Trainer:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.quiet = quiet or rank != 0
         t, p = cfg.train, cfg.parallel
-        self.device = resolve_device(t.device)
+        self.device = resolve_device(t.device, dist.get_backend() if dist.is_initialized() else None)
         torch.manual_seed(t.seed + RANK_SEED_STRIDE * rank)
         self.ledger = CommLedger(rank, world_size)
-        self.mesh = ParallelMesh(p, rank, self.ledger)
+        self.mesh = ParallelMesh(p, rank, self.ledger, kv_replicas=rules.kv_replicas(p.tp, cfg.model.kv_heads))
         self.dtype = DTYPES[t.dtype]
         # optimizer math in fp32 (fp64 when the model is fp64, for exactness checks)
         self.master_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -111,8 +118,9 @@ class Trainer:
             return DataParallelOptimizer(self.model, self.mesh, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype)
         if p.dp == 1 and not self.quiet:
             print(f"note: ZeRO-{p.zero} with dp=1 shards over a single rank and saves no memory", file=sys.stderr)
+        scheduled = any(getattr(d, "schedules_backward", False) for d in self.dims)
         return Zero(self.model, self.mesh, p.zero, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype,
-                    p.reshard_after_forward, pipeline=p.pp > 1)
+                    p.reshard_after_forward, pipeline=scheduled)
 
     # -- one step ----------------------------------------------------------------------------
     def micro_batches(self, step: int):
@@ -126,10 +134,10 @@ class Trainer:
         cfg = self.cfg.train
         n_tokens = self.batches.tokens_per_step()
         loss_local = self.forward_backward(self.model, self.loss_sum, self.engine, self.micro_batches(step), n_tokens)
-        self.model.aux.take()   # auxiliary losses trained in that backward (reported by the layers making them)
+        self.model.aux.take()   # auxiliary losses were trained in that backward; their values are not reported yet
         self.engine.finish()
         sum_partial_grads(self.engine, self.mesh)                  # e.g. SP norms, replicated K/V
-        norm = global_grad_norm(self.engine.norm_grads(), self.engine.norm_group)
+        norm = global_grad_norm(self.engine.norm_grads(), self.engine.norm_group, self.device)
         clip_(self.engine.owned_grads(), norm, cfg.grad_clip)
         lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
         self.engine.step(lr)

@@ -359,11 +359,16 @@ class PipelineRuntime:
         return [m.generator for m in self.stage.modules() if isinstance(getattr(m, "generator", None), torch.Generator)]
 
     def rng_state(self) -> tuple:
-        return torch.get_rng_state(), [g.get_state() for g in self._generators()]
+        """Every stream a forward may draw from: the CPU default, the CUDA default (on CUDA runs), and
+        the dropout generators."""
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda, [g.get_state() for g in self._generators()]
 
     def set_rng_state(self, state: tuple) -> None:
         torch.set_rng_state(state[0])
-        for g, s in zip(self._generators(), state[1]):
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
+        for g, s in zip(self._generators(), state[2]):
             g.set_state(s)
 
 

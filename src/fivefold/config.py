@@ -99,6 +99,7 @@ class ParallelConfig:
     zero: ZeroStage = 0
     sp_mode: SpMode = "none"             # Megatron sequence parallelism inside the tp group
     cp_mode: CpMode = "ring"             # how cp > 1 splits attention: ulysses | ring | hybrid
+    ulysses: int = 0                     # hybrid: Ulysses degree of the inner ranks (0: the largest possible)
     order: str = DEFAULT_ORDER
     microbatches: int = 1                # micro-batches per step (a count; the planner's micro_batch is a size)
     schedule: Schedule = "1f1b"
@@ -176,7 +177,7 @@ class Config:
         rules.check_sequence_parallel(p.sp_mode, p.tp, t.seq_len)
         rules.check_partition(m.layers, p.pp, p.vpp, p.partition)
         rules.check_microbatches(p.schedule, p.pp, p.microbatches)
-        rules.check_context_parallel(p.cp_mode, p.cp, p.tp, m.heads, t.seq_len)
+        rules.check_context_parallel(p.cp_mode, p.cp, p.tp, m.heads, t.seq_len, p.ulysses)
         rules.check_expert_parallel(p.ep, p.dp, p.cp, m.experts)
         return self
 

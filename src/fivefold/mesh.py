@@ -55,8 +55,12 @@ class ParallelMesh:
     `groups` maps a name (tp, cp, dp, pp, dp_cp, tp_cp, mp, ep, edp, embed, world) to this rank's `Group`.
     With `kv_replicas` > 1 (tp > kv_heads: `rules.kv_replicas`) and smaller than tp, "tp_kv" is also
     made: each run of kv_replicas consecutive tp ranks that hold the same K/V head, which sum their
-    partial K/V weight gradients (recorded under "tp": it is tensor parallelism's traffic). All groups
-    record into one `ledger`. With world size 1 no process group is created.
+    partial K/V weight gradients (recorded under "tp": it is tensor parallelism's traffic). With
+    cp > 1 it also makes "cp_ulysses" (runs of `ulysses` consecutive cp ranks: the all-to-all's inner
+    group) and "cp_ring" (the cp ranks that hold the same position in those runs: the ring), both recorded
+    under "cp"; pure Ulysses has the ring of one, pure ring the runs of one (rules.cp_degrees). "dp_cp"
+    is recorded under "dp": it carries the gradient traffic of data parallelism. All groups record into
+    one `ledger`. With world size 1 no process group is created.
     """
 
     config: ParallelConfig
@@ -64,6 +68,7 @@ class ParallelMesh:
     ledger: CommLedger = field(default_factory=CommLedger)
     groups: dict[str, Group] = field(default_factory=dict)
     kv_replicas: int = 1
+    ulysses: int = 1
 
     def __post_init__(self):
         p = self.config
@@ -81,6 +86,15 @@ class ParallelMesh:
             sizes = self.dense if grid == "dense" else self.expert
             self.groups[name] = self._make(name, rank_groups(sizes, self.order, dims), distributed)
         self.groups["embed"] = self._make_embed(distributed)
+        self.groups["dp_cp"].name = "dp"
+        if p.cp > 1:
+            u = self.ulysses
+            runs, rings = [], []
+            for ranks in rank_groups(self.dense, self.order, ("cp",)):
+                runs += [ranks[i:i + u] for i in range(0, len(ranks), u)]
+                rings += [ranks[j::u] for j in range(u)]
+            self.groups["cp_ulysses"] = self._make("cp", runs, distributed)
+            self.groups["cp_ring"] = self._make("cp", rings, distributed)
         if 1 < self.kv_replicas < p.tp:
             runs = [ranks[i:i + self.kv_replicas] for ranks in rank_groups(self.dense, self.order, ("tp",))
                     for i in range(0, len(ranks), self.kv_replicas)]

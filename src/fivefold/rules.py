@@ -110,26 +110,26 @@ def check_sequence_parallel(sp_mode: str, tp: int, seq_len: int) -> None:
 
 
 # -- context parallel ----------------------------------------------------------------------------------
-def cp_degrees(cp_mode: str, cp: int, heads: int, tp: int = 1) -> tuple[int, int]:
+def cp_degrees(cp_mode: str, cp: int, heads: int, tp: int = 1, ulysses: int = 0) -> tuple[int, int]:
     """(Ulysses degree, ring degree) whose product is cp. Ulysses: (cp, 1); ring: (1, cp); hybrid (USP,
-    Fang & Zhao 2024): all-to-all over the largest divisor u of cp that divides the heads of a tp rank
-    (the inner, contiguous ranks), ring attention over the cp/u outer ranks."""
+    Fang & Zhao 2024): all-to-all over `ulysses` inner, contiguous ranks (0: the largest divisor of cp
+    that divides the heads of a tp rank), ring attention over the cp/ulysses outer ranks."""
     if cp_mode == "ulysses":
         return cp, 1
     if cp_mode == "ring":
         return 1, cp
-    u = gcd(cp, heads // tp if heads % tp == 0 else 1)
+    u = ulysses or gcd(cp, heads // tp if heads % tp == 0 else 1)
     return u, cp // u
 
 
-def check_context_parallel(cp_mode: str, cp: int, tp: int, heads: int, seq_len: int) -> None:
+def check_context_parallel(cp_mode: str, cp: int, tp: int, heads: int, seq_len: int, ulysses: int = 0) -> None:
     """Ulysses gives each of its ranks whole heads of the full sequence: heads/tp % cp and seq % cp.
     Ring attention splits the sequence into 2·cp zig-zag chunks (causal load balance): seq % (2·cp).
-    Hybrid: Ulysses over its inner degree (whole heads by construction), the 2·cp chunks of the ring."""
+    Hybrid: Ulysses over its inner degree (whole heads: heads/tp % ulysses), the 2·cp chunks of the ring."""
     if cp == 1:
         return
+    per_tp = heads // tp if heads % tp == 0 else heads
     if cp_mode == "ulysses":
-        per_tp = heads // tp if heads % tp == 0 else heads
         if per_tp % cp:
             raise ConfigError(f"Ulysses gives each cp rank whole heads: heads/tp = {heads}/{tp} = {per_tp} must "
                               f"divide by cp ({cp}); valid cp: {nearest(cp, divisors(per_tp))}, or cp_mode ring/hybrid")
@@ -137,6 +137,10 @@ def check_context_parallel(cp_mode: str, cp: int, tp: int, heads: int, seq_len: 
             raise ConfigError(f"Ulysses splits the sequence over cp: seq_len ({seq_len}) must divide by cp ({cp}); "
                               f"valid cp: {nearest(cp, divisors(seq_len))}")
         return
+    if cp_mode == "hybrid" and ulysses and (cp % ulysses or per_tp % ulysses):
+        ok = [d for d in divisors(cp) if per_tp % d == 0]
+        raise ConfigError(f"hybrid context parallelism runs Ulysses over parallel.ulysses ranks: it must divide cp "
+                          f"({cp}) and heads/tp ({per_tp}), got {ulysses}; valid ulysses: {ok} (0: the largest)")
     if seq_len % (2 * cp):
         what = "ring attention" if cp_mode == "ring" else "hybrid context parallelism (its ring)"
         raise ConfigError(f"{what} splits the sequence into 2*cp zig-zag chunks: seq_len ({seq_len}) must divide "
@@ -246,10 +250,9 @@ def check_runtime_support(parallel, train) -> None:
     """Layouts the planner can estimate but the training runtime does not run (yet), named at start.
     `parallel` and `train` are a ParallelConfig and a TrainConfig (read by attribute)."""
     p, t = parallel, train
-    missing = [f"{d}={getattr(p, d)}" for d in ("cp", "ep") if getattr(p, d) > 1]
-    if missing:
-        raise ConfigError(f"this runtime runs data, tensor (+ Megatron SP) and pipeline parallelism and ZeRO; not yet: "
-                          f"{', '.join(missing)} (use `fivefold plan` to estimate those layouts)")
+    if p.ep > 1:
+        raise ConfigError(f"this runtime runs data, tensor (+ Megatron SP), context and pipeline parallelism and "
+                          f"ZeRO; not yet: ep={p.ep} (use `fivefold plan` to estimate those layouts)")
     if p.pp > 1 and p.schedule == "zb" and p.tp > 1 and p.sp_mode == "megatron":
         raise ConfigError("the zb schedule with Megatron sequence parallelism is not supported (its weight-gradient "
                           "pass would repeat the reduce-scatter's backward all-gather); use 1f1b or sp_mode none")

@@ -25,6 +25,18 @@ Traffic for an activation of S bytes (b·s·h elements) on n ranks: f and g each
 
 The sequence is dimension 1 of a (b, s, h) activation. Rank r of the group holds tokens
 [r·s/n, (r+1)·s/n) of every row.
+
+Ulysses context parallelism (Jacobs et al., "DeepSpeed Ulysses", 2023) trades the split of attention's
+inputs with an all-to-all, whose conjugate is the reverse all-to-all:
+
+| op             | forward                                          | backward       |
+|----------------|--------------------------------------------------|----------------|
+| seq_to_heads   | (b, n, s/N, d) on each rank -> (b, n/N, s, d)    | heads_to_seq   |
+| heads_to_seq   | (b, n/N, s, d) on each rank -> (b, n, s/N, d)    | seq_to_heads   |
+
+Each sends (N-1)/N of its input (`volume.all_to_all`). Heads are dimension 1 and the sequence
+dimension 2 of a (b, n, s, d) tensor; rank r's tokens land at [r·s/N, (r+1)·s/N) of the gathered
+sequence and rank r keeps heads [r·n/N, (r+1)·n/N).
 """
 from __future__ import annotations
 
@@ -120,6 +132,58 @@ class ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_bsh):
         return _gather_seq(grad_bsh, ctx.group), None
+
+
+def _seq_to_heads(x_bnsd: torch.Tensor, group: Group) -> torch.Tensor:
+    n = group.size
+    b, h, s, d = x_bnsd.shape
+    send = x_bnsd.reshape(b, n, h // n, s, d).movedim(1, 0).contiguous()     # chunk j: heads for rank j
+    recv = torch.empty_like(send)                                            # chunk j: rank j's tokens
+    ops.all_to_all(recv, send, group)
+    return recv.movedim(0, 2).reshape(b, h // n, n * s, d)
+
+
+def _heads_to_seq(x_bnsd: torch.Tensor, group: Group) -> torch.Tensor:
+    n = group.size
+    b, h, s, d = x_bnsd.shape
+    send = x_bnsd.reshape(b, h, n, s // n, d).movedim(2, 0).contiguous()     # chunk j: rank j's tokens
+    recv = torch.empty_like(send)                                            # chunk j: rank j's heads
+    ops.all_to_all(recv, send, group)
+    return recv.movedim(0, 1).reshape(b, n * h, s // n, d)
+
+
+class SeqToHeads(torch.autograd.Function):
+    """Ulysses' first all-to-all: sequence shards of every head -> every token of a head shard."""
+
+    @staticmethod
+    def forward(ctx, x_bnsd, group: Group):
+        ctx.group = group
+        return _seq_to_heads(x_bnsd, group)
+
+    @staticmethod
+    def backward(ctx, grad_bnsd):
+        return _heads_to_seq(grad_bnsd, ctx.group), None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """Ulysses' second all-to-all: every token of a head shard -> sequence shards of every head."""
+
+    @staticmethod
+    def forward(ctx, x_bnsd, group: Group):
+        ctx.group = group
+        return _heads_to_seq(x_bnsd, group)
+
+    @staticmethod
+    def backward(ctx, grad_bnsd):
+        return _seq_to_heads(grad_bnsd, ctx.group), None
+
+
+def seq_to_heads(x_bnsd: torch.Tensor, group: Group) -> torch.Tensor:
+    return x_bnsd if group.size == 1 else SeqToHeads.apply(x_bnsd, group)
+
+
+def heads_to_seq(x_bnsd: torch.Tensor, group: Group) -> torch.Tensor:
+    return x_bnsd if group.size == 1 else HeadsToSeq.apply(x_bnsd, group)
 
 
 def copy_to_tensor_region(x: torch.Tensor, group: Group) -> torch.Tensor:

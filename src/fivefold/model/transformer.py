@@ -53,13 +53,14 @@ def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor)
     return x_bnsd * cos + rotate_half(x_bnsd) * sin
 
 
-def attention_core(q_bnsd, k_bksd, v_bksd) -> torch.Tensor:
-    """Causal attention; kv heads are repeated to match query heads (head i uses kv head i // (n/k))."""
+def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True) -> torch.Tensor:
+    """Causal (or full) attention; kv heads are repeated to match query heads (head i uses kv head
+    i // (n/k))."""
     n, k = q_bnsd.shape[1], k_bksd.shape[1]
     if n != k:
         k_bksd = k_bksd.repeat_interleave(n // k, dim=1)
         v_bksd = v_bksd.repeat_interleave(n // k, dim=1)
-    return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, is_causal=True)
+    return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, is_causal=causal)
 
 
 class Dropout(nn.Module):

@@ -35,6 +35,7 @@ from .. import comm, rules
 from ..comm import Group
 from ..shapes import bucket_ranges
 from .engine import counted, nbytes, reduce_partitions, unique_params
+from .placement import by_group
 
 __all__ = ["Bucket", "DataParallel", "DataParallelOptimizer", "bucketize", "unique_params"]
 
@@ -167,7 +168,7 @@ class DataParallelOptimizer:
         self.params = unique_params(model)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.reducer = DataParallel(model, groups, bucket_mb, grad_dtype=grad_dtype or master_dtype)
-        only_dp = all(g.name == "dp" for g, _ in self.reducer.partitions)
+        only_dp = set(by_group(self.params, "reduce")) <= {"dp"}
         self.norm_group = groups[rules.grad_norm_group(0, only_dp)]
         self._norm_params = [p for p in self.params if counted(p) and
                              (only_dp or self.reducer.bucket_of[p].group.rank == 0)]

@@ -11,6 +11,8 @@ A dimension (`Parallelism`) may provide, all optional but `name` and `apply`:
 
     apply(model) -> model          shard or cut the model; return what this rank runs
     loss(loss_sum) -> loss_sum     wrap the token-loss function (tp: vocab-parallel cross-entropy)
+    shard_batch(x, y) -> (x, y)    the tokens of each sequence this rank holds (cp: its slice)
+    positions                      their position ids (cp: zig-zag, not contiguous)
     forward_backward(...)          run the step's forward and backward itself (pp: the schedule)
     schedules_backward: bool       its backwards interleave with other micro-batches' forwards, so the
                                    engine accumulates the step's gradients and reduces them once (pp)
@@ -20,12 +22,11 @@ A dimension (`Parallelism`) may provide, all optional but `name` and `apply`:
 
 State flows out through the dimensions in the order they were applied (each widens the state by
 gathering its own pieces: tp gathers the tp pieces of this stage's tensors, then pp gathers the stages)
-and back in the reverse order. How context and expert parallelism will plug in (not built yet): cp's
-apply swaps each attention core for the Ulysses / ring one and writes `reduce="dp_cp"` on the dense
-parameters; a `shard_batch` hook will slice each micro-batch along the sequence and hand the model its
-position ids (`forward(tokens, positions)`); ep's apply replaces the MoE experts by this rank's and
-writes `reduce="edp"` plus an "ep" `Shard` on expert weights, and its load-balance loss goes through
-`model.aux`.
+and back in the reverse order. Context parallelism (context.py) swaps each attention core for the
+Ulysses / ring / hybrid one, writes `reduce="dp_cp"` on the dense parameters, slices each micro-batch
+along the sequence and hands the model its position ids. Expert parallelism will plug in after it: its
+apply replaces the MoE experts by this rank's and writes `reduce="edp"` plus an "ep" `Shard` on expert
+weights, and its load-balance loss goes through `model.aux`.
 """
 from __future__ import annotations
 
@@ -49,14 +50,17 @@ class Parallelism(Protocol):
 
 
 def parallelize(model: nn.Module, mesh, cfg: Config) -> tuple[nn.Module, list]:
-    """Apply every dimension with degree > 1, in the order tp → cp → ep → pp; return the module this
-    rank runs and the applied dimension objects."""
+    """Apply every dimension with degree > 1, in the order tp → cp → ep → pp (ep: with its issue); return
+    the module this rank runs and the applied dimension objects."""
+    from .context import ContextParallelism
     from .tensor import TensorParallelism
 
     p, t = cfg.parallel, cfg.train
     dims = []
     if p.tp > 1:
         dims.append(TensorParallelism(mesh, p.sp_mode == "megatron", t.seed))
+    if p.cp > 1:
+        dims.append(ContextParallelism(mesh, cfg))
     if p.pp > 1:
         dims.append(PipelineParallelism(mesh, cfg))
     for d in dims:
@@ -170,9 +174,9 @@ def direct_forward_backward(model: nn.Module, loss_sum: LossSum, engine: Engine,
 
 
 def sum_loss(loss_local: torch.Tensor, mesh, dims: list) -> None:
-    """The step's loss on every rank: summed over dp (each rank's share of the batch) and over the
-    groups of the dimensions that split it (pp: only the last stage holds it)."""
-    comm.all_reduce(loss_local, mesh["dp"], dim="loss")
+    """The step's loss on every rank: summed over dp × cp (each rank's share of the batch's sequences
+    and tokens) and over the groups of the dimensions that split it further (pp: only the last stage)."""
+    comm.all_reduce(loss_local, mesh["dp_cp"], dim="loss")
     for d in dims:
         if getattr(d, "loss_group", None):
             comm.all_reduce(loss_local, mesh[d.loss_group], dim="loss")

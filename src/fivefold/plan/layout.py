@@ -37,6 +37,7 @@ class Layout:
     zero: ZeroStage = 0
     sp_mode: SpMode = "none"       # "megatron": Megatron sequence parallelism (with tp > 1)
     cp_mode: CpMode = "ring"       # how cp > 1 splits attention: ulysses | ring | hybrid
+    ulysses: int = 0               # hybrid: Ulysses degree of the inner ranks (0: the largest possible)
     vpp: int = 1
     micro_batch: int = 1           # sequences per micro-batch per data-parallel rank (a size, not a count)
     schedule: Schedule = "1f1b"
@@ -139,7 +140,7 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
     The micro-batch size is global_batch / (dp · microbatches), exact for a config that validates."""
     p, t = cfg.parallel, cfg.train
     rules.check_global_batch(t.global_batch, p.dp, p.microbatches)
-    layout = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, zero=p.zero, sp_mode=p.sp_mode, cp_mode=p.cp_mode,
+    layout = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, zero=p.zero, sp_mode=p.sp_mode, cp_mode=p.cp_mode, ulysses=p.ulysses,
                     vpp=p.vpp, micro_batch=t.global_batch // (p.dp * p.microbatches), schedule=p.schedule,
                     recompute=t.recompute, order=p.order, partition=p.partition, bucket_mb=p.bucket_mb,
                     reshard_after_forward=p.reshard_after_forward)
@@ -173,7 +174,7 @@ def check(model: PlanModel, layout: Layout, work: Workload, gpus: int | None = N
     rules.check_tensor_parallel(L.tp, model.heads, None if model.mla else model.kv_heads, mlp_widths(model))
     rules.check_sequence_parallel(L.sp_mode, L.tp, work.seq)
     rules.check_partition(model.layers, L.pp, L.vpp, L.partition)
-    rules.check_context_parallel(L.cp_mode, L.cp, L.tp, model.heads, work.seq)
+    rules.check_context_parallel(L.cp_mode, L.cp, L.tp, model.heads, work.seq, L.ulysses)
     rules.check_expert_parallel(L.ep, L.dp, L.cp, model.experts)
     rules.check_global_batch(work.global_batch, L.dp, L.micro_batch, what="micro_batch")
     rules.check_microbatches(L.effective_schedule, L.pp, microbatches(L, work))

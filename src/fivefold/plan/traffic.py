@@ -216,7 +216,7 @@ def _cp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     e = w.act_bytes
     n_layers = len(layout_layers(model, L)[stage])
     fwd_passes = 2 if L.recompute == "full" else 1
-    u, r = cp_degrees(L.cp_mode, L.cp, model.heads, L.tp)
+    u, r = cp_degrees(L.cp_mode, L.cp, model.heads, L.tp, L.ulysses)
     kv_split = L.tp if model.mla else min(L.tp, model.kv_heads)
     kv = T * (model.kv_width + model.v_width) / kv_split * e       # local K and V, before Ulysses
     if u > 1:
@@ -312,7 +312,7 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
     root = 1 if L.zero >= 3 and any(n for n, _ in root_tensors(model, L.tp, L.pp, stage)) else 0
     _grad_flows(f, "dp", "dp_cp", L.dp * L.cp, dense, L, work, m, units(False, L.dp * L.cp), root)
     _grad_flows(f, "edp", "edp", L.edp, expert, L, work, m, units(True, L.edp))
-    f.add("loss", "all_reduce", "dp", L.dp, 8, 1)
+    f.add("loss", "all_reduce", "dp_cp", L.dp * L.cp, 8, 1)
     f.add("loss", "all_reduce", "pp", L.pp, 8, 1)      # only the last stage computed it
     # (dense gradients are reduced over dp×cp when cp > 1, expert ones over expert-dp when ep > 1)
     norm_group = grad_norm_group(L.zero, only_dp=L.cp == 1 and L.ep == 1)

@@ -43,6 +43,7 @@ from ..parallel.parallelize import (direct_forward_backward, gather_state, loss_
                                     sum_loss)
 from ..parallel.zero import Zero
 from . import checkpoint
+from .activations import ActivationMeter
 from .data import Batches, read_tokens
 from .optim import AdamW, clip_, global_grad_norm, lr_at
 from .progress import Progress
@@ -88,7 +89,8 @@ class Trainer:
         self.device = resolve_device(t.device, dist.get_backend() if dist.is_initialized() else None)
         torch.manual_seed(t.seed + RANK_SEED_STRIDE * rank)
         self.ledger = CommLedger(rank, world_size)
-        self.mesh = ParallelMesh(p, rank, self.ledger, kv_replicas=rules.kv_replicas(p.tp, cfg.model.kv_heads))
+        self.mesh = ParallelMesh(p, rank, self.ledger, kv_replicas=rules.kv_replicas(p.tp, cfg.model.kv_heads),
+                                 ulysses=rules.cp_degrees(p.cp_mode, p.cp, cfg.model.heads, p.tp, p.ulysses)[0])
         self.dtype = DTYPES[t.dtype]
         # optimizer math in fp32 (fp64 when the model is fp64, for exactness checks)
         self.master_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -101,7 +103,10 @@ class Trainer:
         self.forward_backward = next((d.forward_backward for d in self.dims if hasattr(d, "forward_backward")),
                                      direct_forward_backward)
         self.params = unique_params(self.model)
+        positions = next((d.positions for d in self.dims if hasattr(d, "positions")), None)
+        self.positions = None if positions is None else positions.to(self.device)   # (cp: not contiguous)
         self.engine = self.make_engine()
+        self.activations = ActivationMeter()
         self.batches = Batches(tokens if tokens is not None else read_tokens(t.data, t.data_limit_mb),
                                t.seq_len, t.global_batch, t.seed, cfg.model.vocab)
         self.step_count = 0
@@ -126,6 +131,9 @@ class Trainer:
     def micro_batches(self, step: int):
         p = self.cfg.parallel
         x_bs, y_bs = self.batches.local(step, self.mesh.coords["dp"], p.dp)
+        for d in self.dims:
+            if hasattr(d, "shard_batch"):
+                x_bs, y_bs = d.shard_batch(x_bs, y_bs)
         x_bs, y_bs = x_bs.to(self.device), y_bs.to(self.device)
         return list(zip(x_bs.chunk(p.microbatches), y_bs.chunk(p.microbatches)))
 
@@ -133,7 +141,9 @@ class Trainer:
         t0 = time.perf_counter()
         cfg = self.cfg.train
         n_tokens = self.batches.tokens_per_step()
-        loss_local = self.forward_backward(self.model, self.loss_sum, self.engine, self.micro_batches(step), n_tokens)
+        with self.activations:   # counts what autograd saves for backward (peak over the run)
+            loss_local = self.forward_backward(self.model, self.loss_sum, self.engine, self.micro_batches(step),
+                                               n_tokens, self.positions)
         self.model.aux.take()   # auxiliary losses were trained in that backward; their values are not reported yet
         self.engine.finish()
         sum_partial_grads(self.engine, self.mesh)                  # e.g. SP norms, replicated K/V
@@ -187,6 +197,7 @@ class Trainer:
                     d.write(out, gather_objects, self.rank)
         total = self.ledger.gather()
         self.all_state_bytes = gather_objects(self.model_state_bytes())
+        self.all_activation_bytes = gather_objects(self.activations.peak)
         state = self.full_state() if cfg.checkpoint else None
         if self.rank == 0:
             total.write(out / "comm.json")
@@ -199,6 +210,8 @@ class Trainer:
         return {"config": self.cfg.to_dict(), "params": self.n_params,
                 "world_size": self.world_size, "model_state_bytes_per_rank": self.model_state_bytes(),
                 "model_state_bytes_by_rank": self.all_state_bytes,
+                "peak_activation_bytes_per_rank": self.activations.peak,
+                "peak_activation_bytes_by_rank": self.all_activation_bytes,
                 "versions": {"fivefold": __version__, "torch": torch.__version__,
                              "python": sys.version.split()[0], "platform": platform.platform()}}
 

@@ -155,11 +155,14 @@ def checkpointed(core: Callable) -> Callable:
 
 
 def set_selective_recompute(module: nn.Module) -> None:
-    """Swap every attention core in `module` for its checkpointed version."""
+    """Swap every attention core in `module` for its checkpointed version. A context-parallel core
+    (parallel/context.py) keeps its communication: only its local attention (`inner`) is recomputed."""
     for m in module.modules():
         core = getattr(m, "core", None)
-        if callable(core) and not getattr(core, "recomputes", False):
-            m.core = checkpointed(core)
+        owner, name = (core, "inner") if hasattr(core, "inner") else (m, "core")
+        inner = getattr(owner, name, None)
+        if callable(inner) and not isinstance(inner, nn.Module) and not getattr(inner, "recomputes", False):
+            setattr(owner, name, checkpointed(inner))
 
 
 # -------------------------------------------------------------------------------------------------------

@@ -1,0 +1,275 @@
+"""Ring attention: exact attention over a sequence split across the ranks of a context-parallel group.
+
+Paper: Liu, Zaharia, Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite Context"
+(2023). Each of the r ranks of the ring holds s = S/r tokens: its queries q and its keys/values k, v.
+Attention needs every query against every key, so the K/V blocks travel around the ring: at step j
+(j = 0 .. r-1) rank i holds the K/V block of rank (i - j) mod r, computes its queries against it, and
+meanwhile passes the block on to rank i+1 while receiving the next one from rank i-1. The partial
+results are merged with the online softmax of flash attention (Milakov & Gimelshein 2018; Dao et al.
+2022): a running row maximum m, a running sum of exponentials l (both fp32) and an output accumulator,
+rescaled whenever m grows. After r steps o = acc / l, exactly softmax(q kᵀ / sqrt(d)) v.
+
+Causality comes from position ids, not from block order: query at position p sees key at position p'
+iff p' <= p. `positions_rs` (r, s) lists every rank's positions, so any layout works: contiguous,
+zig-zag, or a hybrid with Ulysses whose tokens are two zig-zag chunks. Per block only the bounding
+rectangle of visible (query, key) pairs is computed, and a block nothing sees is skipped.
+
+Load balance (the zig-zag layout of Megatron-CP and torchtitan). With contiguous shards, rank 0 sees
+only its own block and rank r-1 sees all r: the ring waits for the slowest rank. Zig-zag splits the
+sequence into 2r chunks and gives rank i chunks i and 2r-1-i (one early, one late). Then against its
+own block a rank computes a causal diagonal block, and against any other rank's block exactly half of
+a full block: for an earlier rank (i' < i) all its queries see the first chunk of that block and none
+the second; for a later rank (i' > i) only its late chunk sees the block, but sees all of it. Every
+rank does 1 diagonal + (r-1) half blocks: the same causal work, half of the non-causal work.
+
+Communication per call, per rank, all under dim "cp", each message one packed K/V tensor
+(2, b, kh, s, d) of 2·b·kh·s·d·itemsize bytes (K and V travel together; GQA kv heads are expanded only
+inside the local compute, never before sending):
+  forward   r-1 sends + r-1 receives (no hop after the last step);
+  backward  the same r-1 K/V hops again (recomputation), plus r-1 hops of a dK/dV accumulator: rank i
+            keeps its own block's partial gradient; at step j >= 1 it adds its partial for block i-j to
+            the accumulator rank i-1 sent (that block's partials from earlier steps) and sends the sum
+            to rank i+1, so after step r-1 each accumulator arrives at the block's owner. Each step's
+            K/V hop and dK/dV hop go in one batch: 2(r-1) sends + 2(r-1) receives.
+Every hop is posted before the step's compute and waited after it, so it overlaps the compute.
+
+Memory per rank is O(s) = O(S/r): two K/V blocks in flight, the running statistics, and in backward
+one dK/dV accumulator. Only q, k, v, o and the fp32 log-sum-exp lse = m + log(l) (b, n, s) are saved
+for backward, which recomputes each block's probabilities from them (the flash-attention backward).
+A group of one rank is plain local attention with no communication.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from fivefold.comm import Group, send_recv
+
+__all__ = ["ring_attention", "zigzag_positions", "zigzag_indices"]
+
+DIM = "cp"
+
+
+# -- layout -------------------------------------------------------------------------------------------
+def zigzag_positions(seq: int, r: int) -> torch.Tensor:
+    """(r, seq // r) int64: rank i holds chunks i and 2r-1-i of the 2r equal chunks of 0 .. seq-1."""
+    if r < 1 or seq % (2 * r):
+        raise ValueError(f"zig-zag needs seq divisible by 2·r = {2 * r}; got seq={seq} "
+                         f"(nearest valid: {seq // (2 * r) * 2 * r} or {(seq // (2 * r) + 1) * 2 * r})")
+    chunks_cc = torch.arange(seq, dtype=torch.int64).view(2 * r, seq // (2 * r))
+    return torch.stack([torch.cat([chunks_cc[i], chunks_cc[2 * r - 1 - i]]) for i in range(r)])
+
+
+def zigzag_indices(seq: int, r: int) -> torch.Tensor:
+    """(seq,) the zig-zag permutation: x.index_select(dim, idx) lays the ranks' shards end to end
+    (rank i's shard is the i-th of r equal slices); idx.argsort() undoes it."""
+    return zigzag_positions(seq, r).flatten()
+
+
+# -- one block -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Window:
+    """The bounding rectangle of the visible (query, key) pairs of one block; `masked` when some pair
+    inside it is not visible."""
+    rows: slice
+    cols: slice
+    masked: bool
+
+
+def _window(pos_q_s: torch.Tensor, pos_k_t: torch.Tensor, causal: bool) -> _Window | None:
+    """Which part of a block to compute (None: nothing is visible). Positions are on the CPU."""
+    s, t = len(pos_q_s), len(pos_k_t)
+    if not causal:
+        return _Window(slice(0, s), slice(0, t), False) if s and t else None
+    rows_s = pos_q_s >= pos_k_t.min()           # queries that see some key of the block
+    cols_t = pos_k_t <= pos_q_s.max()           # keys some query sees
+    if not rows_s.any():
+        return None
+    row_idx, col_idx = rows_s.nonzero().flatten(), cols_t.nonzero().flatten()
+    rows, cols = slice(int(row_idx[0]), int(row_idx[-1]) + 1), slice(int(col_idx[0]), int(col_idx[-1]) + 1)
+    return _Window(rows, cols, bool(pos_k_t[cols].max() > pos_q_s[rows].min()))
+
+
+def _scores(q_bkgsd, k_bktd, win: _Window, pos_q_s, pos_k_t, scale: float) -> torch.Tensor:
+    """Scaled scores (b, kh, g, s, t) of the window's queries against its keys, -inf where masked."""
+    scores_bkgst = torch.einsum("bkgsd,bktd->bkgst", q_bkgsd, k_bktd) * scale
+    if win.masked:
+        visible_st = pos_k_t[win.cols][None, :] <= pos_q_s[win.rows][:, None]
+        scores_bkgst = scores_bkgst.masked_fill(~visible_st, float("-inf"))
+    return scores_bkgst
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """x where finite, else 0: a row that sees no key yet (max -inf) then gets exp(-inf - 0) = 0."""
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def _attend_block(q_bkgsd, k_bktd, v_bktd, win, pos_q_s, pos_k_t, scale, m_bkgs, l_bkgs, acc_bkgsd):
+    """Merge one block into the running max m, sum-exp l and accumulator (views of the window's rows,
+    updated in place): the online softmax."""
+    scores_bkgst = _scores(q_bkgsd, k_bktd, win, pos_q_s, pos_k_t, scale)
+    m_new_bkgs = torch.maximum(m_bkgs, scores_bkgst.amax(-1))
+    m_safe_bkgs = _finite_or_zero(m_new_bkgs)
+    p_bkgst = torch.exp(scores_bkgst - m_safe_bkgs[..., None])
+    rescale_bkgs = torch.exp(m_bkgs - m_safe_bkgs)          # 0 while the old max is -inf
+    l_bkgs.mul_(rescale_bkgs).add_(p_bkgst.sum(-1))
+    acc_bkgsd.mul_(rescale_bkgs[..., None]).add_(torch.einsum("bkgst,bktd->bkgsd", p_bkgst, v_bktd))
+    m_bkgs.copy_(m_new_bkgs)
+
+
+def _grad_block(q_bkgsd, k_bktd, v_bktd, do_bkgsd, lse_bkgs, delta_bkgs, win, pos_q_s, pos_k_t, scale):
+    """Flash-attention backward of one block: (dq, dk, dv), dk/dv summed over the g query heads."""
+    scores_bkgst = _scores(q_bkgsd, k_bktd, win, pos_q_s, pos_k_t, scale)
+    p_bkgst = torch.exp(scores_bkgst - _finite_or_zero(lse_bkgs)[..., None])
+    dv_bktd = torch.einsum("bkgst,bkgsd->bktd", p_bkgst, do_bkgsd)
+    dp_bkgst = torch.einsum("bkgsd,bktd->bkgst", do_bkgsd, v_bktd)
+    ds_bkgst = p_bkgst * (dp_bkgst - delta_bkgs[..., None])
+    dq_bkgsd = torch.einsum("bkgst,bktd->bkgsd", ds_bkgst, k_bktd) * scale
+    dk_bktd = torch.einsum("bkgst,bkgsd->bktd", ds_bkgst, q_bkgsd) * scale
+    return dq_bkgsd, dk_bktd, dv_bktd
+
+
+# -- the ring ------------------------------------------------------------------------------------------
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores and statistics in fp32 (fp64 stays fp64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _grouped(x_bnsd: torch.Tensor, kh: int, dtype: torch.dtype) -> torch.Tensor:
+    """(b, n, s, d) -> (b, kh, g, s, d): query head h = kv head h // g, index h % g within it."""
+    b, n, s, d = x_bnsd.shape
+    return x_bnsd.to(dtype).reshape(b, kh, n // kh, s, d)
+
+
+def _pack(k_bksd: torch.Tensor, v_bksd: torch.Tensor) -> torch.Tensor:
+    """K and V as one contiguous message (2, b, kh, s, d)."""
+    return torch.stack([k_bksd, v_bksd])
+
+
+def _kv_buffers(k_bksd: torch.Tensor, v_bksd: torch.Tensor, r: int) -> list[torch.Tensor]:
+    """The packed local block and, on a ring, a second buffer: step j computes on buffer j % 2 (and
+    sends it on) while the next block arrives in the other one."""
+    own_2bksd = _pack(k_bksd, v_bksd)
+    return [own_2bksd, torch.empty_like(own_2bksd)] if r > 1 else [own_2bksd]
+
+
+def _hop(group: Group, send: list[torch.Tensor], recv: list[torch.Tensor]):
+    """Post one batch: each tensor of `send` to rank i+1, each of `recv` from rank i-1 (in order)."""
+    nxt, prv = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    if not send and not recv:
+        return None
+    return send_recv([(t, nxt) for t in send], [(t, prv) for t in recv], group, async_op=True, dim=DIM)
+
+
+def _wait(handle) -> None:
+    if handle is not None:
+        handle.wait()
+
+
+def _ring_forward(q_bnsd, k_bksd, v_bksd, pos_rs, group: Group, causal: bool):
+    b, n, s, d = q_bnsd.shape
+    kh, r, i = k_bksd.shape[1], group.size, group.rank
+    cdt, scale = _compute_dtype(q_bnsd.dtype), 1.0 / math.sqrt(d)
+    pos_cpu_rs, pos_rs = pos_rs.cpu(), pos_rs.to(q_bnsd.device)
+    q_bkgsd = _grouped(q_bnsd, kh, cdt)
+    m_bkgs = torch.full(q_bkgsd.shape[:-1], float("-inf"), dtype=cdt, device=q_bnsd.device)
+    l_bkgs = torch.zeros_like(m_bkgs)
+    acc_bkgsd = torch.zeros_like(q_bkgsd)
+    kv_bufs = _kv_buffers(k_bksd, v_bksd, r)
+    for j in range(r):
+        kv_2bksd, src = kv_bufs[j % 2], (i - j) % r
+        handle = _hop(group, [kv_2bksd], [kv_bufs[(j + 1) % 2]]) if j < r - 1 else None
+        win = _window(pos_cpu_rs[i], pos_cpu_rs[src], causal)
+        if win is not None:
+            rows, cols = win.rows, win.cols
+            _attend_block(q_bkgsd[..., rows, :], kv_2bksd[0][:, :, cols].to(cdt), kv_2bksd[1][:, :, cols].to(cdt),
+                          win, pos_rs[i], pos_rs[src], scale,
+                          m_bkgs[..., rows], l_bkgs[..., rows], acc_bkgsd[..., rows, :])
+        _wait(handle)
+    seen_bkgs = l_bkgs > 0                                  # rows with no visible key: o = 0, lse = -inf
+    o_bkgsd = acc_bkgsd / torch.where(seen_bkgs, l_bkgs, torch.ones_like(l_bkgs))[..., None]
+    lse_bkgs = m_bkgs + torch.log(l_bkgs)
+    return o_bkgsd.reshape(b, n, s, d).to(q_bnsd.dtype), lse_bkgs.reshape(b, n, s)
+
+
+def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, group: Group, causal: bool):
+    b, n, s, d = q_bnsd.shape
+    kh, r, i = k_bksd.shape[1], group.size, group.rank
+    cdt, scale = _compute_dtype(q_bnsd.dtype), 1.0 / math.sqrt(d)
+    pos_cpu_rs, pos_rs = pos_rs.cpu(), pos_rs.to(q_bnsd.device)
+    q_bkgsd, do_bkgsd = _grouped(q_bnsd, kh, cdt), _grouped(do_bnsd, kh, cdt)
+    delta_bkgs = (do_bkgsd * _grouped(o_bnsd, kh, cdt)).sum(-1)      # D = rowsum(dO * O)
+    lse_bkgs = lse_bns.reshape(b, kh, n // kh, s)
+    dq_bkgsd = torch.zeros_like(q_bkgsd)
+    kv_bufs = _kv_buffers(k_bksd, v_bksd, r)
+    dkv_in = torch.empty_like(kv_bufs[0]) if r > 2 else None   # accumulator from rank i-1 (input dtype)
+    dkv_out = dkv_own = None
+    for j in range(r):
+        kv_2bksd, src = kv_bufs[j % 2], (i - j) % r
+        send, recv = ([kv_2bksd], [kv_bufs[(j + 1) % 2]]) if j < r - 1 else ([], [])
+        if j >= 2:                                      # pass on the accumulator of step j-1
+            send, recv = send + [dkv_out], recv + [dkv_in]
+        handle = _hop(group, send, recv)
+        dkv_2bksd = torch.zeros(kv_2bksd.shape, dtype=cdt, device=kv_2bksd.device)   # this step's partial
+        win = _window(pos_cpu_rs[i], pos_cpu_rs[src], causal)
+        if win is not None:
+            rows, cols = win.rows, win.cols
+            dq, dk, dv = _grad_block(q_bkgsd[..., rows, :], kv_2bksd[0][:, :, cols].to(cdt),
+                                     kv_2bksd[1][:, :, cols].to(cdt), do_bkgsd[..., rows, :],
+                                     lse_bkgs[..., rows], delta_bkgs[..., rows], win, pos_rs[i], pos_rs[src], scale)
+            dq_bkgsd[..., rows, :] += dq
+            dkv_2bksd[0][:, :, cols] += dk
+            dkv_2bksd[1][:, :, cols] += dv
+        _wait(handle)
+        if j == 0:
+            dkv_own = dkv_2bksd
+        else:
+            if j >= 2:
+                dkv_2bksd += dkv_in
+            dkv_out = dkv_2bksd.to(k_bksd.dtype)
+    if r > 1:                                           # the last accumulator reaches its block's owner
+        dkv_last = torch.empty_like(kv_bufs[0])
+        _wait(_hop(group, [dkv_out], [dkv_last]))
+        dkv_own += dkv_last
+    dq_bnsd = dq_bkgsd.reshape(b, n, s, d).to(q_bnsd.dtype)
+    return dq_bnsd, dkv_own[0].to(k_bksd.dtype), dkv_own[1].to(v_bksd.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_bnsd, k_bksd, v_bksd, positions_rs, group, causal):
+        o_bnsd, lse_bns = _ring_forward(q_bnsd, k_bksd, v_bksd, positions_rs, group, causal)
+        ctx.save_for_backward(q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, positions_rs)
+        ctx.group, ctx.causal = group, causal
+        return o_bnsd
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do_bnsd):
+        q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, positions_rs = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, positions_rs,
+                                    ctx.group, ctx.causal)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, positions_rs: torch.Tensor,
+                   group: Group, causal: bool = True) -> torch.Tensor:
+    """Exact (causal) attention of this rank's queries against the keys/values of every rank of `group`.
+
+    q (b, n, s, d); k, v (b, kh, s, d) with kh dividing n (query head h uses kv head h // (n/kh));
+    positions_rs (r, s) int64: row j = the position ids of rank j's tokens (row group.rank = ours).
+    Returns o (b, n, s, d) in q's dtype; differentiable in q, k and v. Scale 1/sqrt(d).
+    """
+    b, n, s, d = q_bnsd.shape
+    kh = k_bksd.shape[1]
+    if k_bksd.shape != (b, kh, s, d) or v_bksd.shape != k_bksd.shape:
+        raise ValueError(f"k and v must be (b, kh, s, d) = ({b}, kh, {s}, {d}); got {tuple(k_bksd.shape)} "
+                         f"and {tuple(v_bksd.shape)}")
+    if n % kh:
+        raise ValueError(f"kv heads ({kh}) must divide query heads ({n})")
+    if tuple(positions_rs.shape) != (group.size, s):
+        raise ValueError(f"positions must be (ring size, s) = ({group.size}, {s}); got {tuple(positions_rs.shape)}")
+    return _RingAttention.apply(q_bnsd, k_bksd, v_bksd, positions_rs, group, causal)

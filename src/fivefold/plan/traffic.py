@@ -42,6 +42,7 @@ Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation eleme
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from math import lcm
 from functools import lru_cache
 
 from .. import grid
@@ -219,6 +220,10 @@ def _cp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     u, r = cp_degrees(L.cp_mode, L.cp, model.heads, L.tp, L.ulysses)
     kv_split = L.tp if model.mla else min(L.tp, model.kv_heads)
     kv = T * (model.kv_width + model.v_width) / kv_split * e       # local K and V, before Ulysses
+    if u > 1 and not model.mla:
+        # K/V heads a tp rank holds, repeated to lcm(heads, u) when u does not divide them (context.py)
+        kh = max(model.kv_heads // L.tp, 1)
+        kv *= lcm(kh, u) // kh
     if u > 1:
         q = T * model.q_width / L.tp * e
         o = T * model.attn_out_width / L.tp * e

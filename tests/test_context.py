@@ -20,7 +20,8 @@ from fivefold.train.trainer import Trainer
 from .helpers import TOL, assert_states_close, ranks, tiny_config
 from .test_data_parallel import reference, run_steps
 
-# name -> (world, parallel degrees[, model fields]); tiny model: 4 heads, 2 KV heads, seq 32, 2 layers
+# name -> (world, parallel degrees[, model fields]); tiny model: 4 heads, 2 KV heads, seq 32, 2 layers.
+# pp cases cover every schedule kind: 1f1b (8 ranks), zb's split backward, interleaving.
 CASES = {
     "ulysses_cp2": (2, dict(cp=2, cp_mode="ulysses", microbatches=2)),
     "ring_cp2": (2, dict(cp=2, cp_mode="ring")),
@@ -28,13 +29,19 @@ CASES = {
     "ring_cp4": (4, dict(cp=4, cp_mode="ring", microbatches=2)),
     "hybrid_2x2": (4, dict(cp=4, cp_mode="hybrid", ulysses=2)),
     "ring_cp2_dp2_zero3": (4, dict(cp=2, dp=2, zero=3, cp_mode="ring")),
+    "ulysses_cp2_pp2_zb": (4, dict(cp=2, pp=2, cp_mode="ulysses", schedule="zb", microbatches=2)),
+    "ring_cp2_pp2_interleaved_zero2": (4, dict(cp=2, pp=2, zero=2, cp_mode="ring", schedule="interleaved", vpp=2,
+                                               microbatches=2), dict(layers=4)),
     "ulysses_cp2_tp2_sp_dp2": (8, dict(cp=2, tp=2, dp=2, sp_mode="megatron", cp_mode="ulysses")),
     "ring_cp2_pp2_dp2_zero1": (8, dict(cp=2, pp=2, dp=2, zero=1, cp_mode="ring", microbatches=2)),
 }
 
 
 def case_config(name: str) -> Config:
-    return tiny_config(**CASES[name][1])
+    c = tiny_config(**CASES[name][1])
+    for k, v in (CASES[name][2] if len(CASES[name]) > 2 else {}).items():
+        setattr(c.model, k, v)
+    return c
 
 
 # -- attention alone ---------------------------------------------------------------------------------
@@ -106,7 +113,7 @@ def run_jobs(rank, world, jobs):
 
 
 def spawn(world, extra=()):
-    jobs = [(n, run_steps, (case_config(n).to_dict(),)) for n, (w, _) in CASES.items() if w == world]
+    jobs = [(n, run_steps, (case_config(n).to_dict(),)) for n, case in CASES.items() if case[0] == world]
     jobs.append(("attention", attention_alone, (ATTENTION,)))
     per_rank = ranks(run_jobs, world, jobs + list(extra), timeout_s=400)
     return {name: [r[name] for r in per_rank] for name in per_rank[0]}
@@ -136,7 +143,9 @@ def results_of(name, two, four, eight):
 @pytest.mark.parametrize("name", list(CASES))
 def test_training_equals_single_process(name, two, four, eight):
     c = case_config(name)
-    ref = reference(tiny_config(microbatches=c.parallel.microbatches * c.parallel.dp))
+    one = tiny_config(microbatches=c.parallel.microbatches * c.parallel.dp)
+    one.model = c.model
+    ref = reference(one)
     for r in results_of(name, two, four, eight):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(r["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-5, atol=0)
@@ -202,7 +211,7 @@ def test_context_parallel_rules():
         c.validate(3)
     c = tiny_config(cp=4, cp_mode="ring")
     c.train.seq_len = 36
-    with pytest.raises(ConfigError, match=r"seq_len \(36\) must divide by 2\*cp = 8"):
+    with pytest.raises(ConfigError, match=r"seq_len \(36\) must divide by 2\*cp = 8; valid seq_len: \[24, 32, 40\]"):
         c.validate(4)
     c = tiny_config(cp=4, cp_mode="hybrid", ulysses=3)
     with pytest.raises(ConfigError, match="valid ulysses"):

@@ -80,7 +80,8 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
 def cmd_train(args: argparse.Namespace) -> int:
     from .comm import CommLedger
     from .train.launch import init_torchrun, leave_torchrun, run_ranks, torchrun_env
-    from .train.trainer import resolve_device, supported, train_rank
+    from .train.launch import resolve_device
+    from .train.trainer import supported, train_rank
 
     env = torchrun_env()
     cfg = resolve_train_config(args, env[1] if env else None)

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..config import ConfigError
+
 
 class RankError(RuntimeError):
     """A rank raised; the message holds its traceback."""
@@ -142,3 +144,19 @@ def leave_torchrun(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def resolve_device(name: str, backend: str | None) -> torch.device:
+    """train.device for ranks joined over `backend` (None: a single process). auto: CUDA when present and
+    the ranks talk over NCCL (torchrun), else CPU — local `--nproc` ranks talk over gloo on the CPU.
+    cuda: the current CUDA device, which the launcher set from torchrun's local rank."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() and backend in (None, "nccl") else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but torch finds no CUDA device; use device = 'cpu' or 'auto'")
+    if backend == "gloo":
+        raise ConfigError("train.device = 'cuda' needs NCCL: run the job under torchrun (one process per GPU); "
+                          "local --nproc ranks run on the CPU over gloo (use device = 'cpu' or 'auto')")
+    return torch.device("cuda", torch.cuda.current_device())

@@ -45,6 +45,7 @@ from ..parallel.zero import Zero
 from . import checkpoint
 from .activations import ActivationMeter
 from .data import Batches, read_tokens
+from .launch import resolve_device
 from .optim import AdamW, clip_, global_grad_norm, lr_at
 from .progress import Progress
 
@@ -57,22 +58,6 @@ RANK_SEED_STRIDE = 7919
 def supported(cfg: Config) -> None:
     """Layouts the runtime does not run yet fail at start, naming what is missing (rules.py)."""
     rules.check_runtime_support(cfg.parallel, cfg.train)
-
-
-def resolve_device(name: str, backend: str | None) -> torch.device:
-    """train.device for ranks joined over `backend` (None: a single process). auto: CUDA when present and
-    the ranks talk over NCCL (torchrun), else CPU — local `--nproc` ranks talk over gloo on the CPU.
-    cuda: the current CUDA device, which the launcher set from torchrun's local rank."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() and backend in (None, "nccl") else "cpu"
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda' but torch finds no CUDA device; use device = 'cpu' or 'auto'")
-    if backend == "gloo":
-        raise ConfigError("train.device = 'cuda' needs NCCL: run the job under torchrun (one process per GPU); "
-                          "local --nproc ranks run on the CPU over gloo (use device = 'cpu' or 'auto')")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 class Trainer:

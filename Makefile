@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/zero.py --no-deepspeed
 	$(PY) benchmarks/tensor.py
 	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/context.py --no-deepspeed
 
 clean:
 	rm -rf runs

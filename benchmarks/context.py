@@ -224,16 +224,16 @@ def best_rounds(bench_rank, nproc, impls, args_of, rounds):
 
 def table(best, base, label):
     print(f"{'impl':<30}{'median step':>13}{'peak RSS':>10}{'act peak':>10}{'first loss':>12}"
-          f"{'MB sent/step':>14}   {label} (time, memory)")
+          f"  {'MB sent per rank/step':<24}{label} (time, memory)")
     for name, r in best.items():
         ratio = ""
         if base in best and name != base:
             b = best[base]
             ratio = f"{r['median_s'] / b['median_s']:.3f}, {r['peak_rss_mb'] / b['peak_rss_mb']:.3f}"
-        sent = " ".join(f"{d} {v / 1e6:.2f}" for d, v in r["sent"].items() if v)
+        sent = " ".join(f"{d} {v / 1e6:.2f}" for d, v in r["sent"].items() if v >= 1e4)  # not the scalars
         rounds = ", ".join(f"{t * 1e3:.0f}" for t in r["rounds"])
         print(f"{name:<30}{r['median_s'] * 1e3:>10.1f} ms{r['peak_rss_mb']:>7.0f} MB{r['act_peak'] / 2**20:>7.0f} MB"
-              f"{r['first_loss']:>12.6f}  {sent:<14}  {ratio}   [rounds: {rounds} ms]")
+              f"{r['first_loss']:>12.6f}  {sent:<24}{ratio:<14}[rounds: {rounds} ms]")
 
 
 def main():
@@ -266,8 +266,12 @@ def main():
         print(f"\n1. attention core, cp = {nproc} Ulysses: same Transformer, torch AdamW foreach=False, grads summed by "
               f"one all-reduce (its bytes: dp in ours' ledger, not counted for DeepSpeed)")
         table(best, "DeepSpeed Ulysses core", "ours / DeepSpeed")
-        print(f"DeepSpeed cp bytes by formula: {ulysses_formula_bytes(a.batch, a.seq, nproc) / 1e6:.2f} MB per rank per "
-              f"step (the cp column above for DeepSpeed is counted at torch.distributed.all_to_all_single)")
+        formula = f"{ulysses_formula_bytes(a.batch, a.seq, nproc) / 1e6:.2f} MB per rank per step"
+        if "DeepSpeed Ulysses core" in best:
+            print(f"DeepSpeed cp bytes by formula: {formula} (its cp column above is counted at "
+                  f"torch.distributed.all_to_all_single)")
+        else:
+            print(f"Ulysses all-to-all formula: {formula}")
     if a.part in ("both", "modes"):
         impls = [("ulysses", "fivefold Ulysses (cp=2)"), ("ring", "fivefold ring (cp=2)"),
                  ("megatron", "fivefold Megatron SP (tp=2)")]

@@ -11,8 +11,11 @@ rescaled whenever m grows. After r steps o = acc / l, exactly softmax(q kᵀ / s
 
 Causality comes from position ids, not from block order: query at position p sees key at position p'
 iff p' <= p. `positions_rs` (r, s) lists every rank's positions, so any layout works: contiguous,
-zig-zag, or a hybrid with Ulysses whose tokens are two zig-zag chunks. Per block only the bounding
-rectangle of visible (query, key) pairs is computed, and a block nothing sees is skipped.
+zig-zag, or a hybrid with Ulysses whose tokens are two zig-zag chunks. On the CPU a block is split
+into tiles of contiguous position runs, each fully visible or a causal diagonal, computed by torch's
+fused flash-attention kernel (it returns the log-sum-exp the merge needs; its backward takes the merged
+output and log-sum-exp); otherwise only the bounding rectangle of visible (query, key) pairs is
+computed, under a mask. A block nothing sees is skipped.
 
 Load balance (the zig-zag layout of Megatron-CP and torchtitan). With contiguous shards, rank 0 sees
 only its own block and rank r-1 sees all r: the ring waits for the slowest rank. Zig-zag splits the
@@ -132,6 +135,89 @@ def _grad_block(q_bkgsd, k_bktd, v_bktd, do_bkgsd, lse_bkgs, delta_bkgs, win, po
     return dq_bkgsd, dk_bktd, dv_bktd
 
 
+# -- fused tiles (CPU) ------------------------------------------------------------------------------------
+# torch's fused CPU flash-attention kernels return the log-sum-exp the online softmax needs, and their
+# backward takes the merged output and log-sum-exp: exactly a block's share of the ring's gradients.
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _runs(pos_s: torch.Tensor) -> list[slice]:
+    """Maximal runs of consecutive positions (a zig-zag share is two runs)."""
+    breaks = ((pos_s[1:] - pos_s[:-1]) != 1).nonzero().flatten() + 1
+    edges = [0, *breaks.tolist(), len(pos_s)]
+    return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _tiles(pos_q_s: torch.Tensor, pos_k_t: torch.Tensor, causal: bool, device) -> list | None:
+    """The block as tiles the fused kernel computes exactly: (query rows, key columns, causal) for each
+    pair of position runs that is fully visible (causal False) or shares its positions (the causal
+    diagonal); pairs nothing sees are left out. None when the fused kernel does not apply (not on the CPU,
+    or a pair is only partly visible some other way): then the block goes the masked way."""
+    if _FLASH is None or device.type != "cpu":
+        return None
+    if not causal:
+        return [(slice(0, len(pos_q_s)), slice(0, len(pos_k_t)), False)]
+    tiles = []
+    for rows in _runs(pos_q_s):
+        q0, q1 = int(pos_q_s[rows.start]), int(pos_q_s[rows.stop - 1])
+        for cols in _runs(pos_k_t):
+            k0, k1 = int(pos_k_t[cols.start]), int(pos_k_t[cols.stop - 1])
+            if k0 > q1:
+                continue                                  # all in the future
+            if k1 <= q0:
+                tiles.append((rows, cols, False))         # all in the past
+            elif (q0, q1) == (k0, k1):
+                tiles.append((rows, cols, True))          # the same positions: causal diagonal
+            else:
+                return None
+    return tiles
+
+
+def _expand(x_bksd: torch.Tensor, g: int, dtype) -> torch.Tensor:
+    """K or V with each kv head repeated for its g query heads (local only; never sent)."""
+    x_bksd = x_bksd.to(dtype)
+    return x_bksd.repeat_interleave(g, dim=1) if g > 1 else x_bksd
+
+
+def _attend_tiles(q_bnsd, k_bnsd, v_bnsd, tiles, scale, m_bkgs, l_bkgs, acc_bkgsd) -> None:
+    """Merge each tile's fused attention (output o_t and log-sum-exp lse_t) into the online softmax:
+    the tile adds exp(lse_t - m) to l and o_t·exp(lse_t - m) to the accumulator."""
+    b, kh, g = m_bkgs.shape[0], m_bkgs.shape[1], m_bkgs.shape[2]
+    for rows, cols, causal in tiles:
+        o_bnsd, lse_bns = _FLASH(q_bnsd[:, :, rows].contiguous(), k_bnsd[:, :, cols].contiguous(),
+                                 v_bnsd[:, :, cols].contiguous(), 0.0, causal, scale=scale)
+        n_rows = o_bnsd.shape[2]
+        o_bkgsd = o_bnsd.reshape(b, kh, g, n_rows, -1)
+        lse_bkgs = lse_bns.reshape(b, kh, g, n_rows)
+        m, l, acc = m_bkgs[..., rows], l_bkgs[..., rows], acc_bkgsd[..., rows, :]
+        m_new = torch.maximum(m, lse_bkgs)
+        m_safe = _finite_or_zero(m_new)
+        old, new = torch.exp(m - m_safe), torch.exp(lse_bkgs - m_safe)
+        l.mul_(old).add_(new)
+        acc.mul_(old[..., None]).add_(o_bkgsd * new[..., None])
+        m.copy_(m_new)
+
+
+def _grad_tiles(do_bnsd, q_bnsd, k_bnsd, v_bnsd, o_bnsd, lse_bns, tiles, scale, kh: int):
+    """Each tile's share of (dq, dk, dv) from the fused backward, given the merged output and
+    log-sum-exp; dk and dv summed over each kv head's query heads."""
+    b, n, s, d = q_bnsd.shape
+    dq_bnsd = torch.zeros_like(q_bnsd)
+    dk_bksd = torch.zeros(b, kh, k_bnsd.shape[2], d, dtype=q_bnsd.dtype, device=q_bnsd.device)
+    dv_bksd = torch.zeros_like(dk_bksd)
+    for rows, cols, causal in tiles:
+        dq, dk, dv = _FLASH_BACKWARD(do_bnsd[:, :, rows].contiguous(), q_bnsd[:, :, rows].contiguous(),
+                                     k_bnsd[:, :, cols].contiguous(), v_bnsd[:, :, cols].contiguous(),
+                                     o_bnsd[:, :, rows].contiguous(), lse_bns[:, :, rows].contiguous(),
+                                     0.0, causal, scale=scale)
+        t = dk.shape[2]
+        dq_bnsd[:, :, rows] += dq
+        dk_bksd[:, :, cols] += dk.reshape(b, kh, n // kh, t, d).sum(2)
+        dv_bksd[:, :, cols] += dv.reshape(b, kh, n // kh, t, d).sum(2)
+    return dq_bnsd, dk_bksd, dv_bksd
+
+
 # -- the ring ------------------------------------------------------------------------------------------
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Scores and statistics in fp32 (fp64 stays fp64)."""
@@ -182,8 +268,13 @@ def _ring_forward(q_bnsd, k_bksd, v_bksd, pos_rs, group: Group, causal: bool):
     for j in range(r):
         kv_2bksd, src = kv_bufs[j % 2], (i - j) % r
         handle = _hop(group, [kv_2bksd], [kv_bufs[(j + 1) % 2]]) if j < r - 1 else None
-        win = _window(pos_cpu_rs[i], pos_cpu_rs[src], causal)
-        if win is not None:
+        tiles = _tiles(pos_cpu_rs[i], pos_cpu_rs[src], causal, q_bnsd.device)
+        win = None if tiles is not None else _window(pos_cpu_rs[i], pos_cpu_rs[src], causal)
+        if tiles:
+            g = n // kh
+            _attend_tiles(q_bnsd.to(cdt), _expand(kv_2bksd[0], g, cdt), _expand(kv_2bksd[1], g, cdt), tiles, scale,
+                          m_bkgs, l_bkgs, acc_bkgsd)
+        elif win is not None:
             rows, cols = win.rows, win.cols
             _attend_block(q_bkgsd[..., rows, :], kv_2bksd[0][:, :, cols].to(cdt), kv_2bksd[1][:, :, cols].to(cdt),
                           win, pos_rs[i], pos_rs[src], scale,
@@ -214,8 +305,16 @@ def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, gro
             send, recv = send + [dkv_out], recv + [dkv_in]
         handle = _hop(group, send, recv)
         dkv_2bksd = torch.zeros(kv_2bksd.shape, dtype=cdt, device=kv_2bksd.device)   # this step's partial
-        win = _window(pos_cpu_rs[i], pos_cpu_rs[src], causal)
-        if win is not None:
+        tiles = _tiles(pos_cpu_rs[i], pos_cpu_rs[src], causal, q_bnsd.device)
+        win = None if tiles is not None else _window(pos_cpu_rs[i], pos_cpu_rs[src], causal)
+        if tiles:
+            g = n // kh
+            dq, dk, dv = _grad_tiles(do_bnsd.to(cdt), q_bnsd.to(cdt), _expand(kv_2bksd[0], g, cdt),
+                                     _expand(kv_2bksd[1], g, cdt), o_bnsd.to(cdt), lse_bns, tiles, scale, kh)
+            dq_bkgsd += dq.reshape(dq_bkgsd.shape)
+            dkv_2bksd[0] += dk
+            dkv_2bksd[1] += dv
+        elif win is not None:
             rows, cols = win.rows, win.cols
             dq, dk, dv = _grad_block(q_bkgsd[..., rows, :], kv_2bksd[0][:, :, cols].to(cdt),
                                      kv_2bksd[1][:, :, cols].to(cdt), do_bkgsd[..., rows, :],

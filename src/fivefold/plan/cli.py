@@ -41,6 +41,7 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                     help="Megatron sequence parallelism (default megatron when tp > 1)")
     ap.add_argument("--cp-mode", dest="cp_mode", choices=choices(CpMode),
                     help="context parallelism: Ulysses all-to-all, ring attention, or both (default: search them)")
+    ap.add_argument("--ulysses", type=int, help="hybrid cp: Ulysses degree of the inner ranks (default the largest)")
     ap.add_argument("--seq", type=int, help="sequence length (default min(model max, 4096))")
     ap.add_argument("--global-batch", dest="global_batch", type=int, help="sequences per step (default 1024)")
     ap.add_argument("--micro-batch", dest="micro_batch", type=int, help="sequences per micro-batch")
@@ -121,7 +122,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         lay = Layout(tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=fixed["cp"], ep=fixed["ep"] or 1,
                      zero=fixed["zero"] or 0, vpp=fixed["vpp"] or 1, micro_batch=fixed["micro_batch"] or 1,
                      recompute=fixed["recompute"] or "none", order=order, partition=partition, sp_mode=sp_mode,
-                     cp_mode=args.cp_mode or layout.cp_mode, bucket_mb=layout.bucket_mb,
+                     cp_mode=args.cp_mode or layout.cp_mode, ulysses=args.ulysses or layout.ulysses,
+                     bucket_mb=layout.bucket_mb,
                      reshard_after_forward=layout.reshard_after_forward,
                      schedule=args.schedule or ("interleaved" if (fixed["vpp"] or 1) > 1 else layout.schedule))
         est = estimate(model, lay, work, topo, args.gpus)

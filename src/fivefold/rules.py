@@ -144,8 +144,8 @@ def check_context_parallel(cp_mode: str, cp: int, tp: int, heads: int, seq_len: 
     if seq_len % (2 * cp):
         what = "ring attention" if cp_mode == "ring" else "hybrid context parallelism (its ring)"
         raise ConfigError(f"{what} splits the sequence into 2*cp zig-zag chunks: seq_len ({seq_len}) must divide "
-                          f"by 2*cp = {2 * cp}; valid seq_len: {nearest(seq_len, _multiples(2 * cp, seq_len))}, "
-                          f"or cp: {nearest(cp, [d for d in divisors(seq_len) if seq_len % (2 * d) == 0])}")
+                          f"by 2*cp = {2 * cp}; valid seq_len: {nearest(seq_len, _multiples(2 * cp, seq_len))}; "
+                          f"valid cp: {nearest(cp, [d for d in divisors(seq_len) if seq_len % (2 * d) == 0])}")
 
 
 # -- expert parallel -----------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
 """Our Llama equals transformers' LlamaForCausalLM: logits, loss and gradients, several configs."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,7 +8,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from fivefold.model import Transformer, loss_sum  # noqa: E402
-from fivefold.model.hf import from_hf, name_map, to_hf  # noqa: E402
+from fivefold.model.hf import config_from_hf, from_hf, name_map, to_hf  # noqa: E402
 
 CONFIGS = [
     dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0),
@@ -65,3 +67,131 @@ def test_seeded_init_is_deterministic():
         if p.dim() > 1:
             assert not torch.equal(p, r)
     assert a.head.weight is a.embed.weight
+
+
+# -- mixture of experts: Mixtral and Qwen2-MoE ---------------------------------------------------------
+
+MOE_COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, rms_norm_eps=1e-6, attn_implementation="eager",
+                  num_experts_per_tok=2)
+MOE_CASES = {
+    "mixtral": dict(intermediate_size=48, num_local_experts=4, tie_word_embeddings=False),
+    "mixtral_tied": dict(intermediate_size=32, num_local_experts=4, tie_word_embeddings=True, rope_theta=10000.0),
+    "qwen2_moe_norm": dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                           num_experts=4, norm_topk_prob=True, qkv_bias=False),
+    "qwen2_moe": dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                      num_experts=4, norm_topk_prob=False, qkv_bias=False),
+    "qwen2_moe_dense0": dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                             num_experts=4, norm_topk_prob=False, qkv_bias=False, mlp_only_layers=[0]),
+}
+
+
+def hf_moe(case, **over):
+    torch.manual_seed(0)
+    kw = {**MOE_COMMON, **MOE_CASES[case], **over}
+    if case.startswith("mixtral"):
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(**kw)).eval()
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**kw)).eval()
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_logits_grads_and_round_trip(case):
+    hf = hf_moe(case)
+    ours = from_hf(hf)
+    c = ours.cfg
+    assert (c.experts, c.top_k) == (4, 2)
+    if case.startswith("mixtral"):
+        assert (c.router, c.shared_experts, c.moe_ffn, c.dense_layers) == ("softmax_topk_norm", 0, c.ffn, 0)
+    else:
+        kw = MOE_CASES[case]
+        assert c.router == ("softmax_topk_norm" if kw["norm_topk_prob"] else "softmax_topk")
+        assert c.shared_expert_gate and c.shared_experts * c.moe_ffn == kw["shared_expert_intermediate_size"]
+        assert c.dense_layers == len(kw.get("mlp_only_layers", []))
+    tokens = torch.randint(0, 97, (3, 24), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(tokens, -1, 1)
+    logits_hf = hf(tokens).logits
+    ours.eval()
+    logits = ours(tokens)
+    torch.testing.assert_close(logits, logits_hf, rtol=1e-5, atol=1e-5)
+    # gradients of the language-model loss (our aux losses off: Hugging Face adds its own only on request)
+    for layer in ours.layers:
+        if hasattr(layer.mlp, "aux_loss_coef"):
+            layer.mlp.aux_loss_coef = 0.0
+    F.cross_entropy(logits_hf.flatten(0, 1), targets.flatten()).backward()
+    (loss_sum(ours(tokens), targets) / targets.numel()).backward()
+    theirs = dict(hf.named_parameters())
+    names = name_map(c)
+    for name, p in ours.named_parameters():
+        if name in names:
+            want = theirs[names[name]].grad
+        else:   # w_gate / w_up: halves of gate_up_proj
+            packed = "model." + name.rsplit(".", 1)[0] + ".gate_up_proj"
+            want = theirs[packed].grad.chunk(2, dim=1)[0 if name.endswith("w_gate") else 1]
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    back = to_hf(ours)
+    assert type(back) is type(hf)
+    want = hf.state_dict()
+    got = back.state_dict()
+    assert set(got) == set(want)
+    for name, t in got.items():
+        assert torch.equal(t, want[name]), name
+    back.eval()
+    torch.testing.assert_close(back(tokens).logits, logits_hf, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_saved_folder_and_export_from_scratch(tmp_path):
+    hf = hf_moe("qwen2_moe_norm")
+    hf.save_pretrained(tmp_path)
+    ours = from_hf(str(tmp_path)).eval()
+    tokens = torch.randint(0, 97, (2, 16))
+    torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+    # a model of ours (seeded init), exported and imported back: the same weights and logits
+    mine = Transformer(from_hf(hf_moe("mixtral")).cfg, seed=5).eval()
+    again = from_hf(to_hf(mine).eval()).eval()
+    for (n, p), q in zip(mine.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), n
+    torch.testing.assert_close(again(tokens), mine(tokens), rtol=0, atol=0)
+
+
+def test_moe_load_balance_loss_matches_hf_convention():
+    """One layer, one sequence: Hugging Face's loss is k times ours (its f_e counts per token, not per
+    assignment), before coefficients."""
+    hf = hf_moe("mixtral", num_hidden_layers=1)
+    ours = from_hf(hf)
+    tokens = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(2))
+    theirs = hf(tokens, output_router_logits=True).aux_loss
+    ours(tokens)
+    (value,) = ours.aux.values
+    torch.testing.assert_close(value / ours.cfg.aux_loss_coef * 2, theirs.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("over, words", [
+    (dict(qkv_bias=True), "qkv_bias"),
+    (dict(decoder_sparse_step=2, num_hidden_layers=4), "layers [0, 2] are dense"),
+    (dict(mlp_only_layers=[1]), "layers [1] are dense"),
+    (dict(shared_expert_intermediate_size=48), "multiple of moe_intermediate_size"),
+    (dict(use_sliding_window=True), "use_sliding_window"),
+])
+def test_qwen2_moe_unsupported_configs_refused(over, words):
+    cfg = transformers.Qwen2MoeConfig(**{**MOE_COMMON, **MOE_CASES["qwen2_moe"], **over})
+    with pytest.raises(ValueError, match=re.escape(words)):
+        config_from_hf(cfg)
+
+
+def test_qwen2_moe_sparse_step_with_a_dense_prefix_is_supported():
+    """decoder_sparse_step=2 on 2 layers: layer 0 dense, layer 1 sparse = dense_layers 1."""
+    cfg = transformers.Qwen2MoeConfig(**{**MOE_COMMON, **MOE_CASES["qwen2_moe"], "decoder_sparse_step": 2})
+    assert config_from_hf(cfg).dense_layers == 1
+
+
+def test_export_refuses_models_without_a_family():
+    from fivefold.config import ModelConfig
+    from fivefold.model.hf import hf_family
+
+    base = dict(vocab=97, hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, experts=4, moe_ffn=32)
+    assert hf_family(ModelConfig(**base)) == "mixtral"
+    assert hf_family(ModelConfig(**base, shared_experts=1, shared_expert_gate=True, dense_layers=1)) == "qwen2_moe"
+    for bad in (dict(router="sigmoid_bias"), dict(router_groups=2, router_group_limit=1), dict(shared_experts=1),
+                dict(router="softmax_topk")):
+        with pytest.raises(ValueError):
+            hf_family(ModelConfig(**base, **bad))

@@ -29,8 +29,8 @@ from typing import Any, Literal
 
 from . import rules
 from .grid import DEFAULT_ORDER, parse_order
-from .rules import (ConfigError, CpMode, Device, Dtype, Recompute, Schedule, SpMode, ZeroStage, check_choice,
-                    choices, divisors, nearest)
+from .rules import (ConfigError, CpMode, Device, Dtype, Recompute, RouterKind, Schedule, SpMode, ZeroStage,
+                    check_choice, choices, divisors, nearest)
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "apply_overrides",
            "divisors", "field_type", "load_config", "nearest"]
@@ -38,7 +38,7 @@ __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfi
 
 @dataclass
 class ModelConfig:
-    """A Llama-style decoder. MoE fields are used when `experts > 0`."""
+    """A Llama-style decoder. MoE fields are used when `experts > 0` (model/moe.py explains each)."""
 
     vocab: int = 256
     hidden: int = 128
@@ -53,34 +53,65 @@ class ModelConfig:
     init_std: float = 0.02
     dropout: float = 0.0          # residual dropout after attention and MLP (0: off, as in Llama)
     # Mixture of experts: 0 experts means a dense model.
-    experts: int = 0
-    top_k: int = 2
-    moe_ffn: int = 0
-    shared_experts: int = 0
-    dense_layers: int = 0
+    experts: int = 0              # routed experts per MoE layer
+    top_k: int = 2                # experts per token
+    moe_ffn: int = 0              # hidden width of one expert (0: ffn)
+    shared_experts: int = 0       # always-on experts, run as one SwiGLU of width shared_experts * moe_ffn
+    dense_layers: int = 0         # the first dense_layers layers keep the dense SwiGLU of width ffn
+    router: RouterKind = "softmax_topk_norm"   # Mixtral | Qwen2-MoE (not renormalised) | DeepSeek-V3
+    router_groups: int = 0        # group-limited routing: experts in this many consecutive groups (0: off)
+    router_group_limit: int = 0   # ... a token chooses only from its best router_group_limit groups
+    capacity_factor: float = 0.0  # per-sequence expert capacity ceil(factor*seq*top_k/experts) (0: dropless)
+    aux_loss_coef: float = 0.01   # Switch/GShard load-balance loss (softmax routers)
+    z_loss_coef: float = 0.0      # ST-MoE router z-loss
+    shared_expert_gate: bool = False   # Qwen2-MoE: shared output times sigmoid(Linear(h, 1))
+    bias_update_rate: float = 0.001    # sigmoid_bias: expert-bias step per update (DeepSeek-V3's gamma)
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def expert_ffn(self) -> int:
+        """Hidden width of one routed (or shared) expert."""
+        return self.moe_ffn or self.ffn
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.experts > 0 and i >= self.dense_layers
+
     def num_params(self) -> int:
-        """Parameters of the dense model (each tied weight counted once)."""
-        h, f, v = self.hidden, self.ffn, self.vocab
+        """Parameters of the model as built (each tied weight counted once; the sigmoid router's expert
+        bias is a buffer, not a parameter)."""
+        h, v, m = self.hidden, self.vocab, self.expert_ffn
         kv = self.kv_heads * self.head_dim
         attn = h * h + 2 * h * kv + h * h
-        mlp = 3 * h * f
-        per_layer = attn + mlp + 2 * h
+        dense = attn + 3 * h * self.ffn + 2 * h
+        moe = (attn + 2 * h + self.experts * h + self.experts * 3 * h * m + 3 * h * self.shared_experts * m
+               + (h if self.shared_expert_gate else 0))
+        n_moe = sum(self.is_moe_layer(i) for i in range(self.layers))
         embed = v * h * (1 if self.tie_embeddings else 2)
-        return self.layers * per_layer + embed + h
+        return (self.layers - n_moe) * dense + n_moe * moe + embed + h
 
     def validate(self) -> None:
+        _check_choices(self, "model")
         for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq"):
             rules.check_positive(f"model.{name}", getattr(self, name))
         rules.check_attention(self.hidden, self.heads, self.kv_heads)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        if self.experts and not 1 <= self.top_k <= self.experts:
-            raise ConfigError(f"model.top_k ({self.top_k}) must be between 1 and model.experts ({self.experts})")
+        for name in ("experts", "moe_ffn", "shared_experts", "dense_layers", "router_groups", "router_group_limit",
+                     "capacity_factor", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.experts:
+            return
+        rules.check_moe_routing(self.experts, self.top_k, self.router_groups, self.router_group_limit)
+        if self.dense_layers > self.layers:
+            raise ConfigError(f"model.dense_layers ({self.dense_layers}) counts the first layers that stay dense: "
+                              f"valid dense_layers: 0..{self.layers}")
+        if self.shared_expert_gate and not self.shared_experts:
+            raise ConfigError("model.shared_expert_gate gates the shared experts' output: it needs "
+                              "model.shared_experts >= 1; valid: shared_experts >= 1, or shared_expert_gate false")
 
 
 @dataclass

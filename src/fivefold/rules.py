@@ -6,7 +6,7 @@ runtime and the planner (`plan/layout.py:check`) call these same functions, so a
 accepts is one the runtime runs, with the same message when it is not.
 
 The choices a field can take are `Literal` types (`ZeroStage`, `SpMode`, `CpMode`, `Schedule`,
-`Recompute`, `PartitionKind`, `Dtype`, `Device`, `Dim`); `choices(T)` lists them, for argparse and for
+`Recompute`, `PartitionKind`, `Dtype`, `Device`, `Dim`, `RouterKind`); `choices(T)` lists them, for argparse and for
 `check_choice`.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ PartitionKind = Literal["even", "llama3"]             # named layer splits; a li
 Dtype = Literal["fp32", "bf16", "fp64"]               # fp64 for exactness checks
 Device = Literal["auto", "cpu", "cuda"]
 Dim = Literal["tp", "cp", "ep", "dp", "pp"]           # the grid's dimensions
+RouterKind = Literal["softmax_topk_norm", "softmax_topk", "sigmoid_bias"]   # Mixtral, Qwen2-MoE, DeepSeek-V3
 
 
 class ConfigError(ValueError):
@@ -247,13 +248,18 @@ def check_world_size(world: int, tp: int, cp: int, dp: int, pp: int) -> None:
 
 
 # -- what the runtime runs today -----------------------------------------------------------------------
-def check_runtime_support(parallel, train) -> None:
+def check_runtime_support(parallel, train, model=None) -> None:
     """Layouts the planner can estimate but the training runtime does not run (yet), named at start.
-    `parallel` and `train` are a ParallelConfig and a TrainConfig (read by attribute)."""
+    `parallel`, `train`, `model`: a ParallelConfig, TrainConfig and ModelConfig (read by attribute)."""
     p, t = parallel, train
-    if p.ep > 1:
-        raise ConfigError(f"this runtime runs data, tensor (+ Megatron SP), context and pipeline parallelism and "
-                          f"ZeRO; not yet: ep={p.ep} (use `fivefold plan` to estimate those layouts)")
+    experts = getattr(model, "experts", 0)
+    if experts and p.cp > 1 and model.capacity_factor > 0:
+        raise ConfigError("MoE capacity mode with cp > 1 is not supported: capacity groups are whole sequences, "
+                          "which cp splits; use capacity_factor = 0 (dropless) with cp, or cp = 1")
+    if experts and p.tp > 1:
+        raise ConfigError(f"mixture-of-experts layers with tensor parallelism (EP x TP group-wise dispatch) are not "
+                          f"in the runtime yet: use tp = 1 (ep up to dp*cp = {p.dp * p.cp}); `fivefold plan` "
+                          f"estimates EP x TP")
     if p.pp > 1 and p.schedule == "zb" and p.tp > 1 and p.sp_mode == "megatron":
         raise ConfigError("the zb schedule with Megatron sequence parallelism is not supported (its weight-gradient "
                           "pass would repeat the reduce-scatter's backward all-gather); use 1f1b or sp_mode none")
@@ -275,3 +281,37 @@ def grad_norm_group(zero: int, only_dp: bool = True) -> str:
     hold different pieces add: "mp" (tp × cp × pp); when some reduce over another group (dp × cp,
     expert-dp) each replicated gradient is counted by rank 0 of its group and the sum goes over "world"."""
     return "world" if zero or not only_dp else "mp"
+
+
+# -- mixture of experts --------------------------------------------------------------------------------
+def moe_capacity(capacity_factor: float, seq: int, top_k: int, experts: int) -> int:
+    """GShard capacity: the assignments an expert accepts from one sequence (its capacity group),
+    ceil(capacity_factor · seq · top_k / experts); 0 when capacity_factor is 0 (dropless)."""
+    if capacity_factor <= 0:
+        return 0
+    return -(-int(round(capacity_factor * seq * top_k * 1_000_000)) // (experts * 1_000_000))
+
+
+def check_moe_routing(experts: int, top_k: int, router_groups: int = 0, router_group_limit: int = 0) -> None:
+    """A token picks top_k distinct experts: 1 <= top_k <= experts. Group-limited routing (DeepSeek-V3's
+    node-limited routing) splits the experts into router_groups equal, consecutive groups and lets a
+    token choose only among the experts of its router_group_limit best groups, so router_groups divides
+    experts, 1 <= router_group_limit <= router_groups and top_k <= router_group_limit·experts/router_groups."""
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"model.top_k ({top_k}) must be between 1 and model.experts ({experts}); "
+                          f"valid top_k: 1..{experts}")
+    if router_groups == 0 and router_group_limit == 0:
+        return
+    if router_groups < 1 or experts % router_groups:
+        raise ConfigError(f"model.router_groups ({router_groups}) must divide model.experts ({experts}) into equal "
+                          f"groups (0: no group-limited routing); valid router_groups: "
+                          f"{nearest(router_groups, [0] + divisors(experts))}")
+    if not 1 <= router_group_limit <= router_groups:
+        raise ConfigError(f"model.router_group_limit ({router_group_limit}) must be between 1 and model.router_groups "
+                          f"({router_groups}) when group-limited routing is on; valid: 1..{router_groups}")
+    reachable = router_group_limit * (experts // router_groups)
+    if top_k > reachable:
+        need = -(-top_k // (experts // router_groups))
+        raise ConfigError(f"model.top_k ({top_k}) must be <= router_group_limit*experts/router_groups = "
+                          f"{router_group_limit}*{experts}/{router_groups} = {reachable} (the experts a token may "
+                          f"reach); valid router_group_limit: {need}..{router_groups}, or top_k <= {reachable}")

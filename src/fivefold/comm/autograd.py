@@ -34,7 +34,9 @@ inputs with an all-to-all, whose conjugate is the reverse all-to-all:
 | seq_to_heads   | (b, n, s/N, d) on each rank -> (b, n/N, s, d)    | heads_to_seq   |
 | heads_to_seq   | (b, n/N, s, d) on each rank -> (b, n, s/N, d)    | seq_to_heads   |
 
-Each sends (N-1)/N of its input (`volume.all_to_all`). Heads are dimension 1 and the sequence
+Each sends (N-1)/N of its input (`volume.all_to_all`). Expert parallelism's dispatch and combine move
+token rows with uneven splits: `all_to_all_rows(x, group, send, recv)` sends send[j] rows to rank j and
+receives recv[j] from it; its backward is the same exchange with the splits swapped. Heads are dimension 1 and the sequence
 dimension 2 of a (b, n, s, d) tensor; rank r's tokens land at [r·s/N, (r+1)·s/N) of the gathered
 sequence and rank r keeps heads [r·n/N, (r+1)·n/N).
 """
@@ -184,6 +186,47 @@ def seq_to_heads(x_bnsd: torch.Tensor, group: Group) -> torch.Tensor:
 
 def heads_to_seq(x_bnsd: torch.Tensor, group: Group) -> torch.Tensor:
     return x_bnsd if group.size == 1 else HeadsToSeq.apply(x_bnsd, group)
+
+
+class SumAcross(torch.autograd.Function):
+    """y = Σ over the group of x, for a value every rank then uses in its own loss: backward sums the
+    ranks' gradients the same way (an all-reduce each way)."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group):
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+def sum_across(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else SumAcross.apply(x, group)
+
+
+def _rows(x_md: torch.Tensor, group: Group, send: list[int], recv: list[int]) -> torch.Tensor:
+    out = torch.empty((sum(recv),) + tuple(x_md.shape[1:]), dtype=x_md.dtype, device=x_md.device)
+    ops.all_to_all(out, x_md.contiguous(), group, out_splits=recv, in_splits=send)
+    return out
+
+
+class AllToAllRows(torch.autograd.Function):
+    """Rows to ranks with uneven splits; backward returns each gradient row to where it came from."""
+
+    @staticmethod
+    def forward(ctx, x_md, group: Group, send: list[int], recv: list[int]):
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        return _rows(x_md, group, send, recv)
+
+    @staticmethod
+    def backward(ctx, grad_md):
+        return _rows(grad_md, ctx.group, ctx.recv, ctx.send), None, None, None
+
+
+def all_to_all_rows(x_md: torch.Tensor, group: Group, send: list[int], recv: list[int]) -> torch.Tensor:
+    return x_md if group.size == 1 else AllToAllRows.apply(x_md, group, send, recv)
 
 
 def copy_to_tensor_region(x: torch.Tensor, group: Group) -> torch.Tensor:

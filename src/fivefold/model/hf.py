@@ -1,8 +1,24 @@
-"""Import and export Hugging Face Llama weights.
+"""Import and export Hugging Face Llama, Mixtral and Qwen2-MoE weights.
 
-`from_hf(m)` takes a `transformers` LlamaForCausalLM (an object, or a folder saved with
-`save_pretrained`) and returns our `Transformer` with the same weights; `to_hf(model)` goes back.
-Names map one to one; no tensor is permuted (both use the "rotate half" RoPE layout).
+`from_hf(m)` takes a `transformers` LlamaForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM (an
+object, or a folder saved with `save_pretrained`) and returns our `Transformer` with the same weights;
+`to_hf(model)` goes back, to the family `hf_family(cfg)` picks (or the one named). No tensor is permuted
+(both use the "rotate half" RoPE layout); names map one to one, except that transformers (5.x) packs each
+layer's expert gate and up projections into one 3-D tensor, `mlp.experts.gate_up_proj` (E, 2f, h) =
+[w_gate; w_up] along dim 1, which we split. `mlp.experts.down_proj` (E, h, f) is our `w_down` as is.
+
+What maps (ours <- theirs):
+- Mixtral: router softmax_topk_norm; experts num_local_experts, top_k num_experts_per_tok,
+  moe_ffn = ffn = intermediate_size; aux_loss_coef router_aux_loss_coef. Refused: a sliding window,
+  router jitter noise.
+- Qwen2-MoE: router softmax_topk_norm if norm_topk_prob else softmax_topk; moe_ffn moe_intermediate_size;
+  the shared expert (width shared_expert_intermediate_size, which must be a multiple of
+  moe_intermediate_size: shared_experts = the ratio) behind its sigmoid gate (shared_expert_gate);
+  ffn = intermediate_size (the dense layers). Dense layers (mlp_only_layers, decoder_sparse_step) must be
+  the first N layers (dense_layers = N; the default, all sparse, is N = 0). Refused: q/k/v biases
+  (qkv_bias, the default of real Qwen1.5-MoE checkpoints: our attention has no biases), sliding windows.
+Hugging Face computes its load-balance loss over the whole batch and with f_e = count/tokens (k times
+ours); ours is per sequence (model/moe.py). Capacity has no Hugging Face counterpart (it runs dropless).
 """
 from __future__ import annotations
 
@@ -13,18 +29,35 @@ import torch
 from ..config import ModelConfig
 from .transformer import Transformer
 
-# ours -> Hugging Face, per layer
-LAYER_NAMES = {
+# ours -> Hugging Face, per layer: attention and norms (every family), then each MLP kind
+ATTN_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn.wq.weight": "self_attn.q_proj.weight",
     "attn.wk.weight": "self_attn.k_proj.weight",
     "attn.wv.weight": "self_attn.v_proj.weight",
     "attn.wo.weight": "self_attn.o_proj.weight",
     "mlp_norm.weight": "post_attention_layernorm.weight",
+}
+DENSE_NAMES = {
     "mlp.gate.weight": "mlp.gate_proj.weight",
     "mlp.up.weight": "mlp.up_proj.weight",
     "mlp.down.weight": "mlp.down_proj.weight",
 }
+MOE_NAMES = {
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.experts.w_down": "mlp.experts.down_proj",
+}
+SHARED_NAMES = {
+    "mlp.shared.gate.weight": "mlp.shared_expert.gate_proj.weight",
+    "mlp.shared.up.weight": "mlp.shared_expert.up_proj.weight",
+    "mlp.shared.down.weight": "mlp.shared_expert.down_proj.weight",
+}
+SHARED_GATE_NAMES = {"mlp.shared_gate.weight": "mlp.shared_expert_gate.weight"}
+# Hugging Face's packed tensor -> our tensors, concatenated along dim 1
+PACKED_NAMES = {"mlp.experts.gate_up_proj": ("mlp.experts.w_gate", "mlp.experts.w_up")}
+LAYER_NAMES = {**ATTN_NAMES, **DENSE_NAMES}   # a dense (Llama) layer
+
+CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def rope_theta_of(hf_cfg) -> float:
@@ -35,13 +68,14 @@ def rope_theta_of(hf_cfg) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
-def config_from_hf(hf_cfg) -> ModelConfig:
-    if getattr(hf_cfg, "attention_bias", False) or getattr(hf_cfg, "mlp_bias", False):
-        raise ValueError("Llama models with attention or MLP biases are not supported")
+def _common(hf_cfg) -> dict:
+    """Fields every family shares (attention, norms, embeddings)."""
+    if getattr(hf_cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"only SwiGLU (hidden_act silu) MLPs are supported, got {hf_cfg.hidden_act}")
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     if head_dim * hf_cfg.num_attention_heads != hf_cfg.hidden_size:
         raise ValueError("head_dim * heads must equal hidden_size")
-    return ModelConfig(
+    return dict(
         vocab=hf_cfg.vocab_size, hidden=hf_cfg.hidden_size, layers=hf_cfg.num_hidden_layers,
         heads=hf_cfg.num_attention_heads, kv_heads=hf_cfg.num_key_value_heads or hf_cfg.num_attention_heads,
         ffn=hf_cfg.intermediate_size, rope_theta=rope_theta_of(hf_cfg), norm_eps=hf_cfg.rms_norm_eps,
@@ -49,52 +83,164 @@ def config_from_hf(hf_cfg) -> ModelConfig:
         max_seq=hf_cfg.max_position_embeddings, init_std=getattr(hf_cfg, "initializer_range", 0.02))
 
 
-def config_to_hf(cfg: ModelConfig):
-    from transformers import LlamaConfig
+def qwen2_moe_dense_layers(hf_cfg) -> int:
+    """How many leading layers a Qwen2-MoE config keeps dense; ValueError unless the dense ones are a prefix."""
+    n = hf_cfg.num_hidden_layers
+    step, only = hf_cfg.decoder_sparse_step, set(hf_cfg.mlp_only_layers or [])
+    sparse = [i not in only and hf_cfg.num_experts > 0 and (i + 1) % step == 0 for i in range(n)]
+    dense = sparse.index(True) if True in sparse else n
+    if not all(sparse[dense:]) or dense == n:
+        raise ValueError(f"Qwen2-MoE layers {[i for i in range(n) if not sparse[i]]} are dense (mlp_only_layers="
+                         f"{sorted(only)}, decoder_sparse_step={step}); fivefold supports dense layers only as the "
+                         f"first N < {n} (model.dense_layers): use decoder_sparse_step=1 and mlp_only_layers=[0..N-1]")
+    return dense
 
-    return LlamaConfig(
-        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-        max_position_embeddings=cfg.max_seq, initializer_range=cfg.init_std, attention_bias=False,
-        mlp_bias=False, attention_dropout=0.0)
+
+def config_from_hf(hf_cfg) -> ModelConfig:
+    kind = getattr(hf_cfg, "model_type", "llama")
+    if kind not in CLASSES:
+        raise ValueError(f"unsupported Hugging Face model_type {kind!r}; supported: {', '.join(CLASSES)}")
+    if any(getattr(hf_cfg, name, False) for name in ("attention_bias", "mlp_bias", "qkv_bias")):
+        raise ValueError(f"{kind} models with attention (qkv_bias/attention_bias) or MLP biases are not supported: "
+                         f"fivefold's attention and MLP have no biases")
+    cfg = _common(hf_cfg)
+    if kind == "mixtral":
+        if hf_cfg.sliding_window is not None:
+            raise ValueError(f"Mixtral with sliding_window={hf_cfg.sliding_window} is not supported (full causal "
+                             f"attention only); use sliding_window=None")
+        if hf_cfg.router_jitter_noise:
+            raise ValueError(f"Mixtral router_jitter_noise={hf_cfg.router_jitter_noise} is not supported; use 0")
+        cfg.update(experts=hf_cfg.num_local_experts, top_k=hf_cfg.num_experts_per_tok,
+                   moe_ffn=hf_cfg.intermediate_size, router="softmax_topk_norm",
+                   aux_loss_coef=hf_cfg.router_aux_loss_coef)
+    elif kind == "qwen2_moe":
+        if hf_cfg.use_sliding_window:
+            raise ValueError("Qwen2-MoE with use_sliding_window=True is not supported (full causal attention only)")
+        m, shared = hf_cfg.moe_intermediate_size, hf_cfg.shared_expert_intermediate_size
+        if shared <= 0 or shared % m:
+            raise ValueError(f"Qwen2-MoE shared_expert_intermediate_size ({shared}) must be a positive multiple of "
+                             f"moe_intermediate_size ({m}): fivefold's shared expert is shared_experts x moe_ffn wide")
+        cfg.update(experts=hf_cfg.num_experts, top_k=hf_cfg.num_experts_per_tok, moe_ffn=m,
+                   shared_experts=shared // m, shared_expert_gate=True, dense_layers=qwen2_moe_dense_layers(hf_cfg),
+                   router="softmax_topk_norm" if hf_cfg.norm_topk_prob else "softmax_topk",
+                   aux_loss_coef=hf_cfg.router_aux_loss_coef)
+    out = ModelConfig(**cfg)
+    out.validate()
+    return out
+
+
+def hf_family(cfg: ModelConfig) -> str:
+    """The transformers family that holds this model exactly: llama (dense); mixtral (softmax_topk_norm,
+    no shared expert, no dense layers); qwen2_moe (softmax routers, shared experts behind a gate)."""
+    if not cfg.experts:
+        return "llama"
+    if cfg.router == "sigmoid_bias" or cfg.router_groups:
+        raise ValueError(f"no supported Hugging Face family routes like this model (router {cfg.router}, "
+                         f"router_groups {cfg.router_groups}); export supports Mixtral and Qwen2-MoE routers")
+    if not cfg.shared_experts and not cfg.dense_layers and cfg.router == "softmax_topk_norm":
+        return "mixtral"
+    if cfg.shared_expert_gate:
+        return "qwen2_moe"
+    raise ValueError("this MoE model has no Hugging Face family: Mixtral has no shared experts or dense layers and "
+                     "renormalises its top-k; Qwen2-MoE gates its shared experts (shared_expert_gate true)")
+
+
+def config_to_hf(cfg: ModelConfig, family: str | None = None):
+    import transformers
+
+    family = family or hf_family(cfg)
+    common = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                  num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, rope_theta=cfg.rope_theta,
+                  rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+                  max_position_embeddings=cfg.max_seq, initializer_range=cfg.init_std, attention_dropout=0.0)
+    if family == "llama":
+        return transformers.LlamaConfig(intermediate_size=cfg.ffn, attention_bias=False, mlp_bias=False, **common)
+    if family == "mixtral":
+        if cfg.shared_experts or cfg.dense_layers or cfg.router != "softmax_topk_norm":
+            raise ValueError("Mixtral has no shared experts or dense layers and renormalises its top-k")
+        return transformers.MixtralConfig(intermediate_size=cfg.expert_ffn, num_local_experts=cfg.experts,
+                                          num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.aux_loss_coef,
+                                          sliding_window=None, router_jitter_noise=0.0, head_dim=cfg.head_dim,
+                                          **common)
+    if family == "qwen2_moe":
+        if not cfg.shared_expert_gate or cfg.router not in ("softmax_topk_norm", "softmax_topk"):
+            raise ValueError("Qwen2-MoE gates its shared experts (shared_expert_gate) and routes by softmax top-k")
+        return transformers.Qwen2MoeConfig(
+            intermediate_size=cfg.ffn, moe_intermediate_size=cfg.expert_ffn,
+            shared_expert_intermediate_size=cfg.shared_experts * cfg.expert_ffn, num_experts=cfg.experts,
+            num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.router == "softmax_topk_norm",
+            decoder_sparse_step=1, mlp_only_layers=list(range(cfg.dense_layers)), qkv_bias=False,
+            use_sliding_window=False, router_aux_loss_coef=cfg.aux_loss_coef, **common)
+    raise ValueError(f"unknown family {family!r}; supported: {', '.join(CLASSES)}")
 
 
 def name_map(cfg: ModelConfig) -> dict[str, str]:
-    """Our parameter name -> the Hugging Face name."""
+    """Our parameter name -> the Hugging Face name, for the tensors that map one to one (all but the
+    experts' w_gate and w_up: see `packed_map`)."""
     out = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         out["head.weight"] = "lm_head.weight"
     for i in range(cfg.layers):
-        for ours, theirs in LAYER_NAMES.items():
+        names = dict(ATTN_NAMES)
+        if cfg.is_moe_layer(i):
+            names.update(MOE_NAMES)
+            names.update(SHARED_NAMES if cfg.shared_experts else {})
+            names.update(SHARED_GATE_NAMES if cfg.shared_expert_gate else {})
+        else:
+            names.update(DENSE_NAMES)
+        for ours, theirs in names.items():
             out[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
     return out
 
 
-def from_hf(hf_model) -> Transformer:
-    """Our Transformer with the weights of a transformers LlamaForCausalLM (object or saved folder)."""
-    if isinstance(hf_model, (str, Path)):
-        from transformers import LlamaForCausalLM
+def packed_map(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Hugging Face name -> our names whose concatenation along dim 1 it is (each MoE layer's gate_up_proj)."""
+    return {f"model.layers.{i}.{theirs}": tuple(f"layers.{i}.{o}" for o in ours)
+            for i in range(cfg.layers) if cfg.is_moe_layer(i) for theirs, ours in PACKED_NAMES.items()}
 
-        hf_model = LlamaForCausalLM.from_pretrained(hf_model)
+
+def _check_covered(theirs: dict, cfg: ModelConfig) -> None:
+    """Every Hugging Face tensor is one we map (a new layout or an unsupported feature fails loudly)."""
+    mapped = set(name_map(cfg).values()) | set(packed_map(cfg))
+    missing = sorted(mapped - set(theirs))
+    extra = sorted(n for n in set(theirs) - mapped if not (n == "lm_head.weight" and cfg.tie_embeddings))
+    if missing or extra:
+        raise ValueError(f"Hugging Face weights do not match the expected layout (transformers 5.x, packed "
+                         f"experts): missing {missing[:4]}, unexpected {extra[:4]}")
+
+
+def from_hf(hf_model) -> Transformer:
+    """Our Transformer with the weights of a transformers Llama/Mixtral/Qwen2-MoE ForCausalLM (object or
+    saved folder)."""
+    if isinstance(hf_model, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_model)
     cfg = config_from_hf(hf_model.config)
     model = Transformer(cfg)
     theirs = hf_model.state_dict()
+    _check_covered(theirs, cfg)
     with torch.no_grad():
         params = dict(model.named_parameters())
         for ours, name in name_map(cfg).items():
             params[ours].copy_(theirs[name])
+        for name, ours in packed_map(cfg).items():
+            for mine, part in zip(ours, theirs[name].chunk(len(ours), dim=1)):
+                params[mine].copy_(part)
     return model.to(next(hf_model.parameters()).dtype)
 
 
-def to_hf(model: Transformer):
-    """A transformers LlamaForCausalLM holding our model's weights."""
-    from transformers import LlamaForCausalLM
+def to_hf(model: Transformer, family: str | None = None):
+    """A transformers ForCausalLM of `family` (default `hf_family(model.cfg)`) holding our model's weights."""
+    import transformers
 
-    hf = LlamaForCausalLM(config_to_hf(model.cfg))
+    family = family or hf_family(model.cfg)
+    hf = getattr(transformers, CLASSES[family])(config_to_hf(model.cfg, family))
     params = dict(model.named_parameters())
     theirs = dict(hf.named_parameters())
     with torch.no_grad():
         for ours, name in name_map(model.cfg).items():
             theirs[name].copy_(params[ours])
+        for name, ours in packed_map(model.cfg).items():
+            theirs[name].copy_(torch.cat([params[o] for o in ours], dim=1))
     return hf.to(next(model.parameters()).dtype)

@@ -1,8 +1,10 @@
-"""A Llama-style decoder: RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU MLP,
-optionally tied input/output embeddings, causal scaled-dot-product attention.
+"""A Llama-style decoder: RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU MLP (or,
+in an MoE model's sparse layers, a mixture of SwiGLU experts: model/moe.py), optionally tied input/output
+embeddings, causal scaled-dot-product attention.
 
-It matches Hugging Face's `LlamaForCausalLM` numerically (see `model/hf.py` and the tests): the same
-RMSNorm (computed in fp32), the same "rotate half" RoPE, the same GQA head grouping.
+It matches Hugging Face's `LlamaForCausalLM`, `MixtralForCausalLM` and `Qwen2MoeForCausalLM` numerically
+(see `model/hf.py` and the tests): the same RMSNorm (computed in fp32), the same "rotate half" RoPE, the
+same GQA head grouping.
 
 Shapes: b batch, s sequence, h hidden, n query heads, k kv heads, d head dim, f ffn, v vocab.
 The model knows nothing of process groups; parallel layers wrap or replace its parts.
@@ -161,13 +163,18 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, aux: AuxLosses | None = None):
+    """Layer `index` of the model: attention, then the MLP — the mixture of experts (model/moe.py) for
+    layers index >= cfg.dense_layers of an MoE model (experts > 0), else the dense SwiGLU."""
+
+    def __init__(self, cfg: ModelConfig, aux: AuxLosses | None = None, index: int = 0):
         super().__init__()
+        from .moe import MoE   # moe.py builds on this file's SwiGLU and AuxLosses
+
         self.aux = aux if aux is not None else AuxLosses()   # where this block's auxiliary losses go
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.hidden, cfg.ffn)
+        self.mlp = MoE(cfg, self.aux) if cfg.is_moe_layer(index) else SwiGLU(cfg.hidden, cfg.ffn)
         self.drop = Dropout(cfg.dropout)  # on each branch before the residual add (0: off)
 
     def forward(self, x_bsh, cos_sd, sin_sd):
@@ -187,7 +194,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.aux = AuxLosses()
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg, self.aux) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(Block(cfg, self.aux, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
@@ -196,15 +203,20 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
-        """Seeded init: N(0, init_std) for matrices, output projections scaled by 1/sqrt(2·layers)
-        (GPT-2 style), ones for norms. The same seed gives the same weights in every process."""
+        """Seeded init: N(0, init_std) for matrices, output projections (attention's wo, an MLP's or
+        shared expert's down, the experts' w_down) scaled by 1/sqrt(2·layers) (GPT-2 style), ones for
+        norms. A stacked expert weight (E, out, in) is E matrices, each drawn like the dense one it replaces
+        (every entry N(0, std)); routers and the shared-expert gate are matrices like any other. Buffers
+        (the sigmoid router's expert bias, zeros when built) are left alone. The same seed gives the same
+        weights in every process."""
         gen = torch.Generator().manual_seed(seed if seed is not None else 0)
         std = self.cfg.init_std
+        out_proj = std / math.sqrt(2 * self.cfg.layers)
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
                 continue
-            scale = std / math.sqrt(2 * self.cfg.layers) if name.endswith(("wo.weight", "down.weight")) else std
+            scale = out_proj if name.endswith(("wo.weight", "down.weight", "w_down")) else std
             p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
     def rope(self, positions, device=None, offset: int = 0):

@@ -30,13 +30,14 @@ global-token mean, is summed over dp × cp.
 """
 from __future__ import annotations
 
+from functools import partial
 from math import lcm
 
 import torch
 from torch import nn
 
 from .. import rules
-from ..comm.autograd import heads_to_seq, seq_to_heads
+from ..comm.autograd import heads_to_seq, seq_to_heads, sum_across
 from ..model.transformer import attention_core
 from .placement import place
 from .ring import ring_attention, zigzag_positions
@@ -100,6 +101,10 @@ class ContextParallelism:
             block.attn.core = ContextAttention(self.mesh["cp_ulysses"], self.mesh["cp_ring"], self.ring_positions_rs)
         for param in model.parameters():
             place(param, reduce="dp_cp")
+        cp = self.mesh["cp"]
+        for m in model.modules():   # MoE balance statistics are per whole sequence: sum the cp parts
+            if hasattr(m, "sum_sequence_parts"):
+                m.sum_sequence_parts, m.sequence_parts = partial(sum_across, group=cp), cp.size
         return model
 
     def shard_batch(self, x_bs: torch.Tensor, y_bs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

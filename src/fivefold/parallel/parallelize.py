@@ -24,9 +24,9 @@ State flows out through the dimensions in the order they were applied (each wide
 gathering its own pieces: tp gathers the tp pieces of this stage's tensors, then pp gathers the stages)
 and back in the reverse order. Context parallelism (context.py) swaps each attention core for the
 Ulysses / ring / hybrid one, writes `reduce="dp_cp"` on the dense parameters, slices each micro-batch
-along the sequence and hands the model its position ids. Expert parallelism will plug in after it: its
-apply replaces the MoE experts by this rank's and writes `reduce="edp"` plus an "ep" `Shard` on expert
-weights, and its load-balance loss goes through `model.aux`.
+along the sequence and hands the model its position ids. Expert parallelism (expert.py) comes after it:
+it keeps this rank's experts of every MoE layer, writes `reduce="edp"` plus an "ep" `Shard` on their
+weights and swaps in the all-to-all dispatcher; the MoE load-balance loss goes through `model.aux`.
 """
 from __future__ import annotations
 
@@ -50,9 +50,10 @@ class Parallelism(Protocol):
 
 
 def parallelize(model: nn.Module, mesh, cfg: Config) -> tuple[nn.Module, list]:
-    """Apply every dimension with degree > 1, in the order tp → cp → ep → pp (ep: with its issue); return
-    the module this rank runs and the applied dimension objects."""
+    """Apply every dimension with degree > 1, in the order tp → cp → ep → pp; return the module this rank
+    runs and the applied dimension objects."""
     from .context import ContextParallelism
+    from .expert import ExpertParallelism
     from .tensor import TensorParallelism
 
     p, t = cfg.parallel, cfg.train
@@ -61,6 +62,8 @@ def parallelize(model: nn.Module, mesh, cfg: Config) -> tuple[nn.Module, list]:
         dims.append(TensorParallelism(mesh, p.sp_mode == "megatron", t.seed))
     if p.cp > 1:
         dims.append(ContextParallelism(mesh, cfg))
+    if p.ep > 1:
+        dims.append(ExpertParallelism(mesh, cfg))
     if p.pp > 1:
         dims.append(PipelineParallelism(mesh, cfg))
     for d in dims:

@@ -118,3 +118,43 @@ def by_group(params: list, field: str) -> dict[str, list]:
         if key is not None:
             out.setdefault(key, []).append(p)
     return out
+
+
+class ShardedState:
+    """Checkpoint state for a dimension that shards parameters over one group (tp, ep): full
+    single-process tensors gathered from the pieces its ranks hold, and pieces split back out of them.
+    A subclass sets `group` and `shards` (parameter name -> its `Shard` over that group, None if whole)."""
+
+    group = None
+    shards: dict = {}
+
+    def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors from this rank's pieces (all-gather over the group, dim "checkpoint")."""
+        from .. import comm
+
+        out = {}
+        for name, t in tensors.items():
+            shard = self.shards.get(name)
+            if shard is None or shard.dim is None:
+                out[name] = t.clone()
+                continue
+            t = t.contiguous()
+            n = self.group.size
+            flat = torch.empty((n * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            comm.all_gather(flat, t, self.group, dim="checkpoint")
+            out[name] = shard.assemble(flat.view((n,) + tuple(t.shape)))
+        return out
+
+    def split(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's pieces of full single-process tensors."""
+        def piece(name, t):
+            shard = self.shards.get(name)
+            return t.clone() if shard is None else shard.piece(t, self.group.rank, self.group.size)
+        return {name: piece(name, t) for name, t in tensors.items()}
+
+    def gather_state(self, state: dict) -> dict:
+        """A state full over the dimensions applied before (pieces over this one) made full here too."""
+        return {k: self.gather(v) if isinstance(v, dict) else v for k, v in state.items()}
+
+    def split_state(self, state: dict) -> dict:
+        return {k: self.split(v) if isinstance(v, dict) else v for k, v in state.items()}

@@ -54,7 +54,7 @@ from ..comm.autograd import (copy_to_tensor_region, gather_sequence, reduce_from
                              reduce_scatter_sequence)
 from ..model.transformer import Dropout, Transformer
 from ..shapes import padded_vocab
-from .placement import Shard, add_shard, place, placement_of
+from .placement import Shard, ShardedState, add_shard, place, placement_of
 
 
 # -- layers -------------------------------------------------------------------------------------
@@ -184,10 +184,10 @@ def vocab_parallel_loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor, 
 
 # -- sharding a model ---------------------------------------------------------------------------
 
-class TensorParallelism:
+class TensorParallelism(ShardedState):
     """The tensor-parallel dimension (parallelize.py's protocol): shards a model in place (`apply`),
-    gives the vocab-parallel loss, gathers full states and splits them back. The partial gradients of
-    replicated parameters are summed by the trainer from their placements (`partial`: "tp", "tp_kv")."""
+    gives the vocab-parallel loss, gathers full states and splits them back (`ShardedState`). The partial
+    gradients of replicated parameters are summed by the trainer from their placements ("tp", "tp_kv")."""
 
     name = "tp"
 
@@ -207,32 +207,6 @@ class TensorParallelism:
         def vocab_parallel(logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
             return vocab_parallel_loss_sum(logits_bsv, targets_bs, self.group, self.vocab_start, self.vocab)
         return vocab_parallel
-
-    # -- full states ----------------------------------------------------------------------------
-    def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full single-process tensors from this rank's pieces (all-gather over tp, dim "checkpoint")."""
-        out = {}
-        for name, t in tensors.items():
-            shard = self.shards[name]
-            if shard.dim is None:
-                out[name] = t.clone()
-                continue
-            t = t.contiguous()
-            flat = torch.empty((self.group.size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            comm.all_gather(flat, t, self.group, dim="checkpoint")
-            out[name] = shard.assemble(flat.view((self.group.size,) + tuple(t.shape)))
-        return out
-
-    def split(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's pieces of full single-process tensors."""
-        return {name: self.shards[name].piece(t, self.group.rank, self.group.size) for name, t in tensors.items()}
-
-    def gather_state(self, state: dict) -> dict:
-        """A state full over the dimensions applied before (pieces over tp) made full over tp too."""
-        return {k: self.gather(v) if isinstance(v, dict) else v for k, v in state.items()}
-
-    def split_state(self, state: dict) -> dict:
-        return {k: self.split(v) if isinstance(v, dict) else v for k, v in state.items()}
 
 
 def _shard(param: nn.Parameter, shard: Shard, group: Group, partial: str | None = None) -> nn.Parameter:

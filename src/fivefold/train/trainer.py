@@ -57,7 +57,7 @@ RANK_SEED_STRIDE = 7919
 
 def supported(cfg: Config) -> None:
     """Layouts the runtime does not run yet fail at start, naming what is missing (rules.py)."""
-    rules.check_runtime_support(cfg.parallel, cfg.train)
+    rules.check_runtime_support(cfg.parallel, cfg.train, cfg.model)
 
 
 class Trainer:
@@ -92,6 +92,9 @@ class Trainer:
         self.positions = None if positions is None else positions.to(self.device)   # (cp: not contiguous)
         self.engine = self.make_engine()
         self.activations = ActivationMeter()
+        for m in self.model.modules():   # layers that normalise by the step's totals (MoE aux losses)
+            if hasattr(m, "global_sequences"):
+                m.global_sequences, m.global_tokens = t.global_batch, t.global_batch * t.seq_len
         self.batches = Batches(tokens if tokens is not None else read_tokens(t.data, t.data_limit_mb),
                                t.seq_len, t.global_batch, t.seed, cfg.model.vocab)
         self.step_count = 0

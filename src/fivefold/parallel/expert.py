@@ -1,0 +1,142 @@
+"""Expert parallelism: the experts of every MoE layer split over the ep ranks; tokens travel to them.
+
+Papers: Lepikhin et al. 2020 ("GShard": experts sharded across devices, all-to-all dispatch and
+combine); Fedus et al. 2021 ("Switch Transformers"); the EP group carved out of dp × cp as in
+Megatron-Core (Korthikanti, Narayanan et al.), so experts need no extra devices: each of the ep ranks of
+a group holds E/ep consecutive experts, and each expert shard is replicated over the dp·cp/ep ranks of
+its expert-data-parallel ("edp") group, over which its gradients are summed (`placement.reduce="edp"`;
+dense weights keep dp or dp × cp).
+
+Dispatch (`AllToAllDispatch`, swapped in for the MoE block's local one, model/moe.py):
+1. the router's (token, expert) assignments are sorted by expert; counts per expert are exchanged with
+   one all-to-all of E integers (each rank learns how many rows every rank sends to each of its experts);
+2. token rows go to the ranks holding their experts: one all-to-all with uneven splits;
+3. received rows (grouped by source rank, then expert) are regrouped by local expert and the local
+   experts run on them;
+4. the outputs go back the way they came (the reverse all-to-all) and are weighted and summed per token.
+Backward runs the same two exchanges in reverse (comm/autograd.py all_to_all_rows).
+
+Capacity mode (`capacity_factor > 0`, GShard's drop and zero padding): every expert takes at most C
+assignments per sequence (rules.moe_capacity), so each rank sends fixed buffers of E·B·C rows (B
+sequences), zero-padded where an expert got fewer: the bytes do not depend on the routing (the planner
+predicts them exactly), no counts are exchanged, and padding rows cost compute but no gradient.
+
+Traffic per MoE layer and micro-batch, per rank, rows of h elements (e bytes each), all under dim "ep":
+  dropless   counts exchange (E int64, forward); dispatch and combine send the routed rows bound for
+             other ranks, forward and again backward (4 uneven all-to-alls);
+  capacity   4 all-to-alls of E·B·C·h·e bytes each, (ep-1)/ep of them leaving the rank.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..comm.autograd import all_to_all_rows
+from .placement import Shard, ShardedState, add_shard, place, placement_of
+
+
+class AllToAllDispatch:
+    """The MoE dispatcher under expert parallelism: same contract as the local one (model/moe.py)."""
+
+    def __init__(self, group, n_experts: int):
+        self.group, self.n_experts = group, n_experts
+        self.local = n_experts // group.size
+
+    def __call__(self, x_th: torch.Tensor, experts_tk: torch.Tensor, weights_tk: torch.Tensor, experts,
+                 capacity: tuple[int, int] | None = None) -> torch.Tensor:
+        """`capacity` = (tokens per sequence, C) in capacity mode: fixed, zero-padded buffers."""
+        if capacity is not None:
+            return self.padded(x_th, experts_tk, weights_tk, experts, *capacity)
+        k = experts_tk.shape[1]
+        flat_a = experts_tk.reshape(-1)
+        kept_a = (flat_a >= 0).nonzero().flatten()                  # assignments not dropped
+        order = torch.argsort(flat_a[kept_a], stable=True)
+        assign_m = kept_a[order]                                    # assignment of each routed row, by expert
+        expert_m = flat_a[assign_m]
+        x_mh = x_th[assign_m // k]
+        counts_e = torch.bincount(expert_m, minlength=self.n_experts)
+        recv_rl = self.exchange_counts(counts_e)                     # rows each rank sends per local expert
+        send = counts_e.view(self.group.size, self.local).sum(1).tolist()
+        recv = recv_rl.sum(1).tolist()
+        x_rh = all_to_all_rows(x_mh, self.group, send, recv)         # grouped by source, then local expert
+        by_expert = regroup(recv_rl)
+        y_rh = torch.empty_like(x_rh)
+        y_rh = y_rh.index_copy(0, by_expert, experts(x_rh.index_select(0, by_expert), recv_rl.sum(0).tolist()))
+        y_mh = all_to_all_rows(y_rh, self.group, recv, send)
+        w_m = weights_tk.reshape(-1)[assign_m].to(y_mh.dtype)
+        out = torch.zeros_like(x_th, dtype=y_mh.dtype)
+        return out.index_add(0, assign_m // k, y_mh * w_m[:, None])
+
+    def padded(self, x_th, experts_tk, weights_tk, experts, seq: int, cap: int) -> torch.Tensor:
+        """GShard dispatch: slot (expert, sequence, position within both) in an (E, B, C) buffer."""
+        t, k = experts_tk.shape
+        b, n, ep = t // seq, self.n_experts, self.group.size
+        flat_a = experts_tk.reshape(-1)
+        kept_a = (flat_a >= 0).nonzero().flatten()
+        group_a = flat_a[kept_a] * b + (kept_a // k) // seq           # (expert, sequence) of each
+        order = torch.argsort(group_a * (t * k) + kept_a)            # by group, then token order
+        assign_m, group_m = kept_a[order], group_a[order]
+        first = torch.searchsorted(group_m, group_m)                  # start of each row's group
+        slot_m = group_m * cap + (torch.arange(len(group_m), device=group_m.device) - first)
+        h = x_th.shape[1]
+        buf = torch.zeros(n * b * cap, h, dtype=x_th.dtype, device=x_th.device)
+        buf = buf.index_copy(0, slot_m, x_th[assign_m // k])
+        rows = self.local * b * cap
+        recv = all_to_all_rows(buf, self.group, [rows] * ep, [rows] * ep)      # (source, local expert, B, C)
+        by_expert = recv.view(ep, self.local, b * cap, h).transpose(0, 1).reshape(-1, h)
+        y = experts(by_expert, [ep * b * cap] * self.local)
+        y = y.view(self.local, ep, b * cap, h).transpose(0, 1).reshape(-1, h)
+        y_buf = all_to_all_rows(y, self.group, [rows] * ep, [rows] * ep)
+        w_m = weights_tk.reshape(-1)[assign_m].to(y_buf.dtype)
+        out = torch.zeros_like(x_th, dtype=y_buf.dtype)
+        return out.index_add(0, assign_m // k, y_buf.index_select(0, slot_m) * w_m[:, None])
+
+    def exchange_counts(self, counts_e: torch.Tensor) -> torch.Tensor:
+        """(ep, local): how many rows rank j sends to each of this rank's experts (one all-to-all)."""
+        send_rl = counts_e.view(self.group.size, self.local).contiguous()
+        recv_rl = torch.empty_like(send_rl)
+        comm.all_to_all(recv_rl, send_rl, self.group)
+        return recv_rl
+
+
+def regroup(counts_rl: torch.Tensor) -> torch.Tensor:
+    """Row order that turns blocks laid out source-major (source r, then local expert l) into
+    expert-major (expert l, then source r)."""
+    counts = counts_rl.tolist()
+    starts, o = [], 0
+    for row in counts:
+        starts.append([])
+        for c in row:
+            starts[-1].append(o)
+            o += c
+    idx = [torch.arange(starts[r][l], starts[r][l] + counts[r][l]) for l in range(len(counts[0]))
+           for r in range(len(counts))]
+    return torch.cat(idx).to(counts_rl.device) if idx else torch.zeros(0, dtype=torch.long)
+
+
+class ExpertParallelism(ShardedState):
+    """The expert-parallel dimension (parallelize.py's protocol): keeps this rank's E/ep experts of every
+    MoE layer (placement: an "ep" Shard, gradients over "edp") and swaps in the all-to-all dispatcher."""
+
+    name = "ep"
+
+    def __init__(self, mesh, cfg):
+        self.mesh, self.group = mesh, mesh["ep"]
+        self.n_experts = cfg.model.experts
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        from ..model.moe import MoE
+
+        local, rank = self.n_experts // self.group.size, self.group.rank
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            for name in ("w_gate", "w_up", "w_down"):
+                full = getattr(moe.experts, name)
+                mine = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone(),
+                                    requires_grad=full.requires_grad)
+                mine.placement = placement_of(full)
+                add_shard(mine, Shard("ep", 0, self.n_experts))
+                setattr(moe.experts, name, place(mine, reduce="edp"))
+            moe.dispatcher = AllToAllDispatch(self.group, self.n_experts)
+        self.shards = {name: placement_of(p).shard("ep") for name, p in model.named_parameters(remove_duplicate=False)}
+        return model

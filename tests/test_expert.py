@@ -1,0 +1,136 @@
+"""Expert parallelism reproduces the single-process run of the same mixture-of-experts model, alone and
+with data parallel, ZeRO, pipeline and context parallel; its dispatcher equals the local one on uneven
+and empty expert loads; its ledger counts the formula's all-to-alls.
+
+Two spawns (2 and 4 ranks, module fixtures) run every multi-rank case.
+"""
+import pytest
+import torch
+
+from fivefold.comm import CommLedger
+from fivefold.config import Config, ParallelConfig
+from fivefold.mesh import ParallelMesh
+from fivefold.model.moe import Experts, LocalDispatch
+from fivefold.parallel.expert import AllToAllDispatch, regroup
+
+from .helpers import TOL, assert_states_close, ranks, tiny_config
+from .test_data_parallel import reference, run_steps
+
+MOE = dict(experts=4, top_k=2, moe_ffn=64)
+
+# name -> (world, parallel degrees, model fields beyond MOE)
+CASES = {
+    "ep2": (2, dict(dp=2, ep=2), {}),
+    "ep2_capacity": (2, dict(dp=2, ep=2), dict(capacity_factor=1.0)),
+    "ep2_shared_qwen": (2, dict(dp=2, ep=2), dict(router="softmax_topk", shared_experts=1, dense_layers=1)),
+    "ep4": (4, dict(dp=4, ep=4, microbatches=2), {}),
+    "ep2_edp2_zero3": (4, dict(dp=4, ep=2, zero=3), {}),
+    "ep2_edp2_zero1_capacity": (4, dict(dp=4, ep=2, zero=1), dict(capacity_factor=1.25)),
+    "ep2_dp2_pp2": (4, dict(dp=2, ep=2, pp=2, microbatches=2), {}),
+    "ep2_cp2_ulysses": (2, dict(cp=2, ep=2, cp_mode="ulysses"), {}),
+}
+
+
+def moe_config(parallel: dict | None = None, model: dict | None = None) -> Config:
+    c = tiny_config(**(parallel or {}))
+    for k, v in {**MOE, **(model or {})}.items():
+        setattr(c.model, k, v)
+    return c
+
+
+def case_config(name: str) -> Config:
+    _, par, model = CASES[name]
+    return moe_config(par, model)
+
+
+# -- the dispatcher alone ----------------------------------------------------------------------------
+
+def dispatcher_alone(rank, world):
+    """Uneven loads, an expert with no token, a dropped assignment: the all-to-all dispatcher's output and
+    gradients equal the local dispatcher's on the same experts."""
+    torch.manual_seed(0)
+    E, h, t = 4, 8, 6
+    full = Experts(E, h, 16)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(world, t, h)[rank].requires_grad_()
+    experts_tk = torch.tensor([[0, 1], [0, 1], [0, 3], [1, 0], [3, -1], [1, 0]])   # expert 2 gets nothing
+    weights_tk = torch.rand(t, 2) * (experts_tk >= 0)
+    mesh = ParallelMesh(ParallelConfig(dp=world, ep=world), rank, CommLedger(rank, world))
+    local = E // world
+    mine = Experts(local, h, 16)
+    with torch.no_grad():
+        for name in ("w_gate", "w_up", "w_down"):
+            getattr(mine, name).copy_(getattr(full, name)[rank * local:(rank + 1) * local])
+    y = AllToAllDispatch(mesh["ep"], E)(x, experts_tk, weights_tk, mine)
+    y.pow(2).sum().backward()
+    ref_x = x.detach().clone().requires_grad_()
+    ref = LocalDispatch()(ref_x, experts_tk, weights_tk, full)
+    ref.pow(2).sum().backward()
+    return {"y": (y.detach(), ref.detach()), "dx": (x.grad, ref_x.grad)}
+
+
+def test_regroup_orders_rows_by_expert():
+    counts = torch.tensor([[2, 1], [0, 3]])          # source 0: 2 rows for expert 0, 1 for expert 1; ...
+    assert regroup(counts).tolist() == [0, 1, 2, 3, 4, 5]
+    counts = torch.tensor([[1, 2], [2, 1]])
+    assert regroup(counts).tolist() == [0, 3, 4, 1, 2, 5]
+
+
+# -- spawns ------------------------------------------------------------------------------------------
+
+def run_jobs(rank, world, jobs):
+    return {name: fn(rank, world, *args) for name, fn, args in jobs}
+
+
+def spawn(world):
+    jobs = [(n, run_steps, (case_config(n).to_dict(),)) for n, case in CASES.items() if case[0] == world]
+    jobs.append(("dispatch", dispatcher_alone, ()))
+    per_rank = ranks(run_jobs, world, jobs, timeout_s=400)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+@pytest.fixture(scope="module")
+def two():
+    return spawn(2)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return spawn(4)
+
+
+def results_of(name, two, four):
+    return {2: two, 4: four}[CASES[name][0]][name]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_expert_parallel_equals_single_process(name, two, four):
+    c = case_config(name)
+    one = moe_config(dict(microbatches=c.parallel.microbatches * c.parallel.dp), CASES[name][2])
+    ref = reference(one)
+    for r in results_of(name, two, four):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(r["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-5, atol=0)
+        assert_states_close(r["state"], ref["state"], **TOL["fp32"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatcher_equals_local_on_uneven_and_empty_loads(world, two, four):
+    for r in {2: two, 4: four}[world]["dispatch"]:
+        for got, want in r.values():
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_ep_all_to_alls_per_step(two):
+    """Per MoE layer and micro-batch: the counts exchange, dispatch and combine forward, and both again
+    backward: 1 + 4 all-to-alls under dim "ep"; expert gradients summed over expert-dp (a group of one
+    here: nothing sent), dense ones over dp."""
+    c = case_config("ep2")
+    moe_layers = c.model.layers - c.model.dense_layers
+    for r in two["ep2"]:
+        for rows in r["ledger"]:
+            got = {(x["dim"], x["op"]): x["calls"] for x in rows}
+            assert got[("ep", "all_to_all")] == 5 * moe_layers * c.parallel.microbatches
+            assert ("edp", "all_reduce") not in got and got[("dp", "all_reduce")] >= 1

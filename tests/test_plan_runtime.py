@@ -49,12 +49,15 @@ LAYOUTS = [
      dict(layers=4)),                                                      # ZeRO-2 under pp: reduced once per step
     (dict(pp=2, dp=2, zero=3, microbatches=2), "bf16"),                    # ZeRO-3 under pp: 2m gathers per block
     (dict(pp=2, dp=2, zero=3, microbatches=2, partition="llama3"), "fp32", dict(layers=5)),  # root once per step
+    (dict(dp=2, ep=2), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # EP padded buffers
     (dict(cp=2, dp=1), "fp32"),                                            # ring: K,V sends, dK,dV back
     (dict(cp=2, dp=1, cp_mode="ulysses", microbatches=2), "bf16"),         # 4 all-to-alls each way per layer
     (dict(cp=4, dp=1, cp_mode="hybrid", ulysses=2), "fp32"),               # Ulysses inside, ring outside
     (dict(cp=2, dp=2, zero=3, cp_mode="ulysses"), "fp32", dict(kv_heads=1)),  # K/V repeated; ZeRO-3 over dp×cp
     (dict(cp=2, tp=2, dp=1, sp_mode="megatron", cp_mode="ulysses"), "fp32"),  # cp × tp + SP
-    (dict(cp=2, pp=2, dp=1, cp_mode="ring", microbatches=2), "fp32"),      # cp × pp                                            # not in the runtime yet
+    (dict(cp=2, pp=2, dp=1, cp_mode="ring", microbatches=2), "fp32"),      # cp × pp
+    (dict(dp=4, ep=2, zero=1, microbatches=2), "fp32",
+     dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.25, shared_experts=1)),  # experts over edp, ZeRO-1                                            # not in the runtime yet
 ]
 
 

@@ -101,7 +101,8 @@ class Workload:
     grad_dtype: GradDtype = "fp32"  # gradient accumulation: "fp32" main grads, or "param" (= dtype)
     flash: bool = True             # flash attention: no s^2 score matrix stored
     fp8_dispatch: bool = False     # MoE dispatch all-to-all in FP8 (combine stays in dtype)
-    capacity_factor: float = 1.0   # MoE tokens per expert relative to perfect balance
+    capacity_factor: float = 1.0   # MoE tokens per expert relative to perfect balance (0: dropless,
+                                   # planned as perfect balance); capacity groups are sequences (rules.py)
     efficiency: float = 0.6        # fraction of peak FLOP/s the compute kernels reach
     causal: bool = True
 
@@ -140,11 +141,12 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
     The micro-batch size is global_batch / (dp · microbatches), exact for a config that validates."""
     p, t = cfg.parallel, cfg.train
     rules.check_global_batch(t.global_batch, p.dp, p.microbatches)
-    layout = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, zero=p.zero, sp_mode=p.sp_mode, cp_mode=p.cp_mode, ulysses=p.ulysses,
-                    vpp=p.vpp, micro_batch=t.global_batch // (p.dp * p.microbatches), schedule=p.schedule,
+    layout = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, zero=p.zero, sp_mode=p.sp_mode,
+                    cp_mode=p.cp_mode, ulysses=p.ulysses, vpp=p.vpp, micro_batch=t.global_batch // (p.dp * p.microbatches), schedule=p.schedule,
                     recompute=t.recompute, order=p.order, partition=p.partition, bucket_mb=p.bucket_mb,
                     reshard_after_forward=p.reshard_after_forward)
-    work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=False)
+    work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=False,
+                    capacity_factor=cfg.model.capacity_factor)   # 0: dropless (balanced routing assumed)
     return layout, work
 
 

@@ -362,7 +362,7 @@ def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1) -> LayerAc
     if not model.is_moe_layer(i):
         acts.sharded += per_ffn * model.ffn
         return acts
-    k = model.top_k * work.capacity_factor
+    k = model.top_k * (work.capacity_factor or 1.0)   # dropless (0): planned as perfectly balanced
     acts.replicated += 2 * 4 * model.experts + k * e * h            # router logits+probs, expert inputs
     acts.sharded += k * per_ffn * model.moe_ffn + model.shared_experts * per_ffn * model.moe_ffn
     return acts

@@ -47,7 +47,7 @@ from functools import lru_cache
 
 from .. import grid
 from ..comm import volume
-from ..rules import cp_degrees, grad_norm_group, kv_replicas
+from ..rules import cp_degrees, grad_norm_group, kv_replicas, moe_capacity
 from ..shapes import padded_vocab
 from .layout import Layout, Workload, microbatches
 from .memory import (exact_tensors, layout_layers, owned_tagged, root_tensors, stage_params, unit_sums, unit_tensors,
@@ -148,7 +148,7 @@ def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
         f.add("tp", "all_reduce", "tp", t, 2 * T * w.master_bytes, m)      # sum of exp, target logit
     moe = sum(1 for i in rng if model.is_moe_layer(i))
     if moe:  # routed tokens gathered inside tp after dispatch, scattered before combine
-        routed = model.top_k * w.capacity_factor * T * h * e
+        routed = model.top_k * (w.capacity_factor or 1.0) * T * h * e   # dropless (0): balanced
         calls = (fwd_passes + 1) * m * moe
         f.add("tp", "all_gather", "tp", t, routed, calls)
         f.add("tp", "reduce_scatter", "tp", t, routed, calls)
@@ -241,7 +241,11 @@ def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     rng = layout_layers(model, L)[stage]
     moe = sum(1 for i in rng if model.is_moe_layer(i))
     fwd_passes = 2 if L.recompute == "full" else 1
-    tokens = model.top_k * w.capacity_factor * T / L.tp
+    # GShard capacity: each expert's buffer holds C rows per sequence, zero-padded (rules.moe_capacity,
+    # the runtime's rule); dropless routing is planned as perfectly balanced (k rows per token)
+    seqs = L.micro_batch
+    cap = moe_capacity(w.capacity_factor, w.seq // L.cp, model.top_k, model.experts)
+    tokens = (model.experts * seqs * cap if cap else model.top_k * T) / L.tp
     msg = tokens * model.hidden * w.act_bytes
     dispatch = tokens * model.hidden * (1 if w.fp8_dispatch else w.act_bytes)
     calls = m * moe

@@ -197,6 +197,7 @@ class MoE(nn.Module):
         self.sum_sequence_parts = None   # context parallelism: sums a per-sequence statistic over its ranks
         self.sequence_parts = 1          # ... and how many ranks hold parts of each sequence
         self.last_stats: dict[str, torch.Tensor] = {}
+        self.step_stats: torch.Tensor | None = None   # (E + 1,): tokens per expert and dropped, this step
 
     def route(self, x_bsh: torch.Tensor):
         """(experts_tk, weights_tk, scores_te, logits_te): the router's choices for the b·s tokens (row
@@ -236,6 +237,9 @@ class MoE(nn.Module):
         kept_m = experts_tk[experts_tk >= 0]
         self.last_stats = {"tokens_per_expert": torch.bincount(kept_m, minlength=self.n_experts).detach(),
                            "dropped": (experts_tk < 0).sum().detach()}
+        if torch.is_grad_enabled():   # the step's totals (a forward re-run for recomputation counts once)
+            step = torch.cat([self.last_stats["tokens_per_expert"], self.last_stats["dropped"].view(1)])
+            self.step_stats = step if self.step_stats is None else self.step_stats + step
         y_bsh = y_th.view(b, s, h)
         return y_bsh if loss is None else self.aux.add(y_bsh, loss)
 

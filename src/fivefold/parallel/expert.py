@@ -140,3 +140,37 @@ class ExpertParallelism(ShardedState):
             moe.dispatcher = AllToAllDispatch(self.group, self.n_experts)
         self.shards = {name: placement_of(p).shard("ep") for name, p in model.named_parameters(remove_duplicate=False)}
         return model
+
+
+def moe_step_stats(model: nn.Module, group, layers: int) -> dict:
+    """The step's routing statistics over every MoE layer and rank, then each layer's balancing update.
+
+    Each MoE layer of this rank contributes its (E + 1,) step counts (tokens per expert, dropped) at its
+    layer's row of a (layers, E + 1) table; one all-reduce over `group` (the world: ranks hold distinct
+    tokens or layers; recorded under dim "moe_stats") makes it global. Returns metrics (tokens per expert
+    min / max / mean over layers and experts, dropped, imbalance = max / mean) and hands each layer its
+    global counts (`update_bias`: DeepSeek-V3's auxiliary-loss-free balancing; a no-op for other routers).
+    Empty when the model has no MoE layer."""
+    from ..model.moe import MoE
+
+    mine = [(int(name.split(".")[1]), m) for name, m in model.named_modules()
+            if isinstance(m, MoE) and name.startswith("layers.")]
+    if not any(isinstance(m, MoE) for m in model.modules()):
+        return {}
+    n_experts = next(m for m in model.modules() if isinstance(m, MoE)).n_experts
+    table = torch.zeros(layers, n_experts + 1, dtype=torch.float64,
+                        device=next(model.parameters()).device)
+    for i, moe in mine:
+        if moe.step_stats is not None:
+            table[i] = moe.step_stats.to(table.dtype)
+        moe.step_stats = None
+    comm.all_reduce(table, group, dim="moe_stats")
+    for i, moe in mine:
+        moe.update_bias(table[i, :n_experts])
+    moe_rows = table[table[:, :n_experts].sum(1) > 0, :n_experts]
+    if moe_rows.numel() == 0:
+        return {}
+    mean = float(moe_rows.mean())
+    return {"expert_tokens_min": float(moe_rows.min()), "expert_tokens_max": float(moe_rows.max()),
+            "expert_tokens_mean": mean, "dropped_tokens": float(table[:, n_experts].sum()),
+            "expert_imbalance": float(moe_rows.max()) / mean if mean else 0.0}

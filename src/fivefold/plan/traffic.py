@@ -59,7 +59,7 @@ VOLUME = {op: getattr(volume, op) for op in volume.OPS}   # comm/volume.py's for
 
 # how exposed a dimension's time is (see time.py)
 KIND = {"tp": "layer", "cp": "layer", "ep": "layer", "pp": "pipeline", "dp": "grad", "edp": "grad",
-        "loss": "step", "grad_norm": "step", "embed": "step"}
+        "loss": "step", "grad_norm": "step", "embed": "step", "moe_stats": "step"}
 
 
 @dataclass
@@ -322,6 +322,8 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
     _grad_flows(f, "dp", "dp_cp", L.dp * L.cp, dense, L, work, m, units(False, L.dp * L.cp), root)
     _grad_flows(f, "edp", "edp", L.edp, expert, L, work, m, units(True, L.edp))
     f.add("loss", "all_reduce", "dp_cp", L.dp * L.cp, 8, 1)
+    if model.moe:   # routing statistics: (layers, E + 1) float64 over the world (parallel/expert.py)
+        f.add("moe_stats", "all_reduce", "world", group_size(L, "world"), model.layers * (model.experts + 1) * 8, 1)
     f.add("loss", "all_reduce", "pp", L.pp, 8, 1)      # only the last stage computed it
     # (dense gradients are reduced over dp×cp when cp > 1, expert ones over expert-dp when ep > 1)
     norm_group = grad_norm_group(L.zero, only_dp=L.cp == 1 and L.ep == 1)

@@ -39,6 +39,7 @@ from ..mesh import ParallelMesh
 from ..model import Transformer, loss_sum
 from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
+from ..parallel.expert import moe_step_stats
 from ..parallel.parallelize import (direct_forward_backward, gather_state, loss_function, parallelize, split_state,
                                     sum_loss)
 from ..parallel.zero import Zero
@@ -141,9 +142,10 @@ class Trainer:
         self.engine.step(lr)
         self.engine.zero_grad()
         sum_loss(loss_local, self.mesh, self.dims)
+        routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers) if self.cfg.model.experts else {}
         self.step_count = step + 1
         return {"step": step, "loss": float(loss_local), "grad_norm": norm, "lr": lr, "tokens": n_tokens,
-                "seconds": time.perf_counter() - t0}
+                "seconds": time.perf_counter() - t0, **routing}
 
     # -- state -------------------------------------------------------------------------------
     def model_state_bytes(self) -> dict:

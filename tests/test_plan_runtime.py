@@ -50,6 +50,7 @@ LAYOUTS = [
     (dict(pp=2, dp=2, zero=3, microbatches=2), "bf16"),                    # ZeRO-3 under pp: 2m gathers per block
     (dict(pp=2, dp=2, zero=3, microbatches=2, partition="llama3"), "fp32", dict(layers=5)),  # root once per step
     (dict(dp=2, ep=2), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # EP padded buffers
+    (dict(dp=2, ep=2, fp8_dispatch=True), "bf16", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # fp8
     (dict(cp=2, dp=1), "fp32"),                                            # ring: K,V sends, dK,dV back
     (dict(cp=2, dp=1, cp_mode="ulysses", microbatches=2), "bf16"),         # 4 all-to-alls each way per layer
     (dict(cp=4, dp=1, cp_mode="hybrid", ulysses=2), "fp32"),               # Ulysses inside, ring outside

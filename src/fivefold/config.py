@@ -131,6 +131,7 @@ class ParallelConfig:
     sp_mode: SpMode = "none"             # Megatron sequence parallelism inside the tp group
     cp_mode: CpMode = "ring"             # how cp > 1 splits attention: ulysses | ring | hybrid
     ulysses: int = 0                     # hybrid: Ulysses degree of the inner ranks (0: the largest possible)
+    fp8_dispatch: bool = False           # MoE: send the expert-parallel dispatch in float8 e4m3 (+ a scale a row)
     order: str = DEFAULT_ORDER
     microbatches: int = 1                # micro-batches per step (a count; the planner's micro_batch is a size)
     schedule: Schedule = "1f1b"

@@ -146,7 +146,8 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
                     recompute=t.recompute, order=p.order, partition=p.partition, bucket_mb=p.bucket_mb,
                     reshard_after_forward=p.reshard_after_forward)
     work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=False,
-                    capacity_factor=cfg.model.capacity_factor)   # 0: dropless (balanced routing assumed)
+                    capacity_factor=cfg.model.capacity_factor,   # 0: dropless (balanced routing assumed)
+                    fp8_dispatch=cfg.parallel.fp8_dispatch)
     return layout, work
 
 

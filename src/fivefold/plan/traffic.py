@@ -247,7 +247,8 @@ def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     cap = moe_capacity(w.capacity_factor, w.seq // L.cp, model.top_k, model.experts)
     tokens = (model.experts * seqs * cap if cap else model.top_k * T) / L.tp
     msg = tokens * model.hidden * w.act_bytes
-    dispatch = tokens * model.hidden * (1 if w.fp8_dispatch else w.act_bytes)
+    # FP8 dispatch: one e4m3 byte an element plus an fp32 scale a row (comm/autograd.py)
+    dispatch = tokens * (model.hidden + 4) if w.fp8_dispatch else tokens * model.hidden * w.act_bytes
     calls = m * moe
     f.add("ep", "all_to_all", "ep", L.ep, dispatch, fwd_passes * calls)   # dispatch forward
     f.add("ep", "all_to_all", "ep", L.ep, msg, (fwd_passes + 2) * calls)  # combine fwd; both backward

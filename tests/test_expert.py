@@ -29,6 +29,8 @@ CASES = {
     "ep2_dp2_pp2": (4, dict(dp=2, ep=2, pp=2, microbatches=2), {}),
     "ep2_cp2_ulysses": (2, dict(cp=2, ep=2, cp_mode="ulysses"), {}),
     "ep2_capacity_fp8": (2, dict(dp=2, ep=2, fp8_dispatch=True), dict(capacity_factor=1.0)),  # not exact
+    "ep2_tp2_capacity": (4, dict(dp=2, ep=2, tp=2), dict(capacity_factor=1.0)),   # group-wise dispatch
+    "ep2_tp2_sp": (4, dict(dp=2, ep=2, tp=2, sp_mode="megatron"), {}),
 }
 EXACT = [n for n in CASES if "fp8" not in n]
 
@@ -152,3 +154,30 @@ def test_fp8_dispatch_quarters_the_bytes_and_keeps_the_loss(two):
             want = next(x for x in rows_exact if x["dim"] == "ep")
             assert got["calls"] == want["calls"]
             assert got["message_bytes"] == want["message_bytes"] * (13 * h + 4) / (16 * h)
+
+
+def test_ep_x_tp_sends_one_tp_share(two, four):
+    """Group-wise dispatch: with tp = 2 each tp rank dispatches only its half of the micro-batch's
+    sequences, so a rank's expert all-to-all bytes are half those of the same dp × ep layout without tp
+    (the naive scheme would send every token from both tp ranks: twice as much)."""
+    def ep_bytes(rows):
+        return next(x["message_bytes"] for x in rows if x["dim"] == "ep")
+    for with_tp in four["ep2_tp2_capacity"]:
+        without = two["ep2_capacity"][0]
+        assert ep_bytes(with_tp["ledger"][0]) * 2 == ep_bytes(without["ledger"][0])
+
+
+FIVE = dict(tp=2, cp=2, pp=2, dp=2, ep=2, cp_mode="ring", microbatches=2)   # 16 ranks
+
+
+def test_five_dimensions_in_one_run_equal_single_process():
+    """tp2 × cp2 × pp2 × dp2 with ep2 carved from dp × cp: the tiny MoE model's losses, grad norms and
+    parameters after 3 steps equal one process's (same micro-batches)."""
+    c = moe_config(FIVE)
+    c.model.layers = 2
+    out = ranks(run_steps, 16, c.to_dict(), timeout_s=600)
+    ref = reference(moe_config(dict(microbatches=FIVE["microbatches"] * FIVE["dp"])))
+    for r in out:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(r["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-5, atol=0)
+        assert_states_close(r["state"], ref["state"], **TOL["fp32"])

@@ -326,7 +326,7 @@ def test_config_rules_for_tensor_parallel():
     c.parallel.sp_mode = "ulysses"              # a context-parallel mode, not TP's sequence parallelism
     with pytest.raises(ConfigError, match="sp_mode must be one of none, megatron"):
         c.validate(2)
-    c = tiny_config(tp=2, dp=2, ep=2)           # EP x TP is not in the runtime yet
-    c.model.experts = 4
-    with pytest.raises(ConfigError, match="EP x TP group-wise dispatch"):
+    c = tiny_config(tp=2, dp=2, ep=2, sp_mode="megatron")   # MoE capacity groups need whole sequences
+    c.model.experts, c.model.capacity_factor = 4, 1.0
+    with pytest.raises(ConfigError, match="MoE capacity mode needs whole sequences"):
         Trainer(c, 0, 4)

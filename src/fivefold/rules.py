@@ -253,13 +253,16 @@ def check_runtime_support(parallel, train, model=None) -> None:
     `parallel`, `train`, `model`: a ParallelConfig, TrainConfig and ModelConfig (read by attribute)."""
     p, t = parallel, train
     experts = getattr(model, "experts", 0)
-    if experts and p.cp > 1 and model.capacity_factor > 0:
-        raise ConfigError("MoE capacity mode with cp > 1 is not supported: capacity groups are whole sequences, "
-                          "which cp splits; use capacity_factor = 0 (dropless) with cp, or cp = 1")
-    if experts and p.tp > 1:
-        raise ConfigError(f"mixture-of-experts layers with tensor parallelism (EP x TP group-wise dispatch) are not "
-                          f"in the runtime yet: use tp = 1 (ep up to dp*cp = {p.dp * p.cp}); `fivefold plan` "
-                          f"estimates EP x TP")
+    split = p.cp > 1 or (p.tp > 1 and p.sp_mode == "megatron")
+    if experts and split and model.capacity_factor > 0:
+        raise ConfigError("MoE capacity mode needs whole sequences on a rank (capacity groups are sequences), which "
+                          "cp and sequence parallelism split; use capacity_factor = 0 (dropless), or cp = 1 and "
+                          "sp_mode none")
+    sequences = t.global_batch // (p.dp * p.microbatches)
+    if experts and p.tp > 1 and p.sp_mode != "megatron" and sequences % p.tp:
+        raise ConfigError(f"MoE under tensor parallelism gives each tp rank 1/tp of a micro-batch's sequences: "
+                          f"global_batch / (dp*microbatches) = {sequences} must divide by tp ({p.tp}); "
+                          f"valid global_batch: multiples of {p.dp * p.microbatches * p.tp}, or sp_mode megatron")
     if p.pp > 1 and p.schedule == "zb" and p.tp > 1 and p.sp_mode == "megatron":
         raise ConfigError("the zb schedule with Megatron sequence parallelism is not supported (its weight-gradient "
                           "pass would repeat the reduce-scatter's backward all-gather); use 1f1b or sp_mode none")

@@ -188,6 +188,46 @@ def heads_to_seq(x_bnsd: torch.Tensor, group: Group) -> torch.Tensor:
     return x_bnsd if group.size == 1 else HeadsToSeq.apply(x_bnsd, group)
 
 
+def _gather_rows(x_b, group: Group) -> torch.Tensor:
+    """(b/n, ...) on each rank -> (b, ...): rank r's rows land at [r·b/n, (r+1)·b/n)."""
+    out = torch.empty((group.size * x_b.shape[0],) + tuple(x_b.shape[1:]), dtype=x_b.dtype, device=x_b.device)
+    ops.all_gather(out, x_b.contiguous(), group)
+    return out
+
+
+def _my_rows(x_b, group: Group) -> torch.Tensor:
+    n = x_b.shape[0] // group.size
+    return x_b[group.rank * n:(group.rank + 1) * n].contiguous()
+
+
+class ScatterRows(torch.autograd.Function):
+    """Enter a region where each tp rank works on its 1/n of a replicated batch's rows (sequences):
+    forward keeps this rank's rows; backward all-gathers the rows' gradients (each rank had its own)."""
+
+    @staticmethod
+    def forward(ctx, x_b, group: Group):
+        ctx.group = group
+        return _my_rows(x_b, group)
+
+    @staticmethod
+    def backward(ctx, grad_b):
+        return _gather_rows(grad_b, ctx.group), None
+
+
+class GatherRows(torch.autograd.Function):
+    """Leave that region: forward all-gathers the rows (the output is replicated again); backward keeps
+    this rank's rows of the (replicated, complete) gradient."""
+
+    @staticmethod
+    def forward(ctx, x_b, group: Group):
+        ctx.group = group
+        return _gather_rows(x_b, group)
+
+    @staticmethod
+    def backward(ctx, grad_b):
+        return _my_rows(grad_b, ctx.group), None
+
+
 class SumAcross(torch.autograd.Function):
     """y = Σ over the group of x, for a value every rank then uses in its own loss: backward sums the
     ranks' gradients the same way (an all-reduce each way)."""

@@ -192,6 +192,8 @@ class MoE(nn.Module):
         self.shared_gate = nn.Linear(h, 1, bias=False) if cfg.shared_expert_gate else None
         self.register_buffer("expert_bias", torch.zeros(e) if cfg.router == "sigmoid_bias" else None)
         self.dispatcher = LocalDispatch()
+        self.enter = nn.Identity()   # tensor parallelism: take this rank's sequences ... (parallel/tensor.py)
+        self.leave = nn.Identity()   # ... and all-gather the outputs again
         self.global_sequences = 1
         self.global_tokens = 1
         self.sum_sequence_parts = None   # context parallelism: sums a per-sequence statistic over its ranks
@@ -220,6 +222,7 @@ class MoE(nn.Module):
         return experts_tk.masked_fill(~keep_tk, -1), weights_tk.masked_fill(~keep_tk, 0.0)
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        x_bsh = self.enter(x_bsh)
         b, s, h = x_bsh.shape
         x_th = x_bsh.reshape(b * s, h)
         experts_tk, weights_tk, scores_te, logits_te = self.route(x_bsh)
@@ -241,7 +244,7 @@ class MoE(nn.Module):
             step = torch.cat([self.last_stats["tokens_per_expert"], self.last_stats["dropped"].view(1)])
             self.step_stats = step if self.step_stats is None else self.step_stats + step
         y_bsh = y_th.view(b, s, h)
-        return y_bsh if loss is None else self.aux.add(y_bsh, loss)
+        return self.leave(y_bsh if loss is None else self.aux.add(y_bsh, loss))
 
     def router_loss(self, scores_te: torch.Tensor, logits_te: torch.Tensor, chosen_bsk: torch.Tensor):
         """The load-balance loss (softmax routers) plus the z-loss, scaled as the module docstring says

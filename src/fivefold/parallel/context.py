@@ -101,10 +101,10 @@ class ContextParallelism:
             block.attn.core = ContextAttention(self.mesh["cp_ulysses"], self.mesh["cp_ring"], self.ring_positions_rs)
         for param in model.parameters():
             place(param, reduce="dp_cp")
-        cp = self.mesh["cp"]
         for m in model.modules():   # MoE balance statistics are per whole sequence: sum the cp parts
-            if hasattr(m, "sum_sequence_parts"):
-                m.sum_sequence_parts, m.sequence_parts = partial(sum_across, group=cp), cp.size
+            if hasattr(m, "sum_sequence_parts"):   # (and the tp parts, when sequence parallelism split them)
+                parts = self.mesh["tp_cp"] if m.sequence_parts > 1 else self.mesh["cp"]
+                m.sum_sequence_parts, m.sequence_parts = partial(sum_across, group=parts), parts.size
         return model
 
     def shard_batch(self, x_bs: torch.Tensor, y_bs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

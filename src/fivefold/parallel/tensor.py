@@ -43,6 +43,7 @@ also gathers full tensors for checkpoints (dim "checkpoint") and slices them bac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +51,9 @@ from torch import nn
 
 from .. import comm, rules
 from ..comm import Group
-from ..comm.autograd import (copy_to_tensor_region, gather_sequence, reduce_from_tensor_region,
-                             reduce_scatter_sequence)
+from ..comm.autograd import (GatherRows, ScatterRows, copy_to_tensor_region, gather_sequence,
+                             reduce_from_tensor_region, reduce_scatter_sequence, sum_across)
+from ..model.moe import MoE
 from ..model.transformer import Dropout, Transformer
 from ..shapes import padded_vocab
 from .placement import Shard, ShardedState, add_shard, place, placement_of
@@ -229,8 +231,6 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
     `kv_group` is the group of ranks sharing a KV head when group.size > kv_heads (the mesh's "tp_kv").
     """
     cfg, n = model.cfg, group.size
-    if cfg.experts:
-        raise NotImplementedError("tensor parallelism of mixture-of-experts layers comes with expert parallelism")
     rules.check_tensor_parallel(n, cfg.heads, cfg.kv_heads, {"ffn": cfg.ffn})
     kv_replicas = rules.kv_replicas(n, cfg.kv_heads)
     if 1 < kv_replicas < n and kv_group is None:
@@ -249,16 +249,20 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
 
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
+        if isinstance(mlp, MoE):
+            replicated_moe(mlp, group, sp)
+            mlp = None
         attn.enter = ParallelInput(group, sp)
         attn.wq = column(attn.wq, Shard("tp", 0, cfg.heads * d))
         kv = Shard("tp", 0, cfg.kv_heads * d, kv_replicas)
         kv_partial = "tp_kv" if 1 < kv_replicas < n else ("tp" if kv_replicas == n > 1 else None)
         attn.wk, attn.wv = column(attn.wk, kv, kv_partial), column(attn.wv, kv, kv_partial)
         attn.wo = row(attn.wo, cfg.heads * d)
-        mlp.enter = ParallelInput(group, sp)
-        mlp.gate = column(mlp.gate, Shard("tp", 0, cfg.ffn))
-        mlp.up = column(mlp.up, Shard("tp", 0, cfg.ffn))
-        mlp.down = row(mlp.down, cfg.ffn)
+        if mlp is not None:
+            mlp.enter = ParallelInput(group, sp)
+            mlp.gate = column(mlp.gate, Shard("tp", 0, cfg.ffn))
+            mlp.up = column(mlp.up, Shard("tp", 0, cfg.ffn))
+            mlp.down = row(mlp.down, cfg.ffn)
         replicated(block.attn_norm.weight)
         replicated(block.mlp_norm.weight)
     replicated(model.norm.weight)
@@ -274,6 +278,34 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
         if isinstance(m, Dropout):
             m.generator = generator
     return vocab_start
+
+
+def replicated_moe(moe: MoE, group: Group, sequence_parallel: bool) -> None:
+    """A mixture-of-experts layer under tensor parallelism (EP x TP, the group-wise dispatch of
+    Megatron-Core): its weights stay whole on every tp rank, and each rank routes and dispatches only its
+    own tokens, so no token crosses the expert-parallel all-to-all twice. Without sequence parallelism
+    the input is replicated: each rank takes its 1/n of the micro-batch's sequences (ScatterRows) and
+    the outputs are all-gathered back inside tp (GatherRows: forward b·s·h·(n-1)/n bytes, and the same
+    for the input gradient in backward). With sequence parallelism the input is already this rank's
+    1/n of every sequence; the per-sequence balance statistics are then summed over tp (and cp).
+    Every weight's gradient is partial (its rank saw its own tokens): summed over tp once a step."""
+    for p in moe.parameters():
+        add_shard(p, Shard("tp", None, replicas=group.size))
+        place(p, partial="tp", counted=group.rank == 0)
+    if not sequence_parallel:
+        moe.enter = _Rows(ScatterRows, group)
+        moe.leave = _Rows(GatherRows, group)
+    else:
+        moe.sum_sequence_parts, moe.sequence_parts = partial(sum_across, group=group), group.size
+
+
+class _Rows(nn.Module):
+    def __init__(self, fn, group: Group):
+        super().__init__()
+        self.fn, self.group = fn, group
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        return self.fn.apply(x_bsh, self.group)
 
 
 # -- dropout streams ---------------------------------------------------------

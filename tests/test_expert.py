@@ -170,12 +170,38 @@ def test_ep_x_tp_sends_one_tp_share(two, four):
 FIVE = dict(tp=2, cp=2, pp=2, dp=2, ep=2, cp_mode="ring", microbatches=2)   # 16 ranks
 
 
+def check_planned(c: Config, rows_by_rank: list, dropless: bool) -> None:
+    """The planner's rows for the layout equal the ledger's summed over ranks (one step): calls, message
+    and sent bytes; dropless dispatch bytes depend on the routing, so there only the calls must match."""
+    from fivefold.plan.layout import from_config
+    from fivefold.plan.models import from_model_config
+    from fivefold.plan.traffic import all_ranks
+
+    layout, work = from_config(c)
+    planned = all_ranks(from_model_config(c.model), layout, work)
+    measured: dict = {}
+    for rows in rows_by_rank:
+        for x in rows:
+            m = measured.setdefault((x["dim"], x["op"]), [0, 0.0, 0.0])
+            m[0] += x["calls"]
+            m[1] += x["message_bytes"]
+            m[2] += x["bytes_sent"]
+    assert sorted(measured) == sorted(planned)
+    for key, row in planned.items():
+        assert measured[key][0] == row["calls"], key
+        if not (dropless and key == ("ep", "all_to_all")):
+            assert measured[key][1] == row["message_bytes"], key
+            assert measured[key][2] == pytest.approx(row["bytes_sent"], rel=1e-12), key
+
+
 def test_five_dimensions_in_one_run_equal_single_process():
     """tp2 × cp2 × pp2 × dp2 with ep2 carved from dp × cp: the tiny MoE model's losses, grad norms and
-    parameters after 3 steps equal one process's (same micro-batches)."""
+    parameters after 3 steps equal one process's (same micro-batches), and the planner's rows for the
+    layout equal the ledger's (dropless: the expert all-to-all bytes follow the routing, its calls match)."""
     c = moe_config(FIVE)
     c.model.layers = 2
     out = ranks(run_steps, 16, c.to_dict(), timeout_s=600)
+    check_planned(c, [r["ledger"][0] for r in out], dropless=True)
     ref = reference(moe_config(dict(microbatches=FIVE["microbatches"] * FIVE["dp"])))
     for r in out:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)

@@ -57,6 +57,7 @@ LAYOUTS = [
     (dict(cp=2, dp=2, zero=3, cp_mode="ulysses"), "fp32", dict(kv_heads=1)),  # K/V repeated; ZeRO-3 over dp×cp
     (dict(cp=2, tp=2, dp=1, sp_mode="megatron", cp_mode="ulysses"), "fp32"),  # cp × tp + SP
     (dict(cp=2, pp=2, dp=1, cp_mode="ring", microbatches=2), "fp32"),      # cp × pp
+    (dict(tp=2, dp=2, ep=2), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # EP x TP
     (dict(dp=4, ep=2, zero=1, microbatches=2), "fp32",
      dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.25, shared_experts=1)),  # experts over edp, ZeRO-1                                            # not in the runtime yet
 ]

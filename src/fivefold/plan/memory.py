@@ -102,8 +102,9 @@ def time_stages(model: PlanModel, pp: int, vpp: int = 1, partition: str = "even"
 # -- parameters a rank holds -------------------------------------------------------------------------
 def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) parameters of layer i on one rank: matrices split tp ways (K/V by min(tp, kv)
-    heads, replicated beyond), norms and row-parallel biases replicated, routed experts split ep ways
-    then tp ways. MLA is approximated: every projection split tp ways."""
+    heads, replicated beyond), norms and row-parallel biases replicated; an MoE layer's router, shared and
+    routed experts stay whole on the tp ranks (EP x TP group-wise dispatch, parallel/tensor.py), routed
+    experts split ep ways. MLA is approximated: every projection split tp ways."""
     h = model.hidden
     norms = 2 * model._norm(h)
     row_bias = h if model.linear_bias else 0
@@ -116,8 +117,8 @@ def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, 
     if not model.is_moe_layer(i):
         mlp = model.mlp_params(model.ffn)
         return attn_rank + norms + (mlp - row_bias) // tp + row_bias, 0
-    shared = model.shared_experts * model.expert_params() // tp
-    experts = (model.experts // ep) * model.expert_params() // tp
+    shared = model.shared_experts * model.expert_params()
+    experts = (model.experts // ep) * model.expert_params()
     return attn_rank + norms + model.router_params() + shared, experts
 
 
@@ -171,8 +172,9 @@ def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int,
     if model.mla or model.linear_bias or model.qkv_bias or model.is_moe_layer(i) or model.mlp != "swiglu":
         attn = _attn_rank(model, tp)
         mlp = dense - 2 * norm - attn     # dense MLP, or router + shared experts
-        out = [(norm, False, "norm"), (attn, False, ""), (norm, False, "norm"), (mlp, False, "")]
-        return out + ([(expert, True, "")] if expert else [])
+        moe = "moe" if model.is_moe_layer(i) and tp > 1 else ""   # whole on every tp rank, partial grads
+        out = [(norm, False, "norm"), (attn, False, ""), (norm, False, "norm"), (mlp, False, moe)]
+        return out + ([(expert, True, moe)] if expert else [])
     kv = model.kv_heads * model.head_dim * h // min(tp, model.kv_heads)
     f = model.ffn * h // tp
     return [(norm, False, "norm"), (h * h // tp, False, ""), (kv, False, "kv"), (kv, False, "kv"),

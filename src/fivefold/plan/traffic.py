@@ -125,13 +125,17 @@ def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     act = T * h * e
     rng = layout_layers(model, L)[stage]
     fwd_passes = 2 if L.recompute == "full" else 1
-    per_layer_fwd = 2 * fwd_passes * m * len(rng)      # two g's per layer per micro-batch (and recompute)
-    per_layer_bwd = 2 * m * len(rng)                   # two f's
+    moe = sum(1 for i in rng if model.is_moe_layer(i))
+    regions = 2 * len(rng) - moe                       # attention and dense MLP; an MoE layer has none
+    per_layer_fwd = regions * fwd_passes * m           # one g per region per micro-batch (and recompute)
+    per_layer_bwd = regions * m                        # one f
     if L.seq_parallel:
         f.add("tp", "all_gather", "tp", t, act, per_layer_fwd + per_layer_bwd)
         f.add("tp", "reduce_scatter", "tp", t, act, per_layer_fwd + per_layer_bwd)
     else:
         f.add("tp", "all_reduce", "tp", t, act, per_layer_fwd + per_layer_bwd)
+        if moe:  # EP x TP: each rank's sequences' outputs all-gathered (and the input gradient, backward)
+            f.add("tp", "all_gather", "tp", t, act, (fwd_passes + 1) * m * moe)
     if stage == 0:  # vocab-parallel embedding: g forward (SP: reduce-scatter forward, all-gather backward)
         if L.seq_parallel:
             f.add("tp", "reduce_scatter", "tp", t, act, m)
@@ -146,12 +150,21 @@ def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
             f.add("tp", "all_reduce", "tp", t, act, m)
         f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, m)          # max logit
         f.add("tp", "all_reduce", "tp", t, 2 * T * w.master_bytes, m)      # sum of exp, target logit
-    moe = sum(1 for i in rng if model.is_moe_layer(i))
-    if moe:  # routed tokens gathered inside tp after dispatch, scattered before combine
-        routed = model.top_k * (w.capacity_factor or 1.0) * T * h * e   # dropless (0): balanced
-        calls = (fwd_passes + 1) * m * moe
-        f.add("tp", "all_gather", "tp", t, routed, calls)
-        f.add("tp", "reduce_scatter", "tp", t, routed, calls)
+    _moe_sequence_flows(f, model, L, w, moe, m, fwd_passes)
+
+
+def _moe_sequence_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int, m: int, passes: int) -> None:
+    """When SP or cp splits sequences, each MoE layer sums its per-sequence balance statistics (counts,
+    score sums: b × E in the router's fp32) over the ranks holding a sequence's parts: 2 all-reduces
+    forward (per forward pass), 1 backward (model/moe.py load_balance_loss, comm/autograd.py sum_across)."""
+    sp = L.seq_parallel
+    if not moe or model.router_bias or not (sp or L.cp > 1):
+        return
+    dim, group = ("tp_cp", "tp_cp") if sp and L.cp > 1 else (("tp", "tp") if sp else ("cp", "cp"))
+    n = (L.tp if sp else 1) * L.cp
+    sequences = L.micro_batch if sp else L.micro_batch // L.tp   # without SP a tp rank routes 1/tp of them
+    msg = sequences * model.experts * w.master_bytes
+    f.add(dim, "all_reduce", group, n, msg, (2 * passes + 1) * m * moe)
 
 
 def model_kv_replicas(model: PlanModel, tp: int) -> int:
@@ -164,18 +177,22 @@ def partial_grad_params(model: PlanModel, L: Layout, stage: int) -> dict[str, in
     (replicated on every tp rank and seeing only its sequence shard under SP: norm weights, and
     row-parallel biases and MoE routers where the model has them) and "kv" (K/V weights of a head
     shared by tp/kv_heads ranks, each computing the part of its own query heads)."""
-    return dict(_partial_grad_params(model, L.tp, L.pp, L.vpp, L.partition, L.seq_parallel, stage))
+    return dict(_partial_grad_params(model, L.tp, L.pp, L.vpp, L.partition, L.seq_parallel, stage, L.ep))
 
 
 @lru_cache(maxsize=16384)
-def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, sp: bool, stage: int) -> tuple:
+def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, sp: bool, stage: int,
+                         ep: int = 1) -> tuple:
     if tp == 1:
         return ()
     h, rng = model.hidden, layout_layers(model, Layout(pp=pp, vpp=vpp, partition=partition))[stage]
     out = {}
+    moe = sum(1 for i in rng if model.is_moe_layer(i))
+    if moe:   # MoE weights, whole on every tp rank, each seeing its own tokens (EP x TP)
+        out["moe"] = moe * (model.router_params() + (model.shared_experts + model.experts // ep) * model.expert_params())
     if sp:
         per = {False: 2 * model._norm(h) + (2 * h if model.linear_bias else 0),
-               True: 2 * model._norm(h) + (h if model.linear_bias else 0) + model.router_params()}
+               True: 2 * model._norm(h) + (h if model.linear_bias else 0)}
         out["norm"] = sum(per[model.is_moe_layer(i)] for i in rng) + (model._norm(h) if stage == pp - 1 else 0)
     if model_kv_replicas(model, tp) > 1:
         out["kv"] = len(rng) * 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias) // model.kv_heads
@@ -202,7 +219,7 @@ def _tp_sync_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: in
             owned.pop("norm", None)
     else:
         owned = {tag: count / n_zero for tag, count in parts.items()}
-    full = owned.get("norm", 0) + (owned.get("kv", 0) if r == L.tp else 0)
+    full = owned.get("norm", 0) + owned.get("moe", 0) + (owned.get("kv", 0) if r == L.tp else 0)
     f.add("tp", "all_reduce", "tp", L.tp, full * w.grad_bytes, 1)
     if 1 < r < L.tp:  # recorded under "tp" too (the mesh's "tp_kv" group): its bytes use n = r; the row keeps
         # the tp group's n and tier, which contain this subgroup's
@@ -250,6 +267,8 @@ def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     # FP8 dispatch: one e4m3 byte an element plus an fp32 scale a row (comm/autograd.py)
     dispatch = tokens * (model.hidden + 4) if w.fp8_dispatch else tokens * model.hidden * w.act_bytes
     calls = m * moe
+    if not cap:   # dropless: each rank first tells the others how many rows it sends to each expert
+        f.add("ep", "all_to_all", "ep", L.ep, model.experts * 8, fwd_passes * calls)
     f.add("ep", "all_to_all", "ep", L.ep, dispatch, fwd_passes * calls)   # dispatch forward
     f.add("ep", "all_to_all", "ep", L.ep, msg, (fwd_passes + 2) * calls)  # combine fwd; both backward
 

@@ -153,10 +153,17 @@ class Trainer:
         return self.engine.state_bytes()
 
     def full_state(self) -> dict:
-        """Full model and optimizer state keyed by parameter name (fp32 masters). Call on every rank."""
-        return gather_state(self.dims, self.engine.full_state())
+        """Full model and optimizer state keyed by parameter name (fp32 masters), and the persistent
+        buffers of every rank merged by name (replicas are equal). Call on every rank."""
+        state = gather_state(self.dims, self.engine.full_state())
+        buffers = {}
+        for part in gather_objects(checkpoint.persistent_buffers(self.model)):   # bookkeeping exchange
+            buffers.update(part)
+        return {**state, "buffers": buffers}
 
     def load_full_state(self, state: dict) -> None:
+        state = dict(state)
+        checkpoint.load_buffers(self.model, state.pop("buffers", {}))
         self.engine.load_full_state(split_state(self.dims, state))
 
     # -- the run -----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/tensor.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/context.py --no-deepspeed
+	$(PY) benchmarks/expert.py --no-deepspeed
 
 clean:
 	rm -rf runs

@@ -68,10 +68,13 @@ class Experts(nn.Module):
         len(counts) == self.w_gate.shape[0]. An expert with no rows runs on an empty block, so every
         weight gets a gradient (zero for that expert)."""
         assert len(counts) == self.w_gate.shape[0], (len(counts), self.w_gate.shape)
+        # unbind once: its backward stacks the experts' gradients into one tensor, where indexing
+        # w[e] per expert would zero-fill and add a whole stacked-size gradient for each expert
+        gates, ups, downs = self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0)
         outs = []
-        for e, x_nh in enumerate(x_mh.split(counts)):
-            a_nf = F.silu(F.linear(x_nh, self.w_gate[e])) * F.linear(x_nh, self.w_up[e])
-            outs.append(F.linear(a_nf, self.w_down[e]))
+        for x_nh, w_gate, w_up, w_down in zip(x_mh.split(counts), gates, ups, downs):
+            a_nf = F.silu(F.linear(x_nh, w_gate)) * F.linear(x_nh, w_up)
+            outs.append(F.linear(a_nf, w_down))
         return torch.cat(outs)
 
 

@@ -47,11 +47,12 @@ def report(rows: list[dict], baseline: str) -> str:
 
 
 def best_of_rounds(bench_rank, nproc: int, impls: list[tuple[str, str]], args_of, rounds: int,
-                   keep_going: bool = False) -> dict[str, dict]:
+                   keep_going: bool = False, worst: tuple[str, ...] = ()) -> dict[str, dict]:
     """Alternate the implementations `rounds` times in fresh processes; keep each one's fastest round
     (the machine is noisy). `args_of(impl)` gives bench_rank's arguments after (rank, world). A row also
-    carries the first rank's `first_loss` when bench_rank returns one. With keep_going, an implementation
-    that cannot run here is reported and skipped."""
+    carries rank 0's other results (first loss, bytes, activation peak: they do not depend on the
+    round), the maximum over ranks of the keys in `worst`, and every round's median ("rounds"). With
+    keep_going, an implementation that cannot run here is reported and skipped."""
     from fivefold.train.launch import run_ranks
 
     best: dict[str, dict] = {}
@@ -65,8 +66,11 @@ def best_of_rounds(bench_rank, nproc: int, impls: list[tuple[str, str]], args_of
                 print(f"{name}: failed: {str(e).strip().splitlines()[-1]}")
                 continue
             row = summarize(name, per_rank)
-            if "first_loss" in per_rank[0]:
-                row["first_loss"] = per_rank[0]["first_loss"]
+            row.update({k: v for k, v in per_rank[0].items() if k not in ("times", "rss_mb")})
+            row.update({k: max(r[k] for r in per_rank) for k in worst})
+            row["rounds"] = best.get(name, {}).get("rounds", []) + [row["median_s"]]
             if name not in best or row["median_s"] < best[name]["median_s"]:
                 best[name] = row
+            else:
+                best[name]["rounds"] = row["rounds"]
     return best

@@ -38,7 +38,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from common import BENCH_MODEL, peak_rss_mb, summarize, time_steps
+from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,29 +199,6 @@ def trainer_rank(rank, world, impl, steps, batch, seq):
 
 
 # -- rounds ------------------------------------------------------------------------------------------------
-def best_rounds(bench_rank, nproc, impls, args_of, rounds):
-    """common.best_of_rounds, keeping rank 0's ledger bytes and activation peak with each row (they do not
-    depend on the round). An implementation that cannot run here is reported and skipped."""
-    from fivefold.train.launch import run_ranks
-
-    best: dict[str, dict] = {}
-    for _ in range(rounds):
-        for impl, name in impls:
-            try:
-                per_rank = run_ranks(bench_rank, nproc, args_of(impl), timeout_s=900)
-            except Exception as e:  # noqa: BLE001
-                print(f"{name}: failed: {str(e).strip().splitlines()[-1]}")
-                continue
-            row = summarize(name, per_rank)
-            row.update({k: per_rank[0][k] for k in ("first_loss", "sent", "act_peak")})
-            row["rounds"] = best.get(name, {}).get("rounds", []) + [row["median_s"]]
-            if name not in best or row["median_s"] < best[name]["median_s"]:
-                best[name] = row
-            else:
-                best[name]["rounds"] = row["rounds"]
-    return best
-
-
 def table(best, base, label):
     print(f"{'impl':<30}{'median step':>13}{'peak RSS':>10}{'act peak':>10}{'first loss':>12}"
           f"  {'MB sent per rank/step':<24}{label} (time, memory)")
@@ -262,7 +239,8 @@ def main():
                 impls.insert(0, ("deepspeed", "DeepSpeed Ulysses core"))
             except Exception as e:  # noqa: BLE001
                 print(f"DeepSpeed not available: {e}")
-        best = best_rounds(peer_rank, nproc, impls, lambda impl: (impl, a.steps, a.batch, a.seq), a.rounds)
+        best = best_of_rounds(peer_rank, nproc, impls, lambda impl: (impl, a.steps, a.batch, a.seq),
+                              a.rounds, keep_going=True)
         print(f"\n1. attention core, cp = {nproc} Ulysses: same Transformer, torch AdamW foreach=False, grads summed by "
               f"one all-reduce (its bytes: dp in ours' ledger, not counted for DeepSpeed)")
         table(best, "DeepSpeed Ulysses core", "ours / DeepSpeed")
@@ -275,7 +253,8 @@ def main():
     if a.part in ("both", "modes"):
         impls = [("ulysses", "fivefold Ulysses (cp=2)"), ("ring", "fivefold ring (cp=2)"),
                  ("megatron", "fivefold Megatron SP (tp=2)")]
-        best = best_rounds(trainer_rank, nproc, impls, lambda impl: (impl, a.steps, a.batch, a.seq), a.rounds)
+        best = best_of_rounds(trainer_rank, nproc, impls, lambda impl: (impl, a.steps, a.batch, a.seq),
+                              a.rounds, keep_going=True)
         print(f"\n2. modes through Trainer (our AdamW, grad clip): bytes per rank per step by ledger dim")
         table(best, "fivefold Ulysses (cp=2)", "vs Ulysses")
 

@@ -62,7 +62,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from common import BENCH_MODEL, peak_rss_mb, summarize, time_steps
+from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE = dict(experts=8, top_k=2, moe_ffn=512, router="softmax_topk_norm")
@@ -289,31 +289,6 @@ def profile_steps(step, rank, n=3):
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25) if rank == 0 else ""
 
 
-def best_rounds(bench_rank, nproc, impls, args_of, rounds):
-    """common.best_of_rounds, keeping rank 0's bytes, first loss and activation peak with each row (they do
-    not depend on the round) and every round's median. An implementation that cannot run is reported and
-    skipped."""
-    from fivefold.train.launch import run_ranks
-
-    best: dict[str, dict] = {}
-    for _ in range(rounds):
-        for impl, name in impls:
-            try:
-                per_rank = run_ranks(bench_rank, nproc, args_of(impl), timeout_s=900)
-            except Exception as e:  # noqa: BLE001
-                print(f"{name}: failed: {str(e).strip().splitlines()[-1]}")
-                continue
-            row = summarize(name, per_rank)
-            row.update({k: per_rank[0][k] for k in ("first_loss", "sent", "act_peak")})
-            row["base_rss_mb"] = max(r["base_rss_mb"] for r in per_rank)
-            row["rounds"] = best.get(name, {}).get("rounds", []) + [row["median_s"]]
-            if name not in best or row["median_s"] < best[name]["median_s"]:
-                best[name] = row
-            else:
-                best[name]["rounds"] = row["rounds"]
-    return best
-
-
 def table(best, pairs, label):
     """pairs: row name -> the row it is divided by (ratios ours / peer)."""
     print(f"{'impl':<36}{'median step':>13}{'peak RSS':>10}{'imports':>9}{'act peak':>10}{'first loss':>12}"
@@ -374,8 +349,9 @@ def main():
                          ("ds_dropless", "DeepSpeed EP dropless"), impls[1]]
             else:
                 print("DeepSpeed not available (not installed)")
-        best = best_rounds(peer_rank, nproc, impls,
-                           lambda impl: (impl, a.steps, a.batch, a.seq, a.layers, a.capacity_factor), a.rounds)
+        best = best_of_rounds(peer_rank, nproc, impls,
+                              lambda impl: (impl, a.steps, a.batch, a.seq, a.layers, a.capacity_factor),
+                              a.rounds, keep_going=True, worst=("base_rss_mb",))
         names = dict(impls)
         pairs = {names["ours_cap"]: names.get("ds_cap"), names["ours_dropless"]: names.get("ds_dropless")}
         table(best, pairs, "ours / DeepSpeed")
@@ -391,7 +367,8 @@ def main():
         impls = [("hf", "transformers Mixtral block (eager)"), ("ours", "fivefold MoE (LocalDispatch)")]
         if a.hf_grouped:
             impls.append(("hf_grouped", "transformers Mixtral (grouped_mm)"))
-        best = best_rounds(local_rank, 1, impls, lambda impl: (impl, a.steps, a.batch, a.seq, a.layers), a.rounds)
+        best = best_of_rounds(local_rank, 1, impls, lambda impl: (impl, a.steps, a.batch, a.seq, a.layers),
+                              a.rounds, keep_going=True, worst=("base_rss_mb",))
         names = dict(impls)
         table(best, {names["ours"]: names["hf"], names.get("hf_grouped"): names["hf"]}, "vs Mixtral eager")
 

@@ -74,3 +74,15 @@ def best_of_rounds(bench_rank, nproc: int, impls: list[tuple[str, str]], args_of
             else:
                 best[name]["rounds"] = row["rounds"]
     return best
+
+
+def sum_grads(params: list, reduce_grads) -> None:
+    """Sum `params`' gradients across ranks with one flat collective (`reduce_grads(flat)`, in place)."""
+    import torch
+
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    reduce_grads(flat)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()

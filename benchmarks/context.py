@@ -38,7 +38,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, time_steps
+from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, sum_grads, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,12 +68,7 @@ def peer_rank(rank, world, impl, steps, batch, seq):
     def step():
         loss = loss_sum(model(x, positions), y) / n_tokens
         loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        reduce_grads(flat)
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+        sum_grads(params, reduce_grads)
         opt.step()
         opt.zero_grad()
         return loss.detach()

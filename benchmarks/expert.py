@@ -62,7 +62,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, time_steps
+from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, sum_grads, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE = dict(experts=8, top_k=2, moe_ffn=512, router="softmax_topk_norm")
@@ -106,12 +106,7 @@ def peer_rank(rank, world, impl, steps, batch, seq, layers, cf, profile=False):
         loss = loss_sum(model(x), y) / n_tokens
         loss.backward()
         model.aux.take()
-        flat = torch.cat([p.grad.reshape(-1) for p in dense])
-        reduce_grads(flat)
-        offset = 0
-        for p in dense:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+        sum_grads(dense, reduce_grads)
         opt.step()
         opt.zero_grad()
         return loss.detach()

@@ -49,3 +49,8 @@ def assert_states_close(a: dict, b: dict, rtol=1e-5, atol=1e-7, outliers=0.0, ou
 FP32 = dict(rtol=1e-5, atol=1e-6, outliers=1e-3, outlier_atol=1e-4)
 FP64 = dict(rtol=1e-10, atol=1e-12)
 TOL = {"fp32": FP32, "fp64": FP64}
+
+
+def run_jobs(rank, world, jobs):
+    """Several (name, fn, args) jobs in one spawn (process start-up is the slow part): name -> result."""
+    return {name: fn(rank, world, *args) for name, fn, args in jobs}

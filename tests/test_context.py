@@ -17,7 +17,7 @@ from fivefold.model.transformer import attention_core
 from fivefold.parallel.context import ContextAttention, token_indices
 from fivefold.train.trainer import Trainer
 
-from .helpers import TOL, assert_states_close, ranks, tiny_config
+from .helpers import TOL, assert_states_close, ranks, run_jobs, tiny_config
 from .test_data_parallel import reference, run_steps
 
 # name -> (world, parallel degrees[, model fields]); tiny model: 4 heads, 2 KV heads, seq 32, 2 layers.
@@ -106,10 +106,6 @@ def activation_peak(rank, world, cp, seq):
     tr = Trainer(c, rank, world, quiet=True)
     tr.step(0)
     return tr.activations.peak
-
-
-def run_jobs(rank, world, jobs):
-    return {name: fn(rank, world, *args) for name, fn, args in jobs}
 
 
 def spawn(world, extra=()):

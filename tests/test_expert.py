@@ -13,7 +13,7 @@ from fivefold.mesh import ParallelMesh
 from fivefold.model.moe import Experts, LocalDispatch
 from fivefold.parallel.expert import AllToAllDispatch, regroup
 
-from .helpers import TOL, assert_states_close, ranks, tiny_config
+from .helpers import TOL, assert_states_close, ranks, run_jobs, tiny_config
 from .test_data_parallel import reference, run_steps
 
 MOE = dict(experts=4, top_k=2, moe_ffn=64)
@@ -83,10 +83,6 @@ def test_regroup_orders_rows_by_expert():
 
 
 # -- spawns ------------------------------------------------------------------------------------------
-
-def run_jobs(rank, world, jobs):
-    return {name: fn(rank, world, *args) for name, fn, args in jobs}
-
 
 def spawn(world):
     jobs = [(n, run_steps, (case_config(n).to_dict(),)) for n, case in CASES.items() if case[0] == world]

@@ -19,7 +19,7 @@ from fivefold.parallel.pipeline import build_schedule, partition_layers
 from fivefold.parallel.pipeline.runtime import PipelineRuntime, Stage, stage_names
 from fivefold.train.trainer import Trainer
 
-from .helpers import TOL, assert_states_close, ranks, tiny_config
+from .helpers import TOL, assert_states_close, ranks, run_jobs, tiny_config
 from .test_data_parallel import reference, run_steps
 
 
@@ -91,13 +91,6 @@ def train_run(rank, world, cfg_dict, out):
     """A whole `fivefold train` run (writes metrics, comm, checkpoint, pipeline.json/svg on rank 0)."""
     Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True).run(out)
     return None
-
-
-def run_jobs(rank, world, jobs):
-    out = {}
-    for name, fn, args in jobs:
-        out[name] = fn(rank, world, *args)
-    return out
 
 
 def spawn(world, extra=()):

@@ -25,6 +25,7 @@ CASES = {
     "ep2_shared_qwen": (2, dict(dp=2, ep=2), dict(router="softmax_topk", shared_experts=1, dense_layers=1)),
     "ep4": (4, dict(dp=4, ep=4, microbatches=2), {}),
     "ep2_edp2_zero3": (4, dict(dp=4, ep=2, zero=3), {}),
+    "ep2_edp2_zero2_capacity": (4, dict(dp=4, ep=2, zero=2, microbatches=2), dict(capacity_factor=1.0)),
     "ep2_edp2_zero1_capacity": (4, dict(dp=4, ep=2, zero=1), dict(capacity_factor=1.25)),
     "ep2_dp2_pp2": (4, dict(dp=2, ep=2, pp=2, microbatches=2), {}),
     "ep2_cp2_ulysses": (2, dict(cp=2, ep=2, cp_mode="ulysses"), {}),

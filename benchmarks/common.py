@@ -86,3 +86,29 @@ def sum_grads(params: list, reduce_grads) -> None:
     for p in params:
         p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
         offset += p.numel()
+
+
+class AllToAllCount:
+    """Counts the bytes a peer's all-to-alls send (the chunk a rank keeps excluded), for a peer whose
+    collectives do not go through our ledger: wraps torch.distributed.all_to_all_single between start
+    and stop; stop returns {dim: bytes}."""
+
+    def __init__(self, dim: str):
+        self.dim = dim
+
+    def start(self) -> None:
+        import torch.distributed as tdist
+
+        self.sent, self.real = 0.0, tdist.all_to_all_single
+
+        def counting(output, input, *args, **kwargs):
+            n = tdist.get_world_size(kwargs.get("group"))
+            self.sent += input.numel() * input.element_size() * (n - 1) / n
+            return self.real(output, input, *args, **kwargs)
+        tdist.all_to_all_single = counting
+
+    def stop(self) -> dict:
+        import torch.distributed as tdist
+
+        tdist.all_to_all_single = self.real
+        return {self.dim: self.sent}

@@ -38,7 +38,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, sum_grads, time_steps
+from common import BENCH_MODEL, AllToAllCount, best_of_rounds, peak_rss_mb, sum_grads, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,21 +143,7 @@ def deepspeed_core(model, rank, world, x, y, seq, batch):
     shard = seq // world
     index = torch.arange(rank * shard, (rank + 1) * shard)   # contiguous halves, as ours with no ring
 
-    class AllToAllCount:   # counts what DeepSpeed's all-to-alls send (the chunk a rank keeps excluded)
-        def start(self):
-            self.sent, self.real = 0.0, tdist.all_to_all_single
-
-            def counting(output, input, *args, **kwargs):
-                n = tdist.get_world_size(kwargs.get("group"))
-                self.sent += input.numel() * input.element_size() * (n - 1) / n
-                return self.real(output, input, *args, **kwargs)
-            tdist.all_to_all_single = counting
-
-        def stop(self):
-            tdist.all_to_all_single = self.real
-            return {"cp": self.sent}
-
-    return x[:, index], y[:, index], index, lambda flat: tdist.all_reduce(flat), AllToAllCount()
+    return x[:, index], y[:, index], index, lambda flat: tdist.all_reduce(flat), AllToAllCount("cp")
 
 
 def ulysses_formula_bytes(batch, seq, world):

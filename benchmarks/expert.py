@@ -62,7 +62,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, sum_grads, time_steps
+from common import BENCH_MODEL, AllToAllCount, best_of_rounds, peak_rss_mb, sum_grads, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE = dict(experts=8, top_k=2, moe_ffn=512, router="softmax_topk_norm")
@@ -191,21 +191,7 @@ def deepspeed_ep(model, rank, world, mcfg):
     for block in model.layers:
         block.mlp = DeepSpeedBlock(block.mlp)        # the full experts are freed here, as ours' apply does
 
-    class AllToAllCount:   # counts what DeepSpeed's all-to-alls send (the chunk a rank keeps excluded)
-        def start(self):
-            self.sent, self.real = 0.0, tdist.all_to_all_single
-
-            def counting(output, input, *args, **kwargs):
-                n = tdist.get_world_size(kwargs.get("group"))
-                self.sent += input.numel() * input.element_size() * (n - 1) / n
-                return self.real(output, input, *args, **kwargs)
-            tdist.all_to_all_single = counting
-
-        def stop(self):
-            tdist.all_to_all_single = self.real
-            return {"ep": self.sent}
-
-    return lambda flat: tdist.all_reduce(flat), AllToAllCount()
+    return lambda flat: tdist.all_reduce(flat), AllToAllCount("ep")
 
 
 def capacity_rows(batch, seq, cf):

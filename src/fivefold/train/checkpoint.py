@@ -28,7 +28,7 @@ def load(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "checkpoint.pt"
-    ck = torch.load(path, map_location="cpu", weights_only=False)
+    ck = torch.load(path, map_location="cpu", weights_only=True)   # tensors and plain data only: no code
     if ck.get("format") != FORMAT:
         raise ValueError(f"{path}: unknown checkpoint format {ck.get('format')!r}")
     return ck

@@ -112,3 +112,20 @@ class AllToAllCount:
 
         tdist.all_to_all_single = self.real
         return {self.dim: self.sent}
+
+
+def measured_first_step(step, counter) -> dict:
+    """Run the first step while counting what autograd saves (activation peak) and what `counter`
+    (AllToAllCount, or our ledger's) sends; the loss is summed over the ranks (each holds its share of
+    the global mean). Returns first_loss, sent and act_peak."""
+    import torch.distributed as tdist
+
+    from fivefold.train.activations import ActivationMeter
+
+    meter = ActivationMeter()
+    counter.start()
+    with meter:
+        first = step()
+    sent = counter.stop()
+    tdist.all_reduce(first)
+    return {"first_loss": float(first), "sent": sent, "act_peak": meter.peak}

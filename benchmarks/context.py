@@ -38,7 +38,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from common import BENCH_MODEL, AllToAllCount, best_of_rounds, peak_rss_mb, sum_grads, time_steps
+from common import BENCH_MODEL, AllToAllCount, best_of_rounds, peak_rss_mb, measured_first_step, sum_grads, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,6 @@ def peer_rank(rank, world, impl, steps, batch, seq):
     import torch
 
     from fivefold.model import Transformer, loss_sum
-    from fivefold.train.activations import ActivationMeter
 
     mcfg = model_config(seq)
     model = Transformer(mcfg, seed=0)
@@ -73,15 +72,9 @@ def peer_rank(rank, world, impl, steps, batch, seq):
         opt.zero_grad()
         return loss.detach()
 
-    meter = ActivationMeter()
-    counter.start()
-    with meter:
-        first = step()
-    sent = counter.stop()
-    torch.distributed.all_reduce(first)   # each rank's share of the mean: the batch's loss is the sum
+    first = measured_first_step(step, counter)
     times = time_steps(step, warmup=1, steps=steps)
-    return {"times": times, "rss_mb": peak_rss_mb(), "first_loss": float(first), "sent": sent,
-            "act_peak": meter.peak}
+    return {"times": times, "rss_mb": peak_rss_mb(), **first}
 
 
 def ours_core(model, rank, world, x, y, seq, batch):

@@ -62,7 +62,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from common import BENCH_MODEL, AllToAllCount, best_of_rounds, peak_rss_mb, sum_grads, time_steps
+from common import BENCH_MODEL, AllToAllCount, best_of_rounds, peak_rss_mb, measured_first_step, sum_grads, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE = dict(experts=8, top_k=2, moe_ffn=512, router="softmax_topk_norm")
@@ -80,7 +80,6 @@ def peer_rank(rank, world, impl, steps, batch, seq, layers, cf, profile=False):
 
     from fivefold.model import Transformer, loss_sum
     from fivefold.model.moe import MoE
-    from fivefold.train.activations import ActivationMeter
 
     if impl.startswith("ds"):
         import deepspeed.moe.layer  # noqa: F401
@@ -111,17 +110,11 @@ def peer_rank(rank, world, impl, steps, batch, seq, layers, cf, profile=False):
         opt.zero_grad()
         return loss.detach()
 
-    meter = ActivationMeter()
-    counter.start()
-    with meter:
-        first = step()
-    sent = counter.stop()
-    torch.distributed.all_reduce(first)          # each rank's share of the global mean
+    first = measured_first_step(step, counter)
     if profile:
         return {"profile": profile_steps(step, rank)}
     times = time_steps(step, warmup=1, steps=steps)
-    return {"times": times, "rss_mb": peak_rss_mb(), "first_loss": float(first), "sent": sent,
-            "act_peak": meter.peak, "base_rss_mb": base_rss}
+    return {"times": times, "rss_mb": peak_rss_mb(), **first, "base_rss_mb": base_rss}
 
 
 def ours_ep(model, rank, world, mcfg):

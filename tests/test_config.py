@@ -2,7 +2,8 @@ import typing
 
 import pytest
 
-from fivefold.config import Config, ConfigError, ParallelConfig, TrainConfig, field_type, load_config
+from fivefold.config import (Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, field_type,
+                             load_config)
 from fivefold.rules import CpMode, Device, SpMode, ZeroStage, cp_degrees, kv_replicas
 
 
@@ -104,3 +105,80 @@ def test_validate_checks_choices_of_configs_built_in_code():
     with pytest.raises(ConfigError, match="parallel.schedule must be one of gpipe, 1f1b, interleaved, zb"):
         cfg.validate(1)
     assert typing.get_origin(field_type("train.recompute")) is typing.Literal
+
+
+def _float_keys() -> list[str]:
+    parts = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}
+    return [f"{part}.{name}" for part, cls in parts.items()
+            for name, kind in typing.get_type_hints(cls).items() if kind is float]
+
+
+def test_every_float_field_is_covered():
+    model = ("rope_theta", "norm_eps", "init_std", "dropout", "capacity_factor", "aux_loss_coef", "z_loss_coef",
+             "bias_update_rate")
+    train = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "data_limit_mb")
+    assert set(_float_keys()) == ({f"model.{n}" for n in model} | {f"train.{n}" for n in train}
+                                  | {"parallel.bucket_mb"})
+
+
+@pytest.mark.parametrize("key", _float_keys())
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", float("nan")])
+def test_non_finite_floats_rejected(key, value):
+    cfg = load_config(None, {key: value})
+    with pytest.raises(ConfigError, match=rf"^{key} must be a finite number, got -?(nan|inf)$"):
+        cfg.validate(1)
+
+
+def test_non_finite_float_from_toml(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[train]\nlr = nan\n")
+    with pytest.raises(ConfigError, match="train.lr must be a finite number, got nan"):
+        load_config(f).validate(1)
+
+
+def test_non_number_in_float_field_built_in_code():
+    cfg = Config()
+    cfg.train.grad_clip = "1.0"
+    with pytest.raises(ConfigError, match="train.grad_clip must be a finite number, got '1.0'"):
+        cfg.validate(1)
+
+
+@pytest.mark.parametrize("key, value, expect", [
+    ("train.grad_clip", -1.0, "train.grad_clip must be >= 0 (0: no clipping), got -1.0"),
+    ("train.weight_decay", -0.1, "train.weight_decay must be >= 0, got -0.1"),
+    ("train.beta1", 1.0, "train.beta1 must be in [0, 1) (typical: 0.9), got 1.0"),
+    ("train.beta1", -0.1, "train.beta1 must be in [0, 1)"),
+    ("train.beta2", 1.5, "train.beta2 must be in [0, 1) (typical: 0.95 or 0.999), got 1.5"),
+    ("train.eps", 0.0, "train.eps must be > 0 (typical: 1e-8), got 0.0"),
+    ("train.data_limit_mb", -1.0, "train.data_limit_mb must be >= 0 (0: no limit)"),
+    ("train.log_every", -1, "train.log_every must be >= 0 (0: about 20 lines a run), got -1"),
+    ("train.checkpoint_every", -5, "train.checkpoint_every must be >= 0 (0: only at the end), got -5"),
+    ("train.keep_checkpoints", 0, "train.keep_checkpoints must be >= 1, got 0"),
+    ("train.max_skips", 0, "train.max_skips must be >= 1, got 0"),
+    ("parallel.bucket_mb", 0.0, "parallel.bucket_mb must be > 0 (typical: 25), got 0.0"),
+    ("model.norm_eps", -1e-5, "model.norm_eps must be > 0"),
+    ("model.rope_theta", 0.0, "model.rope_theta must be > 0"),
+    ("model.init_std", 0.0, "model.init_std must be > 0 (typical: 0.02)"),
+    ("model.dropout", 1.0, "model.dropout must be in [0, 1) (0: off), got 1.0"),
+    ("model.aux_loss_coef", -0.5, "model.aux_loss_coef must be >= 0, got -0.5"),
+])
+def test_float_ranges(key, value, expect):
+    cfg = load_config(None, {key: value})
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(1)
+    assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("train.grad_clip", 0.0), ("train.weight_decay", 0.0), ("train.beta1", 0.0), ("train.beta2", 0.999),
+    ("train.data_limit_mb", 0.0), ("train.log_every", 0), ("train.log_every", 7), ("train.checkpoint_every", 0),
+    ("train.keep_checkpoints", 1), ("train.max_skips", 1), ("train.skip_nonfinite", "false"),
+])
+def test_range_edges_accepted(key, value):
+    load_config(None, {key: value}).validate(1)
+
+
+def test_reliability_fields_defaults():
+    t = TrainConfig()
+    assert (t.checkpoint_every, t.keep_checkpoints, t.skip_nonfinite, t.max_skips, t.log_every) == (100, 2, True, 5, 0)
+    assert field_type("train.skip_nonfinite") is bool and field_type("train.max_skips") is int

@@ -15,11 +15,14 @@ and take overrides from the command line (`--dp 2`, `--steps 10`, ...). `Config.
 checks every rule at start and raises `ConfigError` naming the rule and the nearest valid values, so a
 bad layout fails before any process waits on another. The rules themselves live in `fivefold.rules`
 (shared with the mesh, the runtime and the planner); choice fields are typed with its `Literal`s, and
-overrides are converted strictly by those types (`--set train.checkpoint=ture` is an error).
+overrides are converted strictly by those types (`--set train.checkpoint=ture` is an error). Every
+float-typed field must also be finite (`--set train.lr=nan` is an error), and each part's `validate`
+checks the ranges of its numbers (betas in [0, 1), eps > 0, ...).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -94,15 +97,16 @@ class ModelConfig:
 
     def validate(self) -> None:
         _check_choices(self, "model")
+        _check_finite(self, "model")
         for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq"):
             rules.check_positive(f"model.{name}", getattr(self, name))
         rules.check_attention(self.hidden, self.heads, self.kv_heads)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        _check_unit("model.dropout", self.dropout, "0: off")
+        for name, typical in (("rope_theta", "10000 or 500000"), ("norm_eps", "1e-5 or 1e-6"), ("init_std", "0.02")):
+            _check_above_zero(f"model.{name}", getattr(self, name), typical)
         for name in ("experts", "moe_ffn", "shared_experts", "dense_layers", "router_groups", "router_group_limit",
                      "capacity_factor", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"model.{name} must be >= 0, got {getattr(self, name)}")
+            _check_at_least_zero(f"model.{name}", getattr(self, name))
         if not self.experts:
             return
         rules.check_moe_routing(self.experts, self.top_k, self.router_groups, self.router_group_limit)
@@ -148,6 +152,8 @@ class ParallelConfig:
         for name in ("dp", "tp", "pp", "cp", "ep", "microbatches", "vpp"):
             rules.check_positive(f"parallel.{name}", getattr(self, name))
         _check_choices(self, "parallel")
+        _check_finite(self, "parallel")
+        _check_above_zero("parallel.bucket_mb", self.bucket_mb, "25")
         parse_order(self.order)
         rules.check_expert_grid(self.ep, self.dp, self.cp)
         if world_size is not None:
@@ -156,6 +162,8 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
+    """The optimiser, the data, and how a run logs, checkpoints and survives bad steps."""
+
     steps: int = 200
     global_batch: int = 16
     seq_len: int = 128
@@ -171,21 +179,31 @@ class TrainConfig:
     dtype: Dtype = "fp32"
     main_grads_fp32: bool = True          # bf16 compute: accumulate and reduce gradients in fp32
     data: list[str] = field(default_factory=list)
-    data_limit_mb: float = 8.0
+    data_limit_mb: float = 8.0            # text data: read at most this many MiB (0: no limit)
     out: str = "runs/latest"
-    log_every: int = 1
-    checkpoint: bool = True
+    log_every: int = 0                    # steps between progress lines when stderr is not a terminal (0: ~20 a run)
+    checkpoint: bool = True               # write checkpoints at all
+    checkpoint_every: int = 100           # steps between periodic checkpoints (0: only at the end)
+    keep_checkpoints: int = 2             # newest complete checkpoints kept on disk
+    skip_nonfinite: bool = True           # skip an optimizer step whose loss or gradient norm is NaN/inf
+    max_skips: int = 5                    # ... and stop the run after this many consecutive skipped steps
     recompute: Recompute = "none"         # activation checkpointing (full: each pipeline chunk; selective: attention core)
     device: Device = "auto"               # auto: CUDA when available, else CPU
 
     def validate(self) -> None:
         _check_choices(self, "train")
-        for name in ("steps", "global_batch", "seq_len"):
+        _check_finite(self, "train")
+        for name in ("steps", "global_batch", "seq_len", "keep_checkpoints", "max_skips"):
             rules.check_positive(f"train.{name}", getattr(self, name))
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.warmup < 0:
-            raise ConfigError(f"train.warmup must be >= 0, got {self.warmup}")
+        for name, note in (("warmup", ""), ("weight_decay", ""), ("grad_clip", "0: no clipping"),
+                           ("data_limit_mb", "0: no limit"), ("log_every", "0: about 20 lines a run"),
+                           ("checkpoint_every", "0: only at the end")):
+            _check_at_least_zero(f"train.{name}", getattr(self, name), note)
+        _check_unit("train.beta1", self.beta1, "typical: 0.9")
+        _check_unit("train.beta2", self.beta2, "typical: 0.95 or 0.999")
+        _check_above_zero("train.eps", self.eps, "1e-8")
 
 
 @dataclass
@@ -259,6 +277,35 @@ def _check_choices(obj: Any, part: str) -> None:
     for name, kind in _hints(type(obj)).items():
         if typing.get_origin(kind) is Literal:
             check_choice(f"{part}.{name}", getattr(obj, name), kind)
+
+
+def _check_finite(obj: Any, part: str) -> None:
+    """Every float-typed field of a config part holds a finite number (no NaN, no inf)."""
+    for name, kind in _hints(type(obj)).items():
+        value = getattr(obj, name)
+        if kind is float and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                  and math.isfinite(value)):
+            raise ConfigError(f"{part}.{name} must be a finite number, got {value!r}")
+
+
+def _note(note: str) -> str:
+    return f" ({note})" if note else ""
+
+
+def _check_at_least_zero(key: str, value: float, note: str = "") -> None:
+    if value < 0:
+        raise ConfigError(f"{key} must be >= 0{_note(note)}, got {value}")
+
+
+def _check_above_zero(key: str, value: float, typical: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0 (typical: {typical}), got {value}")
+
+
+def _check_unit(key: str, value: float, note: str = "") -> None:
+    """0 <= value < 1 (a probability or an exponential-average decay)."""
+    if not 0 <= value < 1:
+        raise ConfigError(f"{key} must be in [0, 1){_note(note)}, got {value}")
 
 
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")

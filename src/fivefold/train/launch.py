@@ -1,18 +1,56 @@
 """Start ranks: N local gloo processes, or one rank of a `torchrun` job.
 
 `run_ranks(fn, nproc, args, timeout_s)` spawns fresh processes (one intra-op thread each), joins them
-into a gloo process group on a free local port, runs `fn(rank, world_size, *args)` in each and returns
-every rank's result, in rank order. A rank that raises makes the call raise `RankError` carrying that
-rank's traceback, after every other rank has been terminated; a run that exceeds `timeout_s` is killed
-the same way and raises `TimeoutError`. No process outlives the call. The tests use the same function.
+into a gloo process group and runs `fn(rank, world_size, *args)` in each; it returns every rank's
+result, in rank order. No process outlives the call. The CLI's `--nproc` and the tests use it.
+
+Loopback only. The ranks meet through a FileStore in a temporary folder that `run_ranks` creates and
+removes (no TCPStore, whose server listens on every interface), and gloo binds and connects on the
+loopback interface. torch 2.13 gives no API for gloo's device through `init_process_group` (its
+`pg_options` are ignored for gloo), so each rank sets GLOO_SOCKET_IFNAME to the loopback interface
+("lo", or "lo0") in its own environment before it joins; a local run opens no socket outside 127.0.0.1/::1.
+
+Ranks die with their parent. Each rank first asks the kernel for SIGKILL when its parent dies (Linux:
+prctl PR_SET_PDEATHSIG, which fires when the thread that called `run_ranks` ends, and that thread waits
+in the call; elsewhere a thread that checks the parent pid every second) and quits at once if its parent
+is already gone. A `kill -9` of the launcher leaves no rank behind.
+
+Stopping. `install_stop_handlers()` makes SIGTERM and SIGINT record their name instead of ending the
+process; `stop_requested()` returns it (or None). Every local rank installs them before `fn` runs and
+the CLI installs them in torchrun ranks; the training loop polls `stop_requested()` between steps, saves
+and returns. In the launcher, `run_ranks` (called from the main thread) catches SIGTERM and SIGINT for
+its duration: the first one is forwarded to every rank as SIGTERM and the run goes on, so the ranks stop
+cleanly and their results are returned as usual (`last_stop_signal()` names the signal); a second one
+kills every rank at once and raises `Stopped`. Ranks start with SIGINT ignored, so a Ctrl-C while they
+import cannot kill them half-started; a rank that has not joined the group yet gets the SIGTERM when it
+has. Since ranks only note SIGTERM, the launcher ends them with SIGKILL whenever it has to.
+
+Hang watchdog. `timeout_s` is a limit on silence, not on the run: a rank calls `heartbeat(step)` (the
+training loop does, once per step; outside `run_ranks` it does nothing) and the launcher restarts that
+rank's clock at each heartbeat and at its result. A rank's clock starts once it has joined the group;
+starting up and joining may take max(timeout_s, 60 s), which is also gloo's own timeout. When a rank
+that has not finished stays silent for timeout_s, every rank is killed and `TimeoutError` says which
+rank and the last step it reported. So a function that never calls `heartbeat` is still killed timeout_s
+after its ranks joined.
+
+Failures. A rank that raises makes the call raise `RankError` with that rank's traceback, after every
+other rank has been killed. When a rank dies without a result (killed by a signal, e.g. by the OOM
+killer, or an exit code), the launcher names it on the first line ("rank 1 was killed by SIGKILL"), with
+the traceback of a rank that failed because of it (gloo's "connection closed") below: on any failure it
+waits up to a second for the ranks' exit codes and errors before it decides who to blame.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import io
 import os
-import sys
 import queue as queue_mod
+import signal
 import socket
+import sys
+import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -23,10 +61,63 @@ import torch.multiprocessing as mp
 
 from ..config import ConfigError
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STARTUP_S = 60.0     # a rank may take max(timeout_s, this) to start and join the group
+GRACE_S = 1.0        # on a failure, how long to wait for the other ranks' exit codes and errors
+POLL_S = 0.2         # the launcher's longest wait for a message before it checks exits and clocks
+JOIN_S = 30.0        # how long finished ranks get to exit before they are killed
+PR_SET_PDEATHSIG = 1
+
 
 class RankError(RuntimeError):
-    """A rank raised; the message holds its traceback."""
+    """A rank raised or died; the message's first line names it, then a traceback."""
 
+
+class Stopped(RankError):
+    """A second SIGTERM/SIGINT reached `run_ranks`: every rank was killed without saving."""
+
+
+# ---- stop requests (any process) -------------------------------------------------------------------
+
+_stop_signal: str | None = None     # the first stop signal this process received
+_last_stop: str | None = None       # the stop signal the last run_ranks call forwarded to its ranks
+
+
+def _record_stop(signum, frame) -> None:
+    global _stop_signal
+    if _stop_signal is None:
+        _stop_signal = signal.Signals(signum).name
+
+
+def install_stop_handlers() -> None:
+    """From now on SIGTERM and SIGINT in this process only record their name for `stop_requested()`."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _record_stop)
+
+
+def stop_requested() -> str | None:
+    """The name of the first stop signal received ("SIGTERM", "SIGINT"), or None."""
+    return _stop_signal
+
+
+def last_stop_signal() -> str | None:
+    """The signal the last `run_ranks` call in this process received and forwarded to its ranks, or None."""
+    return _last_stop
+
+
+# ---- progress (inside a run_ranks rank) ------------------------------------------------------------
+
+_progress = None    # (rank, results queue) while a run_ranks rank runs fn; None elsewhere
+
+
+def heartbeat(step: int | None = None) -> None:
+    """Tell the launcher this rank is making progress (at `step`); a no-op outside `run_ranks`."""
+    if _progress is not None:
+        rank, results = _progress
+        results.put((rank, "progress", step))
+
+
+# ---- rank side --------------------------------------------------------------------------------------
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -42,9 +133,52 @@ def one_thread() -> None:
         pass  # already set in this process
 
 
-def init_gloo(rank: int, world_size: int, port: int, timeout_s: float = 300) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+def _startup_s(timeout_s: float) -> float:
+    return max(timeout_s, STARTUP_S)
+
+
+def _loopback_interface() -> str | None:
+    names = {name for _, name in socket.if_nameindex()}
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def init_gloo(rank: int, world_size: int, store_path: str, timeout_s: float = 300) -> None:
+    """Join the local gloo group: rendezvous through the FileStore at store_path, traffic over loopback."""
+    lo = _loopback_interface()
+    if lo is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = lo   # read by gloo when it creates its device, in this rank only
+    timeout = timedelta(seconds=_startup_s(timeout_s))
+    store = dist.FileStore(store_path, world_size)
+    store.set_timeout(timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _kill_me_with_parent() -> bool:
+    """Linux: SIGKILL this process when the thread that started it ends. False when unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        zero = ctypes.c_ulong(0)
+        return libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL), zero, zero, zero) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Elsewhere: a daemon thread that ends this process once its parent is gone (checked every second)."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, name="fivefold-parent-watch", daemon=True).start()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if not _kill_me_with_parent():
+        _watch_parent(parent_pid)
+    if os.getppid() != parent_pid:   # the parent died before we asked: nobody will collect a result
+        os._exit(1)
 
 
 def _dumps(obj) -> bytes:
@@ -57,16 +191,23 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=True)   # results are tensors and plain data: no code
 
 
-def _worker(rank, world_size, port, fn, args, results, timeout_s):
+def _worker(rank, world_size, store_path, fn, args, results, timeout_s, parent_pid):
+    """One rank: messages to the parent are (rank, kind, payload), kind in started|progress|ok|error."""
+    global _progress
+    _die_with_parent(parent_pid)
+    install_stop_handlers()
     one_thread()
     try:
         if world_size > 1:
-            init_gloo(rank, world_size, port, timeout_s)
+            init_gloo(rank, world_size, store_path, timeout_s)
+        _progress = (rank, results)
+        results.put((rank, "started", None))
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", _dumps(out)))
-    except BaseException:  # noqa: BLE001 - any failure is reported with its traceback
-        results.put((rank, "error", traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - any failure is reported with its traceback
+        results.put((rank, "error", _describe(e)))
     finally:
+        _progress = None
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -74,46 +215,232 @@ def _worker(rank, world_size, port, fn, args, results, timeout_s):
                 pass
 
 
+def _describe(e: BaseException) -> str:
+    """A failure for the user: one line for the errors that explain themselves (a config rule, a
+    non-finite loss: exceptions with `brief = True`), the traceback for anything else."""
+    if isinstance(e, ConfigError) or getattr(e, "brief", False):
+        return f"{type(e).__name__}: {e}"
+    return traceback.format_exc()
+
+
+# ---- launcher side ----------------------------------------------------------------------------------
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code} without a result"
+
+
+def _silence_message(limit: float, rank: int, started: bool, reported: bool, step) -> str:
+    if not started:
+        what = "did not start"
+    elif not reported:
+        what = "never reported"
+    elif step is None:
+        what = "last reported progress (no step number)"
+    else:
+        what = f"last reported step {step}"
+    return f"no progress for {limit:g} s: rank {rank} {what}"
+
+
+class _Ranks:
+    """The launcher's view of the running ranks: their messages, clocks, exits and the stop state."""
+
+    def __init__(self, procs, results, timeout_s: float):
+        self.procs, self.results, self.timeout_s = procs, results, timeout_s
+        now = time.monotonic()
+        self.heard = [now] * len(procs)    # when each rank was last heard from (its spawn at first)
+        self.started = [False] * len(procs)
+        self.steps: dict[int, object] = {}  # rank -> last heartbeat's step
+        self.out: dict[int, object] = {}
+        self.errors: list[tuple[int, str]] = []
+        self.signal: str | None = None      # the first stop signal: forwarded
+        self.killed: str | None = None      # the second: every rank killed
+
+    # messages
+    def _take(self, msg) -> None:
+        rank, kind, payload = msg
+        self.heard[rank] = time.monotonic()
+        if kind == "started":
+            self.started[rank] = True
+            if self.signal is not None:
+                self._terminate(rank)
+        elif kind == "progress":
+            self.steps[rank] = payload
+        elif kind == "ok":
+            self.out[rank] = _loads(payload)
+        else:
+            self.errors.append((rank, payload))
+
+    def _read(self, wait: float) -> bool:
+        """Take the messages that arrive within `wait`, then all pending; True once the queue was empty."""
+        until = time.monotonic() + 1.0   # a flood of heartbeats cannot keep us here
+        timeout = wait
+        while time.monotonic() < until:
+            try:
+                msg = self.results.get(timeout=timeout) if timeout > 0 else self.results.get_nowait()
+            except queue_mod.Empty:
+                return True
+            self._take(msg)
+            timeout = 0
+        return False
+
+    # processes
+    def _final(self, rank: int) -> bool:
+        return rank in self.out or any(r == rank for r, _ in self.errors)
+
+    def _unfinished(self) -> list[int]:
+        return [r for r in range(len(self.procs)) if not self._final(r)]
+
+    def _dead(self) -> list[int]:
+        """Ranks that exited without a message. Exits are read before the queue is drained: a rank's
+        last message is in the pipe before its process ends, so it cannot be missed."""
+        exited = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+        if not self._read(0):
+            return []
+        return [r for r in exited if not self._final(r)]
+
+    def _terminate(self, rank: int) -> None:
+        p = self.procs[rank]
+        if p.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+    # signals
+    def on_signal(self, signum, frame) -> None:
+        global _last_stop
+        name = signal.Signals(signum).name
+        if self.signal is None:
+            self.signal = _last_stop = name
+            print(f"fivefold: {name}: asking the ranks to stop (send it again to kill them)", file=sys.stderr)
+            for r in range(len(self.procs)):
+                if self.started[r] and not self._final(r):
+                    self._terminate(r)
+        else:
+            self.killed = name
+            self.kill_all()
+
+    # the run
+    def collect(self) -> list:
+        while len(self.out) < len(self.procs):
+            self._check_stopped()
+            if self._dead() or self.errors:
+                raise self._failure()
+            self._check_silence()
+            self._read(min(POLL_S, self._next_deadline()))
+        return [self.out[r] for r in range(len(self.procs))]
+
+    def _check_stopped(self) -> None:
+        if self.killed:
+            self.kill_all()
+            raise Stopped(f"second {self.killed} after {self.signal}: every rank was killed")
+
+    def _limit(self, rank: int) -> float:
+        return self.timeout_s if self.started[rank] else _startup_s(self.timeout_s)
+
+    def _next_deadline(self) -> float:
+        now = time.monotonic()
+        return max(0.0, min((self.heard[r] + self._limit(r) - now for r in self._unfinished()), default=POLL_S))
+
+    def _check_silence(self) -> None:
+        now = time.monotonic()
+        late = [r for r in self._unfinished() if now - self.heard[r] > self._limit(r)]
+        if late:
+            self.kill_all()
+            r = min(late, key=lambda r: self.heard[r])
+            msg = _silence_message(self._limit(r), r, self.started[r], r in self.steps, self.steps.get(r))
+            raise TimeoutError(msg + (f" (finished: {sorted(self.out)})" if self.out else ""))
+
+    def _failure(self) -> RankError:
+        """A rank failed or died: wait up to GRACE_S for the rest (a dead rank behind an error, an error
+        behind a death), kill every rank and describe it, the dead first."""
+        until = time.monotonic() + GRACE_S
+        while True:
+            dead = self._dead()
+            alive = [r for r in self._unfinished() if self.procs[r].exitcode is None]
+            if (dead and self.errors) or not alive or time.monotonic() >= until or self.killed:
+                break
+            time.sleep(0.05)
+        self.kill_all()
+        self._check_stopped()
+        lines = ["; ".join(f"rank {r} {_exit_reason(self.procs[r].exitcode)}" for r in dead)] if dead else []
+        if self.errors:
+            rank, tb = self.errors[0]
+            brief = "\n" not in tb.strip()   # a one-line error (launch._describe) stays on one line
+            lines.append(f"rank {rank} failed: {tb.strip()}" if brief else f"rank {rank} failed:\n{tb}")
+        return RankError("\n".join(lines))
+
+    def join(self) -> None:
+        until = time.monotonic() + JOIN_S
+        for p in self.procs:
+            p.join(timeout=max(0.0, until - time.monotonic()))
+
+
+@contextlib.contextmanager
+def _catching_stops(handler):
+    """Route SIGTERM/SIGINT to handler while inside (main thread only; an ignored signal stays ignored)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        for sig, h in old.items():
+            if h is not signal.SIG_IGN:
+                signal.signal(sig, handler)
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h if h is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Processes started inside begin with SIGINT ignored (exec keeps SIG_IGN), until their own handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old if old is not None else signal.SIG_DFL)
+
+
 def run_ranks(fn, nproc: int, args: tuple = (), timeout_s: float = 300) -> list:
-    """Run fn(rank, nproc, *args) on nproc fresh gloo ranks; return the results in rank order."""
+    """Run fn(rank, nproc, *args) on nproc fresh gloo ranks; return the results in rank order. timeout_s:
+    the longest a rank may go without a heartbeat or result (module docstring)."""
+    global _last_stop
+    _last_stop = None
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the children before torch loads
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, args, results, timeout_s), daemon=True)
-             for r in range(nproc)]
-    for p in procs:
-        p.start()
-    out: dict[int, object] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(out) < nproc:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{nproc} ranks did not finish within {timeout_s:.0f} s "
-                                   f"(finished: {sorted(out)})")
+    with tempfile.TemporaryDirectory(prefix="fivefold-ranks-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(r, nproc, store_path, fn, args, results, timeout_s, os.getpid()))
+                 for r in range(nproc)]
+        ranks = _Ranks(procs, results, timeout_s)
+        with _catching_stops(ranks.on_signal):
             try:
-                rank, status, payload = results.get(timeout=min(left, 1.0))
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-                if dead:
-                    raise RankError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result")
-                continue
-            if status == "error":
-                raise RankError(f"rank {rank} failed:\n{payload}")
-            out[rank] = _loads(payload)
-        for p in procs:
-            p.join(timeout=30)
-        return [out[r] for r in range(nproc)]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+                with _sigint_ignored():
+                    for p in procs:
+                        p.start()
+                out = ranks.collect()
+                ranks.join()
+                return out
+            finally:
+                ranks.kill_all()
+                for p in procs:
+                    if p.pid is not None:
+                        p.join(timeout=10)
 
 
 def torchrun_env() -> tuple[int, int] | None:
@@ -130,8 +457,25 @@ def init_torchrun(timeout_s: float = 1800, device: str = "auto") -> tuple[int, i
     backend = "nccl" if cuda else "gloo"   # the trainer resolves train.device from this backend
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=torchrun_store(rank, world, timeout), rank=rank, world_size=world,
+                            timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def torchrun_store(rank: int, world: int, timeout: timedelta):
+    """The job's store, with this attempt's keys apart from earlier attempts'. torchrun keeps its store
+    across `--max-restarts` and torch's env:// rendezvous adds no per-attempt prefix, so restarted gloo
+    ranks read the addresses the killed workers published and fail ("Gloo connectFullMesh failed ...
+    Connection refused"). The prefix is torchrun's TORCHELASTIC_RESTART_COUNT."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":   # the agent hosts the store
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    else:
+        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"fivefold/attempt_{attempt}", store)
 
 
 def leave_torchrun(code: int) -> None:

@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/fivefold train --nproc 2 --out runs/demo
+	$(VENV)/bin/fivefold train --nproc 2 --overwrite --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

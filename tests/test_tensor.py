@@ -247,7 +247,7 @@ def test_checkpoint_is_full_and_resume_is_exact(two):
     _, ck, out = two
     for r in ck:
         assert r["resumed"] == pytest.approx(r["whole"][2], rel=1e-12, abs=0)
-    model = checkpoint.to_model(out / "checkpoint.pt")  # full single-process names and shapes
+    model = checkpoint.to_model(out)  # full single-process names and shapes, from the tp pieces
     assert model.embed.weight.shape == (257, 64) and model.head.weight.shape == (257, 64)
     assert model.layers[0].attn.wk.weight.shape == (2 * 16, 64)
 

@@ -1,6 +1,8 @@
-"""Command line: `fivefold train | plan | schedule`.
+"""Command line: `fivefold train | export | plan | schedule`.
 
     fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --cp-mode --ep --zero ...] [--steps K] [--out DIR]
+                   [--resume auto|DIR] [--overwrite]
+    fivefold export RUN_OR_CHECKPOINT FILE.safetensors
     fivefold plan --model llama3-8b --gpus 64 --topology dgx-h100 [--tp --pp --dp ...] [--json]
     fivefold schedule --pp 4 --microbatches 8 --schedule 1f1b [--vpp V] [--out F.svg]
 """
@@ -31,7 +33,8 @@ HELP = {
     "order": "rank order, innermost first (default tp-cp-ep-dp-pp)",
     "partition": f"layers to pipeline stages: {' | '.join(choices(PartitionKind))} | counts like 3,5,5,3",
     "recompute": "activation checkpointing (pp)",
-    "out": "output folder (metrics.jsonl, comm.json, run.json, checkpoint.pt)",
+    "out": "run folder (metrics.jsonl, comm.json, run.json, checkpoints/); never written over without "
+           "--resume or --overwrite",
     "data": "text files, or token files (.u16/.bin, .u32, .npy)",
 }
 
@@ -52,10 +55,14 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
     for flag, key in TRAIN_FLAGS.items():
         ap.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help=HELP.get(flag),
                         **flag_kwargs(field_type(key)))
-    ap.add_argument("--resume", help="checkpoint file or run folder to continue from")
+    ap.add_argument("--resume", help="continue a run: auto (the newest checkpoint in --out, else start fresh), "
+                    "a run folder (its newest checkpoint) or a checkpoints/step-N folder; any layout loads it")
+    ap.add_argument("--overwrite", action="store_true", help="start again in an --out that holds a run "
+                    "(removes its metrics and checkpoints)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any config key, e.g. --set model.hidden=256 (repeatable)")
-    ap.add_argument("--timeout", type=float, default=3600, help="seconds before local ranks are killed")
+    ap.add_argument("--timeout", type=float, default=600, help="hang watchdog: local ranks that make no "
+                    "progress (no finished step) for this many seconds are killed")
 
 
 def resolve_train_config(args: argparse.Namespace, world: int | None = None):
@@ -77,35 +84,93 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
     return cfg
 
 
+def prepare_run(cfg, args) -> tuple[str | None, int]:
+    """Out-folder and resume rules, checked before any rank starts: (checkpoint to load or None, its
+    step). A changed shape field is an error, other changed settings a warning (rundir.py)."""
+    from .train import rundir
+
+    out = cfg.train.out
+    rundir.check_out(out, args.resume, args.overwrite)
+    ckpt = rundir.resolve_resume(args.resume, out)
+    if ckpt is None:
+        return None, 0
+    index = rundir.read_index(ckpt)
+    errors, warnings = rundir.compare_configs(index["config"], cfg.to_dict())
+    if errors:
+        raise ConfigError(f"cannot resume {ckpt} with a different model shape: {'; '.join(errors)}")
+    for w in warnings:
+        print(f"warning: resuming with a changed setting: {w}", file=sys.stderr)
+    return str(ckpt), index["step"]
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from .comm import CommLedger
-    from .train.launch import init_torchrun, leave_torchrun, run_ranks, torchrun_env
-    from .train.launch import resolve_device
+    from .train import rundir
+    from .train.data import check_data
+    from .train.launch import (init_torchrun, install_stop_handlers, leave_torchrun, resolve_device, run_ranks,
+                               torchrun_env)
     from .train.trainer import supported, train_rank
 
     env = torchrun_env()
     cfg = resolve_train_config(args, env[1] if env else None)
     out = cfg.train.out
-    if env is not None:  # one rank of a torchrun job
-        cfg.validate(env[1])
-        supported(cfg)
-        rank, world = init_torchrun(device=cfg.train.device)
-        train_rank(rank, world, cfg.to_dict(), out, args.resume)
-        leave_torchrun(0)   # does not return; a failure above propagates with its traceback as usual
-    world = args.nproc or cfg.parallel.world_size
+    world = env[1] if env else (args.nproc or cfg.parallel.world_size)
     cfg.validate(world)
-    supported(cfg)                                          # before any rank starts: what the runtime
-    resolve_device(cfg.train.device, "gloo" if world > 1 else None)   # does not run, a device it cannot use
+    supported(cfg)                                                   # before any rank starts: what the runtime
+    if env is None:                                                  # does not run, a device it cannot use,
+        resolve_device(cfg.train.device, "gloo" if world > 1 else None)
+    n_tokens = check_data(cfg.train, cfg.model.vocab)               # data it cannot read, a run folder it
+    lock = rundir.RunLock(out) if env is None or env[0] == 0 else None   # must not touch
+    ckpt, start = prepare_run(cfg, args)
+    if start >= cfg.train.steps:
+        print(f"fivefold train: {out} is at step {start} of {cfg.train.steps}: nothing to do "
+              f"(raise --steps to train on)", file=sys.stderr)
+        return 0
+    if args.overwrite and lock is not None:
+        rundir.clear(out)
+    if ckpt and (env is None or env[0] == 0):
+        print(f"fivefold train: resuming from {ckpt} (step {start})", file=sys.stderr)
+    if env is not None:  # one rank of a torchrun job
+        install_stop_handlers()
+        rank, world = init_torchrun(device=cfg.train.device)
+        result = train_rank(rank, world, cfg.to_dict(), out, ckpt)
+        leave_torchrun(stop_code(result.get("stopped")))   # does not return; failures propagate as usual
     print(f"fivefold train: {world} rank(s), dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
           f"cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
-          f"{cfg.model.num_params():,} parameters, {cfg.train.steps} steps -> {out}", file=sys.stderr)
-    results = run_ranks(train_rank, world, (cfg.to_dict(), out, args.resume), timeout_s=args.timeout)
-    hist = results[0]["history"]
+          f"{cfg.model.num_params():,} parameters, {n_tokens:,} tokens, steps {start}..{cfg.train.steps} -> {out}",
+          file=sys.stderr)
+    results = run_ranks(train_rank, world, (cfg.to_dict(), out, ckpt), timeout_s=args.timeout)
+    lock.release()
+    r0 = results[0]
+    hist = r0["history"]
     if hist:
         first, last = hist[0], hist[-1]
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(hist)} steps")
     print("\ncommunication (all ranks):")
     print(CommLedger.read(Path(out) / "comm.json").table())
+    if r0.get("stopped"):
+        print(f"fivefold: stopped by {r0['stopped']} after step {r0['step']}; checkpoint in "
+              f"{rundir.step_dir(out, r0['step'])}; continue with --resume auto --out {out}", file=sys.stderr)
+    return stop_code(r0.get("stopped"))
+
+
+def stop_code(signal_name: str | None) -> int:
+    """Exit status of a run: 0, or 128 + the signal's number when a signal stopped it (after saving)."""
+    import signal
+
+    return 0 if not signal_name else 128 + int(getattr(signal, signal_name))
+
+
+def add_export_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("checkpoint", help="a run folder (its newest checkpoint) or a checkpoints/step-N folder")
+    ap.add_argument("dest", help="the single safetensors file to write (never overwritten)")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .train.checkpoint import export
+
+    path = export(args.checkpoint, args.dest)
+    print(f"wrote {path} ({path.stat().st_size:,} bytes)")
     return 0
 
 
@@ -113,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fivefold", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_train_args(sub.add_parser("train", help="train a model (embedded default when no config)"))
+    add_export_args(sub.add_parser("export", help="write a checkpoint's whole weights to one safetensors file"))
     from .parallel.pipeline.cli_schedule import add_schedule_args, cmd_schedule
     add_schedule_args(sub.add_parser("schedule", help="simulate and draw a pipeline schedule"))
     from .plan.cli import add_plan_args, cmd_plan
@@ -121,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "train":
             return cmd_train(args)
+        if args.cmd == "export":
+            return cmd_export(args)
         if args.cmd == "schedule":
             return cmd_schedule(args)
         if args.cmd == "plan":

@@ -17,7 +17,10 @@ A dimension (`Parallelism`) may provide, all optional but `name` and `apply`:
     schedules_backward: bool       its backwards interleave with other micro-batches' forwards, so the
                                    engine accumulates the step's gradients and reduces them once (pp)
     loss_group: str                a group whose ranks each hold part of the loss, summed for reporting
-    gather_state / split_state     a full checkpoint state from this rank's pieces, and back
+    gather_state / split_state     a full single-process state from this rank's pieces, and back
+                                   (Trainer.full_state; checkpoints need neither: train/checkpoint.py
+                                   writes each rank's pieces where the placements put them)
+    checkpoint_aliases             {local name: checkpoint name} of copies (pp: tied head -> embed)
     write(out, gather_objects, rank)  files it reports after a run (pp: the timeline)
 
 State flows out through the dimensions in the order they were applied (each widens the state by
@@ -117,6 +120,8 @@ class PipelineParallelism:
         from .pipeline.runtime import PipelineRuntime
 
         self.stage = Stage(model, self.partition, self.rank)
+        # the last stage's copy of a tied embedding is the embedding in a checkpoint
+        self.checkpoint_aliases = {"head.weight": "embed.weight"} if self.stage.tied_copy is not None else {}
         p = self.cfg.parallel
         self.stage.seq_split = p.tp if p.sp_mode == "megatron" else 1
         dtype = next(self.stage.parameters()).dtype

@@ -46,19 +46,27 @@ class Shard:
     full: int = 0
     replicas: int = 1
 
+    def size(self, n: int) -> int:
+        """Length along `dim` of every rank's piece (the last pieces are zero-padded to it)."""
+        return -(-self.full // (n // self.replicas))
+
+    def extent(self, rank: int, n: int) -> tuple[int, int]:
+        """(start, length) along `dim` of the full tensor's part that this rank's piece holds; the
+        piece's first `length` rows are that part, the rest is padding (length 0: padding only)."""
+        size = self.size(n)
+        start = (rank // self.replicas) * size
+        return start, max(0, min(size, self.full - start))
+
     def piece(self, full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
         """This rank's piece of the full tensor, zero-padded to the common piece size."""
         if self.dim is None:
             return full.clone()
-        pieces = n // self.replicas
-        size = -(-self.full // pieces)
-        start = (rank // self.replicas) * size
-        stop = min(start + size, self.full)
+        start, length = self.extent(rank, n)
         shape = list(full.shape)
-        shape[self.dim] = size
+        shape[self.dim] = self.size(n)
         out = torch.zeros(shape, dtype=full.dtype, device=full.device)
-        if stop > start:
-            out.narrow(self.dim, 0, stop - start).copy_(full.narrow(self.dim, start, stop - start))
+        if length:
+            out.narrow(self.dim, 0, length).copy_(full.narrow(self.dim, start, length))
         return out
 
     def assemble(self, pieces_n: torch.Tensor) -> torch.Tensor:

@@ -1,43 +1,332 @@
-"""Checkpoints: the full (unsharded) model and optimizer state, keyed by parameter name.
+"""Sharded checkpoints: every rank writes the pieces it holds, in parallel; any layout reads any other.
 
-A checkpoint written by any layout holds whole tensors, so any layout can load it. Saved with
-`torch.save` as {"format": 1, "step", "config", "state": {"model", "exp_avg", "exp_avg_sq", "opt_t",
-"buffers"}}; "buffers" holds the model's persistent buffers (training state that is not a parameter,
-e.g. the DeepSeek-V3 router's expert bias), whole, keyed by name. `to_model` puts the weights into a
-fresh single-process `Transformer`.
+One checkpoint is a folder (OUT/checkpoints/step-00000050, see rundir.py):
+
+    index.json              format, step, config, world size, optimizer step count, and for every tensor
+                            ("model/<param>", "exp_avg/<param>", "exp_avg_sq/<param>", "buffers/<name>",
+                            by its single-process name) its full shape, dtype and chunks
+    rank-00003.safetensors  the chunks rank 3 wrote, and rank 3's random-number state ("rng/...")
+
+A chunk is a box of the single-process tensor (offsets and sizes along every dim): a tensor-parallel
+piece, a block of experts, a whole replicated tensor. Ranks holding the same box (data-parallel replicas,
+tied copies) agree on one writer, so the writing is spread over the ranks and nothing is gathered to one.
+To read, each rank computes the box it needs in its own layout and copies in the overlapping parts of
+the stored chunks through safetensors' memory map (only the needed slices are read): dp4 → tp2×pp2,
+zero3 → zero0, ep4 → ep2 all load. A tensor the new model lacks, or one the checkpoint lacks, fails.
+
+Nothing on disk is unpickled: tensors are safetensors, the rest is JSON. (torch.distributed.checkpoint
+was the other candidate; its metadata file is read with `pickle.load`, so a crafted checkpoint there
+runs code on every rank.)
+
+Atomic: ranks write into OUT/checkpoints/.tmp-step-N-<nonce>/ and fsync; rank 0 writes index.json last,
+fsyncs and renames the folder to step-N. Readers only ever see complete checkpoints; the oldest complete
+ones beyond `keep` are removed after the new one is in place, stale temporary folders with them.
 """
 from __future__ import annotations
 
+import json
+import math
+import os
+import secrets
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..config import Config
+from ..comm import gather_objects
+from ..config import Config, ConfigError
+from ..parallel.placement import Placement
+from . import rundir
+from .rundir import FORMAT, INDEX
 
-FORMAT = 1
-
-
-def save(path: str | Path, state: dict, step: int, cfg: Config) -> None:
-    path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"format": FORMAT, "step": step, "config": cfg.to_dict(), "state": state}, tmp)
-    tmp.replace(path)
+SECTIONS = ("model", "exp_avg", "exp_avg_sq")
 
 
-def load(path: str | Path) -> dict:
-    path = Path(path)
-    if path.is_dir():
-        path = path / "checkpoint.pt"
-    ck = torch.load(path, map_location="cpu", weights_only=True)   # tensors and plain data only: no code
-    if ck.get("format") != FORMAT:
-        raise ValueError(f"{path}: unknown checkpoint format {ck.get('format')!r}")
-    return ck
+@dataclass(frozen=True)
+class Box:
+    """The part of a single-process tensor a piece holds: `shape` is the full tensor's."""
 
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @staticmethod
+    def whole(shape) -> "Box":
+        shape = tuple(shape)
+        return Box(shape, (0,) * len(shape), shape)
+
+
+def box_of(local_shape, placement: Placement, groups) -> Box:
+    """The box of the full tensor that a rank's piece (shape `local_shape`, zero-padded at the end of
+    each sharded dim) holds; `groups[name]` is the rank's group of that name (its rank and size)."""
+    shape, offsets, sizes = list(local_shape), [0] * len(local_shape), list(local_shape)
+    for s in placement.shards:
+        if s.dim is None:
+            continue
+        g = groups[s.group]
+        start, length = s.extent(g.rank, g.size)
+        shape[s.dim], offsets[s.dim], sizes[s.dim] = s.full, start, length
+    return Box(tuple(shape), tuple(offsets), tuple(sizes))
+
+
+def _region(t: torch.Tensor, sizes) -> torch.Tensor:
+    return t[tuple(slice(0, n) for n in sizes)]
+
+
+def _chunk_key(key: str, box: Box) -> str:
+    return f"{key}@{','.join(map(str, box.offsets))}"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -------------------------------------------------------------------------------------------------------
+# Save (every rank)
+
+class NonFiniteState(RuntimeError):
+    """The state to save holds NaN or inf: it is not written."""
+
+    brief = True
+
+
+def save(out: str | Path, step: int, cfg: Config, entries: dict[str, tuple[torch.Tensor, Box]],
+         rng: dict[str, torch.Tensor], meta: dict, keep: int, rank: int) -> Path:
+    """Write checkpoint `step` of the run in `out` from every rank's `entries` (key -> (local piece,
+    its box)), plus this rank's `rng` tensors and `meta` (JSON, from rank 0). Call on every rank;
+    returns the checkpoint folder once it is complete and visible to every rank."""
+    root = Path(out) / rundir.CHECKPOINTS
+    specs = {key: (box.shape, box.offsets, box.sizes, str(t.dtype).removeprefix("torch."))
+             for key, (t, box) in entries.items() if box.numel}
+    finite = all(bool(torch.isfinite(_region(t, box.sizes)).all()) for t, box in entries.values()
+                 if t.is_floating_point() and box.numel)
+    nonce = secrets.token_hex(4)
+    everyone = gather_objects((specs, finite, nonce))   # bookkeeping exchange
+    if not all(f for _, f, _ in everyone):
+        bad = [r for r, (_, f, _) in enumerate(everyone) if not f]
+        raise NonFiniteState(f"not saving the checkpoint of step {step}: ranks {bad} hold NaN or inf "
+                             f"in the model or optimizer state")
+    tmp = root / f".tmp-step-{step:08d}-{everyone[0][2]}"
+    writers = assign_writers([s for s, _, _ in everyone])
+    mine = {_chunk_key(key, box): _region(t, box.sizes).detach().to("cpu").contiguous()
+            for key, (t, box) in entries.items() if writers.get((key, box.offsets)) == rank}
+    mine.update({f"rng/{k}": v.detach().to("cpu").contiguous() for k, v in rng.items()})
+    tmp.mkdir(parents=True, exist_ok=True)
+    _write_safetensors(tmp / rank_file(rank), mine)
+    gather_objects(None)   # every rank's file is written and synced
+    final = rundir.step_dir(out, step)
+    if rank == 0:
+        index = {"format": FORMAT, "step": step, "config": cfg.to_dict(), "world_size": len(everyone), **meta,
+                 "tensors": build_index(everyone, writers)}
+        (tmp / INDEX).write_text(json.dumps(index, indent=1))
+        _fsync(tmp / INDEX)
+        _fsync(tmp)
+        _publish(tmp, final)
+        prune(out, keep)
+    gather_objects(None)   # the checkpoint is visible
+    return final
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def assign_writers(specs_by_rank: list[dict]) -> dict[tuple[str, tuple], int]:
+    """(key, offsets) -> the rank that writes that chunk: of the ranks holding it, in turn, so replicas
+    share the writing. The same on every rank (it depends only on the gathered specs)."""
+    holders: dict[tuple[str, tuple], list[int]] = {}
+    for r, specs in enumerate(specs_by_rank):
+        for key, (_, offsets, _, _) in specs.items():
+            holders.setdefault((key, tuple(offsets)), []).append(r)
+    return {chunk: ranks[i % len(ranks)] for i, (chunk, ranks) in enumerate(sorted(holders.items()))}
+
+
+def build_index(everyone: list, writers: dict) -> dict:
+    tensors: dict[str, dict] = {}
+    for r, (specs, _, _) in enumerate(everyone):
+        for key, (shape, offsets, sizes, dtype) in specs.items():
+            if writers[(key, tuple(offsets))] != r:
+                continue
+            entry = tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "chunks": []})
+            entry["chunks"].append({"file": rank_file(r), "key": _chunk_key(key, Box(shape, offsets, sizes)),
+                                    "offsets": list(offsets), "sizes": list(sizes)})
+    return dict(sorted(tensors.items()))
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+    _fsync(path)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the complete folder into place (a checkpoint of the same step is replaced only after)."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{secrets.token_hex(4)}")
+        final.rename(old)
+    tmp.rename(final)
+    _fsync(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(out: str | Path, keep: int) -> None:
+    """Remove the oldest complete checkpoints beyond `keep`, and leftovers of interrupted saves (the run
+    folder's lock means no other save is under way)."""
+    for old in rundir.checkpoints(out)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    root = Path(out) / rundir.CHECKPOINTS
+    for stale in root.glob(".*"):
+        if stale.is_dir() and (stale.name.startswith(".tmp-") or stale.name.startswith(".old-")):
+            if not (stale / INDEX).exists() or stale.name.startswith(".old-"):
+                shutil.rmtree(stale, ignore_errors=True)
+
+
+# -------------------------------------------------------------------------------------------------------
+# Load
+
+class Reader:
+    """Reads boxes of a checkpoint's tensors from its chunks (files opened lazily, memory-mapped)."""
+
+    def __init__(self, ckpt: str | Path):
+        self.path = Path(ckpt)
+        self.index = rundir.read_index(self.path)
+        self.tensors = self.index.get("tensors", {})
+        self._files: dict[str, object] = {}
+
+    def _file(self, name: str):
+        from safetensors import safe_open
+
+        if name not in self._files:
+            path = self.path / name
+            if Path(name).name != name or not path.is_file():
+                raise ConfigError(f"{self.path}: chunk file {name!r} is missing")
+            try:
+                self._files[name] = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as e:   # a file that is not safetensors (e.g. a pickle) is refused, not run
+                raise ConfigError(f"{path} is not a safetensors file ({e})") from None
+        return self._files[name]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key]["shape"])
+
+    def read(self, key: str, box: Box, local_shape) -> torch.Tensor:
+        """A tensor of `local_shape` whose leading `box.sizes` part holds the box of tensor `key`
+        (the rest zero: the padding of a sharded piece)."""
+        entry = self.tensors[key]
+        if tuple(entry["shape"]) != box.shape:
+            raise ConfigError(f"{self.path}: {key} has shape {tuple(entry['shape'])}, this model's is {box.shape}")
+        dtype = getattr(torch, entry["dtype"])
+        out = torch.zeros(tuple(local_shape), dtype=dtype)
+        covered = 0
+        for chunk in entry["chunks"]:
+            lo = [max(a, b) for a, b in zip(box.offsets, chunk["offsets"])]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(box.offsets, box.sizes, chunk["offsets"], chunk["sizes"])]
+            if any(h <= low for low, h in zip(lo, hi)) and box.shape:
+                continue
+            src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, chunk["offsets"]))
+            dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, box.offsets))
+            f = self._file(chunk["file"])
+            part = f.get_slice(chunk["key"])[src] if box.shape else f.get_tensor(chunk["key"])
+            out[dst] = part
+            covered += math.prod(h - low for low, h in zip(lo, hi))
+        if covered != box.numel:
+            raise ConfigError(f"{self.path}: the chunks of {key} cover {covered} of the {box.numel} "
+                              f"elements this rank needs (a damaged index)")
+        return out
+
+    def rng(self, rank: int) -> dict[str, torch.Tensor]:
+        f = self._file(rank_file(rank))
+        return {k.removeprefix("rng/"): f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
+
+    def full(self, key: str) -> torch.Tensor:
+        shape = self.shape(key)
+        return self.read(key, Box.whole(shape), shape)
+
+
+def load(ckpt: str | Path, wanted: dict[str, tuple[tuple, Box]]) -> tuple[dict[str, torch.Tensor], Reader]:
+    """Every rank's `wanted` tensors (key -> (local shape, box)) from checkpoint `ckpt`. Call on every
+    rank: the union of what the ranks want must be exactly what the checkpoint holds."""
+    reader = Reader(ckpt)
+    every = set().union(*gather_objects(sorted(wanted)))   # bookkeeping exchange
+    missing = sorted(every - set(reader.tensors))
+    extra = sorted(set(reader.tensors) - every)
+    if missing or extra:
+        raise ConfigError(f"{ckpt} does not match this model: "
+                          + "; ".join(f"{what} {len(keys)} tensor(s), e.g. {keys[:3]}"
+                                      for what, keys in (("lacks", missing), ("has extra", extra)) if keys))
+    return {key: reader.read(key, box, shape) for key, (shape, box) in wanted.items()}, reader
+
+
+# -------------------------------------------------------------------------------------------------------
+# Single process: whole tensors, export
+
+def find(path: str | Path) -> Path:
+    """A checkpoint folder, or the newest complete one of a run folder."""
+    ckpt = rundir.resolve_resume(str(path), path)
+    if ckpt is None:
+        raise ConfigError(f"{path}: no checkpoint")
+    return ckpt
+
+
+def full_tensors(path: str | Path, section: str = "model") -> dict[str, torch.Tensor]:
+    """Whole single-process tensors of one section ("model", "exp_avg", "exp_avg_sq", "buffers")."""
+    reader = Reader(find(path))
+    prefix = section + "/"
+    return {k.removeprefix(prefix): reader.full(k) for k in reader.tensors if k.startswith(prefix)}
+
+
+def to_model(path: str | Path):
+    """A single-process Transformer holding the checkpoint's weights (and persistent buffers)."""
+    from ..model import Transformer
+
+    ckpt = find(path)
+    cfg = Config.from_dict(rundir.read_index(ckpt)["config"])
+    model = Transformer(cfg.model)
+    weights = {**full_tensors(ckpt, "model"), **full_tensors(ckpt, "buffers")}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not (cfg.model.tie_embeddings and k == "head.weight")]
+    if missing or unexpected:
+        raise ConfigError(f"{ckpt}: weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model
+
+
+def export(path: str | Path, dest: str | Path) -> Path:
+    """One safetensors file with the whole model weights (single-process names) and, in its metadata,
+    the config and step. Never replaces an existing file."""
+    from safetensors.torch import save_file
+
+    ckpt, dest = find(path), Path(dest)
+    if dest.exists():
+        raise ConfigError(f"{dest} exists; choose another file (export never overwrites)")
+    index = rundir.read_index(ckpt)
+    weights = {k: v.contiguous() for k, v in {**full_tensors(ckpt, "model"), **full_tensors(ckpt, "buffers")}.items()}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    save_file(weights, str(tmp), metadata={"format": "fivefold", "step": str(index["step"]),
+                                           "config": json.dumps(index["config"])})
+    tmp.replace(dest)
+    return dest
+
+
+# -------------------------------------------------------------------------------------------------------
+# Persistent buffers
 
 def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's persistent buffers by name (its state_dict without the parameters), on the CPU."""
+    """The module's persistent buffers by name (its state_dict without the parameters)."""
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in params}
+    return {k: v.detach() for k, v in model.state_dict().items() if k not in params}
 
 
 @torch.no_grad()
@@ -46,16 +335,3 @@ def load_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> No
     for name, buf in model.named_buffers():
         if name in buffers:
             buf.copy_(buffers[name])
-
-
-def to_model(path: str | Path):
-    """A single-process Transformer holding the checkpoint's weights."""
-    from ..model import Transformer
-
-    ck = load(path)
-    cfg = Config.from_dict(ck["config"])
-    model = Transformer(cfg.model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(ck["state"]["model"][name])
-    return model

@@ -7,12 +7,19 @@ ZeRO over the placements' groups, with AdamW on fp32 master weights when compute
 data. `step(k)` runs one optimizer step over the global batch of step k and returns its metrics.
 `run()` trains `cfg.train.steps` steps and writes, on rank 0:
 
-    OUT/metrics.jsonl  one line per step: step, loss, grad_norm, lr, tokens, seconds
+    OUT/metrics.jsonl  one line per step: step, loss, grad_norm, lr, tokens, seconds (NaN/inf: null);
+                       a resumed run keeps the lines of the steps before its start and appends
     OUT/comm.json      the communication ledger summed over ranks (see comm/ledger.py)
     OUT/run.json       resolved config, parameter count, world size, versions, model-state bytes
-    OUT/checkpoint.pt  full model and optimizer state at the end
+    OUT/checkpoints/step-N/  sharded checkpoints (checkpoint.py): every train.checkpoint_every steps,
+                       at the end, and when a stop signal arrives (SIGTERM / SIGINT)
     OUT/pipeline.json  (pp > 1) the last step's measured per-rank timeline beside the simulated one,
     OUT/pipeline.svg   and their drawing
+
+Failures: a step whose loss or gradient norm is NaN/inf is skipped (no optimizer update;
+train.skip_nonfinite) and the run stops after train.max_skips such steps in a row, naming the step; a
+non-finite state is never saved. Once per step the ranks agree whether a stop signal arrived (one
+8-byte all-reduce over the world, ledger dim "control"): then they save and return.
 
 Loss rule: each micro-batch's summed token loss is divided by the number of tokens in the *global*
 batch, and gradients are summed across data-parallel ranks; so loss and gradients are those of the mean
@@ -24,6 +31,7 @@ reports it.
 from __future__ import annotations
 
 import json
+import math
 import platform
 import sys
 import time
@@ -32,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import __version__, rules
+from .. import __version__, comm, rules
 from ..comm import CommLedger, gather_objects
 from ..config import Config, ConfigError
 from ..mesh import ParallelMesh
@@ -40,13 +48,15 @@ from ..model import Transformer, loss_sum
 from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
 from ..parallel.expert import moe_step_stats
+from ..parallel.placement import placement_of
 from ..parallel.parallelize import (direct_forward_backward, gather_state, loss_function, parallelize, split_state,
                                     sum_loss)
 from ..parallel.zero import Zero
-from . import checkpoint
+from . import checkpoint, rundir
 from .activations import ActivationMeter
 from .data import Batches, read_tokens
-from .launch import resolve_device
+from .checkpoint import SECTIONS, Box, box_of
+from .launch import heartbeat, resolve_device, stop_requested
 from .optim import AdamW, clip_, global_grad_norm, lr_at
 from .progress import Progress
 
@@ -54,6 +64,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 # Each rank's default torch stream (dropout without a generator, sampling) is seeded seed + stride·rank;
 # a prime stride keeps the streams of nearby seeds and ranks apart. Weight init uses its own generator.
 RANK_SEED_STRIDE = 7919
+STOP_SIGNALS = ("SIGINT", "SIGTERM")   # agreed over the ranks as an index + 1 (0: keep going)
+
+
+class NonFiniteError(RuntimeError):
+    """The run stopped on NaN/inf loss or gradient norm (train.skip_nonfinite, train.max_skips)."""
+
+    brief = True   # the message says it all: the launcher reports it without a traceback
 
 
 def supported(cfg: Config) -> None:
@@ -89,6 +106,8 @@ class Trainer:
         self.forward_backward = next((d.forward_backward for d in self.dims if hasattr(d, "forward_backward")),
                                      direct_forward_backward)
         self.params = unique_params(self.model)
+        # checkpoint layout: recorded before the engine exists (ZeRO-3 frees the parameters' storage)
+        self.layout = self.checkpoint_layout()
         positions = next((d.positions for d in self.dims if hasattr(d, "positions")), None)
         self.positions = None if positions is None else positions.to(self.device)   # (cp: not contiguous)
         self.engine = self.make_engine()
@@ -99,6 +118,8 @@ class Trainer:
         self.batches = Batches(tokens if tokens is not None else read_tokens(t.data, t.data_limit_mb),
                                t.seq_len, t.global_batch, t.seed, cfg.model.vocab)
         self.step_count = 0
+        self.skips = 0          # consecutive skipped (non-finite) steps
+        self.stop = None        # a stop signal the ranks agreed on at the end of the last step
 
     def make_engine(self) -> Engine:
         """DDP, or ZeRO-1/2/3, over the groups the parameters' placements name."""
@@ -137,15 +158,42 @@ class Trainer:
         self.engine.finish()
         sum_partial_grads(self.engine, self.mesh)                  # e.g. SP norms, replicated K/V
         norm = global_grad_norm(self.engine.norm_grads(), self.engine.norm_group, self.device)
-        clip_(self.engine.owned_grads(), norm, cfg.grad_clip)
+        sum_loss(loss_local, self.mesh, self.dims)   # the step's loss, the same on every rank
+        loss = float(loss_local)
         lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
-        self.engine.step(lr)
+        finite = math.isfinite(loss) and math.isfinite(norm)   # both global: every rank decides alike
+        if finite:
+            clip_(self.engine.owned_grads(), norm, cfg.grad_clip)
+            self.engine.step(lr)
+            self.skips = 0
+        else:
+            self.skip(step, loss, norm)
         self.engine.zero_grad()
-        sum_loss(loss_local, self.mesh, self.dims)
         routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers) if self.cfg.model.experts else {}
+        self.stop = self.agree_stop()
         self.step_count = step + 1
-        return {"step": step, "loss": float(loss_local), "grad_norm": norm, "lr": lr, "tokens": n_tokens,
-                "seconds": time.perf_counter() - t0, **routing}
+        return {"step": step, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,
+                "seconds": time.perf_counter() - t0, **({} if finite else {"skipped": True}), **routing}
+
+    def skip(self, step: int, loss: float, norm: float) -> None:
+        """A non-finite step: no update (its gradients are dropped), or the end of the run."""
+        cfg = self.cfg.train
+        self.skips += 1
+        what = f"step {step}: loss {loss}, gradient norm {norm}"
+        if not cfg.skip_nonfinite:
+            raise NonFiniteError(f"{what} (train.skip_nonfinite is off); lower train.lr or raise train.warmup")
+        if self.skips >= cfg.max_skips:
+            raise NonFiniteError(f"{what}: {self.skips} non-finite steps in a row (train.max_skips = "
+                                 f"{cfg.max_skips}); stopped without saving: lower train.lr or raise train.warmup")
+        if not self.quiet:
+            print(f"\nwarning: {what}: step skipped ({self.skips} in a row, stop at {cfg.max_skips})", file=sys.stderr)
+
+    def agree_stop(self) -> str | None:
+        """The stop signal any rank received (SIGINT / SIGTERM), agreed by all: one all-reduce (max)."""
+        name = stop_requested()
+        flag = torch.tensor([STOP_SIGNALS.index(name) + 1 if name in STOP_SIGNALS else 0], device=self.device)
+        comm.all_reduce(flag, self.mesh["world"], op="max", dim="control")
+        return STOP_SIGNALS[int(flag) - 1] if int(flag) else None
 
     # -- state -------------------------------------------------------------------------------
     def model_state_bytes(self) -> dict:
@@ -166,27 +214,99 @@ class Trainer:
         checkpoint.load_buffers(self.model, state.pop("buffers", {}))
         self.engine.load_full_state(split_state(self.dims, state))
 
+    # -- checkpoints -------------------------------------------------------------------------
+    def checkpoint_layout(self) -> dict[str, tuple[str, str, tuple, Box]]:
+        """checkpoint key -> (section, local name, local shape, box of the full tensor) for every piece
+        of state this rank holds: the parameters' fp32 masters and Adam moments (single-process names;
+        a dimension's `checkpoint_aliases` map copies such as the last stage's tied head to their
+        original) and the persistent buffers, whole."""
+        aliases = {k: v for d in self.dims for k, v in getattr(d, "checkpoint_aliases", {}).items()}
+        out = {}
+        for name, p in self.model.named_parameters():
+            box = box_of(p.shape, placement_of(p), self.mesh)
+            for section in SECTIONS:
+                out[f"{section}/{aliases.get(name, name)}"] = (section, name, tuple(p.shape), box)
+        for name, b in checkpoint.persistent_buffers(self.model).items():
+            out[f"buffers/{name}"] = ("buffers", name, tuple(b.shape), Box.whole(b.shape))
+        return out
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """This rank's random streams: the default generator (dropout), CUDA's, the modules' own."""
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        for name, m in self.model.named_modules():
+            if isinstance(getattr(m, "generator", None), torch.Generator):
+                state[f"gen/{name}"] = m.generator.get_state()
+        return state
+
+    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+        for name, m in self.model.named_modules():
+            if f"gen/{name}" in state:
+                m.generator.set_state(state[f"gen/{name}"])
+
+    def save(self, out: Path, step: int) -> Path:
+        """Checkpoint `step` (steps done) into OUT/checkpoints: every rank writes its pieces."""
+        state = self.engine.full_state()
+        buffers = checkpoint.persistent_buffers(self.model)
+        entries = {key: ((state[section] if section != "buffers" else buffers)[name], box)
+                   for key, (section, name, _, box) in self.layout.items()}
+        meta = {"opt_t": state["opt_t"], "skips": self.skips}
+        return checkpoint.save(out, step, self.cfg, entries, self.rng_state(), meta,
+                               self.cfg.train.keep_checkpoints, self.rank)
+
+    def restore(self, ckpt: str | Path) -> int:
+        """Load a checkpoint written by any layout; returns its step. Random streams are restored when
+        the layout is the same (then a resumed run is bit-exact, dropout included)."""
+        wanted = {key: (shape, box) for key, (_, _, shape, box) in self.layout.items()}
+        tensors, reader = checkpoint.load(ckpt, wanted)
+        state = {s: {} for s in (*SECTIONS, "buffers")}
+        for key, (section, name, _, _) in self.layout.items():
+            state[section][name] = tensors[key]
+        checkpoint.load_buffers(self.model, state.pop("buffers"))
+        self.engine.load_full_state({**state, "opt_t": reader.index["opt_t"]})
+        self.skips = reader.index.get("skips", 0)
+        same_layout = (reader.index["world_size"] == self.world_size
+                       and reader.index["config"]["parallel"] == self.cfg.to_dict()["parallel"])
+        if same_layout:
+            self.set_rng_state(reader.rng(self.rank))
+        elif self.cfg.model.dropout and not self.quiet:
+            print("note: the checkpoint was written by another layout: dropout's random streams start afresh",
+                  file=sys.stderr)
+        return reader.index["step"]
+
     # -- the run -----------------------------------------------------------------------------
     def run(self, out: str | Path | None = None, resume: str | Path | None = None) -> dict:
+        """Train from the checkpoint `resume` (a checkpoint or run folder, `auto`, or None) to
+        train.steps. Returns the history of this call's steps and, on a stop signal, its name."""
         cfg = self.cfg.train
         out = Path(out or cfg.out)
-        start = 0
-        if resume:
-            ck = checkpoint.load(resume)
-            self.load_full_state(ck["state"])
-            start = ck["step"]
+        ckpt = rundir.resolve_resume(str(resume), out) if resume else None
+        start = self.restore(ckpt) if ckpt else 0
+        self.step_count = start
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "metrics.jsonl").write_text("")
-        bar = Progress(cfg.steps, enabled=not self.quiet)
-        history = []
+            rundir.trim_metrics(out / "metrics.jsonl", start)
+        bar = Progress(cfg.steps, enabled=not self.quiet, log_every=cfg.log_every, start=start)
+        history, stopped, saved = [], None, start if ckpt else None
         for step in range(start, cfg.steps):
             m = self.step(step)
             history.append(m)
             if self.rank == 0:
                 with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(m) + "\n")
+                    f.write(json.dumps(finite_or_null(m), allow_nan=False) + "\n")
             bar.update(m)
+            heartbeat(step)
+            stopped = self.stop
+            every = cfg.checkpoint_every
+            if cfg.checkpoint and (stopped or (every and (step + 1) % every == 0)):
+                self.save(out, step + 1)
+                saved = step + 1
+            if stopped:
+                break
         bar.close()
         if history:
             for d in self.dims:
@@ -195,13 +315,13 @@ class Trainer:
         total = self.ledger.gather()
         self.all_state_bytes = gather_objects(self.model_state_bytes())
         self.all_activation_bytes = gather_objects(self.activations.peak)
-        state = self.full_state() if cfg.checkpoint else None
+        if cfg.checkpoint and history and saved != self.step_count:
+            self.save(out, self.step_count)
         if self.rank == 0:
             total.write(out / "comm.json")
             (out / "run.json").write_text(json.dumps(self.run_info(), indent=1))
-            if state is not None:
-                checkpoint.save(out / "checkpoint.pt", state, self.step_count, self.cfg)
-        return {"history": history, "comm": total.to_dict(), "state_bytes": self.model_state_bytes()}
+        return {"history": history, "comm": total.to_dict(), "state_bytes": self.model_state_bytes(),
+                "stopped": stopped, "step": self.step_count}
 
     def run_info(self) -> dict:
         return {"config": self.cfg.to_dict(), "params": self.n_params,
@@ -211,6 +331,11 @@ class Trainer:
                 "peak_activation_bytes_by_rank": self.all_activation_bytes,
                 "versions": {"fivefold": __version__, "torch": torch.__version__,
                              "python": sys.version.split()[0], "platform": platform.platform()}}
+
+
+def finite_or_null(m: dict) -> dict:
+    """A metrics record with NaN/inf written as null (JSON has no NaN)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}
 
 
 def train_rank(rank: int, world_size: int, cfg_dict: dict, out: str | None = None, resume: str | None = None) -> dict:

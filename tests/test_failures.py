@@ -1,0 +1,194 @@
+"""What a demanding user does to a run: stop it, kill a rank, run twice into one folder, resume the wrong
+way, feed it a crafted file, restart it under torchrun. Each case ends with the work kept and a
+one-line answer; every subprocess has a hard timeout."""
+import json
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fivefold.train import checkpoint, rundir
+
+from .test_train_cli import TINY, fivefold, metrics
+
+LONG = [a if a != "4" else "3000" for a in TINY]   # long enough to be interrupted
+
+
+def start(*args) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "fivefold.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for(cond, timeout=120.0, what="condition"):
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def lines(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def newest_step(out: Path) -> int:
+    ck = rundir.newest_checkpoint(out)
+    return int(ck.name.split("-")[1]) if ck else 0
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def rank_pids(pid: int, marker: str = "spawn_main") -> list[int]:
+    """The rank processes under a launcher (not multiprocessing's resource tracker)."""
+    return [c for c in children(pid) if marker in Path(f"/proc/{c}/cmdline").read_text()
+            and "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()]
+
+
+def finish(p: subprocess.Popen, timeout=90) -> tuple[int, str]:
+    try:
+        _, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    return p.returncode, err
+
+
+def test_sigterm_saves_a_second_run_is_refused_and_resume_auto_finishes(tmp_path):
+    out = tmp_path / "run"
+    p = start("train", "--nproc", "2", *LONG, "--out", str(out))
+    try:
+        wait_for(lambda: lines(out) >= 3, what="three steps")
+        second = fivefold("train", *TINY, "--resume", "auto", "--out", str(out))
+        assert second.returncode == 2 and "is in use by another run" in second.stderr
+        p.send_signal(signal.SIGTERM)
+        code, err = finish(p)
+    finally:
+        p.kill()
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    step = newest_step(out)
+    assert step >= 3 and f"stopped by SIGTERM after step {step}" in err
+    assert [m["step"] for m in metrics(out)] == list(range(step))
+    more = [a if a != "3000" else str(step + 2) for a in LONG]
+    r = fivefold("train", "--nproc", "2", *more, "--resume", "auto", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "warning: resuming with a changed setting: train.steps" in r.stderr
+    assert [m["step"] for m in metrics(out)] == list(range(step + 2))
+
+
+def test_a_killed_rank_is_named_and_the_periodic_checkpoint_is_complete(tmp_path):
+    out = tmp_path / "run"
+    p = start("train", "--nproc", "2", *LONG, "--set", "train.checkpoint_every=2", "--out", str(out))
+    try:
+        wait_for(lambda: newest_step(out) >= 4, what="a periodic checkpoint")
+        os.kill(rank_pids(p.pid)[1], signal.SIGKILL)
+        code, err = finish(p)
+    finally:
+        p.kill()
+    assert code == 1
+    first = err.split("fivefold: ", 1)[1].splitlines()[0]
+    assert "was killed by SIGKILL" in first, err[-2000:]
+    step = newest_step(out)
+    model = checkpoint.to_model(out)                        # the newest checkpoint is whole
+    assert sum(q.numel() for q in model.parameters()) > 0
+    more = [a if a != "3000" else str(step + 1) for a in LONG]
+    r = fivefold("train", "--nproc", "2", *more, "--resume", "auto", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [m["step"] for m in metrics(out)] == list(range(step + 1))
+
+
+def test_the_run_folder_is_never_written_over(tmp_path):
+    out = tmp_path / "run"
+    short = [a if a != "4" else "2" for a in TINY]
+    assert fivefold("train", *short, "--out", str(out)).returncode == 0
+    before = (out / "metrics.jsonl").read_text()
+    ck = rundir.newest_checkpoint(out)
+    mtime = (ck / "index.json").stat().st_mtime_ns
+
+    again = fivefold("train", *short, "--out", str(out))
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+    done = fivefold("train", *short, "--resume", "auto", "--out", str(out))   # a finished run: nothing to do
+    assert done.returncode == 0 and "nothing to do" in done.stderr
+    assert (out / "metrics.jsonl").read_text() == before and (ck / "index.json").stat().st_mtime_ns == mtime
+
+    shape = fivefold("train", *TINY, "--set", "model.layers=3", "--resume", "auto", "--out", str(out))
+    assert shape.returncode == 2 and "model.layers: checkpoint 2, now 3" in shape.stderr
+    assert "Traceback" not in shape.stderr
+
+    over = fivefold("train", *short, "--overwrite", "--out", str(out))
+    assert over.returncode == 0 and [m["step"] for m in metrics(out)] == [0, 1]
+    assert rundir.newest_checkpoint(out).name == "step-00000002"
+
+
+def test_bad_input_is_refused_before_any_rank_starts(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    crafted = tmp_path / "checkpoint.pt"
+    crafted.write_bytes(pickle.dumps(Payload()))
+    r = fivefold("train", *TINY, "--resume", str(crafted), "--out", str(tmp_path / "a"))
+    assert r.returncode == 2 and "--resume" in r.stderr and not marker.exists()
+
+    for bad in ("train.lr=nan", "train.grad_clip=inf", "train.weight_decay=nan"):
+        r = fivefold("train", *TINY, "--set", bad, "--out", str(tmp_path / "b"))
+        assert r.returncode == 2 and "must be a finite number" in r.stderr, bad
+
+    tokens = tmp_path / "tok.u16"
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(0, 256, (1 << 20) + 5000).astype(np.uint16)
+    ids[-1] = 300                               # past the first 2^20 tokens
+    ids.tofile(tokens)
+    r = fivefold("train", "--nproc", "2", "--tp", "2", *TINY, "--data", str(tokens), "--out", str(tmp_path / "c"))
+    assert r.returncode == 2 and "token id 300" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_saves_nothing(tmp_path):
+    out = tmp_path / "run"
+    r = fivefold("train", *[a if a != "4" else "12" for a in TINY], "--lr", "1e30",
+                 "--set", "train.checkpoint_every=1", "--out", str(out))
+    assert r.returncode == 1
+    assert "non-finite steps in a row" in r.stderr and "Traceback" not in r.stderr
+    rows = metrics(out)
+    assert rows[-1]["grad_norm"] is None and json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    for ck in rundir.checkpoints(out):                   # only the finite steps were saved
+        assert checkpoint.full_tensors(ck)["embed.weight"].isfinite().all()
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="finds the worker through /proc")
+def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    steps = [a if a != "4" else "300" for a in TINY]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m",
+                          "fivefold.cli", "train", *steps, "--set", "train.checkpoint_every=5", "--resume", "auto",
+                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_for(lambda: newest_step(out) >= 4, what="a periodic checkpoint")
+        killed_at = newest_step(out)
+        workers = rank_pids(p.pid, "fivefold.cli")
+        os.kill(workers[-1], signal.SIGKILL)
+        code, err = finish(p, timeout=180)
+    finally:
+        p.kill()
+    assert code == 0, err[-3000:]
+    assert re.search(r"resuming from \S+/checkpoints/step-\d{8} \(step \d+\)", err), err[-3000:]
+    assert killed_at < 300                                        # killed while training
+    assert [m["step"] for m in metrics(out)] == list(range(300))  # trimmed at the checkpoint, then appended

@@ -226,6 +226,23 @@ class DataParallelOptimizer:
                 "exp_avg_sq": {n: e.clone() for n, e in zip(names, self.optimizer.exp_avg_sq)},
                 "opt_t": self.optimizer.t}
 
+    def local_state(self) -> tuple[list, int]:
+        """(name, 0, {"model", "exp_avg", "exp_avg_sq": the flattened tensor}) per parameter, and Adam's
+        step count (engine protocol; every data-parallel replica holds the same)."""
+        out = [(self.names[id(p)], 0, {"model": m.view(-1), "exp_avg": a.view(-1), "exp_avg_sq": s.view(-1)})
+               for p, m, a, s in zip(self.params, self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq)]
+        return out, self.optimizer.t
+
+    @torch.no_grad()
+    def load_local_state(self, read, opt_t: int) -> None:
+        for p, m, a, s in zip(self.params, self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq):
+            name, n = self.names[id(p)], p.numel()
+            m.view(-1).copy_(read(name, 0, n, "model"))
+            p.copy_(m)
+            a.view(-1).copy_(read(name, 0, n, "exp_avg"))
+            s.view(-1).copy_(read(name, 0, n, "exp_avg_sq"))
+        self.optimizer.t = opt_t
+
     @torch.no_grad()
     def load_full_state(self, state: dict) -> None:
         names = [self.names[id(p)] for p in self.params]

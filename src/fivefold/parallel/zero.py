@@ -321,6 +321,36 @@ class ShardedOptimizer:
     def load_params(self, j: int, flat: torch.Tensor) -> None:
         """Stages 1, 2: the full flat parameters of unit j from a loaded state."""
 
+    loads_full_params = False   # stages 1, 2 hold every parameter whole: a load fills them too
+
+    def local_state(self) -> tuple[list, int]:
+        """This rank's own state, nothing gathered: (parameter name, offset into the flattened
+        parameter, {"model", "exp_avg", "exp_avg_sq": 1-D tensor}) per segment of its shards, and
+        Adam's step count. A checkpoint writes these pieces as they are."""
+        out, avg, avg_sq = [], iter(self.optimizer.exp_avg), iter(self.optimizer.exp_avg_sq)
+        for u, master in zip(self.units, self.master_shards):
+            for i, a, n in u.segments:
+                out.append((u.names[i], u.lo + a - u.offsets[i],
+                            {"model": master[a:a + n], "exp_avg": next(avg), "exp_avg_sq": next(avg_sq)}))
+        return out, self.optimizer.t
+
+    @torch.no_grad()
+    def load_local_state(self, read, opt_t: int) -> None:
+        """The inverse of `local_state`: read(name, offset, length, section) gives a 1-D tensor."""
+        avg, avg_sq = iter(self.optimizer.exp_avg), iter(self.optimizer.exp_avg_sq)
+        for j, u in enumerate(self.units):
+            for i, a, n in u.segments:
+                name, start = u.names[i], u.lo + a - u.offsets[i]
+                self.master_shards[j][a:a + n].copy_(read(name, start, n, "model"))
+                next(avg).copy_(read(name, start, n, "exp_avg"))
+                next(avg_sq).copy_(read(name, start, n, "exp_avg_sq"))
+            if self.master_shards[j] is not self.param_shards[j]:
+                self.param_shards[j].copy_(self.master_shards[j])
+            if self.loads_full_params:
+                whole = [read(name, 0, shape.numel(), "model") for name, shape in zip(u.names, u.shapes)]
+                self.load_params(j, u.flatten(whole, self.param_dtype, self.device))
+        self.optimizer.t = opt_t
+
 
 class Zero12(ShardedOptimizer):
     """ZeRO stages 1 and 2: full parameters in flat per-unit buffers (the parameters are views), this
@@ -355,6 +385,8 @@ class Zero12(ShardedOptimizer):
 
     def param_bytes(self) -> int:
         return nbytes(self.param_flats)
+
+    loads_full_params = True
 
     def load_params(self, j: int, flat: torch.Tensor) -> None:
         self.param_flats[j].copy_(flat)

@@ -8,8 +8,11 @@ One checkpoint is a folder (OUT/checkpoints/step-00000050, see rundir.py):
     rank-00003.safetensors  the chunks rank 3 wrote, and rank 3's random-number state ("rng/...")
 
 A chunk is a box of the single-process tensor (offsets and sizes along every dim): a tensor-parallel
-piece, a block of experts, a whole replicated tensor. Ranks holding the same box (data-parallel replicas,
-tied copies) agree on one writer, so the writing is spread over the ranks and nothing is gathered to one.
+piece, a block of experts, a whole replicated tensor, or part of a ZeRO shard. A ZeRO shard is a flat
+range of a parameter's (tensor-parallel) piece; `flat_boxes` cuts such a range into the few boxes it
+spans (a partial row, whole rows, a partial row), so shards are written as they are, with no gather.
+Ranks holding the same box (data-parallel replicas, tied copies) agree on one writer, so the writing is
+spread over the ranks and no rank ever holds more than its own state.
 To read, each rank computes the box it needs in its own layout and copies in the overlapping parts of
 the stored chunks through safetensors' memory map (only the needed slices are read): dp4 → tp2×pp2,
 zero3 → zero0, ep4 → ep2 all load. A tensor the new model lacks, or one the checkpoint lacks, fails.
@@ -78,6 +81,44 @@ def _region(t: torch.Tensor, sizes) -> torch.Tensor:
     return t[tuple(slice(0, n) for n in sizes)]
 
 
+def flat_boxes(shape, start: int, stop: int) -> list[tuple[tuple, tuple]]:
+    """(offsets, sizes) of the boxes that cover the flat positions [start, stop) of a row-major tensor of
+    `shape`, in order; each box is contiguous in memory, so box k is the next prod(sizes) elements."""
+    shape = tuple(shape)
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (stop - 1) // inner
+    if first == last:   # inside one row of dim 0
+        return [((first,) + o, (1,) + n) for o, n in flat_boxes(shape[1:], start - first * inner, stop - first * inner)]
+    boxes = []
+    if start % inner:   # the end of a first, partial row
+        boxes += [((first,) + o, (1,) + n) for o, n in flat_boxes(shape[1:], start % inner, inner)]
+        first += 1
+    whole_last = last if stop % inner == 0 else last - 1
+    if whole_last >= first:
+        boxes.append(((first,) + (0,) * (len(shape) - 1), (whole_last - first + 1,) + shape[1:]))
+    if stop % inner:    # the start of a last, partial row
+        boxes += [((last,) + o, (1,) + n) for o, n in flat_boxes(shape[1:], 0, stop % inner)]
+    return boxes
+
+
+def segment_chunks(piece: Box, local_shape, start: int, length: int):
+    """For a flat segment [start, start + length) of a rank's piece (shape `local_shape`, whose leading
+    `piece.sizes` part is the box `piece` of the full tensor, the rest padding): (box of the full tensor,
+    box sizes before clipping the padding, offset into the segment) per box it spans; padding-only boxes
+    are left out."""
+    out, o = [], 0
+    for offsets, sizes in flat_boxes(local_shape, start, start + length):
+        clipped = tuple(max(0, min(a + n, r) - a) for a, n, r in zip(offsets, sizes, piece.sizes))
+        if math.prod(clipped) or not sizes:
+            out.append((Box(piece.shape, tuple(a + b for a, b in zip(offsets, piece.offsets)), clipped), sizes, o))
+        o += math.prod(sizes)
+    return out
+
+
 def _chunk_key(key: str, box: Box) -> str:
     return f"{key}@{','.join(map(str, box.offsets))}"
 
@@ -99,16 +140,17 @@ class NonFiniteState(RuntimeError):
     brief = True
 
 
-def save(out: str | Path, step: int, cfg: Config, entries: dict[str, tuple[torch.Tensor, Box]],
+def save(out: str | Path, step: int, cfg: Config, entries: list[tuple[str, torch.Tensor, Box]],
          rng: dict[str, torch.Tensor], meta: dict, keep: int, rank: int) -> Path:
-    """Write checkpoint `step` of the run in `out` from every rank's `entries` (key -> (local piece,
-    its box)), plus this rank's `rng` tensors and `meta` (JSON, from rank 0). Call on every rank;
-    returns the checkpoint folder once it is complete and visible to every rank."""
+    """Write checkpoint `step` of the run in `out` from every rank's `entries` (key, tensor, the box of
+    the full tensor it holds: the tensor's leading box.sizes part), plus this rank's `rng` tensors and
+    `meta` (JSON, from rank 0). Call on every rank; returns the checkpoint folder once it is complete
+    and visible to every rank."""
     root = Path(out) / rundir.CHECKPOINTS
-    specs = {key: (box.shape, box.offsets, box.sizes, str(t.dtype).removeprefix("torch."))
-             for key, (t, box) in entries.items() if box.numel}
-    finite = all(bool(torch.isfinite(_region(t, box.sizes)).all()) for t, box in entries.values()
-                 if t.is_floating_point() and box.numel)
+    entries = [(key, t, box) for key, t, box in entries if box.numel]
+    specs = {(key, box.offsets): (box.shape, box.sizes, str(t.dtype).removeprefix("torch."))
+             for key, t, box in entries}
+    finite = all(bool(torch.isfinite(_region(t, box.sizes)).all()) for _, t, box in entries if t.is_floating_point())
     nonce = secrets.token_hex(4)
     everyone = gather_objects((specs, finite, nonce))   # bookkeeping exchange
     if not all(f for _, f, _ in everyone):
@@ -118,7 +160,7 @@ def save(out: str | Path, step: int, cfg: Config, entries: dict[str, tuple[torch
     tmp = root / f".tmp-step-{step:08d}-{everyone[0][2]}"
     writers = assign_writers([s for s, _, _ in everyone])
     mine = {_chunk_key(key, box): _region(t, box.sizes).detach().to("cpu").contiguous()
-            for key, (t, box) in entries.items() if writers.get((key, box.offsets)) == rank}
+            for key, t, box in entries if writers[(key, box.offsets)] == rank}
     mine.update({f"rng/{k}": v.detach().to("cpu").contiguous() for k, v in rng.items()})
     tmp.mkdir(parents=True, exist_ok=True)
     _write_safetensors(tmp / rank_file(rank), mine)
@@ -145,16 +187,16 @@ def assign_writers(specs_by_rank: list[dict]) -> dict[tuple[str, tuple], int]:
     share the writing. The same on every rank (it depends only on the gathered specs)."""
     holders: dict[tuple[str, tuple], list[int]] = {}
     for r, specs in enumerate(specs_by_rank):
-        for key, (_, offsets, _, _) in specs.items():
-            holders.setdefault((key, tuple(offsets)), []).append(r)
+        for chunk in specs:
+            holders.setdefault(chunk, []).append(r)
     return {chunk: ranks[i % len(ranks)] for i, (chunk, ranks) in enumerate(sorted(holders.items()))}
 
 
 def build_index(everyone: list, writers: dict) -> dict:
     tensors: dict[str, dict] = {}
     for r, (specs, _, _) in enumerate(everyone):
-        for key, (shape, offsets, sizes, dtype) in specs.items():
-            if writers[(key, tuple(offsets))] != r:
+        for (key, offsets), (shape, sizes, dtype) in specs.items():
+            if writers[(key, offsets)] != r:
                 continue
             entry = tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "chunks": []})
             entry["chunks"].append({"file": rank_file(r), "key": _chunk_key(key, Box(shape, offsets, sizes)),
@@ -255,9 +297,9 @@ class Reader:
         return self.read(key, Box.whole(shape), shape)
 
 
-def load(ckpt: str | Path, wanted: dict[str, tuple[tuple, Box]]) -> tuple[dict[str, torch.Tensor], Reader]:
-    """Every rank's `wanted` tensors (key -> (local shape, box)) from checkpoint `ckpt`. Call on every
-    rank: the union of what the ranks want must be exactly what the checkpoint holds."""
+def open_matching(ckpt: str | Path, wanted: set[str]) -> Reader:
+    """A reader of checkpoint `ckpt`, once the keys the ranks want (`wanted` on each) are checked to be
+    exactly those it holds. Call on every rank."""
     reader = Reader(ckpt)
     every = set().union(*gather_objects(sorted(wanted)))   # bookkeeping exchange
     missing = sorted(every - set(reader.tensors))
@@ -266,7 +308,7 @@ def load(ckpt: str | Path, wanted: dict[str, tuple[tuple, Box]]) -> tuple[dict[s
         raise ConfigError(f"{ckpt} does not match this model: "
                           + "; ".join(f"{what} {len(keys)} tensor(s), e.g. {keys[:3]}"
                                       for what, keys in (("lacks", missing), ("has extra", extra)) if keys))
-    return {key: reader.read(key, box, shape) for key, (shape, box) in wanted.items()}, reader
+    return reader
 
 
 # -------------------------------------------------------------------------------------------------------

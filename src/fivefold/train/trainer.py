@@ -215,20 +215,19 @@ class Trainer:
         self.engine.load_full_state(split_state(self.dims, state))
 
     # -- checkpoints -------------------------------------------------------------------------
-    def checkpoint_layout(self) -> dict[str, tuple[str, str, tuple, Box]]:
-        """checkpoint key -> (section, local name, local shape, box of the full tensor) for every piece
-        of state this rank holds: the parameters' fp32 masters and Adam moments (single-process names;
-        a dimension's `checkpoint_aliases` map copies such as the last stage's tied head to their
-        original) and the persistent buffers, whole."""
+    def checkpoint_layout(self) -> dict[str, tuple[str, tuple, Box, bool]]:
+        """Local parameter name -> (its single-process name, local shape, the box of the full tensor
+        this rank's piece holds, whether it is a copy). A copy (a dimension's `checkpoint_aliases`: the
+        last stage's tied head) is read from its original and never written."""
         aliases = {k: v for d in self.dims for k, v in getattr(d, "checkpoint_aliases", {}).items()}
-        out = {}
-        for name, p in self.model.named_parameters():
-            box = box_of(p.shape, placement_of(p), self.mesh)
-            for section in SECTIONS:
-                out[f"{section}/{aliases.get(name, name)}"] = (section, name, tuple(p.shape), box)
-        for name, b in checkpoint.persistent_buffers(self.model).items():
-            out[f"buffers/{name}"] = ("buffers", name, tuple(b.shape), Box.whole(b.shape))
-        return out
+        return {name: (aliases.get(name, name), tuple(p.shape), box_of(p.shape, placement_of(p), self.mesh),
+                       name in aliases)
+                for name, p in self.model.named_parameters()}
+
+    def checkpoint_keys(self) -> set[str]:
+        names = {full for full, _, _, _ in self.layout.values()}
+        return ({f"{s}/{n}" for s in SECTIONS for n in names}
+                | {f"buffers/{n}" for n in checkpoint.persistent_buffers(self.model)})
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         """This rank's random streams: the default generator (dropout), CUDA's, the modules' own."""
@@ -249,25 +248,41 @@ class Trainer:
                 m.generator.set_state(state[f"gen/{name}"])
 
     def save(self, out: Path, step: int) -> Path:
-        """Checkpoint `step` (steps done) into OUT/checkpoints: every rank writes its pieces."""
-        state = self.engine.full_state()
-        buffers = checkpoint.persistent_buffers(self.model)
-        entries = {key: ((state[section] if section != "buffers" else buffers)[name], box)
-                   for key, (section, name, _, box) in self.layout.items()}
-        meta = {"opt_t": state["opt_t"], "skips": self.skips}
+        """Checkpoint `step` (steps done) into OUT/checkpoints: every rank writes the pieces of state it
+        holds (its ZeRO shards as they are), nothing gathered."""
+        segments, opt_t = self.engine.local_state()
+        entries = []
+        for name, start, tensors in segments:
+            full, shape, piece, copy = self.layout[name]
+            if copy:
+                continue
+            length = next(iter(tensors.values())).numel()
+            for box, sizes, o in checkpoint.segment_chunks(piece, shape, start, length):
+                n = math.prod(sizes)
+                entries += [(f"{section}/{full}", flat[o:o + n].view(sizes), box) for section, flat in tensors.items()]
+        for name, b in checkpoint.persistent_buffers(self.model).items():
+            entries.append((f"buffers/{name}", b, Box.whole(b.shape)))
+        meta = {"opt_t": opt_t, "skips": self.skips}
         return checkpoint.save(out, step, self.cfg, entries, self.rng_state(), meta,
                                self.cfg.train.keep_checkpoints, self.rank)
 
     def restore(self, ckpt: str | Path) -> int:
-        """Load a checkpoint written by any layout; returns its step. Random streams are restored when
-        the layout is the same (then a resumed run is bit-exact, dropout included)."""
-        wanted = {key: (shape, box) for key, (_, _, shape, box) in self.layout.items()}
-        tensors, reader = checkpoint.load(ckpt, wanted)
-        state = {s: {} for s in (*SECTIONS, "buffers")}
-        for key, (section, name, _, _) in self.layout.items():
-            state[section][name] = tensors[key]
-        checkpoint.load_buffers(self.model, state.pop("buffers"))
-        self.engine.load_full_state({**state, "opt_t": reader.index["opt_t"]})
+        """Load a checkpoint written by any layout; returns its step. Each rank reads only the boxes its
+        own state covers. Random streams are restored when the layout is the same (then a resumed run
+        is bit-exact, dropout included)."""
+        reader = checkpoint.open_matching(ckpt, self.checkpoint_keys())
+
+        def read(name: str, start: int, length: int, section: str) -> torch.Tensor:
+            full, shape, piece, _ = self.layout[name]
+            key = f"{section}/{full}"
+            flat = torch.zeros(length, dtype=getattr(torch, reader.tensors[key]["dtype"]))
+            for box, sizes, o in checkpoint.segment_chunks(piece, shape, start, length):
+                flat[o:o + math.prod(sizes)] = reader.read(key, box, sizes).reshape(-1)
+            return flat.to(self.device)
+
+        self.engine.load_local_state(read, reader.index["opt_t"])
+        buffers = {name: reader.full(f"buffers/{name}") for name in checkpoint.persistent_buffers(self.model)}
+        checkpoint.load_buffers(self.model, buffers)
         self.skips = reader.index.get("skips", 0)
         same_layout = (reader.index["world_size"] == self.world_size
                        and reader.index["config"]["parallel"] == self.cfg.to_dict()["parallel"])

@@ -221,3 +221,17 @@ def test_zero_shards_are_written_where_they_are(four):
     index = rundir.read_index(root / "zero3" / "checkpoints" / "step-00000002")
     files = {c["file"] for c in index["tensors"]["exp_avg/embed.weight"]["chunks"]}
     assert len(files) >= 2
+
+
+def test_export_to_hugging_face_loads_in_transformers(four, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    root, _ = four
+    dest = checkpoint.export_hf(root / "a", tmp_path / "hf")     # written by tp2 x pp2
+    hf = AutoModelForCausalLM.from_pretrained(str(dest))
+    ours = checkpoint.to_model(root / "a")
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConfigError, match="not empty"):
+        checkpoint.export_hf(root / "a", dest)

@@ -163,12 +163,21 @@ def stop_code(signal_name: str | None) -> int:
 
 def add_export_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("checkpoint", help="a run folder (its newest checkpoint) or a checkpoints/step-N folder")
-    ap.add_argument("dest", help="the single safetensors file to write (never overwritten)")
+    ap.add_argument("dest", help="the single safetensors file to write, or with --hf a new folder (never overwritten)")
+    ap.add_argument("--hf", action="store_true", help="write a Hugging Face model folder (Llama / Mixtral / "
+                    "Qwen2-MoE by the config; needs transformers)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .train.checkpoint import export
+    from .train.checkpoint import export, export_hf
 
+    if args.hf:
+        try:
+            path = export_hf(args.checkpoint, args.dest)
+        except (ImportError, ValueError) as e:   # no transformers; a model no HF family matches
+            raise ConfigError(f"cannot export to Hugging Face form: {e}") from None
+        print(f"wrote {path}/ ({', '.join(sorted(p.name for p in path.iterdir()))})")
+        return 0
     path = export(args.checkpoint, args.dest)
     print(f"wrote {path} ({path.stat().st_size:,} bytes)")
     return 0

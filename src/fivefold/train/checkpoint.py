@@ -362,6 +362,20 @@ def export(path: str | Path, dest: str | Path) -> Path:
     return dest
 
 
+def export_hf(path: str | Path, dest: str | Path) -> Path:
+    """A Hugging Face model folder (config.json + model.safetensors, `save_pretrained`) holding the
+    checkpoint's weights: Llama, Mixtral or Qwen2-MoE by the model's config (model/hf.py). Needs
+    `transformers`; never writes into a non-empty folder."""
+    from ..model.hf import to_hf
+
+    dest = Path(dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise ConfigError(f"{dest} is not empty; choose a new folder (export never overwrites)")
+    model = to_model(path)
+    to_hf(model).save_pretrained(str(dest))
+    return dest
+
+
 # -------------------------------------------------------------------------------------------------------
 # Persistent buffers
 

@@ -192,3 +192,27 @@ def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
     assert re.search(r"resuming from \S+/checkpoints/step-\d{8} \(step \d+\)", err), err[-3000:]
     assert killed_at < 300                                        # killed while training
     assert [m["step"] for m in metrics(out)] == list(range(300))  # trimmed at the checkpoint, then appended
+
+
+def test_killing_the_torchrun_agent_kills_its_ranks(tmp_path):
+    out = tmp_path / "run"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "fivefold.cli", "train", *LONG,
+                          "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        wait_for(lambda: lines(out) >= 2, what="two steps")
+        workers = rank_pids(p.pid, "fivefold.cli")
+        assert len(workers) == 2
+        p.kill()
+        p.wait(30)
+        wait_for(lambda: not any(alive(w) for w in workers), timeout=20, what="the ranks to die")
+    finally:
+        p.kill()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "\tZ" not in Path(f"/proc/{pid}/status").read_text().split("State:")[1][:4]
+    except (FileNotFoundError, IndexError):
+        return False

@@ -107,8 +107,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .comm import CommLedger
     from .train import rundir
     from .train.data import check_data
-    from .train.launch import (init_torchrun, install_stop_handlers, leave_torchrun, resolve_device, run_ranks,
-                               torchrun_env)
+    from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, leave_torchrun,
+                               resolve_device, run_ranks, torchrun_env)
     from .train.trainer import supported, train_rank
 
     env = torchrun_env()
@@ -131,6 +131,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if ckpt and (env is None or env[0] == 0):
         print(f"fivefold train: resuming from {ckpt} (step {start})", file=sys.stderr)
     if env is not None:  # one rank of a torchrun job
+        die_with_parent()          # a killed torchrun agent leaves no rank training headless
         install_stop_handlers()
         rank, world = init_torchrun(device=cfg.train.device)
         result = train_rank(rank, world, cfg.to_dict(), out, ckpt)

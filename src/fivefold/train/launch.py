@@ -13,7 +13,8 @@ loopback interface. torch 2.13 gives no API for gloo's device through `init_proc
 Ranks die with their parent. Each rank first asks the kernel for SIGKILL when its parent dies (Linux:
 prctl PR_SET_PDEATHSIG, which fires when the thread that called `run_ranks` ends, and that thread waits
 in the call; elsewhere a thread that checks the parent pid every second) and quits at once if its parent
-is already gone. A `kill -9` of the launcher leaves no rank behind.
+is already gone. A `kill -9` of the launcher leaves no rank behind. Torchrun ranks call
+`die_with_parent()` too (their parent is torchrun's agent).
 
 Stopping. `install_stop_handlers()` makes SIGTERM and SIGINT record their name instead of ending the
 process; `stop_requested()` returns it (or None). Every local rank installs them before `fn` runs and
@@ -174,7 +175,9 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="fivefold-parent-watch", daemon=True).start()
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """End this process when its parent ends (the launcher, or torchrun's agent for a torchrun rank)."""
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
     if not _kill_me_with_parent():
         _watch_parent(parent_pid)
     if os.getppid() != parent_pid:   # the parent died before we asked: nobody will collect a result
@@ -194,7 +197,7 @@ def _loads(data: bytes):
 def _worker(rank, world_size, store_path, fn, args, results, timeout_s, parent_pid):
     """One rank: messages to the parent are (rank, kind, payload), kind in started|progress|ok|error."""
     global _progress
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     install_stop_handlers()
     one_thread()
     try:

@@ -13,6 +13,7 @@ from fivefold.parallel.pipeline import (B, F, I, RECV_B, RECV_F, SEND_B, SEND_F,
                                         ScheduleError, build_schedule, check_schedule, closed_form_bubble,
                                         compute_only, input_messages, message_key, simulate, simulate_schedule,
                                         steps, timeline_stats)
+from fivefold.parallel.pipeline.schedules import interleaved_table, interleaved_warmup
 
 COMBOS = [(p, m, v) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 4, 6, 8, 12) for v in (1, 2, 3)]
 
@@ -247,3 +248,67 @@ def test_timeline_stats_on_a_measured_timeline():
     assert stats["makespan"] == pytest.approx(5.0)
     assert stats["bubble"] == pytest.approx(1 - 5 / 10)
     assert stats["peak_in_flight"] == [1, 1]
+
+
+# -- interleaved micro-batch groups (Llama 3 §3.3.2; Megatron-Core microbatch_group_size_per_vp_stage) ----
+def valid_groups(p, m):
+    return [n for n in range(p, m + 1) if m % n == 0 or m % n >= p]
+
+
+GROUP_CASES = [(p, m, v, n) for p in (2, 3, 4) for m in range(p, 3 * p + 2) for v in (2, 3) for n in valid_groups(p, m)]
+
+
+@pytest.mark.parametrize("p, m, v, n", GROUP_CASES)
+def test_micro_batch_groups_are_valid_and_keep_the_bubble(p, m, v, n):
+    """Every valid group size N (p <= N <= m, last group empty or >= p) gives well-formed lists that finish
+    in both execution modes; without communication the bubble is Megatron's (p-1)/(v·m+p-1) for every N,
+    and rank s keeps min(2(p-s-1) + (v-1)·N + 1, m·v) chunks alive."""
+    actions = build_schedule("interleaved", p, m, v, microbatch_group=n)
+    check_schedule(actions, m, v)
+    for blocking in (False, True):
+        sim = simulate_schedule("interleaved", p, m, v, blocking=blocking, microbatch_group=n)
+    sim = simulate_schedule("interleaved", p, m, v, microbatch_group=n)
+    assert sim.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    assert sim.peak_in_flight == [min(2 * (p - s - 1) + (v - 1) * n + 1, m * v) for s in range(p)]
+    assert sim.peak_in_flight == [interleaved_warmup(p, s, m, v, n) for s in range(p)]
+
+
+def test_micro_batch_group_order():
+    """Megatron-Core's table for p = 2, m = 5, N = 3, v = 2: micro-batches 0 1 2 0 1 2 3 4 3 4 on local
+    chunks 0 0 0 1 1 1 0 0 1 1; N = p is the default (depth-first) order, N = m breadth-first."""
+    assert interleaved_table(5, 2, 3) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
+    assert build_schedule("interleaved", 4, 8, 2, microbatch_group=4) == build_schedule("interleaved", 4, 8, 2)
+    rank0 = [a for a in build_schedule("interleaved", 2, 4, 2, microbatch_group=4, communication=False)[0] if a.kind == F]
+    assert [(a.microbatch, a.chunk) for a in rank0] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 2), (1, 2), (2, 2), (3, 2)]
+    # a group lets m be any count with a last group >= p: m = 6 on p = 4 with N = 6 (one group)
+    check_schedule(build_schedule("interleaved", 4, 6, 2, microbatch_group=6), 6, 2)
+
+
+def test_larger_groups_trade_memory_for_slack():
+    """Llama 3's reason to tune N: with transfers that take time, groups longer than p give each forward
+    more slack before the micro-batch comes round to its next chunk, at the cost of (v-1)(N-p) more
+    chunks alive on every rank."""
+    p, m, v, comm = 4, 16, 2, 0.4
+    dfs = simulate_schedule("interleaved", p, m, v, comm=comm)
+    longer = simulate_schedule("interleaved", p, m, v, comm=comm, microbatch_group=6)
+    assert longer.makespan < dfs.makespan
+    assert [a - b for a, b in zip(longer.peak_in_flight, dfs.peak_in_flight)] == [(v - 1) * (6 - p)] * p
+
+
+def test_micro_batch_group_rules():
+    with pytest.raises(ConfigError, match=r"microbatch_group 3 must lie between pp \(4, depth-first\) and "
+                                          r"microbatches \(8, breadth-first\); valid: \[4, 8\]"):
+        build_schedule("interleaved", 4, 8, 2, microbatch_group=3)
+    with pytest.raises(ConfigError, match=r"between pp .* valid: \[4, 8\]"):
+        build_schedule("interleaved", 4, 8, 2, microbatch_group=9)
+    with pytest.raises(ConfigError, match=r"leaves a last group of 16 % 5 = 1 micro-batches, fewer than pp \(4\); "
+                                          r"valid: \[4, 6, 8, 9, 10, 11, 12, 16\]"):
+        build_schedule("interleaved", 4, 16, 2, microbatch_group=5)
+    with pytest.raises(ConfigError, match="integer >= 0"):
+        build_schedule("interleaved", 4, 8, 2, microbatch_group=-1)
+    with pytest.raises(ConfigError, match="integer >= 0"):
+        build_schedule("interleaved", 4, 8, 2, microbatch_group=True)
+    with pytest.raises(ConfigError, match="applies to the interleaved schedule"):
+        build_schedule("1f1b", 4, 8, microbatch_group=4)
+    with pytest.raises(ConfigError, match="vpp > 1"):
+        build_schedule("interleaved", 4, 8, 1, microbatch_group=4)

@@ -1,6 +1,11 @@
 """`fivefold plan` (plan/cli.py): estimate, search, --json keys, --plot, bad input."""
 import argparse
 import json
+import os
+import re
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -67,3 +72,178 @@ def test_bad_input(capsys):
         run(["--model", "llama3-8b", "--tp", "3"], capsys)
     assert main(["plan", "--model", "llama3-8b", "--gpus", "64", "--tp", "8", "--pp", "3", "--cp", "1"]) == 2
     assert "must divide" in capsys.readouterr().err
+
+
+# -- bad input: every numeric option, the topology's numbers, a GPU count too large --------------------
+BAD_OPTIONS = [
+    (["--seq", "0"], r"--seq must be between 1 and 1073741824, got 0; valid: 1..1073741824"),
+    (["--seq", "-4096"], "--seq must be between 1 and"),
+    (["--seq", str(2**122)], "--seq must be between 1 and 1073741824"),
+    (["--global-batch", "0"], "--global-batch must be between 1 and 1073741824"),
+    (["--global-batch", str(2**40)], "--global-batch must be between 1 and 1073741824"),
+    (["--micro-batch", "0"], "--micro-batch must be between 1 and 1073741824"),
+    (["--gpus", "0"], "--gpus must be between 1 and 1048576"),
+    (["--gpus", "-8"], "--gpus must be between 1 and 1048576"),
+    (["--tp", "0"], "--tp must be between 1 and 1048576"),
+    (["--ep", str(2**21)], "--ep must be between 1 and 1048576"),
+    (["--pp", "-1"], "--pp must be between 1 and"),
+    (["--dp", "0"], "--dp must be between 1 and"),
+    (["--cp", "0"], "--cp must be between 1 and"),
+    (["--ep", "0"], "--ep must be between 1 and"),
+    (["--vpp", "0"], "--vpp must be between 1 and"),
+    (["--ulysses", "0"], "--ulysses must be between 1 and"),
+    (["--top", "0"], r"--top must be >= 1, got 0; valid: 1, 2, 3, ..."),
+    (["--zero", "4"], r"--zero must be between 0 and 3, got 4; valid: 0, 1, 2, 3"),
+    (["--zero", "-1"], "--zero must be between 0 and 3"),
+    (["--efficiency", "0"], r"--efficiency must be a finite number > 0 and <= 1 .*valid: \(0, 1\]"),
+    (["--efficiency", "-0.5"], r"--efficiency must be a finite number > 0 and <= 1"),
+    (["--efficiency", "1.5"], r"--efficiency must be a finite number > 0 and <= 1 .*got 1.5"),
+    (["--efficiency", "nan"], r"--efficiency must be a finite number .*got nan"),
+    (["--efficiency", "inf"], r"--efficiency must be a finite number .*got inf"),
+    (["--capacity-factor", "-1"], r"--capacity-factor must be a finite number >= 0 .*valid: \[0, inf\)"),
+    (["--capacity-factor", "nan"], r"--capacity-factor must be a finite number"),
+    (["--capacity-factor", "inf"], r"--capacity-factor must be a finite number"),
+    (["--gpus", "2147483648"], r"--gpus must be between 1 and 1048576, got 2147483648; valid: 1..1048576"),
+    (["--gpus", "30000", "--topology", "llama3"], r"at most the 24576 GPUs of topology llama3.*valid: 1..24576"),
+    (["--tp", "8", "--pp", "16", "--dp", "256", "--topology", "llama3"],
+     r"tp\*pp\*dp\*cp must be at most the 24576 GPUs of topology llama3, got 32768"),
+    (["--tp", "65536", "--pp", "65536"], r"tp\*pp\*dp\*cp = 4294967296 GPUs, more than the planner's limit"),
+]
+
+
+def one_line_error(argv, capsys) -> str:
+    """`fivefold plan ...` exits 2 with one line on stderr, the config error."""
+    assert main(["plan", "--model", "llama3-8b", *argv]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fivefold: config error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,message", BAD_OPTIONS)
+def test_every_numeric_option_is_checked(argv, message, capsys):
+    assert re.search(message, one_line_error(argv, capsys))
+
+
+def test_capacity_factor_is_bounded_by_the_moe_model(capsys):
+    """Above experts/top_k every expert already takes every token (and 1e300 overflowed the capacity)."""
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--capacity-factor", "1e300"]) == 2
+    err = capsys.readouterr().err
+    assert "--capacity-factor must be a finite number >= 0 and <= 4" in err and "valid: [0, 4]" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_options_are_checked_before_any_work(capsys, monkeypatch):
+    """A bad number is refused before the model, topology or search is touched."""
+    import fivefold.plan.cli as plan_cli
+
+    def boom(*a, **k):
+        raise AssertionError("work started")
+
+    for name in ("load_model", "load_topology", "search", "estimate"):
+        monkeypatch.setattr(plan_cli, name, boom)
+    assert "--seq must be" in one_line_error(["--seq", "0", "--gpus", "16384"], capsys)
+    assert "--top must be" in one_line_error(["--top", "0", "--topology", "nowhere"], capsys)
+
+
+def test_a_huge_gpu_count_answers_at_once(capsys):
+    t0 = time.perf_counter()
+    for gpus in ("2147483648", "4294967296", str(2**62)):
+        assert "valid: 1..1048576" in one_line_error(["--gpus", gpus, "--topology", "dgx-h100"], capsys)
+    assert time.perf_counter() - t0 < 1.0
+
+
+TOPOLOGY = """name = "t"
+[accelerator]
+name = "a"
+memory_gib = {memory}
+hbm_gbps = 3350
+peak_tflops = {{ bf16 = {peak} }}
+[[tier]]
+name = "nvlink"
+size = {size}
+bandwidth_gbps = {bandwidth}
+latency_us = {latency}
+[[tier]]
+name = "net"
+bandwidth_gbps = 50
+oversubscription = {over}
+"""
+GOOD = dict(memory=80, peak=989, size=8, bandwidth=450, latency=2, over=1)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(bandwidth=0), r"tier 0 \(nvlink\) bandwidth_gbps must be a finite number > 0, got 0.0; valid: \(0, inf\)"),
+    (dict(bandwidth=-450), r"tier 0 \(nvlink\) bandwidth_gbps must be a finite number > 0, got -450"),
+    (dict(bandwidth="nan"), r"bandwidth_gbps must be a finite number > 0, got nan"),
+    (dict(bandwidth="inf"), r"bandwidth_gbps must be a finite number > 0, got inf"),
+    (dict(bandwidth='"fast"'), r"topology .*t\.toml: cannot read it \(TypeError"),
+    (dict(latency=-1), r"tier 0 \(nvlink\) latency_us must be a finite number >= 0, got -1"),
+    (dict(size=0), r"tier 0 \(nvlink\) size must be >= 1, got 0"),
+    (dict(size=8.5), r"tier 0 \(nvlink\) size must be an integer, got 8.5"),
+    (dict(over=0.5), r"tier 1 \(net\) oversubscription must be a finite number >= 1 \(1: non-blocking\)"),
+    (dict(peak=0), r"accelerator peak_tflops.bf16 must be a finite number > 0, got 0"),
+    (dict(memory=-80), r"accelerator memory_gib must be a finite number > 0"),
+])
+def test_topology_numbers_are_checked(change, message, tmp_path, capsys):
+    f = tmp_path / "t.toml"
+    f.write_text(TOPOLOGY.format(**dict(GOOD, **change)))
+    assert re.search(message, one_line_error(["--gpus", "16", "--topology", str(f)], capsys))
+
+
+def test_a_good_topology_file_plans_and_a_broken_one_is_one_line(tmp_path, capsys):
+    f = tmp_path / "t.toml"
+    f.write_text(TOPOLOGY.format(**GOOD))
+    rc, out = run(["--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--topology", str(f), "--top", "1"],
+                  capsys)
+    assert rc == 0 and "nvlink" in out
+    f.write_text("name = 't'\n[[tier]\n")
+    assert "cannot read it (TOMLDecodeError" in one_line_error(["--gpus", "16", "--topology", str(f)], capsys)
+
+
+# -- no torch: the plan CLI and its error handler run without it -------------------------------------------
+NO_TORCH = """
+import sys
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("No module named 'torch' (blocked by the test)")
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+for name in [m for m in sys.modules if m == "torch" or m.startswith("torch.")]:
+    del sys.modules[name]
+from fivefold.cli import main
+rc = main(sys.argv[1:])
+assert "torch" not in sys.modules
+sys.exit(rc)
+"""
+
+
+def plan_without_torch(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", NO_TORCH, "plan", *argv], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_plan_runs_without_torch_and_its_errors_do_not_mention_it(tmp_path_factory):
+    good = plan_without_torch("--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "1")
+    assert good.returncode == 0, good.stderr
+    assert "best layout" in good.stdout
+    bad = plan_without_torch("--model", "llama3-8b", "--gpus", "64", "--tp", "8", "--pp", "3", "--cp", "1")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [bad.stderr.strip()] and "must divide" in bad.stderr
+    assert "torch" not in bad.stderr
+    broken = tmp_path_factory.mktemp("toml") / "broken.toml"   # a path without the word in it
+    broken.write_text("[[tier]\n")
+    bad = plan_without_torch("--model", "llama3-8b", "--gpus", "16", "--topology", str(broken))
+    assert bad.returncode == 2 and "cannot read it" in bad.stderr and "torch" not in bad.stderr
+
+
+def test_the_error_handler_tells_rank_failures_without_importing_them():
+    from fivefold.cli import is_rank_failure
+
+    assert is_rank_failure(TimeoutError("rank 1 made no progress"))
+    assert not is_rank_failure(ValueError("not a rank"))
+    launch = pytest.importorskip("fivefold.train.launch")
+    assert is_rank_failure(launch.RankError("rank 0 failed"))

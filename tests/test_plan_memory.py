@@ -4,12 +4,12 @@ import pytest
 from fivefold.config import ConfigError
 from fivefold.plan.layout import Layout, Workload, check
 from fivefold.plan.memory import (layer_acts, memory, model_states, stage_layers, stage_params,
-                                  stage_activations)
+                                  stage_activations, zero_buffers)
 
 
 def counts(layers, pp, vpp=1, partition="even"):
     return tuple(len(r) for r in stage_layers(layers, pp, vpp, partition))
-from fivefold.plan.models import PRESETS
+from fivefold.plan.models import PRESETS, PlanModel
 
 LLAMA8, L405, MIXTRAL = PRESETS["llama3-8b"], PRESETS["llama3-405b"], PRESETS["mixtral-8x7b"]
 W = Workload(seq=4096, global_batch=64)
@@ -72,6 +72,36 @@ def test_schedules_hold_their_micro_batches():
     assert inter / acts["1f1b"] == pytest.approx(1 + 3 / 8, rel=0.02)   # 1 + (p-1)/(p·v)
 
 
+def test_interleaved_micro_batch_group_holds_what_the_simulator_holds():
+    """Layout.microbatch_group N: stage s holds min(2(p-s-1) + (v-1)·N + 1, m·v) chunks, the simulator's peak
+    for the same lists; 0 means p; the planner refuses a group the schedule refuses, in one line."""
+    from dataclasses import replace
+
+    from fivefold.parallel.pipeline.schedules import simulate_schedule
+
+    w = Workload(seq=4096, global_batch=32)                         # m = 32 micro-batches of one sequence
+    p, v = 4, 2
+    base = Layout(pp=p, dp=1, vpp=v, schedule="interleaved")
+    assert memory(LLAMA8, base, w).stages[0]["activations"] == \
+        memory(LLAMA8, replace(base, microbatch_group=p), w).stages[0]["activations"]
+    per_chunk = None
+    for n in (4, 8, 16, 32):
+        lay = Layout(pp=p, dp=1, vpp=v, schedule="interleaved", microbatch_group=n)
+        check(LLAMA8, lay, w)
+        peaks = simulate_schedule("interleaved", p, 32, v, microbatch_group=n).peak_in_flight
+        for s in range(p):
+            acts = stage_activations(LLAMA8, lay, w, s)
+            if s in (1, 2):                                         # no embedding or head: layers only
+                per_chunk = per_chunk or acts / peaks[s]
+                assert acts == pytest.approx(per_chunk * peaks[s], rel=1e-12)
+        assert "n%d" % n in lay.short() and lay.to_dict()["microbatch_group"] == n
+    for bad, rule in ((3, "between pp"), (33, "between pp"), (5, "last group"), (-1, "integer >= 0")):
+        with pytest.raises(ConfigError, match=rule):
+            check(LLAMA8, Layout(pp=p, dp=1, vpp=v, schedule="interleaved", microbatch_group=bad), w)
+    with pytest.raises(ConfigError, match="applies to the interleaved schedule"):
+        check(LLAMA8, Layout(pp=p, dp=1, schedule="1f1b", microbatch_group=8), w)
+
+
 def test_full_recompute_keeps_layer_inputs():
     """Korthikanti §4.3: full recompute stores each layer's input (2sbh, /t with SP) plus, while one
     layer is recomputed, that layer's activations."""
@@ -98,3 +128,154 @@ def test_bad_layouts_name_the_rule_and_nearest_values():
         check(LLAMA8, Layout(dp=3), W)
     with pytest.raises(ConfigError, match=r"Ulysses.*valid cp"):
         check(L405, Layout(tp=8, cp=32, cp_mode="ulysses"), Workload(seq=8192, global_batch=64))
+
+
+
+def test_parallel_block_stores_the_block_input_once():
+    """GPT-NeoX's parallel attention + MLP normalises the block input twice: stored once, not twice."""
+    from dataclasses import replace
+
+    neox = PlanModel(name="neox", vocab=50432, hidden=4096, layers=32, heads=32, kv_heads=32, ffn=16384,
+                     mlp="gelu", norm="layer", linear_bias=True, parallel_residual=True)
+    seq = replace(neox, parallel_residual=False)
+    w = Workload(seq=2048)
+    assert (layer_acts(seq, 0, w).replicated - layer_acts(neox, 0, w).replicated) == 2 * 4096
+
+# -- ZeRO-3 buffers: the root unit (embedding, final norm, head) held as the runtime holds it -----------
+BIG_VOCAB = PlanModel(name="big-vocab", vocab=32000, hidden=256, layers=4, heads=4, kv_heads=4, ffn=512,
+                      max_seq=512)
+
+
+def test_zero3_buffers_hold_the_root_unit_and_its_gradient():
+    """Outside a pipeline the root is gathered for the whole forward and backward and its gradient lives
+    through the whole backward; with two micro-batches the previous one's root reduction is still in
+    flight: w·(R + 2B) + g·R + g·(R + r) + 2g·(B + b) (memory.zero_buffers)."""
+    n, w, g = 4, 2, 4                                    # bf16 weights, fp32 gradients
+    lay, work = Layout(dp=n, zero=3), Workload(seq=512, global_batch=8)     # 2 micro-batches
+    R = BIG_VOCAB.embed_params + BIG_VOCAB.head_params   # untied: embedding, final norm, head
+    B = BIG_VOCAB.layer_params(0)
+    r, b = -(-R // n), -(-B // n)
+    expected = w * (R + 2 * B) + g * R + g * (R + r) + 2 * g * (B + b)
+    assert zero_buffers(BIG_VOCAB, lay, work, 0) == expected
+    assert R > 10 * B and expected > w * R + g * R > 10 * (2 * w * B)   # the root dwarfs two gathered blocks
+    # one micro-batch: nothing in flight from before; the peak is at the root's own reduction or a block's
+    one = zero_buffers(BIG_VOCAB, lay, Workload(seq=512, global_batch=4), 0)
+    assert one == max(w * R + g * (R + r) + 2 * g * (B + b), w * (R + 2 * B) + g * R + 3 * g * (B + b))
+
+
+def test_zero3_buffers_under_a_pipeline_keep_the_root_and_the_stage_gradient():
+    """pp > 1: the root (embedding on the first stage; final norm and head on the last) gathered all step,
+    one block at a time, the stage's full gradient, then end-of-step reductions (three results at most)."""
+    n, w, g = 2, 2, 4
+    lay, work = Layout(pp=2, dp=n, zero=3), Workload(seq=512, global_batch=8)
+    B = BIG_VOCAB.layer_params(0)
+    for stage, R in ((0, BIG_VOCAB.embed_params), (1, BIG_VOCAB.head_params)):
+        G = R + 2 * B                                    # two blocks per stage
+        shards = sorted([-(-R // n), -(-B // n), -(-B // n)])
+        peak = max(w * (R + B) + g * G, w * R + g * G + g * sum(shards))
+        assert zero_buffers(BIG_VOCAB, lay, work, stage) == peak
+
+
+def test_zero3_without_resharding_gathers_every_unit():
+    """reshard_after_forward=False: every unit stays gathered from its forward to its backward."""
+    lay, work = Layout(dp=8, zero=3, reshard_after_forward=False), Workload(seq=4096, global_batch=8)
+    kept = zero_buffers(LLAMA8, lay, work, 0)
+    assert kept >= 2 * LLAMA8.num_params()
+    assert kept > 2 * zero_buffers(LLAMA8, Layout(dp=8, zero=3), work, 0)
+
+
+PEAK = [0]   # bytes, written by the hooks `watch_zero3` installs
+
+
+def watch_zero3(patch=setattr) -> None:
+    """Record in PEAK the largest total of ZeRO-3's gathered units, gradient buffers and reductions in
+    flight, read from the runtime's tensors after every allocation and free. `patch` sets the wrapped
+    methods (pytest's monkeypatch.setattr in the test process; once per spawned rank)."""
+    from fivefold.parallel import zero
+
+    if zero.Zero3._gather_async.__name__ == "watched":
+        return
+
+    def note(engine) -> None:
+        alive = {id(u.full): u.full for u in engine.units if u.full is not None}
+        alive.update({id(u.grad): u.grad for u in engine.units if u.grad is not None})
+        for _, _, result, grad in engine._inflight:
+            alive.update({id(result): result, id(grad): grad})
+        PEAK[0] = max(PEAK[0], sum(t.numel() * t.element_size() for t in alive.values()))
+
+    class Watched(list):          # a reduction's result buffer exists from its launch
+        def __init__(self, engine):
+            super().__init__(engine._inflight)
+            self.engine = engine
+
+        def append(self, item):
+            super().append(item)
+            note(self.engine)
+
+    def watch(name):
+        original = getattr(zero.Zero3, name)
+
+        def watched(self, *args):
+            if not isinstance(self._inflight, Watched):
+                self._inflight = Watched(self)
+            out = original(self, *args)
+            note(self)
+            return out
+        patch(zero.Zero3, name, watched)
+
+    for name in ("_gather_async", "_free_unit", "_unit_grad", "_fold"):
+        watch(name)
+
+
+def measured_zero3_peak(rank: int, world: int, cfg_dict: dict, patch=setattr) -> int:
+    """ZeRO-3's peak buffer bytes over the second step of a real run (`watch_zero3`)."""
+    import torch
+
+    from fivefold.config import Config
+    from fivefold.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    watch_zero3(patch)
+    trainer = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
+    trainer.step(0)
+    PEAK[0] = 0
+    trainer.step(1)
+    return PEAK[0]
+
+
+def _zero3_config(**parallel):
+    from .helpers import tiny_config
+
+    cfg = tiny_config(**parallel)
+    cfg.model.vocab, cfg.model.layers = 2048, 3          # the root unit is 7x a block
+    cfg.train.dtype = "bf16"
+    return cfg
+
+
+def _planned_buffers(cfg, stage: int) -> float:
+    from fivefold.plan.layout import from_config
+    from fivefold.plan.models import from_model_config
+
+    layout, work = from_config(cfg)
+    return zero_buffers(from_model_config(cfg.model), layout, work, stage)
+
+
+def test_zero3_buffers_equal_the_runtime_single_rank(monkeypatch):
+    cfg = _zero3_config(dp=1, zero=3, microbatches=2)
+    assert measured_zero3_peak(0, 1, cfg.to_dict(), monkeypatch.setattr) == _planned_buffers(cfg, 0)
+
+
+def run_zero3_jobs(rank: int, world: int, jobs: list) -> list:
+    return [measured_zero3_peak(rank, world, job) for job in jobs]
+
+
+def test_zero3_buffers_equal_the_runtime_sharded_and_pipelined():
+    """dp=2 (shards, a micro-batch's reductions in flight into the next) and pp=2 (root kept all step,
+    end-of-step reductions), measured on two gloo ranks."""
+    from .helpers import ranks
+
+    cfgs = [_zero3_config(dp=2, zero=3, microbatches=2), _zero3_config(pp=2, dp=1, zero=3, microbatches=2)]
+    per_rank = ranks(run_zero3_jobs, 2, [c.to_dict() for c in cfgs])
+    for rank, peaks in enumerate(per_rank):
+        assert peaks[0] == _planned_buffers(cfgs[0], 0)
+        assert peaks[1] == _planned_buffers(cfgs[1], rank)     # pp outermost: rank r is stage r

@@ -1,5 +1,6 @@
 """Model presets: parameter counts equal the published totals; HF configs and our ModelConfig load."""
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -82,3 +83,110 @@ def test_flops_per_token_is_six_n_plus_attention():
     six_n = 6 * (m.num_params() - m.vocab * m.hidden)        # the embedding lookup has no FLOPs
     attn = 3 * m.layers * 2 * 4096 * m.heads * 2 * m.head_dim / 2
     assert m.flops_per_token(4096) == pytest.approx(six_n + attn)
+
+
+# -- Hugging Face families: counts equal transformers' models built from the same config ------------------
+_SMALL = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=1000, intermediate_size=160,
+              max_position_embeddings=128)
+PYTHIA_6_9B = dict(model_type="gpt_neox", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                   intermediate_size=16384, vocab_size=50432, max_position_embeddings=2048, rotary_pct=0.25,
+                   use_parallel_residual=True, tie_word_embeddings=False, hidden_act="gelu")
+HF_CONFIGS = {
+    "llama": dict(model_type="llama", num_key_value_heads=2, **_SMALL),
+    "llama-tied": dict(model_type="llama", num_key_value_heads=2, tie_word_embeddings=True, **_SMALL),
+    "mistral": dict(model_type="mistral", num_key_value_heads=2, **_SMALL),
+    "qwen2": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True, **_SMALL),
+    "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    **_SMALL),
+    "qwen2_moe": dict(model_type="qwen2_moe", num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=64, **_SMALL),
+    "deepseek_v2": dict(model_type="deepseek_v2", num_key_value_heads=4, n_routed_experts=4, n_shared_experts=2,
+                        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=None,
+                        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=1,
+                        topk_group=1, **_SMALL),
+    "deepseek_v3": dict(model_type="deepseek_v3", num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+                        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=24,
+                        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        topk_method="noaux_tc", n_group=1, topk_group=1, **_SMALL),
+    "gpt_neox": dict(model_type="gpt_neox", use_parallel_residual=True, hidden_act="gelu", **_SMALL),
+    "gpt_neox-sequential-tied": dict(model_type="gpt_neox", use_parallel_residual=False, tie_word_embeddings=True,
+                                     **_SMALL),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=3, n_head=4, vocab_size=1000, n_positions=128,
+                 bos_token_id=0, eos_token_id=0),
+    "gpt2-n_inner-untied": dict(model_type="gpt2", n_embd=64, n_layer=3, n_head=4, vocab_size=1000, n_positions=128,
+                                n_inner=100, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0),
+    "pythia-6.9b": PYTHIA_6_9B,
+}
+
+
+def transformers_count(config: dict) -> int:
+    """Parameters of the transformers model built from `config` on the meta device (no weights, no
+    download); tied weights once."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d = dict(config)
+    cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_hugging_face_families_count_like_transformers(name):
+    ours = from_hf_config(HF_CONFIGS[name])
+    # DeepSeek-V3's score-correction bias: a tensor of the checkpoint, a buffer in transformers
+    buffers = ours.experts * (ours.layers - ours.dense_layers) if ours.router_bias else 0
+    assert ours.num_params() == transformers_count(HF_CONFIGS[name]) + buffers
+
+
+def test_pythia_is_a_gelu_model_of_6_9_billion():
+    """GPT-NeoX 6.9B (Pythia): 6,857,302,016 parameters, not the 9.0 B a SwiGLU reading gives; FLOPs per
+    token follow the two-matrix GELU MLP."""
+    m = from_hf_config(PYTHIA_6_9B)
+    assert m.num_params() == 6_857_302_016
+    assert (m.mlp, m.norm, m.linear_bias, m.parallel_residual, m.tie_embeddings) == ("gelu", "layer", True, True, False)
+    h, f, L = 4096, 16384, 32
+    assert m.layer_params(0) == 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+    six_n = 6 * (m.num_params() - m.vocab * h - 2 * h)  # no FLOPs: the embedding lookup, the final norm
+    assert m.flops_per_token(2048) == pytest.approx(six_n + 3 * L * 2 * 2048 * h * 2 / 2)
+    gated = replace(m, mlp="swiglu")
+    assert gated.flops_per_token(2048) - m.flops_per_token(2048) == 6 * L * (h * f + f)   # a third matrix (and bias)
+
+
+@pytest.mark.parametrize("config, words", [
+    (dict(model_type="gemma", **_SMALL), ["'gemma'", "gpt_neox", "llama"]),
+    (dict(model_type="gptj", n_embd=64, n_layer=2, n_head=4, vocab_size=100), ["'gptj'", "supported"]),
+    (dict(model_type="gpt_neox", hidden_act="softplus", **_SMALL), ["'softplus'", "gelu"]),
+    (dict(model_type="mistral", head_dim=32, **_SMALL), ["head_dim 32", "'mistral'"]),
+    (dict(model_type="llama", attention_bias=True, **_SMALL), ["attention_bias"]),
+])
+def test_hugging_face_configs_it_cannot_model_are_refused_in_one_line(config, words):
+    with pytest.raises(ConfigError) as e:
+        from_hf_config(config)
+    assert "\n" not in str(e.value)
+    for w in words:
+        assert w in str(e.value)
+
+
+# -- MFU under both attention conventions -------------------------------------------------------------------
+def test_mfu_is_given_under_both_attention_conventions():
+    """`mfu` halves causal attention FLOPs; `mfu_attention_full` is the same step counted as 6N + 12·L·H·Q·T
+    (PaLM App. B, Narayanan et al. 2021). Llama-3 8B at s = 8192: attention is (4·s·d_attn per layer)."""
+    from fivefold.plan.estimate import estimate
+    from fivefold.plan.layout import Layout, Workload
+    from fivefold.plan.report import estimate_text
+    from fivefold.plan.topology import TOPOLOGIES
+
+    m, s = PRESETS["llama3-8b"], 8192
+    six_n = 6 * m.matmul_params_per_token()
+    L, H, Q = m.layers, m.heads, m.head_dim
+    e = estimate(m, Layout(tp=8, dp=1), Workload(seq=s, global_batch=8), TOPOLOGIES["dgx-h100"])
+    assert e.mfu_attention_full == pytest.approx(e.time.mfu * (six_n + 12 * L * H * Q * s) / (six_n + 6 * L * H * Q * s))
+    d = e.to_dict()
+    assert (d["mfu"], d["mfu_attention_full"]) == (e.time.mfu, e.mfu_attention_full)
+    assert "halved" in d["mfu_convention"]["mfu"] and "12LHQT" in d["mfu_convention"]["mfu_attention_full"]
+    text = estimate_text(e)
+    assert f"MFU {e.time.mfu:.1%} (causal attention FLOPs halved; {e.mfu_attention_full:.1%} not halved" in text
+    # bidirectional attention: one convention, one number
+    bi = estimate(m, Layout(tp=8, dp=1), Workload(seq=s, global_batch=8, causal=False), TOPOLOGIES["dgx-h100"])
+    assert bi.mfu_attention_full == bi.time.mfu and "not halved" not in estimate_text(bi)

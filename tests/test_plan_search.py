@@ -1,5 +1,13 @@
 """Search: every valid layout for a GPU count, fitting ones ranked by step time, rejections with reasons."""
+import os
+import resource
+import subprocess
+import sys
+import time
+
 import pytest
+
+from fivefold.rules import ConfigError, divisors, prime_factors
 
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import Workload
@@ -49,3 +57,44 @@ def test_nothing_fits():
     res = search(PRESETS["llama3-405b"], Workload(seq=8192, global_batch=64), TOPOLOGIES["dgx-h100"], 8, top=3)
     assert not res.ranked and not res.best
     assert set(res.reasons()) <= {"memory", "rule"}
+
+
+def test_divisors_come_from_prime_factors_at_once():
+    """rules.divisors factorises (trial division, then Pollard's rho): instant where a scan up to n took minutes."""
+    t0 = time.perf_counter()
+    assert divisors(2**31) == [2**i for i in range(32)]
+    assert divisors(2**31 - 1) == [1, 2**31 - 1]                      # a Mersenne prime
+    assert divisors(2**61 - 1) == [1, 2**61 - 1]
+    assert divisors(2147483629 * 2147483647) == [1, 2147483629, 2147483647, 2147483629 * 2147483647]
+    assert len(divisors(963761198400)) == 6720                          # highly composite
+    assert time.perf_counter() - t0 < 0.5
+    for n in range(1, 2000):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert prime_factors(16384) == {2: 14} and prime_factors(1) == {}
+
+
+def test_search_refuses_more_gpus_than_the_limit_at_once():
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"between 1 and 1048576 .*valid: 1..1048576"):
+        search(PRESETS["llama3-8b"], Workload(), TOPOLOGIES["dgx-h100"], 2**31)
+    assert time.perf_counter() - t0 < 0.5
+
+
+def plan_process_cpu_seconds(*argv) -> tuple[float, str]:
+    """CPU seconds (user + system) of a whole `fivefold plan` process, imports included: what a loaded
+    machine does not inflate, unlike its wall clock."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    p = subprocess.run([sys.executable, "-m", "fivefold.cli", "plan", *argv], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert p.returncode == 0, p.stderr
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, p.stdout
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3", "llama3-405b"])
+def test_whole_process_search_at_16384_gpus(model):
+    """Issue 13: every preset searched at 16,384 GPUs as a whole process. The goal is 2 s; the bound here is
+    generous because test machines vary."""
+    cpu, out = plan_process_cpu_seconds("--model", model, "--gpus", "16384", "--topology", "llama3")
+    assert "best layout" in out
+    assert cpu < 6.0, f"{model}: {cpu:.2f} s of CPU"

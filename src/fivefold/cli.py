@@ -22,7 +22,7 @@ TRAIN_FLAGS = {
     "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
     "zero": "parallel.zero", "sp_mode": "parallel.sp_mode", "cp_mode": "parallel.cp_mode",
     "order": "parallel.order", "microbatches": "parallel.microbatches", "schedule": "parallel.schedule",
-    "vpp": "parallel.vpp", "bucket_mb": "parallel.bucket_mb", "partition": "parallel.partition",
+    "vpp": "parallel.vpp", "microbatch_group": "parallel.microbatch_group", "bucket_mb": "parallel.bucket_mb", "partition": "parallel.partition",
     "recompute": "train.recompute", "steps": "train.steps", "global_batch": "train.global_batch",
     "seq_len": "train.seq_len", "lr": "train.lr", "dtype": "train.dtype", "device": "train.device",
     "seed": "train.seed", "out": "train.out", "data": "train.data",
@@ -207,13 +207,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fivefold: config error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a failing rank: its traceback is in the message
-        from .train.launch import RankError
-
-        if isinstance(e, (RankError, TimeoutError)):
+        if is_rank_failure(e):
             print(f"fivefold: {e}", file=sys.stderr)
             return 1
         raise
     return 0
+
+
+def is_rank_failure(e: BaseException) -> bool:
+    """A failed rank (`train.launch.RankError`) or the hang watchdog (TimeoutError). Decided without importing
+    train.launch, which needs torch: a RankError exists only once that module has been imported, so when it
+    is not in sys.modules the error is not one (`fivefold plan` and `schedule` run without torch)."""
+    if isinstance(e, TimeoutError):
+        return True
+    launch = sys.modules.get(f"{__package__}.train.launch")
+    return launch is not None and isinstance(e, launch.RankError)
 
 
 if __name__ == "__main__":

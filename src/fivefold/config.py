@@ -140,6 +140,7 @@ class ParallelConfig:
     microbatches: int = 1                # micro-batches per step (a count; the planner's micro_batch is a size)
     schedule: Schedule = "1f1b"
     vpp: int = 1
+    microbatch_group: int = 0            # interleaved: micro-batches per group N, pp <= N <= microbatches (0: pp)
     bucket_mb: float = 25.0
     reshard_after_forward: bool = True   # ZeRO-3: free gathered params after forward (False: keep them)
     partition: str = "even"              # layers to pipeline stages: even | llama3 | counts "3,5,5,3"
@@ -227,6 +228,8 @@ class Config:
         rules.check_sequence_parallel(p.sp_mode, p.tp, t.seq_len)
         rules.check_partition(m.layers, p.pp, p.vpp, p.partition)
         rules.check_microbatches(p.schedule, p.pp, p.microbatches)
+        if p.microbatch_group and p.schedule == "interleaved":
+            rules.check_microbatch_group(p.pp, p.microbatches, p.microbatch_group)
         rules.check_context_parallel(p.cp_mode, p.cp, p.tp, m.heads, t.seq_len, p.ulysses)
         rules.check_expert_parallel(p.ep, p.dp, p.cp, m.experts)
         return self

@@ -11,7 +11,7 @@ The choices a field can take are `Literal` types (`ZeroStage`, `SpMode`, `CpMode
 """
 from __future__ import annotations
 
-from math import gcd
+from math import gcd, isfinite
 from typing import Literal, get_args
 
 ZeroStage = Literal[0, 1, 2, 3]
@@ -36,7 +36,109 @@ def choices(kind) -> tuple:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n >= 1, ascending, from its prime factors (instant for any 64-bit n; a scan up to n
+    would take minutes for n = 2**31)."""
+    out = [1]
+    for p, k in sorted(prime_factors(n).items()):
+        out = [d * p**i for d in out for i in range(k + 1)]
+    return sorted(out)
+
+
+def prime_factors(n: int) -> dict[int, int]:
+    """{prime: exponent} of n >= 1: trial division by small primes, then Pollard's rho (Brent) for the rest."""
+    if n < 1:
+        raise ValueError(f"prime_factors needs n >= 1, got {n}")
+    out: dict[int, int] = {}
+    for p in _SMALL_PRIMES:
+        while n % p == 0:
+            out[p] = out.get(p, 0) + 1
+            n //= p
+    stack = [n] if n > 1 else []
+    while stack:
+        m = stack.pop()
+        if is_prime(m):
+            out[m] = out.get(m, 0) + 1
+            continue
+        root, k = _perfect_power(m)
+        if k > 1:
+            stack += [root] * k
+        else:
+            d = _rho(m)
+            stack += [d, m // d]
+    return out
+
+
+def _perfect_power(n: int) -> tuple[int, int]:
+    """(r, k) with r**k == n and k largest (k = 1 when n is no perfect power): Pollard's rho is slow on p**k."""
+    for k in range(n.bit_length(), 1, -1):
+        r = _int_root(n, k)
+        if r > 1 and r**k == n:
+            return r, k
+    return n, 1
+
+
+def _int_root(n: int, k: int) -> int:
+    """floor(n ** (1/k)) in integers (Newton's method)."""
+    r = 1 << -(-n.bit_length() // k)      # above the root
+    while True:
+        s = ((k - 1) * r + n // r ** (k - 1)) // k
+        if s >= r:
+            return r
+        r = s
+
+
+_SMALL_PRIMES = [p for p in range(2, 1000) if all(p % q for q in range(2, int(p**0.5) + 1))]
+
+
+def is_prime(n: int) -> bool:
+    """Miller-Rabin with the first 12 primes as bases: exact for n < 3.3e24."""
+    if n < 2:
+        return False
+    for p in _SMALL_PRIMES[:12]:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in _SMALL_PRIMES[:12]:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _rho(n: int) -> int:
+    """A non-trivial factor of the odd composite n (Pollard's rho, Brent's cycle search)."""
+    for c in range(1, n):
+        y, r, q, g = 2, 1, 1, 1
+        x = ys = y
+        while g == 1:
+            x = y
+            for _ in range(r):
+                y = (y * y + c) % n
+            k = 0
+            while k < r and g == 1:
+                ys = y
+                for _ in range(min(128, r - k)):
+                    y = (y * y + c) % n
+                    q = q * abs(x - y) % n
+                g = gcd(q, n)
+                k += 128
+            r *= 2
+        if g == n:   # the batch overshot: step one at a time from the saved point
+            g = 1
+            while g == 1:
+                ys = (ys * ys + c) % n
+                g = gcd(abs(x - ys), n)
+        if g != n:
+            return g
+    raise ValueError(f"no factor found for {n}")
 
 
 def nearest(value: int, candidates: list[int], k: int = 3) -> list[int]:
@@ -45,8 +147,42 @@ def nearest(value: int, candidates: list[int], k: int = 3) -> list[int]:
 
 
 def _multiples(of: int, around: int) -> list[int]:
-    """Multiples of `of` up to a little past `around` (candidates for a value that must divide by `of`)."""
-    return [k * of for k in range(1, around // of + 3)]
+    """The multiples of `of` nearest `around` (candidates for a value that must divide by `of`): a few, not
+    every one up to `around` (which for --gpus 2**31 would be billions)."""
+    q = around // of
+    return [k * of for k in range(max(1, q - 2), q + 3)]
+
+
+# -- numbers given on a command line -----------------------------------------------------------------
+def check_count(name: str, value, low: int = 1, high: int | None = None) -> None:
+    """An integer in low..high (no upper bound when high is None)."""
+    valid = _count_span(low, high)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}; valid: {valid}")
+    if value < low or (high is not None and value > high):
+        rule = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ConfigError(f"{name} must be {rule}, got {value}; valid: {valid}")
+
+
+def _count_span(low: int, high: int | None) -> str:
+    if high is None:
+        return f"{low}, {low + 1}, {low + 2}, ..."
+    if high - low <= 5:
+        return ", ".join(str(v) for v in range(low, high + 1))
+    return f"{low}..{high}"
+
+
+def check_real(name: str, value, low: float, high: float | None = None, low_open: bool = True,
+               meaning: str = "") -> None:
+    """A finite number above low (or at least low when not low_open) and at most high (when given);
+    `meaning` (e.g. " (the fraction of peak reached)") follows the rule in the message."""
+    rule = (f"> {low:g}" if low_open else f">= {low:g}") + ("" if high is None else f" and <= {high:g}")
+    valid = ("(" if low_open else "[") + f"{low:g}, " + ("inf)" if high is None else f"{high:g}]")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number {rule}{meaning}, got {value!r}; valid: {valid}")
+    bad = not isfinite(value) or (value <= low if low_open else value < low) or (high is not None and value > high)
+    if bad:
+        raise ConfigError(f"{name} must be a finite number {rule}{meaning}, got {value}; valid: {valid}")
 
 
 # -- fields ------------------------------------------------------------------------------------------
@@ -218,6 +354,24 @@ def check_partition(layers: int, pp: int, vpp: int, partition: str) -> None:
         raise ConfigError(f"parallel.partition must be one of {', '.join(choices(PartitionKind))} or layer counts "
                           f"like '3,5,5,3', got {partition!r}")
     check_counts(parse_counts(partition), layers, pp, vpp)
+
+
+def check_microbatch_group(pp: int, microbatches: int, group: int) -> int:
+    """The interleaved schedule's micro-batches per group N (0: pp), checked: Megatron-Core's rule
+    p <= N <= m, and the last group (m % N micro-batches) empty or at least p long. A group shorter than
+    p leaves a rank waiting for its first micro-batch to come round the ranks (dependency bubbles), and
+    with the 1F1B warm-up below it can deadlock. Returns N."""
+    if type(group) is not int or group < 0:
+        raise ConfigError(f"microbatch_group must be an integer >= 0 (0: pp = {pp}), got {group!r}")
+    n = group or pp
+    valid = [k for k in range(pp, microbatches + 1) if microbatches % k == 0 or microbatches % k >= pp]
+    if not pp <= n <= microbatches:
+        raise ConfigError(f"microbatch_group {n} must lie between pp ({pp}, depth-first) and microbatches "
+                          f"({microbatches}, breadth-first); valid: {valid or 'none (microbatches < pp)'}")
+    if 0 < microbatches % n < pp:
+        raise ConfigError(f"microbatch_group {n} leaves a last group of {microbatches} % {n} = {microbatches % n} "
+                          f"micro-batches, fewer than pp ({pp}); valid: {valid}")
+    return n
 
 
 def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:

@@ -111,7 +111,8 @@ class PipelineParallelism:
         self.mesh, self.cfg = mesh, cfg
         self.partition = partition_layers(cfg.model.layers, p.pp, p.vpp, p.partition)
         self.rank = mesh.coords["pp"]
-        self.actions = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp)[self.rank]
+        self.actions = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp,
+                                      microbatch_group=p.microbatch_group)[self.rank]
 
     def apply(self, model: nn.Module) -> nn.Module:
         from .pipeline.runtime import Stage, stage_names

@@ -14,17 +14,19 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from math import isfinite
 from pathlib import Path
 
 from ..config import load_config
 from ..grid import DEFAULT_ORDER
-from ..rules import ConfigError, CpMode, Dtype, PartitionKind, Recompute, Schedule, SpMode, choices
+from ..rules import (ConfigError, CpMode, Dtype, PartitionKind, Recompute, Schedule, SpMode, check_count, check_real,
+                     choices)
 from .estimate import estimate
-from .layout import GradDtype, Layout, Workload, from_config
+from .layout import GradDtype, Layout, ReduceDtype, Workload, from_config
 from .models import PRESETS, PlanModel, from_model_config, load_model
 from .report import estimate_text, plot, search_dict, search_text, to_json
-from .search import search
-from .topology import ACCELERATORS, TOPOLOGIES, load_topology
+from .search import MAX_GPUS, search
+from .topology import ACCELERATORS, GB, TOPOLOGIES, GiB, Topology, load_topology
 
 
 def add_plan_args(ap: argparse.ArgumentParser) -> None:
@@ -58,10 +60,117 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", help="MoE dispatch in FP8")
     ap.add_argument("--capacity-factor", dest="capacity_factor", type=float, default=1.0)
     ap.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak FLOP/s kernels reach")
+    mech = ap.add_argument_group("mechanisms (docs/plan.md, Mechanisms)")
+    mech.add_argument("--reduce-dtype", dest="reduce_dtype", choices=choices(ReduceDtype),
+                      help="dtype of the data-parallel gradient reduction (default fp32; the weights' dtype "
+                           "with --grad-dtype param)")
+    mech.add_argument("--bucket-mb", dest="bucket_mb", type=float, help="gradient bucket size in MiB (default 25)")
+    mech.add_argument("--overlap-grad-reduce", dest="overlap_grad_reduce", action=argparse.BooleanOptionalAction,
+                      help="reduce a stage's buckets as its last backwards make them final (default on; a "
+                           "--config plans what the runtime does: off under a pipeline)")
+    mech.add_argument("--overlap-param-gather", dest="overlap_param_gather", action=argparse.BooleanOptionalAction,
+                      help="ZeRO-1/2: gather updated parameters behind the next step's first forwards")
+    mech.add_argument("--ep-overlap", dest="ep_overlap", action="store_true",
+                      help="MoE all-to-alls overlap another micro-batch's compute (DualPipe-style)")
+    mech.add_argument("--moe-route-nodes", dest="moe_route_nodes", type=int,
+                      help="node-limited routing: each token's experts on at most M nodes (DeepSeek-V3: 4)")
+    mech.add_argument("--fp8-gemm", dest="fp8_gemm", action="store_true", help="linear-layer GEMMs at the FP8 peak")
+    mech.add_argument("--fp8-act-cache", dest="fp8_act_cache", action="store_true",
+                      help="cache the linear layers' inputs in FP8 for the backward")
+    mech.add_argument("--microbatch-group", dest="microbatch_group", type=int,
+                      help="interleaved: micro-batches per group N, pp <= N <= m (default pp)")
+    mech.add_argument("--recompute-norm-mla", dest="recompute_norm_mla", action="store_true",
+                      help="recompute norms and MLA up-projections in the backward (DeepSeek-V3)")
     ap.add_argument("--search", action="store_true", help="search even when every degree is given")
     ap.add_argument("--top", type=int, default=10, help="layouts to show when searching")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--plot", help="write a PNG of memory per component and bytes per tier")
+
+
+DEGREES = ("tp", "pp", "dp", "cp", "ep", "vpp", "ulysses")   # each at most MAX_GPUS
+SIZES = ("seq", "global_batch", "micro_batch")                # tokens, sequences: each at most MAX_SIZE
+MAX_SIZE = 2**30    # about a billion tokens in a sequence or sequences in a batch: far past any run
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every numeric option, before any work: one ConfigError naming the rule and the valid values.
+    Counts are >= 1 and bounded (--gpus, each degree and the product tp*pp*dp*cp at most MAX_GPUS; sequence
+    length and batch sizes at most MAX_SIZE), --zero 0..3, --efficiency in (0, 1], --capacity-factor >= 0
+    (0: dropless); no NaN or infinity."""
+    for name in ("gpus",) + DEGREES + SIZES:
+        value = getattr(args, name, None)
+        if value is not None:
+            check_count(_flag(name), value, 1, MAX_SIZE if name in SIZES else MAX_GPUS)
+    check_count("--top", args.top, 1)
+    if args.zero is not None:
+        check_count("--zero", args.zero, 0, 3)
+    check_real("--efficiency", args.efficiency, 0, 1, meaning=" (the fraction of peak FLOP/s kernels reach)")
+    check_real("--capacity-factor", args.capacity_factor, 0, low_open=False,
+               meaning=" (MoE tokens per expert relative to perfect balance; 0: dropless)")
+    product = _product(args)
+    if product > MAX_GPUS:
+        raise ConfigError(f"the given degrees need tp*pp*dp*cp = {product} GPUs, more than the planner's limit of "
+                          f"{MAX_GPUS}; valid: a product of 1..{MAX_GPUS}")
+
+
+def _product(args: argparse.Namespace) -> int:
+    """tp*pp*dp*cp of the given degrees (the GPU count when --gpus is not given)."""
+    product = 1
+    for name in ("tp", "pp", "dp", "cp"):
+        product *= getattr(args, name) or 1
+    return product
+
+
+def check_topology(topo: Topology) -> None:
+    """The loaded topology's numbers, in its TOML units: tier sizes >= 1 (the outermost may be absent: the whole
+    cluster), bandwidth > 0, latency >= 0, oversubscription >= 1, accelerator peaks, memory and HBM > 0."""
+    where = f"topology {topo.name}"
+    acc = topo.accelerator
+    if not acc.peak_flops:
+        raise ConfigError(f"{where}: accelerator {acc.name} has no peak_tflops; give at least one, e.g. bf16 = 989")
+    for dtype, peak in acc.peak_flops.items():
+        check_real(f"{where}: accelerator peak_tflops.{dtype}", _scaled(peak, 1e12), 0)
+    check_real(f"{where}: accelerator memory_gib", _scaled(acc.memory, GiB), 0)
+    check_real(f"{where}: accelerator hbm_gbps", _scaled(acc.hbm_bandwidth, GB), 0)
+    if not topo.tiers:
+        raise ConfigError(f"{where} needs at least one [[tier]] (name, size, bandwidth_gbps)")
+    for i, t in enumerate(topo.tiers):
+        name = f"{where}: tier {i} ({t.name})"
+        if t.size is not None or i < len(topo.tiers) - 1:
+            check_count(f"{name} size", t.size, 1, None)
+        check_real(f"{name} bandwidth_gbps", _scaled(t.bandwidth, GB), 0)
+        check_real(f"{name} latency_us", _scaled(t.latency, 1e-6), 0, low_open=False)
+        check_real(f"{name} oversubscription", t.oversubscription, 1, low_open=False, meaning=" (1: non-blocking)")
+
+
+def _scaled(value, unit: float):
+    """value / unit for a number (the TOML's unit), anything else as it is (for the type error)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return value / unit if ok and isfinite(value) else value
+
+
+def _topology(args: argparse.Namespace) -> Topology:
+    """--topology (and --accelerator), checked; a malformed TOML is a ConfigError too."""
+    try:
+        topo = load_topology(args.topology)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, AttributeError, KeyError) as e:   # TOML syntax, a value of the wrong type
+        raise ConfigError(f"topology {args.topology}: cannot read it ({type(e).__name__}: {e}); see "
+                          f"docs/plan.md for the form") from None
+    if args.accelerator:
+        topo = replace(topo, accelerator=ACCELERATORS[args.accelerator])
+    check_topology(topo)
+    gpus = args.gpus or _product(args)
+    if topo.max_gpus is not None and gpus > topo.max_gpus:
+        what = "--gpus" if args.gpus else "tp*pp*dp*cp"
+        raise ConfigError(f"{what} must be at most the {topo.max_gpus} GPUs of topology {topo.name}, got {gpus}; "
+                          f"valid: 1..{topo.max_gpus}")
+    return topo
 
 
 def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
@@ -80,11 +189,26 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
         layout, work = Layout(), Workload(seq=min(model.max_seq, 4096), global_batch=1024)
     if args.model and args.config:
         model = load_model(args.model)
+    dtype = args.dtype or (work.dtype if args.config else "bf16")
+    reduce_dtype = args.reduce_dtype or ("fp32" if args.grad_dtype == "fp32" or dtype == "fp32" else dtype)
     work = replace(work, seq=args.seq or work.seq, global_batch=args.global_batch or work.global_batch,
-                   dtype=args.dtype or (work.dtype if args.config else "bf16"), grad_dtype=args.grad_dtype,
+                   dtype=dtype, grad_dtype=args.grad_dtype, reduce_dtype=reduce_dtype,
                    flash=args.flash and work.flash, fp8_dispatch=args.fp8_dispatch,
-                   capacity_factor=args.capacity_factor, efficiency=args.efficiency)
+                   capacity_factor=args.capacity_factor, efficiency=args.efficiency,
+                   moe_route_nodes=args.moe_route_nodes or work.moe_route_nodes,
+                   fp8_gemm=args.fp8_gemm or work.fp8_gemm, fp8_act_cache=args.fp8_act_cache or work.fp8_act_cache)
     return model, layout, work, fixed
+
+
+def mechanism_options(args, layout: Layout) -> dict:
+    """The Layout's mechanism fields: flags where given, else the base layout's (a --config's: what the
+    runtime does; otherwise Layout's defaults, what production stacks do)."""
+    pick = {k: getattr(args, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "bucket_mb",
+                                          "microbatch_group")}
+    out = {k: getattr(layout, k) if v is None else v for k, v in pick.items()}
+    out["ep_overlap"] = args.ep_overlap or layout.ep_overlap
+    out["recompute_norm_mla"] = args.recompute_norm_mla or layout.recompute_norm_mla
+    return out
 
 
 def _complete(fixed: dict, gpus: int | None, model: PlanModel) -> bool:
@@ -110,10 +234,13 @@ def _complete(fixed: dict, gpus: int | None, model: PlanModel) -> bool:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run `fivefold plan`; ConfigError propagates (the caller prints it)."""
+    check_args(args)
+    topo = _topology(args)
     model, layout, work, fixed = _base(args)
-    topo = load_topology(args.topology)
-    if args.accelerator:
-        topo = replace(topo, accelerator=ACCELERATORS[args.accelerator])
+    if model.moe:   # beyond experts/top_k every expert already takes every token of a sequence
+        check_real("--capacity-factor", args.capacity_factor, 0, model.experts / model.top_k, low_open=False,
+                   meaning=f" (the top is experts/top_k = {model.experts}/{model.top_k}: every expert takes every "
+                           f"token; 0: dropless)")
     full = _complete(fixed, args.gpus, model) and not args.search
     order = args.order or layout.order
     partition = args.partition or ("llama3" if args.uneven else layout.partition)
@@ -123,8 +250,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                      zero=fixed["zero"] or 0, vpp=fixed["vpp"] or 1, micro_batch=fixed["micro_batch"] or 1,
                      recompute=fixed["recompute"] or "none", order=order, partition=partition, sp_mode=sp_mode,
                      cp_mode=args.cp_mode or layout.cp_mode, ulysses=args.ulysses or layout.ulysses,
-                     bucket_mb=layout.bucket_mb,
-                     reshard_after_forward=layout.reshard_after_forward,
+                     reshard_after_forward=layout.reshard_after_forward, **mechanism_options(args, layout),
                      schedule=args.schedule or ("interleaved" if (fixed["vpp"] or 1) > 1 else layout.schedule))
         est = estimate(model, lay, work, topo, args.gpus)
         if args.json:

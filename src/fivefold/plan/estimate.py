@@ -3,6 +3,16 @@
 `estimate(model, layout, workload, topology)` validates the layout (ConfigError naming the rule), then
 runs memory.py, traffic.py and time.py and returns an `Estimate`, whose `to_dict()` is what
 `fivefold plan --json` prints.
+
+MFU conventions. `mfu` counts model FLOPs per token as 6·N_matmul + 3·A, A the attention's forward
+FLOPs 2·s·a·(d_qk + d_v) per layer, halved under a causal mask (the work flash attention does;
+Megatron-LM's `num_floating_point_operations` today). Published MFUs often do not halve it: 6·N +
+12·L·H·Q·T (PaLM, Chowdhery et al. 2022, App. B; Narayanan et al. 2021, eq. 3; nanoGPT, torchtitan).
+`mfu_attention_full` is the same step under that convention,
+
+    mfu_attention_full = mfu · (F + 3·(A_full - A_causal)) / F,   F = 6·N_matmul + 3·A_causal,
+
+equal to `mfu` when attention is not causal. Compare a plan with a paper's MFU under the paper's one.
 """
 from __future__ import annotations
 
@@ -32,6 +42,11 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)
 
     @property
+    def mfu_attention_full(self) -> float:
+        """MFU with attention FLOPs not halved for the causal mask (`mfu_attention_full`)."""
+        return mfu_attention_full(self.model, self.work, self.time.mfu)
+
+    @property
     def fits(self) -> bool:
         return self.memory.most_loaded["total"] <= self.topo.accelerator.memory
 
@@ -56,11 +71,26 @@ class Estimate:
             "traffic": self.traffic(), "bytes_per_dim": by_dim(self.flows),
             "bytes_per_tier": by_tier(self.flows, self.topo),
             "bubble": t.bubble, "bubble_source": t.bubble_source, "step_time_s": t.step_time_s,
-            "tokens_per_s": t.tokens_per_s, "mfu": t.mfu, "hfu": t.hfu, "time": t.to_dict(),
+            "tokens_per_s": t.tokens_per_s, "mfu": t.mfu, "mfu_attention_full": self.mfu_attention_full,
+            "mfu_convention": MFU_CONVENTIONS, "hfu": t.hfu, "time": t.to_dict(),
             "order": self.order, "layout_order": self.layout.order, "placement": self.placement,
             "placement_recommended": placement(self.layout, self.topo, self.order),
             "warnings": self.warnings,
         }
+
+
+MFU_CONVENTIONS = {
+    "mfu": "6N + 3A, attention FLOPs A halved for the causal mask (flash attention's work; Megatron-LM today)",
+    "mfu_attention_full": "6N + 12LHQT, attention not halved (PaLM App. B; Narayanan et al. 2021; nanoGPT)",
+}
+
+
+def mfu_attention_full(model: PlanModel, work: Workload, mfu: float) -> float:
+    """`mfu` (attention halved when causal) restated with the attention FLOPs not halved."""
+    counted = model.flops_per_token(work.seq, work.causal)
+    extra = 3.0 * (model.attention_flops_per_token(work.seq, causal=False)
+                   - model.attention_flops_per_token(work.seq, work.causal))
+    return mfu * (counted + extra) / counted
 
 
 def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, gpus: int | None = None,

@@ -8,23 +8,36 @@ global_batch / (dp · micro_batch). `Workload` holds what does not depend on the
 global batch (in sequences), dtypes, flash attention, FP8 dispatch, capacity factor. `from_config(cfg)`
 builds both from a runtime `Config`, so the planner and a real run describe the same thing.
 
+Mechanism options (docs/plan.md, "Mechanisms"): `Layout.overlap_grad_reduce` (a stage's bucketed
+gradient reduction starts during each chunk's last backward, as Megatron-Core and FSDP do; False: when
+the stage's schedule has ended, as the runtime does under a pipeline), `Layout.overlap_param_gather`
+(ZeRO-1/2's updated parameters gathered behind the next step's first forwards), `Layout.ep_overlap` (expert
+all-to-alls overlap another micro-batch's compute, DualPipe-style), `Workload.reduce_dtype` (the dtype
+gradients are reduced in), `Workload.moe_route_nodes` (node-limited routing: each token to at most M
+nodes), `Workload.fp8_gemm` (linear-layer GEMMs at the FP8 peak), `Workload.fp8_act_cache` (inputs
+of the linear layers cached in FP8 for the backward), `Layout.microbatch_group` (the interleaved
+schedule's micro-batches per group N, p..m; 0: p) and `Layout.recompute_norm_mla` (norms' outputs and MLA
+up-projections recomputed in the backward, DeepSeek-V3).
+
 `check(model, layout, workload, gpus)` raises `ConfigError` naming the broken rule and the nearest
 valid values; the rules are `fivefold.rules`', the ones `Config.validate` applies.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
 from .. import rules
 from ..config import Config
 from ..grid import DEFAULT_ORDER, parse_order
-from ..rules import CpMode, Recompute, Schedule, SpMode, ZeroStage
+from ..rules import ConfigError, CpMode, Recompute, Schedule, SpMode, ZeroStage
+from ..parallel.pipeline.schedules import check_group
 from .models import PlanModel, cached_hash
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8, "fp8": 1}
 GradDtype = Literal["fp32", "param"]   # gradient accumulation: fp32 main grads, or the weights' dtype
+ReduceDtype = Literal["fp32", "bf16", "fp16"]   # gradient reduction over dp/edp: full precision or 16-bit
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,16 @@ class Layout:
     partition: str = "even"        # layers to stages, as parallel.partition: even | llama3 | counts "3,5,5,3"
     bucket_mb: float = 25.0        # DDP / ZeRO-1/2 bucket size (sets where flat buffers are padded)
     reshard_after_forward: bool = True   # ZeRO-3: free gathered parameters after forward (False: keep them)
+    overlap_grad_reduce: bool = True     # buckets reduced as each chunk's last backward makes them final
+                                         # (Megatron-Core, FSDP); False: after the stage's schedule ends
+                                         # (the runtime under a pipeline; without one it always overlaps)
+    overlap_param_gather: bool = True    # ZeRO-1/2: the updated parameters gathered behind the next step's
+                                         # first forwards (Megatron-Core); False: at the step's end (runtime)
+    ep_overlap: bool = False             # MoE all-to-alls overlap another micro-batch's compute (DualPipe)
+    microbatch_group: int = 0            # interleaved: micro-batches per group N, pp <= N <= m (0: pp, depth-
+                                         # first; Llama 3 §3.3.2, Megatron-Core microbatch_group_size_per_vp_stage)
+    recompute_norm_mla: bool = False     # norms' outputs and MLA up-projections recomputed in the backward:
+                                         # MLA keeps its latents, not Q/K/V (DeepSeek-V3 §3.4)
 
     @property
     def gpus(self) -> int:
@@ -72,11 +95,21 @@ class Layout:
             parts.append("sp")
         if self.vpp > 1:
             parts.append(f"v{self.vpp}")
+            if self.microbatch_group:
+                parts.append(f"n{self.microbatch_group}")
         if self.partition != "even" and self.pp > 1:
             parts.append(self.partition)
         parts.append(f"mb{self.micro_batch}")
         if self.recompute != "none":
             parts.append(f"rc-{self.recompute}")
+        if self.recompute_norm_mla:
+            parts.append("rc-norm-mla")
+        if self.ep_overlap and self.ep > 1:
+            parts.append("a2a-overlap")
+        if not self.overlap_grad_reduce:
+            parts.append("reduce-after")
+        if not self.overlap_param_gather and self.zero in (1, 2):
+            parts.append("gather-after")
         return " ".join(parts)
 
     def to_dict(self) -> dict:
@@ -84,7 +117,10 @@ class Layout:
                 "sp_mode": self.sp_mode, "cp_mode": self.cp_mode, "vpp": self.vpp, "micro_batch": self.micro_batch,
                 "schedule": self.effective_schedule, "recompute": self.recompute, "order": self.order,
                 "partition": self.partition, "bucket_mb": self.bucket_mb,
-                "reshard_after_forward": self.reshard_after_forward}
+                "reshard_after_forward": self.reshard_after_forward,
+                "overlap_grad_reduce": self.overlap_grad_reduce, "overlap_param_gather": self.overlap_param_gather,
+                "ep_overlap": self.ep_overlap, "microbatch_group": self.microbatch_group,
+                "recompute_norm_mla": self.recompute_norm_mla}
 
     @property
     def effective_schedule(self) -> str:
@@ -105,6 +141,13 @@ class Workload:
                                    # planned as perfect balance); capacity groups are sequences (rules.py)
     efficiency: float = 0.6        # fraction of peak FLOP/s the compute kernels reach
     causal: bool = True
+    reduce_dtype: ReduceDtype = "fp32"   # dp/edp gradient reduction: "fp32" = the main-gradient precision
+                                         # (the runtime's main_grads_fp32; fp64 for an fp64 model), or 16-bit
+    moe_route_nodes: int = 0       # node-limited routing (DeepSeek-V3): each token's experts on at most this
+                                   # many nodes, sent once per node then forwarded over NVLink (0: off)
+    fp8_gemm: bool = False         # linear-layer GEMMs (forward, dgrad, wgrad) at the accelerator's FP8 peak;
+                                   # attention, embedding and LM head stay in dtype (DeepSeek-V3 §3.3)
+    fp8_act_cache: bool = False    # linear-layer inputs cached in FP8 for the backward (memory.py applies it)
 
     def __hash__(self) -> int:     # hashed often as a cache key: compute once
         return cached_hash(self)
@@ -127,6 +170,12 @@ class Workload:
         return self.param_bytes if self.grad_dtype == "param" else max(self.master_bytes, self.param_bytes)
 
     @property
+    def reduce_bytes(self) -> int:
+        """Bytes per gradient element in the dp/edp reduction: the master precision (fp32; fp64 for an fp64
+        model) or 2 for a 16-bit reduction. Bucket sizes still follow the accumulation dtype (grad_bytes)."""
+        return self.master_bytes if self.reduce_dtype == "fp32" else DTYPE_BYTES[self.reduce_dtype]
+
+    @property
     def tokens(self) -> int:
         return self.seq * self.global_batch
 
@@ -143,11 +192,17 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
     rules.check_global_batch(t.global_batch, p.dp, p.microbatches)
     layout = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, zero=p.zero, sp_mode=p.sp_mode,
                     cp_mode=p.cp_mode, ulysses=p.ulysses, vpp=p.vpp, micro_batch=t.global_batch // (p.dp * p.microbatches), schedule=p.schedule,
+                    microbatch_group=p.microbatch_group,
                     recompute=t.recompute, order=p.order, partition=p.partition, bucket_mb=p.bucket_mb,
                     reshard_after_forward=p.reshard_after_forward)
+    # the runtime reduces in the accumulation dtype: fp32 main grads, or the weights' dtype without them
+    full = t.main_grads_fp32 or t.dtype in ("fp32", "fp64")
+    # under a pipeline the runtime reduces after the stage's schedule; ZeRO-1/2 gather after the step
+    layout = replace(layout, overlap_grad_reduce=p.pp == 1, overlap_param_gather=False)
     work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=False,
                     capacity_factor=cfg.model.capacity_factor,   # 0: dropless (balanced routing assumed)
-                    fp8_dispatch=cfg.parallel.fp8_dispatch)
+                    fp8_dispatch=cfg.parallel.fp8_dispatch, grad_dtype="fp32" if t.main_grads_fp32 else "param",
+                    reduce_dtype="fp32" if full else t.dtype)
     return layout, work
 
 
@@ -181,3 +236,31 @@ def check(model: PlanModel, layout: Layout, work: Workload, gpus: int | None = N
     rules.check_expert_parallel(L.ep, L.dp, L.cp, model.experts)
     rules.check_global_batch(work.global_batch, L.dp, L.micro_batch, what="micro_batch")
     rules.check_microbatches(L.effective_schedule, L.pp, microbatches(L, work))
+    check_mechanisms(model, L, work)
+
+
+def check_mechanisms(model: PlanModel, layout: Layout, work: Workload) -> None:
+    """The mechanism options (docs/plan.md "Mechanisms") take values that mean something."""
+    rules.check_choice("reduce_dtype", work.reduce_dtype, ReduceDtype)
+    for obj, name in ((layout, "overlap_grad_reduce"), (layout, "overlap_param_gather"), (layout, "ep_overlap"),
+                      (layout, "recompute_norm_mla"), (work, "fp8_gemm"), (work, "fp8_act_cache")):
+        if type(getattr(obj, name)) is not bool:
+            raise ConfigError(f"{name} must be true or false, got {getattr(obj, name)!r}")
+    r = work.moe_route_nodes
+    if type(r) is not int or r < 0:
+        raise ConfigError(f"moe_route_nodes must be an integer >= 0 (0: routing not node-limited), got {r!r}")
+    if r and not model.moe:
+        raise ConfigError(f"moe_route_nodes={r} limits expert routing, but {model.name} has no experts")
+    check_microbatch_group(layout, work)
+
+
+def check_microbatch_group(layout: Layout, work: Workload) -> None:
+    """`microbatch_group` N: 0 (= pp), or, for the interleaved schedule with vpp > 1, pp <= N <= m with a last
+    group (m % N) empty or at least pp long (schedules.check_group, Megatron-Core's rule)."""
+    n = layout.microbatch_group
+    if n == 0 and type(n) is int:
+        return
+    if type(n) is int and n > 0 and layout.effective_schedule != "interleaved":
+        raise ConfigError(f"microbatch_group applies to the interleaved schedule with vpp > 1 (schedule "
+                          f"{layout.effective_schedule}, vpp {layout.vpp}); got {n}, use 0")
+    check_group(layout.pp, microbatches(layout, work), n)

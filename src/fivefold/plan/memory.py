@@ -24,8 +24,19 @@ Llama-style layers (SwiGLU, GQA, RMSNorm, no dropout) and MoE layers get their o
 reproduces the table exactly (tests/test_plan_literature.py). Context parallelism (ring or Ulysses)
 divides the tokens a rank holds by cp. Pipeline schedules multiply by the micro-batches in flight:
 GPipe m; 1F1B min(p - j, m) on stage j (p on the first); interleaved (Narayanan et al. 2021) holds
-min(2(p-j-1) + (v-1)p + 1, m·v) chunks of L_j/v layers, i.e. p·(1 + (p-1)/(p·v)) stage-activations
-on the first stage.
+min(2(p-j-1) + (v-1)·N + 1, m·v) chunks of L_j/v layers with N micro-batches per group
+(`Layout.microbatch_group`, N = p by default: p·(1 + (p-1)/(p·v)) stage-activations on the first stage).
+
+Mechanisms that change what a layer stores (docs/plan.md, "Mechanisms"): `Workload.fp8_act_cache` caches
+the inputs of the FP8 linear layers at 1 byte, the attention output at 1.5 (E5M6) and, in MoE experts,
+only the activation function's inputs (its output recomputed); `Layout.recompute_norm_mla` recomputes
+the norms' outputs and MLA's up-projections, so MLA stores its latents instead of per-head Q, K, V
+(DeepSeek-AI 2024, §3.3.3, §3.4). `layer_acts` lists the tensors.
+
+Buffers (`zero_buffers`): what ZeRO-2/3 hold during a step beyond the states between steps. ZeRO-3's
+gathered units (the root unit of embedding, final norm and head included), gradient buffers and
+reduce-scatters in flight are replayed in the runtime's order (parallel/zero.py), so the peak is the
+runtime's to the byte (tests/test_plan_memory.py measures it from the runtime's tensors).
 """
 from __future__ import annotations
 
@@ -33,6 +44,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..parallel.pipeline.partition import partition_layers
+from ..parallel.pipeline.schedules import interleaved_warmup
 from ..shapes import bucket_ranges, padded, padded_vocab, segments, shard_size
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
@@ -72,15 +84,16 @@ def candidate_stages(model: PlanModel, pp: int, vpp: int = 1, partition: str = "
     return tuple(sorted(out))
 
 
-def in_flight(schedule: str, pp: int, stage: int, m: int, vpp: int = 1) -> float:
-    """Micro-batches whose activations stage `stage` holds at its peak, in units of the whole stage."""
+def in_flight(schedule: str, pp: int, stage: int, m: int, vpp: int = 1, group: int = 0) -> float:
+    """Micro-batches whose activations stage `stage` holds at its peak, in units of the whole stage.
+    Interleaved: min(2(p-s-1) + (v-1)·N + 1, m·v) chunks of 1/v of the stage, N = `group` micro-batches
+    per group (0: p), as the schedule simulator counts them (schedules.interleaved_warmup)."""
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
     if schedule == "interleaved" and vpp > 1:
-        chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, m * vpp)
-        return chunks / vpp
+        return interleaved_warmup(pp, stage, m, vpp, group) / vpp
     return float(min(pp - stage, m))  # 1f1b, zero-bubble (ZB-H1 keeps 1F1B's peak)
 
 
@@ -339,7 +352,7 @@ class LayerActs:
         return rep + self.sharded / tp + (self.scores / tp if with_scores else 0.0)
 
 
-def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1) -> LayerActs:
+def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1, recompute_norm_mla: bool = False) -> LayerActs:
     """Korthikanti et al. 2022 §4.1, term by term, per token of one layer (bytes).
 
     Attention: norm input, QKV input (replicated); Q, K, V, output-projection input (sharded); softmax
@@ -347,32 +360,66 @@ def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1) -> LayerAc
     input, first-linear input, dropout mask (replicated); GeLU input and output, or SwiGLU's gate, up and
     product (sharded). MoE: router input and fp32 logits/probabilities (replicated), per routed copy
     (top_k · capacity) the expert input (replicated) and SwiGLU internals (sharded), shared experts'
-    internals (sharded). K/V with fewer kv heads than tp are replicated per head group.
+    internals (sharded). K/V with fewer kv heads than tp are replicated per head group. A parallel
+    block (GPT-NeoX's use_parallel_residual) normalises the block input for the MLP too: that input is
+    stored once. MLA (DeepSeek): the latents c_q (q_lora_rank) and c_kv (kv_lora_rank) as their norms'
+    inputs and as the up-projections' inputs, and the up-projected per-head Q, K, V the attention reads.
+
+    `work.fp8_act_cache` (DeepSeek-V3 §3.3.3): what only FP8 linear layers read is cached at 1 byte for
+    their weight gradients (QKV input, dense MLP input, the up-projections' and down projections' inputs,
+    the dispatched expert inputs); the attention output, which the attention's backward reads too, at
+    1.5 bytes (E5M6); MoE experts (routed and shared) cache their activation function's inputs in FP8 and
+    recompute its output (the down projection's input) in the backward. What higher-precision operators
+    read stays in the activation dtype: norm inputs, Q, K, V, the MoE layer's MLP input (the router's).
+    `recompute_norm_mla` (DeepSeek-V3 §3.4): the norms' outputs (QKV and MLP inputs) and MLA's
+    up-projections are recomputed in the backward, so a layer keeps the norms' inputs and MLA only its
+    latents c_q, c_kv and the shared RoPE key k_pe (q_lora_rank + kv_lora_rank + qk_rope_dim), not Q, K, V.
     """
     e, h = work.act_bytes, model.hidden
+    fp8 = work.fp8_act_cache
+    c = 1 if fp8 else e                     # input of an FP8 linear layer, cached for its weight gradient
+    light = recompute_norm_mla
     drop = 1 if model.dropout else 0
     kv_split = min(tp, model.kv_heads) if not model.mla else tp
     acts = LayerActs()
-    acts.replicated += 2 * e * h + drop * h                        # norm input, QKV input; dropout mask
-    acts.sharded += e * model.q_width + e * model.attn_out_width    # Q, output-projection input
-    acts.sharded += e * (model.kv_width + model.v_width) * tp / kv_split  # K, V
+    acts.replicated += e * h + drop * h                             # norm input; dropout mask
+    if not light:
+        acts.replicated += c * h                                    # QKV input (the norm's output)
+    if model.mla:
+        q_lat, kv_lat = model.q_lora_rank, model.kv_lora_rank
+        if light:                                                   # latents; up-projections recomputed
+            acts.replicated += e * (q_lat + kv_lat + model.qk_rope_dim)
+        else:                                                       # latents (norm inputs, up-proj inputs)
+            acts.replicated += (e + c) * (q_lat + kv_lat)
+            acts.sharded += e * (model.kv_width + model.v_width) * tp / kv_split   # per-head K, V
+        if not (light and q_lat):                                   # Q (no q latent: a plain projection)
+            acts.sharded += e * model.q_width
+    else:
+        acts.sharded += e * model.q_width                           # Q
+        acts.sharded += e * (model.kv_width + model.v_width) * tp / kv_split  # K, V
+    acts.sharded += (1.5 if fp8 else e) * model.attn_out_width      # attention output = o-projection input
     acts.scores += model.heads * work.seq * (e + drop * (1 + e))    # softmax out (+ dropout mask, output)
     if work.flash:
         acts.sharded += 4 * model.heads                             # fp32 log-sum-exp per head
-    acts.replicated += 2 * e * h + drop * h                         # MLP norm input, MLP input; mask
-    per_ffn = (2 if model.mlp == "gelu" else 3) * e
-    if not model.is_moe_layer(i):
-        acts.sharded += per_ffn * model.ffn
+    moe = model.is_moe_layer(i)
+    mlp_norm_input = 0 if model.parallel_residual else e * h        # parallel: the block input, kept above
+    acts.replicated += mlp_norm_input + drop * h                    # MLP norm input; dropout mask
+    if not light:
+        acts.replicated += (e if moe else c) * h                    # MLP input (router input: dtype)
+    n_act = 1 if model.mlp == "gelu" else 2                         # GeLU input, or SwiGLU's gate and up
+    if not moe:
+        acts.sharded += (n_act * e + c) * model.ffn                 # activation inputs; down-projection input
         return acts
     k = model.top_k * (work.capacity_factor or 1.0)   # dropless (0): planned as perfectly balanced
-    acts.replicated += 2 * 4 * model.experts + k * e * h            # router logits+probs, expert inputs
-    acts.sharded += k * per_ffn * model.moe_ffn + model.shared_experts * per_ffn * model.moe_ffn
+    acts.replicated += 2 * 4 * model.experts + k * c * h            # router logits+probs, expert inputs
+    per_expert = n_act * 1 if fp8 else (n_act + 1) * e              # FP8: activation output recomputed
+    acts.sharded += (k + model.shared_experts) * per_expert * model.moe_ffn
     return acts
 
 
 def layer_activation_bytes(model: PlanModel, i: int, layout: Layout, work: Workload, tokens: float) -> float:
     """Stored activation bytes of layer i for `tokens` tokens on one rank (without recompute storage)."""
-    a = layer_acts(model, i, work, layout.tp)
+    a = layer_acts(model, i, work, layout.tp, layout.recompute_norm_mla)
     with_scores = not work.flash and layout.recompute == "none"
     return tokens * a.per_rank(layout.tp, layout.seq_parallel, with_scores)
 
@@ -394,7 +441,7 @@ def rank_tokens(layout: Layout, work: Workload) -> float:
 
 @lru_cache(maxsize=16384)
 def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_scores: bool, pp: int, vpp: int,
-                     partition: str) -> tuple:
+                     partition: str, light: bool = False) -> tuple:
     """Per stage: (sum, max) over its layers of stored activation bytes per token on one rank."""
     per_layer = {}
     rows = []
@@ -403,7 +450,7 @@ def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
         for i in rng:
             key = model.is_moe_layer(i)
             if key not in per_layer:
-                per_layer[key] = layer_acts(model, i, work, tp).per_rank(tp, sp, with_scores)
+                per_layer[key] = layer_acts(model, i, work, tp, light).per_rank(tp, sp, with_scores)
             vals.append(per_layer[key])
         rows.append((sum(vals), max(vals, default=0.0)))
     return tuple(rows)
@@ -415,22 +462,24 @@ def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: i
     plus one layer's working set."""
     L = layout
     return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.effective_schedule,
-                              L.micro_batch, L.recompute, L.partition, stage)
+                              L.micro_batch, L.recompute, L.partition, stage, L.microbatch_group,
+                              L.recompute_norm_mla)
 
 
 @lru_cache(maxsize=65536)
-def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micro_batch, recompute, partition, stage):
+def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micro_batch, recompute, partition, stage,
+                       group=0, light=False):
     L = Layout(tp=tp, sp_mode=sp_mode, cp=cp, pp=pp, dp=dp, vpp=vpp, schedule=schedule, micro_batch=micro_batch,
-               recompute=recompute, partition=partition)
+               recompute=recompute, partition=partition, microbatch_group=group, recompute_norm_mla=light)
     T = rank_tokens(L, work)
     e, h = work.act_bytes, model.hidden
     n_layers = len(layout_layers(model, L)[stage])
     m = microbatches(L, work)
-    flight = in_flight(L.effective_schedule, L.pp, stage, m, L.vpp)
+    flight = in_flight(L.effective_schedule, L.pp, stage, m, L.vpp, L.microbatch_group)
     split = L.tp if L.seq_parallel else 1
     with_scores = not work.flash and L.recompute == "none"
     total_pt, max_pt = _stage_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp,
-                                        L.partition)[stage]
+                                        L.partition, L.recompute_norm_mla and L.recompute != "full")[stage]
     if L.recompute == "full":
         total = flight * n_layers * T * e * h / split + max_pt * T
     else:
@@ -460,24 +509,179 @@ class Memory:
                 "stage": self.most_loaded["stage"], "per_stage": self.stages}
 
 
-def zero_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
-    """What ZeRO-2/3 hold unsharded during a step, beyond the model states between steps.
+# -- ZeRO's buffers during a step ---------------------------------------------------------------------
+MAX_INFLIGHT = 2   # parallel/zero.py: reduce-scatters in flight before the oldest is folded into its shard
 
-    ZeRO-3 gathers one layer's parameters at a time and prefetches the next: two layers unsharded.
-    Without resharding after forward every layer stays gathered until its backward: the whole stage.
-    Under a pipeline (parallel/zero.py) ZeRO-2/3 accumulate the stage's full gradient over the step's
-    micro-batches and ZeRO-3 keeps the root unit (embedding / final norm, head) gathered for the step."""
+
+class BufferTimeline:
+    """Bytes alive while a step is replayed, and their peak. A reduce-scatter in flight holds its unit's
+    full gradient and a shard-sized result until it is folded in, which happens to the oldest once more
+    than MAX_INFLIGHT are in flight (parallel/zero.py, `_reduce`)."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self.inflight: list[int] = []
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def drop(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def reduce(self, grad: int, result: int, freed: int = 0) -> None:
+        """Launch one unit's reduce-scatter (its `grad` bytes already alive): the result buffer appears,
+        the unit's gathered parameters (`freed` bytes) go, then the oldest reductions are folded in."""
+        self.add(result)
+        self.inflight.append(grad + result)
+        self.drop(freed)
+        while len(self.inflight) > MAX_INFLIGHT:
+            self.drop(self.inflight.pop(0))
+
+
+def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """ZeRO-3's gather slots on one rank of `stage` (parallel/zero.py, `Zero3.make_units`): the root
+    (every parameter outside the blocks: embedding on the first stage, final norm and untied head on the
+    last), then each block, each slot's units as (elements, group size): dense over dp·cp, routed experts
+    over dp·cp/ep. Every unit is a flat buffer padded to a multiple of its group size."""
+    L = layout
+    n_dense, n_expert = L.dp * L.cp, L.edp
+    root = sum(n for n, _ in root_tensors(model, L.tp, L.pp, stage))
+    slots = [((root, n_dense),) if root else ()]
+    for i in layout_layers(model, L)[stage]:
+        dense, expert = layer_rank_params(model, i, L.tp, L.ep)
+        slots.append(tuple(u for u in ((dense, n_dense), (expert, n_expert)) if u[0]))
+    return tuple(slots)
+
+
+def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int) -> int:
+    """Peak bytes of ZeRO-3 outside a pipeline, replaying `micro` micro-batches as Zero3 runs them.
+
+    Forward: the root is gathered for the whole forward (its hook wraps the model), each block is
+    gathered with the next one prefetched, and freed after its forward (reshard_after_forward; else
+    kept). Backward: the root again (the head's and final norm's gradients come first, the embedding's
+    last, so the root's gradient lives through the whole backward), each block gathered with the one
+    before it prefetched; a block's gradient buffer fills, is reduce-scattered and the block freed.
+    Reductions of the last micro-batch stay in flight into the next."""
+    t = BufferTimeline()
+    held: set = set()
+
+    def gather(k: int) -> None:
+        for j, u in enumerate(slots[k]):
+            if (k, j) not in held:
+                held.add((k, j))
+                t.add(w * padded(*u))
+
+    def free(k: int, j: int) -> int:
+        if (k, j) not in held:
+            return 0
+        held.discard((k, j))
+        return w * padded(*slots[k][j])
+
+    def reduce_slot(k: int) -> None:
+        for j in reversed(range(len(slots[k]))):        # routed experts finish before the dense part
+            u = slots[k][j]
+            t.reduce(g * padded(*u), g * shard_size(*u), free(k, j))
+
+    last = len(slots) - 1
+    for _ in range(micro):
+        gather(0)
+        for k in range(1, last + 1):
+            gather(k)
+            if k < last:
+                gather(k + 1)
+            if reshard:
+                t.drop(sum(free(k, j) for j in range(len(slots[k]))))
+        if reshard:
+            t.drop(sum(free(0, j) for j in range(len(slots[0]))))
+        gather(0)
+        t.add(sum(g * padded(*u) for u in slots[0]))
+        for k in range(last, 0, -1):
+            gather(k)
+            if k > 1:
+                gather(k - 1)
+            t.add(sum(g * padded(*u) for u in slots[k]))
+            reduce_slot(k)
+        reduce_slot(0)
+    return t.peak
+
+
+def _replay_pipeline(slots: tuple, w: int, g: int, micro: int, head_first: bool) -> int:
+    """Peak bytes of ZeRO-3 under a pipeline: the root stays gathered for the step, one block at a time
+    is gathered (no prefetch: the next module depends on the schedule), every unit's full gradient
+    accumulates over the micro-batches, and `end_backward` reduce-scatters the units in order (root, then
+    the blocks) once the step's last backward is done."""
+    t = BufferTimeline()
+    t.add(sum(w * padded(*u) for u in slots[0]))
+    grads = [sum(g * padded(*u) for u in s) for s in slots]
+    alive: set = set()
+
+    def grad(k: int) -> None:
+        if k not in alive:
+            alive.add(k)
+            t.add(grads[k])
+
+    if micro > 1:                      # an earlier backward allocated every unit's gradient
+        for k in range(len(slots)):
+            grad(k)
+    if head_first:                     # final norm and head: the first gradients of the backward
+        grad(0)
+    for k in range(len(slots) - 1, 0, -1):
+        block = sum(w * padded(*u) for u in slots[k])
+        t.add(block)
+        grad(k)
+        t.drop(block)
+    grad(0)
+    for s in slots:
+        for u in s:
+            t.reduce(g * padded(*u), g * shard_size(*u))
+    return t.peak
+
+
+@lru_cache(maxsize=16384)
+def _zero3_buffers(model: PlanModel, layout: Layout, stage: int, w: int, g: int, micro: int) -> int:
+    slots = zero3_slots(model, layout, stage)
+    if layout.pp > 1:
+        return _replay_pipeline(slots, w, g, micro, head_first=stage == layout.pp - 1)
+    return _replay_direct(slots, w, g, layout.reshard_after_forward, micro)
+
+
+def zero_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """What ZeRO-2/3 hold beyond the model states between steps, at their peak during a step.
+
+    ZeRO-3 (parallel/zero.py, `Zero3`) is replayed event by event on its padded units (`zero3_slots`):
+    gathered parameters (w bytes each), full gradient buffers and reduce-scatters in flight (g bytes;
+    each keeps its unit's full gradient and a shard-sized result until folded). The root unit (embedding,
+    final norm, head) counts in full: outside a pipeline it is gathered for the whole forward and the
+    whole backward, and its gradient buffer lives through the whole backward (its first gradients, the
+    head's, come first; its last, the embedding's, last). With root R, uniform blocks B (elements per
+    rank), shards r = R/n, b = B/n, reshard_after_forward, at least two blocks and two micro-batches the
+    peak is at the first block reduction of a micro-batch:
+
+        w·(R + 2B) + g·R + g·(R + r) + 2·g·(B + b)
+
+    (root and two blocks gathered, the root's new gradient, the previous micro-batch's root reduction
+    and two blocks' reductions in flight). Under a pipeline the root stays gathered all step, one block
+    is gathered at a time and the stage's full gradient G accumulates, reduced at the step's end in
+    unit order: about w·(R + B) + g·G plus up to three shard results. Micro-batches after the second
+    repeat the second's peak, so at most two are replayed. ZeRO-2 under a pipeline accumulates the
+    stage's full gradient (g·G); ZeRO-2's transient buckets outside a pipeline are not counted."""
     if layout.zero < 2:
         return 0.0
-    dense, expert, biggest = _param_table(model, layout)[stage]
-    out = 0.0
     if layout.zero == 3:
-        out += (2.0 * biggest if layout.reshard_after_forward else float(dense + expert)) * work.param_bytes
-    if layout.pp > 1:
-        out += float(dense + expert) * work.grad_bytes
-        if layout.zero == 3:
-            out += sum(n for n, _ in root_tensors(model, layout.tp, layout.pp, stage)) * work.param_bytes
-    return out
+        micro = min(microbatches(layout, work), 2)
+        return float(_zero3_buffers(model, _buffer_key(layout), stage, work.param_bytes, work.grad_bytes, micro))
+    if layout.pp == 1:
+        return 0.0
+    dense, expert, _ = _param_table(model, layout)[stage]
+    return float(dense + expert) * work.grad_bytes
+
+
+def _buffer_key(layout: Layout) -> Layout:
+    """The layout fields ZeRO-3's buffers depend on (a smaller cache key)."""
+    L = layout
+    return Layout(tp=L.tp, pp=L.pp, dp=L.dp, cp=L.cp, ep=L.ep, zero=L.zero, vpp=L.vpp, partition=L.partition,
+                  reshard_after_forward=L.reshard_after_forward)
 
 
 def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:

@@ -13,6 +13,14 @@ Parameter counts equal the published totals (tests/test_plan_models.py): Llama-3
 (Brown et al. 2020, Table 2.1), Mixtral 8x7B (Jiang et al. 2024, 46.7B total / 12.9B active),
 DeepSeek-V3 (DeepSeek-AI 2024, 671B total / 37B active, without the 14B multi-token-prediction module).
 
+Hugging Face `config.json` files are read by family (`model_type`): the gated-MLP decoders (Llama,
+Mistral, Qwen2, Mixtral, Qwen2-MoE, DeepSeek-V2/V3) and the GELU ones, GPT-NeoX (Pythia: MLP of width
+intermediate_size, biases, LayerNorm, untied head, parallel attention and MLP) and GPT-2; their totals
+equal those of `transformers` models built from the same config (tests/test_plan_models.py; DeepSeek-V3's
+per-expert score-correction bias is counted, as the checkpoint stores it, though `transformers` and our
+runtime keep it as a buffer). Any other family, activation or variant the shapes here cannot express is
+refused, naming the supported ones.
+
 Approximations (stated where they are used): MLA's activations are modelled as multi-head attention
 with the up-projected q/k/v widths (the compressed latents are small and ignored); MoE expert
 activations assume balanced routing.
@@ -57,12 +65,14 @@ class PlanModel:
     shared_experts: int = 0
     dense_layers: int = 0
     router_bias: bool = False          # DeepSeek-V3's per-expert score-correction bias
+    shared_expert_gate: bool = False   # Qwen2-MoE: a sigmoid gate (h -> 1) on the shared expert's output
     # variants
-    mlp: str = "swiglu"                # "swiglu" (3 matrices) or "gelu" (2 matrices)
+    mlp: str = "swiglu"                # "swiglu": gated, 3 matrices (gate, up, down); "gelu": 2 (up, down)
     norm: str = "rms"                  # "rms" (weight) or "layer" (weight and bias)
     linear_bias: bool = False          # biases on every linear (GPT-3)
     qkv_bias: bool = False             # biases on q, k, v only (Qwen2)
     learned_pos: bool = False          # learned absolute position embedding (GPT-3)
+    parallel_residual: bool = False    # attention and MLP both read the block input (GPT-NeoX)
     dropout: bool = False              # dropout masks stored (Korthikanti's GPT counts them)
     # multi-head latent attention (DeepSeek-V2/V3); 0 = standard (grouped-query) attention
     q_lora_rank: int = 0
@@ -147,7 +157,9 @@ class PlanModel:
         return self.mlp_params(self.moe_ffn)
 
     def router_params(self) -> int:
-        return self.experts * self.hidden + (self.experts if self.router_bias else 0)
+        """The router (and Qwen2-MoE's shared-expert gate): whole on every tensor-parallel rank."""
+        gate = self.hidden if self.shared_expert_gate else 0
+        return self.experts * self.hidden + (self.experts if self.router_bias else 0) + gate
 
     def layer_params(self, i: int, experts_held: int | None = None) -> int:
         """Parameters of layer i; `experts_held` routed experts instead of all (expert parallelism)."""
@@ -245,31 +257,127 @@ def from_model_config(cfg: ModelConfig, name: str = "custom") -> PlanModel:
                      dense_layers=cfg.dense_layers)
 
 
+# -- Hugging Face config.json ---------------------------------------------------------------------
+# model_type -> how its config.json reads. Gated ("swiglu": gate, up, down) MLP families differ only in
+# biases, MoE and attention fields; GPT-NeoX and GPT-2 have a two-matrix GELU MLP, LayerNorm with bias
+# and biases on every linear. Anything else is refused: its MLP or attention would be miscounted.
+GATED_FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3")
+GELU_FAMILIES = ("gpt_neox", "gpt2")
+HF_FAMILIES = GATED_FAMILIES + GELU_FAMILIES
+# activations that leave the shapes and FLOPs alone (elementwise; the MLP kind comes from the family)
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python",
+               "quick_gelu", "relu")
+
+
 def from_hf_config(d: dict, name: str = "hf") -> PlanModel:
-    """A Hugging Face `config.json` (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, DeepSeek-V2/V3)."""
-    try:
-        h, heads = d["hidden_size"], d["num_attention_heads"]
-        kind = d.get("model_type", "llama")
-        m = PlanModel(name=name, vocab=d["vocab_size"], hidden=h, layers=d["num_hidden_layers"], heads=heads,
-                      kv_heads=d.get("num_key_value_heads") or heads, ffn=d.get("intermediate_size", 4 * h),
-                      tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-                      max_seq=d.get("max_position_embeddings", 4096), qkv_bias=kind.startswith("qwen2"))
-    except KeyError as e:
-        raise ConfigError(f"Hugging Face config lacks {e.args[0]!r}; need hidden_size, num_attention_heads, "
-                          f"num_hidden_layers, vocab_size") from None
+    """A Hugging Face `config.json`: Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, DeepSeek-V2/V3 (gated
+    SwiGLU MLP), GPT-NeoX (Pythia) and GPT-2 (GELU MLP of width 4h, biases, LayerNorm). A config without
+    `model_type` is read as Llama. Other families, activations or variants the planner cannot count
+    exactly raise ConfigError naming them and the supported ones."""
+    kind = d.get("model_type", "llama")
+    if kind not in HF_FAMILIES:
+        raise ConfigError(f"Hugging Face model_type {kind!r} is not supported (its MLP or attention would be "
+                          f"miscounted); supported: {', '.join(HF_FAMILIES)}")
+    act = d.get("activation_function" if kind == "gpt2" else "hidden_act", "gelu_new" if kind == "gpt2" else "silu")
+    if act not in ACTIVATIONS:
+        raise ConfigError(f"Hugging Face model_type {kind!r}: activation {act!r} is not supported; "
+                          f"supported: {', '.join(ACTIVATIONS)}")
+    if kind == "gpt2":
+        return _gpt2(d, name)
+    if kind == "gpt_neox":
+        return _gpt_neox(d, name)
+    return _gated(d, kind, name)
+
+
+def _need(d: dict, kind: str, *keys: str) -> list:
+    missing = [k for k in keys if d.get(k) is None]
+    if missing:
+        raise ConfigError(f"Hugging Face config ({kind}) lacks {', '.join(map(repr, missing))}; "
+                          f"need {', '.join(keys)}")
+    return [d[k] for k in keys]
+
+
+def _refuse(kind: str, what: str) -> None:
+    raise ConfigError(f"Hugging Face model_type {kind!r} with {what} is not supported (would be miscounted); "
+                      f"supported: {', '.join(HF_FAMILIES)} in their standard form")
+
+
+def _check_head_dim(d: dict, kind: str, hidden: int, heads: int) -> None:
+    head_dim = d.get("head_dim")
+    if head_dim and head_dim != hidden // heads and not d.get("kv_lora_rank"):
+        _refuse(kind, f"head_dim {head_dim} != hidden_size / num_attention_heads ({hidden // heads})")
+
+
+def _dropout(d: dict, *keys: str) -> bool:
+    return any((d.get(k) or 0) > 0 for k in keys)
+
+
+def _gated(d: dict, kind: str, name: str) -> PlanModel:
+    """Llama-style decoders: RMSNorm, rotary, gated MLP (gate, up, down); Qwen2 adds q/k/v biases."""
+    h, layers, heads, vocab = _need(d, kind, "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                    "vocab_size")
+    _check_head_dim(d, kind, h, heads)
+    for key in ("attention_bias", "mlp_bias"):
+        if d.get(key):
+            _refuse(kind, f"{key} = true")
+    m = PlanModel(name=name, vocab=vocab, hidden=h, layers=layers, heads=heads,
+                  kv_heads=d.get("num_key_value_heads") or heads, ffn=d.get("intermediate_size") or 4 * h,
+                  tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+                  max_seq=d.get("max_position_embeddings", 4096), qkv_bias=kind.startswith("qwen2"),
+                  dropout=_dropout(d, "attention_dropout"))
     experts = d.get("num_local_experts") or d.get("n_routed_experts") or d.get("num_experts") or 0
     if experts:
-        shared = d.get("n_shared_experts") or 0
-        shared_w = d.get("moe_intermediate_size") or d["intermediate_size"]
-        if d.get("shared_expert_intermediate_size"):  # Qwen2-MoE: one shared expert of its own width
-            shared = d["shared_expert_intermediate_size"] // shared_w
-        m = replace(m, experts=experts, top_k=d.get("num_experts_per_tok", 2), moe_ffn=shared_w,
-                    shared_experts=shared, dense_layers=d.get("first_k_dense_replace", 0),
-                    router_bias=d.get("topk_method") == "noaux_tc")
+        m = _with_experts(m, d, kind, experts)
     if d.get("kv_lora_rank"):
-        m = replace(m, q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
-                    qk_nope_dim=d["qk_nope_head_dim"], qk_rope_dim=d["qk_rope_head_dim"], v_head_dim=d["v_head_dim"])
+        nope, rope, v = _need(d, kind, "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        m = replace(m, q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"], qk_nope_dim=nope,
+                    qk_rope_dim=rope, v_head_dim=v)
     return m
+
+
+def _with_experts(m: PlanModel, d: dict, kind: str, experts: int) -> PlanModel:
+    """Routed experts of width moe_intermediate_size (Mixtral: intermediate_size), shared experts
+    (DeepSeek: n_shared_experts of that width; Qwen2-MoE: one of shared_expert_intermediate_size, with a
+    sigmoid gate), the first `first_k_dense_replace` layers dense."""
+    if (d.get("decoder_sparse_step") or 1) != 1 or d.get("mlp_only_layers") or (d.get("moe_layer_freq") or 1) != 1:
+        _refuse(kind, "MoE layers that are not every layer after the first dense ones")
+    width = d.get("moe_intermediate_size") or _need(d, kind, "intermediate_size")[0]
+    shared = d.get("n_shared_experts") or 0
+    if d.get("shared_expert_intermediate_size"):       # Qwen2-MoE: one shared expert of its own width
+        if d["shared_expert_intermediate_size"] % width:
+            _refuse(kind, "a shared expert width that is not a multiple of moe_intermediate_size")
+        shared = d["shared_expert_intermediate_size"] // width
+    return replace(m, experts=experts, top_k=d.get("num_experts_per_tok", 2), moe_ffn=width, shared_experts=shared,
+                   shared_expert_gate=kind == "qwen2_moe" and shared > 0,
+                   dense_layers=d.get("first_k_dense_replace", 0), router_bias=d.get("topk_method") == "noaux_tc")
+
+
+def _gpt_neox(d: dict, name: str) -> PlanModel:
+    """GPT-NeoX / Pythia (Black et al. 2022; Biderman et al. 2023): LayerNorm with bias, fused QKV and
+    every linear with bias, GELU MLP of width intermediate_size, rotary positions (no parameters),
+    untied embed_out, attention and MLP in parallel off the block input (use_parallel_residual)."""
+    kind = "gpt_neox"
+    h, layers, heads, vocab, ffn = _need(d, kind, "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                         "vocab_size", "intermediate_size")
+    _check_head_dim(d, kind, h, heads)
+    if not d.get("attention_bias", True):
+        _refuse(kind, "attention_bias = false")
+    return PlanModel(name=name, vocab=vocab, hidden=h, layers=layers, heads=heads, kv_heads=heads, ffn=ffn,
+                     tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+                     max_seq=d.get("max_position_embeddings", 2048), mlp="gelu", norm="layer", linear_bias=True,
+                     parallel_residual=bool(d.get("use_parallel_residual", True)),
+                     dropout=_dropout(d, "hidden_dropout", "attention_dropout"))
+
+
+def _gpt2(d: dict, name: str) -> PlanModel:
+    """GPT-2 (Radford et al. 2019): learned positions (n_positions), LayerNorm with bias, biases on every
+    linear, GELU MLP of width n_inner (default 4h), head tied to the token embedding, dropout."""
+    kind = "gpt2"
+    h, layers, heads, vocab = _need(d, kind, "n_embd", "n_layer", "n_head", "vocab_size")
+    return PlanModel(name=name, vocab=vocab, hidden=h, layers=layers, heads=heads, kv_heads=heads,
+                     ffn=d.get("n_inner") or 4 * h, tie_embeddings=bool(d.get("tie_word_embeddings", True)),
+                     max_seq=d.get("n_positions", 1024), mlp="gelu", norm="layer", linear_bias=True,
+                     learned_pos=True, dropout=_dropout(d, "resid_pdrop", "attn_pdrop", "embd_pdrop"))
 
 
 def load_model(spec: str | ModelConfig | PlanModel) -> PlanModel:

@@ -62,13 +62,21 @@ def estimate_text(est: Estimate) -> str:
         f"step {t.step_time_s:.3f} s = pipeline {t.pipeline_s:.3f} (compute {t.compute_s:.3f}, exposed tp/cp/ep "
         f"{t.layer_comm_s:.3f}, bubble {t.bubble:.1%} from the {t.bubble_source}) + grads {t.grad_comm_s:.3f} "
         f"+ step collectives {t.step_comm_s:.3f} + optimizer {t.optimizer_s:.3f}",
-        f"{t.tokens_per_s:,.0f} tokens/s   MFU {t.mfu:.1%}   HFU {t.hfu:.1%}   (efficiency {est.work.efficiency:.0%} of peak)",
+        f"{t.tokens_per_s:,.0f} tokens/s   {mfu_text(est)}   HFU {t.hfu:.1%}   (efficiency {est.work.efficiency:.0%} of peak)",
         "",
         f"recommended order {est.order} (innermost first); this layout's order {L.order}: "
         + ", ".join(f"{g} on {tier}" for g, tier in est.placement.items()),
     ]
     lines += [f"warning: {w}" for w in est.warnings]
     return "\n".join(lines)
+
+
+def mfu_text(est: Estimate) -> str:
+    """MFU with its convention; where the conventions differ (causal attention) both."""
+    mfu, full = est.time.mfu, est.mfu_attention_full
+    if full == mfu:
+        return f"MFU {mfu:.1%}"
+    return f"MFU {mfu:.1%} (causal attention FLOPs halved; {full:.1%} not halved, 6N + 12LHQT)"
 
 
 def _flows_stage(est: Estimate) -> int:
@@ -107,7 +115,8 @@ def search_dict(res: Result, max_rejected: int = 200) -> dict:
     out["search"] = {
         "considered": res.considered, "fit": len(res.ranked), "seconds": res.seconds,
         "ranked": [{"layout": e.layout.to_dict(), "step_time_s": e.time.step_time_s, "mfu": e.time.mfu,
-                    "memory_total": e.memory.most_loaded["total"], "bubble": e.time.bubble} for e in res.best],
+                    "mfu_attention_full": e.mfu_attention_full, "memory_total": e.memory.most_loaded["total"],
+                    "bubble": e.time.bubble} for e in res.best],
         "rejected_by_reason": res.reasons(),
         "rejected": [{"layout": lay.to_dict(), "reason": why} for lay, why in res.rejected[:max_rejected]],
     }

@@ -8,11 +8,15 @@ memory) unless fixed off (sp_mode "none"). Micro-batch sizes and virtual stages 
 `POWERS` (1, 2, 4, 8): larger ones only add activation memory (micro-batch) or messages (vpp) for a
 bubble that is already small.
 
-Prunings keep the whole space for 16,384 GPUs under 2 seconds, none of which drops a layout that
-could rank first: recompute is tried none → selective → full and the first that fits is kept (more
-recompute only adds time); once a ZeRO stage fits without recompute, higher stages are skipped (they
-only add traffic); and only the stages that can be the most loaded (`memory.candidate_stages`) or the
-slowest (`memory.time_stages`) are evaluated, with the closed-form bubble. The top results are then
+GPU counts go up to `MAX_GPUS` (2**20; a larger one is refused at once, as is one above the topology's
+size), and the degrees that divide them come from `rules.divisors` (prime factorisation, not a scan).
+
+Prunings, none of which drops a layout that could rank first: recompute is tried none → selective →
+full and the first that fits is kept (more recompute only adds time); once a ZeRO stage fits without
+recompute, higher stages are skipped (they only add traffic); and only the stages that can be the most
+loaded (`memory.candidate_stages`) or the slowest (`memory.time_stages`) are evaluated, with the
+closed-form bubble. Every layout that fits is still timed: a dense preset at 16,384 GPUs takes about
+0.5 s, a MoE one several seconds (ep multiplies the space). The top results are then
 estimated in full on every stage (closed-form bubble, so ranking and figures agree).
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ from .traffic import place, stage_flows
 
 SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode")
 POWERS = (1, 2, 4, 8)   # micro-batch sizes and virtual stages tried
+MAX_GPUS = 2**20        # the largest GPU count planned (about a million; larger clusters do not exist yet)
 
 
 @dataclass
@@ -101,6 +106,9 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
     layers split by `partition` (even or llama3; counts only with pp fixed); see module doc."""
     t0, c0 = _time.perf_counter(), _time.process_time()
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
+    if not 1 <= gpus <= MAX_GPUS:
+        raise ConfigError(f"gpus must be between 1 and {MAX_GPUS} (the planner's limit), got {gpus}; "
+                          f"valid: 1..{MAX_GPUS}")
     topo.check(gpus)
     res, limit = Result(), topo.accelerator.memory
     for tp, pp, cp, mode, ep, dp in _structures(model, work, topo, gpus, fixed, res):

@@ -2,21 +2,33 @@
 
 Compute: forward FLOPs per token are 2 per weight multiplied (routed experts: top_k of them; the LM
 head included, the embedding lookup free) plus causal attention 2·s·a·(d_qk + d_v)/2 per layer
-(Kaplan et al. 2020; PaLM, Chowdhery et al. 2022, App. B); backward is twice forward. Recompute adds a
+(Kaplan et al. 2020; the causal mask halves the attention FLOPs, as FlashAttention computes them and
+Megatron-LM counts them; PaLM, Chowdhery et al. 2022, App. B, does not halve: estimate.py reports that
+convention beside it as `mfu_attention_full`); backward is twice forward. Recompute adds a
 forward (full) or the attention core's forward (selective), which counts for hardware FLOPs but not for
-MFU. Kernels reach `efficiency` × the accelerator's peak for the dtype.
+MFU. Kernels reach `efficiency` × the accelerator's peak for the dtype; with `fp8_gemm` the linear
+layers' GEMMs (forward, dgrad, wgrad) run at `efficiency` × the FP8 peak while attention and the LM head
+stay in dtype (DeepSeek-V3 §3.3). MFU and HFU are always against the dtype's peak.
 
 Communication: a collective takes bytes_sent / (tier bandwidth / oversubscription) + latency hops
-(see topology.collective_latency) on the slowest tier its group crosses. What overlaps, and what not:
+(see topology.collective_latency) on the slowest tier its group crosses. What overlaps, and what not
+(the formulas: docs/plan.md, "Mechanisms"):
 - tp, sp, Ulysses cp, ep: inside each layer, on the critical path: added to the stage's compute.
   Ring-attention sends overlap with the attention compute of the block before; only the excess shows.
+  With `ep_overlap` (DualPipe-style) a forward chunk's expert all-to-alls hide behind another
+  micro-batch's backward compute and the backward's behind its forward compute (`ep_exposed`). The two
+  parts of a node-limited all-to-all (between nodes, inside them) run together: the longer counts.
 - pp: each send on the pipeline's critical path (the schedule simulator takes it as transfer time;
   with the closed forms, 2(p-1) transfers for fill and drain).
-- dp/edp (DDP, ZeRO-1/2): the gradient reduction overlaps the last micro-batch's backward and the
-  parameter all-gather the first micro-batch's forward (Megatron's overlap_grad_reduce and
-  overlap_param_gather); ZeRO-2/3 per-micro-batch collectives overlap their own micro-batch. Under a
-  pipeline the runtime reduces every gradient once, after the schedule has drained (exposed), and
-  ZeRO-3's per-use gathers are not prefetched (exposed).
+- dp/edp gradient reduction: once per step (DDP, ZeRO-1; ZeRO-2/3 under a pipeline, which accumulate
+  over the micro-batches), bucket by bucket on one stream. With `overlap_grad_reduce` a chunk's buckets
+  become final one by one during its last backward (Megatron-Core, FSDP); without it all at the end of
+  the stage's schedule (the runtime under a pipeline). What ends after the whole pipeline has drained is
+  exposed: stage s's last backward ends before stage 0's by the drain, and its reduction hides there
+  (`reduction_end`, `chunk_ready`). ZeRO-2 without a pipeline reduce-scatters every micro-batch behind
+  its own backward. ZeRO-1/2's parameter all-gather after the step: bucket by bucket behind each chunk's
+  first forward of the next step (`overlap_param_gather`; `gather_delay`), or exposed. ZeRO-3 gathers
+  are prefetched behind the previous unit without a pipeline and exposed under one (not prefetched).
 - loss, grad_norm, tied-embedding reductions: exposed (small).
 - optimizer step: memory bound, reads and writes every model-state byte once.
 
@@ -43,22 +55,29 @@ SIMULATE_MAX_ACTIONS = 4096   # 2·p·m·v compute actions; longer schedules use
 
 
 # -- FLOPs ---------------------------------------------------------------------------------------------
-def stage_forward_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) -> tuple[float, float]:
-    """(all, attention-core) forward FLOPs of one micro-batch on one rank of `stage`."""
+def stage_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) -> tuple[float, float, float]:
+    """(linear layers, attention core, LM head) forward FLOPs of one micro-batch on one rank of `stage`."""
     tokens = layout.micro_batch * work.seq / (layout.tp * layout.cp)
     n_layers = len(layout_layers(model, layout)[stage])
     attn = model.attention_flops_per_token(work.seq, work.causal) / model.layers
-    weights = _stage_active_weights(model, layout.pp, layout.vpp, layout.partition)[stage]
-    return tokens * (2.0 * weights + attn * n_layers), tokens * attn * n_layers
+    body, head = _stage_active_weights(model, layout.pp, layout.vpp, layout.partition)[stage]
+    return tokens * 2.0 * body, tokens * attn * n_layers, tokens * 2.0 * head
+
+
+def stage_forward_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) -> tuple[float, float]:
+    """(all, attention-core) forward FLOPs of one micro-batch on one rank of `stage`."""
+    lin, attn, head = stage_flops(model, layout, work, stage)
+    return lin + attn + head, attn
 
 
 @lru_cache(maxsize=4096)
 def _stage_active_weights(model: PlanModel, pp: int, vpp: int, partition: str) -> tuple:
-    """Per stage, the weights one token multiplies by (top_k routed experts; the head on the last)."""
+    """Per stage, (layer weights, LM-head weights) one token multiplies by (top_k routed experts; the head
+    on the last stage)."""
     out = []
     for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
         w = sum(model.layer_params(i, model.top_k if model.is_moe_layer(i) else None) for i in rng)
-        out.append(w + (model.vocab * model.hidden if j == pp - 1 else 0))
+        out.append((w, model.vocab * model.hidden if j == pp - 1 else 0))
     return tuple(out)
 
 
@@ -73,10 +92,8 @@ def closed_form_bubble(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0
     return (p - 1) / ((v if schedule == "interleaved" else 1) * m + p - 1)
 
 
-def simulate_pipeline(schedule: str, p: int, m: int, v: int, cost_f: list[float], cost_b: list[float],
-                      comm: float) -> tuple[float, float] | None:
-    """(makespan, bubble) from the schedule simulator with per-stage costs, or None when the schedule is
-    too long to simulate or does not apply to (p, m, v)."""
+def _simulate(schedule: str, p: int, m: int, v: int, cost_f: list[float], cost_b: list[float],
+              comm: float) -> _schedules.Simulation | None:
     if p == 1 or 2 * p * m * v > SIMULATE_MAX_ACTIONS:
         return None
     try:
@@ -87,8 +104,118 @@ def simulate_pipeline(schedule: str, p: int, m: int, v: int, cost_f: list[float]
     f = [cost_f[c % p] / v for c in range(chunks)]
     b = [cost_b[c % p] / v for c in range(chunks)]
     half = [x / 2 for x in b]
-    sim = _schedules.simulate(actions, cost_f=f, cost_b=b, cost_i=half, cost_w=half, comm=comm)
-    return float(sim.makespan), float(sim.bubble)
+    return _schedules.simulate(actions, cost_f=f, cost_b=b, cost_i=half, cost_w=half, comm=comm)
+
+
+def simulate_pipeline(schedule: str, p: int, m: int, v: int, cost_f: list[float], cost_b: list[float],
+                      comm: float) -> tuple[float, float] | None:
+    """(makespan, bubble) from the schedule simulator with per-stage costs, or None when the schedule is
+    too long to simulate or does not apply to (p, m, v)."""
+    sim = _simulate(schedule, p, m, v, cost_f, cost_b, comm)
+    return None if sim is None else (float(sim.makespan), float(sim.bubble))
+
+
+# -- gradient reduction ---------------------------------------------------------------------------------
+def reduction_end(free: float, ready: list[tuple[float, float, float, float]]) -> float:
+    """When a stream of bucketed reductions ends. `ready` lists, in the order they are launched, groups of
+    buckets (t, d, R, u): u buckets taking R seconds in all that become final one by one, evenly, during a
+    backward of d seconds ending at t (bucket k at t - d + k·d/u). Buckets run one at a time in launch
+    order, from `free` on; the end is max(free + R, t - d + d/u + R, t + R/u) per group, chained."""
+    for t, d, r_sum, u in ready:
+        if r_sum <= 0:
+            continue
+        u = max(1.0, u)
+        free = max(free + r_sum, t - d + d / u + r_sum, t + r_sum / u)
+    return free
+
+
+def chunk_ready(sim: _schedules.Simulation | None, schedule: str, p: int, v: int, stage: int, end: float,
+                cost_b: dict[int, float], t_send: float) -> list[tuple[float, float]]:
+    """Per chunk of `stage`, (end, duration) of the last backward that makes its gradients final (B; W
+    under zero-bubble schedules), in the order they end. From the simulator when it ran; otherwise the
+    closed form: the last micro-batch's backward walks the chunks from the last (global chunk p·v-1)
+    down to 0, so global chunk q = c·p + s finishes the sum over q' < q of (B_q' + send) before `end`
+    (ZB-H1 fills the drain with deferred W passes: every stage ends at `end`)."""
+    if sim is not None:
+        last: dict[int, tuple[float, float]] = {}
+        for blk in sim.timeline[stage]:
+            if blk.kind in (_schedules.B, _schedules.W) and blk.end >= last.get(blk.chunk, (-1.0, 0.0))[0]:
+                last[blk.chunk] = (blk.end, blk.end - blk.start)
+        return sorted(last.values())
+    b = cost_b.get(stage, max(cost_b.values()))
+    if schedule == "zb" or p == 1:
+        return [(end, b / 2 if schedule == "zb" else b)]
+    return sorted((end - t, b / v) for t in _chain(p, v, stage, cost_b, t_send))
+
+
+def chunk_first_use(sim: _schedules.Simulation | None, p: int, v: int, stage: int, cost_f: dict[int, float],
+                    t_send: float) -> list[tuple[float, float]]:
+    """Per chunk of `stage`, (start, duration) of its first forward, in order: from the simulator, or the
+    closed form mirroring `chunk_ready`: the first micro-batch's forward reaches global chunk q after the
+    sum over q' < q of (F_q' + send)."""
+    if sim is not None:
+        first: dict[int, tuple[float, float]] = {}
+        for blk in sim.timeline[stage]:
+            if blk.kind == _schedules.F and blk.start < first.get(blk.chunk, (float("inf"), 0.0))[0]:
+                first[blk.chunk] = (blk.start, blk.end - blk.start)
+        return sorted(first.values())
+    f = cost_f.get(stage, max(cost_f.values()))
+    return sorted((t, f / v) for t in _chain(p, v, stage, cost_f, t_send))
+
+
+def _chain(p: int, v: int, stage: int, cost: dict[int, float], t_send: float) -> list[float]:
+    """Sum over the global chunks q' < q of (cost_q' / v + send), for each chunk q of `stage` (stages not
+    in `cost` cost as the slowest one given)."""
+    slow, out, t = max(cost.values()), [], 0.0
+    for q in range(p * v):
+        if q % p == stage:
+            out.append(t)
+        t += cost.get(q % p, slow) / v + t_send
+    return out
+
+
+def gather_delay(first_use: list[tuple[float, float]], a_sum: float, calls: float) -> float:
+    """How long a stage's first forwards wait for the parameter all-gathers launched when the step starts
+    (time 0), one bucket at a time in the order the chunks first run: bucket k of u of a chunk whose first
+    forward starts at t and lasts d is needed at t + (k-1)·d/u, so each chunk asks
+    max(F + A/u - t, F + A - t - (u-1)·d/u) with F when its first bucket may start (chained)."""
+    if a_sum <= 0:
+        return 0.0
+    k = len(first_use)
+    a, u, free, late = a_sum / k, max(1.0, calls / k), 0.0, 0.0
+    for t, d in first_use:
+        late = max(late, free + a / u - t, free + a - t - (u - 1) * d / u)
+        free += a
+    return max(0.0, late)
+
+
+def stage_grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: list[tuple[float, float]],
+                       first_use: list[tuple[float, float]], t_f: float, t_b: float) -> tuple[float, float]:
+    """(reduction, gather) time of one stage exposed past its compute (docs/plan.md, "Mechanisms"). The
+    reduction is counted from `end`, when the whole pipeline has drained; `ready`: (end, duration) of the
+    backward that makes each of the stage's chunks final (`chunk_ready`). The gather delays the stage's
+    first forwards, `first_use` (`chunk_first_use`). t_f, t_b: one micro-batch's forward and backward."""
+    L = layout
+    grad = [f for f in flows if KIND.get(f.dim) == "grad"]
+    rs = sum(f.seconds for f in grad if f.op in ("all_reduce", "reduce_scatter"))
+    calls = sum(f.calls for f in grad if f.op in ("all_reduce", "reduce_scatter"))
+    ag = sum(f.seconds for f in grad if f.op == "all_gather")
+    ag_calls = sum(f.calls for f in grad if f.op == "all_gather")
+    if L.zero == 3:
+        if L.pp == 1:   # per micro-batch: gathers prefetched behind the previous unit's compute
+            return m * (max(0.0, ag / (2 * m) - t_f) + max(0.0, ag / (2 * m) + rs / m - t_b)), 0.0
+        gather = ag     # under a pipeline each use gathers, not prefetched (the next module is not known)
+    else:               # ZeRO-1/2: the updated parameters, behind the next step's first forwards
+        gather = gather_delay(first_use, ag, ag_calls) if L.overlap_param_gather else ag
+    if L.pp == 1 and L.zero == 2:   # a reduce-scatter per micro-batch, behind its own backward
+        return m * max(0.0, reduction_end(0.0, [(t_b, t_b, rs / m, calls / m)]) - t_b), gather
+    # once per step: buckets of each chunk as its last backward makes them final, or all at the end of
+    # the stage's schedule (overlap_grad_reduce=False); either way inside the drain other stages still run
+    if not L.overlap_grad_reduce:
+        ready = [(max(t for t, _ in ready), 0.0)]
+    k = len(ready)
+    groups = [(t, d, rs / k, calls / k) for t, d in ready]
+    return max(0.0, reduction_end(float("-inf"), groups) - end), gather
 
 
 # -- step time ------------------------------------------------------------------------------------------
@@ -113,23 +240,31 @@ class StepTime:
 
 
 def _per_dim_seconds(flows: list[Flow]) -> dict[str, float]:
+    """Seconds per dimension; the two parts of a node-limited all-to-all overlap (the network part and
+    the forwarding inside nodes run together), so only the longer counts."""
     out: dict[str, float] = {}
+    parts: dict[tuple[str, str], float] = {}
     for fl in flows:
-        out[fl.dim] = out.get(fl.dim, 0.0) + fl.seconds
+        if fl.part in ("inter", "intra"):
+            parts[(fl.dim, fl.part)] = parts.get((fl.dim, fl.part), 0.0) + fl.seconds
+        else:
+            out[fl.dim] = out.get(fl.dim, 0.0) + fl.seconds
+    for dim in {d for d, _ in parts}:
+        out[dim] = out.get(dim, 0.0) + max(parts.get((dim, "inter"), 0.0), parts.get((dim, "intra"), 0.0))
     return out
 
 
-def _grad_exposed(flows: list[Flow], zero: int, m: int, t_fwd: float, t_bwd: float, pp: int = 1) -> float:
-    """Exposed gradient-reduction and ZeRO-gather time, with the overlap windows stated in the module doc."""
-    rs = sum(f.seconds for f in flows if KIND.get(f.dim) == "grad" and f.op in ("all_reduce", "reduce_scatter"))
-    ag = sum(f.seconds for f in flows if KIND.get(f.dim) == "grad" and f.op == "all_gather")
-    if pp > 1:   # reductions start when the schedule has drained; ZeRO-3 gathers are not prefetched
-        return rs + (ag if zero == 3 else max(0.0, ag - t_fwd))
-    if zero <= 1:
-        return max(0.0, rs - t_bwd) + max(0.0, ag - t_fwd)
-    if zero == 2:
-        return m * max(0.0, rs / m - t_bwd) + max(0.0, ag - t_fwd)
-    return m * (max(0.0, ag / (2 * m) - t_fwd) + max(0.0, ag / (2 * m) + rs / m - t_bwd))
+def ep_exposed(a2a: float, t_f: float, t_b: float, passes: int, overlap: bool, m: int) -> float:
+    """Exposed expert all-to-all time of one micro-batch on one stage (a2a seconds in all). Without
+    overlap all of it. With DualPipe-style two-stream overlap (DeepSeek-V3 §3.2.1) a forward chunk of one
+    micro-batch runs beside a backward chunk of another: the forward's all-to-alls (dispatch and combine,
+    1/(passes+1) of the calls) hide behind the other's backward compute t_b, the backward's (the rest:
+    both gradients, and the recomputed forward's) behind the other's forward compute t_f; only the excess
+    shows. One micro-batch has no partner."""
+    if not overlap or m < 2:
+        return a2a
+    fwd = a2a / (passes + 1)
+    return max(0.0, fwd - t_b) + max(0.0, a2a - fwd - t_f)
 
 
 def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
@@ -139,19 +274,25 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     candidates for the slowest (closed-form bubble)."""
     L, out = layout, StepTime()
     m = microbatches(L, work)
-    peak = topo.accelerator.peak(work.dtype) * work.efficiency
-    cost_f, cost_b, compute_f, layer_comm = {}, {}, {}, {}
+    acc = topo.accelerator
+    peak = acc.peak(work.dtype) * work.efficiency
+    peak_mm = acc.peak("fp8") * work.efficiency if work.fp8_gemm else peak   # linear-layer GEMMs
+    passes = 2 if L.recompute == "full" else 1
+    cost_f, cost_b, compute_f, compute_b, layer_comm = {}, {}, {}, {}, {}
     for j, flows in flows_by_stage.items():
-        fwd, attn = stage_forward_flops(model, L, work, j)
-        extra = fwd if L.recompute == "full" else (attn if L.recompute == "selective" else 0.0)
+        lin, attn, head = stage_flops(model, L, work, j)
+        t_f = lin / peak_mm + (attn + head) / peak
+        t_attn = attn / peak
+        extra = t_f if L.recompute == "full" else (t_attn if L.recompute == "selective" else 0.0)
+        t_b = 2 * t_f + extra
         ring = sum(f.seconds for f in flows if f.dim == "cp" and f.op in ("send", "recv"))
         secs = _per_dim_seconds([f for f in flows if KIND.get(f.dim) == "layer" and f.op not in ("send", "recv")])
+        ep = ep_exposed(secs.pop("ep", 0.0) / m, t_f, t_b, passes, L.ep_overlap, m)
         # ring sends hide behind the attention of the block before: forward, and backward at 2x forward
-        comm_mb = sum(secs.values()) / m + max(0.0, ring / m - 3 * attn / peak)
-        t_f = fwd / peak
+        comm_mb = sum(secs.values()) / m + ep + max(0.0, ring / m - 3 * t_attn)
         cost_f[j] = t_f + comm_mb / 2
-        cost_b[j] = (2 * fwd + extra) / peak + comm_mb / 2
-        compute_f[j] = t_f
+        cost_b[j] = t_b + comm_mb / 2
+        compute_f[j], compute_b[j] = t_f, t_b
         layer_comm[j] = comm_mb
     first = flows_by_stage[min(flows_by_stage)]
     send = [f for f in first if f.dim == "pp" and f.op == "send"] if L.pp > 1 else []
@@ -160,26 +301,32 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     schedule, v = L.effective_schedule, (L.vpp if L.effective_schedule == "interleaved" else 1)
     sim = None
     if simulate and len(flows_by_stage) == L.pp:
-        sim = simulate_pipeline(schedule, L.pp, m, v, [cost_f[j] for j in range(L.pp)],
-                                [cost_b[j] for j in range(L.pp)], t_send)
+        sim = _simulate(schedule, L.pp, m, v, [cost_f[j] for j in range(L.pp)],
+                        [cost_b[j] for j in range(L.pp)], t_send)
     if sim is not None:
-        out.pipeline_s, out.bubble = sim
+        out.pipeline_s, out.bubble = float(sim.makespan), float(sim.bubble)
         out.bubble_source = "simulator"
     else:
         c = cost_f[slow] + cost_b[slow]
         out.bubble = closed_form_bubble(schedule, L.pp, m, v, cost_f[slow], cost_b[slow])
         out.pipeline_s = m * c / (1 - out.bubble) + 2 * (L.pp - 1) * t_send
-    out.compute_s = m * (cost_f[slow] + cost_b[slow] - layer_comm[slow])
+    out.compute_s = m * (compute_f[slow] + compute_b[slow])
     out.layer_comm_s = m * layer_comm[slow]
+    grads = [stage_grad_exposed(flows, L, m, out.pipeline_s,
+                                chunk_ready(sim, schedule, L.pp, v, j, out.pipeline_s, cost_b, t_send),
+                                chunk_first_use(sim, L.pp, v, j, cost_f, t_send), compute_f[j], cost_b[j])
+             for j, flows in flows_by_stage.items()]
+    # the slowest stage's reduction ends the step; the latest first forward delays the pipeline
+    out.grad_comm_s = max(r for r, _ in grads) + max(g for _, g in grads)
     worst = flows_by_stage[slow]
-    out.grad_comm_s = _grad_exposed(worst, L.zero, m, compute_f[slow], 2 * compute_f[slow], L.pp)
     out.step_comm_s = sum(f.seconds for f in worst if KIND.get(f.dim) == "step")
-    out.optimizer_s = 2 * states_bytes / topo.accelerator.hbm_bandwidth
+    out.optimizer_s = 2 * states_bytes / acc.hbm_bandwidth
     out.step_time_s = out.pipeline_s + out.grad_comm_s + out.step_comm_s + out.optimizer_s
     out.exposed = {"layer": out.layer_comm_s, "grad": out.grad_comm_s, "step": out.step_comm_s}
     out.tokens_per_s = work.tokens / out.step_time_s
+    # MFU and HFU against the peak of the model's dtype, whatever dtype the GEMMs run in
     model_flops = model.flops_per_token(work.seq, work.causal) * work.tokens
-    full = topo.accelerator.peak(work.dtype) * L.gpus * out.step_time_s
+    full = acc.peak(work.dtype) * L.gpus * out.step_time_s
     out.mfu = model_flops / full
     hw = {"none": 0.0, "selective": model.attention_flops_per_token(work.seq, work.causal),
           "full": model.flops_per_token(work.seq, work.causal) / 3}[L.recompute]  # recomputed forward

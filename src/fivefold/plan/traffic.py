@@ -26,7 +26,10 @@ Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation eleme
   cp-1 of K,V and cp-1 of dK,dV backward.
 - EP (Lepikhin et al. 2020; DeepSeek-V3 for FP8 dispatch): per MoE layer, dispatch and combine
   all-to-alls forward and backward of top_k·capacity·(T/tp)·h elements (each tp rank sends only its
-  slice), then an all-gather inside tp after dispatch and a reduce-scatter before combine.
+  slice), then an all-gather inside tp after dispatch and a reduce-scatter before combine. Node-limited
+  routing (`Workload.moe_route_nodes`, DeepSeek-V3): the routed rows split by tier at placement, each
+  token crossing the network once per remote node it selects and reaching its experts over the
+  innermost tier (`split_routed`).
 - PP (Narayanan et al. 2021): one send of T·h·e (/t with SP) per micro-batch per boundary each way,
   × v with interleaving; the matching receives are recorded with 0 bytes sent, as the ledger does.
 - DP: one call per bucket of at most bucket_mb (DDP, ZeRO-1/2) or per unit (ZeRO-3: a block, and the
@@ -35,13 +38,15 @@ Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation eleme
   ZeRO-2: the reduce-scatter per micro-batch (a rank keeps only its gradient shard while accumulating).
   ZeRO-3: all-gather of parameters before each micro-batch's forward and again before its backward
   (once without resharding after forward), reduce-scatter per micro-batch (Rajbhandari et al. 2020,
-  §7: 3Φ vs DDP's 2Φ). ZeRO buffers padded to a multiple of n.
+  §7: 3Φ vs DDP's 2Φ). ZeRO buffers padded to a multiple of n. Under a pipeline every stage reduces
+  its gradients once per step (DDP, ZeRO-1/2/3: accumulated over the micro-batches first). Gradients
+  travel in `Workload.reduce_dtype` (fp32 by default, as the runtime's main_grads_fp32).
 - loss: one all-reduce of a float64 over dp, and over pp (only the last stage has it); grad_norm: one float64 over the model-parallel ranks
   (tp·cp·pp, and dp too when ZeRO shards the gradients), when that group has more than one rank.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from math import lcm
 from functools import lru_cache
 
@@ -75,23 +80,30 @@ class Flow:
     bytes_sent: float = 0.0
     tier: str = ""
     seconds: float = 0.0
+    part: str = ""             # "": the whole group's collective; node-limited expert all-to-alls (see
+                               # `place`): "routed" before placement, then "inter" (one rank per node,
+                               # between nodes) and "intra" (inside each node, on the innermost tier)
+    route: tuple = ()          # "routed": (max nodes per token, rows per token) for `place` to split
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 class Flows:
-    """Accumulates calls into rows keyed (dim, op), each sent through comm.volume."""
+    """Accumulates calls into rows keyed (dim, op) (and part, when a row is one part of a collective),
+    each sent through comm.volume."""
 
     def __init__(self):
-        self.rows: dict[tuple[str, str], Flow] = {}
+        self.rows: dict[tuple, Flow] = {}
 
-    def add(self, dim: str, op: str, group: str, n: int, message_bytes: float, calls: float = 1) -> None:
+    def add(self, dim: str, op: str, group: str, n: int, message_bytes: float, calls: float = 1,
+            part: str = "", route: tuple = ()) -> None:
         if n <= 1 or calls <= 0 or message_bytes <= 0:
             return
-        row = self.rows.get((dim, op))
+        key = (dim, op, part) if part else (dim, op)
+        row = self.rows.get(key)
         if row is None:
-            row = self.rows[(dim, op)] = Flow(dim, op, group, n)
+            row = self.rows[key] = Flow(dim, op, group, n, part=part, route=route)
         row.calls += int(calls)
         row.message_bytes += calls * message_bytes
         row.bytes_sent += calls * VOLUME[op](message_bytes, n)
@@ -108,7 +120,7 @@ class Flows:
         row.bytes_sent += VOLUME[op](total_message_bytes, n)
 
     def list(self) -> list[Flow]:
-        return [self.rows[k] for k in sorted(self.rows)]
+        return [self.rows[k] for k in sorted(self.rows, key=lambda k: (k[0], k[1], k[2] if len(k) > 2 else ""))]
 
 
 def group_size(layout: Layout, group: str) -> int:
@@ -269,8 +281,10 @@ def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     calls = m * moe
     if not cap:   # dropless: each rank first tells the others how many rows it sends to each expert
         f.add("ep", "all_to_all", "ep", L.ep, model.experts * 8, fwd_passes * calls)
-    f.add("ep", "all_to_all", "ep", L.ep, dispatch, fwd_passes * calls)   # dispatch forward
-    f.add("ep", "all_to_all", "ep", L.ep, msg, (fwd_passes + 2) * calls)  # combine fwd; both backward
+    # node-limited routing: the routed rows are split between nodes and inside them by `place`
+    part, route = ("routed", (w.moe_route_nodes, tokens * L.tp / T)) if w.moe_route_nodes else ("", ())
+    f.add("ep", "all_to_all", "ep", L.ep, dispatch, fwd_passes * calls, part, route)   # dispatch forward
+    f.add("ep", "all_to_all", "ep", L.ep, msg, (fwd_passes + 2) * calls, part, route)  # combine fwd; both bwd
 
 
 def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
@@ -293,20 +307,22 @@ def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, 
                 units: tuple[int, ...], root: int = 0) -> None:
     """Gradient reduction and ZeRO gathers for `params` parameters over n ranks: one call per bucket
     (DDP, ZeRO-1/2) or unit (ZeRO-3), `units` their sizes (the first `root` of them ZeRO-3's root unit);
-    ZeRO's are padded to a multiple of n (parallel/zero.py)."""
+    ZeRO's are padded to a multiple of n (parallel/zero.py). Gradients travel in the reduce dtype
+    (`Workload.reduce_bytes`); bucket boundaries follow the accumulation dtype."""
     if n == 1 or params == 0:
         return
     u = len(units) or 1
+    r = w.reduce_bytes
     if L.zero == 0:
-        f.add_total(dim, "all_reduce", group, n, params * w.grad_bytes, u)
+        f.add_total(dim, "all_reduce", group, n, params * r, u)
         return
     padded = unit_sums(units, n)[0]
     if L.zero == 1 or (L.zero == 2 and L.pp > 1):
         # once per step: ZeRO-1 always; ZeRO-2 under a pipeline accumulates over the micro-batches
-        f.add_total(dim, "reduce_scatter", group, n, padded * w.grad_bytes, u)
+        f.add_total(dim, "reduce_scatter", group, n, padded * r, u)
         f.add_total(dim, "all_gather", group, n, padded * w.param_bytes, u)
     elif L.zero == 2:
-        f.add_total(dim, "reduce_scatter", group, n, m * padded * w.grad_bytes, m * u)
+        f.add_total(dim, "reduce_scatter", group, n, m * padded * r, m * u)
         f.add_total(dim, "all_gather", group, n, padded * w.param_bytes, u)
     elif L.pp > 1:
         # under a pipeline: each block gathered before every forward and backward it runs (and the
@@ -316,11 +332,11 @@ def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, 
         gathers = root + per_use * m * (u - root)
         f.add_total(dim, "all_gather", group, n, (root_padded + per_use * m * (padded - root_padded)) * w.param_bytes,
                     gathers)
-        f.add_total(dim, "reduce_scatter", group, n, padded * w.grad_bytes, u)
+        f.add_total(dim, "reduce_scatter", group, n, padded * r, u)
     else:  # gathered before each forward and (resharded after it) again before each backward
         gathers = (2 if L.reshard_after_forward else 1) * m
         f.add_total(dim, "all_gather", group, n, gathers * padded * w.param_bytes, gathers * u)
-        f.add_total(dim, "reduce_scatter", group, n, m * padded * w.grad_bytes, m * u)
+        f.add_total(dim, "reduce_scatter", group, n, m * padded * r, m * u)
 
 
 def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
@@ -361,18 +377,59 @@ def group_block(layout: Layout, group: str, order: str | None = None) -> int:
 
 def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None = None) -> list[Flow]:
     """Fill each flow's tier (slowest it crosses) and seconds (bytes over that tier's bandwidth plus the
-    algorithm's latency hops)."""
+    algorithm's latency hops). Node-limited expert all-to-alls ("routed" rows) become two rows, see
+    `split_routed`. Returns the placed rows."""
     world, tiers = layout.gpus, {}
+    out = []
     for fl in flows:
-        if fl.group not in tiers:
-            block = group_block(layout, fl.group, order)
-            tiers[fl.group] = (block, topo.tier_index(block, world))
-        block, i = tiers[fl.group]
-        tier = topo.tiers[i]
-        fl.tier = tier.name
-        bw = group_bandwidth(topo, i, fl.op, fl.n, block)
-        fl.seconds = fl.bytes_sent / bw + fl.calls * collective_latency(fl.op, fl.n, tier.latency)
-    return flows
+        parts = split_routed(fl, layout, topo, order) if fl.part == "routed" else [fl]
+        for p in parts:
+            if p.group not in tiers:
+                block = group_block(layout, p.group, order)
+                tiers[p.group] = (block, topo.tier_index(block, world))
+            block, i = tiers[p.group]
+            if p.part == "intra":
+                i, block = 0, topo.tiers[0].size or block
+            tier = topo.tiers[i]
+            p.tier = tier.name
+            bw = group_bandwidth(topo, i, p.op, p.n, block)
+            p.seconds = p.bytes_sent / bw + p.calls * collective_latency(p.op, p.n, tier.latency)
+            out.append(p)
+    return out
+
+
+def ep_nodes(layout: Layout, topo: Topology, order: str | None = None) -> tuple[int, int]:
+    """(nodes an ep group spans, its ranks in each): nodes are the innermost tier's domains."""
+    n, node = layout.ep, topo.tiers[0].size
+    if node is None or n <= 1:
+        return 1, n
+    stride = max(1, group_block(layout, "ep", order) // n)
+    g = max(1, min(n, node // stride))
+    return -(-n // g), g
+
+
+def split_routed(fl: Flow, layout: Layout, topo: Topology, order: str | None = None) -> list[Flow]:
+    """Node-limited routing (DeepSeek-V3 §2.1.2, §3.2.2): each token's experts lie on at most M of the k
+    nodes its ep group spans; a token crosses the network once per remote node it selects (to the rank
+    of the same in-node index) and is forwarded inside the node to each target expert's GPU; combine
+    reverses the path. With D = min(M, k, rows per token) nodes per token, of which on average D(k-1)/k
+    remote, and g ranks of the group per node, one call whose message (all rows the rank sends) is x:
+      inter (between nodes, n = k):  x·D/rows · (k-1)/k  = all_to_all(x·D/rows, k)
+      intra (inside a node, n = g):  x · (g-1)/g          = all_to_all(x, g)
+    (an upper bound on the network share: a token whose experts fall on fewer nodes sends less). When
+    the group fits in one node nothing crosses the network: the row stays whole."""
+    k, g = ep_nodes(layout, topo, order)
+    whole = replace(fl, part="", route=())
+    if k <= 1:
+        return [whole]
+    limit, rows = fl.route
+    d = min(limit, k, rows)
+    inter = replace(whole, part="inter", n=k, message_bytes=fl.message_bytes * d / rows,
+                    bytes_sent=VOLUME[fl.op](fl.message_bytes * d / rows, k))
+    if g <= 1:
+        return [inter]
+    intra = replace(whole, part="intra", n=g, bytes_sent=VOLUME[fl.op](fl.message_bytes, g))
+    return [inter, intra]
 
 
 def by_tier(flows: list[Flow], topo: Topology) -> dict[str, float]:

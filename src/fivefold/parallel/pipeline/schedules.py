@@ -9,7 +9,13 @@ Schedules (p = pipeline ranks, m = micro-batches, v = virtual stages per rank):
   and one backward, then drains. Same bubble as GPipe, but at most p-s micro-batches alive on stage s.
 * Interleaved 1F1B — Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
   Clusters Using Megatron-LM": each rank holds v chunks (chunk c on rank c % p); forwards go round the
-  ranks v times. Bubble (p-1)/(v*m+p-1); needs m % p == 0.
+  ranks v times, N micro-batches at a time (a group: N micro-batches through local chunk 0, then the
+  same N through chunk 1, ...). N = p by default (depth-first, Megatron-LM; needs m % p == 0); Llama 3
+  (Dubey et al. 2024, §3.3.2) and Megatron-Core (`microbatch_group_size_per_vp_stage`) make N tunable
+  from p (depth-first) to m (breadth-first): p <= N <= m and m % N == 0 or >= p. Rank s warms up
+  2(p-s-1) + (v-1)N forwards, so it keeps min(2(p-s-1) + (v-1)N + 1, m*v) chunks alive: a larger N
+  costs memory and buys slack for the point-to-point transfers. Bubble (p-1)/(v*m+p-1) without
+  communication, for every valid N.
 * ZB-H1 — Qi et al. 2023, "Zero Bubble Pipeline Parallelism": the backward is split into I (grad of the
   input, on the critical path) and W (grad of the weights, deferrable). Stage s runs the triples
   (F x, I x-(p-1-s), W x-(p-1)); same in-flight count as 1F1B, bubble (p-1)(F+I-W) per rank (when
@@ -61,6 +67,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple, Sequence, Union
 
 from fivefold.config import ConfigError
+from fivefold.rules import check_microbatch_group as check_group   # noqa: F401 - the rule lives in rules.py
 
 F, B, I, W = "F", "B", "I", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
@@ -152,48 +159,68 @@ def zb_h1_order(pp: int, microbatches: int) -> list[list[Action]]:
     return lists
 
 
-def interleaved_step(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
+def interleaved_table(microbatches: int, vpp: int, group: int) -> list[tuple[int, int]]:
+    """(micro-batch, local chunk) of a rank's k-th forward in the interleaved order (Megatron-Core's
+    `get_schedule_table`): groups of `group` consecutive micro-batches go through local chunk 0, then
+    chunk 1, ...; the last group holds what is left. The k-th backward is entry k with the local chunk
+    reversed (vpp - 1 - chunk)."""
+    table = []
+    for first in range(0, microbatches, group):
+        mbs = range(first, min(first + group, microbatches))
+        table += [(mb, local) for local in range(vpp) for mb in mbs]
+    return table
+
+
+def interleaved_step(k: int, pp: int, vpp: int, forward: bool, group: int = 0,
+                     microbatches: int | None = None) -> tuple[int, int]:
     """The k-th forward (or backward) on a rank in Megatron's interleaved order: (micro-batch, local chunk).
-    Micro-batches go in groups of pp through local chunk 0, then chunk 1, ...; backwards visit the local
-    chunks in reverse."""
-    group, within = divmod(k, pp * vpp)
-    local = within // pp
-    if not forward:
-        local = vpp - 1 - local
-    return group * pp + within % pp, local
+    Micro-batches go in groups of `group` (0: pp) through local chunk 0, then chunk 1, ...; backwards
+    visit the local chunks in reverse. A last, shorter group needs `microbatches`."""
+    n = group or pp
+    if microbatches is not None and microbatches % n:
+        mb, local = interleaved_table(microbatches, vpp, n)[k]
+    else:
+        g, within = divmod(k, n * vpp)
+        mb, local = g * n + within % n, within // n
+    return mb, (local if forward else vpp - 1 - local)
 
 
-def interleaved_order(pp: int, microbatches: int, vpp: int) -> list[list[Action]]:
-    """Megatron interleaved 1F1B: (pp-r-1)*2 + (vpp-1)*pp warm-up forwards on rank r, then one forward one
-    backward, then cooldown backwards. Needs microbatches % pp == 0. vpp == 1 is plain 1F1B."""
+def interleaved_order(pp: int, microbatches: int, vpp: int, group: int = 0) -> list[list[Action]]:
+    """Megatron interleaved 1F1B: (pp-r-1)*2 + (vpp-1)*N warm-up forwards on rank r, then one forward one
+    backward, then cooldown backwards; N = `group` micro-batches per group (0: pp; see `check_group`).
+    With N = pp it needs microbatches % pp == 0. vpp == 1 is plain 1F1B (and takes no group)."""
     check_args(pp, microbatches, vpp)
     if vpp == 1:
+        if group:
+            raise ConfigError(f"microbatch_group applies to the interleaved schedule with vpp > 1; got vpp = 1 "
+                              f"and microbatch_group = {group} (use 0)")
         return one_f_one_b_order(pp, microbatches)
-    if microbatches % pp:
+    if not group and microbatches % pp:
         lower = microbatches // pp * pp
         valid = [n for n in (lower, lower + pp) if n > 0]
         raise ConfigError(f"the interleaved schedule needs microbatches divisible by pp: {microbatches} % {pp} "
                           f"!= 0; use microbatches in {valid}")
+    n = check_group(pp, microbatches, group)
+    table = interleaved_table(microbatches, vpp, n)
     total = microbatches * vpp
     lists = []
     for r in range(pp):
-        warmup = min((pp - r - 1) * 2 + (vpp - 1) * pp, total)
-        actions = []
-
-        def fwd(k: int) -> Action:
-            mb, local = interleaved_step(k, pp, vpp, True)
-            return Action(F, mb, local * pp + r)
-
-        def bwd(k: int) -> Action:
-            mb, local = interleaved_step(k, pp, vpp, False)
-            return Action(B, mb, local * pp + r)
-
-        actions += [fwd(k) for k in range(warmup)]
+        warmup = min((pp - r - 1) * 2 + (vpp - 1) * n, total)
+        fwd = [Action(F, mb, local * pp + r) for mb, local in table]
+        bwd = [Action(B, mb, (vpp - 1 - local) * pp + r) for mb, local in table]
+        actions = fwd[:warmup]
         for k in range(total - warmup):
-            actions += [fwd(k + warmup), bwd(k)]
-        actions += [bwd(k) for k in range(total - warmup, total)]
+            actions += [fwd[k + warmup], bwd[k]]
+        actions += bwd[total - warmup:]
         lists.append(actions)
     return lists
+
+
+def interleaved_warmup(pp: int, stage: int, microbatches: int, vpp: int, group: int = 0) -> int:
+    """Chunks rank `stage` holds at its peak under the interleaved schedule: its warm-up forwards
+    2(p-s-1) + (v-1)N plus the first steady forward, at most every chunk of every micro-batch (m*v)."""
+    n = group or pp
+    return min(2 * (pp - stage - 1) + (vpp - 1) * n + 1, microbatches * vpp)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -267,12 +294,16 @@ def add_communication(orders: list[list[Action]], chunks: int | None = None) -> 
 
 
 def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1,
-                   communication: bool = True) -> list[list[Action]]:
-    """Each rank's action list for schedule `name` (gpipe, 1f1b, interleaved, zb)."""
+                   communication: bool = True, microbatch_group: int = 0) -> list[list[Action]]:
+    """Each rank's action list for schedule `name` (gpipe, 1f1b, interleaved, zb). `microbatch_group`:
+    the interleaved schedule's micro-batches per group N (0: pp; see `check_group`)."""
     if name not in SCHEDULES:
         raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
     if vpp != 1 and name != "interleaved":
         raise ConfigError(f"vpp > 1 needs the interleaved schedule; schedule {name!r} takes vpp = 1, got {vpp}")
+    if microbatch_group and name != "interleaved":
+        raise ConfigError(f"microbatch_group applies to the interleaved schedule; schedule {name!r} takes "
+                          f"microbatch_group = 0, got {microbatch_group}")
     if name == "gpipe":
         orders = gpipe_order(pp, microbatches)
     elif name == "1f1b":
@@ -280,7 +311,7 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1,
     elif name == "zb":
         orders = zb_h1_order(pp, microbatches)
     else:
-        orders = interleaved_order(pp, microbatches, vpp)
+        orders = interleaved_order(pp, microbatches, vpp, microbatch_group)
     return add_communication(orders, pp * vpp) if communication else orders
 
 
@@ -292,8 +323,8 @@ def one_f_one_b(pp: int, microbatches: int) -> list[list[Action]]:
     return build_schedule("1f1b", pp, microbatches)
 
 
-def interleaved_1f1b(pp: int, microbatches: int, vpp: int) -> list[list[Action]]:
-    return build_schedule("interleaved", pp, microbatches, vpp)
+def interleaved_1f1b(pp: int, microbatches: int, vpp: int, microbatch_group: int = 0) -> list[list[Action]]:
+    return build_schedule("interleaved", pp, microbatches, vpp, microbatch_group=microbatch_group)
 
 
 def zero_bubble_h1(pp: int, microbatches: int) -> list[list[Action]]:
@@ -665,11 +696,11 @@ def deadlock_message(actions_per_rank, pc, batch_end, posted, ends, home, chunks
 
 def simulate_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, cost_f: float = 1.0,
                       cost_b: float = 2.0, cost_i: float = 1.0, cost_w: float = 1.0, comm: float = 0.0,
-                      blocking: bool = False) -> Simulation:
+                      blocking: bool = False, microbatch_group: int = 0) -> Simulation:
     """Build schedule `name` and simulate it. Costs are per *stage* (all layers of one rank) and are
     divided by vpp for the interleaved chunks; `comm` is per transfer and is not divided. For the
     planner: one call, plain numbers, no torch."""
-    actions = build_schedule(name, pp, microbatches, vpp)
+    actions = build_schedule(name, pp, microbatches, vpp, microbatch_group=microbatch_group)
     v = vpp if name == "interleaved" else 1
     return simulate(actions, cost_f / v, cost_b / v, cost_i / v, cost_w / v, comm, blocking)
 
@@ -677,7 +708,7 @@ def simulate_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, cost_
 def closed_form_bubble(name: str, pp: int, microbatches: int, vpp: int = 1, cost_f: float = 1.0,
                        cost_b: float = 2.0, cost_i: float = 1.0, cost_w: float = 1.0) -> float | None:
     """The papers' bubble fraction (idle / total) with zero comm: (p-1)/(m+p-1) for GPipe and 1F1B (any
-    F, B), (p-1)/(v*m+p-1) for interleaved (m % p == 0), and for ZB-H1
+    F, B), (p-1)/(v*m+p-1) for interleaved (m % p == 0, or any valid micro-batch group N), and for ZB-H1
     (p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W)), which holds when m >= p and W <= min(F, I) (else None:
     a heavier W lands on the critical path). The simulator reproduces each exactly."""
     p, m = pp, microbatches

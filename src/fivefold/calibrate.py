@@ -1,0 +1,473 @@
+"""`fivefold calibrate`: measure this machine as N local ranks use it, and write a planner topology.
+
+Why. `fivefold plan` predicts a step from an accelerator (peak FLOP/s per dtype, memory, memory
+bandwidth) and network tiers (per-rank bandwidth, latency per hop). For a local CPU run those figures
+are on no datasheet, and they depend on how many ranks share the cores. This module measures them the
+way `fivefold train --nproc N` uses the machine and writes them as a topology TOML that
+`fivefold.plan.topology.load_topology` reads.
+
+Method. `calibrate(nproc, quick)` starts N gloo ranks with `run_ranks` (the trainer's launcher: one
+intra-op thread per rank), so they compete for the cores exactly as a training run's ranks do. Every
+measurement starts on all ranks together (a barrier) and is repeated. A figure is the mean over a block
+of back-to-back calls (about 30 ms of compute; see 2 for collectives), because a step pays the mean: with
+more ranks than cores a rank computes in scheduler slices, and a gloo call here is bimodal. Compute
+figures are then the median over repetitions and over ranks; collectives as in 2.
+
+1. Compute (`peak_tflops`). Forward + backward of `F.linear` (the op of every `nn.Linear` in the model):
+   6·T·k·n FLOPs, the forward GEMM and the two backward ones, at transformer shapes (T tokens × k in ×
+   n out: hidden², hidden × ffn, ffn × hidden, hidden × kv width). The peak of a dtype is the median
+   over the grid's shapes of its FLOP/s (one shape disturbed by a neighbour's burst does not move it):
+   fp32, bf16 (CPU bf16 may be faster or slower than fp32), fp64. The attention core
+   (`model.transformer.attention_core`: causal SDPA, K/V heads repeated) forward + backward, FLOPs counted
+   as the planner counts them (forward 2·s·heads·(d_qk + d_v)/2 per token, backward twice that), is
+   written beside it: `attention_tflops` (median) and `attention_tflops_by_seq`. The planner does not
+   read them yet: it applies the GEMM peak to attention FLOPs too.
+2. Network (the one [[tier]] "loopback"). all_reduce, all_gather, reduce_scatter and all_to_all through
+   `fivefold.comm` on the world group (the group a dp = N mesh builds, recorded in its own ledger as a
+   run's would be), and a one-way send (half of a ping-pong between rank pairs 0-1, 2-3, ... at once),
+   at message sizes 4 KiB ... 16 MiB. A call's time is the mean over a block of back-to-back calls (a
+   gloo call here is bimodal: a fraction of a millisecond, or a scheduler tick more; a step pays the
+   mean), per repetition the slowest rank's, then the median over repetitions. The times are fitted by
+   the planner's own model, t = hops · alpha + bytes_sent / bandwidth, with
+   hops = `topology.collective_latency(op, N, 1)` and bytes_sent = `comm.volume.bytes_sent(op, S, N)`
+   (so bandwidth is per-rank bytes/s in the units the planner divides by), by least squares on the
+   relative error (the sizes span four decades): jointly over every op for the tier's `latency_us` and
+   `bandwidth_gbps`, and per op for the tier's `ops` table (not read by the planner yet). Every raw
+   median goes into the TOML's comments with the joint fit's error.
+3. Memory bandwidth (`hbm_gbps`). In-place add of two fp32 tensors larger than the last-level cache
+   (read 2, write 1), on every rank at once; per rank. A plain copy (read 1, write 1) is recorded too.
+4. Memory (`memory_gib`). The machine's RAM divided by N: the ranks share it, and the planner checks
+   one rank's memory against the accelerator's.
+
+The peaks written are achieved rates, not datasheet peaks: plan with `--efficiency 1.0` against this
+topology (the TOML says so).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one calibration measures (full or quick)."""
+
+    gemm: tuple[tuple[int, int, int], ...]          # (tokens, in, out) of F.linear
+    gemm_other: tuple[tuple[int, int, int], ...]    # shapes for bf16 and fp64
+    attention: tuple[tuple[int, int, int, int, int], ...]   # (batch, heads, kv_heads, seq, head_dim)
+    messages: tuple[int, ...]                       # collective message bytes
+    compute_reps: int
+    comm_reps: int
+    memory_mib: int
+
+
+FULL = Sizes(
+    gemm=tuple((t, k, n) for t in (256, 1024) for k, n in ((256, 256), (256, 704), (704, 256), (256, 128),
+                                                         (512, 512), (512, 1408), (1408, 512))),
+    gemm_other=((1024, 256, 704), (1024, 512, 512)),
+    attention=((8, 8, 4, 128, 32), (2, 8, 4, 512, 32), (1, 8, 4, 2048, 32)),
+    messages=tuple(4 * KiB * 4**i for i in range(7)),     # 4 KiB ... 16 MiB
+    compute_reps=7, comm_reps=7, memory_mib=64)
+
+QUICK = Sizes(
+    gemm=((256, 256, 256), (256, 256, 704)),
+    gemm_other=((256, 256, 256),),
+    attention=((2, 4, 2, 128, 32),),
+    messages=(4 * KiB, 256 * KiB, 2 * MiB),
+    compute_reps=2, comm_reps=3, memory_mib=32)
+
+
+# -- measured on each rank -----------------------------------------------------------------------------
+def _timed(fn, reps: int, block_s: float = 0.03) -> float:
+    """Seconds per call of fn: the median over `reps` blocks of the mean over a block of calls lasting
+    about block_s (after one warm-up call that sizes the block). With more ranks than cores a rank
+    computes in scheduler slices; a call shorter than a slice would show the uncontended rate, a block
+    shows what a step pays."""
+    t0 = time.perf_counter()
+    fn()
+    k = max(1, round(block_s / max(time.perf_counter() - t0, 1e-6)))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(k):
+            fn()
+        times.append((time.perf_counter() - t0) / k)
+    return statistics.median(times)
+
+
+def _linear_step(tokens: int, k: int, n: int, dtype):
+    """Forward + backward of F.linear on (tokens, k) by an (n, k) weight, and its FLOPs."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(tokens, k, dtype=dtype, requires_grad=True)
+    w = torch.randn(n, k, dtype=dtype, requires_grad=True)
+    dy = torch.randn(tokens, n, dtype=dtype)
+    return (lambda: F.linear(x, w).backward(dy)), 6.0 * tokens * k * n
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """Forward + backward FLOPs of causal attention, the planner's convention (models.py): forward
+    2·s·heads·(d_qk + d_v) per token, halved for the causal mask; backward twice the forward."""
+    return 3.0 * batch * seq * 2.0 * seq * heads * (2 * head_dim) * 0.5
+
+
+def _attention_step(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int):
+    """Forward + backward of the model's attention core (causal), and its FLOPs."""
+    import torch
+
+    from .model.transformer import attention_core
+
+    q = torch.randn(batch, heads, seq, head_dim, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, head_dim, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq, head_dim, requires_grad=True)
+    dy = torch.randn(batch, heads, seq, head_dim)
+    return (lambda: attention_core(q, k, v, causal=True).backward(dy)), attention_flops(batch, heads, seq, head_dim)
+
+
+def _measure_compute(sizes: Sizes, barrier) -> dict:
+    """Seconds per call of each GEMM (per dtype) and attention shape, all ranks computing at once."""
+    import torch
+
+    out: dict = {"gemm": {}, "attention": []}
+    grids = {"fp32": (torch.float32, sizes.gemm), "bf16": (torch.bfloat16, sizes.gemm_other),
+             "fp64": (torch.float64, sizes.gemm_other)}
+    for name, (dtype, shapes) in grids.items():
+        rows = []
+        for shape in shapes:
+            step, flops = _linear_step(*shape, dtype)
+            barrier()
+            rows.append((list(shape), flops, _timed(step, sizes.compute_reps)))
+        out["gemm"][name] = rows
+    for shape in sizes.attention:
+        step, flops = _attention_step(*shape)
+        barrier()
+        out["attention"].append((list(shape), flops, _timed(step, sizes.compute_reps)))
+    return out
+
+
+def _measure_memory(sizes: Sizes, barrier) -> dict:
+    """Seconds of an in-place add (3 streams) and a copy (2 streams) of fp32 tensors, all ranks at once."""
+    import torch
+
+    n = sizes.memory_mib * MiB // 4
+    a, b = torch.ones(n), torch.ones(n)
+    barrier()
+    add = _timed(lambda: a.add_(b), sizes.compute_reps)
+    barrier()
+    copy = _timed(lambda: a.copy_(b), sizes.compute_reps)
+    return {"bytes": 4 * n, "add_s": add, "copy_s": copy}
+
+
+def _collective_call(op: str, size: int, group):
+    """A no-argument call of one collective with a message of about `size` bytes, and its message bytes
+    (what comm/volume.py calls S)."""
+    import torch
+
+    from . import comm
+
+    n, r = group.size, group.rank
+    elems = max(n, size // 4 // n * n)
+    full = torch.ones(elems)
+    part = torch.ones(elems // n)
+    if op == "all_reduce":
+        return (lambda: comm.all_reduce(full, group, dim="calibrate")), full.nbytes
+    if op == "all_gather":
+        return (lambda: comm.all_gather(full, part, group, dim="calibrate")), full.nbytes
+    if op == "reduce_scatter":
+        return (lambda: comm.reduce_scatter(part, full, group, dim="calibrate")), full.nbytes
+    if op == "all_to_all":
+        other = torch.empty_like(full)
+        return (lambda: comm.all_to_all(other, full, group, dim="calibrate")), full.nbytes
+    peer = r ^ 1
+    got = torch.empty_like(full)
+    if peer >= n:                       # odd world: the last rank has no partner
+        return (lambda: None), full.nbytes
+
+    def ping_pong():                    # one round trip; a one-way send is half of it
+        first, second = ([(full, peer)], []), ([], [(got, peer)])
+        for sends, recvs in ((first, second) if r % 2 == 0 else (second, first)):
+            comm.send_recv(sends, recvs, group, dim="calibrate")
+    return ping_pong, full.nbytes
+
+
+def _per_block(size: int, quick: bool) -> int:
+    """Calls timed together, back to back. The per-call time is the block's mean: on a shared VM a
+    gloo call is bimodal (about 0.1-0.4 ms, or a scheduler tick of about 4 ms more), and a step pays
+    the mean of many calls, which a median of single calls would miss."""
+    return max(2, min(16, MiB // size)) if quick else max(4, min(64, 4 * MiB // size))
+
+
+def _measure_collectives(sizes: Sizes, group, barrier) -> dict:
+    """Per (op, message bytes): seconds per call in each repetition (a block of back-to-back calls
+    started together on every rank)."""
+    out = {}
+    for op in COLLECTIVES:
+        rows = []
+        for size in sizes.messages:
+            call, message = _collective_call(op, size, group)
+            call()                                          # warm-up: connections, buffers
+            k, reps = _per_block(size, sizes is QUICK), []
+            for _ in range(sizes.comm_reps):
+                barrier()
+                t0 = time.perf_counter()
+                for _ in range(k):
+                    call()
+                reps.append((time.perf_counter() - t0) / k / (2 if op == "send" else 1))
+            rows.append((message, reps))
+        out[op] = rows
+    return out
+
+
+def _rank(rank: int, world: int, quick: bool) -> dict:
+    """One rank's raw measurements (runs inside `run_ranks`)."""
+    import torch.distributed as dist
+
+    from .comm import CommLedger
+    from .config import ParallelConfig
+    from .mesh import ParallelMesh
+
+    sizes = QUICK if quick else FULL
+    group = ParallelMesh(ParallelConfig(dp=world), rank, CommLedger(rank, world))["dp"]
+    barrier = dist.barrier
+    return {"compute": _measure_compute(sizes, barrier), "memory": _measure_memory(sizes, barrier),
+            "comm": _measure_collectives(sizes, group, barrier)}
+
+
+# -- combined in the launcher --------------------------------------------------------------------------
+def fit_alpha_beta(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(alpha seconds per hop, bandwidth bytes/s) minimising the relative error of
+    t = hops·alpha + bytes/bandwidth over rows of (hops, bytes, seconds); neither term negative."""
+    a11 = a12 = a22 = r1 = r2 = 0.0
+    for hops, nbytes, t in rows:
+        h, b = hops / t, nbytes / t
+        a11, a12, a22, r1, r2 = a11 + h * h, a12 + h * b, a22 + b * b, r1 + h, r2 + b
+    det = a11 * a22 - a12 * a12
+    alpha = (r1 * a22 - r2 * a12) / det if det > 0 else 0.0
+    inv_bw = (a11 * r2 - a12 * r1) / det if det > 0 else 0.0
+    if alpha < 0 or det <= 0:
+        alpha, inv_bw = 0.0, r2 / a22
+    if inv_bw <= 0:
+        alpha, inv_bw = r1 / a11, 1e-15
+    return alpha, 1.0 / inv_bw
+
+
+def _rate(rows: list[tuple[list, float, float]]) -> float:
+    """Median over a grid's shapes of FLOPs / seconds (robust to a neighbour's burst during one shape)."""
+    return statistics.median(f / t for _, f, t in rows)
+
+
+def _over_ranks(per_rank: list[dict], path, index: int) -> float:
+    """Median over ranks of the seconds at per_rank[r][path...][index][2]."""
+    vals = []
+    for r in per_rank:
+        rows = r
+        for key in path:
+            rows = rows[key]
+        vals.append(rows[index][2])
+    return statistics.median(vals)
+
+
+def _compute_summary(per_rank: list[dict]) -> dict:
+    first = per_rank[0]["compute"]
+    out = {}
+    for dtype, rows in first["gemm"].items():
+        out[dtype] = [(shape, flops, _over_ranks(per_rank, ("compute", "gemm", dtype), i))
+                      for i, (shape, flops, _) in enumerate(rows)]
+    out["attention"] = [(shape, flops, _over_ranks(per_rank, ("compute", "attention"), i))
+                        for i, (shape, flops, _) in enumerate(first["attention"])]
+    return out
+
+
+def _comm_summary(per_rank: list[dict], world: int) -> dict:
+    """Per op: [(message bytes, hops, bytes_sent, seconds)], seconds = median over repetitions of the
+    slowest rank."""
+    from .comm import volume
+    from .plan.topology import collective_latency
+
+    out = {}
+    for op, rows in per_rank[0]["comm"].items():
+        table = []
+        for i, (message, _) in enumerate(rows):
+            reps = zip(*(r["comm"][op][i][1] for r in per_rank))
+            seconds = statistics.median(max(rep) for rep in reps)
+            hops = collective_latency(op, world, 1.0)
+            table.append((message, hops, volume.bytes_sent(op, message, 2 if op == "send" else world), seconds))
+        out[op] = table
+    return out
+
+
+def _ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def summarize(per_rank: list[dict], nproc: int, quick: bool) -> dict:
+    """The calibration from every rank's raw measurements."""
+    compute = _compute_summary(per_rank)
+    comm = _comm_summary(per_rank, nproc)
+    rows = [(h, b, t) for table in comm.values() for _, h, b, t in table]
+    alpha, bandwidth = fit_alpha_beta(rows)
+    per_op = {op: fit_alpha_beta([(h, b, t) for _, h, b, t in table]) for op, table in comm.items()}
+    mem = per_rank[0]["memory"]
+    add = statistics.median(r["memory"]["add_s"] for r in per_rank)
+    copy = statistics.median(r["memory"]["copy_s"] for r in per_rank)
+    ram = _ram_bytes()
+    return {
+        "nproc": nproc, "quick": quick, "host": platform.node(), "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
+        "peak_flops": {d: _rate(compute[d]) for d in ("fp32", "bf16", "fp64")},
+        "attention_flops": _rate(compute["attention"]),
+        "compute": compute,
+        "memory_bandwidth": 3 * mem["bytes"] / add, "copy_bandwidth": 2 * mem["bytes"] / copy,
+        "memory_test_bytes": mem["bytes"],
+        "ram_bytes": ram, "memory_per_rank": ram / nproc,
+        "latency": alpha, "bandwidth": bandwidth, "per_op_fit": per_op, "comm": comm,
+    }
+
+
+def calibrate(nproc: int, quick: bool) -> dict:
+    """Measure this machine with `nproc` local gloo ranks running together (see the module doc)."""
+    from .config import ConfigError
+    from .train.launch import run_ranks
+
+    if nproc < 2:
+        raise ConfigError(f"calibrate needs at least 2 ranks to measure collectives; got --nproc {nproc}")
+    per_rank = run_ranks(_rank, nproc, (quick,), timeout_s=600)
+    return summarize(per_rank, nproc, quick)
+
+
+# -- the TOML ------------------------------------------------------------------------------------------
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _comment_lines(cal: dict) -> list[str]:
+    """What was measured: sizes and raw medians, one comment line each."""
+    lines = [f"# GEMM, F.linear forward+backward (6·T·k·n FLOPs), median seconds -> GFLOP/s per rank:"]
+    for dtype in ("fp32", "bf16", "fp64"):
+        for (t, k, n), flops, s in cal["compute"][dtype]:
+            lines.append(f"#   {dtype} T={t} k={k} n={n}: {s * 1e3:.3f} ms, {flops / s / 1e9:.1f} GFLOP/s")
+    lines.append("# attention core (causal SDPA, GQA), forward+backward, planner FLOPs -> GFLOP/s per rank:")
+    for (b, h, kv, s_, d), flops, s in cal["compute"]["attention"]:
+        lines.append(f"#   b={b} heads={h} kv={kv} seq={s_} d={d}: {s * 1e3:.3f} ms, {flops / s / 1e9:.1f} GFLOP/s")
+    mb = cal["memory_test_bytes"] / MiB
+    lines.append(f"# memory: in-place add of two {mb:.0f} MiB fp32 tensors (3 streams) "
+                 f"{cal['memory_bandwidth'] / 1e9:.2f} GB/s per rank; copy (2 streams) "
+                 f"{cal['copy_bandwidth'] / 1e9:.2f} GB/s per rank")
+    lines.append(f"# RAM {cal['ram_bytes'] / GiB:.2f} GiB shared by {cal['nproc']} ranks: memory_gib is the share of one")
+    lines.append("# collectives through fivefold.comm on the world group; per call: mean over a block of calls, slowest")
+    lines.append("# rank, median over repetitions (send: half a ping-pong). message bytes S, hops, bytes_sent, time:")
+    a, bw = cal["latency"], cal["bandwidth"]
+    for op, table in cal["comm"].items():
+        pa, pbw = cal["per_op_fit"][op]
+        lines.append(f"#   {op}: own fit alpha {pa * 1e6:.1f} us/hop, {pbw / 1e9:.3f} GB/s")
+        for message, hops, sent, t in table:
+            pred = hops * a + sent / bw
+            lines.append(f"#     S={message:>9d} hops={hops:g} sent={sent:>10.0f} {t * 1e6:>10.1f} us "
+                         f"(joint fit {pred * 1e6:.1f} us, {pred / t:.2f}x)")
+    return lines
+
+
+def _by_seq(cal: dict) -> str:
+    """Attention rate per measured sequence length (TOML inline-table body)."""
+    return ", ".join(f"{s} = {_g(flops / t / 1e12)}" for (_, _, _, s, _), flops, t in cal["compute"]["attention"])
+
+
+def _per_op(cal: dict) -> str:
+    """Each collective's own (latency, bandwidth) fit (TOML inline-table body)."""
+    return ", ".join(f"{op} = {{ latency_us = {_g(a * 1e6)}, bandwidth_gbps = {_g(bw / 1e9)} }}"
+                     for op, (a, bw) in cal["per_op_fit"].items())
+
+
+def to_toml(cal: dict) -> str:
+    """The calibration as a topology TOML (`fivefold.plan.topology.topology_from_dict`)."""
+    n = cal["nproc"]
+    name = f"local-cpu-{n}"
+    peaks = ", ".join(f"{d} = {_g(v / 1e12)}" for d, v in cal["peak_flops"].items())
+    head = [
+        f"# fivefold calibrate --nproc {n}{' --quick' if cal['quick'] else ''}: {cal['host']}, {cal['cores']} cores, "
+        f"{cal['when']}",
+        f"# Measured with {n} local gloo ranks at once, one intra-op thread each (as `fivefold train --nproc {n}`).",
+        "# The peaks are ACHIEVED rates, not datasheet peaks: plan with --efficiency 1.0 against this topology,",
+        f"# and only for {n} ranks on this machine (ranks share the cores: other counts need their own calibration).",
+        "# peak_tflops: median over the GEMM grid below of F.linear forward+backward FLOP/s;",
+        "# attention_tflops[_by_seq] (not read by the planner yet): the attention core, planner FLOP convention.",
+        "# hbm_gbps: in-place add bandwidth per rank (planner's optimizer term); latency_us, bandwidth_gbps:",
+        "# joint least-squares fit (relative error) of t = hops * latency + bytes_sent / bandwidth over every",
+        "# collective below, hops as topology.collective_latency, bytes_sent as comm/volume.py; the tier's",
+        "# ops table (not read by the planner yet) holds each op's own fit.",
+    ]
+    body = [
+        f'name = "{name}"',
+        "",
+        "[accelerator]",
+        f'name = "{name}"',
+        f"peak_tflops = {{ {peaks} }}",
+        f"attention_tflops = {{ fp32 = {_g(cal['attention_flops'] / 1e12)} }}",
+        f"attention_tflops_by_seq = {{ {_by_seq(cal)} }}",
+        f"memory_gib = {_g(cal['memory_per_rank'] / GiB)}",
+        f"hbm_gbps = {_g(cal['memory_bandwidth'] / 1e9)}",
+        "",
+        "[[tier]]",
+        'name = "loopback"',
+        f"size = {n}",
+        f"bandwidth_gbps = {_g(cal['bandwidth'] / 1e9)}",
+        f"latency_us = {_g(cal['latency'] * 1e6)}",
+        f"ops = {{ {_per_op(cal)} }}",
+    ]
+    return "\n".join(head + _comment_lines(cal) + [""] + body) + "\n"
+
+
+# -- command line --------------------------------------------------------------------------------------
+def add_calibrate_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--nproc", type=int, default=2, help="local gloo ranks measured together (as `train --nproc`)")
+    ap.add_argument("--out", default="local.toml", help="topology TOML to write (never written over)")
+    ap.add_argument("--quick", action="store_true", help="few sizes and repetitions (seconds; rough figures)")
+
+
+def summary_line(cal: dict) -> str:
+    p = cal["peak_flops"]
+    return (f"{cal['nproc']} ranks: fp32 {p['fp32'] / 1e9:.1f}, bf16 {p['bf16'] / 1e9:.1f}, fp64 {p['fp64'] / 1e9:.1f} "
+            f"GFLOP/s per rank (attention {cal['attention_flops'] / 1e9:.1f}); memory {cal['memory_bandwidth'] / 1e9:.2f} "
+            f"GB/s; loopback {cal['bandwidth'] / 1e9:.3f} GB/s, {cal['latency'] * 1e6:.1f} us per hop")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """`fivefold calibrate [--nproc N] [--out local.toml] [--quick]`."""
+    out = Path(args.out)
+    if out.exists():
+        print(f"fivefold calibrate: {out} exists; calibrate never writes over a file: remove it or pass "
+              f"another --out", file=sys.stderr)
+        return 2
+    if args.nproc < 2:
+        print(f"fivefold calibrate: --nproc must be at least 2 (collectives need two ranks); got {args.nproc}",
+              file=sys.stderr)
+        return 2
+    cal = calibrate(args.nproc, args.quick)
+    text = to_toml(cal)
+    try:
+        with open(out, "x") as f:       # exclusive: a file created meanwhile is not written over either
+            f.write(text)
+    except FileExistsError:
+        print(f"fivefold calibrate: {out} exists; calibrate never writes over a file", file=sys.stderr)
+        return 2
+    print(summary_line(cal))
+    print(f"wrote {out}: plan with --topology {out} --efficiency 1.0")
+    return 0

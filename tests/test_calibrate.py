@@ -1,0 +1,73 @@
+"""`fivefold calibrate` writes a topology the planner reads and uses; it never writes over a file.
+
+No timing is asserted: the figures depend on the machine and its load. The calibration runs once (quick
+mode, 2 ranks) for the module.
+"""
+import argparse
+import dataclasses
+
+import pytest
+
+from fivefold.calibrate import cmd_calibrate, fit_alpha_beta
+from fivefold.plan.estimate import estimate
+from fivefold.plan.layout import from_config
+from fivefold.plan.models import from_model_config
+from fivefold.plan.topology import load_topology
+
+from .helpers import tiny_config
+
+
+def _args(out, nproc=2) -> argparse.Namespace:
+    return argparse.Namespace(nproc=nproc, out=str(out), quick=True)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("calibrate") / "local.toml"
+    assert cmd_calibrate(_args(out)) == 0
+    return out
+
+
+def test_writes_a_topology_load_topology_reads(calibrated):
+    text = calibrated.read_text()
+    assert "--efficiency 1.0" in text                     # the peaks are achieved rates
+    topo = load_topology(str(calibrated))
+    acc = topo.accelerator
+    assert acc.name == "local-cpu-2"
+    assert set(acc.peak_flops) >= {"fp32", "bf16"} and all(v > 0 for v in acc.peak_flops.values())
+    assert acc.memory > 0 and acc.hbm_bandwidth > 0
+    assert [t.name for t in topo.tiers] == ["loopback"]
+    tier = topo.tiers[0]
+    assert tier.size == 2 and tier.bandwidth > 0 and tier.latency >= 0
+
+
+@pytest.mark.parametrize("parallel", [dict(dp=2, microbatches=2), dict(pp=2, microbatches=4),
+                                      dict(tp=2, sp_mode="megatron")])
+def test_estimate_consumes_it(calibrated, parallel):
+    cfg = tiny_config(**parallel)
+    layout, work = from_config(cfg)
+    est = estimate(from_model_config(cfg.model), layout, dataclasses.replace(work, efficiency=1.0),
+                   load_topology(str(calibrated)))
+    assert est.time.step_time_s > 0 and est.fits
+
+
+def test_refuses_to_overwrite(tmp_path, capsys):
+    out = tmp_path / "local.toml"
+    out.write_text("mine\n")
+    assert cmd_calibrate(_args(out)) == 2
+    assert out.read_text() == "mine\n"
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "exists" in err and str(out) in err
+
+
+def test_refuses_one_rank(tmp_path, capsys):
+    assert cmd_calibrate(_args(tmp_path / "x.toml", nproc=1)) == 2
+    assert not (tmp_path / "x.toml").exists()
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    alpha, bw = 50e-6, 2e9
+    rows = [(h, b, h * alpha + b / bw) for h in (1, 2) for b in (4096, 2**20, 2**24)]
+    a, w = fit_alpha_beta(rows)
+    assert a == pytest.approx(alpha, rel=1e-9) and w == pytest.approx(bw, rel=1e-9)

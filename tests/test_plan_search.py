@@ -12,7 +12,8 @@ from fivefold.rules import ConfigError, divisors, prime_factors
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import Workload
 from fivefold.plan.models import PRESETS
-from fivefold.plan.search import search
+from fivefold.plan.report import search_dict, search_text
+from fivefold.plan.search import _structures, search
 from fivefold.plan.topology import TOPOLOGIES
 
 
@@ -22,7 +23,9 @@ def test_whole_space_for_16384_gpus_in_under_two_seconds():
     res = search(PRESETS["llama3-405b"], Workload(seq=8192, global_batch=2048), TOPOLOGIES["llama3"], 16384,
                  top=3)
     assert res.cpu_seconds < 2.0, res.cpu_seconds
-    assert res.considered > 10000 and res.ranked and res.rejected
+    # the branch and bound tries a part of the space and skips the rest unchecked
+    assert res.considered > 1000 and res.ranked and res.rejected and res.skipped_layouts > 0
+    assert res.considered + res.skipped_layouts > 10000
     reasons = res.reasons()
     assert reasons["memory"] > 0 and reasons["rule"] > 0
     best = res.best[0]
@@ -91,10 +94,91 @@ def plan_process_cpu_seconds(*argv) -> tuple[float, str]:
     return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, p.stdout
 
 
-@pytest.mark.parametrize("model", ["deepseek-v3", "llama3-405b"])
+@pytest.mark.parametrize("model", sorted(PRESETS))
 def test_whole_process_search_at_16384_gpus(model):
-    """Issue 13: every preset searched at 16,384 GPUs as a whole process. The goal is 2 s; the bound here is
-    generous because test machines vary."""
+    """Issue 13: every preset searched at 16,384 GPUs in under 2 s of CPU as a whole process, imports included
+    (about 1 s for DeepSeek-V3, the longest, on the machine this was written on)."""
     cpu, out = plan_process_cpu_seconds("--model", model, "--gpus", "16384", "--topology", "llama3")
     assert "best layout" in out
-    assert cpu < 6.0, f"{model}: {cpu:.2f} s of CPU"
+    assert cpu < 2.0, f"{model}: {cpu:.2f} s of CPU"
+
+
+def _structure(lay):
+    return lay.tp, lay.pp, lay.cp, lay.cp_mode, lay.ep, lay.dp
+
+
+BOUND_CASES = [  # (model, gpus, seq, global batch, topology, top, fixed, schedule, partition, workload options)
+    ("llama3-8b", 64, 4096, 256, "dgx-h100", 10, {}, "1f1b", "even", {}),
+    ("llama3-70b", 512, 4096, 256, "llama3", 1, {}, "1f1b", "even", {}),
+    ("llama3-70b", 512, 4096, 256, "llama3", 3, {}, "zb", "even", {}),
+    ("llama3-70b", 256, 4096, 128, "llama3", 5, {"sp_mode": "none"}, "gpipe", "even", {}),
+    ("llama3-70b", 256, 32768, 128, "llama3", 10, {"cp_mode": "ulysses"}, "1f1b", "even", {}),
+    ("llama3-405b", 1024, 4096, 256, "llama3", 5, {}, "1f1b", "llama3", {}),
+    ("mixtral-8x7b", 64, 4096, 256, "dgx-h100", 10, {}, "1f1b", "even", {}),
+    ("mixtral-8x7b", 32, 4096, 128, "dgx-h100", 10, {}, "1f1b", "even", {"capacity_factor": 0.0}),
+    ("deepseek-v3", 256, 4096, 256, "llama3", 10, {}, "1f1b", "even",
+     {"moe_route_nodes": 4, "fp8_gemm": True, "fp8_dispatch": True}),
+]
+
+
+@pytest.mark.parametrize("case", BOUND_CASES, ids=lambda c: f"{c[0]}-{c[1]}-top{c[5]}-{c[7]}")
+def test_branch_and_bound_keeps_the_exhaustive_best(case):
+    """The best `top` layouts (ties in the same order) are the exhaustive search's, while the bound skips
+    layouts; every structure's bound is at most the step time of each of its layouts that fits, and the
+    counts add up: the layouts tried split into fit and rejected, the skipped ones are in neither."""
+    name, gpus, seq, gb, topo, top, fixed, schedule, partition, options = case
+    model, work = PRESETS[name], Workload(seq=seq, global_batch=gb, **options)
+    kw = dict(fixed=fixed, top=top, schedule=schedule, partition=partition)
+    fast = search(model, work, TOPOLOGIES[topo], gpus, bound=True, **kw)
+    full = search(model, work, TOPOLOGIES[topo], gpus, bound=False, **kw)
+    assert fast.ranked[:top] == full.ranked[:top]
+    assert [(e.layout, e.time.step_time_s) for e in fast.best] == [(e.layout, e.time.step_time_s) for e in full.best]
+    assert fast.skipped_layouts > 0 and fast.considered < full.considered and fast.untimed > 0
+    assert full.skipped_layouts == full.untimed == 0 and full.examined == full.structures == fast.structures
+    assert fast.bound_limit == fast.ranked[top - 1][0] and full.bound_limit is None
+    assert fast.examined + fast.skipped == fast.structures
+    for res in (fast, full):   # the layouts tried split into those that fit and those rejected
+        assert res.considered == res.fit + len(res.rejected) == len(res.ranked) + res.untimed + len(res.rejected)
+    # what the bound tried it judged as the exhaustive search does: same rejections, same times
+    assert set(fast.ranked) <= set(full.ranked) and set(fast.rejected) <= set(full.rejected)
+    assert fast.fit <= full.fit
+    # soundness, structure by structure (the bounds are listed in the exhaustive order of structures)
+    keys = [s for s in _structures(model, work, TOPOLOGIES[topo], gpus, fixed) if isinstance(s[0], int)]
+    assert len(keys) == len(fast.bounds) == fast.structures
+    bounds = dict(zip(keys, fast.bounds))
+    for t, lay in full.ranked:
+        assert bounds[_structure(lay)] <= t, (lay.short(), bounds[_structure(lay)], t)
+
+
+def test_bound_compute_is_the_step_times():
+    """The bound's forward seconds are step_time's: 3·m·F is the compute of a layout without recompute."""
+    from fivefold.plan.layout import Layout, microbatches
+    from fivefold.plan.time import forward_seconds, stage_weights
+    model, topo = PRESETS["mixtral-8x7b"], TOPOLOGIES["dgx-h100"]
+    for work in (Workload(seq=4096, global_batch=64), Workload(seq=2048, global_batch=64, fp8_gemm=True)):
+        lay = Layout(tp=2, pp=4, dp=8, ep=2, vpp=2, micro_batch=2, schedule="interleaved", sp_mode="megatron")
+        est = estimate(model, lay, work, topo, 64, simulate=False)
+        body, head = stage_weights(model, 4, 2)[3]
+        tokens = lay.micro_batch * work.seq / lay.tp
+        f = forward_seconds(model, work, topo, tokens, body, est.memory.stages[3]["layers"], head)   # the slowest: head
+        assert est.time.compute_s == pytest.approx(3 * microbatches(lay, work) * f, rel=1e-12)
+
+
+def test_search_report_says_what_the_bound_skipped():
+    res = search(PRESETS["llama3-70b"], Workload(seq=4096, global_batch=256), TOPOLOGIES["llama3"], 512, top=4)
+    text = search_text(res, 4)
+    assert f"searched {res.considered} layouts" in text and f"{res.fit} fit, {len(res.rejected)} rejected" in text
+    assert (f"bound: {res.skipped} of {res.structures} structures (tp pp cp ep dp) skipped unchecked "
+            f"({res.skipped_layouts} more layouts, neither fit nor rejected above) and {res.untimed} of the "
+            f"{res.fit} that fit not timed") in text
+    assert "exceeds the 4th best" in text and "the best 4 are the exhaustive search's" in text
+    d = search_dict(res)["search"]
+    assert d["fit"] == res.fit == d["timed"] + d["bound"]["fit_untimed"] and d["timed"] == len(res.ranked)
+    assert d["considered"] == d["fit"] + d["rejected_count"]
+    assert d["bound"]["on"] and d["bound"]["skipped_layouts"] == res.skipped_layouts > 0
+    assert d["bound"]["structures_tried"] + d["bound"]["structures_skipped"] == d["bound"]["structures"]
+    assert d["bound"]["limit_s"] == res.ranked[3][0]
+    full = search(PRESETS["llama3-70b"], Workload(seq=4096, global_batch=256), TOPOLOGIES["llama3"], 512, top=4,
+                  bound=False)
+    assert "bound:" not in search_text(full, 4)
+    assert search_dict(full)["search"]["bound"]["skipped_layouts"] == 0 and full.fit == len(full.ranked)

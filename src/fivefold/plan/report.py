@@ -91,8 +91,9 @@ def search_text(res: Result, top: int = 10, examples: int = 3) -> str:
     for i, e in enumerate(res.best[:top]):
         rows.append([i + 1, e.layout.short(), f"{e.time.step_time_s:.3f}", f"{e.time.mfu:.1%}", f"{e.time.bubble:.1%}",
                      gib(e.memory.most_loaded["total"]), e.order])
-    lines = [f"searched {res.considered} layouts in {res.seconds:.2f} s: {len(res.ranked)} fit, "
-             f"{len(res.rejected)} rejected"]
+    lines = [f"searched {res.considered} layouts in {res.seconds:.2f} s: {res.fit} fit, {len(res.rejected)} rejected"]
+    if res.skipped_layouts or res.untimed:
+        lines.append(bound_text(res))
     if rows:
         lines.append(_table(["#", "layout", "step s", "MFU", "bubble", "GiB", "order"], rows, "rlrrrrl"))
     else:
@@ -109,11 +110,38 @@ def search_text(res: Result, top: int = 10, examples: int = 3) -> str:
     return "\n".join(lines)
 
 
+def bound_text(res: Result) -> str:
+    """What the branch and bound left unchecked or untimed, and why the best `top` are still exact."""
+    parts = []
+    if res.skipped:
+        parts.append(f"{res.skipped} of {res.structures} structures (tp pp cp ep dp) skipped unchecked "
+                     f"({res.skipped_layouts} more layouts, neither fit nor rejected above)")
+    if res.untimed:
+        parts.append(f"{res.untimed} of the {res.fit} that fit not timed")
+    return (f"bound: {' and '.join(parts)}: a lower bound on their step time exceeds the {_ordinal(res.top)} "
+            f"best, {res.bound_limit:.3f} s, so the best {res.top} are the exhaustive search's")
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def search_dict(res: Result, max_rejected: int = 200) -> dict:
     """The best estimate's keys at the top level, plus the ranking and the rejections."""
     out = res.best[0].to_dict() if res.best else {}
     out["search"] = {
-        "considered": res.considered, "fit": len(res.ranked), "seconds": res.seconds,
+        "considered": res.considered, "fit": res.fit, "timed": len(res.ranked), "rejected_count": len(res.rejected),
+        "seconds": res.seconds,
+        "counts": "considered: layouts tried (rules, memory); fit and rejected_count split them; timed: the fits "
+                  "whose step time was computed (bound.fit_untimed: the others). Layouts in structures skipped "
+                  "by the bound were not tried and are in none of these (bound.skipped_layouts)",
+        "bound": {"on": res.bounded, "top": res.top, "structures": res.structures,
+                  "structures_tried": res.examined, "structures_skipped": res.skipped,
+                  "skipped_layouts": res.skipped_layouts, "fit_untimed": res.untimed, "limit_s": res.bound_limit,
+                  "meaning": "a lower bound on step time (compute, in-layer tp/cp/ep communication, bubble) exceeds "
+                             "limit_s, the top-th best found, for the skipped structures and the untimed fits: they "
+                             "cannot rank in the best `top`, which are those of the exhaustive search"},
         "ranked": [{"layout": e.layout.to_dict(), "step_time_s": e.time.step_time_s, "mfu": e.time.mfu,
                     "mfu_attention_full": e.mfu_attention_full, "memory_total": e.memory.most_loaded["total"],
                     "bubble": e.time.bubble} for e in res.best],

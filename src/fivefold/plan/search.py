@@ -15,12 +15,25 @@ Prunings, none of which drops a layout that could rank first: recompute is tried
 full and the first that fits is kept (more recompute only adds time); once a ZeRO stage fits without
 recompute, higher stages are skipped (they only add traffic); and only the stages that can be the most
 loaded (`memory.candidate_stages`) or the slowest (`memory.time_stages`) are evaluated, with the
-closed-form bubble. Every layout that fits is still timed: a dense preset at 16,384 GPUs takes about
-0.5 s, a MoE one several seconds (ep multiplies the space). The top results are then
+closed-form bubble.
+
+Branch and bound (`bound=True`, the default): every structure (tp, pp, cp, cp mode, ep, dp) gets a lower
+bound on the step time of each of its layouts, per (vpp, micro-batch) whatever the ZeRO stage and
+recompute (`_Bound`: compute, in-layer tp/Ulysses/expert communication and exposed ring sends, which
+are on the critical path whatever the rest, plus the bubble they imply). Structures are tried in the
+order of their bound; once `top` layouts fit, a structure or (vpp, micro-batch) pair whose bound
+exceeds the `top`-th best step time found cannot enter the best `top`: such a structure is skipped
+unchecked (no rules, no memory, no timing; `Result.skipped_layouts` counts its layouts), and such a
+pair's layouts are checked for rules and memory as before (the prunings above depend on what fits) but
+not timed (`Result.untimed`). The ranking's first `top` are those of the exhaustive search
+(`bound=False`), ties in the same order; `Result.ranked` holds the layouts timed, `Result.fit` counts
+those that fit among the layouts tried, timed or not. Every preset at 16,384 GPUs takes
+under 1 s as a whole process (DeepSeek-V3 the longest; exhaustively 4.5 s). The top results are then
 estimated in full on every stage (closed-form bubble, so ranking and figures agree).
 """
 from __future__ import annotations
 
+import heapq
 import time as _time
 from dataclasses import dataclass, field
 
@@ -28,11 +41,11 @@ from ..grid import DEFAULT_ORDER
 from ..rules import ConfigError, Recompute, choices, cp_degrees, divisors
 from .estimate import Estimate, estimate
 from .layout import Layout, Workload, check, valid_tp
-from .memory import Memory, candidate_stages, stage_memory, time_stages
+from .memory import Memory, candidate_stages, stage_layers, stage_memory, time_stages
 from .models import PlanModel
-from .time import step_time
+from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology
-from .traffic import place, stage_flows
+from .traffic import group_block_of, layer_flows, place, ring_flows, stage_flows
 
 SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode")
 POWERS = (1, 2, 4, 8)   # micro-batch sizes and virtual stages tried
@@ -44,9 +57,25 @@ class Result:
     ranked: list[tuple[float, Layout]] = field(default_factory=list)   # (step time, layout), fastest first
     rejected: list[tuple[Layout, str]] = field(default_factory=list)
     best: list[Estimate] = field(default_factory=list)                 # the top ones, estimated in full
-    considered: int = 0
+    considered: int = 0           # layouts tried (rules, then memory; timed when they fit)
+    bounded: bool = True          # branch and bound on: layouts that cannot rank in the top are skipped
+    top: int = 0                  # how many best layouts the bound keeps exact
+    structures: int = 0           # (tp, pp, cp, cp mode, ep, dp) combinations for the GPU count
+    examined: int = 0             # structures with layouts tried
+    skipped: int = 0              # structures skipped whole: their bound exceeds the top-th best step time
+    skipped_layouts: int = 0      # layouts never tried: vpp × micro-batch × ZeRO × recompute choices of
+                                  # the structures skipped
+    untimed: int = 0              # layouts that fit but were not timed: their (vpp, micro-batch) bound
+                                  # exceeds the top-th best step time (not in `ranked`)
+    bound_limit: float | None = None   # the top-th best step time, which the skipped layouts' bounds exceed
+    bounds: list[float] = field(default_factory=list)   # per structure, in the exhaustive order
     seconds: float = 0.0          # wall clock
     cpu_seconds: float = 0.0      # this process's CPU time (what a loaded machine does not inflate)
+
+    @property
+    def fit(self) -> int:
+        """Layouts tried that fit: those timed (`ranked`) and those the bound left untimed."""
+        return len(self.ranked) + self.untimed
 
     def reasons(self) -> dict[str, int]:
         """Rejections counted by the rule or limit they broke (text before the first colon)."""
@@ -61,12 +90,13 @@ def _options(name: str, fixed: dict, default: list) -> list:
     return [fixed[name]] if fixed.get(name) is not None else default
 
 
-def _structures(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict, res: Result):
-    """Yield (tp, pp, cp, cp_mode, ep, dp) that divide the GPU count; reject tp beyond the first tier."""
+def _structures(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict):
+    """Yield (tp, pp, cp, cp_mode, ep, dp) that divide the GPU count, and (Layout, reason) for tp beyond
+    the first tier, in the order the exhaustive search meets them."""
     domain = topo.tiers[0].size or gpus
     for tp in _options("tp", fixed, [d for d in valid_tp(model) if gpus % d == 0]):
         if fixed.get("tp") is None and tp > domain:
-            res.rejected.append((Layout(tp=tp), f"tp beyond the {topo.tiers[0].name} domain: tp={tp} > {domain} GPUs"))
+            yield Layout(tp=tp), f"tp beyond the {topo.tiers[0].name} domain: tp={tp} > {domain} GPUs"
             continue
         if gpus % tp:
             continue
@@ -92,6 +122,164 @@ def _cp_modes(model: PlanModel, tp: int, cp: int) -> list[str]:
     return ["ring", "ulysses"] + (["hybrid"] if 1 < u < cp else [])
 
 
+@dataclass
+class _Space:
+    """The choices searched inside one structure (degrees and cp mode)."""
+    per_dp: int        # sequences per data-parallel rank per step (0: the global batch does not divide)
+    mbs: list
+    vpps: list
+    zeros: list
+    sp_mode: str
+    base: dict         # the Layout fields the structure fixes
+
+    def size(self, recomputes: list) -> int:
+        return len(self.mbs) * len(self.vpps) * len(self.zeros) * len(recomputes)
+
+
+def _space(model: PlanModel, work: Workload, fixed: dict, structure: tuple, order: str, partition: str) -> _Space:
+    tp, pp, cp, mode, ep, dp = structure
+    per_dp = work.global_batch // dp if work.global_batch % dp == 0 else 0
+    mbs = _options("micro_batch", fixed, [b for b in POWERS if per_dp and per_dp % b == 0] or [1])
+    vpps = _options("vpp", fixed, [1] if pp == 1 else [v for v in POWERS if pp * v <= model.layers])
+    zeros = _options("zero", fixed, [0] if dp * cp == 1 else [1, 2, 3])
+    sp_mode = fixed.get("sp_mode", "megatron") if tp > 1 else "none"
+    base = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp_mode=sp_mode, cp_mode=mode, order=order,
+                partition=partition if pp > 1 else "even")
+    return _Space(per_dp, mbs, vpps, zeros, sp_mode, base)
+
+
+class _Bound:
+    """A lower bound on `_fast_time` of every layout of a structure, whatever its virtual stages,
+    micro-batch size, ZeRO stage and recompute (the ones its `_Space` lists).
+
+    `_fast_time` is pipeline + gradient + step collectives + optimizer, each >= 0, with pipeline =
+    c·(m + (p-1)/v) under the closed-form bubble (ZB-H1: m·c + (p-1)·F), c = max over the timed stages
+    (`time_stages`) of one micro-batch's F + B + in-layer communication C. So for each timed stage j
+
+        step >= (m + (p-1)/v)·(F_j + B_j + C_j)       (ZB-H1: m·(F_j + B_j + C_j) + (p-1)·F_j)
+
+    with B >= 2F (recompute only adds) and C_j at least the rows of `traffic.layer_flows` (tp, Ulysses
+    and expert all-to-alls; without recompute, which only adds calls; the search's layouts keep
+    ep_overlap off, so expert all-to-alls are exposed) plus ring sends beyond what the attention hides,
+    max(0, ring - 3·attention). All are linear in the layers of each kind, so they are
+    computed per dense layer, MoE layer, embedding and head, per dimension, once per (degrees, micro-batch,
+    placement of that dimension's group) and scaled. The tp gradient sync, pipeline sends, gradient
+    reduction, step collectives and the optimizer count as 0. The bound is the minimum over v and the
+    micro-batch size."""
+
+    SLACK = 1 - 1e-9   # floating-point sums in another order must not lift the bound above a real time
+
+    def __init__(self, model: PlanModel, work: Workload, topo: Topology, gpus: int, schedule: str, partition: str,
+                 order: str):
+        self.model, self.work, self.topo, self.gpus = model, work, topo, gpus
+        self.schedule, self.partition, self.order = schedule, partition, order
+        self.peak = topo.accelerator.peak(work.dtype) * work.efficiency
+        self.attn = model.attention_flops_per_token(work.seq, work.causal) / model.layers   # per layer
+        self.rows: dict = {}     # (pp, vpp) -> per timed stage (layers, MoE layers, first, last, F per token)
+        self.tp: dict = {}       # one micro-batch's tp seconds: per dense layer, MoE layer, embedding, head
+        self.cp: dict = {}       # per layer: Ulysses, plus ring sends beyond the attention
+        self.ep: dict = {}       # per MoE layer: expert all-to-alls
+        self.sched = {v: Layout(pp=2, vpp=v, schedule="interleaved" if v > 1 else schedule).effective_schedule
+                      for v in POWERS}
+
+    def _stage_rows(self, pp: int, v: int):
+        key = (pp, v)
+        if key not in self.rows:
+            model, part = self.model, self.partition if pp > 1 else "even"
+            try:
+                ranks = stage_layers(model.layers, pp, v, part)
+                weights = stage_weights(model, pp, v, part)
+                timed = time_stages(model, pp, v, part)
+            except (ConfigError, ValueError):   # the partition rule rejects every such layout
+                self.rows[key] = None
+                return None
+            out = []
+            for j in timed:
+                n = len(ranks[j])
+                body, head = weights[j]
+                out.append((n, sum(1 for i in ranks[j] if model.is_moe_layer(i)), j == 0, j == pp - 1,
+                            forward_seconds(model, self.work, self.topo, 1.0, body, n, head)))
+            self.rows[key] = tuple(out)
+        return self.rows[key]
+
+    def _seconds(self, probe: Layout, dim: str, n: int, moe: int, first: bool, last: bool) -> float:
+        """One micro-batch's seconds of `dim`'s in-layer rows; the two parts of a node-limited all-to-all
+        overlap (`time._per_dim_seconds`): the longer counts."""
+        plain, parts = 0.0, {"inter": 0.0, "intra": 0.0}
+        for fl in place(layer_flows(self.model, probe, self.work, n, moe, first, last, dims=(dim,)), probe,
+                        self.topo):
+            if fl.part in parts:
+                parts[fl.part] += fl.seconds
+            else:
+                plain += fl.seconds
+        return plain + max(parts.values())
+
+    def _basis(self, tp: int, pp: int, dp: int, cp: int, mode: str, ep: int, sp_mode: str, b: int) -> tuple:
+        """(dense layer, MoE layer, embedding, head) seconds of one micro-batch of b sequences."""
+        probe = None
+        k_tp = (tp, cp, sp_mode, b, group_block_of(tp, pp, dp, cp, ep, "tp", self.order))
+        k_cp = (tp, cp, mode, b, group_block_of(tp, pp, dp, cp, ep, "cp", self.order))
+        k_ep = (tp, cp, ep, b, group_block_of(tp, pp, dp, cp, ep, "ep", self.order))
+        if k_tp not in self.tp or k_cp not in self.cp or k_ep not in self.ep:
+            probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, cp_mode=mode, sp_mode=sp_mode, micro_batch=b,
+                           order=self.order)
+        if k_tp not in self.tp:
+            self.tp[k_tp] = tuple(self._seconds(probe, "tp", *x) for x in
+                                  ((1, 0, False, False), (1, 1, False, False), (0, 0, True, False),
+                                   (0, 0, False, True)))
+        if k_cp not in self.cp:
+            ring = sum(fl.seconds for fl in place(ring_flows(self.model, probe, self.work, 1), probe, self.topo))
+            hidden = 3 * b * self.work.seq / (tp * cp) * self.attn / self.peak   # attention of one layer
+            self.cp[k_cp] = self._seconds(probe, "cp", 1, 0, False, False) + max(0.0, ring - hidden)
+        if k_ep not in self.ep:
+            self.ep[k_ep] = self._seconds(probe, "ep", 1, 1, False, False) if self.model.moe else 0.0
+        dense, moe, first, last = self.tp[k_tp]
+        layer = self.cp[k_cp]
+        return dense + layer, moe + layer + self.ep[k_ep], first, last
+
+    def __call__(self, structure: tuple, sp: _Space) -> tuple[float, dict | None]:
+        """(bound of the structure, bound per (vpp, micro-batch) or None: examine every one)."""
+        tp, pp, cp, mode, ep, dp = structure
+        if not sp.per_dp or any(sp.per_dp % b for b in sp.mbs):
+            return 0.0, None    # a rule rejects these at once: examine them
+        per_token = self.work.seq / (tp * cp)
+        rows_v = [(v, self._stage_rows(pp, v)) for v in sp.vpps]
+        if any(rows is None for _, rows in rows_v):
+            return 0.0, None
+        table = {}
+        for b in sp.mbs:
+            per_layer, per_moe, first, last = self._basis(tp, pp, dp, cp, mode, ep, sp.sp_mode, b)
+            m, tokens = sp.per_dp // b, b * per_token
+            for v, rows in rows_v:
+                c = max(3 * f * tokens + (n - moe) * per_layer + moe * per_moe + fst * first + lst * last
+                        for n, moe, fst, lst, f in rows)
+                if pp == 1:
+                    t = m * c
+                elif self.sched[v] == "zb":
+                    t = m * c + (pp - 1) * min(f * tokens for *_, f in rows)
+                else:
+                    t = c * (m + (pp - 1) / (v if self.sched[v] == "interleaved" else 1))
+                table[v, b] = t * self.SLACK
+        return min(table.values()), table
+
+
+class _Top:
+    """The `keep` best step times found so far."""
+
+    def __init__(self, keep: int):
+        self.keep, self.heap = max(1, keep), []    # negated: a max-heap of the best
+
+    def push(self, t: float) -> None:
+        if len(self.heap) < self.keep:
+            heapq.heappush(self.heap, -t)
+        elif t < -self.heap[0]:
+            heapq.heapreplace(self.heap, -t)
+
+    def limit(self) -> float:
+        """A layout slower than this cannot enter the best `keep`."""
+        return -self.heap[0] if len(self.heap) >= self.keep else float("inf")
+
+
 def _fast_time(model, layout, work, topo, mem) -> float:
     """Step time from the stages that can be slowest (most layers, or the head) and the closed-form bubble."""
     stages = time_stages(model, layout.pp, layout.vpp, layout.partition)
@@ -101,44 +289,61 @@ def _fast_time(model, layout, work, topo, mem) -> float:
 
 
 def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict | None = None,
-           top: int = 5, order: str = DEFAULT_ORDER, partition: str = "even", schedule: str = "1f1b") -> Result:
+           top: int = 5, order: str = DEFAULT_ORDER, partition: str = "even", schedule: str = "1f1b",
+           bound: bool = True) -> Result:
     """All layouts for `gpus` GPUs with the `fixed` choices (keys of SEARCHED) held, ranks in `order`,
-    layers split by `partition` (even or llama3; counts only with pp fixed); see module doc."""
+    layers split by `partition` (even or llama3; counts only with pp fixed); see module doc. With `bound`,
+    structures whose lower bound on step time exceeds the `top`-th best found are skipped, and layouts
+    that fit with such a bound are not timed (the best `top` are those of the exhaustive search,
+    bound=False)."""
     t0, c0 = _time.perf_counter(), _time.process_time()
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
+    bound = bound and top >= 1
     if not 1 <= gpus <= MAX_GPUS:
         raise ConfigError(f"gpus must be between 1 and {MAX_GPUS} (the planner's limit), got {gpus}; "
                           f"valid: 1..{MAX_GPUS}")
     topo.check(gpus)
-    res, limit = Result(), topo.accelerator.memory
-    for tp, pp, cp, mode, ep, dp in _structures(model, work, topo, gpus, fixed, res):
-        per_dp = work.global_batch // dp if work.global_batch % dp == 0 else 0
-        mbs = _options("micro_batch", fixed, [b for b in POWERS if per_dp and per_dp % b == 0] or [1])
-        vpps = _options("vpp", fixed, [1] if pp == 1 else [v for v in POWERS if pp * v <= model.layers])
-        zeros = _options("zero", fixed, [0] if dp * cp == 1 else [1, 2, 3])
-        recomputes = _options("recompute", fixed, list(choices(Recompute)))
-        sp_mode = fixed.get("sp_mode", "megatron") if tp > 1 else "none"
-        base = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp_mode=sp_mode, cp_mode=mode, order=order,
-                    partition=partition if pp > 1 else "even")
-        for vi, v in enumerate(vpps):
-            kw = dict(base, vpp=v, schedule="interleaved" if v > 1 else schedule)
-            for i, mb in enumerate(mbs):
-                status = []
-                for z in zeros:
-                    status.append(_one_layout(model, work, topo, gpus, res, limit, recomputes,
-                                              dict(kw, zero=z, micro_batch=mb)))
-                    if status[-1] in (FIT_NO_RECOMPUTE, RULE):
-                        break  # higher ZeRO stages only add traffic; a broken rule breaks them all
-                if status and all(st == NO_FIT for st in status):
-                    # activations grow with the micro-batch and with v: the rest cannot fit either
-                    why = f"memory: does not fit even with micro_batch {mb}, vpp {v}, every ZeRO stage and recompute"
-                    rest = [(v, b) for b in mbs[i + 1:]] + ([(w, b) for w in vpps[vi + 1:] for b in mbs] if i == 0 else [])
-                    _reject_all(res, base, rest, zeros, recomputes, schedule, why)
-                    break
-            else:
-                continue
-            if i == 0:
-                break
+    res, limit = Result(bounded=bound, top=top), topo.accelerator.memory
+    recomputes = _options("recompute", fixed, list(choices(Recompute)))
+    structures, early = [], {}     # early[i]: rejections met before structure i
+    for s in _structures(model, work, topo, gpus, fixed):
+        if isinstance(s[0], Layout):
+            early.setdefault(len(structures), []).append(s)
+            res.considered += 1
+        else:
+            structures.append(s)
+    spaces = [_space(model, work, fixed, s, order, partition) for s in structures]
+    res.structures = len(structures)
+    tables: list = [None] * len(structures)
+    if bound:
+        lower = _Bound(model, work, topo, gpus, schedule, partition, order)
+        pairs = [lower(s, sp) for s, sp in zip(structures, spaces)]
+        res.bounds, tables = [b for b, _ in pairs], [t for _, t in pairs]
+        visit = sorted(range(len(structures)), key=lambda i: res.bounds[i])   # most promising first
+    else:
+        visit = range(len(structures))
+    best = _Top(top if bound else 0)
+    ranked: dict[int, list] = {}
+    rejected: dict[int, list] = {}
+    for n_done, i in enumerate(visit):
+        if bound and res.bounds[i] > best.limit():
+            # the rest are sorted by their bound: none can enter the best `top`
+            rest = visit[n_done:]
+            res.skipped = len(rest)
+            res.skipped_layouts += sum(spaces[k].size(recomputes) for k in rest)
+            break
+        ranked[i], rejected[i] = [], []
+        _structure(model, work, topo, gpus, res, limit, recomputes, schedule, spaces[i], ranked[i], rejected[i],
+                   tables[i], best)
+    if res.skipped_layouts or res.untimed:
+        res.bound_limit = best.limit()
+    # in the exhaustive order: ties in step time rank as the exhaustive search ranks them
+    for i in range(len(structures) + 1):
+        res.rejected += early.get(i, [])
+        if i in rejected:
+            res.rejected += rejected[i]
+            res.ranked += ranked[i]
+    res.examined = len(ranked)
     res.ranked.sort(key=lambda x: x[0])
     res.best = [estimate(model, lay, work, topo, gpus, simulate=False) for _, lay in res.ranked[:top]]
     res.best.sort(key=lambda e: e.time.step_time_s)
@@ -147,10 +352,39 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
     return res
 
 
+def _structure(model, work, topo, gpus, res: Result, limit: float, recomputes: list, schedule: str, sp: _Space,
+               ranked: list, rejected: list, table: dict | None, best: _Top) -> None:
+    """Every layout of one structure, with the prunings of the module doc; with a `table` of bounds per
+    (vpp, micro-batch), the layouts of pairs whose bound exceeds the best's limit are not timed."""
+    mbs, vpps, zeros, base = sp.mbs, sp.vpps, sp.zeros, sp.base
+    for vi, v in enumerate(vpps):
+        kw = dict(base, vpp=v, schedule="interleaved" if v > 1 else schedule)
+        for i, mb in enumerate(mbs):
+            status = []
+            for z in zeros:
+                # checked (the prunings need to know what fits), timed only when it could rank
+                timed = table is None or table[v, mb] <= best.limit()
+                status.append(_one_layout(model, work, topo, gpus, res, ranked, rejected, limit, recomputes,
+                                          dict(kw, zero=z, micro_batch=mb), best, timed))
+                if status[-1] in (FIT_NO_RECOMPUTE, RULE):
+                    break  # higher ZeRO stages only add traffic; a broken rule breaks them all
+            if status and all(st == NO_FIT for st in status):
+                # activations grow with the micro-batch and with v: the rest cannot fit either
+                why = f"memory: does not fit even with micro_batch {mb}, vpp {v}, every ZeRO stage and recompute"
+                rest = [(v, b) for b in mbs[i + 1:]] + ([(w, b) for w in vpps[vi + 1:] for b in mbs] if i == 0 else [])
+                _reject_all(res, rejected, base, rest, zeros, recomputes, schedule, why)
+                break
+        else:
+            continue
+        if i == 0:
+            break
+
+
 FIT_NO_RECOMPUTE, FIT, NO_FIT, RULE = "fit-no-recompute", "fit", "no-fit", "rule"
 
 
-def _one_layout(model, work, topo, gpus, res: Result, limit: float, recomputes: list, kw: dict) -> str:
+def _one_layout(model, work, topo, gpus, res: Result, ranked: list, rejected: list, limit: float, recomputes: list,
+                kw: dict, best: _Top, timed: bool = True) -> str:
     """Try recompute none → selective → full for one layout; keep the first that fits."""
     for i, rc in enumerate(recomputes):
         res.considered += 1
@@ -159,7 +393,7 @@ def _one_layout(model, work, topo, gpus, res: Result, limit: float, recomputes: 
             try:
                 check(model, lay, work, gpus)
             except ConfigError as e:
-                res.rejected.append((lay, f"rule: {e}"))
+                rejected.append((lay, f"rule: {e}"))
                 return RULE
         over = None
         rows = []
@@ -169,20 +403,25 @@ def _one_layout(model, work, topo, gpus, res: Result, limit: float, recomputes: 
                 over = rows[-1]
                 break
         if over is not None:
-            res.rejected.append((lay, f"memory: stage {over['stage']} needs {over['total'] / GiB:.1f} GiB > "
-                                      f"{limit / GiB:.0f} GiB"))
+            rejected.append((lay, f"memory: stage {over['stage']} needs {over['total'] / GiB:.1f} GiB > "
+                                  f"{limit / GiB:.0f} GiB"))
             continue
         mem = Memory(rows)
         mem.worst = max(range(len(rows)), key=lambda k: rows[k]["total"])
-        res.ranked.append((_fast_time(model, lay, work, topo, mem), lay))
+        if timed:
+            ranked.append((_fast_time(model, lay, work, topo, mem), lay))
+            best.push(ranked[-1][0])
+        else:
+            res.untimed += 1
         return FIT_NO_RECOMPUTE if rc == "none" else FIT
     return NO_FIT
 
 
-def _reject_all(res: Result, base: dict, pairs: list, zeros: list, recomputes: list, schedule: str, why: str) -> None:
+def _reject_all(res: Result, rejected: list, base: dict, pairs: list, zeros: list, recomputes: list, schedule: str,
+                why: str) -> None:
     for v, mb in pairs:
         for z in zeros:
             for rc in recomputes:
                 res.considered += 1
-                res.rejected.append((Layout(zero=z, vpp=v, micro_batch=mb, recompute=rc,
-                                            schedule="interleaved" if v > 1 else schedule, **base), why))
+                rejected.append((Layout(zero=z, vpp=v, micro_batch=mb, recompute=rc,
+                                        schedule="interleaved" if v > 1 else schedule, **base), why))

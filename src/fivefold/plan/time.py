@@ -81,6 +81,21 @@ def _stage_active_weights(model: PlanModel, pp: int, vpp: int, partition: str) -
     return tuple(out)
 
 
+def forward_seconds(model: PlanModel, work: Workload, topo: Topology, tokens: float, body: float, n_layers: int,
+                    head: float) -> float:
+    """Forward compute seconds of `tokens` tokens on a rank holding `n_layers` layers whose active weights
+    sum to `body` (and `head` LM-head weights): `step_time`'s t_f, from `_stage_active_weights` directly."""
+    peak = topo.accelerator.peak(work.dtype) * work.efficiency
+    peak_mm = topo.accelerator.peak("fp8") * work.efficiency if work.fp8_gemm else peak
+    attn = model.attention_flops_per_token(work.seq, work.causal) / model.layers
+    return tokens * 2.0 * body / peak_mm + (tokens * attn * n_layers + tokens * 2.0 * head) / peak
+
+
+def stage_weights(model: PlanModel, pp: int, vpp: int = 1, partition: str = "even") -> tuple:
+    """Per stage, (layer weights, LM-head weights) one token multiplies (`_stage_active_weights`)."""
+    return _stage_active_weights(model, pp, vpp, partition)
+
+
 def closed_form_bubble(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 2.0) -> float:
     """Bubble fraction of the papers: (p-1)/(m+p-1); interleaved (p-1)/(v·m+p-1); ZB-H1 with I = W = B/2:
     (p-1)(F+I-W) / (m(F+B) + (p-1)(F+I-W))."""
@@ -93,11 +108,11 @@ def closed_form_bubble(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0
 
 
 def _simulate(schedule: str, p: int, m: int, v: int, cost_f: list[float], cost_b: list[float],
-              comm: float) -> _schedules.Simulation | None:
+              comm: float, group: int = 0) -> _schedules.Simulation | None:
     if p == 1 or 2 * p * m * v > SIMULATE_MAX_ACTIONS:
         return None
     try:
-        actions = _schedules.build_schedule(schedule, p, m, v)
+        actions = _schedules.build_schedule(schedule, p, m, v, microbatch_group=group)
     except ConfigError:  # e.g. interleaved with m % p != 0: the closed form
         return None
     chunks = p * v
@@ -302,7 +317,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     sim = None
     if simulate and len(flows_by_stage) == L.pp:
         sim = _simulate(schedule, L.pp, m, v, [cost_f[j] for j in range(L.pp)],
-                        [cost_b[j] for j in range(L.pp)], t_send)
+                        [cost_b[j] for j in range(L.pp)], t_send, L.microbatch_group)
     if sim is not None:
         out.pipeline_s, out.bubble = float(sim.makespan), float(sim.bubble)
         out.bubble_source = "simulator"

@@ -130,15 +130,25 @@ def group_size(layout: Layout, group: str) -> int:
 
 # -- per dimension ------------------------------------------------------------------------------------
 def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
+    if L.tp == 1:
+        return
+    rng = layout_layers(model, L)[stage]
+    moe = sum(1 for i in rng if model.is_moe_layer(i))
+    _tp_layer_flows(f, model, L, w, len(rng), moe, stage == 0, stage == L.pp - 1, m, T)
+    _moe_sequence_flows(f, model, L, w, moe, m, 2 if L.recompute == "full" else 1)
+
+
+def _tp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers: int, moe: int, first: bool,
+                    last: bool, m: int, T: float) -> None:
+    """The tp collectives of a stage holding `n_layers` layers (`moe` of them MoE), the embedding when
+    `first`, the head and cross-entropy when `last`."""
     t = L.tp
     if t == 1:
         return
     e, h = w.act_bytes, model.hidden
     act = T * h * e
-    rng = layout_layers(model, L)[stage]
     fwd_passes = 2 if L.recompute == "full" else 1
-    moe = sum(1 for i in rng if model.is_moe_layer(i))
-    regions = 2 * len(rng) - moe                       # attention and dense MLP; an MoE layer has none
+    regions = 2 * n_layers - moe                       # attention and dense MLP; an MoE layer has none
     per_layer_fwd = regions * fwd_passes * m           # one g per region per micro-batch (and recompute)
     per_layer_bwd = regions * m                        # one f
     if L.seq_parallel:
@@ -148,13 +158,13 @@ def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
         f.add("tp", "all_reduce", "tp", t, act, per_layer_fwd + per_layer_bwd)
         if moe:  # EP x TP: each rank's sequences' outputs all-gathered (and the input gradient, backward)
             f.add("tp", "all_gather", "tp", t, act, (fwd_passes + 1) * m * moe)
-    if stage == 0:  # vocab-parallel embedding: g forward (SP: reduce-scatter forward, all-gather backward)
+    if first:  # vocab-parallel embedding: g forward (SP: reduce-scatter forward, all-gather backward)
         if L.seq_parallel:
             f.add("tp", "reduce_scatter", "tp", t, act, m)
             f.add("tp", "all_gather", "tp", t, act, m)
         else:
             f.add("tp", "all_reduce", "tp", t, act, m)
-    if stage == L.pp - 1:  # head input: f (SP: all-gather forward, reduce-scatter backward); CE reductions
+    if last:  # head input: f (SP: all-gather forward, reduce-scatter backward); CE reductions
         if L.seq_parallel:
             f.add("tp", "all_gather", "tp", t, act, m)
             f.add("tp", "reduce_scatter", "tp", t, act, m)
@@ -162,7 +172,6 @@ def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
             f.add("tp", "all_reduce", "tp", t, act, m)
         f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, m)          # max logit
         f.add("tp", "all_reduce", "tp", t, 2 * T * w.master_bytes, m)      # sum of exp, target logit
-    _moe_sequence_flows(f, model, L, w, moe, m, fwd_passes)
 
 
 def _moe_sequence_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int, m: int, passes: int) -> None:
@@ -241,10 +250,17 @@ def _tp_sync_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: in
 def _cp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
     """Ulysses all-to-alls over its degree u and ring sends over its degree r (u·r = cp; see
     `rules.cp_degrees`: hybrid runs both, Ulysses inside each ring rank's u contiguous ranks)."""
+    if L.cp > 1:
+        _cp_layer_flows(f, model, L, w, len(layout_layers(model, L)[stage]), m, T)
+
+
+def _cp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers: int, m: int, T: float,
+                    ring: bool = True, ulysses: bool = True) -> None:
+    """`_cp_flows` for a stage of `n_layers` layers; without `ring` the Ulysses all-to-alls only, without
+    `ulysses` the ring sends only."""
     if L.cp == 1:
         return
     e = w.act_bytes
-    n_layers = len(layout_layers(model, L)[stage])
     fwd_passes = 2 if L.recompute == "full" else 1
     u, r = cp_degrees(L.cp_mode, L.cp, model.heads, L.tp, L.ulysses)
     kv_split = L.tp if model.mla else min(L.tp, model.kv_heads)
@@ -253,12 +269,12 @@ def _cp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
         # K/V heads a tp rank holds, repeated to lcm(heads, u) when u does not divide them (context.py)
         kh = max(model.kv_heads // L.tp, 1)
         kv *= lcm(kh, u) // kh
-    if u > 1:
+    if u > 1 and ulysses:
         q = T * model.q_width / L.tp * e
         o = T * model.attn_out_width / L.tp * e
         for msg in (q, kv / 2, kv / 2, o):  # q, k, v forward in; output back (and their gradients)
             f.add("cp", "all_to_all", "cp", u, msg, (fwd_passes + 1) * m * n_layers)
-    if r > 1:  # after Ulysses a ring rank's block holds u times the tokens and 1/u of the heads: same bytes
+    if r > 1 and ring:  # after Ulysses a ring rank's block holds u times the tokens and 1/u of the heads: same bytes
         sends = (r - 1) * m * n_layers * (fwd_passes + 2)   # K,V forward; K,V and dK,dV backward
         f.add("cp", "send", "cp", r, kv, sends)
         f.add("cp", "recv", "cp", r, kv, sends)
@@ -268,7 +284,13 @@ def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     if not model.moe or L.ep == 1:
         return
     rng = layout_layers(model, L)[stage]
-    moe = sum(1 for i in rng if model.is_moe_layer(i))
+    _ep_layer_flows(f, model, L, w, sum(1 for i in rng if model.is_moe_layer(i)), m, T)
+
+
+def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int, m: int, T: float) -> None:
+    """The expert all-to-alls of a stage holding `moe` MoE layers."""
+    if not model.moe or L.ep == 1 or not moe:
+        return
     fwd_passes = 2 if L.recompute == "full" else 1
     # GShard capacity: each expert's buffer holds C rows per sequence, zero-padded (rules.moe_capacity,
     # the runtime's rule); dropless routing is planned as perfectly balanced (k rows per token)
@@ -369,10 +391,46 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
     return f.list()
 
 
+def layer_flows(model: PlanModel, layout: Layout, work: Workload, n_layers: int, moe: int, first: bool, last: bool,
+                m: int = 1, dims: tuple[str, ...] = ("tp", "cp", "ep")) -> list[Flow]:
+    """The rows inside the layers that no overlap hides, for `m` micro-batches on a stage holding `n_layers`
+    layers (`moe` of them MoE; the embedding when `first`, the head when `last`): tp collectives, Ulysses
+    all-to-alls and expert all-to-alls, as `stage_flows` counts them. Left out: what may hide or depends on
+    the ZeRO stage (ring sends, the tp gradient sync) and the MoE balance statistics. Calls and bytes are
+    linear in the counts and in m, and in the micro-batch size at a fixed number of sequences per step
+    (except the dropless token counts, which fall with it): search.py's lower bound on step time. `dims`:
+    the dimensions to list."""
+    L, f = layout, Flows()
+    T = L.micro_batch * work.seq / L.cp
+    if "tp" in dims:
+        _tp_layer_flows(f, model, L, work, n_layers, moe, first, last, m, T)
+    if "cp" in dims:
+        _cp_layer_flows(f, model, L, work, n_layers, m, T, ring=False)
+    if "ep" in dims:
+        _ep_layer_flows(f, model, L, work, moe, m, T)
+    return f.list()
+
+
+def ring_flows(model: PlanModel, layout: Layout, work: Workload, n_layers: int, m: int = 1) -> list[Flow]:
+    """The ring-attention sends (and their receives) of `m` micro-batches through `n_layers` layers."""
+    L, f = layout, Flows()
+    T = L.micro_batch * work.seq / L.cp
+    if L.cp > 1:
+        _cp_layer_flows(f, model, L, work, n_layers, m, T, ulysses=False)
+    return f.list()
+
+
 # -- where the groups land ----------------------------------------------------------------------------
 def group_block(layout: Layout, group: str, order: str | None = None) -> int:
     """Span of consecutive ranks that holds one group whole (`fivefold.grid.group_block`)."""
-    return grid.group_block(layout, group, order or layout.order)
+    L = layout
+    return group_block_of(L.tp, L.pp, L.dp, L.cp, L.ep, group, order or L.order)
+
+
+@lru_cache(maxsize=65536)
+def group_block_of(tp: int, pp: int, dp: int, cp: int, ep: int, group: str, order: str) -> int:
+    """`group_block` from the degrees (cached)."""
+    return grid.group_block(Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), group, order)
 
 
 def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None = None) -> list[Flow]:

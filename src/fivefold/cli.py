@@ -1,8 +1,9 @@
-"""Command line: `fivefold train | export | plan | schedule`.
+"""Command line: `fivefold train | export | calibrate | plan | schedule`.
 
     fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --cp-mode --ep --zero ...] [--steps K] [--out DIR]
                    [--resume auto|DIR] [--overwrite]
-    fivefold export RUN_OR_CHECKPOINT FILE.safetensors
+    fivefold export RUN_OR_CHECKPOINT FILE.safetensors [--hf]
+    fivefold calibrate [--nproc N] [--out local.toml] [--quick]
     fivefold plan --model llama3-8b --gpus 64 --topology dgx-h100 [--tp --pp --dp ...] [--json]
     fivefold schedule --pp 4 --microbatches 8 --schedule 1f1b [--vpp V] [--out F.svg]
 """
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_train_args(sub.add_parser("train", help="train a model (embedded default when no config)"))
     add_export_args(sub.add_parser("export", help="write a checkpoint's whole weights to one safetensors file"))
+    from .calibrate import add_calibrate_args, cmd_calibrate
+    add_calibrate_args(sub.add_parser("calibrate", help="measure this machine and write a topology TOML for plan"))
     from .parallel.pipeline.cli_schedule import add_schedule_args, cmd_schedule
     add_schedule_args(sub.add_parser("schedule", help="simulate and draw a pipeline schedule"))
     from .plan.cli import add_plan_args, cmd_plan
@@ -199,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.cmd == "export":
             return cmd_export(args)
+        if args.cmd == "calibrate":
+            return cmd_calibrate(args)
         if args.cmd == "schedule":
             return cmd_schedule(args)
         if args.cmd == "plan":

@@ -114,6 +114,21 @@ class AllToAllCount:
         return {self.dim: self.sent}
 
 
+class LedgerCount:
+    """Bytes this rank sent between start and stop, by ledger dimension (our side of a race: every
+    collective of ours goes through the ledger)."""
+
+    def __init__(self, ledger):
+        self.ledger = ledger
+
+    def start(self) -> None:
+        self.snap = self.ledger.snapshot()
+
+    def stop(self) -> dict:
+        new = self.ledger.since(self.snap)
+        return {d: new.total(d) for d in sorted({r["dim"] for r in new.rows()})}
+
+
 def measured_first_step(step, counter) -> dict:
     """Run the first step while counting what autograd saves (activation peak) and what `counter`
     (AllToAllCount, or our ledger's) sends; the loss is summed over the ranks (each holds its share of

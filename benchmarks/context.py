@@ -38,7 +38,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from common import BENCH_MODEL, AllToAllCount, best_of_rounds, peak_rss_mb, measured_first_step, sum_grads, time_steps
+from common import BENCH_MODEL, AllToAllCount, LedgerCount, best_of_rounds, peak_rss_mb, measured_first_step, sum_grads, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,15 +92,7 @@ def ours_core(model, rank, world, x, y, seq, batch):
     cp.apply(model)
     x, y = cp.shard_batch(x, y)
 
-    class LedgerCount:   # bytes this rank sent per step, by ledger dimension
-        def start(self):
-            self.snap = ledger.snapshot()
-
-        def stop(self):
-            new = ledger.since(self.snap)
-            return {d: new.total(d) for d in sorted({r["dim"] for r in new.rows()})}
-
-    return x, y, cp.positions, lambda flat: comm.all_reduce(flat, mesh["dp_cp"]), LedgerCount()
+    return x, y, cp.positions, lambda flat: comm.all_reduce(flat, mesh["dp_cp"]), LedgerCount(ledger)
 
 
 def deepspeed_core(model, rank, world, x, y, seq, batch):

@@ -62,7 +62,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from common import BENCH_MODEL, AllToAllCount, best_of_rounds, peak_rss_mb, measured_first_step, sum_grads, time_steps
+from common import BENCH_MODEL, AllToAllCount, LedgerCount, best_of_rounds, peak_rss_mb, measured_first_step, sum_grads, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE = dict(experts=8, top_k=2, moe_ffn=512, router="softmax_topk_norm")
@@ -130,15 +130,7 @@ def ours_ep(model, rank, world, mcfg):
     mesh = ParallelMesh(cfg.parallel, rank, ledger)
     ExpertParallelism(mesh, cfg).apply(model)
 
-    class LedgerCount:   # bytes this rank sent per step, by ledger dimension
-        def start(self):
-            self.snap = ledger.snapshot()
-
-        def stop(self):
-            new = ledger.since(self.snap)
-            return {d: new.total(d) for d in sorted({r["dim"] for r in new.rows()})}
-
-    return lambda flat: comm.all_reduce(flat, mesh["dp"]), LedgerCount()
+    return lambda flat: comm.all_reduce(flat, mesh["dp"]), LedgerCount(ledger)
 
 
 def deepspeed_ep(model, rank, world, mcfg):

@@ -54,3 +54,9 @@ TOL = {"fp32": FP32, "fp64": FP64}
 def run_jobs(rank, world, jobs):
     """Several (name, fn, args) jobs in one spawn (process start-up is the slow part): name -> result."""
     return {name: fn(rank, world, *args) for name, fn, args in jobs}
+
+
+def spawn_jobs(world: int, jobs: list, timeout_s: float = 400) -> dict:
+    """`run_jobs` on `world` fresh ranks: job name -> the list of every rank's result, in rank order."""
+    per_rank = ranks(run_jobs, world, jobs, timeout_s=timeout_s)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}

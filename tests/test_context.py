@@ -17,7 +17,7 @@ from fivefold.model.transformer import attention_core
 from fivefold.parallel.context import ContextAttention, token_indices
 from fivefold.train.trainer import Trainer
 
-from .helpers import TOL, assert_states_close, ranks, run_jobs, tiny_config
+from .helpers import TOL, assert_states_close, spawn_jobs, tiny_config
 from .test_data_parallel import reference, run_steps
 
 # name -> (world, parallel degrees[, model fields]); tiny model: 4 heads, 2 KV heads, seq 32, 2 layers.
@@ -111,8 +111,7 @@ def activation_peak(rank, world, cp, seq):
 def spawn(world, extra=()):
     jobs = [(n, run_steps, (case_config(n).to_dict(),)) for n, case in CASES.items() if case[0] == world]
     jobs.append(("attention", attention_alone, (ATTENTION,)))
-    per_rank = ranks(run_jobs, world, jobs + list(extra), timeout_s=400)
-    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+    return spawn_jobs(world, jobs + list(extra))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from fivefold.mesh import ParallelMesh
 from fivefold.model.moe import Experts, LocalDispatch
 from fivefold.parallel.expert import AllToAllDispatch, regroup
 
-from .helpers import TOL, assert_states_close, ranks, run_jobs, tiny_config
+from .helpers import TOL, assert_states_close, ranks, spawn_jobs, tiny_config
 from .test_data_parallel import reference, run_steps
 
 MOE = dict(experts=4, top_k=2, moe_ffn=64)
@@ -88,8 +88,7 @@ def test_regroup_orders_rows_by_expert():
 def spawn(world):
     jobs = [(n, run_steps, (case_config(n).to_dict(),)) for n, case in CASES.items() if case[0] == world]
     jobs.append(("dispatch", dispatcher_alone, ()))
-    per_rank = ranks(run_jobs, world, jobs, timeout_s=400)
-    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+    return spawn_jobs(world, jobs)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from fivefold.parallel.pipeline import build_schedule, partition_layers
 from fivefold.parallel.pipeline.runtime import PipelineRuntime, Stage, stage_names
 from fivefold.train.trainer import Trainer
 
-from .helpers import TOL, assert_states_close, ranks, run_jobs, tiny_config
+from .helpers import TOL, assert_states_close, spawn_jobs, tiny_config
 from .test_data_parallel import reference, run_steps
 
 
@@ -114,8 +114,7 @@ def train_run(rank, world, cfg_dict, out):
 
 def spawn(world, extra=()):
     jobs = [(n, run_steps, (case_config(n).to_dict(),)) for n, (w, _) in CASES.items() if w == world]
-    per_rank = ranks(run_jobs, world, jobs + list(extra), timeout_s=400)
-    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+    return spawn_jobs(world, jobs + list(extra))
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,9 @@ CASES = {
     "pp2_dp2_zero2_interleaved": (4, dict(pp=2, dp=2, zero=2, schedule="interleaved", vpp=2, microbatches=2,
                                           layers=4, bucket_mb=0.05)),
     "pp2_dp2_zero3_1f1b_full": (4, dict(pp=2, dp=2, zero=3, microbatches=2, recompute="full")),
+    "pp2_dp2_zero2_each_interleaved": (4, dict(pp=2, dp=2, zero=2, reduce_each_microbatch=True, schedule="interleaved",
+                                               vpp=2, microbatches=2, layers=4)),   # shards accumulate
+    "pp2_dp2_zero3_each": (4, dict(pp=2, dp=2, zero=3, reduce_each_microbatch=True, microbatches=4)),
     "pp2_tp2_sp_interleaved": (4, dict(pp=2, tp=2, sp_mode="megatron", schedule="interleaved", vpp=2,
                                        microbatches=2, layers=4)),        # boundaries carry s/tp tokens
     # 8 ranks: pipeline x tensor x data parallel with ZeRO-1
@@ -106,6 +109,53 @@ def with_micro_batch_group(rank, world, cfg_dict, group, steps=3):
             "reordered": pipe.runtime.actions != default}
 
 
+OVERLAP_CASES = {   # 4 ranks, pp2 x dp2, small buckets so a stage has several
+    "ddp": dict(pp=2, dp=2, microbatches=4, bucket_mb=0.02),
+    "zero1_zb": dict(pp=2, dp=2, zero=1, schedule="zb", microbatches=4, bucket_mb=0.02),
+    "zero2_interleaved": dict(pp=2, dp=2, zero=2, schedule="interleaved", vpp=2, microbatches=2, layers=4,
+                              bucket_mb=0.02),
+    "zero3": dict(pp=2, dp=2, zero=3, microbatches=4),
+}
+
+
+def reductions_in_schedule(rank, world, cases, steps=2):
+    """Per case: dp reductions launched by the end of the step's first final backward (a chunk's last
+    weight-gradient action) and in the whole step, and whether the state equals that of
+    parallel.overlap_grad_reduce off (reduce after the schedule) bit for bit."""
+    out = {}
+    for name, d in cases.items():
+        states = []
+        for overlap in (True, False):
+            c = cfg(**d)
+            c.parallel.overlap_grad_reduce = overlap
+            tr = Trainer(c, rank, world, quiet=True)
+            marks, final = [], []
+
+            def calls():
+                return sum(r["calls"] for r in tr.ledger.rows() if r["dim"] == "dp"
+                           and r["op"] in ("all_reduce", "reduce_scatter"))
+
+            def sync(enabled, set_sync=tr.engine.set_sync):
+                set_sync(enabled)
+                if enabled:
+                    final.append(True)
+                elif final:
+                    marks.append(calls())
+            tr.engine.set_sync = sync
+            before = calls()
+            tr.step(0)
+            total = calls() - before
+            during = marks[0] - before if marks else 0
+            for k in range(1, steps):
+                tr.step(k)
+            states.append(tr.full_state()["model"])
+            if overlap:
+                got = {"during": during, "total": total}
+        got["same"] = all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+        out[name] = got
+    return out
+
+
 def train_run(rank, world, cfg_dict, out):
     """A whole `fivefold train` run (writes metrics, comm, checkpoint, pipeline.json/svg on rank 0)."""
     Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True).run(out)
@@ -134,7 +184,7 @@ def two(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four():
-    return spawn(4)
+    return spawn(4, [("overlap", reductions_in_schedule, (OVERLAP_CASES,))])
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +300,18 @@ def test_zero_under_pipeline_reduces_once_per_step(name, two, four):
                 assert got["all_gather"] == per_use * p.microbatches * blocks + 1
             else:
                 assert got["all_gather"] == units                   # the parameters, after the step
+
+
+@pytest.mark.parametrize("name", list(OVERLAP_CASES))
+def test_gradient_reduction_overlaps_the_schedule(name, four):
+    """With parallel.overlap_grad_reduce (the default) a chunk's buckets or units are reduced as soon as
+    its last backward has run, while the schedule goes on (stage 1 drains stage 0's backwards; stage 0
+    runs its own); only the tied embedding's, summed over the copies first, wait for the end. The
+    result is bit for bit the result of reducing after the schedule."""
+    for r in four["overlap"]:
+        got = r[name]
+        assert got["same"]
+        assert 0 < got["during"] < got["total"], got   # the held (tied) one waits; the rest went early
 
 
 @pytest.mark.parametrize("name", ["pp2_gpipe", "pp4_zb", "pp2_tp2_dp2_zero1", "pp2_zero3_interleaved"])

@@ -10,8 +10,8 @@ import pytest
 from fivefold.comm import volume
 from fivefold.config import ConfigError
 from fivefold.plan.estimate import estimate
-from fivefold.plan.layout import Layout, Workload, check, from_config
-from fivefold.plan.memory import layer_acts, layer_rank_params, stage_activations
+from fivefold.plan.layout import Layout, Workload, check, from_config, microbatches
+from fivefold.plan.memory import layer_acts, layer_rank_params, stage_activations, stage_memory
 from fivefold.plan.models import PRESETS
 from fivefold.plan.time import (chunk_first_use, chunk_ready, ep_exposed, gather_delay, reduction_end,
                                 stage_flops, stage_grad_exposed)
@@ -132,17 +132,41 @@ def test_llama3_405b_reduction_hides_in_the_drain():
 
 
 def test_from_config_plans_what_the_runtime_does():
-    """The runtime reduces in its accumulation dtype, after the stage's schedule under a pipeline, and
-    gathers ZeRO-1/2 parameters after the step."""
+    """The runtime reduces in its accumulation dtype, each chunk's buckets after its last backward under
+    a pipeline (parallel.overlap_grad_reduce; off: after the stage's schedule), and gathers ZeRO-1/2
+    parameters after the step."""
     cfg = tiny_config(pp=2, dp=2, zero=1, microbatches=2)
     cfg.train.dtype = "bf16"
     lay, w = from_config(cfg)
-    assert w.reduce_bytes == 4 and not lay.overlap_grad_reduce and not lay.overlap_param_gather
+    assert w.reduce_bytes == 4 and lay.overlap_grad_reduce and not lay.overlap_param_gather
+    cfg.parallel.overlap_grad_reduce = False
+    lay, _ = from_config(cfg)
+    assert not lay.overlap_grad_reduce
     cfg.train.main_grads_fp32 = False
     _, w = from_config(cfg)
     assert w.reduce_dtype == "bf16" and w.grad_bytes == 2 and w.reduce_bytes == 2
     lay, _ = from_config(tiny_config(dp=2))
     assert lay.overlap_grad_reduce            # without a pipeline the runtime's buckets overlap the backward
+    lay, _ = from_config(tiny_config(pp=2, dp=2, zero=2, microbatches=2, reduce_each_microbatch=True))
+    assert lay.reduce_each_microbatch
+
+
+def test_reduce_each_microbatch_trades_gradient_memory_for_traffic():
+    """ZeRO-2 under a pipeline: accumulating the full gradient costs g·G of buffers and one reduce-scatter
+    per unit; reducing every micro-batch keeps only shards and block-sized buffers, for m times the
+    bytes of every unit but the held (tied) root. ZeRO-1 cannot: it keeps full gradients by definition."""
+    w = Workload(seq=4096, global_batch=64)
+    once = Layout(pp=4, dp=8, zero=2, micro_batch=1)
+    each = replace(once, reduce_each_microbatch=True)
+    m = microbatches(once, w)
+    for stage in (0, 1):
+        a, b = stage_memory(LLAMA8, once, w, stage), stage_memory(LLAMA8, each, w, stage)
+        assert b["buffers"] < a["buffers"] / (1 if stage == 0 else 2) and b["grads"] == a["grads"]   # 0: embedding
+        rs = {lay.reduce_each_microbatch: sum(f.bytes_sent for f in stage_flows(LLAMA8, lay, w, stage)
+                                               if f.op == "reduce_scatter") for lay in (once, each)}
+        assert rs[True] / rs[False] == pytest.approx(m, rel=0.02)   # Llama 3 8B is untied: nothing held
+    with pytest.raises(ConfigError, match="reduce_each_microbatch"):
+        check(LLAMA8, replace(each, zero=1), w)
 
 
 def test_mechanism_options_are_checked():

@@ -48,6 +48,10 @@ LAYOUTS = [
     (dict(pp=2, dp=2, zero=2, schedule="interleaved", vpp=2, microbatches=2, bucket_mb=0.05), "fp32",
      dict(layers=4)),                                                      # ZeRO-2 under pp: reduced once per step
     (dict(pp=2, dp=2, zero=3, microbatches=2), "bf16"),                    # ZeRO-3 under pp: 2m gathers per block
+    (dict(pp=2, dp=2, zero=2, reduce_each_microbatch=True, schedule="interleaved", vpp=2, microbatches=2), "fp32",
+     dict(layers=4)),                                                      # a reduce-scatter per micro-batch and block
+    (dict(pp=2, dp=2, zero=3, reduce_each_microbatch=True, microbatches=2), "bf16",
+     dict(tie_embeddings=False)),                                          # untied: the root too, every micro-batch
     (dict(pp=2, dp=2, zero=3, microbatches=2, partition="llama3"), "fp32", dict(layers=5)),  # root once per step
     (dict(dp=2, ep=2), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # EP padded buffers
     (dict(dp=2, ep=2, fp8_dispatch=True), "bf16", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # fp8

@@ -142,6 +142,8 @@ class ParallelConfig:
     vpp: int = 1
     microbatch_group: int = 0            # interleaved: micro-batches per group N, pp <= N <= microbatches (0: pp)
     bucket_mb: float = 25.0
+    overlap_grad_reduce: bool = True     # pp: reduce a chunk's gradients after its last backward (False: at the end)
+    reduce_each_microbatch: bool = False  # ZeRO-2/3 under pp: reduce-scatter every micro-batch, keep only the shard
     reshard_after_forward: bool = True   # ZeRO-3: free gathered params after forward (False: keep them)
     partition: str = "even"              # layers to pipeline stages: even | llama3 | counts "3,5,5,3"
 
@@ -230,6 +232,7 @@ class Config:
         rules.check_microbatches(p.schedule, p.pp, p.microbatches)
         if p.microbatch_group and p.schedule == "interleaved":
             rules.check_microbatch_group(p.pp, p.microbatches, p.microbatch_group)
+        rules.check_reduce_each_microbatch(p.reduce_each_microbatch, p.zero)
         rules.check_context_parallel(p.cp_mode, p.cp, p.tp, m.heads, t.seq_len, p.ulysses)
         rules.check_expert_parallel(p.ep, p.dp, p.cp, m.experts)
         return self

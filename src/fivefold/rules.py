@@ -374,6 +374,19 @@ def check_microbatch_group(pp: int, microbatches: int, group: int) -> int:
     return n
 
 
+def block_units(zero: int, pp: int, reduce_each_microbatch: bool) -> bool:
+    """Whether ZeRO's flat units are whole blocks plus a root unit (embedding, final norm, head) rather
+    than buckets of bucket_mb: ZeRO-3 (a block is gathered as a whole), and ZeRO-2 under a pipeline that
+    reduce-scatters every micro-batch (a unit must lie inside one chunk, whose backward completes it)."""
+    return zero >= 3 or (zero == 2 and pp > 1 and reduce_each_microbatch)
+
+
+def check_reduce_each_microbatch(reduce_each_microbatch: bool, zero: int) -> None:
+    if reduce_each_microbatch and zero < 2:
+        raise ConfigError(f"reduce_each_microbatch shards gradients, so it needs zero 2 or 3 (got zero {zero}); "
+                          "valid: zero=2, zero=3, or reduce_each_microbatch=false")
+
+
 def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:
     """1F1B-like schedules keep pp micro-batches in flight to fill the pipeline; GPipe runs any number."""
     if pp > 1 and schedule != "gpipe" and microbatches < pp:

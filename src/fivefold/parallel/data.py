@@ -14,7 +14,8 @@ How it works here:
   Within a group buckets are launched strictly in index order, so every rank of the group issues the
   same collectives in the same order.
 - Gradient accumulation: with `set_sync(False)` (every micro-batch but the last) hooks only accumulate;
-  no byte is sent until the last micro-batch.
+  no byte is sent until the last micro-batch. Under a pipeline sync is on for each chunk's last backward
+  (engine.py), so a chunk's buckets go while the schedule still runs; tied copies wait for the end.
 - When compute is fp32, autograd accumulates directly into the bucket view (no copy). When compute is
   bf16, the gradient buffer is fp32: the hook adds the bf16 gradient into it and frees it ("main grads").
 - `end_backward()` launches buckets still pending (parameters that got no gradient); `finish()` waits.
@@ -34,7 +35,7 @@ from torch import nn
 from .. import comm, rules
 from ..comm import Group
 from ..shapes import bucket_ranges
-from .engine import counted, nbytes, reduce_partitions, unique_params
+from .engine import backward_order, counted, held, nbytes, reduce_partitions, unique_params
 from .placement import by_group
 
 __all__ = ["Bucket", "DataParallel", "DataParallelOptimizer", "bucketize", "unique_params"]
@@ -79,7 +80,7 @@ class DataParallel:
         self.grad_dtype = grad_dtype
         itemsize = torch.empty((), dtype=grad_dtype).element_size()
         device = self.params[0].device if self.params else None
-        self.partitions = reduce_partitions(list(reversed(self.params)), groups)
+        self.partitions = reduce_partitions(backward_order(self.params), groups)
         self.lanes = [[Bucket(ps, group, grad_dtype, device) for ps in bucketize(members, int(bucket_mb * 2**20), itemsize)]
                       for group, members in self.partitions]   # one ordered lane of buckets per group
         self.buckets = [b for lane in self.lanes for b in lane]
@@ -101,7 +102,7 @@ class DataParallel:
             # bf16 compute: add into the fp32 main grad and free the low-precision one
             p.main_grad.add_(p.grad)
             p.grad = None if p.dtype != self.grad_dtype else p.main_grad
-        if not self._sync:
+        if not self._sync or held(p):
             return
         bucket = self.bucket_of[p]
         bucket.pending.discard(p)

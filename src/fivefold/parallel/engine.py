@@ -12,8 +12,14 @@ partition over its own group; buckets and ZeRO units never mix groups. One step,
     ... sum partial gradients (placement.partial), norm over engine.norm_group, clip ...
     engine.step(lr); engine.zero_grad()
 
-A pipeline runs every micro-batch's backward with `set_sync(False)`, sums tied copies' local gradients
-(`local_grad`), then calls `set_sync(True)` and `end_backward()` once to reduce everything.
+A pipeline runs every micro-batch's backward with `set_sync(False)`, except each chunk's last backward
+(the one after which its weights' gradients are final), which runs with `set_sync(True)`: the buckets and
+units that backward completes are reduced at once, overlapped with the rest of the schedule (the drain,
+other chunks' backwards), as Megatron's overlap_grad_reduce does. A bucket that spans two chunks goes when
+the second is final. Tied copies (`placement.tied`) are *held*: their buckets wait until the schedule is
+over, the copies' local gradients are summed (`local_grad`), and `set_sync(True)` + `end_backward()`
+reduce them with whatever got no gradient. Held parameters come last in the backward order
+(`backward_order`) so they never block a lane.
 """
 from __future__ import annotations
 
@@ -55,6 +61,18 @@ def unique_params(module: nn.Module) -> list[nn.Parameter]:
             seen.add(id(p))
             out.append(p)
     return out
+
+
+def held(p: nn.Parameter) -> bool:
+    """A tied copy's gradient is final only after the copies' sum, which follows the whole backward."""
+    return placement_of(p).tied is not None
+
+
+def backward_order(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """Parameters in the order backward makes their gradients final: reverse registration order, with
+    held (tied) parameters last, since they are reduced only at the step's end."""
+    rev = list(reversed(params))
+    return [p for p in rev if not held(p)] + [p for p in rev if held(p)]
 
 
 def reduce_partitions(params: list[nn.Parameter], groups: Mapping[str, Group]) -> list[tuple[Group, list]]:

@@ -131,9 +131,11 @@ class PipelineParallelism:
 
     def forward_backward(self, model: nn.Module, loss_sum: LossSum, engine: Engine, micro_batches: list,
                          n_tokens: int, positions=None) -> torch.Tensor:
-        """Every micro-batch's forward and backward by the schedule, gradients accumulating locally; then
-        the tied copies' gradients are summed (dim "embed") and the engine reduces once."""
+        """Every micro-batch's forward and backward by the schedule, gradients accumulating locally and
+        each chunk's reduced after its last backward (`parallel.overlap_grad_reduce`; engine.py); then the
+        tied copies' gradients are summed (dim "embed") and the engine reduces what is left."""
         self.runtime.loss_fn = loss_sum
+        self.runtime.sync = engine.set_sync if self.cfg.parallel.overlap_grad_reduce else None
         engine.set_sync(False)
         loss_local = self.runtime.run(micro_batches, n_tokens, positions)
         sum_tied_grads(engine, self.mesh)

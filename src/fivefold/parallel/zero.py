@@ -31,8 +31,10 @@ reshard_after_forward).
 Under a pipeline (`pipeline=True`) a stage's micro-batch backwards are spread over the whole step and
 interleaved with other micro-batches' forwards, so stages 2 and 3 do what FSDP does under
 torch.distributed.pipelining: gradients accumulate unsharded in the unit's buffer from the first
-micro-batch's backward and each unit is reduce-scattered once, when the step's backward is over
-(the bytes of stage 1; the full gradient lives only during the backward phase, not between steps).
+micro-batch's backward and each unit is reduce-scattered once (the bytes of stage 1; the full gradient
+lives only during the backward phase, not between steps): as soon as the last backward of the chunks it
+belongs to has run (engine.py; overlapped with the rest of the schedule), or at the step's end when the
+unit holds a tied copy or `overlap_grad_reduce` is off.
 Stage 3 then gathers a block before each forward and each backward it runs (2m all-gathers per block
 per step, 3m with full recompute), frees it after, and keeps the root unit gathered for the step.
 
@@ -50,7 +52,7 @@ from .. import comm, rules
 from ..comm import Group
 from ..shapes import padded, segments
 from .data import bucketize
-from .engine import counted, nbytes, reduce_partitions, unique_params
+from .engine import backward_order, counted, held, nbytes, reduce_partitions, unique_params
 
 # Reduce-scatters in flight before the oldest is waited for and folded into its shard: enough to
 # overlap one with the next unit's backward, few enough to bound the temporary buffers.
@@ -102,8 +104,10 @@ class ShardedOptimizer:
 
     def __init__(self, model: nn.Module, groups: Mapping[str, Group], make_optimizer,
                  master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
-                 pipeline: bool = False):
+                 pipeline: bool = False, reduce_each_microbatch: bool = False):
         self.model, self.pipeline = model, pipeline
+        rules.check_reduce_each_microbatch(reduce_each_microbatch, self.stage)
+        self.block_units = rules.block_units(self.stage, 2 if pipeline else 1, reduce_each_microbatch)
         self.params = unique_params(model)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.norm_group = groups[rules.grad_norm_group(self.stage)]   # shards differ on every rank
@@ -112,13 +116,15 @@ class ShardedOptimizer:
         self.master_dtype = master_dtype
         self.grad_dtype = grad_dtype or master_dtype
         # stage 1 always, stages 2/3 under a pipeline: gradients accumulate unsharded until the sync
-        self.keeps_full_grads = self.stage == 1 or pipeline
+        # (unless reduce_each_microbatch: then, as outside a pipeline, only the shard accumulates)
+        self.keeps_full_grads = self.stage == 1 or (pipeline and not reduce_each_microbatch)
         self._sync = True
         self._inflight: list = []   # (unit, handle, reduced shard, source) not yet folded in
         self._hooks = []
         self.units = self.make_units(groups)
         for j, u in enumerate(self.units):
             u.pos = j
+            u.held = pipeline and any(held(p) for p in u.params)   # reduced once, after the tied sum
         self.unit_of = {p: u for u in self.units for p in u.params}
         self.param_shards, self.master_shards = [], []
         self.build_storage()
@@ -141,6 +147,35 @@ class ShardedOptimizer:
     def build_storage(self) -> None:
         raise NotImplementedError
 
+    def block_unit_list(self, groups) -> list[Unit]:
+        """Units that are whole modules (`rules.block_units`): a "slot" per module that runs as a whole
+        (root, then each block), a unit per reduce group in it."""
+        self.slots: list[list[Unit]] = []
+        for name, params, _ in self.modules_to_gather():
+            slot = []
+            for group, ps in reduce_partitions(params, groups):
+                slot.append(Unit(name, ps, [self.names[id(p)] for p in ps], group))
+            self.slots.append(slot)
+        return [u for slot in self.slots for u in slot]
+
+    def modules_to_gather(self) -> list[tuple[str, list[nn.Parameter], list[nn.Module]]]:
+        """(name, parameters, modules whose forward needs them): 'root' (everything outside the blocks;
+        hooked on the model, or under a pipeline on each module holding root parameters), then one
+        entry per block of `model.layers` (a ModuleList, or a pipeline stage's ModuleDict)."""
+        blocks, in_blocks = [], set()
+        layers = getattr(self.model, "layers", nn.ModuleList())
+        for key, block in layers.named_children():
+            params = [p for p in unique_params(block)]
+            blocks.append((f"layers.{key}", params, [block]))
+            in_blocks.update(id(p) for p in params)
+        root = [p for p in self.params if id(p) not in in_blocks]
+        if self.pipeline:
+            holders = [m for name, m in self.model.named_children() if name != "layers"
+                       and any(id(p) not in in_blocks for p in m.parameters())]
+        else:
+            holders = [self.model]
+        return [("root", root, holders)] + blocks
+
     def _master(self, shard: torch.Tensor) -> torch.Tensor:
         return shard if self.master_dtype == self.param_dtype else shard.to(self.master_dtype)
 
@@ -161,7 +196,7 @@ class ShardedOptimizer:
         u.grad_view(p).add_(p.grad)
         p.grad = None
         self.after_grad(u, p)
-        if self.reduces_each_backward or self._sync:
+        if (self.reduces_each_backward or self._sync) and not u.held:
             u.pending.discard(p)
             if not u.pending:
                 self._reduce(u)
@@ -176,6 +211,8 @@ class ShardedOptimizer:
         self._inflight.append((u, handle, tmp, u.grad))
         if self.stage != 1:
             u.grad = None
+        if self.pipeline and self.reduces_each_backward:
+            u.pending = set(u.params)   # the next micro-batch's backward of this chunk starts over
         self.after_reduce(u)
         while len(self._inflight) > MAX_INFLIGHT:
             self._fold(self._inflight.pop(0))
@@ -228,9 +265,9 @@ class ShardedOptimizer:
         """p's accumulated gradient before the reduce-scatter (a view into its unit's full gradient;
         accumulate with sync off, change it, then reduce). Only engines that keep full gradients
         during the step have one: stage 1, and stages 2/3 under a pipeline."""
-        if not self.keeps_full_grads:
-            raise RuntimeError(f"ZeRO-{self.stage} outside a pipeline keeps no full local gradient")
         u = self.unit_of[p]
+        if not (self.keeps_full_grads or u.held):
+            raise RuntimeError(f"ZeRO-{self.stage} reducing every micro-batch keeps no full local gradient")
         self._unit_grad(u)
         return u.grad_view(p)
 
@@ -361,9 +398,11 @@ class Zero12(ShardedOptimizer):
         super().__init__(model, groups, make_optimizer, **kw)
 
     def make_units(self, groups) -> list[Unit]:
+        if self.block_units:
+            return self.block_unit_list(groups)
         itemsize = torch.empty((), dtype=self.grad_dtype).element_size()
         units = []
-        for group, params in reduce_partitions(list(reversed(self.params)), groups):
+        for group, params in reduce_partitions(backward_order(self.params), groups):
             for ps in bucketize(params, int(self.bucket_mb * 2**20), itemsize):
                 units.append(Unit(f"bucket{len(units)}", ps, [self.names[id(p)] for p in ps], group))
         return units
@@ -404,32 +443,7 @@ class Zero3(ShardedOptimizer):
         self._install_hooks()
 
     def make_units(self, groups) -> list[Unit]:
-        """A "slot" per module that runs as a whole (root, then each block), a unit per reduce group."""
-        self.slots: list[list[Unit]] = []
-        for name, params, _ in self.modules_to_gather():
-            slot = []
-            for group, ps in reduce_partitions(params, groups):
-                slot.append(Unit(name, ps, [self.names[id(p)] for p in ps], group))
-            self.slots.append(slot)
-        return [u for slot in self.slots for u in slot]
-
-    def modules_to_gather(self) -> list[tuple[str, list[nn.Parameter], list[nn.Module]]]:
-        """(name, parameters, modules whose forward needs them): 'root' (everything outside the blocks;
-        hooked on the model, or under a pipeline on each module holding root parameters), then one
-        entry per block of `model.layers` (a ModuleList, or a pipeline stage's ModuleDict)."""
-        blocks, in_blocks = [], set()
-        layers = getattr(self.model, "layers", nn.ModuleList())
-        for key, block in layers.named_children():
-            params = [p for p in unique_params(block)]
-            blocks.append((f"layers.{key}", params, [block]))
-            in_blocks.update(id(p) for p in params)
-        root = [p for p in self.params if id(p) not in in_blocks]
-        if self.pipeline:
-            holders = [m for name, m in self.model.named_children() if name != "layers"
-                       and any(id(p) not in in_blocks for p in m.parameters())]
-        else:
-            holders = [self.model]
-        return [("root", root, holders)] + blocks
+        return self.block_unit_list(groups)
 
     @torch.no_grad()
     def build_storage(self) -> None:
@@ -474,7 +488,7 @@ class Zero3(ShardedOptimizer):
             self._free_unit(u)
 
     def after_reduce(self, u: Unit) -> None:
-        if self.reduces_each_backward:
+        if self.reduces_each_backward and not (self.pipeline and u.name == "root"):   # the root stays for the step
             self._free_unit(u)
 
     def after_grad(self, u: Unit, p: nn.Parameter) -> None:
@@ -533,14 +547,16 @@ class Zero3(ShardedOptimizer):
 
 def Zero(model: nn.Module, groups: Mapping[str, Group], stage: int, make_optimizer, bucket_mb: float = 25.0,
          master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
-         reshard_after_forward: bool = True, pipeline: bool = False) -> ShardedOptimizer:
+         reshard_after_forward: bool = True, pipeline: bool = False,
+         reduce_each_microbatch: bool = False) -> ShardedOptimizer:
     """ZeRO stage 1, 2 or 3 for `model`, each parameter over `groups[placement.reduce]`, with AdamW
     (from `make_optimizer(params, decay)`) on this rank's shards.
 
         z = Zero(model, mesh, stage=3, make_optimizer=lambda params, decay: AdamW(params, decay))
         ... the engine protocol (engine.py) ...
     """
-    kw = dict(master_dtype=master_dtype, grad_dtype=grad_dtype, pipeline=pipeline)
+    kw = dict(master_dtype=master_dtype, grad_dtype=grad_dtype, pipeline=pipeline,
+              reduce_each_microbatch=reduce_each_microbatch)
     if stage == 3:
         return Zero3(model, groups, make_optimizer, reshard_after_forward, **kw)
     if stage in (1, 2):

@@ -70,6 +70,9 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                            "--config plans what the runtime does: off under a pipeline)")
     mech.add_argument("--overlap-param-gather", dest="overlap_param_gather", action=argparse.BooleanOptionalAction,
                       help="ZeRO-1/2: gather updated parameters behind the next step's first forwards")
+    mech.add_argument("--reduce-each-microbatch", dest="reduce_each_microbatch", action="store_true",
+                      help="ZeRO-2/3 under a pipeline: reduce-scatter every micro-batch and keep only the gradient "
+                           "shard (FSDP without no_sync) instead of accumulating the full gradient")
     mech.add_argument("--ep-overlap", dest="ep_overlap", action="store_true",
                       help="MoE all-to-alls overlap another micro-batch's compute (DualPipe-style)")
     mech.add_argument("--moe-route-nodes", dest="moe_route_nodes", type=int,
@@ -208,6 +211,7 @@ def mechanism_options(args, layout: Layout) -> dict:
     out = {k: getattr(layout, k) if v is None else v for k, v in pick.items()}
     out["ep_overlap"] = args.ep_overlap or layout.ep_overlap
     out["recompute_norm_mla"] = args.recompute_norm_mla or layout.recompute_norm_mla
+    out["reduce_each_microbatch"] = args.reduce_each_microbatch or layout.reduce_each_microbatch
     return out
 
 

@@ -60,8 +60,11 @@ class Layout:
     bucket_mb: float = 25.0        # DDP / ZeRO-1/2 bucket size (sets where flat buffers are padded)
     reshard_after_forward: bool = True   # ZeRO-3: free gathered parameters after forward (False: keep them)
     overlap_grad_reduce: bool = True     # buckets reduced as each chunk's last backward makes them final
-                                         # (Megatron-Core, FSDP); False: after the stage's schedule ends
-                                         # (the runtime under a pipeline; without one it always overlaps)
+                                         # (Megatron-Core, FSDP; the runtime's parallel.overlap_grad_reduce);
+                                         # False: after the stage's schedule ends (without pp: always on)
+    reduce_each_microbatch: bool = False  # ZeRO-2/3 under pp: reduce-scatter every micro-batch's gradients and
+                                          # accumulate the shard (FSDP without no_sync): 1/d of the gradient
+                                          # kept, m x the traffic; False: accumulate the full gradient, reduce once
     overlap_param_gather: bool = True    # ZeRO-1/2: the updated parameters gathered behind the next step's
                                          # first forwards (Megatron-Core); False: at the step's end (runtime)
     ep_overlap: bool = False             # MoE all-to-alls overlap another micro-batch's compute (DualPipe)
@@ -108,6 +111,8 @@ class Layout:
             parts.append("a2a-overlap")
         if not self.overlap_grad_reduce:
             parts.append("reduce-after")
+        if self.reduce_each_microbatch and self.pp > 1:
+            parts.append("reduce-each-mb")
         if not self.overlap_param_gather and self.zero in (1, 2):
             parts.append("gather-after")
         return " ".join(parts)
@@ -120,7 +125,7 @@ class Layout:
                 "reshard_after_forward": self.reshard_after_forward,
                 "overlap_grad_reduce": self.overlap_grad_reduce, "overlap_param_gather": self.overlap_param_gather,
                 "ep_overlap": self.ep_overlap, "microbatch_group": self.microbatch_group,
-                "recompute_norm_mla": self.recompute_norm_mla}
+                "recompute_norm_mla": self.recompute_norm_mla, "reduce_each_microbatch": self.reduce_each_microbatch}
 
     @property
     def effective_schedule(self) -> str:
@@ -194,11 +199,12 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
                     cp_mode=p.cp_mode, ulysses=p.ulysses, vpp=p.vpp, micro_batch=t.global_batch // (p.dp * p.microbatches), schedule=p.schedule,
                     microbatch_group=p.microbatch_group,
                     recompute=t.recompute, order=p.order, partition=p.partition, bucket_mb=p.bucket_mb,
-                    reshard_after_forward=p.reshard_after_forward)
+                    reshard_after_forward=p.reshard_after_forward, reduce_each_microbatch=p.reduce_each_microbatch)
     # the runtime reduces in the accumulation dtype: fp32 main grads, or the weights' dtype without them
     full = t.main_grads_fp32 or t.dtype in ("fp32", "fp64")
-    # under a pipeline the runtime reduces after the stage's schedule; ZeRO-1/2 gather after the step
-    layout = replace(layout, overlap_grad_reduce=p.pp == 1, overlap_param_gather=False)
+    # the runtime reduces a chunk's buckets after its last backward (pp == 1: the one backward) unless
+    # parallel.overlap_grad_reduce is off; ZeRO-1/2 gather after the step
+    layout = replace(layout, overlap_grad_reduce=p.pp == 1 or p.overlap_grad_reduce, overlap_param_gather=False)
     work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=False,
                     capacity_factor=cfg.model.capacity_factor,   # 0: dropless (balanced routing assumed)
                     fp8_dispatch=cfg.parallel.fp8_dispatch, grad_dtype="fp32" if t.main_grads_fp32 else "param",
@@ -243,7 +249,7 @@ def check_mechanisms(model: PlanModel, layout: Layout, work: Workload) -> None:
     """The mechanism options (docs/plan.md "Mechanisms") take values that mean something."""
     rules.check_choice("reduce_dtype", work.reduce_dtype, ReduceDtype)
     for obj, name in ((layout, "overlap_grad_reduce"), (layout, "overlap_param_gather"), (layout, "ep_overlap"),
-                      (layout, "recompute_norm_mla"), (work, "fp8_gemm"), (work, "fp8_act_cache")):
+                      (layout, "recompute_norm_mla"), (layout, "reduce_each_microbatch"), (work, "fp8_gemm"), (work, "fp8_act_cache")):
         if type(getattr(obj, name)) is not bool:
             raise ConfigError(f"{name} must be true or false, got {getattr(obj, name)!r}")
     r = work.moe_route_nodes
@@ -252,6 +258,7 @@ def check_mechanisms(model: PlanModel, layout: Layout, work: Workload) -> None:
     if r and not model.moe:
         raise ConfigError(f"moe_route_nodes={r} limits expert routing, but {model.name} has no experts")
     check_microbatch_group(layout, work)
+    rules.check_reduce_each_microbatch(layout.reduce_each_microbatch, layout.zero)
 
 
 def check_microbatch_group(layout: Layout, work: Workload) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from .. import rules
 from ..parallel.pipeline.partition import partition_layers
 from ..parallel.pipeline.schedules import interleaved_warmup
 from ..shapes import bucket_ranges, padded, padded_vocab, segments, shard_size
@@ -225,8 +226,19 @@ def zero_units(model: PlanModel, layout: Layout, grad_bytes: int, stage: int, ex
     MiB in backward order for ZeRO-1/2 (and, with zero = 0, DDP's all-reduce buckets, parallel/data.py).
     `expert` selects the routed-expert parameters instead."""
     L = layout
-    return _zero_units(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.zero >= 3, L.bucket_mb, grad_bytes, stage,
+    return _zero_units(model, L.tp, L.pp, L.vpp, L.partition, L.ep, block_units(L), L.bucket_mb, grad_bytes, stage,
                        expert)
+
+
+def block_units(layout: Layout) -> bool:
+    """ZeRO units are blocks plus a root unit (ZeRO-3; ZeRO-2 reducing every micro-batch under pp)."""
+    return rules.block_units(layout.zero, layout.pp, layout.reduce_each_microbatch)
+
+
+def held_root(model: PlanModel, layout: Layout, stage: int) -> bool:
+    """Whether `stage`'s root unit holds a tied copy of the embedding (first and last stage, pp > 1):
+    such a unit is reduced once per step, after the copies' gradients are summed (parallel/engine.py)."""
+    return model.tie_embeddings and layout.pp > 1 and stage in (0, layout.pp - 1)
 
 
 @lru_cache(maxsize=8192)
@@ -238,7 +250,7 @@ def unit_tensors(model: PlanModel, layout: Layout, grad_bytes: int, stage: int,
                  expert: bool = False) -> tuple[tuple[tuple[int, str], ...], ...]:
     """`zero_units` tensor by tensor: per unit, its tensors' (elements, tag) in flat-buffer order."""
     L = layout
-    return _unit_tensors(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.zero >= 3, L.bucket_mb, grad_bytes, stage,
+    return _unit_tensors(model, L.tp, L.pp, L.vpp, L.partition, L.ep, block_units(L), L.bucket_mb, grad_bytes, stage,
                          expert)
 
 
@@ -249,16 +261,19 @@ def _layer_tensors_tagged(model: PlanModel, moe: bool, tp: int, ep: int, expert:
 
 
 @lru_cache(maxsize=8192)
-def _unit_tensors(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int, stage3: bool,
+def _unit_tensors(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int, blocks: bool,
                   bucket_mb: float, grad_bytes: int, stage: int, expert: bool) -> tuple:
     rng = stage_layers(model.layers, pp, vpp, partition)[stage]
     per_layer = [_layer_tensors_tagged(model, model.is_moe_layer(i), tp, ep, expert) for i in rng]
     root = [] if expert else root_tensors(model, tp, pp, stage)
-    if stage3:
+    if blocks:
         units = ([tuple(root)] if root else []) + [t for t in per_layer]
         return tuple(u for u in units if sum(n for n, _ in u))
     first = root[:1] if stage == 0 else []
-    order = list(reversed(first + [t for ts in per_layer for t in ts] + root[len(first):]))  # backward order
+    rest = root[len(first):]
+    # backward order (parallel/engine.py backward_order): reverse registration, the tied head copy last
+    tied = rest[-1:] if model.tie_embeddings and pp > 1 and stage == pp - 1 and rest else []
+    order = list(reversed(first + [t for ts in per_layer for t in ts] + rest[:len(rest) - len(tied)])) + tied
     buckets = bucket_ranges([n for n, _ in order], int(bucket_mb * 2**20), grad_bytes)  # bucket_mb is MiB
     return tuple(tuple(order[i] for i in b) for b in buckets)
 
@@ -319,12 +334,14 @@ def model_states(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     dp·cp/ep. Without ZeRO, the ZeRO paper's (w + g + k)·Φ; with it, per padded unit (`unit_states`)."""
     L = layout
     return dict(_model_states(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.zero, L.bucket_mb, L.dp * L.cp, L.edp,
-                              work, stage))
+                              work, stage, L.reduce_each_microbatch))
 
 
 @lru_cache(maxsize=65536)
-def _model_states(model, tp, pp, vpp, partition, ep, zero, bucket_mb, n_dense, n_expert, work, stage) -> tuple:
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, partition=partition, ep=ep, zero=zero, bucket_mb=bucket_mb, dp=n_dense)
+def _model_states(model, tp, pp, vpp, partition, ep, zero, bucket_mb, n_dense, n_expert, work, stage,
+                  each: bool = False) -> tuple:
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, partition=partition, ep=ep, zero=zero, bucket_mb=bucket_mb, dp=n_dense,
+                    reduce_each_microbatch=each)
     dense, expert = stage_params(model, layout, stage)
     w, g, k = work.param_bytes, work.grad_bytes, optimizer_bytes_per_param(work)
     groups = [(dense, n_dense, False)] + ([(expert, n_expert, True)] if expert else [])
@@ -638,9 +655,24 @@ def _replay_pipeline(slots: tuple, w: int, g: int, micro: int, head_first: bool)
     return t.peak
 
 
+def _replay_each_microbatch(slots: tuple, w: int, g: int, held: bool) -> int:
+    """Peak bytes of ZeRO-2/3 reducing every micro-batch under a pipeline (`reduce_each_microbatch`): the
+    root gathered all step (ZeRO-3, w > 0), one block gathered, a held root's full gradient for the whole
+    step (a tied copy, reduced once), the block whose gradient is filling and the two reductions still in
+    flight behind it (each a full gradient and its shard; parallel/zero.py MAX_INFLIGHT)."""
+    root = sum(padded(*u) for u in slots[0])
+    units = [sum(padded(*u) for u in s) for s in slots[1:]] + ([] if held else [root])
+    shards = [sum(shard_size(*u) for u in s) for s in slots[1:]] + ([] if held else [sum(shard_size(*u) for u in slots[0])])
+    big = max(units, default=0)
+    flight = sorted((u + k for u, k in zip(units, shards)), reverse=True)[:2]
+    return w * (root + big) + g * (root if held else 0) + g * big + g * sum(flight)
+
+
 @lru_cache(maxsize=16384)
 def _zero3_buffers(model: PlanModel, layout: Layout, stage: int, w: int, g: int, micro: int) -> int:
     slots = zero3_slots(model, layout, stage)
+    if layout.pp > 1 and layout.reduce_each_microbatch:
+        return _replay_each_microbatch(slots, w if layout.zero >= 3 else 0, g, held_root(model, layout, stage))
     if layout.pp > 1:
         return _replay_pipeline(slots, w, g, micro, head_first=stage == layout.pp - 1)
     return _replay_direct(slots, w, g, layout.reshard_after_forward, micro)
@@ -665,10 +697,12 @@ def zero_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     is gathered at a time and the stage's full gradient G accumulates, reduced at the step's end in
     unit order: about w·(R + B) + g·G plus up to three shard results. Micro-batches after the second
     repeat the second's peak, so at most two are replayed. ZeRO-2 under a pipeline accumulates the
-    stage's full gradient (g·G); ZeRO-2's transient buckets outside a pipeline are not counted."""
+    stage's full gradient (g·G); ZeRO-2's transient buckets outside a pipeline are not counted. With
+    `reduce_each_microbatch` under a pipeline (ZeRO-2 or 3) see `_replay_each_microbatch`: about
+    w·(R + B) (ZeRO-3) + g·R (a tied root) + g·B + 2·g·(B + b), no full gradient."""
     if layout.zero < 2:
         return 0.0
-    if layout.zero == 3:
+    if layout.zero == 3 or (layout.pp > 1 and layout.reduce_each_microbatch):
         micro = min(microbatches(layout, work), 2)
         return float(_zero3_buffers(model, _buffer_key(layout), stage, work.param_bytes, work.grad_bytes, micro))
     if layout.pp == 1:
@@ -681,7 +715,7 @@ def _buffer_key(layout: Layout) -> Layout:
     """The layout fields ZeRO-3's buffers depend on (a smaller cache key)."""
     L = layout
     return Layout(tp=L.tp, pp=L.pp, dp=L.dp, cp=L.cp, ep=L.ep, zero=L.zero, vpp=L.vpp, partition=L.partition,
-                  reshard_after_forward=L.reshard_after_forward)
+                  reshard_after_forward=L.reshard_after_forward, reduce_each_microbatch=L.reduce_each_microbatch)
 
 
 def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:

@@ -25,8 +25,8 @@ Communication: a collective takes bytes_sent / (tier bandwidth / oversubscriptio
   become final one by one during its last backward (Megatron-Core, FSDP); without it all at the end of
   the stage's schedule (the runtime under a pipeline). What ends after the whole pipeline has drained is
   exposed: stage s's last backward ends before stage 0's by the drain, and its reduction hides there
-  (`reduction_end`, `chunk_ready`). ZeRO-2 without a pipeline reduce-scatters every micro-batch behind
-  its own backward. ZeRO-1/2's parameter all-gather after the step: bucket by bucket behind each chunk's
+  (`reduction_end`, `chunk_ready`). ZeRO-2 without a pipeline, and ZeRO-2/3 under one with
+  `reduce_each_microbatch`, reduce-scatter every micro-batch behind its own backward. ZeRO-1/2's parameter all-gather after the step: bucket by bucket behind each chunk's
   first forward of the next step (`overlap_param_gather`; `gather_delay`), or exposed. ZeRO-3 gathers
   are prefetched behind the previous unit without a pipeline and exposed under one (not prefetched).
 - loss, grad_norm, tied-embedding reductions: exposed (small).
@@ -163,6 +163,17 @@ def chunk_ready(sim: _schedules.Simulation | None, schedule: str, p: int, v: int
     return sorted((end - t, b / v) for t in _chain(p, v, stage, cost_b, t_send))
 
 
+def backward_blocks(sim: _schedules.Simulation | None, stage: int, ready: list[tuple[float, float]], m: int,
+                    period: float) -> list[tuple[float, float]]:
+    """(end, duration) of every action of `stage` that accumulates weight gradients (B; W under zero
+    bubble), in order: from the simulator, or from `chunk_ready`'s last backward of each chunk with the
+    m micro-batches' backwards of that chunk one steady-state `period` (F + B) apart before it."""
+    if sim is not None:
+        return sorted((blk.end, blk.end - blk.start) for blk in sim.timeline[stage]
+                      if blk.kind in (_schedules.B, _schedules.W))
+    return sorted((t - k * period, d) for t, d in ready for k in range(m))
+
+
 def chunk_first_use(sim: _schedules.Simulation | None, p: int, v: int, stage: int, cost_f: dict[int, float],
                     t_send: float) -> list[tuple[float, float]]:
     """Per chunk of `stage`, (start, duration) of its first forward, in order: from the simulator, or the
@@ -205,11 +216,15 @@ def gather_delay(first_use: list[tuple[float, float]], a_sum: float, calls: floa
 
 
 def stage_grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: list[tuple[float, float]],
-                       first_use: list[tuple[float, float]], t_f: float, t_b: float) -> tuple[float, float]:
+                       first_use: list[tuple[float, float]], t_f: float, t_b: float,
+                       backwards: list[tuple[float, float]] | None = None) -> tuple[float, float]:
     """(reduction, gather) time of one stage exposed past its compute (docs/plan.md, "Mechanisms"). The
     reduction is counted from `end`, when the whole pipeline has drained; `ready`: (end, duration) of the
     backward that makes each of the stage's chunks final (`chunk_ready`). The gather delays the stage's
-    first forwards, `first_use` (`chunk_first_use`). t_f, t_b: one micro-batch's forward and backward."""
+    first forwards, `first_use` (`chunk_first_use`). t_f, t_b: one micro-batch's forward and backward.
+    `backwards` (`backward_blocks`, with `reduce_each_microbatch` under a pipeline): every backward of the
+    stage, each launching its share of the reduce-scatters, which run one at a time on their own stream
+    through the rest of the schedule."""
     L = layout
     grad = [f for f in flows if KIND.get(f.dim) == "grad"]
     rs = sum(f.seconds for f in grad if f.op in ("all_reduce", "reduce_scatter"))
@@ -222,7 +237,10 @@ def stage_grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, re
         gather = ag     # under a pipeline each use gathers, not prefetched (the next module is not known)
     else:               # ZeRO-1/2: the updated parameters, behind the next step's first forwards
         gather = gather_delay(first_use, ag, ag_calls) if L.overlap_param_gather else ag
-    if L.pp == 1 and L.zero == 2:   # a reduce-scatter per micro-batch, behind its own backward
+    if L.zero >= 2 and L.pp > 1 and L.reduce_each_microbatch and backwards:
+        k = len(backwards)
+        return max(0.0, reduction_end(float("-inf"), [(t, d, rs / k, calls / k) for t, d in backwards]) - end), gather
+    if L.zero >= 2 and L.pp == 1:   # per micro-batch, behind its own backward
         return m * max(0.0, reduction_end(0.0, [(t_b, t_b, rs / m, calls / m)]) - t_b), gather
     # once per step: buckets of each chunk as its last backward makes them final, or all at the end of
     # the stage's schedule (overlap_grad_reduce=False); either way inside the drain other stages still run
@@ -327,10 +345,13 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         out.pipeline_s = m * c / (1 - out.bubble) + 2 * (L.pp - 1) * t_send
     out.compute_s = m * (compute_f[slow] + compute_b[slow])
     out.layer_comm_s = m * layer_comm[slow]
-    grads = [stage_grad_exposed(flows, L, m, out.pipeline_s,
-                                chunk_ready(sim, schedule, L.pp, v, j, out.pipeline_s, cost_b, t_send),
-                                chunk_first_use(sim, L.pp, v, j, cost_f, t_send), compute_f[j], cost_b[j])
-             for j, flows in flows_by_stage.items()]
+    each = L.pp > 1 and L.zero >= 2 and L.reduce_each_microbatch
+    grads = []
+    for j, flows in flows_by_stage.items():
+        ready = chunk_ready(sim, schedule, L.pp, v, j, out.pipeline_s, cost_b, t_send)
+        backwards = backward_blocks(sim, j, ready, m, cost_f[j] + cost_b[j]) if each else None
+        grads.append(stage_grad_exposed(flows, L, m, out.pipeline_s, ready, chunk_first_use(sim, L.pp, v, j, cost_f, t_send),
+                                        compute_f[j], cost_b[j], backwards))
     # the slowest stage's reduction ends the step; the latest first forward delays the pipeline
     out.grad_comm_s = max(r for r, _ in grads) + max(g for _, g in grads)
     worst = flows_by_stage[slow]

@@ -55,8 +55,8 @@ from ..comm import volume
 from ..rules import cp_degrees, grad_norm_group, kv_replicas, moe_capacity
 from ..shapes import padded_vocab
 from .layout import Layout, Workload, microbatches
-from .memory import (exact_tensors, layout_layers, owned_tagged, root_tensors, stage_params, unit_sums, unit_tensors,
-                     zero_units)
+from .memory import (block_units, exact_tensors, held_root, layout_layers, owned_tagged, root_tensors, stage_params,
+                     unit_sums, unit_tensors, zero_units)
 from .models import PlanModel
 from .topology import Topology, collective_latency, group_bandwidth
 
@@ -326,7 +326,7 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
 
 
 def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, w: Workload, m: int,
-                units: tuple[int, ...], root: int = 0) -> None:
+                units: tuple[int, ...], root: int = 0, held: bool = False) -> None:
     """Gradient reduction and ZeRO gathers for `params` parameters over n ranks: one call per bucket
     (DDP, ZeRO-1/2) or unit (ZeRO-3), `units` their sizes (the first `root` of them ZeRO-3's root unit);
     ZeRO's are padded to a multiple of n (parallel/zero.py). Gradients travel in the reduce dtype
@@ -339,6 +339,21 @@ def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, 
         f.add_total(dim, "all_reduce", group, n, params * r, u)
         return
     padded = unit_sums(units, n)[0]
+    if L.pp > 1 and L.reduce_each_microbatch:
+        # every micro-batch's backward reduce-scatters the units it completes; a held root (tied copy)
+        # accumulates and goes once, after the copies' sum
+        once = root if held else 0
+        once_padded = unit_sums(units[:once], n)[0] if once else 0
+        f.add_total(dim, "reduce_scatter", group, n, (once_padded + m * (padded - once_padded)) * r,
+                    once + m * (u - once))
+        if L.zero == 2:
+            f.add_total(dim, "all_gather", group, n, padded * w.param_bytes, u)
+            return
+        per_use = 3 if L.recompute == "full" else 2
+        root_padded = unit_sums(units[:root], n)[0] if root else 0
+        f.add_total(dim, "all_gather", group, n, (root_padded + per_use * m * (padded - root_padded)) * w.param_bytes,
+                    root + per_use * m * (u - root))
+        return
     if L.zero == 1 or (L.zero == 2 and L.pp > 1):
         # once per step: ZeRO-1 always; ZeRO-2 under a pipeline accumulates over the micro-batches
         f.add_total(dim, "reduce_scatter", group, n, padded * r, u)
@@ -376,8 +391,9 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
     _pp_flows(f, model, L, work, stage, m, T)
     dense, expert = stage_params(model, L, stage)
     units = (lambda ex, n: zero_units(model, L, work.grad_bytes, stage, ex) if n > 1 else ())
-    root = 1 if L.zero >= 3 and any(n for n, _ in root_tensors(model, L.tp, L.pp, stage)) else 0
-    _grad_flows(f, "dp", "dp_cp", L.dp * L.cp, dense, L, work, m, units(False, L.dp * L.cp), root)
+    root = 1 if block_units(L) and any(n for n, _ in root_tensors(model, L.tp, L.pp, stage)) else 0
+    _grad_flows(f, "dp", "dp_cp", L.dp * L.cp, dense, L, work, m, units(False, L.dp * L.cp), root,
+                held_root(model, L, stage))
     _grad_flows(f, "edp", "edp", L.edp, expert, L, work, m, units(True, L.edp))
     f.add("loss", "all_reduce", "dp_cp", L.dp * L.cp, 8, 1)
     if model.moe:   # routing statistics: (layers, E + 1) float64 over the world (parallel/expert.py)

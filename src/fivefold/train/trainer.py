@@ -135,7 +135,7 @@ class Trainer:
             print(f"note: ZeRO-{p.zero} with dp=1 shards over a single rank and saves no memory", file=sys.stderr)
         scheduled = any(getattr(d, "schedules_backward", False) for d in self.dims)
         return Zero(self.model, self.mesh, p.zero, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype,
-                    p.reshard_after_forward, pipeline=scheduled)
+                    p.reshard_after_forward, pipeline=scheduled, reduce_each_microbatch=p.reduce_each_microbatch)
 
     # -- one step ----------------------------------------------------------------------------
     def micro_batches(self, step: int):

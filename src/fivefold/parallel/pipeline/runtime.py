@@ -25,6 +25,9 @@ actions into one batch, posted with one `comm.send_recv` (batch_isend_irecv, led
 * I (zero bubble) computes only gradients of activations: `autograd.grad` with respect to the chunk
   input *and* to the output of every module that holds weights (recorded by forward hooks), keeping
   the graph. Autograd skips every weight-gradient matmul, since no weight is asked for.
+* Gradient sync (`sync`, the engine's `set_sync`): each chunk's last weight-gradient action (B, or W
+  under zero bubble) runs with sync on, so the engine reduces that chunk's gradients while the rest of
+  the schedule runs (`final_weight_actions`); every other backward only accumulates.
 * W then replays, per weight-holding module, `autograd.backward(output, d_output, inputs=weights)`:
   exactly the weight half of the module's backward (dW = dYᵀX for a linear) with the same kernels, and
   the accumulation fires the same gradient hooks as B. Nothing is recomputed.
@@ -168,6 +171,16 @@ def set_selective_recompute(module: nn.Module) -> None:
 # -------------------------------------------------------------------------------------------------------
 # Running the actions
 
+def final_weight_actions(actions: list[Action]) -> set[tuple[str, int, int]]:
+    """(kind, micro-batch, chunk) of each chunk's last action that accumulates weight gradients (B or W,
+    in list order): after it the chunk's gradients are final for the step."""
+    last = {}
+    for a in actions:
+        if a.kind in (B, W):
+            last[a.chunk] = (a.kind, a.microbatch, a.chunk)
+    return set(last.values())
+
+
 @dataclass
 class Saved:
     """What a chunk's forward leaves for its backward."""
@@ -193,6 +206,8 @@ class PipelineRuntime:
         self.pp, self.chunks = stage.partition.pp, stage.partition.chunks
         self.split = any(a.kind in (I, W) for a in actions)
         self.timeline: list[Block] = []
+        self.sync: Callable[[bool], None] | None = None   # the engine's set_sync; None: never sync
+        self.finals = final_weight_actions(actions)
         self._ops: list | None = None
         if recompute == "selective":
             set_selective_recompute(stage)
@@ -251,6 +266,9 @@ class PipelineRuntime:
         """Wait for the inputs a compute action needs, run it, and time it."""
         got = {key: self.receive(key) for key in input_messages(a, self.pp, self.chunks)}
         start = time.perf_counter()
+        final = self.sync is not None and (a.kind, a.microbatch, a.chunk) in self.finals
+        if final:
+            self.sync(True)
         if a.kind == F:
             self.forward(a, got)
         elif a.kind == B:
@@ -259,6 +277,8 @@ class PipelineRuntime:
             self.backward_input(a, got)
         else:
             self.backward_weight(a)
+        if final:
+            self.sync(False)
         self.timeline.append(Block(a.kind, a.microbatch, a.chunk, start, time.perf_counter()))
 
     # -- compute -------------------------------------------------------------------------------

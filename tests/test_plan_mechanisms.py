@@ -336,3 +336,22 @@ def test_norm_and_mla_up_projection_recompute_stores_the_latents():
         stage_activations(m, full, Workload(seq=4096, global_batch=64), 1)
     with pytest.raises(ConfigError, match="recompute_norm_mla"):
         check(m, Layout(pp=4, dp=2, recompute_norm_mla="yes"), Workload(seq=4096, global_batch=64))
+
+
+def test_light_recompute_costs_the_up_projections_forward():
+    """recompute_norm_mla repeats MLA's up-projections in the backward: the stage's backward grows by
+    exactly their forward FLOPs (2 per weight per token, q: q_lora_rank x heads*d_qk, kv: kv_lora_rank x
+    heads*(d_nope + d_v)); MFU counts none of it, HFU all of it. Nothing for a model without MLA."""
+    light, plain = DSV3_LAYOUT, replace(DSV3_LAYOUT, recompute_norm_mla=False)
+    a = estimate(DSV3, light, DSV3_WORK, H800, 2048)
+    b = estimate(DSV3, plain, DSV3_WORK, H800, 2048)
+    m = DSV3
+    up = m.q_lora_rank * m.heads * m.qk_head_dim + m.kv_lora_rank * m.heads * (m.qk_nope_dim + m.v_head_dim)
+    extra = 2 * up * m.layers * DSV3_WORK.tokens          # FLOPs per step over all GPUs
+    assert a.time.step_time_s > b.time.step_time_s
+    assert a.time.hfu * a.time.step_time_s - a.time.mfu * a.time.step_time_s == pytest.approx(
+        extra / (H800.accelerator.peak(DSV3_WORK.dtype) * 2048), rel=1e-9)
+    assert b.time.hfu == pytest.approx(b.time.mfu)
+    assert estimate(LLAMA8, Layout(dp=8, recompute_norm_mla=True), Workload(seq=1024, global_batch=8),
+                    TOPOLOGIES["dgx-h100"], 8).time.compute_s == pytest.approx(
+        estimate(LLAMA8, Layout(dp=8), Workload(seq=1024, global_batch=8), TOPOLOGIES["dgx-h100"], 8).time.compute_s)

@@ -5,9 +5,10 @@ head included, the embedding lookup free) plus causal attention 2·s·a·(d_qk +
 (Kaplan et al. 2020; the causal mask halves the attention FLOPs, as FlashAttention computes them and
 Megatron-LM counts them; PaLM, Chowdhery et al. 2022, App. B, does not halve: estimate.py reports that
 convention beside it as `mfu_attention_full`); backward is twice forward. Recompute adds a
-forward (full) or the attention core's forward (selective), which counts for hardware FLOPs but not for
-MFU. Kernels reach `efficiency` × the accelerator's peak for the dtype; with `fp8_gemm` the linear
-layers' GEMMs (forward, dgrad, wgrad) run at `efficiency` × the FP8 peak while attention and the LM head
+forward (full), the attention core's forward (selective), or MLA's up-projections (`recompute_norm_mla`,
+`light_recompute_flops`), which count for hardware FLOPs but not for MFU. Kernels reach `efficiency` ×
+the accelerator's peak for the dtype; with `fp8_gemm` the linear layers' GEMMs (forward, dgrad, wgrad)
+run at `efficiency` × the FP8 peak while attention and the LM head
 stay in dtype (DeepSeek-V3 §3.3). MFU and HFU are always against the dtype's peak.
 
 Communication: a collective takes bytes_sent / (tier bandwidth / oversubscription) + latency hops
@@ -62,6 +63,23 @@ def stage_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) ->
     attn = model.attention_flops_per_token(work.seq, work.causal) / model.layers
     body, head = _stage_active_weights(model, layout.pp, layout.vpp, layout.partition)[stage]
     return tokens * 2.0 * body, tokens * attn * n_layers, tokens * 2.0 * head
+
+
+def light_recompute_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """Forward FLOPs `recompute_norm_mla` repeats in one micro-batch's backward on one rank of `stage`
+    (DeepSeek-V3 §3.4): MLA's up-projections, q (q_lora_rank → heads·d_qk) and kv (kv_lora_rank →
+    heads·(d_nope + d_v)), 2 FLOPs per weight per token; the norms' element-wise work is not counted.
+    Nothing under full recompute, which repeats the whole forward anyway."""
+    tokens = layout.micro_batch * work.seq / (layout.tp * layout.cp)
+    return tokens * 2.0 * _light_weights(model, layout) * len(layout_layers(model, layout)[stage])
+
+
+def _light_weights(model: PlanModel, layout: Layout) -> int:
+    """Weights per layer whose forward `recompute_norm_mla` repeats (0 when it does not apply)."""
+    if not (layout.recompute_norm_mla and model.mla) or layout.recompute == "full":
+        return 0
+    return model.q_lora_rank * model.heads * model.qk_head_dim + \
+        model.kv_lora_rank * model.heads * (model.qk_nope_dim + model.v_head_dim)
 
 
 def stage_forward_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) -> tuple[float, float]:
@@ -317,6 +335,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         t_f = lin / peak_mm + (attn + head) / peak
         t_attn = attn / peak
         extra = t_f if L.recompute == "full" else (t_attn if L.recompute == "selective" else 0.0)
+        extra += light_recompute_flops(model, L, work, j) / peak_mm
         t_b = 2 * t_f + extra
         ring = sum(f.seconds for f in flows if f.dim == "cp" and f.op in ("send", "recv"))
         secs = _per_dim_seconds([f for f in flows if KIND.get(f.dim) == "layer" and f.op not in ("send", "recv")])
@@ -366,5 +385,6 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     out.mfu = model_flops / full
     hw = {"none": 0.0, "selective": model.attention_flops_per_token(work.seq, work.causal),
           "full": model.flops_per_token(work.seq, work.causal) / 3}[L.recompute]  # recomputed forward
+    hw += 2.0 * _light_weights(model, L) * model.layers
     out.hfu = (model_flops + hw * work.tokens) / full
     return out

@@ -39,6 +39,10 @@ def test_writes_a_topology_load_topology_reads(calibrated):
     assert [t.name for t in topo.tiers] == ["loopback"]
     tier = topo.tiers[0]
     assert tier.size == 2 and tier.bandwidth > 0 and tier.latency >= 0
+    # what a datasheet leaves to `efficiency`, measured and read back
+    assert acc.attention_flops["fp32"] > 0 and acc.layer_overhead > 0 and acc.elementwise == 1
+    assert {op for op, _, _ in tier.ops} >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"}
+    assert all(lat >= 0 and bw > 0 for _, lat, bw in tier.ops) and 0 <= tier.overlap <= 1
 
 
 @pytest.mark.parametrize("parallel", [dict(dp=2, microbatches=2), dict(pp=2, microbatches=4),
@@ -49,6 +53,33 @@ def test_estimate_consumes_it(calibrated, parallel):
     est = estimate(from_model_config(cfg.model), layout, dataclasses.replace(work, efficiency=1.0),
                    load_topology(str(calibrated)))
     assert est.time.step_time_s > 0 and est.fits
+
+
+def test_each_measured_term_moves_the_prediction(calibrated):
+    """The attention rate, the element-wise term, the per-op fits and the overlap share each change the
+    predicted step the way they should (slower attention, unfused ops, a partly hidden reduction: longer)."""
+    cfg = tiny_config(dp=2, tp=1, microbatches=2, bucket_mb=0.05)   # buckets that go during the backward
+    cfg.train.seq_len = cfg.model.max_seq = 1024
+    layout, work = from_config(cfg)
+    work = dataclasses.replace(work, efficiency=1.0)
+    model = from_model_config(cfg.model)
+    topo = load_topology(str(calibrated))
+    acc, tier = topo.accelerator, topo.tiers[0]
+
+    def step(accel=acc, t=tier):
+        return estimate(model, layout, work, dataclasses.replace(topo, accelerator=accel, tiers=(t,))).time
+
+    base = step()
+    fast = step(dataclasses.replace(acc, attention_flops={}, elementwise=0.0, layer_overhead=0.0))
+    assert fast.compute_s < base.compute_s
+    slow_attn = step(dataclasses.replace(acc, attention_flops={"fp32": acc.attention_flops["fp32"] / 2}))
+    assert slow_attn.compute_s > base.compute_s
+    hidden = step(t=dataclasses.replace(tier, overlap=1.0))
+    exposed = step(t=dataclasses.replace(tier, overlap=0.0))
+    assert hidden.grad_comm_s <= base.grad_comm_s <= exposed.grad_comm_s and hidden.grad_comm_s < exposed.grad_comm_s
+    slow_ar = step(t=dataclasses.replace(tier, ops=tuple((op, lat * 10, bw) if op == "all_reduce" else (op, lat, bw)
+                                                        for op, lat, bw in tier.ops)))
+    assert slow_ar.step_time_s > base.step_time_s
 
 
 def test_refuses_to_overwrite(tmp_path, capsys):

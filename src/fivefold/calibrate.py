@@ -20,8 +20,8 @@ figures are then the median over repetitions and over ranks; collectives as in 2
    fp32, bf16 (CPU bf16 may be faster or slower than fp32), fp64. The attention core
    (`model.transformer.attention_core`: causal SDPA, K/V heads repeated) forward + backward, FLOPs counted
    as the planner counts them (forward 2·s·heads·(d_qk + d_v)/2 per token, backward twice that), is
-   written beside it: `attention_tflops` (median) and `attention_tflops_by_seq`. The planner does not
-   read them yet: it applies the GEMM peak to attention FLOPs too.
+   written beside it: `attention_tflops` (median; the planner charges attention FLOPs at it) and
+   `attention_tflops_by_seq` (a record).
 2. Network (the one [[tier]] "loopback"). all_reduce, all_gather, reduce_scatter and all_to_all through
    `fivefold.comm` on the world group (the group a dp = N mesh builds, recorded in its own ledger as a
    run's would be), and send (each rank of the pairs 0-1, 2-3, ... sends to and receives from the other
@@ -37,19 +37,21 @@ figures are then the median over repetitions and over ranks; collectives as in 2
    hops = `topology.collective_latency(op, N, 1)` and bytes_sent = `comm.volume.bytes_sent(op, S, N)`
    (so bandwidth is per-rank bytes/s in the units the planner divides by), by least squares on the
    relative error (the sizes span four decades): jointly over every op for the tier's `latency_us` and
-   `bandwidth_gbps`, and per op for the tier's `ops` table (not read by the planner yet). Every raw
+   `bandwidth_gbps`, and per op for the tier's `ops` table (the planner's fit for that op). Every raw
    median goes into the TOML's comments with the joint fit's error.
 3. Memory bandwidth (`hbm_gbps`). In-place add of two fp32 tensors larger than the last-level cache
    (read 2, write 1), on every rank at once; per rank. A plain copy (read 1, write 1) is recorded too,
    and the time of one eager op on 8 floats (`op_overhead_us`: the floor every op pays, however small
    its tensors) and of the model's own Block forward + backward on 16 tokens of width 64
    (`layer_overhead_us`: the fixed cost of a layer per micro-batch, dispatch, autograd and allocation of
-   its ~170 ops). Neither is read by the planner yet.
+   its ~170 ops). The planner charges `layer_overhead_us` per layer per micro-batch, and, as the TOML's
+   `elementwise = 1` says, each layer's element-wise traffic (`PlanModel.elementwise_per_token`) at
+   `hbm_gbps`: eager PyTorch runs norms, RoPE, SiLU and residual adds as separate memory-bound ops.
 4. Memory (`memory_gib`). The machine's RAM divided by N: the ranks share it, and the planner checks
    one rank's memory against the accelerator's.
-5. Overlap (the tier's `overlap`, not read by the planner yet): the share of an asynchronous 4 MiB
-   all-reduce that hides behind a ~12 ms compute burst on the same rank (the planner assumes gradient
-   reductions and ZeRO-3 prefetches hide fully behind backward / forward compute).
+5. Overlap (the tier's `overlap`): the share of an asynchronous 4 MiB all-reduce that hides behind a
+   ~12 ms compute burst on the same rank. The planner hides only this share of what its schedule says
+   gradient reductions and ZeRO gathers hide behind compute (1.0, all of it, on datasheet tiers).
 
 The peaks written are achieved rates, not datasheet peaks: plan with `--efficiency 1.0` against this
 topology (the TOML says so).
@@ -531,9 +533,9 @@ def _comment_lines(cal: dict) -> list[str]:
     lines.append(f"# memory: in-place add of two {mb:.0f} MiB fp32 tensors (3 streams) "
                  f"{cal['memory_bandwidth'] / 1e9:.2f} GB/s per rank; copy (2 streams) "
                  f"{cal['copy_bandwidth'] / 1e9:.2f} GB/s per rank")
-    lines.append("# op_overhead_us (not read by the planner yet): an in-place add of 8 floats, the cost of one "
+    lines.append("# op_overhead_us (a record; the planner reads layer_overhead_us): an in-place add of 8 floats, the cost of one "
                  f"eager op call: {cal['op_overhead'] * 1e6:.2f} us")
-    lines.append("# layer_overhead_us (not read by the planner yet): forward + backward of the model's Block on 16 "
+    lines.append("# layer_overhead_us: forward + backward of the model's Block on 16 "
                  f"tokens of width 64, the fixed cost of a layer per micro-batch: {cal['layer_overhead'] * 1e6:.0f} us")
     lines.append(f"# RAM {cal['ram_bytes'] / GiB:.2f} GiB shared by {cal['nproc']} ranks: memory_gib is the share of "
                  "one")
@@ -560,7 +562,7 @@ def _comment_lines(cal: dict) -> list[str]:
     ja, jbw = cal["fits"]["back_to_back"]["joint"]
     lines.append(f"#   joint fit back to back: {ja * 1e6:.1f} us/hop, {jbw / 1e9:.3f} GB/s")
     ov = cal["overlap"]
-    lines.append(f"# overlap (tier's overlap, not read by the planner yet): a {OVERLAP_BYTES // MiB} MiB all_reduce "
+    lines.append(f"# overlap (the tier's hidden share of async dp collectives): a {OVERLAP_BYTES // MiB} MiB all_reduce "
                  f"takes {ov['comm_s'] * 1e3:.2f} ms after a {ov['burst_s'] * 1e3:.1f} ms compute burst; issued async")
     lines.append(f"#   before the burst and waited after, burst + all_reduce take {ov['overlapped_s'] * 1e3:.2f} ms: "
                  f"{100 * ov['hidden']:.0f}% of the all_reduce hidden")
@@ -590,11 +592,13 @@ def to_toml(cal: dict) -> str:
         "# The peaks are ACHIEVED rates, not datasheet peaks: plan with --efficiency 1.0 against this topology,",
         f"# and only for {n} ranks on this machine (ranks share the cores: other counts need their own calibration).",
         "# peak_tflops: median over the GEMM grid below of F.linear forward+backward FLOP/s;",
-        "# attention_tflops[_by_seq] (not read by the planner yet): the attention core, planner FLOP convention.",
+        "# attention_tflops: the attention core's rate, planner FLOP convention (by_seq: a record per length);",
+        "# elementwise = 1, layer_overhead_us: eager PyTorch pays the layers' element-wise traffic at hbm_gbps",
+        "# and a fixed cost per layer per micro-batch (plan/time.py elementwise_seconds).",
         "# hbm_gbps: in-place add bandwidth per rank (planner's optimizer term); latency_us, bandwidth_gbps:",
         "# joint least-squares fit (relative error) of t = hops * latency + bytes_sent / bandwidth over every",
         "# collective below, hops as topology.collective_latency, bytes_sent as comm/volume.py; the tier's",
-        "# ops table (not read by the planner yet) holds each op's own fit.",
+        "# ops table holds each op's own fit, which the planner uses for that op.",
     ]
     body = [
         f'name = "{name}"',
@@ -608,6 +612,7 @@ def to_toml(cal: dict) -> str:
         f"hbm_gbps = {_g(cal['memory_bandwidth'] / 1e9)}",
         f"op_overhead_us = {_g(cal['op_overhead'] * 1e6)}",
         f"layer_overhead_us = {_g(cal['layer_overhead'] * 1e6)}",
+        "elementwise = 1",
         "",
         "[[tier]]",
         'name = "loopback"',

@@ -148,6 +148,15 @@ def check_topology(topo: Topology) -> None:
         check_real(f"{name} bandwidth_gbps", _scaled(t.bandwidth, GB), 0)
         check_real(f"{name} latency_us", _scaled(t.latency, 1e-6), 0, low_open=False)
         check_real(f"{name} oversubscription", t.oversubscription, 1, low_open=False, meaning=" (1: non-blocking)")
+        check_real(f"{name} overlap", t.overlap, 0, 1, low_open=False, meaning=" (share of a collective hidden)")
+        for op, latency, bandwidth in t.ops:
+            check_real(f"{name} ops.{op}.bandwidth_gbps", _scaled(bandwidth, GB), 0)
+            check_real(f"{name} ops.{op}.latency_us", _scaled(latency, 1e-6), 0, low_open=False)
+    for dtype, rate in acc.attention_flops.items():
+        check_real(f"{where}: accelerator attention_tflops.{dtype}", _scaled(rate, 1e12), 0)
+    check_real(f"{where}: accelerator layer_overhead_us", _scaled(acc.layer_overhead, 1e-6), 0, low_open=False)
+    check_real(f"{where}: accelerator elementwise", acc.elementwise, 0, 1, low_open=False,
+               meaning=" (share of element-wise traffic paid; 1: eager, unfused)")
 
 
 def _scaled(value, unit: float):

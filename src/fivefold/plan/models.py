@@ -194,6 +194,20 @@ class PlanModel:
         per_layer = 2.0 * seq * self.heads * (self.qk_head_dim + self.v_dim_per_head)
         return self.layers * per_layer * (0.5 if causal else 1.0)
 
+    def elementwise_per_token(self, i: int) -> tuple[float, float]:
+        """Elements read and written per token by layer i's element-wise work, forward + backward (norms,
+        RoPE, the activation function and gating, residual adds, softmax statistics, the repeat of K/V
+        for grouped-query attention, and their gradients), as (whole on every tp rank without sequence
+        parallelism, split over tp). Counted from the tensors the runtime's Block touches, op by op (a
+        profile of `model/transformer.py` on CPU): about 130·h + 16·f + 10.5·kv_width, with f the MLP
+        width a token passes through (top_k routed experts plus shared ones in an MoE layer). Paid at
+        memory bandwidth when `Accelerator.elementwise` says these ops are not fused."""
+        if self.is_moe_layer(i):
+            f = (self.top_k + self.shared_experts) * self.moe_ffn
+        else:
+            f = self.ffn
+        return 130.0 * self.hidden, 16.0 * f + 10.5 * self.kv_width
+
     def flops_per_token(self, seq: int, causal: bool = True) -> float:
         """Model FLOPs per token for forward + backward: 6·N_matmul + 3·attention (Kaplan et al. 2020;
         Narayanan et al. 2021, eq. 1 without recomputation)."""

@@ -65,6 +65,24 @@ def stage_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) ->
     return tokens * 2.0 * body, tokens * attn * n_layers, tokens * 2.0 * head
 
 
+def elementwise_seconds(model: PlanModel, layout: Layout, work: Workload, acc, stage: int) -> float:
+    """Forward + backward seconds of one micro-batch's element-wise work on one rank of `stage`: each layer's
+    `elementwise_per_token` elements at the activation dtype's bytes over `hbm_bandwidth`, times the
+    accelerator's `elementwise` share, plus its `layer_overhead` per layer (both 0 for datasheet
+    accelerators, measured by `fivefold calibrate`). Replicated parts are split over tp only with
+    sequence parallelism; tokens are split over cp."""
+    if not (acc.elementwise or acc.layer_overhead):
+        return 0.0
+    tokens = layout.micro_batch * work.seq / layout.cp
+    sp = layout.sp_mode == "megatron"
+    elements = 0.0
+    layers = layout_layers(model, layout)[stage]
+    for i in layers:
+        whole, split = model.elementwise_per_token(i)
+        elements += tokens * (whole / (layout.tp if sp else 1) + split / layout.tp)
+    return acc.elementwise * elements * work.act_bytes / acc.hbm_bandwidth + acc.layer_overhead * len(layers)
+
+
 def light_recompute_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
     """Forward FLOPs `recompute_norm_mla` repeats in one micro-batch's backward on one rank of `stage`
     (DeepSeek-V3 §3.4): MLA's up-projections, q (q_lora_rank → heads·d_qk) and kv (kv_lora_rank →
@@ -235,7 +253,24 @@ def gather_delay(first_use: list[tuple[float, float]], a_sum: float, calls: floa
 
 def stage_grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: list[tuple[float, float]],
                        first_use: list[tuple[float, float]], t_f: float, t_b: float,
-                       backwards: list[tuple[float, float]] | None = None) -> tuple[float, float]:
+                       backwards: list[tuple[float, float]] | None = None, overlap: float = 1.0) -> tuple[float, float]:
+    """`_grad_exposed`, with only `overlap` (the tier's measured share) of what it hides really hidden: a
+    collective that needs the compute's own core (gloo on CPU) hides partly; on GPUs (1.0) fully."""
+    reduction, gather = _grad_exposed(flows, layout, m, end, ready, first_use, t_f, t_b, backwards)
+    if overlap >= 1.0:
+        return reduction, gather
+    grad = [f for f in flows if KIND.get(f.dim) == "grad"]
+    rs = sum(f.seconds for f in grad if f.op in ("all_reduce", "reduce_scatter"))
+    ag = sum(f.seconds for f in grad if f.op == "all_gather")
+    if layout.zero == 3 and layout.pp == 1:   # one figure for both (prefetched gathers and reductions)
+        return reduction + (1.0 - overlap) * max(0.0, rs + ag - reduction), gather
+    return (reduction + (1.0 - overlap) * max(0.0, rs - reduction),
+            gather + (1.0 - overlap) * max(0.0, ag - gather))
+
+
+def _grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: list[tuple[float, float]],
+                  first_use: list[tuple[float, float]], t_f: float, t_b: float,
+                  backwards: list[tuple[float, float]] | None = None) -> tuple[float, float]:
     """(reduction, gather) time of one stage exposed past its compute (docs/plan.md, "Mechanisms"). The
     reduction is counted from `end`, when the whole pipeline has drained; `ready`: (end, duration) of the
     backward that makes each of the stage's chunks final (`chunk_ready`). The gather delays the stage's
@@ -267,6 +302,12 @@ def stage_grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, re
     k = len(ready)
     groups = [(t, d, rs / k, calls / k) for t, d in ready]
     return max(0.0, reduction_end(float("-inf"), groups) - end), gather
+
+
+def grad_overlap(flows: list[Flow], topo: Topology) -> float:
+    """The smallest `Tier.overlap` among the tiers the stage's dp/edp collectives cross (1.0: none)."""
+    tiers = {f.tier for f in flows if KIND.get(f.dim) == "grad"}
+    return min((t.overlap for t in topo.tiers if t.name in tiers), default=1.0)
 
 
 # -- step time ------------------------------------------------------------------------------------------
@@ -332,11 +373,12 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     cost_f, cost_b, compute_f, compute_b, layer_comm = {}, {}, {}, {}, {}
     for j, flows in flows_by_stage.items():
         lin, attn, head = stage_flops(model, L, work, j)
-        t_f = lin / peak_mm + (attn + head) / peak
-        t_attn = attn / peak
+        t_attn = attn / (acc.attention_peak(work.dtype) * work.efficiency)
+        t_ew = elementwise_seconds(model, L, work, acc, j)
+        t_f = lin / peak_mm + head / peak + t_attn + t_ew / 3
         extra = t_f if L.recompute == "full" else (t_attn if L.recompute == "selective" else 0.0)
         extra += light_recompute_flops(model, L, work, j) / peak_mm
-        t_b = 2 * t_f + extra
+        t_b = 2 * (t_f - t_ew / 3) + t_ew * 2 / 3 + extra   # element-wise work: a third forward
         ring = sum(f.seconds for f in flows if f.dim == "cp" and f.op in ("send", "recv"))
         secs = _per_dim_seconds([f for f in flows if KIND.get(f.dim) == "layer" and f.op not in ("send", "recv")])
         ep = ep_exposed(secs.pop("ep", 0.0) / m, t_f, t_b, passes, L.ep_overlap, m)
@@ -370,7 +412,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         ready = chunk_ready(sim, schedule, L.pp, v, j, out.pipeline_s, cost_b, t_send)
         backwards = backward_blocks(sim, j, ready, m, cost_f[j] + cost_b[j]) if each else None
         grads.append(stage_grad_exposed(flows, L, m, out.pipeline_s, ready, chunk_first_use(sim, L.pp, v, j, cost_f, t_send),
-                                        compute_f[j], cost_b[j], backwards))
+                                        compute_f[j], cost_b[j], backwards, grad_overlap(flows, topo)))
     # the slowest stage's reduction ends the step; the latest first forward delays the pipeline
     out.grad_comm_s = max(r for r, _ in grads) + max(g for _, g in grads)
     worst = flows_by_stage[slow]

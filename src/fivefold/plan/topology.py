@@ -32,18 +32,33 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class Accelerator:
-    """Peak dense FLOP/s per dtype, memory bytes, HBM bytes/s. An "80 GB" H100 or A100 holds 80 GiB."""
+    """Peak dense FLOP/s per dtype, memory bytes, HBM bytes/s. An "80 GB" H100 or A100 holds 80 GiB.
+
+    What a datasheet leaves to `efficiency` and a calibration (`fivefold calibrate`) measures:
+    `attention_flops` (per dtype; the attention core's rate, planner FLOP convention; absent: the GEMM
+    peak), `layer_overhead` (seconds per layer per micro-batch, forward + backward: the fixed cost of a
+    layer's many small ops) and `elementwise` (share of the layers' element-wise traffic, `PlanModel.
+    elementwise_per_token`, paid at `hbm_bandwidth` beside the GEMMs: 1 for eager PyTorch, 0 where fused
+    kernels and `efficiency` cover it)."""
 
     name: str
     peak_flops: dict = field(default_factory=dict)
     memory: float = 80 * GiB
     hbm_bandwidth: float = 3.35e12
+    attention_flops: dict = field(default_factory=dict)
+    layer_overhead: float = 0.0
+    elementwise: float = 0.0
 
     def peak(self, dtype: str) -> float:
         key = {"fp64": "fp32"}.get(dtype, dtype)
         if key not in self.peak_flops:
             raise ConfigError(f"accelerator {self.name} has no peak for {dtype!r}; known: {', '.join(self.peak_flops)}")
         return self.peak_flops[key]
+
+    def attention_peak(self, dtype: str) -> float:
+        """The attention core's FLOP/s in `dtype` (the GEMM peak unless measured)."""
+        key = {"fp64": "fp32"}.get(dtype, dtype)
+        return self.attention_flops.get(key) or self.peak(dtype)
 
 
 @dataclass(frozen=True)
@@ -55,10 +70,19 @@ class Tier:
     bandwidth: float
     latency: float = 5e-6
     oversubscription: float = 1.0
+    ops: tuple = ()          # per-op (op, latency, bandwidth) fits that replace the two above (calibrate)
+    overlap: float = 1.0     # share of an asynchronous collective that really hides behind compute
 
     @property
     def effective_bandwidth(self) -> float:
         return self.bandwidth / self.oversubscription
+
+    def fit(self, op: str) -> tuple[float, float]:
+        """(latency per hop, bandwidth) of `op` on this tier: its own fit when measured, else the tier's."""
+        for name, latency, bandwidth in self.ops:
+            if name == op:
+                return latency, bandwidth
+        return self.latency, self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -145,6 +169,12 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
         bandwidth_gbps = 450     # GB/s per GPU, each direction
         latency_us = 2
         oversubscription = 1
+        # measured by `fivefold calibrate` (optional): per-op fits, the hidden share of async collectives
+        ops = { all_reduce = { latency_us = 900, bandwidth_gbps = 2.1 } }
+        overlap = 0.5
+
+    and, in [accelerator], `attention_tflops = { fp32 = 0.03 }`, `layer_overhead_us`, `elementwise`
+    (see `Accelerator`).
     """
     acc = d.get("accelerator", "h100")
     if isinstance(acc, str):
@@ -155,7 +185,9 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
         try:
             mem = acc["memory_gib"] * GiB if "memory_gib" in acc else acc["memory_gb"] * GB
             accel = Accelerator(acc.get("name", "custom"), {k: v * 1e12 for k, v in acc["peak_tflops"].items()},
-                                mem, acc.get("hbm_gbps", 3350) * GB)
+                                mem, acc.get("hbm_gbps", 3350) * GB,
+                                {k: v * 1e12 for k, v in acc.get("attention_tflops", {}).items()},
+                                acc.get("layer_overhead_us", 0.0) * 1e-6, acc.get("elementwise", 0.0))
         except KeyError as e:
             raise ConfigError(f"[accelerator] needs {e.args[0]!r} (peak_tflops, memory_gb or memory_gib)") from None
     raw = d.get("tier") or d.get("tiers")
@@ -164,8 +196,9 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
     tiers = []
     for i, t in enumerate(raw):
         try:
+            ops = tuple((op, f["latency_us"] * 1e-6, f["bandwidth_gbps"] * GB) for op, f in t.get("ops", {}).items())
             tiers.append(Tier(t["name"], t.get("size"), t["bandwidth_gbps"] * GB, t.get("latency_us", 5) * 1e-6,
-                              t.get("oversubscription", 1.0)))
+                              t.get("oversubscription", 1.0), ops, t.get("overlap", 1.0)))
         except KeyError as e:
             raise ConfigError(f"tier {i} needs {e.args[0]!r} (name, size, bandwidth_gbps)") from None
     sizes = [t.size for t in tiers]

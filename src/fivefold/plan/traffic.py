@@ -466,8 +466,9 @@ def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None =
                 i, block = 0, topo.tiers[0].size or block
             tier = topo.tiers[i]
             p.tier = tier.name
-            bw = group_bandwidth(topo, i, p.op, p.n, block)
-            p.seconds = p.bytes_sent / bw + p.calls * collective_latency(p.op, p.n, tier.latency)
+            latency, own = tier.fit(p.op)
+            bw = group_bandwidth(topo, i, p.op, p.n, block) * own / tier.bandwidth
+            p.seconds = p.bytes_sent / bw + p.calls * collective_latency(p.op, p.n, latency)
             out.append(p)
     return out
 

@@ -41,6 +41,7 @@ def test_writes_a_topology_load_topology_reads(calibrated):
     assert tier.size == 2 and tier.bandwidth > 0 and tier.latency >= 0
     # what a datasheet leaves to `efficiency`, measured and read back
     assert acc.attention_flops["fp32"] > 0 and acc.layer_overhead > 0 and acc.elementwise == 1
+    assert acc.action_overhead >= 0 and "action_overhead_us" in text   # from a real 1F1B step
     assert {op for op, _, _ in tier.ops} >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"}
     assert all(lat >= 0 and bw > 0 for _, lat, bw in tier.ops) and 0 <= tier.overlap <= 1
 
@@ -77,6 +78,14 @@ def test_each_measured_term_moves_the_prediction(calibrated):
     hidden = step(t=dataclasses.replace(tier, overlap=1.0))
     exposed = step(t=dataclasses.replace(tier, overlap=0.0))
     assert hidden.grad_comm_s <= base.grad_comm_s <= exposed.grad_comm_s and hidden.grad_comm_s < exposed.grad_comm_s
+    pp_cfg = tiny_config(pp=2, microbatches=4)
+    pp_layout, pp_work = from_config(pp_cfg)
+    pp_work = dataclasses.replace(pp_work, efficiency=1.0)
+
+    def pp_step(overhead):
+        accel = dataclasses.replace(acc, action_overhead=overhead)
+        return estimate(model, pp_layout, pp_work, dataclasses.replace(topo, accelerator=accel)).time.pipeline_s
+    assert pp_step(1e-3) > pp_step(0.0) + 8 * 1e-3 * 0.9           # 2·m actions a rank, most on the critical path
     slow_ar = step(t=dataclasses.replace(tier, ops=tuple((op, lat * 10, bw) if op == "all_reduce" else (op, lat, bw)
                                                         for op, lat, bw in tier.ops)))
     assert slow_ar.step_time_s > base.step_time_s

@@ -52,6 +52,11 @@ figures are then the median over repetitions and over ranks; collectives as in 2
 5. Overlap (the tier's `overlap`): the share of an asynchronous 4 MiB all-reduce that hides behind a
    ~12 ms compute burst on the same rank. The planner hides only this share of what its schedule says
    gradient reductions and ZeRO gathers hide behind compute (1.0, all of it, on datasheet tiers).
+6. Pipeline actions (`action_overhead_us`): N ranks run a real 1F1B step of a small model (pp = N, the
+   Trainer and pipeline runtime `fivefold train` uses) and the measured makespan is set against the
+   schedule simulator's for the same actions with their measured durations and the send fit per
+   transfer; the excess per compute action is what the runtime spends between its blocks (posting the
+   batched P2P, waiting on receives, a sleeping rank waking late). The planner adds it to each action.
 
 The peaks written are achieved rates, not datasheet peaks: plan with `--efficiency 1.0` against this
 topology (the TOML says so).
@@ -203,6 +208,55 @@ def _tiny_layer_step():
     return lambda: block(x, *cos_sin).sum().backward()
 
 
+# The pipeline probe: a real 1F1B step of a small model, pp = N (two layers a stage), 8 micro-batches of
+# one sequence; its message is PIPELINE_SHAPE's batch x seq x hidden fp32 activation.
+PIPELINE_MODEL = dict(vocab=256, hidden=128, heads=4, kv_heads=2, ffn=256, max_seq=64)
+PIPELINE_MICROBATCHES, PIPELINE_STEPS = 8, 5
+
+
+def _measure_pipeline(rank: int, world: int, quick: bool) -> list[list[tuple]]:
+    """Each step's compute timeline (kind, micro-batch, chunk, start, end) of this rank running the real
+    pipeline runtime (`Trainer` with pp = N): what the runtime spends per action beyond its compute."""
+    import numpy as np
+
+    from .config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from .train.trainer import Trainer
+
+    m, steps = PIPELINE_MICROBATCHES, 3 if quick else PIPELINE_STEPS
+    seq = PIPELINE_MODEL["max_seq"]
+    cfg = Config(model=ModelConfig(layers=2 * world, **PIPELINE_MODEL), parallel=ParallelConfig(pp=world, microbatches=m),
+                 train=TrainConfig(steps=steps, global_batch=m, seq_len=seq, warmup=1, checkpoint=False))
+    tokens = np.random.default_rng(0).integers(0, PIPELINE_MODEL["vocab"], 64 * m * seq).astype(np.int64)
+    trainer = Trainer(cfg, rank, world, tokens=tokens, quiet=True)
+    runtime = next(d for d in trainer.dims if getattr(d, "name", None) == "pp").runtime
+    out = []
+    for k in range(steps):
+        trainer.step(k)
+        out.append([tuple(b) for b in runtime.timeline])
+    return out[1:]   # the first step warms up
+
+
+def pipeline_action_overhead(per_rank_steps: list[list[list[tuple]]], world: int, send_s: float) -> float:
+    """Seconds per compute action that the planner's pipeline model misses: per step, the measured
+    makespan minus the makespan the schedule simulator gives for the same action list with each action's
+    measured duration and `send_s` per transfer (the planner's own p2p cost for the message), over the
+    actions per rank; the median over steps, at least 0."""
+    from .parallel.pipeline.schedules import build_schedule, simulate
+
+    actions = build_schedule("1f1b", world, PIPELINE_MICROBATCHES, 1)
+    per_rank_actions = sum(1 for a in actions[0] if not a.is_comm)
+    excess = []
+    for k in range(len(per_rank_steps[0])):
+        rows = [steps[k] for steps in per_rank_steps]
+        start = min(b[3] for row in rows for b in row)
+        end = max(b[4] for row in rows for b in row)
+        took = {(kind, mb, c): e - s for row in rows for kind, mb, c, s, e in row}
+        cost = lambda a: took[(a.kind, a.microbatch, a.chunk)]   # noqa: E731
+        sim = simulate(actions, cost, cost, cost, cost, send_s)
+        excess.append((end - start - sim.makespan) / per_rank_actions)
+    return max(0.0, statistics.median(excess))
+
+
 def _collective_call(op: str, size: int, group):
     """A no-argument call of one collective with a message of about `size` bytes, and its message bytes
     (what comm/volume.py calls S)."""
@@ -332,8 +386,11 @@ def _rank(rank: int, world: int, quick: bool) -> dict:
     sizes = QUICK if quick else FULL
     group = ParallelMesh(ParallelConfig(dp=world), rank, CommLedger(rank, world))["dp"]
     barrier = dist.barrier
-    return {"compute": _measure_compute(sizes, barrier), "memory": _measure_memory(sizes, barrier),
-            "comm": _measure_collectives(sizes, group, barrier), "overlap": _measure_overlap(sizes, group, barrier)}
+    out = {"compute": _measure_compute(sizes, barrier), "memory": _measure_memory(sizes, barrier),
+           "comm": _measure_collectives(sizes, group, barrier), "overlap": _measure_overlap(sizes, group, barrier)}
+    barrier()
+    out["pipeline"] = _measure_pipeline(rank, world, quick)
+    return out
 
 
 # -- other users of the machine -------------------------------------------------------------------------
@@ -476,6 +533,10 @@ def summarize(per_rank: list[dict], nproc: int, quick: bool) -> dict:
     op = statistics.median(r["memory"]["op_s"] for r in per_rank)
     layer = statistics.median(r["memory"]["layer_s"] for r in per_rank)
     ram = _ram_bytes()
+    send_latency, send_bandwidth = fits["in_step"]["per_op"]["send"]
+    message = PIPELINE_MODEL["hidden"] * PIPELINE_MODEL["max_seq"] * 4
+    action = pipeline_action_overhead([r["pipeline"] for r in per_rank], nproc,
+                                      send_latency + message / send_bandwidth)
     return {
         "nproc": nproc, "quick": quick, "host": platform.node(), "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -483,7 +544,7 @@ def summarize(per_rank: list[dict], nproc: int, quick: bool) -> dict:
         "attention_flops": _rate(compute["attention"]),
         "compute": compute,
         "memory_bandwidth": 3 * mem["bytes"] / add, "copy_bandwidth": 2 * mem["bytes"] / copy,
-        "memory_test_bytes": mem["bytes"], "op_overhead": op, "layer_overhead": layer,
+        "memory_test_bytes": mem["bytes"], "op_overhead": op, "layer_overhead": layer, "action_overhead": action,
         "ram_bytes": ram, "memory_per_rank": ram / nproc,
         "overlap": overlap, "latency": alpha, "bandwidth": bandwidth, "per_op_fit": fits["in_step"]["per_op"],
         "fits": fits, "comm": comm,
@@ -537,6 +598,9 @@ def _comment_lines(cal: dict) -> list[str]:
                  f"eager op call: {cal['op_overhead'] * 1e6:.2f} us")
     lines.append("# layer_overhead_us: forward + backward of the model's Block on 16 "
                  f"tokens of width 64, the fixed cost of a layer per micro-batch: {cal['layer_overhead'] * 1e6:.0f} us")
+    lines.append(f"# action_overhead_us: a real 1F1B step (pp = {cal['nproc']}, {PIPELINE_MICROBATCHES} micro-batches) "
+                 "took this much longer per compute action than the schedule simulator says with the measured "
+                 f"durations and the send fit: {cal['action_overhead'] * 1e6:.0f} us")
     lines.append(f"# RAM {cal['ram_bytes'] / GiB:.2f} GiB shared by {cal['nproc']} ranks: memory_gib is the share of "
                  "one")
     foreign = cal.get("foreign_cores")
@@ -612,6 +676,7 @@ def to_toml(cal: dict) -> str:
         f"hbm_gbps = {_g(cal['memory_bandwidth'] / 1e9)}",
         f"op_overhead_us = {_g(cal['op_overhead'] * 1e6)}",
         f"layer_overhead_us = {_g(cal['layer_overhead'] * 1e6)}",
+        f"action_overhead_us = {_g(cal['action_overhead'] * 1e6)}",
         "elementwise = 1",
         "",
         "[[tier]]",

@@ -374,6 +374,14 @@ def check_microbatch_group(pp: int, microbatches: int, group: int) -> int:
     return n
 
 
+# Memory traffic of the runtime's eager optimizer step (train/optim.py), per element this rank owns, in
+# accesses of one master-precision element: AdamW's decay 2, lerp 3, mul 2, addcmul 4, sqrt 2, divide 2,
+# add eps 2, addcdiv 4. The global gradient norm reads each owned gradient once and makes three passes
+# over its fp64 copy (write, square, sum: 32 bytes). A fused optimizer reads and writes each state once.
+EAGER_ADAMW_ACCESSES = 21
+EAGER_GRAD_NORM_BYTES = 32
+
+
 def block_units(zero: int, pp: int, reduce_each_microbatch: bool) -> bool:
     """Whether ZeRO's flat units are whole blocks plus a root unit (embedding, final norm, head) rather
     than buckets of bucket_mb: ZeRO-3 (a block is gathered as a whole), and ZeRO-2 under a pipeline that

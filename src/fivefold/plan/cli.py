@@ -155,6 +155,7 @@ def check_topology(topo: Topology) -> None:
     for dtype, rate in acc.attention_flops.items():
         check_real(f"{where}: accelerator attention_tflops.{dtype}", _scaled(rate, 1e12), 0)
     check_real(f"{where}: accelerator layer_overhead_us", _scaled(acc.layer_overhead, 1e-6), 0, low_open=False)
+    check_real(f"{where}: accelerator action_overhead_us", _scaled(acc.action_overhead, 1e-6), 0, low_open=False)
     check_real(f"{where}: accelerator elementwise", acc.elementwise, 0, 1, low_open=False,
                meaning=" (share of element-wise traffic paid; 1: eager, unfused)")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .layout import Layout, Workload, check, microbatches
-from .memory import Memory, candidate_stages, memory
+from .memory import Memory, candidate_stages, memory, optimizer_bytes_per_param
 from .models import PlanModel
 from .time import StepTime, step_time
 from .topology import GiB, Topology
@@ -104,7 +104,8 @@ def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, g
     by_stage = {j: place(stage_flows(model, layout, work, j), layout, topo) for j in stages}
     worst = max(by_stage, key=lambda j: sum(f.bytes_sent for f in by_stage[j]))
     states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
-    st = step_time(model, layout, work, topo, by_stage, states, simulate)
+    owned = mem.most_loaded["optimizer"] / optimizer_bytes_per_param(work)   # elements this rank updates
+    st = step_time(model, layout, work, topo, by_stage, states, simulate, owned)
     order = recommend_order(by_stage[worst])
     warnings = placement_warnings(layout, topo, layout.order, order)
     if mem.most_loaded["total"] > topo.accelerator.memory:

@@ -153,6 +153,8 @@ class Workload:
     fp8_gemm: bool = False         # linear-layer GEMMs (forward, dgrad, wgrad) at the accelerator's FP8 peak;
                                    # attention, embedding and LM head stay in dtype (DeepSeek-V3 §3.3)
     fp8_act_cache: bool = False    # linear-layer inputs cached in FP8 for the backward (memory.py applies it)
+    fused_optimizer: bool = True   # the optimizer reads and writes each state once (False: the runtime's eager
+                                   # AdamW and grad norm, rules.EAGER_ADAMW_ACCESSES passes)
 
     def __hash__(self) -> int:     # hashed often as a cache key: compute once
         return cached_hash(self)
@@ -208,7 +210,7 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
     work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=False,
                     capacity_factor=cfg.model.capacity_factor,   # 0: dropless (balanced routing assumed)
                     fp8_dispatch=cfg.parallel.fp8_dispatch, grad_dtype="fp32" if t.main_grads_fp32 else "param",
-                    reduce_dtype="fp32" if full else t.dtype)
+                    reduce_dtype="fp32" if full else t.dtype, fused_optimizer=False)
     return layout, work
 
 

@@ -41,7 +41,7 @@ from ..grid import DEFAULT_ORDER
 from ..rules import ConfigError, Recompute, choices, cp_degrees, divisors
 from .estimate import Estimate, estimate
 from .layout import Layout, Workload, check, valid_tp
-from .memory import Memory, candidate_stages, stage_layers, stage_memory, time_stages
+from .memory import Memory, candidate_stages, optimizer_bytes_per_param, stage_layers, stage_memory, time_stages
 from .models import PlanModel
 from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology
@@ -285,7 +285,8 @@ def _fast_time(model, layout, work, topo, mem) -> float:
     stages = time_stages(model, layout.pp, layout.vpp, layout.partition)
     flows = {j: place(stage_flows(model, layout, work, j), layout, topo) for j in stages}
     states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
-    return step_time(model, layout, work, topo, flows, states, simulate=False).step_time_s
+    owned = mem.most_loaded["optimizer"] / optimizer_bytes_per_param(work)   # elements this rank updates
+    return step_time(model, layout, work, topo, flows, states, simulate=False, owned=owned).step_time_s
 
 
 def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict | None = None,

@@ -31,7 +31,8 @@ Communication: a collective takes bytes_sent / (tier bandwidth / oversubscriptio
   first forward of the next step (`overlap_param_gather`; `gather_delay`), or exposed. ZeRO-3 gathers
   are prefetched behind the previous unit without a pipeline and exposed under one (not prefetched).
 - loss, grad_norm, tied-embedding reductions: exposed (small).
-- optimizer step: memory bound, reads and writes every model-state byte once.
+- optimizer step: memory bound, reads and writes every model-state byte once (fused), or the runtime's
+  eager AdamW passes (`optimizer_seconds`).
 
 Pipeline bubble: the schedule simulator `fivefold.parallel.pipeline.schedules` (pure Python), with
 per-stage forward/backward costs (uneven stages, embedding and head included); when the schedule is too
@@ -44,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from .. import rules
 from ..parallel.pipeline import schedules as _schedules
 from ..rules import ConfigError
 from .layout import Layout, Workload, microbatches
@@ -359,8 +361,20 @@ def ep_exposed(a2a: float, t_f: float, t_b: float, passes: int, overlap: bool, m
     return max(0.0, fwd - t_b) + max(0.0, a2a - fwd - t_f)
 
 
+def optimizer_seconds(work: Workload, acc, states_bytes: float, owned: float) -> float:
+    """The optimizer step, memory bound: a fused optimizer reads and writes every model-state byte once
+    (2·states / HBM bandwidth); the runtime's eager AdamW makes rules.EAGER_ADAMW_ACCESSES passes over
+    each of the `owned` elements' master precision, and the gradient norm its own (EAGER_GRAD_NORM_BYTES
+    plus one read of the gradient)."""
+    if work.fused_optimizer:
+        return 2 * states_bytes / acc.hbm_bandwidth
+    per = rules.EAGER_ADAMW_ACCESSES * work.master_bytes + rules.EAGER_GRAD_NORM_BYTES + work.grad_bytes
+    return owned * per / acc.hbm_bandwidth
+
+
 def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
-              flows_by_stage: dict[int, list[Flow]], states_bytes: float, simulate: bool = True) -> StepTime:
+              flows_by_stage: dict[int, list[Flow]], states_bytes: float, simulate: bool = True,
+              owned: float = 0.0) -> StepTime:
     """Step time of the layout: pipeline makespan (bubble included) plus what does not overlap.
     `flows_by_stage` maps stage -> its flows: every stage (then the simulator can run), or only the
     candidates for the slowest (closed-form bubble)."""
@@ -384,8 +398,11 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         ep = ep_exposed(secs.pop("ep", 0.0) / m, t_f, t_b, passes, L.ep_overlap, m)
         # ring sends hide behind the attention of the block before: forward, and backward at 2x forward
         comm_mb = sum(secs.values()) / m + ep + max(0.0, ring / m - 3 * t_attn)
-        cost_f[j] = t_f + comm_mb / 2
-        cost_b[j] = t_b + comm_mb / 2
+        # the runtime's host time per compute action (calibrated; 0 on datasheet accelerators): one F
+        # and one B (or I and W) per chunk and micro-batch
+        action = acc.action_overhead * (L.vpp if L.effective_schedule == "interleaved" else 1) if L.pp > 1 else 0.0
+        cost_f[j] = t_f + comm_mb / 2 + action
+        cost_b[j] = t_b + comm_mb / 2 + action * (2 if L.effective_schedule == "zb" else 1)
         compute_f[j], compute_b[j] = t_f, t_b
         layer_comm[j] = comm_mb
     first = flows_by_stage[min(flows_by_stage)]
@@ -417,7 +434,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     out.grad_comm_s = max(r for r, _ in grads) + max(g for _, g in grads)
     worst = flows_by_stage[slow]
     out.step_comm_s = sum(f.seconds for f in worst if KIND.get(f.dim) == "step")
-    out.optimizer_s = 2 * states_bytes / acc.hbm_bandwidth
+    out.optimizer_s = optimizer_seconds(work, acc, states_bytes, owned)
     out.step_time_s = out.pipeline_s + out.grad_comm_s + out.step_comm_s + out.optimizer_s
     out.exposed = {"layer": out.layer_comm_s, "grad": out.grad_comm_s, "step": out.step_comm_s}
     out.tokens_per_s = work.tokens / out.step_time_s

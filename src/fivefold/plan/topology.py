@@ -39,7 +39,8 @@ class Accelerator:
     peak), `layer_overhead` (seconds per layer per micro-batch, forward + backward: the fixed cost of a
     layer's many small ops) and `elementwise` (share of the layers' element-wise traffic, `PlanModel.
     elementwise_per_token`, paid at `hbm_bandwidth` beside the GEMMs: 1 for eager PyTorch, 0 where fused
-    kernels and `efficiency` cover it)."""
+    kernels and `efficiency` cover it) and `action_overhead` (host seconds a pipeline compute action costs
+    beyond its compute and its modelled transfer)."""
 
     name: str
     peak_flops: dict = field(default_factory=dict)
@@ -48,6 +49,7 @@ class Accelerator:
     attention_flops: dict = field(default_factory=dict)
     layer_overhead: float = 0.0
     elementwise: float = 0.0
+    action_overhead: float = 0.0     # host seconds per pipeline compute action beyond compute and transfer
 
     def peak(self, dtype: str) -> float:
         key = {"fp64": "fp32"}.get(dtype, dtype)
@@ -173,8 +175,8 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
         ops = { all_reduce = { latency_us = 900, bandwidth_gbps = 2.1 } }
         overlap = 0.5
 
-    and, in [accelerator], `attention_tflops = { fp32 = 0.03 }`, `layer_overhead_us`, `elementwise`
-    (see `Accelerator`).
+    and, in [accelerator], `attention_tflops = { fp32 = 0.03 }`, `layer_overhead_us`, `elementwise`,
+    `action_overhead_us` (see `Accelerator`).
     """
     acc = d.get("accelerator", "h100")
     if isinstance(acc, str):
@@ -187,7 +189,8 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
             accel = Accelerator(acc.get("name", "custom"), {k: v * 1e12 for k, v in acc["peak_tflops"].items()},
                                 mem, acc.get("hbm_gbps", 3350) * GB,
                                 {k: v * 1e12 for k, v in acc.get("attention_tflops", {}).items()},
-                                acc.get("layer_overhead_us", 0.0) * 1e-6, acc.get("elementwise", 0.0))
+                                acc.get("layer_overhead_us", 0.0) * 1e-6, acc.get("elementwise", 0.0),
+                                acc.get("action_overhead_us", 0.0) * 1e-6)
         except KeyError as e:
             raise ConfigError(f"[accelerator] needs {e.args[0]!r} (peak_tflops, memory_gb or memory_gib)") from None
     raw = d.get("tier") or d.get("tiers")

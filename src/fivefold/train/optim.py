@@ -16,7 +16,8 @@ from ..comm import Group
 
 class AdamW:
     """Decoupled weight decay Adam (Loshchilov & Hutter, 2019). `decay[i]` says whether tensor i decays
-    (matrices do; norms do not)."""
+    (matrices do; norms do not). Eager: one pass over memory per line of `step` (the planner charges
+    rules.EAGER_ADAMW_ACCESSES element accesses per owned element; keep the two in step)."""
 
     def __init__(self, params: list[torch.Tensor], decay: list[bool], betas=(0.9, 0.95), eps=1e-8,
                  weight_decay=0.1):

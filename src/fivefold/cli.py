@@ -1,8 +1,12 @@
-"""Command line: `fivefold train | export | calibrate | plan | schedule`.
+"""Command line: `fivefold train | tokenize | export | generate | report | calibrate | plan | schedule`.
 
     fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --cp-mode --ep --zero ...] [--steps K] [--out DIR]
                    [--resume auto|DIR] [--overwrite]
-    fivefold export RUN_OR_CHECKPOINT FILE.safetensors [--hf]
+    fivefold export RUN_OR_CHECKPOINT FILE.safetensors | --hf DIR
+    fivefold generate RUN --prompt TEXT [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+                      [--checkpoint step-N] [--no-cache]    (or --hf DIR instead of RUN)
+    fivefold report RUN [RUN...] [--out DIR] [--format png|svg]
+    fivefold tokenize INPUT... --tokenizer T --out data.bin [--field text] [--workers N] [--overwrite]
     fivefold calibrate [--nproc N] [--out local.toml] [--quick]
     fivefold plan --model llama3-8b --gpus 64 --topology dgx-h100 [--tp --pp --dp ...] [--json]
     fivefold schedule --pp 4 --microbatches 8 --schedule 1f1b [--vpp V] [--out F.svg]
@@ -26,7 +30,7 @@ TRAIN_FLAGS = {
     "vpp": "parallel.vpp", "microbatch_group": "parallel.microbatch_group", "bucket_mb": "parallel.bucket_mb", "partition": "parallel.partition",
     "recompute": "train.recompute", "steps": "train.steps", "global_batch": "train.global_batch",
     "seq_len": "train.seq_len", "lr": "train.lr", "dtype": "train.dtype", "device": "train.device",
-    "seed": "train.seed", "out": "train.out", "data": "train.data",
+    "seed": "train.seed", "out": "train.out", "data": "train.data", "tokenizer": "train.tokenizer",
 }
 HELP = {
     "sp_mode": "Megatron sequence parallelism inside tp",
@@ -36,7 +40,9 @@ HELP = {
     "recompute": "activation checkpointing (pp)",
     "out": "run folder (metrics.jsonl, comm.json, run.json, checkpoints/); never written over without "
            "--resume or --overwrite",
-    "data": "text files, or token files (.u16/.bin, .u32, .npy)",
+    "data": "text files, or token files (fivefold tokenize's, .u16/.bin, .u32, .npy)",
+    "tokenizer": "a Hugging Face tokenizer.json or tiktoken BPE file (default: UTF-8 bytes); model.vocab "
+                 "follows it unless set",
 }
 
 
@@ -75,6 +81,8 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value.strip()
     cfg = load_config(args.config, overrides)
+    resume_tokenizer(cfg, getattr(args, "resume", None))
+    vocab_from_tokenizer(cfg, "model.vocab" in overrides or sets_key(args.config, "model", "vocab"))
     p = cfg.parallel
     world = world or args.nproc
     if world and args.dp is None and p.world_size != world:
@@ -83,6 +91,43 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
             raise ConfigError(f"{world} ranks must divide by tp*cp*pp = {other}")
         p.dp = world // other
     return cfg
+
+
+def sets_key(config_file: str | None, table: str, key: str) -> bool:
+    """Whether the TOML file `config_file` sets [table] key."""
+    if not config_file:
+        return False
+    import tomllib
+
+    with open(config_file, "rb") as f:
+        return key in tomllib.load(f).get(table, {})
+
+
+def resume_tokenizer(cfg, resume: str | None) -> None:
+    """A resumed run keeps its tokenizer: without --tokenizer, the copy in the run folder (OUT/tokenizer.*)."""
+    if not resume or cfg.train.tokenizer:
+        return
+    from .tokenizer import run_tokenizer_file
+
+    saved = run_tokenizer_file(cfg.train.out if resume == "auto" else resume)
+    if saved is not None:
+        cfg.train.tokenizer = str(saved)
+
+
+def vocab_from_tokenizer(cfg, vocab_given: bool) -> None:
+    """With train.tokenizer, model.vocab is the tokenizer's vocabulary (tensor parallelism pads it to a
+    multiple of tp itself), unless the user set model.vocab: then it must hold every id."""
+    if not cfg.train.tokenizer:
+        return
+    from .tokenizer import load_tokenizer
+
+    n = load_tokenizer(cfg.train.tokenizer).vocab_size
+    if not vocab_given:
+        cfg.model.vocab = n
+    elif cfg.model.vocab < n:
+        raise ConfigError(f"model.vocab ({cfg.model.vocab}) is smaller than the vocabulary of tokenizer "
+                          f"{cfg.train.tokenizer} ({n}); set model.vocab >= {n}, or leave it unset to follow "
+                          f"the tokenizer")
 
 
 def prepare_run(cfg, args) -> tuple[str | None, int]:
@@ -101,6 +146,13 @@ def prepare_run(cfg, args) -> tuple[str | None, int]:
         raise ConfigError(f"cannot resume {ckpt} with a different model shape: {'; '.join(errors)}")
     for w in warnings:
         print(f"warning: resuming with a changed setting: {w}", file=sys.stderr)
+    from .train.data import data_identity
+
+    errors, warnings = rundir.compare_data(index.get("data"), data_identity(cfg.train))
+    if errors:
+        raise ConfigError(f"cannot resume {ckpt} with another tokenizer: {'; '.join(errors)}")
+    for w in warnings:
+        print(f"warning: resuming on other data: {w}", file=sys.stderr)
     return str(ckpt), index["step"]
 
 
@@ -110,6 +162,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train.data import check_data
     from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, leave_torchrun,
                                resolve_device, run_ranks, torchrun_env)
+    from .train.scalars import require_tensorboard
     from .train.trainer import supported, train_rank
 
     env = torchrun_env()
@@ -117,6 +170,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = cfg.train.out
     world = env[1] if env else (args.nproc or cfg.parallel.world_size)
     cfg.validate(world)
+    require_tensorboard(cfg.train.tensorboard)
     supported(cfg)                                                   # before any rank starts: what the runtime
     if env is None:                                                  # does not run, a device it cannot use,
         resolve_device(cfg.train.device, "gloo" if world > 1 else None)
@@ -129,6 +183,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     if args.overwrite and lock is not None:
         rundir.clear(out)
+    if lock is not None:
+        from .tokenizer import save_to_run
+
+        save_to_run(cfg.train.tokenizer, out)                       # OUT/tokenizer.*: generate and export read it
     if ckpt and (env is None or env[0] == 0):
         print(f"fivefold train: resuming from {ckpt} (step {start})", file=sys.stderr)
     if env is not None:  # one rank of a torchrun job
@@ -165,24 +223,45 @@ def stop_code(signal_name: str | None) -> int:
 
 def add_export_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("checkpoint", help="a run folder (its newest checkpoint) or a checkpoints/step-N folder")
-    ap.add_argument("dest", help="the single safetensors file to write, or with --hf a new folder (never overwritten)")
-    ap.add_argument("--hf", action="store_true", help="write a Hugging Face model folder (Llama / Mixtral / "
-                    "Qwen2-MoE by the config; needs transformers)")
+    ap.add_argument("dest", nargs="?", help="the single safetensors file to write, or with --hf a new folder "
+                    "(never overwritten)")
+    ap.add_argument("--hf", nargs="?", const=True, metavar="DIR", help="write a Hugging Face model folder DIR "
+                    "(Llama / Mixtral / Qwen2-MoE by the config, with the tokenizer; needs transformers)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .train.checkpoint import export, export_hf
+    from .train.checkpoint import export
 
-    if args.hf:
-        try:
-            path = export_hf(args.checkpoint, args.dest)
-        except (ImportError, ValueError) as e:   # no transformers; a model no HF family matches
-            raise ConfigError(f"cannot export to Hugging Face form: {e}") from None
+    if args.hf is not None:   # `export RUN --hf DIR` or `export RUN DIR --hf`
+        if (args.hf is True) == (args.dest is None):
+            raise ConfigError("export --hf takes one folder: fivefold export RUN --hf DIR")
+        from .hf_export import export_hf_folder
+
+        path = export_hf_folder(args.checkpoint, args.dest if args.hf is True else args.hf)
         print(f"wrote {path}/ ({', '.join(sorted(p.name for p in path.iterdir()))})")
         return 0
+    if args.dest is None:
+        raise ConfigError("export needs a destination: fivefold export RUN FILE.safetensors, or --hf DIR")
     path = export(args.checkpoint, args.dest)
     print(f"wrote {path} ({path.stat().st_size:,} bytes)")
     return 0
+
+
+def add_generate_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("run", nargs="?", help="a run folder (its newest checkpoint) or a checkpoints/step-N folder")
+    ap.add_argument("--prompt", required=True, help="the text to continue")
+    ap.add_argument("--max-tokens", type=int, default=100, help="tokens to generate at most (default 100)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy; default 1")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set with this "
+                    "much probability (1: all)")
+    ap.add_argument("--seed", type=int, default=0, help="the sampler's random seed (default 0)")
+    ap.add_argument("--checkpoint", help="a checkpoint of RUN to use instead of the newest: step-N or a path")
+    ap.add_argument("--no-cache", action="store_true", help="re-run the whole sequence for every token "
+                    "instead of using the KV cache (slower; the same tokens)")
+    ap.add_argument("--hf", metavar="DIR", help="sample from a Hugging Face folder (e.g. `fivefold export "
+                    "--hf`) instead of a run")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when available")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_train_args(sub.add_parser("train", help="train a model (embedded default when no config)"))
     add_export_args(sub.add_parser("export", help="write a checkpoint's whole weights to one safetensors file"))
+    add_generate_args(sub.add_parser("generate", help="sample text from a run's checkpoint (or a Hugging Face folder)"))
+    from .report import add_report_args, cmd_report
+    add_report_args(sub.add_parser("report", help="draw runs' loss, grad norm, tokens/s, lr, traffic, pipeline"))
+    from .train.tokenize import add_tokenize_args, cmd_tokenize
+    add_tokenize_args(sub.add_parser("tokenize", help="tokenize text / JSONL / Parquet / datasets folders into "
+                                     "a token file for training"))
     from .calibrate import add_calibrate_args, cmd_calibrate
     add_calibrate_args(sub.add_parser("calibrate", help="measure this machine and write a topology TOML for plan"))
     from .parallel.pipeline.cli_schedule import add_schedule_args, cmd_schedule
@@ -202,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.cmd == "export":
             return cmd_export(args)
+        if args.cmd == "generate":
+            from .generate import cmd_generate
+            return cmd_generate(args)
+        if args.cmd == "report":
+            return cmd_report(args)
+        if args.cmd == "tokenize":
+            return cmd_tokenize(args)
         if args.cmd == "calibrate":
             return cmd_calibrate(args)
         if args.cmd == "schedule":

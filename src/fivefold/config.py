@@ -183,6 +183,7 @@ class TrainConfig:
     main_grads_fp32: bool = True          # bf16 compute: accumulate and reduce gradients in fp32
     data: list[str] = field(default_factory=list)
     data_limit_mb: float = 8.0            # text data: read at most this many MiB (0: no limit)
+    tokenizer: str = ""                   # tokenizer.json or tiktoken BPE file; model.vocab follows it ("": bytes)
     out: str = "runs/latest"
     log_every: int = 0                    # steps between progress lines when stderr is not a terminal (0: ~20 a run)
     checkpoint: bool = True               # write checkpoints at all
@@ -192,6 +193,7 @@ class TrainConfig:
     max_skips: int = 5                    # ... and stop the run after this many consecutive skipped steps
     recompute: Recompute = "none"         # activation checkpointing (full: each pipeline chunk; selective: attention core)
     device: Device = "auto"               # auto: CUDA when available, else CPU
+    tensorboard: bool = False             # rank 0 also writes loss, grad_norm, lr, tokens/s to OUT/tensorboard/
 
     def validate(self) -> None:
         _check_choices(self, "train")

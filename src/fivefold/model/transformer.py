@@ -55,14 +55,52 @@ def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor)
     return x_bnsd * cos + rotate_half(x_bnsd) * sin
 
 
-def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True) -> torch.Tensor:
+def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0) -> torch.Tensor:
     """Causal (or full) attention; kv heads are repeated to match query heads (head i uses kv head
-    i // (n/k))."""
+    i // (n/k)). With `past` > 0 (a KV cache) the keys are the `past` cached tokens followed by the
+    queries' own s tokens, and query i sees keys 0..past+i."""
     n, k = q_bnsd.shape[1], k_bksd.shape[1]
     if n != k:
         k_bksd = k_bksd.repeat_interleave(n // k, dim=1)
         v_bksd = v_bksd.repeat_interleave(n // k, dim=1)
+    if past and causal:
+        s, t = q_bnsd.shape[2], k_bksd.shape[2]
+        mask_st = torch.arange(past, past + s, device=q_bnsd.device)[:, None] >= torch.arange(t, device=q_bnsd.device)
+        return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, attn_mask=mask_st)
     return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, is_causal=causal)
+
+
+class LayerKV:
+    """One layer's cached keys and values, (b, k, t, d) for the t tokens seen so far."""
+
+    def __init__(self):
+        self.k_bktd: torch.Tensor | None = None
+        self.v_bktd: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k_bktd is None else self.k_bktd.shape[2]
+
+    def extend(self, k_bksd: torch.Tensor, v_bksd: torch.Tensor):
+        """Append s new tokens' keys and values: (all keys, all values, how many were cached before)."""
+        past = self.length
+        if past:
+            k_bksd, v_bksd = torch.cat([self.k_bktd, k_bksd], dim=2), torch.cat([self.v_bktd, v_bksd], dim=2)
+        self.k_bktd, self.v_bktd = k_bksd, v_bksd
+        return k_bksd, v_bksd, past
+
+
+class KVCache:
+    """Keys and values of the tokens already run, per layer, for decoding a few tokens at a time:
+    `model(tokens_bs, cache=cache)` places its tokens after the cached ones (positions length..), attends
+    to them and to itself, and appends its own. Inference only (under torch.no_grad); single process."""
+
+    def __init__(self, layers: int):
+        self.layers = [LayerKV() for _ in range(layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
 
 
 class Dropout(nn.Module):
@@ -136,7 +174,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
         self.core = attention_core  # selective recompute swaps in a checkpointed version (pipeline runtime)
 
-    def forward(self, x_bsh: torch.Tensor, cos_sd, sin_sd) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, cos_sd, sin_sd, kv: LayerKV | None = None) -> torch.Tensor:
         x_bsh = self.enter(x_bsh)
         b, s, _ = x_bsh.shape
         d = self.head_dim
@@ -145,7 +183,11 @@ class Attention(nn.Module):
         k_bksd = self.wk(x_bsh).view(b, s, -1, d).transpose(1, 2)
         v_bksd = self.wv(x_bsh).view(b, s, -1, d).transpose(1, 2)
         q_bnsd, k_bksd = apply_rope(q_bnsd, cos_sd, sin_sd), apply_rope(k_bksd, cos_sd, sin_sd)
-        o_bnsd = self.core(q_bnsd, k_bksd, v_bksd)
+        if kv is None:
+            o_bnsd = self.core(q_bnsd, k_bksd, v_bksd)
+        else:   # the cached tokens' keys and values first
+            k_bktd, v_bktd, past = kv.extend(k_bksd, v_bksd)
+            o_bnsd = attention_core(q_bnsd, k_bktd, v_bktd, past=past)
         return self.wo(o_bnsd.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -177,8 +219,8 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, self.aux) if cfg.is_moe_layer(index) else SwiGLU(cfg.hidden, cfg.ffn)
         self.drop = Dropout(cfg.dropout)  # on each branch before the residual add (0: off)
 
-    def forward(self, x_bsh, cos_sd, sin_sd):
-        x_bsh = x_bsh + self.drop(self.attn(self.attn_norm(x_bsh), cos_sd, sin_sd))
+    def forward(self, x_bsh, cos_sd, sin_sd, kv: LayerKV | None = None):
+        x_bsh = x_bsh + self.drop(self.attn(self.attn_norm(x_bsh), cos_sd, sin_sd, kv))
         return x_bsh + self.drop(self.mlp(self.mlp_norm(x_bsh)))
 
 
@@ -187,7 +229,8 @@ class Transformer(nn.Module):
 
     Contract the parallel layers and the pipeline rely on: `forward(tokens_bs, positions_s=None)` returns
     the logits only; positions default to 0..s-1 and may be any ids (context parallelism hands a rank
-    non-contiguous ones); auxiliary losses go through the one `AuxLosses` channel shared by every block."""
+    non-contiguous ones); auxiliary losses go through the one `AuxLosses` channel shared by every block.
+    Inference may pass `cache=KVCache(layers)`: positions then continue after the cached tokens."""
 
     def __init__(self, cfg: ModelConfig, seed: int | None = None):
         super().__init__()
@@ -222,12 +265,18 @@ class Transformer(nn.Module):
     def rope(self, positions, device=None, offset: int = 0):
         return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, device, offset)
 
-    def forward(self, tokens_bs: torch.Tensor, positions_s: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for tokens at `positions_s` (position ids shared by the batch; default 0..s-1)."""
-        cos_sd, sin_sd = self.rope(tokens_bs.shape[1] if positions_s is None else positions_s, tokens_bs.device)
+    def forward(self, tokens_bs: torch.Tensor, positions_s: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Logits for tokens at `positions_s` (position ids shared by the batch; default 0..s-1, or
+        after the cached tokens with a `cache`, which this call extends)."""
+        offset = cache.length if cache is not None else 0
+        cos_sd, sin_sd = self.rope(tokens_bs.shape[1] if positions_s is None else positions_s, tokens_bs.device, offset)
         x_bsh = self.embed(tokens_bs)
-        for layer in self.layers:
-            x_bsh = layer(x_bsh, cos_sd, sin_sd)
+        for i, layer in enumerate(self.layers):
+            if cache is None:
+                x_bsh = layer(x_bsh, cos_sd, sin_sd)
+            else:
+                x_bsh = layer(x_bsh, cos_sd, sin_sd, cache.layers[i])
         return self.head(self.norm(x_bsh))
 
 

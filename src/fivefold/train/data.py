@@ -4,7 +4,13 @@ Default corpus: the Python standard library's own source files (present wherever
 sorted order up to a size limit, as byte-level tokens (vocab 256). `--data` takes a user's files:
 - text files (any extension not below): their bytes are the tokens;
 - `.u16` / `.bin`: raw little-endian uint16 token ids; `.u32`: raw uint32; `.npy`: an integer array
-  (flattened; loaded without pickle).
+  (flattened; loaded without pickle);
+- a token file written by `fivefold tokenize` (any name, with its header `FILE.idx.json` beside it,
+  tokenize.py): read on demand (`TokenFile`: only the windows a step draws, and the id check a chunk at
+  a time), never loaded whole and never cut by `data_limit_mb`; refused when another tokenizer than
+  the run's (`train.tokenizer`, default byte-level) made it.
+With `train.tokenizer` a text file is tokenized in memory (up to data_limit_mb of text), its tokens
+followed by the tokenizer's end-of-text id.
 
 Checks, each a one-line `ConfigError` naming the file: a file exists and is readable, a raw file's size
 is a whole number of tokens, a .npy holds integers, and every token id of every file (scanned in chunks,
@@ -13,8 +19,16 @@ and the corpus-length rule before any rank starts; `read_tokens(..., vocab)` and
 run the id check through the same `check_token_ids`.
 
 Batches do not depend on the layout: the global batch of step k is `global_batch` windows of
-`seq_len + 1` tokens at offsets drawn from a generator seeded with (seed, k). Data-parallel rank r
-takes rows [r·B/dp, (r+1)·B/dp) and reads only those windows; micro-batches split that slice in order.
+`seq_len + 1` tokens chosen from (seed, k) and the data alone, so a resumed run draws exactly what an
+uninterrupted one would. Data-parallel rank r takes rows [r·B/dp, (r+1)·B/dp) and reads only those
+windows; micro-batches split that slice in order. How the windows are chosen:
+- token files (`ShuffledBatches`, shuffled by sequence): the stream is cut into N = (tokens - 1) // seq_len
+  windows (neighbours share one token) and epoch e visits each once, in an order permuted by
+  (seed, e): sample j of the run (j = k·B + row) is window perm_e(j mod N), e = j // N. The permutation
+  is a keyed Feistel network, so it costs no memory however many windows there are. Windows cross
+  document boundaries (documents are separated by the end-of-text id, as in GPT-style packing).
+- anything else (`Batches`): each window starts at a uniformly random offset drawn from a generator
+  seeded with (seed, k).
 """
 from __future__ import annotations
 
@@ -27,13 +41,16 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+from ..tokenizer import ByteTokenizer, Tokenizer, file_digest, load_tokenizer
+from .tokenize import TokenFile, header_digest, is_token_file, open_token_file, token_dtype
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
 
 RAW_DTYPES = {".u16": np.uint16, ".bin": np.uint16, ".u32": np.uint32}
 CHECK_CHUNK = 1 << 24        # token ids scanned at a time by check_token_ids
-FORMATS = "text, .u16/.bin, .u32 or .npy"
+FORMATS = "text, .u16/.bin, .u32, .npy, or a token file from fivefold tokenize"
+M64 = (1 << 64) - 1
 
 
 def stdlib_files() -> list[Path]:
@@ -74,14 +91,17 @@ def corpus_files(paths: list[str | Path] | None) -> list[Path]:
     return files
 
 
-def file_tokens(f: Path, budget: int | None = None) -> np.ndarray:
-    """The tokens of one data file as a 1-D integer array (raw and .npy files memory-mapped; at most
-    `budget` bytes of a text file)."""
+def file_tokens(f: Path, budget: int | None = None, tokenizer: Tokenizer | None = None) -> np.ndarray:
+    """The tokens of one data file as a 1-D integer array (raw and .npy files memory-mapped, token files
+    read on demand; at most `budget` bytes of a text file). `tokenizer`: the run's, which a token file
+    must have been made with (None: not checked)."""
     if not f.exists():
         raise ConfigError(f"data file {str(f)!r} does not exist; pass --data FILE ({FORMATS})")
     if not f.is_file():
         raise ConfigError(f"data file {str(f)!r} is not a file; pass --data FILE ({FORMATS})")
     try:
+        if is_token_file(f):
+            return open_token_file(f, tokenizer)[0]
         if f.suffix in RAW_DTYPES:
             return _raw_tokens(f, np.dtype(RAW_DTYPES[f.suffix]))
         if f.suffix == ".npy":
@@ -116,42 +136,118 @@ def _npy_tokens(f: Path) -> np.ndarray:
     return arr.reshape(-1)
 
 
-def iter_tokens(paths: list[str | Path] | None = None, limit_mb: float = 8.0) -> Iterator[tuple[Path, np.ndarray]]:
+def is_mapped(f: Path) -> bool:
+    """A file read whole without loading it (a token, raw or .npy file), not text cut by data_limit_mb."""
+    return is_token_file(f) or f.suffix in RAW_DTYPES or f.suffix == ".npy"
+
+
+def text_tokens(raw: np.ndarray, tokenizer: Tokenizer | None) -> np.ndarray:
+    """A text file's bytes as tokens: the bytes themselves (no tokenizer, or the byte-level one), else
+    the tokenizer's ids of the text, followed by its end-of-text id when it has one."""
+    if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
+        return raw
+    ids = tokenizer.encode(raw.tobytes().decode("utf-8", errors="replace"))
+    if tokenizer.eos_id is not None:
+        ids.append(tokenizer.eos_id)
+    return np.asarray(ids, dtype=token_dtype(tokenizer.vocab_size))
+
+
+def iter_tokens(paths: list[str | Path] | None = None, limit_mb: float = 8.0,
+                tokenizer: Tokenizer | None = None) -> Iterator[tuple[Path, np.ndarray]]:
     """(file, its tokens) for each file of the corpus, text files stopping after limit_mb MiB in all
-    (limit_mb <= 0: no limit)."""
+    (limit_mb <= 0: no limit) and tokenized by `tokenizer` (None: bytes; token files are then not
+    checked against a tokenizer)."""
     limit = int(limit_mb * 2**20) if limit_mb > 0 else None
     text = 0
     for f in corpus_files(paths):
-        if f.suffix in RAW_DTYPES or f.suffix == ".npy":
-            yield f, file_tokens(f)
+        if is_mapped(f):
+            yield f, file_tokens(f, tokenizer=tokenizer)
             continue
-        part = file_tokens(f, None if limit is None else max(limit - text, 0))
-        text += len(part)
-        yield f, part
+        raw = file_tokens(f, None if limit is None else max(limit - text, 0))
+        text += len(raw)
+        yield f, text_tokens(raw, tokenizer)
         if limit is not None and text >= limit:
             return
 
 
-def read_tokens(paths: list[str | Path] | None = None, limit_mb: float = 8.0, vocab: int | None = None) -> np.ndarray:
+def read_tokens(paths: list[str | Path] | None = None, limit_mb: float = 8.0, vocab: int | None = None,
+                tokenizer: Tokenizer | None = None) -> np.ndarray:
     """All tokens of the corpus as a 1-D integer array (at most limit_mb MiB of text when text); with
-    `vocab`, every file's ids are checked to lie in [0, vocab)."""
+    `vocab`, every file's ids are checked to lie in [0, vocab). Token files stay on disk: one is
+    returned as its `TokenFile`, several files of which any is one as a `Joined` view (both array-likes
+    with `len` and `[a:b]`)."""
     parts = []
-    for f, part in iter_tokens(paths, limit_mb):
+    for f, part in iter_tokens(paths, limit_mb, tokenizer):
         if vocab is not None:
             check_token_ids(part, vocab, f)
         parts.append(part)
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if len(parts) == 1:
+        return parts[0]
+    return Joined(parts) if any(isinstance(p, TokenFile) for p in parts) else np.concatenate(parts)
+
+
+def run_tokenizer_of(train: TrainConfig) -> Tokenizer:
+    """The tokenizer of a run: `train.tokenizer`, or the byte-level default."""
+    return load_tokenizer(train.tokenizer or None)
+
+
+def uses_token_files(train: TrainConfig) -> bool:
+    """The run trains on token files only (then batches are shuffled by sequence: ShuffledBatches)."""
+    return bool(train.data) and all(is_token_file(f) for f in train.data)
 
 
 def check_data(train: TrainConfig, vocab: int) -> int:
-    """Run every data check for `train` (files exist and are readable, sizes and dtypes, ids in
-    [0, vocab), at least train.seq_len + 2 tokens) without building the corpus; the number of tokens."""
+    """Run every data check for `train` (files exist and are readable, sizes and dtypes, a token file's
+    tokenizer is the run's, ids in [0, vocab), at least train.seq_len + 2 tokens) without building the
+    corpus; the number of tokens."""
     n = 0
-    for f, part in iter_tokens(train.data, train.data_limit_mb):
+    for f, part in iter_tokens(train.data, train.data_limit_mb, run_tokenizer_of(train)):
         check_token_ids(part, vocab, f)
         n += len(part)
     check_length(n, train.seq_len)
     return n
+
+
+def data_identity(train: TrainConfig) -> dict:
+    """What a run trains on, for a checkpoint: the tokenizer's digest and, per data file, its size (and
+    for a token file a hash of its header, which holds the data's SHA-256). A resume compares them."""
+    files = []
+    for f in map(Path, train.data):
+        entry = {"file": f.name, "bytes": f.stat().st_size if f.is_file() else None}
+        if is_token_file(f):
+            entry["header"] = header_digest(f)
+        files.append(entry)
+    return {"tokenizer": file_digest(train.tokenizer) if train.tokenizer else ByteTokenizer.digest, "files": files}
+
+
+def make_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None) -> "Batches":
+    """The batches of a run: `tokens` if given, else the corpus of `train` (ids checked against vocab);
+    shuffled by sequence when the run trains on token files only (module docstring)."""
+    if tokens is not None:
+        return Batches(tokens, train.seq_len, train.global_batch, train.seed, vocab)
+    corpus = read_tokens(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train))
+    kind = ShuffledBatches if uses_token_files(train) else Batches
+    return kind(corpus, train.seq_len, train.global_batch, train.seed)
+
+
+class Joined:
+    """Several 1-D token arrays read as one (length and slices), without copying them together."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        begin, end, _ = index.indices(len(self))
+        out = []
+        for part, lo in zip(self.parts, self.starts[:-1]):
+            a, b = max(begin - lo, 0), min(end - lo, len(part))
+            if a < b:
+                out.append(np.asarray(part[a:b]))
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 class Batches:
@@ -179,3 +275,46 @@ class Batches:
 
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+
+class ShuffledBatches(Batches):
+    """Batches of a token file, shuffled by sequence (module docstring): sample j of the run is window
+    `permute(j mod N, N, key(seed, j // N))` of the N non-overlapping windows, so every window is seen
+    once an epoch and step k depends on (seed, k, the data) alone."""
+
+    def __init__(self, tokens, seq_len: int, global_batch: int, seed: int, vocab: int | None = None):
+        super().__init__(tokens, seq_len, global_batch, seed, vocab)
+        self.windows = (len(tokens) - 1) // seq_len
+
+    def offsets(self, step: int) -> torch.Tensor:
+        first = step * self.global_batch
+        n = self.windows
+        return torch.tensor([permute(j % n, n, mix(self.seed, j // n)) * self.seq_len
+                             for j in range(first, first + self.global_batch)], dtype=torch.int64)
+
+
+def mix(*values: int) -> int:
+    """A 64-bit hash of integers (splitmix64 steps): the keys and round functions of `permute`."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & M64)) * 0xBF58476D1CE4E5B9 & M64
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & M64
+        h ^= h >> 29
+    return h
+
+
+def permute(i: int, n: int, key: int, rounds: int = 4) -> int:
+    """Position i of a pseudo-random permutation of range(n) chosen by `key`, in O(1) memory: a
+    balanced Feistel network on the smallest even number of bits that holds n, applied again until the
+    value falls below n (cycle walking keeps it a bijection of range(n); fewer than 4 tries expected)."""
+    bits = max((n - 1).bit_length(), 2)
+    half = (bits + 1) // 2
+    mask = (1 << half) - 1
+    x = i
+    while True:
+        left, right = x >> half, x & mask
+        for r in range(rounds):
+            left, right = right, left ^ (mix(key, r, right) & mask)
+        x = (left << half) | right
+        if x < n:
+            return x

@@ -3,6 +3,8 @@
     OUT/.lock                           held (flock) by the run writing OUT; freed when its process ends
     OUT/metrics.jsonl                   one line per step; a resumed run keeps the lines before its start
     OUT/comm.json, run.json, pipeline.* written at the end of a run
+    OUT/tensorboard/                    train.tensorboard: the same scalars as TensorBoard events
+    OUT/tokenizer.json or .tiktoken     train.tokenizer: a copy of the run's tokenizer (tokenizer.save_to_run)
     OUT/checkpoints/step-00000050/      complete checkpoints: index.json + one safetensors file per rank
     OUT/checkpoints/.tmp-...            a save in progress (never read; a failed save's is removed later)
 
@@ -23,14 +25,15 @@ from ..config import ConfigError
 CHECKPOINTS = "checkpoints"
 INDEX = "index.json"
 FORMAT = 2
-RUN_FILES = ("metrics.jsonl", "comm.json", "run.json", "pipeline.json", "pipeline.svg", CHECKPOINTS)
+RUN_FILES = ("metrics.jsonl", "comm.json", "run.json", "pipeline.json", "pipeline.svg", "tensorboard", CHECKPOINTS)
 
 # model fields that change the parameters' names or shapes: a checkpoint cannot load into another value
 SHAPE_FIELDS = ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "tie_embeddings", "experts", "moe_ffn",
                 "shared_experts", "dense_layers", "shared_expert_gate", "router")
 # fields that say where and how often to write, not what is trained: changing them is silent
+# (train.tokenizer is a path: the tokenizer itself is compared by its digest, `compare_data`)
 QUIET_FIELDS = ("train.out", "train.checkpoint", "train.checkpoint_every", "train.keep_checkpoints",
-                "train.log_every", "train.device")
+                "train.log_every", "train.device", "train.tensorboard", "train.tokenizer")
 
 
 def step_dir(out: str | Path, step: int) -> Path:
@@ -153,6 +156,22 @@ def compare_configs(saved: dict, new: dict) -> tuple[list[str], list[str]]:
                 continue
             line = f"{name}: checkpoint {old!r}, now {value!r}"
             (errors if part == "model" and key in SHAPE_FIELDS else warnings).append(line)
+    return errors, warnings
+
+
+def compare_data(saved: dict | None, new: dict) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for resuming a checkpoint trained on data `saved` with data `new` (both
+    `data.data_identity`; None: an older checkpoint, not compared): another tokenizer is an error,
+    other data files (names, sizes, token-file headers) a warning, since step k then reads other tokens."""
+    if not saved:
+        return [], []
+    errors = []
+    if saved.get("tokenizer") != new.get("tokenizer"):
+        errors.append(f"tokenizer: checkpoint {saved.get('tokenizer')!r}, now {new.get('tokenizer')!r} "
+                      f"(train with the run's tokenizer, OUT/tokenizer.*)")
+    warnings = []
+    if saved.get("files") != new.get("files"):
+        warnings.append(f"data: checkpoint {saved.get('files')}, now {new.get('files')}")
     return errors, warnings
 
 

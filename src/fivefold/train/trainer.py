@@ -15,6 +15,7 @@ data. `step(k)` runs one optimizer step over the global batch of step k and retu
                        at the end, and when a stop signal arrives (SIGTERM / SIGINT)
     OUT/pipeline.json  (pp > 1) the last step's measured per-rank timeline beside the simulated one,
     OUT/pipeline.svg   and their drawing
+    OUT/tensorboard/   (train.tensorboard) the same scalars for TensorBoard (scalars.py)
 
 Failures: a step whose loss or gradient norm is NaN/inf is skipped (no optimizer update;
 train.skip_nonfinite) and the run stops after train.max_skips such steps in a row, naming the step; a
@@ -54,11 +55,12 @@ from ..parallel.parallelize import (direct_forward_backward, gather_state, loss_
 from ..parallel.zero import Zero
 from . import checkpoint, rundir
 from .activations import ActivationMeter
-from .data import Batches, read_tokens
+from .data import data_identity, make_batches
 from .checkpoint import SECTIONS, Box, box_of
 from .launch import heartbeat, resolve_device, stop_requested
 from .optim import AdamW, clip_, global_grad_norm, lr_at
 from .progress import Progress
+from .scalars import ScalarLog
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 # Each rank's default torch stream (dropout without a generator, sampling) is seeded seed + stride·rank;
@@ -115,8 +117,8 @@ class Trainer:
         for m in self.model.modules():   # layers that normalise by the step's totals (MoE aux losses)
             if hasattr(m, "global_sequences"):
                 m.global_sequences, m.global_tokens = t.global_batch, t.global_batch * t.seq_len
-        self.batches = Batches(tokens if tokens is not None else read_tokens(t.data, t.data_limit_mb),
-                               t.seq_len, t.global_batch, t.seed, cfg.model.vocab)
+        self.batches = make_batches(t, cfg.model.vocab, tokens)   # token files: shuffled by sequence (data.py)
+        self.data_id = data_identity(t)   # saved in checkpoints: a resume on other data is warned about
         self.step_count = 0
         self.skips = 0          # consecutive skipped (non-finite) steps
         self.stop = None        # a stop signal the ranks agreed on at the end of the last step
@@ -262,7 +264,7 @@ class Trainer:
                 entries += [(f"{section}/{full}", flat[o:o + n].view(sizes), box) for section, flat in tensors.items()]
         for name, b in checkpoint.persistent_buffers(self.model).items():
             entries.append((f"buffers/{name}", b, Box.whole(b.shape)))
-        meta = {"opt_t": opt_t, "skips": self.skips}
+        meta = {"opt_t": opt_t, "skips": self.skips, "data": self.data_id}
         return checkpoint.save(out, step, self.cfg, entries, self.rng_state(), meta,
                                self.cfg.train.keep_checkpoints, self.rank)
 
@@ -306,6 +308,7 @@ class Trainer:
             out.mkdir(parents=True, exist_ok=True)
             rundir.trim_metrics(out / "metrics.jsonl", start)
         bar = Progress(cfg.steps, enabled=not self.quiet, log_every=cfg.log_every, start=start)
+        scalars = ScalarLog(out, cfg.tensorboard and self.rank == 0, start)   # OUT/tensorboard/ (scalars.py)
         history, stopped, saved = [], None, start if ckpt else None
         for step in range(start, cfg.steps):
             m = self.step(step)
@@ -313,6 +316,7 @@ class Trainer:
             if self.rank == 0:
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(finite_or_null(m), allow_nan=False) + "\n")
+                scalars.add(m)
             bar.update(m)
             heartbeat(step)
             stopped = self.stop
@@ -323,6 +327,7 @@ class Trainer:
             if stopped:
                 break
         bar.close()
+        scalars.close()
         if history:
             for d in self.dims:
                 if hasattr(d, "write"):
@@ -339,7 +344,7 @@ class Trainer:
                 "stopped": stopped, "step": self.step_count}
 
     def run_info(self) -> dict:
-        return {"config": self.cfg.to_dict(), "params": self.n_params,
+        return {"config": self.cfg.to_dict(), "data": self.data_id, "params": self.n_params,
                 "world_size": self.world_size, "model_state_bytes_per_rank": self.model_state_bytes(),
                 "model_state_bytes_by_rank": self.all_state_bytes,
                 "peak_activation_bytes_per_rank": self.activations.peak,

@@ -1,0 +1,221 @@
+"""Sampling from a trained model, on one process: `fivefold generate RUN --prompt TEXT`.
+
+    model, tokenizer = load_run("runs/demo")                 # newest checkpoint, the run's tokenizer
+    ids = sample(model, tokenizer.encode("Once"), Sampling(max_tokens=50, temperature=0.8, seed=1))
+    print(tokenizer.decode(ids))
+
+A checkpoint is layout-free (train/checkpoint.py), so a run trained with any parallel layout loads into
+one single-process `Transformer`. `load_hf(DIR)` loads a Hugging Face folder instead: transformers'
+`AutoModelForCausalLM` reads it and model/hf.py's `from_hf` converts it, so both paths share this
+sampler (the same seed gives the same text from a run and from its export).
+
+Decoding: the prompt runs once, then one token at a time against the model's KV cache
+(model/transformer.py's `KVCache`); `use_cache=False` re-runs the whole sequence for every token (the
+reference the cache is tested against). MoE layers run dropless here, as in Hugging Face: capacity is a
+training-time limit, and per-step capacity would make the cached and uncached paths disagree.
+
+Choosing the next token, from the last position's logits (computed on the CPU in fp32, drawn from a
+`torch.Generator` seeded by `seed`, so a seed gives the same text again, and the draws do not depend
+on the device):
+temperature 0 is greedy (argmax); otherwise logits / temperature, then keep the top_k most likely
+tokens (0: all), then the smallest set whose probabilities sum to at least top_p (1: all), renormalise
+and draw. Generation stops after max_tokens, at the tokenizer's end-of-sequence token, or when the
+context reaches the model's max_seq.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError
+from .model.transformer import KVCache, Transformer
+from .train import checkpoint, rundir
+
+
+@dataclass
+class Sampling:
+    """How to choose tokens (module docstring); the CLI's flags of the same names."""
+
+    max_tokens: int = 100
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    use_cache: bool = True
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k must be >= 0 (0: off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1] (1: off), got {self.top_p}")
+
+
+# -------------------------------------------------------------------------------------------------------
+# Loading
+
+def find_checkpoint(run: str | Path, step: str | Path | None = None) -> Path:
+    """The checkpoint folder to sample from: `step` (a checkpoints/step-N folder, its name inside the
+    run, or its number), else the newest complete one of the run folder `run` (or `run` itself when it is one)."""
+    run = Path(run)
+    if not run.is_dir():
+        raise ConfigError(f"{run}: no such run folder")
+    if step is not None:
+        number = str(step).removeprefix("step-")
+        named = [rundir.step_dir(run, int(number))] if number.isdigit() else []   # step-2 = step-00000002
+        for ckpt in (Path(step), run / rundir.CHECKPOINTS / str(step), *named):
+            if (ckpt / rundir.INDEX).is_file():
+                return ckpt
+        names = [c.name for c in rundir.checkpoints(run)]
+        raise ConfigError(f"--checkpoint {step}: no such checkpoint of {run}; choose one of {names or 'none'}")
+    if (run / rundir.INDEX).is_file():
+        return run
+    newest = rundir.newest_checkpoint(run)
+    if newest is None:
+        raise ConfigError(f"{run} holds no complete checkpoint ({rundir.CHECKPOINTS}/step-*/{rundir.INDEX}); "
+                          f"train it with train.checkpoint=true")
+    return newest
+
+
+def run_of(ckpt: Path) -> Path:
+    """The run folder a checkpoint folder belongs to (OUT/checkpoints/step-N -> OUT)."""
+    return ckpt.parent.parent if ckpt.parent.name == rundir.CHECKPOINTS else ckpt
+
+
+def for_inference(model: Transformer, device: str = "auto") -> Transformer:
+    """Eval mode (no dropout), MoE layers dropless, on `device` (auto: CUDA when available)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    for m in model.modules():
+        if hasattr(m, "capacity_factor"):
+            m.capacity_factor = 0.0
+    return model.eval().to(device)
+
+
+def load_run(run: str | Path, step: str | Path | None = None, device: str = "auto"):
+    """(model, tokenizer) of a run folder: its newest checkpoint (or `step`) in one process, and the
+    tokenizer the run trained with (byte-level when it used none)."""
+    from .tokenizer import run_tokenizer
+
+    ckpt = find_checkpoint(run, step)
+    return for_inference(checkpoint.to_model(ckpt), device), run_tokenizer(run_of(ckpt))
+
+
+def load_hf(folder: str | Path, device: str = "auto"):
+    """(model, tokenizer) of a Hugging Face folder (Llama, Mixtral or Qwen2-MoE: model/hf.py): the weights
+    through transformers and `from_hf`; the tokenizer from its tokenizer.json (or the tokenizer.tiktoken
+    `fivefold export --hf` copies), else byte-level when the vocabulary has 256 entries."""
+    from .model.hf import from_hf
+    from .tokenizer import load_tokenizer, run_tokenizer_file
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"--hf {folder}: not a Hugging Face model folder (no config.json)")
+    try:
+        model = from_hf(folder).float()
+    except (ImportError, ValueError, OSError) as e:
+        raise ConfigError(f"--hf {folder}: cannot load it ({str(e).splitlines()[0]})") from None
+    path = run_tokenizer_file(folder)
+    if path is not None:
+        tokenizer = load_tokenizer(path)
+    elif model.cfg.vocab == 256:
+        tokenizer = load_tokenizer(None)
+    else:
+        raise ConfigError(f"--hf {folder}: no tokenizer.json, and the vocabulary ({model.cfg.vocab}) is not "
+                          f"byte-level (256); add the model's tokenizer.json to the folder")
+    return for_inference(model, device), tokenizer
+
+
+# -------------------------------------------------------------------------------------------------------
+# Sampling
+
+def next_token(logits_v: torch.Tensor, s: Sampling, gen: torch.Generator) -> int:
+    """The next token from one position's logits (module docstring: temperature, top-k, top-p)."""
+    logits_v = logits_v.float().cpu()
+    if s.temperature == 0:
+        return int(logits_v.argmax())
+    logits_v = logits_v / s.temperature
+    if 0 < s.top_k < logits_v.numel():
+        kth = logits_v.topk(s.top_k).values[-1]
+        logits_v = logits_v.masked_fill(logits_v < kth, float("-inf"))
+    if s.top_p < 1:
+        probs_v, order_v = torch.softmax(logits_v, -1).sort(descending=True)
+        before_v = probs_v.cumsum(0) - probs_v          # probability of the more likely tokens
+        drop_v = order_v[before_v >= s.top_p]           # the most likely token is always kept
+        logits_v = logits_v.index_fill(0, drop_v, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits_v, -1), 1, generator=gen))
+
+
+@torch.no_grad()
+def sample(model: Transformer, prompt: list[int], s: Sampling, eos_id: int | None = None,
+           vocab: int | None = None) -> list[int]:
+    """The tokens generated after `prompt` (not including it): at most s.max_tokens, stopping after
+    eos_id or when prompt + generated tokens fill the model's max_seq. Only ids below `vocab` (the
+    tokenizer's; None: the model's) are drawn."""
+    s.validate()
+    room = model.cfg.max_seq - len(prompt)
+    if not prompt or room < 1:
+        raise ConfigError(f"the prompt must be 1..{model.cfg.max_seq - 1} tokens (model.max_seq "
+                          f"{model.cfg.max_seq}), got {len(prompt)}")
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(s.seed)
+    cache = KVCache(model.cfg.layers) if s.use_cache else None
+    ids, fresh, out = list(prompt), list(prompt), []
+    for _ in range(min(s.max_tokens, room)):
+        tokens_bs = torch.tensor([fresh if cache is not None else ids], device=device)
+        logits_v = model(tokens_bs, cache=cache)[0, -1, :vocab]
+        token = next_token(logits_v, s, gen)
+        out.append(token)
+        ids.append(token)
+        fresh = [token]
+        if token == eos_id:
+            break
+    return out
+
+
+def generate_text(model: Transformer, tokenizer, prompt: str, s: Sampling) -> tuple[str, int]:
+    """(the prompt's continuation as text, without a final end-of-text; how many tokens were generated);
+    a note on stderr when max_seq cut it short."""
+    out = sample(model, tokenizer.encode(prompt), s, tokenizer.eos_id, tokenizer.vocab_size)
+    if out and out[-1] == tokenizer.eos_id:
+        return tokenizer.decode(out[:-1]), len(out)
+    if len(out) < s.max_tokens:
+        print(f"note: stopped after {len(out)} tokens: the context is full (model.max_seq "
+              f"{model.cfg.max_seq})", file=sys.stderr)
+    return tokenizer.decode(out), len(out)
+
+
+# -------------------------------------------------------------------------------------------------------
+# Command line (cli.py defines the flags)
+
+def cmd_generate(args) -> int:
+    """`fivefold generate`: print the prompt and its sampled continuation; speed on stderr."""
+    s = Sampling(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, not args.no_cache)
+    s.validate()
+    if not args.prompt:
+        raise ConfigError("--prompt must not be empty")
+    if (args.run is None) == (args.hf is None):
+        raise ConfigError("give a run folder (fivefold generate RUN --prompt ...) or --hf DIR, not both or neither")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available; use --device cpu or auto")
+    if args.hf is not None:
+        if args.checkpoint:
+            raise ConfigError("--checkpoint applies to a run folder, not to --hf DIR")
+        model, tokenizer = load_hf(args.hf, args.device)
+    else:
+        model, tokenizer = load_run(args.run, args.checkpoint, args.device)
+    start = time.perf_counter()
+    text, n = generate_text(model, tokenizer, args.prompt, s)
+    seconds = time.perf_counter() - start
+    print(args.prompt + text)
+    print(f"generated {n} tokens in {seconds:.2f} s "
+          f"({'KV cache' if s.use_cache else 'no cache'}, {next(model.parameters()).device})", file=sys.stderr)
+    return 0

@@ -1,0 +1,90 @@
+"""`fivefold export RUN --hf DIR`: a Hugging Face folder that `AutoModelForCausalLM.from_pretrained(DIR)`
+loads, with the run's tokenizer.
+
+    DIR/config.json, generation_config.json, model.safetensors   train/checkpoint.py's `export_hf`
+                                                                   (Llama, Mixtral or Qwen2-MoE: model/hf.py)
+    DIR/tokenizer.json, tokenizer_config.json                    `AutoTokenizer.from_pretrained(DIR)` loads them
+
+The tokenizer, by what the run trained with (tokenizer.py):
+- a Hugging Face tokenizer.json: copied as it is, with a minimal tokenizer_config.json
+  (PreTrainedTokenizerFast, the end-of-text token, model_max_length = model.max_seq). Its
+  post-processor (a BOS, say) applies in transformers by default; fivefold encodes without it;
+- none (byte-level): a tokenizer.json written here whose ids are the UTF-8 bytes, as in training
+  (`tokenizers`' byte-level alphabet, a BPE without merges), so Hugging Face tokenizes like fivefold;
+- a tiktoken BPE file: copied as tokenizer.tiktoken, which `fivefold generate --hf DIR` reads but
+  transformers' AutoTokenizer does not (no conversion is attempted).
+config.json and generation_config.json name the tokenizer's end-of-text id (none for bytes) and no
+beginning-of-sequence id: fivefold trains without BOS, and transformers' Llama defaults (1, 2) would be
+ordinary tokens here.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from .config import ConfigError
+from .generate import find_checkpoint, run_of
+from .tokenizer import HFTokenizer, load_tokenizer, run_tokenizer_file
+from .train import checkpoint, rundir
+
+
+def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None = None) -> Path:
+    """Write the Hugging Face folder `dest` (new or empty) from the run's newest checkpoint (or `step`)."""
+    ckpt = find_checkpoint(run, step)
+    try:
+        checkpoint.export_hf(ckpt, dest)
+    except (ImportError, ValueError) as e:   # no transformers; a model no HF family matches
+        raise ConfigError(f"cannot export to Hugging Face form: {e}") from None
+    dest = Path(dest)
+    max_seq = rundir.read_index(ckpt)["config"]["model"]["max_seq"]
+    tokenizer = write_tokenizer(run_tokenizer_file(run_of(ckpt)), dest, max_seq)
+    set_special_ids(dest, tokenizer.eos_id)
+    return dest
+
+
+def write_tokenizer(path: Path | None, dest: Path, max_seq: int):
+    """Put the run's tokenizer file (None: byte-level) into `dest` (module docstring); returns it loaded."""
+    tokenizer = load_tokenizer(path)
+    if path is not None and not isinstance(tokenizer, HFTokenizer):   # tiktoken: as it is
+        shutil.copyfile(path, dest / "tokenizer.tiktoken")
+        return tokenizer
+    if path is None:
+        byte_level_tokenizer().save(str(dest / "tokenizer.json"))
+    else:
+        shutil.copyfile(path, dest / "tokenizer.json")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_seq,
+              "clean_up_tokenization_spaces": False}
+    if tokenizer.eos_id is not None:
+        config["eos_token"] = tokenizer.backend.id_to_token(tokenizer.eos_id)
+    (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return tokenizer
+
+
+def byte_bpe_alphabet() -> list[str]:
+    """The printable character GPT-2's byte-level BPE uses for each byte 0..255 (byte i -> entry i):
+    printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
+def byte_level_tokenizer():
+    """A `tokenizers` Tokenizer whose ids are a text's UTF-8 bytes (fivefold's byte-level default)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in enumerate(byte_bpe_alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def set_special_ids(dest: Path, eos_id: int | None) -> None:
+    """config.json and generation_config.json: eos_token_id = the tokenizer's, no bos_token_id."""
+    for name in ("config.json", "generation_config.json"):
+        path = dest / name
+        if path.is_file():
+            config = json.loads(path.read_text())
+            config.update(bos_token_id=None, eos_token_id=eos_id)
+            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,253 @@
+"""`fivefold report RUN [RUN...]`: draw what training runs measured, several runs overlaid to compare layouts.
+
+Reads each run folder (train/rundir.py): metrics.jsonl, and when present comm.json, run.json (for the
+layout) and pipeline.json. Writes into `--out` (default: the first RUN's `report/` folder; files of the
+same name there are replaced, nothing else is touched), as PNG or SVG:
+
+    metrics.png          loss, gradient norm, tokens/s and learning rate over steps, one line per run,
+                         the legend naming each run by folder and layout ("dp2 tp1 pp2")
+    comm.png             the ledger's bytes sent (all ranks) per (dim, op), a bar per run in each group
+    pipeline-RUN.png     pipeline runs: the measured timeline above the simulated one (pipeline/timeline.py)
+
+and prints a summary table: per run its steps, final loss, tokens/s (all tokens over all step
+seconds) and bytes sent per parallel dimension. Needs matplotlib (`pip install fivefold[plot]`); torch-free.
+A run folder that is missing or holds no metrics is a one-line error (exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .comm.ledger import CommLedger, fmt_bytes
+from .config import ConfigError
+
+FORMATS = ("png", "svg")
+# (metric, axis title) of the four panels of metrics.*
+PANELS = (("loss", "loss"), ("grad_norm", "gradient norm"), ("tokens_per_s", "tokens/s"), ("lr", "learning rate"))
+
+
+class ReportError(ConfigError):
+    """A run folder the report cannot read, or matplotlib missing."""
+
+
+@dataclass
+class Run:
+    """What one run folder holds, read once."""
+    path: Path
+    name: str
+    layout: str
+    metrics: list[dict]
+    comm: list[dict]          # ledger rows summed over ranks; [] when comm.json is absent
+    pipeline: dict | None     # pipeline.json; None when the run had no pipeline
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.layout})"
+
+
+# -- reading -----------------------------------------------------------------------------------
+def read_metrics(path: Path) -> list[dict]:
+    """The step records of metrics.jsonl, up to the first line a killed run cut short."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            break
+    return [r for r in records if isinstance(r, dict) and "step" in r]
+
+
+def layout_of(config: dict) -> str:
+    """A run's layout in a few words: "dp2 tp1 pp2", plus cp, ep and ZeRO when used."""
+    p = config.get("parallel", {})
+    words = [f"dp{p.get('dp', 1)}", f"tp{p.get('tp', 1)}", f"pp{p.get('pp', 1)}"]
+    words += [f"{k}{p[k]}" for k in ("cp", "ep") if p.get(k, 1) > 1]
+    return " ".join(words + ([f"zero{p['zero']}"] if p.get("zero") else []))
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON file of the run, None when absent; unreadable is an error naming the file."""
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ReportError(f"{path}: not readable JSON ({e.__class__.__name__}: {e})") from None
+
+
+def read_run(folder: str | Path, name: str | None = None) -> Run:
+    """One run folder; no folder or no metrics is a ReportError."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise ReportError(f"{folder}: no such run folder (give the --out of a fivefold train run)")
+    metrics_file = path / "metrics.jsonl"
+    metrics = read_metrics(metrics_file) if metrics_file.exists() else []
+    if not metrics:
+        raise ReportError(f"{folder}: no metrics (metrics.jsonl is missing or empty: not a run folder, or a run "
+                          f"that finished no step)")
+    run_info = read_json(path / "run.json")
+    comm = read_json(path / "comm.json")
+    try:
+        layout = layout_of(run_info["config"]) if run_info else "layout unknown"
+        rows = CommLedger.from_rows(comm["rows"]).rows() if comm else []
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ReportError(f"{folder}: run.json or comm.json is not fivefold's (missing {e})") from None
+    return Run(path, name or path.resolve().name, layout, metrics, rows, read_json(path / "pipeline.json"))
+
+
+def run_names(folders: list[str]) -> list[str]:
+    """Each run's folder name, with its parent's name too where two runs share a folder name."""
+    names = [Path(f).resolve().name for f in folders]
+    return [f"{Path(f).resolve().parent.name}/{n}" if names.count(n) > 1 else n for f, n in zip(folders, names)]
+
+
+# -- numbers -----------------------------------------------------------------------------------
+def value(record: dict, key: str) -> float:
+    """A step's metric; tokens_per_s is tokens / seconds; a null (non-finite) value is NaN."""
+    if key == "tokens_per_s":
+        seconds = record.get("seconds") or 0.0
+        return record["tokens"] / seconds if seconds > 0 and record.get("tokens") is not None else math.nan
+    v = record.get(key)
+    return math.nan if v is None else float(v)
+
+
+def final_loss(run: Run) -> float:
+    return next((r["loss"] for r in reversed(run.metrics) if r.get("loss") is not None), math.nan)
+
+
+def tokens_per_second(run: Run) -> float:
+    """All tokens over all step seconds."""
+    done = [r for r in run.metrics if r.get("tokens") is not None and r.get("seconds")]
+    seconds = sum(r["seconds"] for r in done)
+    return sum(r["tokens"] for r in done) / seconds if seconds > 0 else math.nan
+
+
+def bytes_by_dim(run: Run) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for row in run.comm:
+        out[row["dim"]] = out.get(row["dim"], 0.0) + row["bytes_sent"]
+    return out
+
+
+def summary(runs: list[Run]) -> str:
+    """A table: per run, layout, steps, final loss, tokens/s and bytes sent per dimension."""
+    dims = sorted({d for run in runs for d in bytes_by_dim(run)})
+    header = ["run", "layout", "steps", "final loss", "tokens/s"] + [f"sent {d}" for d in dims]
+    rows = []
+    for run in runs:
+        sent = bytes_by_dim(run)
+        rows.append([run.name, run.layout, str(len(run.metrics)), f"{final_loss(run):.4f}",
+                     f"{tokens_per_second(run):,.0f}"] + [fmt_bytes(sent[d]) if d in sent else "-" for d in dims])
+    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+                     for line in [header, *rows])
+
+
+# -- drawing -----------------------------------------------------------------------------------
+def figure_class():
+    """matplotlib's Figure (drawn without pyplot, so no global backend is switched)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ReportError("fivefold report draws with matplotlib, which is not installed: "
+                          "pip install fivefold[plot]") from None
+    return Figure
+
+
+def plot_metrics(runs: list[Run], path: Path) -> Path:
+    """Four panels over steps (loss, gradient norm, tokens/s, learning rate), a line per run."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig = figure_class()(figsize=(11, 7.5))
+    axes = fig.subplots(2, 2).ravel()
+    for ax, (key, title) in zip(axes, PANELS):
+        for run in runs:
+            steps = [r["step"] for r in run.metrics]
+            ax.plot(steps, [value(r, key) for r in run.metrics], marker="." if len(steps) < 50 else None,
+                    label=run.label)
+        ax.set_title(title, loc="left", fontsize=10)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_comm(runs: list[Run], path: Path) -> Path:
+    """Bytes sent (all ranks) per (dim, op): one group per pair, a bar per run; log scale when the
+    bytes span more than two decades."""
+    keys = sorted({(row["dim"], row["op"]) for run in runs for row in run.comm})
+    fig = figure_class()(figsize=(max(6.0, 1.1 * len(keys) * max(1, len(runs)) ** 0.5 + 2), 4.8))
+    ax = fig.subplots()
+    width = 0.8 / len(runs)
+    sent = [v for run in runs for row in run.comm if (v := row["bytes_sent"]) > 0]
+    for i, run in enumerate(runs):
+        rows = {(row["dim"], row["op"]): row["bytes_sent"] for row in run.comm}
+        xs = [k + (i - (len(runs) - 1) / 2) * width for k in range(len(keys))]
+        ax.bar(xs, [rows.get(key, 0.0) for key in keys], width, label=run.label)
+    ax.set_xticks(range(len(keys)), [f"{dim}\n{op}" for dim, op in keys], fontsize=8)
+    if sent and max(sent) / min(sent) > 100:
+        ax.set_yscale("log")
+    ax.set_ylabel("bytes sent, all ranks")
+    ax.set_title("communication per (dim, op)" if keys else "communication: no comm.json in these runs",
+                 loc="left", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    if keys:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_pipeline(run: Run, path: Path) -> Path:
+    """The run's measured pipeline timeline above the simulated one (the drawing the run wrote itself)."""
+    from .parallel.pipeline.timeline import write_comparison
+
+    info = run.pipeline
+    try:
+        title = f"{run.name}: {info['schedule']} pp={info['pp']} m={info['microbatches']}"
+        return write_comparison(path, info["measured"]["timeline"], info["simulated_measured_costs"]["timeline"],
+                                title)
+    except (KeyError, TypeError) as e:
+        raise ReportError(f"{run.path / 'pipeline.json'}: not a pipeline report (missing {e})") from None
+
+
+def write_report(runs: list[Run], out: str | Path, fmt: str = "png") -> list[Path]:
+    """Every drawing of the runs into `out`; returns the paths written."""
+    if fmt not in FORMATS:
+        raise ReportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    figure_class()   # before anything is written
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [plot_metrics(runs, out / f"metrics.{fmt}"), plot_comm(runs, out / f"comm.{fmt}")]
+    for run in runs:
+        if run.pipeline:
+            written.append(plot_pipeline(run, out / f"pipeline-{run.name.replace('/', '-')}.{fmt}"))
+    return written
+
+
+# -- command line ------------------------------------------------------------------------------
+def add_report_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("runs", nargs="+", metavar="RUN", help="run folders (the --out of fivefold train), overlaid")
+    ap.add_argument("--out", help="folder for the drawings (default: the first RUN's report/); files of the "
+                    "same name in it are replaced")
+    ap.add_argument("--format", choices=FORMATS, default="png", help="image format (default png)")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    try:
+        runs = [read_run(folder, name) for folder, name in zip(args.runs, run_names(args.runs))]
+        paths = write_report(runs, args.out or Path(args.runs[0]) / "report", args.format)
+    except ReportError as e:
+        print(f"fivefold report: {e}", file=sys.stderr)
+        return 2
+    print(summary(runs))
+    for path in paths:
+        print(f"wrote {path}")
+    return 0

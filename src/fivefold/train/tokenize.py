@@ -1,0 +1,479 @@
+"""`fivefold tokenize`: a corpus -> one flat token file that training memory-maps. Torch-free.
+
+    fivefold tokenize INPUT... --tokenizer T --out data.bin [--field text] [--workers N] [--overwrite]
+
+Inputs, each told apart by its form:
+- a folder: a Hugging Face `datasets` folder written by `save_to_disk` (its state.json lists the
+  `*.arrow` files, read with pyarrow's IPC stream or file reader; the `datasets` package is not needed);
+- `*.jsonl` / `*.ndjson` (optionally `.gz`): one JSON object per line, its `--field` (default "text");
+- `*.parquet` / `*.arrow`: the `--field` column, read a batch of rows at a time;
+- anything else: a UTF-8 text file, the whole file one document.
+A row or line is one document. Documents are tokenized in parallel by `--workers` processes and written
+in input order (the output does not depend on the number of workers), each followed by the tokenizer's
+end-of-text id. The byte-level default has none, so its documents simply follow each other.
+
+Output, written to temporary names and renamed into place (the header last), never over an existing
+file unless `--overwrite`:
+
+    data.bin            the token ids, flat: uint16 when the vocabulary has <= 65536 ids, else uint32
+    data.bin.idx.json   the header: format, dtype, vocab_size, tokenizer {name, digest, eos_id},
+                        tokens, documents, data_sha256 (of data.bin), inputs, field
+    data.bin.idx.npy    int64 offsets of the documents' starts, plus the end: documents + 1 values
+                        (np.load(..., allow_pickle=False))
+
+A data file with a header beside it is a token file for training (`train.data`): `open_token_file`
+reads it on demand (`TokenFile`), never whole.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from ..rules import ConfigError
+from ..tokenizer import Tokenizer, load_tokenizer
+
+FORMAT = "fivefold-tokens"
+VERSION = 1
+HEADER_SUFFIX, OFFSETS_SUFFIX = ".idx.json", ".idx.npy"
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+TABLE_SUFFIXES = (".parquet", ".arrow")
+BATCH_CHARS = 1 << 20        # text handed to a worker at a time (about)
+BATCH_DOCS = 1024            # ... or at most this many documents
+TEXT_PIECE = 1 << 20         # a text file is encoded in pieces of about this many characters, cut at line ends
+ROWS = 1024                  # table rows read at a time
+PROGRESS_EVERY_S = 2.0       # seconds between progress lines when stderr is not a terminal
+
+
+# -- the token file ----------------------------------------------------------------------------------
+def header_path(data: str | Path) -> Path:
+    return Path(f"{data}{HEADER_SUFFIX}")
+
+
+def offsets_path(data: str | Path) -> Path:
+    return Path(f"{data}{OFFSETS_SUFFIX}")
+
+
+def is_token_file(data: str | Path) -> bool:
+    """A data file written by `fivefold tokenize` (its header lies beside it)."""
+    return header_path(data).is_file()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest dtype that holds every id: uint16 for vocabularies of <= 65536 ids, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def read_header(data: str | Path) -> dict:
+    """The header of token file `data`, checked against the data file's size; ConfigError otherwise."""
+    path = header_path(data)
+    try:
+        header = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"token file {data}: cannot read its header {path} ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise ConfigError(f"token file {data}: {path} is not a {FORMAT} header of version {VERSION}; "
+                          f"write it again with fivefold tokenize")
+    if header.get("dtype") not in ("uint16", "uint32"):
+        raise ConfigError(f"token file {data}: header dtype {header.get('dtype')!r}; valid: uint16, uint32")
+    size = Path(data).stat().st_size
+    expected = header["tokens"] * np.dtype(header["dtype"]).itemsize
+    if size != expected:
+        raise ConfigError(f"token file {data}: {size} bytes, but its header says {header['tokens']} "
+                          f"{header['dtype']} tokens ({expected} bytes); write it again with fivefold tokenize")
+    return header
+
+
+def header_digest(data: str | Path) -> str:
+    """A hash of a token file's header bytes (which hold the data's own SHA-256): the file's identity."""
+    return hashlib.sha256(header_path(data).read_bytes()).hexdigest()[:16]
+
+
+class TokenFile:
+    """A token file's ids as a read-only 1-D array-like (`len`, `[a:b]` slices, `dtype`) that reads only
+    the slices asked for, with positioned reads (os.pread) through the page cache. Not an np.memmap: a
+    mapping counts every page it touched in the process's memory (and the kernel maps 64 KiB around
+    each fault), so random windows drawn from a mapped file grow the process to the file's size over a
+    run; reads leave the process's memory flat, whatever the file's size."""
+
+    def __init__(self, path: str | Path, dtype, count: int, offset: int = 0):
+        self.path, self.dtype, self.count, self.offset = Path(path), np.dtype(dtype), count, offset
+        self._fd, self._pid = None, None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("TokenFile reads contiguous slices only: tokens[a:b]")
+        begin, end, _ = index.indices(self.count)
+        size = max(end - begin, 0) * self.dtype.itemsize
+        where, parts = self.offset + begin * self.dtype.itemsize, []
+        while size:
+            part = os.pread(self.fd(), size, where)
+            if not part:
+                raise OSError(f"token file {self.path} ends before byte {where}: it changed after it was checked")
+            parts.append(part)
+            size -= len(part)
+            where += len(part)
+        return np.frombuffer(b"".join(parts), dtype=self.dtype)
+
+    def fd(self) -> int:
+        """The open file (opened again in a child process: descriptors are not shared across fork)."""
+        if self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return self._fd
+
+    def __del__(self):
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+
+
+def open_token_file(data: str | Path, tokenizer: Tokenizer | None = None) -> tuple[TokenFile, dict]:
+    """(the tokens, read on demand: `TokenFile`; the header). With `tokenizer` (the run's), a file made
+    by another tokenizer is refused."""
+    header = read_header(data)
+    if tokenizer is not None and header["tokenizer"]["digest"] != tokenizer.digest:
+        made = header["tokenizer"]
+        raise ConfigError(f"token file {data} was made with tokenizer {made['name']} ({made['digest']}), this run "
+                          f"uses {tokenizer.name} ({tokenizer.digest}): train with --tokenizer set to the file "
+                          f"that made it, or tokenize again with this run's")
+    return TokenFile(data, header["dtype"], header["tokens"]), header
+
+
+def read_offsets(data: str | Path) -> np.ndarray:
+    """The documents' start offsets plus the end (int64; loaded without pickle)."""
+    return np.load(offsets_path(data), allow_pickle=False)
+
+
+class TokenFileWriter:
+    """Writes a token file to temporary names; `commit()` renames them into place (header last) and
+    `abort()` removes them. `write(ids, doc_ends)` appends ids and marks where documents end in them;
+    `end_document()` marks a boundary at the end."""
+
+    def __init__(self, out: str | Path, tokenizer: Tokenizer, overwrite: bool = False):
+        self.out = Path(out)
+        check_outputs(self.out, overwrite)
+        self.tokenizer, self.dtype = tokenizer, token_dtype(tokenizer.vocab_size)
+        self.tmp = self.out.with_name(f".{self.out.name}.{os.getpid()}.tmp")
+        self.file = open(self.tmp, "wb")
+        self.sha = hashlib.sha256()
+        self.tokens, self.starts = 0, [0]
+
+    def write(self, ids, doc_ends=()) -> None:
+        """Append `ids`; `doc_ends`: positions in `ids` where a document ends (after its last id)."""
+        arr = np.asarray(ids, dtype=self.dtype)
+        data = arr.tobytes()
+        self.file.write(data)
+        self.sha.update(data)
+        self.starts += [self.tokens + end for end in doc_ends]
+        self.tokens += len(arr)
+
+    def end_document(self) -> None:
+        self.starts.append(self.tokens)
+
+    def commit(self, **info) -> dict:
+        """Finish: offsets and header written, everything renamed into place; returns the header."""
+        self.file.close()
+        if self.starts[-1] != self.tokens:    # the last document was not closed
+            self.starts.append(self.tokens)
+        t = self.tokenizer
+        header = {"format": FORMAT, "version": VERSION, "dtype": self.dtype.name, "vocab_size": t.vocab_size,
+                  "tokenizer": {"name": t.name, "digest": t.digest, "eos_id": t.eos_id},
+                  "tokens": self.tokens, "documents": len(self.starts) - 1,
+                  "data_sha256": self.sha.hexdigest(), **info}
+        offsets_tmp = self.tmp.with_name(self.tmp.name + ".npy")
+        header_tmp = self.tmp.with_name(self.tmp.name + ".json")
+        np.save(offsets_tmp, np.asarray(self.starts, dtype=np.int64), allow_pickle=False)
+        header_tmp.write_text(json.dumps(header, indent=1) + "\n")
+        header_path(self.out).unlink(missing_ok=True)   # --overwrite: the old file is never half-replaced
+        self.tmp.replace(self.out)
+        offsets_tmp.replace(offsets_path(self.out))
+        header_tmp.replace(header_path(self.out))
+        return header
+
+    def abort(self) -> None:
+        self.file.close()
+        for p in (self.tmp, self.tmp.with_name(self.tmp.name + ".npy"), self.tmp.with_name(self.tmp.name + ".json")):
+            p.unlink(missing_ok=True)
+
+
+def check_outputs(out: Path, overwrite: bool) -> None:
+    """Never write over a token file by accident; the output's folder must exist."""
+    taken = [p for p in (out, header_path(out), offsets_path(out)) if p.exists()]
+    if taken and not overwrite:
+        raise ConfigError(f"--out {out}: {taken[0].name} exists; pass --overwrite to replace it or choose "
+                          f"another --out")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
+
+
+# -- reading a corpus ------------------------------------------------------------------------------------
+def input_kind(path: Path) -> str:
+    """datasets | jsonl | table | text, by the input's form (see the module docstring)."""
+    if path.is_dir():
+        return "datasets"
+    if not path.is_file():
+        raise ConfigError(f"input {path} does not exist; give text, .jsonl, .parquet files or a datasets folder")
+    name = path.name.lower().removesuffix(".gz")
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(TABLE_SUFFIXES):
+        return "table"
+    return "text"
+
+
+def documents(path: Path, field: str) -> Iterator[tuple[str, bool]]:
+    """(text, whether it ends a document) for every piece of one input, in order."""
+    kind = input_kind(path)
+    if kind == "text":
+        yield from text_pieces(path)
+        return
+    rows = {"jsonl": jsonl_rows, "table": table_rows, "datasets": datasets_rows}[kind](path, field)
+    for text in rows:
+        yield text, True
+
+
+def text_pieces(path: Path) -> Iterator[tuple[str, bool]]:
+    """A text file as one document, in pieces of about TEXT_PIECE characters cut after a line end."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            piece, size = [], 0
+            for line in f:
+                piece.append(line)
+                size += len(line)
+                if size >= TEXT_PIECE:
+                    yield "".join(piece), False
+                    piece, size = [], 0
+            yield "".join(piece), True
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"input {path}: not UTF-8 text (byte {e.start} of a read block); "
+                          f"convert it to UTF-8") from None
+
+
+def jsonl_rows(path: Path, field: str) -> Iterator[str]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise ConfigError(f"input {path}:{n}: not a JSON object (JSON lines: one object per line)") from None
+            if not isinstance(row, dict) or field not in row:
+                keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+                raise ConfigError(f"input {path}:{n}: no field {field!r} (has: {keys}); pass --field NAME")
+            yield _text(row[field], path, f"line {n}", field)
+
+
+def _text(value, path: Path, where: str, field: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"input {path}: {where}: field {field!r} holds {type(value).__name__}, not text; "
+                          f"pass --field NAME of a text column")
+    return value
+
+
+def _pyarrow():
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet  # noqa: F401 (the submodule)
+    except ImportError:
+        raise ConfigError("reading Parquet, Arrow or datasets folders needs pyarrow "
+                          "(pip install 'fivefold[data]')") from None
+    return pa
+
+
+def table_rows(path: Path, field: str) -> Iterator[str]:
+    """The `field` column of a Parquet file or an Arrow IPC file (stream or file format)."""
+    if path.name.lower().endswith(".parquet"):
+        pa = _pyarrow()
+        pf = pa.parquet.ParquetFile(path)
+        _check_column(path, pf.schema_arrow.names, field)
+        batches = pf.iter_batches(batch_size=ROWS, columns=[field])
+    else:
+        batches = arrow_batches(path)
+    row = 0
+    for batch in batches:
+        _check_column(path, batch.schema.names, field)
+        for value in batch.column(batch.schema.get_field_index(field)).to_pylist():
+            yield _text(value, path, f"row {row}", field)
+            row += 1
+
+
+def _check_column(path: Path, names: list[str], field: str) -> None:
+    if field not in names:
+        raise ConfigError(f"input {path}: no column {field!r} (has: {', '.join(names)}); pass --field NAME")
+
+
+def arrow_batches(path: Path):
+    """The record batches of an Arrow IPC file: the stream format `datasets` writes, or the file format."""
+    pa = _pyarrow()
+    with pa.memory_map(str(path)) as source:
+        try:
+            reader = pa.ipc.open_stream(source)
+            yield from reader
+            return
+        except pa.ArrowInvalid:
+            source.seek(0)
+        try:
+            reader = pa.ipc.open_file(source)
+        except pa.ArrowInvalid:
+            raise ConfigError(f"input {path}: not an Arrow IPC stream or file") from None
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
+
+
+def datasets_rows(folder: Path, field: str) -> Iterator[str]:
+    """The rows of a `datasets.Dataset.save_to_disk` folder: state.json's `_data_files`, in order."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        raise ConfigError(f"input {folder} holds several splits ({', '.join(splits)}); give one split's folder, "
+                          f"e.g. {folder / (splits[0] if splits else 'train')}")
+    state = folder / "state.json"
+    if not state.is_file():
+        raise ConfigError(f"input {folder} is a folder without state.json; give a folder written by "
+                          f"datasets' save_to_disk, or files")
+    files = [f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
+    if not files:
+        raise ConfigError(f"input {folder}: state.json lists no _data_files")
+    for name in files:
+        yield from table_rows(folder / name, field)
+
+
+def batches(inputs: list[Path], field: str) -> Iterator[tuple[list[str], list[bool]]]:
+    """The corpus in order as work for one worker at a time: (texts, ends-a-document flags)."""
+    texts, ends, size = [], [], 0
+    for path in inputs:
+        for text, end in documents(path, field):
+            texts.append(text)
+            ends.append(end)
+            size += len(text)
+            if size >= BATCH_CHARS or len(texts) >= BATCH_DOCS:
+                yield texts, ends
+                texts, ends, size = [], [], 0
+    if texts:
+        yield texts, ends
+
+
+# -- encoding ------------------------------------------------------------------------------------------
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_path: str | None) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(tokenizer_path)
+
+
+def encode_batch(work: tuple[list[str], list[bool]], tokenizer: Tokenizer | None = None):
+    """(the batch's ids with end-of-text after each document, the token counts at its document ends,
+    characters read)."""
+    tok = tokenizer or _worker_tokenizer
+    texts, ends = work
+    ids, doc_ends = [], []
+    for text, end in zip(texts, ends):
+        ids += tok.encode(text)
+        if end:
+            if tok.eos_id is not None:
+                ids.append(tok.eos_id)
+            doc_ends.append(len(ids))
+    return np.asarray(ids, dtype=token_dtype(tok.vocab_size)), doc_ends, sum(map(len, texts))
+
+
+def encoded(work: Iterator, tokenizer: Tokenizer, tokenizer_path: str | None, workers: int) -> Iterator:
+    """encode_batch of every batch, in order: in this process (workers <= 1) or in `workers` processes
+    with at most 2·workers batches in flight (reading stays just ahead of encoding)."""
+    if workers <= 1:
+        for item in work:
+            yield encode_batch(item, tokenizer)
+        return
+    ctx = multiprocessing.get_context("spawn")   # fresh processes: no inherited threads or state
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
+        pending = deque()
+        for item in work:
+            pending.append(pool.apply_async(encode_batch, (item,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class Progress:
+    """One line on stderr: documents, tokens, text read and its rate (rewritten on a terminal, else every
+    PROGRESS_EVERY_S seconds and at the end)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled, self.tty = enabled, sys.stderr.isatty()
+        self.t0 = self.last = time.perf_counter()
+
+    def update(self, docs: int, tokens: int, chars: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or not (final or self.tty or now - self.last >= PROGRESS_EVERY_S):
+            return
+        self.last = now
+        rate = chars / 2**20 / max(now - self.t0, 1e-9)
+        line = f"tokenize: {docs:,} documents, {tokens:,} tokens, {chars / 2**20:,.1f} MiB text, {rate:,.1f} MiB/s"
+        sys.stderr.write(("\r" + line + ("\n" if final else "")) if self.tty else line + "\n")
+        sys.stderr.flush()
+
+
+def tokenize(inputs: list[str | Path], tokenizer_path: str | Path | None, out: str | Path, field: str = "text",
+             workers: int = 1, overwrite: bool = False, progress: bool = True) -> dict:
+    """Tokenize the corpus `inputs` into token file `out` (module docstring); returns its header."""
+    paths = [Path(p) for p in inputs]
+    if not paths:
+        raise ConfigError("no inputs: give text, .jsonl, .parquet files or a datasets folder")
+    for p in paths:
+        input_kind(p)                      # every input exists before anything is written
+    tokenizer = load_tokenizer(tokenizer_path)
+    writer = TokenFileWriter(out, tokenizer, overwrite)
+    bar = Progress(progress)
+    docs = chars = 0
+    results = encoded(batches(paths, field), tokenizer, None if tokenizer_path is None else str(tokenizer_path),
+                      workers)
+    try:
+        for ids, doc_ends, n_chars in results:
+            writer.write(ids, doc_ends)
+            docs += len(doc_ends)
+            chars += n_chars
+            bar.update(docs, writer.tokens, chars)
+        header = writer.commit(inputs=[str(p) for p in paths], field=field)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        results.close()                    # the worker pool ends here, also on an error
+    bar.update(docs, header["tokens"], chars, final=True)
+    return header
+
+
+# -- the command -----------------------------------------------------------------------------------------
+def add_tokenize_args(ap) -> None:
+    ap.add_argument("inputs", nargs="+", metavar="INPUT",
+                    help="text files, .jsonl(.gz) / .parquet / .arrow files, or datasets save_to_disk folders")
+    ap.add_argument("--tokenizer", help="a Hugging Face tokenizer.json or a tiktoken BPE file "
+                    "(default: UTF-8 bytes, vocab 256, no end-of-text token)")
+    ap.add_argument("--out", required=True, help="the token file to write (its header: OUT.idx.json, "
+                    "document offsets: OUT.idx.npy)")
+    ap.add_argument("--field", default="text", help="the JSON field or table column holding the text (default: text)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                    help="tokenizing processes (default: one per CPU core)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing token file")
+
+
+def cmd_tokenize(args) -> int:
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    h = tokenize(args.inputs, args.tokenizer, args.out, args.field, args.workers, args.overwrite)
+    print(f"wrote {args.out}: {h['tokens']:,} {h['dtype']} tokens in {h['documents']:,} documents "
+          f"(vocab {h['vocab_size']:,}, tokenizer {h['tokenizer']['name']})")
+    return 0

@@ -279,3 +279,33 @@ def test_zero3_buffers_equal_the_runtime_sharded_and_pipelined():
     for rank, peaks in enumerate(per_rank):
         assert peaks[0] == _planned_buffers(cfgs[0], 0)
         assert peaks[1] == _planned_buffers(cfgs[1], rank)     # pp outermost: rank r is stage r
+
+
+def test_uneven_chunks_are_walked_in_the_runtimes_order():
+    """With chunks of different sizes (Llama 3's first and last chunk one layer fewer) the interleaved peak
+    is the maximum, over the rank's own action list (`build_schedule`), of the activations held: each F
+    adds its chunk's, each B frees them. Equal chunks give in_flight x the stage."""
+    from fivefold.parallel.pipeline.schedules import B, F, build_schedule
+    from fivefold.plan.memory import in_flight, interleaved_peak
+
+    p, v = 4, 3
+    for m, group in ((8, 0), (12, 0), (8, 8), (10, 5)):
+        ranks = build_schedule("interleaved", p, m, v, microbatch_group=group)
+        for s in range(p):
+            weights = tuple(float(1 + 10 * c + s) for c in range(v))     # distinct per local chunk
+            held = peak = 0.0
+            for a in ranks[s]:
+                if a.kind == F:
+                    held += weights[a.chunk // p]
+                    peak = max(peak, held)
+                elif a.kind == B:
+                    held -= weights[a.chunk // p]
+            assert interleaved_peak(p, s, m, v, group, weights) == pytest.approx(peak)
+            assert interleaved_peak(p, s, m, v, group, (2.0,) * v) == pytest.approx(
+                in_flight("interleaved", p, s, m, v, group) * 2.0 * v)
+    # Llama 3 405B on 16 stages, v = 2: stage 0's first chunk has 3 layers, not 4, so it holds less than
+    # the uniform estimate would say; the middle stages are unchanged
+    w = Workload(seq=8192, global_batch=16)
+    lay = Layout(pp=16, tp=8, sp_mode="megatron", vpp=2, schedule="interleaved", partition="llama3")
+    acts = [memory(L405, lay, w).stages[s]["activations"] for s in (0, 1)]
+    assert acts[0] < acts[1]

@@ -45,7 +45,7 @@ from functools import lru_cache
 
 from .. import rules
 from ..parallel.pipeline.partition import partition_layers
-from ..parallel.pipeline.schedules import interleaved_warmup
+from ..parallel.pipeline.schedules import interleaved_table, interleaved_warmup
 from ..shapes import bucket_ranges, padded, padded_vocab, segments, shard_size
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
@@ -96,6 +96,26 @@ def in_flight(schedule: str, pp: int, stage: int, m: int, vpp: int = 1, group: i
     if schedule == "interleaved" and vpp > 1:
         return interleaved_warmup(pp, stage, m, vpp, group) / vpp
     return float(min(pp - stage, m))  # 1f1b, zero-bubble (ZB-H1 keeps 1F1B's peak)
+
+
+def interleaved_peak(pp: int, stage: int, m: int, vpp: int, group: int, weights: tuple[float, ...]) -> float:
+    """Peak of the stored activations of rank `stage` under the interleaved schedule when its local chunks
+    hold different amounts (`weights[c]` per micro-batch: Llama 3's first chunk holds only the embedding,
+    its last only the head): the rank's forwards and backwards walked in the runtime's order
+    (`schedules.interleaved_table`: the warm-up forwards, then one backward and one forward at a time),
+    the held sum's maximum. With equal weights this is `in_flight` x the stage's activations."""
+    n = group or pp
+    table = interleaved_table(m, vpp, n)
+    f = interleaved_warmup(pp, stage, m, vpp, group)
+    held = sum(weights[c] for _, c in table[:f])
+    peak = held
+    for k in range(len(table)):
+        held -= weights[vpp - 1 - table[k][1]]
+        if f < len(table):
+            held += weights[table[f][1]]
+            f += 1
+            peak = max(peak, held)
+    return peak
 
 
 def interleaved_penalty(pp: int, vpp: int) -> float:
@@ -473,6 +493,35 @@ def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
     return tuple(rows)
 
 
+@lru_cache(maxsize=16384)
+def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_scores: bool, pp: int, vpp: int,
+                     partition: str, light: bool, full: bool) -> tuple:
+    """Per stage, per local chunk: stored activation bytes per token on one rank for one micro-batch (its
+    layers' `layer_acts`, or under full recompute each layer's input; the embedding's output on global
+    chunk 0, the final norm's and head's inputs and the fp32 logits on the last)."""
+    part = partition_layers(model.layers, pp, vpp, partition)
+    e, h = work.act_bytes, model.hidden
+    split = tp if sp else 1
+    vocab = padded_vocab(model.vocab, tp) / tp
+    rows = []
+    for s in range(pp):
+        row = []
+        for c in range(vpp):
+            q = c * pp + s
+            layers = part.layers_of(q)
+            if full:
+                w = len(layers) * e * h / split
+            else:
+                w = sum(layer_acts(model, i, work, tp, light).per_rank(tp, sp, with_scores) for i in layers)
+            if q == 0:
+                w += e * h / split
+            if q == pp * vpp - 1:
+                w += 2 * e * h / split + (e + 4) * vocab
+            row.append(w)
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
 def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
     """Peak activation bytes of one rank of `stage`: layers × micro-batches in flight, embedding on the
     first stage, final norm, head and fp32 logits on the last; full recompute keeps each layer's input
@@ -497,6 +546,11 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
     with_scores = not work.flash and L.recompute == "none"
     total_pt, max_pt = _stage_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp,
                                         L.partition, L.recompute_norm_mla and L.recompute != "full")[stage]
+    if L.effective_schedule == "interleaved" and L.vpp > 1:   # chunks may differ: walk the schedule
+        chunks = _chunk_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp, L.partition,
+                                  L.recompute_norm_mla and L.recompute != "full", L.recompute == "full")[stage]
+        return interleaved_peak(L.pp, stage, m, L.vpp, L.microbatch_group, chunks) * T + (max_pt * T if
+                                                                                        L.recompute == "full" else 0.0)
     if L.recompute == "full":
         total = flight * n_layers * T * e * h / split + max_pt * T
     else:

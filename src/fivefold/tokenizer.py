@@ -77,17 +77,24 @@ class ByteTokenizer:
         return bytes(i if 0 <= i < 256 else 0xFF for i in ids).decode("utf-8", errors="replace")
 
 
+def _require(module: str, path, what: str):
+    """Import the optional package that reads `what`, or a one-line error naming the extra to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"tokenizer {path}: reading {what} needs the {module} package "
+                          f"(pip install 'fivefold[data]')") from None
+
+
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` (the `tokenizers` library)."""
 
     def __init__(self, path: str | Path):
+        backend = _require("tokenizers", path, "a tokenizer.json")
         try:
-            from tokenizers import Tokenizer as Backend
-        except ImportError:
-            raise ConfigError(f"tokenizer {path}: reading a tokenizer.json needs the tokenizers package "
-                              f"(pip install 'fivefold[data]')") from None
-        try:
-            self.backend = Backend.from_file(str(path))
+            self.backend = backend.Tokenizer.from_file(str(path))
         except Exception as e:   # the library raises its own Exception type for malformed files
             raise ConfigError(f"tokenizer {path}: not a valid Hugging Face tokenizer.json ({_first_line(e)})") from None
         self.name, self.digest = f"hf:{Path(path).name}", file_digest(path)
@@ -105,11 +112,7 @@ class TiktokenTokenizer:
     """A tiktoken BPE ranks file with the GPT-4 split pattern and `<|endoftext|>` appended."""
 
     def __init__(self, path: str | Path):
-        try:
-            import tiktoken
-        except ImportError:
-            raise ConfigError(f"tokenizer {path}: reading a tiktoken BPE file needs the tiktoken package "
-                              f"(pip install 'fivefold[data]')") from None
+        tiktoken = _require("tiktoken", path, "a tiktoken BPE file")
         ranks = read_bpe_ranks(path)
         self.eos_id = max(ranks.values()) + 1
         self.vocab_size = self.eos_id + 1

@@ -9,13 +9,14 @@ To extend to a new parallelism, add its layout to LAYOUTS. A layout the runtime 
 skipped with the runtime's own reason, so the list can run ahead of the runtime.
 """
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from fivefold.config import Config, ConfigError
 from fivefold.plan.layout import from_config
-from fivefold.plan.memory import model_states
+from fivefold.plan.memory import offload_bytes, stage_memory
 from fivefold.plan.models import from_model_config
 from fivefold.plan.traffic import all_ranks
 from fivefold.train.trainer import supported, train_rank
@@ -52,6 +53,10 @@ LAYOUTS = [
      dict(layers=4)),                                                      # a reduce-scatter per micro-batch and block
     (dict(pp=2, dp=2, zero=3, reduce_each_microbatch=True, microbatches=2), "bf16",
      dict(tie_embeddings=False)),                                          # untied: the root too, every micro-batch
+    (dict(dp=2, zero=3, offload="cpu", microbatches=2), "fp32"),           # ZeRO-Offload: d2h grads, h2d params
+    (dict(dp=2, zero=1, offload="nvme", offload_dir="{tmp}", microbatches=2, bucket_mb=0.05), "bf16"),  # + disk
+    (dict(dp=2, zero=3, offload="nvme", offload_dir="{tmp}", microbatches=2), "bf16"),  # params on disk
+    (dict(pp=2, dp=1, zero=3, offload="nvme", offload_dir="{tmp}", microbatches=2), "fp32"),  # root read once a step
     (dict(pp=2, dp=2, zero=3, microbatches=2, partition="llama3"), "fp32", dict(layers=5)),  # root once per step
     (dict(dp=2, ep=2), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # EP padded buffers
     (dict(dp=2, ep=2, fp8_dispatch=True), "bf16", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # fp8
@@ -74,6 +79,8 @@ def _config(par: dict, dtype: str, model: dict | None = None) -> Config:
     cfg.train.dtype = dtype
     cfg.train.steps = 1
     cfg.train.global_batch = 12 if cfg.parallel.dp % 3 == 0 else 8
+    if cfg.parallel.offload_dir == "{tmp}":          # disk offload: a scratch folder of its own
+        cfg.parallel.offload_dir = tempfile.mkdtemp(prefix="fivefold-offload-")
     return cfg
 
 
@@ -133,11 +140,14 @@ def runs(tmp_path_factory) -> dict:
     return out
 
 
-def _planned(cfg: Config) -> tuple[dict, dict]:
-    """(rows per (dim, op) summed over ranks for one step, model-state bytes of one rank of stage 0)."""
+def _planned(cfg: Config) -> tuple[dict, dict, dict]:
+    """(rows per (dim, op) summed over ranks for one step, device model-state bytes of one rank of stage
+    0, what that rank keeps on the host and on disk under offload)."""
     model = from_model_config(cfg.model)
     layout, work = from_config(cfg)
-    return all_ranks(model, layout, work), model_states(model, layout, work, 0)
+    row = stage_memory(model, layout, work, 0)
+    states = {c: row[c] for c in ("weights", "grads", "optimizer")}
+    return all_ranks(model, layout, work), states, offload_bytes(model, layout, work, 0)
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=[_layout_id(c) for c in LAYOUTS])
@@ -154,7 +164,7 @@ def test_planner_equals_ledger_and_run_json(case, runs):
     run = json.loads((folder / "run.json").read_text())
     steps = cfg.train.steps
 
-    planned, states = _planned(cfg)
+    planned, states, off = _planned(cfg)
     measured = {(r["dim"], r["op"]): r for r in comm["rows"]}
     assert sorted(measured) == sorted(planned), "the planner predicts exactly the (dim, op) rows recorded"
     for key, row in planned.items():
@@ -166,6 +176,8 @@ def test_planner_equals_ledger_and_run_json(case, runs):
     assert got["grads"] == states["grads"]
     assert got["optimizer"] == states["optimizer"]
     assert got["total"] == sum(states.values())
+    if cfg.parallel.offload != "none":                # what left the device, where it went
+        assert {k: got[k] for k in ("host", "disk")} == off
 
 
 def test_single_rank_sends_nothing_and_counts_state():
@@ -175,7 +187,7 @@ def test_single_rank_sends_nothing_and_counts_state():
     cfg = _config({}, "fp32")
     tr = Trainer(cfg, quiet=True)
     tr.step(0)
-    planned, states = _planned(cfg)
+    planned, states, off = _planned(cfg)
     assert planned == {} and tr.ledger.rows() == []
     phi = cfg.model.num_params()
     assert states == {"weights": 4 * phi, "grads": 4 * phi, "optimizer": 8 * phi}

@@ -156,24 +156,39 @@ def prepare_run(cfg, args) -> tuple[str | None, int]:
     return str(ckpt), index["step"]
 
 
+def nodes_from_torchrun(cfg, local_world: int | None, announce: bool) -> None:
+    """Under torchrun the ranks of one agent share a node: parallel.ranks_per_node takes its
+    LOCAL_WORLD_SIZE unless the config sets it (to emulate other nodes), which is then announced."""
+    p = cfg.parallel
+    if not local_world:
+        return
+    if not p.ranks_per_node:
+        p.ranks_per_node = local_world
+    elif p.ranks_per_node != local_world and announce:
+        print(f"fivefold train: parallel.ranks_per_node={p.ranks_per_node} (emulated nodes) while torchrun runs "
+              f"{local_world} ranks per node", file=sys.stderr)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from .comm import CommLedger
     from .train import rundir
     from .train.data import check_data
     from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, leave_torchrun,
-                               resolve_device, run_ranks, torchrun_env)
+                               resolve_device, run_ranks, torchrun_env, torchrun_ranks_per_node)
     from .train.scalars import require_tensorboard
     from .train.trainer import supported, train_rank
 
     env = torchrun_env()
     cfg = resolve_train_config(args, env[1] if env else None)
+    if env is not None:
+        nodes_from_torchrun(cfg, torchrun_ranks_per_node(), env[0] == 0)
     out = cfg.train.out
     world = env[1] if env else (args.nproc or cfg.parallel.world_size)
     cfg.validate(world)
     require_tensorboard(cfg.train.tensorboard)
     supported(cfg)                                                   # before any rank starts: what the runtime
     if env is None:                                                  # does not run, a device it cannot use,
-        resolve_device(cfg.train.device, "gloo" if world > 1 else None)
+        device = resolve_device(cfg.train.device, "gloo" if world > 1 else None)
     n_tokens = check_data(cfg.train, cfg.model.vocab)               # data it cannot read, a run folder it
     lock = rundir.RunLock(out) if env is None or env[0] == 0 else None   # must not touch
     ckpt, start = prepare_run(cfg, args)
@@ -193,13 +208,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         die_with_parent()          # a killed torchrun agent leaves no rank training headless
         install_stop_handlers()
         rank, world = init_torchrun(device=cfg.train.device)
-        result = train_rank(rank, world, cfg.to_dict(), out, ckpt)
+        import torch.distributed as dist
+
+        planned = planned_memory(cfg, resolve_device(cfg.train.device, dist.get_backend()).type)
+        result = train_rank(rank, world, cfg.to_dict(), out, ckpt, planned)
         leave_torchrun(stop_code(result.get("stopped")))   # does not return; failures propagate as usual
-    print(f"fivefold train: {world} rank(s), dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
+    k = cfg.parallel.ranks_per_node
+    nodes = f" as {world // k} emulated nodes of {k}" if 0 < k < world else ""
+    print(f"fivefold train: {world} rank(s){nodes}, dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
           f"cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
           f"{cfg.model.num_params():,} parameters, {n_tokens:,} tokens, steps {start}..{cfg.train.steps} -> {out}",
           file=sys.stderr)
-    results = run_ranks(train_rank, world, (cfg.to_dict(), out, ckpt), timeout_s=args.timeout)
+    planned = planned_memory(cfg, device.type)
+    results = run_ranks(train_rank, world, (cfg.to_dict(), out, ckpt, planned), timeout_s=args.timeout)
     lock.release()
     r0 = results[0]
     hist = r0["history"]
@@ -212,6 +233,30 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"fivefold: stopped by {r0['stopped']} after step {r0['step']}; checkpoint in "
               f"{rundir.step_dir(out, r0['step'])}; continue with --resume auto --out {out}", file=sys.stderr)
     return stop_code(r0.get("stopped"))
+
+
+def planned_memory(cfg, device_type: str) -> dict:
+    """The planner's memory per rank for the layout `cfg` trains, for run.json beside the measured peaks:
+    `fivefold.plan.memory.memory(plan.models.from_model_config(cfg.model), *plan.layout.from_config(cfg))`,
+    every pipeline stage. On CUDA the attention is SDPA's flash / memory-efficient kernel, which stores
+    no s x s scores (`Workload.flash`); on the CPU the planner's non-flash default. A layout the planner
+    cannot estimate gives {"error": ...}: a run never fails for its prediction."""
+    from dataclasses import replace
+
+    from .plan.layout import from_config
+    from .plan.memory import COMPONENTS, memory
+    from .plan.models import from_model_config
+
+    try:
+        layout, work = from_config(cfg)
+        work = replace(work, flash=device_type == "cuda")
+        rows = memory(from_model_config(cfg.model), layout, work).stages
+    except Exception as e:  # noqa: BLE001 - the prediction is a report, not a precondition
+        return {"error": f"{type(e).__name__}: {e}"}
+    keys = (*COMPONENTS, "total", "host", "disk")   # host, disk: offloaded optimizer state (off the device)
+    return {"source": "fivefold.plan.memory.memory (plan.layout.from_config, plan.models.from_model_config)",
+            "flash": work.flash,
+            "stages": [{"stage": r["stage"], **{k: int(r[k]) for k in keys if k in r}} for r in rows]}
 
 
 def stop_code(signal_name: str | None) -> int:

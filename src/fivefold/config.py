@@ -32,8 +32,8 @@ from typing import Any, Literal
 
 from . import rules
 from .grid import DEFAULT_ORDER, parse_order
-from .rules import (ConfigError, CpMode, Device, Dtype, Recompute, RouterKind, Schedule, SpMode, ZeroStage,
-                    check_choice, choices, divisors, nearest)
+from .rules import (ConfigError, CpMode, Device, Dtype, Offload, Recompute, RouterKind, Schedule, SpMode,
+                    ZeroStage, check_choice, choices, divisors, nearest)
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "apply_overrides",
            "divisors", "field_type", "load_config", "nearest"]
@@ -146,6 +146,9 @@ class ParallelConfig:
     reduce_each_microbatch: bool = False  # ZeRO-2/3 under pp: reduce-scatter every micro-batch, keep only the shard
     reshard_after_forward: bool = True   # ZeRO-3: free gathered params after forward (False: keep them)
     partition: str = "even"              # layers to pipeline stages: even | llama3 | counts "3,5,5,3"
+    offload: Offload = "none"            # ZeRO's optimizer shards and step: on the device | cpu (host) | nvme (files)
+    offload_dir: str = ""                # offload = nvme: the folder for the files (scratch, rebuilt at start)
+    ranks_per_node: int = 0              # ranks per node (0: unknown, one node); under torchrun its LOCAL_WORLD_SIZE
 
     @property
     def world_size(self) -> int:
@@ -159,8 +162,10 @@ class ParallelConfig:
         _check_above_zero("parallel.bucket_mb", self.bucket_mb, "25")
         parse_order(self.order)
         rules.check_expert_grid(self.ep, self.dp, self.cp)
+        rules.check_offload(self.offload, self.zero, self.offload_dir)
         if world_size is not None:
             rules.check_world_size(world_size, self.tp, self.cp, self.dp, self.pp)
+        rules.check_ranks_per_node(self.ranks_per_node, self.world_size)
 
 
 @dataclass
@@ -193,6 +198,7 @@ class TrainConfig:
     max_skips: int = 5                    # ... and stop the run after this many consecutive skipped steps
     recompute: Recompute = "none"         # activation checkpointing (full: each pipeline chunk; selective: attention core)
     device: Device = "auto"               # auto: CUDA when available, else CPU
+    compile: bool = False                 # torch.compile each transformer block in place (after parallelize)
     tensorboard: bool = False             # rank 0 also writes loss, grad_norm, lr, tokens/s to OUT/tensorboard/
 
     def validate(self) -> None:

@@ -12,6 +12,10 @@ so on. Two grids share one order string (as in Megatron-Core):
 `GROUP_SPECS` names every group by (grid, dimensions it spans). `fivefold.mesh.ParallelMesh` makes the
 process groups from these lists; the planner places the same groups on network tiers. See mesh.py for a
 worked example (16 ranks, rank 5's groups).
+
+Nodes: with `ranks_per_node` = K > 0 node i holds the consecutive ranks iK .. iK+K-1 (how torchrun numbers
+the ranks of its agents); 0 means unknown, taken as one node. `tier_of_ranks(ranks, K)` names the tier a
+group crosses: "intra" when all its ranks share a node, "inter" when it spans nodes (`TIERS`).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from .rules import ConfigError, Dim, check_expert_grid, choices
 
 DIMS: tuple[str, ...] = choices(Dim)
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"   # Megatron-Core's default: the heaviest traffic innermost, pp outermost
+TIERS = ("intra", "inter")         # inside one node, between nodes (the ledger's network tiers)
 
 # name -> (grid, dims varied). "world" is every rank.
 GROUP_SPECS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -117,3 +122,13 @@ def group_block(p: Degrees, name: str, order: str) -> int:
             block = stride * sizes[d]
         stride *= sizes[d]
     return block
+
+
+def node_of(rank: int, ranks_per_node: int) -> int:
+    """The node holding global `rank` (0 for every rank when ranks_per_node is 0: one node)."""
+    return rank // ranks_per_node if ranks_per_node else 0
+
+
+def tier_of_ranks(ranks: list[int], ranks_per_node: int) -> str:
+    """The tier a group of global ranks crosses: "intra" when they share one node, else "inter"."""
+    return TIERS[len({node_of(r, ranks_per_node) for r in ranks}) > 1]

@@ -33,6 +33,13 @@ different parts of one model replica; used for the global grad norm). ``embed`` 
 last rank of each pp group, which keep the two copies of tied input/output embeddings and sum their
 gradients (in the example: [0,8], [1,9], ...; with pp = 4 and pp groups [r, r+4, r+8, r+12] it is
 [r, r+12], and ranks of the middle stages get a group of their own rank only).
+
+Nodes. `parallel.ranks_per_node` = K puts ranks iK .. iK+K-1 on node i (torchrun numbers each agent's
+workers consecutively; the CLI fills K from torchrun's LOCAL_WORLD_SIZE, or `--set
+parallel.ranks_per_node=K` emulates nodes locally; 0: one node). Each group's `tier` is then "intra" when
+its ranks share a node and "inter" when they span nodes (`fivefold.grid.tier_of_ranks`), and the ledger
+records every call on it under that tier. In the example with K = 8: the tp, dp and ep groups above are
+"intra", the pp groups ([5,13]) "inter"; `tiers()` lists them.
 """
 from __future__ import annotations
 
@@ -42,7 +49,7 @@ import torch.distributed as dist
 
 from .comm import CommLedger, Group
 from .config import ParallelConfig
-from .grid import GROUP_SPECS, coords, grid_sizes, parse_order, rank_groups, strides
+from .grid import GROUP_SPECS, coords, grid_sizes, parse_order, rank_groups, strides, tier_of_ranks
 from .rules import check_world_size
 
 __all__ = ["GROUP_SPECS", "ParallelMesh", "coords", "grid_sizes", "rank_groups", "strides"]
@@ -60,7 +67,8 @@ class ParallelMesh:
     group) and "cp_ring" (the cp ranks that hold the same position in those runs: the ring), both recorded
     under "cp"; pure Ulysses has the ring of one, pure ring the runs of one (rules.cp_degrees). "dp_cp"
     is recorded under "dp": it carries the gradient traffic of data parallelism. All groups record into
-    one `ledger`. With world size 1 no process group is created.
+    one `ledger`, each under its tier ("intra" | "inter": config.ranks_per_node, module docstring). With
+    world size 1 no process group is created.
     """
 
     config: ParallelConfig
@@ -75,6 +83,7 @@ class ParallelMesh:
         self.order = parse_order(p.order)
         self.dense, self.expert = grid_sizes(p)
         self.world_size = p.world_size
+        self.ranks_per_node = p.ranks_per_node
         self.ledger.rank, self.ledger.world_size = self.rank, self.world_size
         self.coords = coords(self.rank, self.dense, self.order)
         ecoords = coords(self.rank, self.expert, self.order)
@@ -110,7 +119,7 @@ class ParallelMesh:
                 else:
                     pg = dist.new_group(ranks)  # every rank must create every group, in the same order
             if self.rank in ranks:
-                mine = Group(name, ranks, ranks.index(self.rank), pg, self.ledger)
+                mine = Group(name, ranks, ranks.index(self.rank), pg, self.ledger, self.tier(ranks))
         assert mine is not None
         return mine
 
@@ -119,14 +128,22 @@ class ParallelMesh:
         group itself, so its process group is reused."""
         pp = self.groups["pp"]
         if pp.size <= 2:
-            return Group("embed", pp.ranks, pp.rank, pp.pg, self.ledger)
+            return Group("embed", pp.ranks, pp.rank, pp.pg, self.ledger, pp.tier)
         mine = Group("embed", [self.rank], 0, None, self.ledger)
         for g in rank_groups(self.dense, self.order, ("pp",)):
             ends = [g[0], g[-1]]
             pg = dist.new_group(ends) if distributed else None  # every rank creates every group, in order
             if self.rank in ends:
-                mine = Group("embed", ends, ends.index(self.rank), pg, self.ledger)
+                mine = Group("embed", ends, ends.index(self.rank), pg, self.ledger, self.tier(ends))
         return mine
+
+    def tier(self, ranks: list[int]) -> str:
+        """The tier a group of global ranks crosses: "intra" (one node) or "inter"."""
+        return tier_of_ranks(ranks, self.ranks_per_node)
+
+    def tiers(self) -> dict[str, str]:
+        """This rank's groups of more than one rank -> the tier each crosses."""
+        return {name: g.tier for name, g in self.groups.items() if g.size > 1}
 
     def __getitem__(self, name: str) -> Group:
         return self.groups[name]

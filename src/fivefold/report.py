@@ -6,11 +6,14 @@ same name there are replaced, nothing else is touched), as PNG or SVG:
 
     metrics.png          loss, gradient norm, tokens/s and learning rate over steps, one line per run,
                          the legend naming each run by folder and layout ("dp2 tp1 pp2")
-    comm.png             the ledger's bytes sent (all ranks) per (dim, op), a bar per run in each group
+    comm.png             the ledger's bytes sent (all ranks) per (dim, op), a bar per run in each group;
+                         in a multi-node run each bar is split by the tier its groups cross (hatched:
+                         between nodes; comm/ledger.py)
     pipeline-RUN.png     pipeline runs: the measured timeline above the simulated one (pipeline/timeline.py)
 
 and prints a summary table: per run its steps, final loss, tokens/s (all tokens over all step
-seconds) and bytes sent per parallel dimension. Needs matplotlib (`pip install fivefold[plot]`); torch-free.
+seconds), bytes sent per parallel dimension and, when a run sent beyond one node, per tier. Needs
+matplotlib (`pip install fivefold[plot]`); torch-free.
 A run folder that is missing or holds no metrics is a one-line error (exit 2).
 """
 from __future__ import annotations
@@ -19,7 +22,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .comm.ledger import CommLedger, fmt_bytes
@@ -27,6 +30,7 @@ from .config import ConfigError
 
 FORMATS = ("png", "svg")
 # (metric, axis title) of the four panels of metrics.*
+HATCH = {"intra": "", "inter": "//", "pcie": "..", "nvme": "xx"}   # comm.*: the tier of each part of a bar
 PANELS = (("loss", "loss"), ("grad_norm", "gradient norm"), ("tokens_per_s", "tokens/s"), ("lr", "learning rate"))
 
 
@@ -43,6 +47,7 @@ class Run:
     metrics: list[dict]
     comm: list[dict]          # ledger rows summed over ranks; [] when comm.json is absent
     pipeline: dict | None     # pipeline.json; None when the run had no pipeline
+    tiers: list[dict] = field(default_factory=list)   # the ledger's rows per (dim, op, tier); [] before tiers
 
     @property
     def label(self) -> str:
@@ -94,9 +99,10 @@ def read_run(folder: str | Path, name: str | None = None) -> Run:
     try:
         layout = layout_of(run_info["config"]) if run_info else "layout unknown"
         rows = CommLedger.from_rows(comm["rows"]).rows() if comm else []
+        tiers = CommLedger.from_rows(comm["tiers"]).tier_rows() if comm and "tiers" in comm else []
     except (KeyError, TypeError, AttributeError) as e:
         raise ReportError(f"{folder}: run.json or comm.json is not fivefold's (missing {e})") from None
-    return Run(path, name or path.resolve().name, layout, metrics, rows, read_json(path / "pipeline.json"))
+    return Run(path, name or path.resolve().name, layout, metrics, rows, read_json(path / "pipeline.json"), tiers)
 
 
 def run_names(folders: list[str]) -> list[str]:
@@ -133,15 +139,34 @@ def bytes_by_dim(run: Run) -> dict[str, float]:
     return out
 
 
+def bytes_by_tier(run: Run) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for row in run.tiers:
+        out[row["tier"]] = out.get(row["tier"], 0.0) + row["bytes_sent"]
+    return out
+
+
+def shown_tiers(runs: list[Run]) -> list[str]:
+    """The tiers worth a column or a hatch: all of them when any run sent beyond one node (or over an
+    offload link), else none."""
+    tiers = sorted({t for run in runs for t in bytes_by_tier(run)},
+                   key=lambda t: (list(HATCH).index(t) if t in HATCH else len(HATCH), t))   # innermost first
+    return tiers if set(tiers) - {"intra", ""} else []
+
+
 def summary(runs: list[Run]) -> str:
-    """A table: per run, layout, steps, final loss, tokens/s and bytes sent per dimension."""
+    """A table: per run, layout, steps, final loss, tokens/s, bytes sent per dimension and (when any run
+    used several tiers) per tier."""
     dims = sorted({d for run in runs for d in bytes_by_dim(run)})
-    header = ["run", "layout", "steps", "final loss", "tokens/s"] + [f"sent {d}" for d in dims]
+    tiers = shown_tiers(runs)
+    header = (["run", "layout", "steps", "final loss", "tokens/s"] + [f"sent {d}" for d in dims]
+              + [f"{t or '?'} tier" for t in tiers])
     rows = []
     for run in runs:
-        sent = bytes_by_dim(run)
+        sent, on = bytes_by_dim(run), bytes_by_tier(run)
         rows.append([run.name, run.layout, str(len(run.metrics)), f"{final_loss(run):.4f}",
-                     f"{tokens_per_second(run):,.0f}"] + [fmt_bytes(sent[d]) if d in sent else "-" for d in dims])
+                     f"{tokens_per_second(run):,.0f}"] + [fmt_bytes(sent[d]) if d in sent else "-" for d in dims]
+                    + [fmt_bytes(on[t]) if t in on else "-" for t in tiers])
     widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
                      for line in [header, *rows])
@@ -187,10 +212,25 @@ def plot_comm(runs: list[Run], path: Path) -> Path:
     ax = fig.subplots()
     width = 0.8 / len(runs)
     sent = [v for run in runs for row in run.comm if (v := row["bytes_sent"]) > 0]
+    tiers = shown_tiers(runs)
     for i, run in enumerate(runs):
         rows = {(row["dim"], row["op"]): row["bytes_sent"] for row in run.comm}
         xs = [k + (i - (len(runs) - 1) / 2) * width for k in range(len(keys))]
-        ax.bar(xs, [rows.get(key, 0.0) for key in keys], width, label=run.label)
+        if not (tiers and run.tiers):
+            ax.bar(xs, [rows.get(key, 0.0) for key in keys], width, label=run.label)
+            continue
+        parts = {(row["dim"], row["op"], row["tier"]): row["bytes_sent"] for row in run.tiers}
+        bottom, color = [0.0] * len(keys), f"C{i % 10}"
+        for tier in tiers:   # one stacked part per tier, hatched by tier
+            h = [parts.get((*key, tier), 0.0) for key in keys]
+            ax.bar(xs, h, width, bottom=bottom, color=color, hatch=HATCH.get(tier, "oo"), edgecolor="white",
+                   label=run.label if tier == tiers[0] else None)
+            bottom = [b + v for b, v in zip(bottom, h)]
+    if tiers:
+        from matplotlib.patches import Patch
+
+        ax.add_artist(ax.legend(handles=[Patch(facecolor="white", edgecolor="grey", hatch=HATCH.get(t, "oo"),
+                                               label=f"{t or '?'} tier") for t in tiers], fontsize=8, loc="upper right"))
     ax.set_xticks(range(len(keys)), [f"{dim}\n{op}" for dim, op in keys], fontsize=8)
     if sent and max(sent) / min(sent) > 100:
         ax.set_yscale("log")

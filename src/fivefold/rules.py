@@ -6,7 +6,7 @@ runtime and the planner (`plan/layout.py:check`) call these same functions, so a
 accepts is one the runtime runs, with the same message when it is not.
 
 The choices a field can take are `Literal` types (`ZeroStage`, `SpMode`, `CpMode`, `Schedule`,
-`Recompute`, `PartitionKind`, `Dtype`, `Device`, `Dim`, `RouterKind`); `choices(T)` lists them, for argparse and for
+`Recompute`, `PartitionKind`, `Dtype`, `Device`, `Dim`, `RouterKind`, `Offload`); `choices(T)` lists them, for argparse and for
 `check_choice`.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ Dtype = Literal["fp32", "bf16", "fp64"]               # fp64 for exactness check
 Device = Literal["auto", "cpu", "cuda"]
 Dim = Literal["tp", "cp", "ep", "dp", "pp"]           # the grid's dimensions
 RouterKind = Literal["softmax_topk_norm", "softmax_topk", "sigmoid_bias"]   # Mixtral, Qwen2-MoE, DeepSeek-V3
+Offload = Literal["none", "cpu", "nvme"]             # where ZeRO's optimizer state lives (parallel/offload.py)
 
 
 class ConfigError(ValueError):
@@ -395,6 +396,18 @@ def check_reduce_each_microbatch(reduce_each_microbatch: bool, zero: int) -> Non
                           "valid: zero=2, zero=3, or reduce_each_microbatch=false")
 
 
+def check_offload(offload: str, zero: int, offload_dir: str = "") -> None:
+    """ZeRO-Offload / ZeRO-Infinity move each rank's ZeRO optimizer shards (fp32 masters, Adam moments)
+    and its optimizer step to host memory ("cpu") or to files on a local disk ("nvme"): they need ZeRO's
+    shards (zero 1, 2 or 3), and "nvme" needs the folder to keep the files in."""
+    if offload != "none" and zero not in (1, 2, 3):
+        raise ConfigError(f"parallel.offload = {offload!r} moves ZeRO's optimizer shards off the device, so it needs "
+                          f"zero 1, 2 or 3 (got zero {zero}); valid: zero=1, zero=2, zero=3, or offload='none'")
+    if offload == "nvme" and not str(offload_dir).strip():
+        raise ConfigError("parallel.offload = 'nvme' keeps the optimizer state in files: it needs parallel.offload_dir "
+                          "(a folder on a fast local disk); valid: offload_dir=PATH, or offload='cpu' or 'none'")
+
+
 def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:
     """1F1B-like schedules keep pp micro-batches in flight to fill the pipeline; GPipe runs any number."""
     if pp > 1 and schedule != "gpipe" and microbatches < pp:
@@ -420,6 +433,15 @@ def check_world_size(world: int, tp: int, cp: int, dp: int, pp: int) -> None:
     fix = f"with the other degrees fixed dp = {world // rest}; " if world % rest == 0 else ""
     raise ConfigError(f"world size {world} must equal tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} = {tp * cp * dp * pp}; "
                       f"{fix}valid world sizes (multiples of tp*cp*pp = {rest}): {nearest(world, _multiples(rest, world))}")
+
+
+def check_ranks_per_node(ranks_per_node: int, world: int) -> None:
+    """parallel.ranks_per_node: ranks of one node (0: unknown, taken as one node). Nodes hold equal runs
+    of consecutive ranks, as torchrun numbers them, so it must divide the world size."""
+    if ranks_per_node < 0 or (ranks_per_node and world % ranks_per_node):
+        raise ConfigError(f"parallel.ranks_per_node ({ranks_per_node}) must divide the world size {world} "
+                          f"(nodes hold equal runs of consecutive ranks; 0: one node); valid: 0 or "
+                          f"{', '.join(map(str, nearest(ranks_per_node, divisors(world), 4)))}")
 
 
 # -- what the runtime runs today -----------------------------------------------------------------------

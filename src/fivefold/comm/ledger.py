@@ -1,16 +1,26 @@
-"""CommLedger: what every collective sent, per (dimension, op).
+"""CommLedger: what every collective sent, per (dimension, op) and per network tier.
 
 Each wrapper in `fivefold.comm.ops` records one call: the message size, the bytes that left this rank
-(from `comm/volume.py`) and the seconds spent issuing and waiting. A ledger is per rank; `gather`
-collects all ranks' ledgers so rank 0 can write `comm.json`:
+(from `comm/volume.py`) and the seconds spent issuing and waiting, under (dim, op) and the tier its
+group crosses (`Group.tier`, set by the mesh from `parallel.ranks_per_node`, see `fivefold.grid`):
+"intra" when all the group's ranks share a node, "inter" when it spans nodes. Offload copies
+(`comm/transfer.py`) land on the accelerator's own links, named as the planner names them: "pcie"
+(d2h, h2d) and "nvme" (nvme_read, nvme_write). A ledger is per rank; `gather` collects all ranks'
+ledgers so rank 0 can write `comm.json`:
 
     {"world_size": 2,
      "rows": [{"dim": "dp", "op": "all_reduce", "calls": 8, "message_bytes": ..., "bytes_sent": ...,
-               "seconds": ...}, ...],          # summed over ranks
-     "per_rank": [{"rank": 0, "rows": [...]}, ...]}
+               "seconds": ...}, ...],          # per (dim, op), summed over tiers and ranks
+     "tiers": [{"dim": "dp", "op": "all_reduce", "tier": "inter", "calls": 8, ...}, ...],
+                                               # the same rows split by tier, summed over ranks
+     "by_tier": {"inter": ..., "intra": ...},  # bytes sent per tier, all ranks
+     "per_rank": [{"rank": 0, "rows": [...], "tiers": [...]}, ...]}
 
-Training, benchmarks and tests all read it through this class: `total(dim, op, field)`,
-`rows()`, `table()`, `CommLedger.read(path)`.
+The "rows" mean what they always meant (each is the sum of its "tiers" rows). A (dim, op) may appear
+under two tiers when it runs over two groups (the loss is summed over dp and over pp). Training,
+benchmarks and tests all read it through this class: `total(dim, op, field, tier=None)`, `rows()`,
+`tier_rows()`, `by_tier()`, `table()`, `CommLedger.read(path)` (a comm.json without "tiers" reads
+as tier "").
 """
 from __future__ import annotations
 
@@ -19,6 +29,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 FIELDS = ("calls", "message_bytes", "bytes_sent", "seconds")
+INTRA = "intra"          # the tier of a record that names none (a group of one node: see fivefold.grid)
+# offload copies are not network traffic: the accelerator's link they cross (plan/traffic.py COPY_TIERS)
+COPY_TIERS = {"d2h": "pcie", "h2d": "pcie", "nvme_read": "nvme", "nvme_write": "nvme"}
 
 
 @dataclass
@@ -39,20 +52,22 @@ class CommLedger:
     def __init__(self, rank: int = 0, world_size: int = 1):
         self.rank = rank
         self.world_size = world_size
-        self._rows: dict[tuple[str, str], Row] = {}
-        self._per_rank: list[dict[tuple[str, str], Row]] | None = None
+        self._rows: dict[tuple[str, str, str], Row] = {}        # (dim, op, tier) -> Row
+        self._per_rank: list[dict[tuple[str, str, str], Row]] | None = None
         self.enabled = True
 
     # -- recording ---------------------------------------------------------------------------
     def record(self, dim: str, op: str, message_bytes: float, bytes_sent: float, seconds: float = 0.0,
-               calls: int = 1) -> None:
+               calls: int = 1, tier: str | None = None) -> None:
+        """One call under (dim, op) on `tier` (None: the copy's link for an offload copy, else "intra")."""
         if not self.enabled:
             return
-        self._rows.setdefault((dim, op), Row()).add(Row(calls, float(message_bytes), float(bytes_sent), seconds))
+        key = (dim, op, tier or COPY_TIERS.get(op, INTRA))
+        self._rows.setdefault(key, Row()).add(Row(calls, float(message_bytes), float(bytes_sent), seconds))
 
-    def add_seconds(self, dim: str, op: str, seconds: float) -> None:
+    def add_seconds(self, dim: str, op: str, seconds: float, tier: str | None = None) -> None:
         if self.enabled:
-            self._rows.setdefault((dim, op), Row()).seconds += seconds
+            self._rows.setdefault((dim, op, tier or COPY_TIERS.get(op, INTRA)), Row()).seconds += seconds
 
     def reset(self) -> None:
         self._rows.clear()
@@ -60,15 +75,30 @@ class CommLedger:
 
     # -- reading -----------------------------------------------------------------------------
     def rows(self) -> list[dict]:
-        """One dict per (dim, op), summed over ranks when the ledger was gathered."""
-        return [{"dim": d, "op": o, **asdict(r)} for (d, o), r in sorted(self._rows.items())]
+        """One dict per (dim, op), summed over tiers (and over ranks when the ledger was gathered)."""
+        out: dict[tuple[str, str], Row] = {}
+        for (d, o, _), r in self._rows.items():
+            out.setdefault((d, o), Row()).add(r)
+        return [{"dim": d, "op": o, **asdict(r)} for (d, o), r in sorted(out.items())]
 
-    def total(self, dim: str | None = None, op: str | None = None, field: str = "bytes_sent") -> float:
-        """Sum of `field` over rows matching dim and op (None matches all)."""
+    def tier_rows(self) -> list[dict]:
+        """One dict per (dim, op, tier): the rows of `rows()` split by the tier their group crosses."""
+        return [{"dim": d, "op": o, "tier": t, **asdict(r)} for (d, o, t), r in sorted(self._rows.items())]
+
+    def by_tier(self, field: str = "bytes_sent") -> dict[str, float]:
+        """Sum of `field` per tier (only tiers something was recorded on)."""
+        out: dict[str, float] = {}
+        for t in sorted({t for _, _, t in self._rows}):
+            out[t] = self.total(field=field, tier=t)
+        return out
+
+    def total(self, dim: str | None = None, op: str | None = None, field: str = "bytes_sent",
+              tier: str | None = None) -> float:
+        """Sum of `field` over rows matching dim, op and tier (None matches all)."""
         if field not in FIELDS:
             raise ValueError(f"field must be one of {FIELDS}")
-        return sum(getattr(r, field) for (d, o), r in self._rows.items()
-                   if (dim is None or d == dim) and (op is None or o == op))
+        return sum(getattr(r, field) for (d, o, t), r in self._rows.items()
+                   if (dim is None or d == dim) and (op is None or o == op) and (tier is None or t == tier))
 
     def per_rank(self) -> list["CommLedger"]:
         """Each rank's own ledger (only after `gather` or `read`)."""
@@ -81,10 +111,10 @@ class CommLedger:
             out.append(led)
         return out
 
-    def snapshot(self) -> dict[tuple[str, str], Row]:
+    def snapshot(self) -> dict[tuple[str, str, str], Row]:
         return {k: Row(**asdict(v)) for k, v in self._rows.items()}
 
-    def since(self, snap: dict[tuple[str, str], Row]) -> "CommLedger":
+    def since(self, snap: dict[tuple[str, str, str], Row]) -> "CommLedger":
         """A ledger holding what was recorded after `snap` was taken."""
         led = CommLedger(self.rank, self.world_size)
         for k, r in self._rows.items():
@@ -113,20 +143,24 @@ class CommLedger:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return CommLedger.merge([self])
         objs: list = [None] * dist.get_world_size()
-        dist.all_gather_object(objs, self.rows())
+        dist.all_gather_object(objs, self.tier_rows())
         return CommLedger.merge([CommLedger.from_rows(rows, rank=i) for i, rows in enumerate(objs)])
 
     # -- files -------------------------------------------------------------------------------
     @staticmethod
     def from_rows(rows: list[dict], rank: int = 0) -> "CommLedger":
+        """A ledger from `tier_rows()` (or from `rows()`, whose rows then read as tier "")."""
         led = CommLedger(rank)
         for r in rows:
-            led._rows[(r["dim"], r["op"])] = Row(r["calls"], r["message_bytes"], r["bytes_sent"], r["seconds"])
+            led._rows.setdefault((r["dim"], r["op"], r.get("tier", "")), Row()).add(
+                Row(r["calls"], r["message_bytes"], r["bytes_sent"], r["seconds"]))
         return led
 
     def to_dict(self) -> dict:
-        return {"world_size": len(self.per_rank()), "rows": self.rows(),
-                "per_rank": [{"rank": i, "rows": led.rows()} for i, led in enumerate(self.per_rank())]}
+        return {"world_size": len(self.per_rank()), "rows": self.rows(), "tiers": self.tier_rows(),
+                "by_tier": self.by_tier(),
+                "per_rank": [{"rank": i, "rows": led.rows(), "tiers": led.tier_rows()}
+                             for i, led in enumerate(self.per_rank())]}
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
@@ -134,16 +168,20 @@ class CommLedger:
     @staticmethod
     def read(path: str | Path) -> "CommLedger":
         d = json.loads(Path(path).read_text())
-        return CommLedger.merge([CommLedger.from_rows(p["rows"], p["rank"]) for p in d["per_rank"]])
+        return CommLedger.merge([CommLedger.from_rows(p.get("tiers", p["rows"]), p["rank"]) for p in d["per_rank"]])
 
     def table(self) -> str:
-        """A readable table: per dimension and op, calls, message bytes, bytes sent and seconds."""
+        """A readable table: per dimension and op, calls, message bytes, bytes sent and seconds; then the
+        bytes sent per tier when anything left a node (or went over an offload link)."""
         lines = [f"{'dim':<10}{'op':<16}{'calls':>8}{'message':>12}{'sent':>12}{'seconds':>10}"]
         for r in self.rows():
             lines.append(f"{r['dim']:<10}{r['op']:<16}{r['calls']:>8}{fmt_bytes(r['message_bytes']):>12}"
                          f"{fmt_bytes(r['bytes_sent']):>12}{r['seconds']:>10.3f}")
         if len(lines) == 1:
             lines.append("(no communication)")
+        tiers = self.by_tier()
+        if set(tiers) - {INTRA, ""}:   # anything beyond one node (or an offload link)
+            lines.append("sent per tier: " + ", ".join(f"{t or '?'} {fmt_bytes(b)}" for t, b in tiers.items()))
         return "\n".join(lines)
 
 

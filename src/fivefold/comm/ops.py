@@ -1,10 +1,12 @@
 """Recorded collectives: every byte fivefold sends goes through these wrappers.
 
 A `Group` is a process group with a name (the parallel dimension it serves: "dp", "tp", ...), the
-global ranks in it, and the `CommLedger` it records into. Each wrapper issues the torch.distributed
-collective, then records calls, message bytes, bytes sent (from `comm/volume.py`) and seconds under
-(dim, op), where dim defaults to the group's name. Asynchronous calls return a `Handle` whose `wait()`
-adds the seconds spent waiting. A group of one rank sends nothing and records nothing.
+global ranks in it, the `CommLedger` it records into and the network tier it crosses ("intra": one
+node, "inter": several; the mesh sets it from parallel.ranks_per_node). Each wrapper issues the
+torch.distributed collective, then records calls, message bytes, bytes sent (from `comm/volume.py`) and
+seconds under (dim, op) on the group's tier, where dim defaults to the group's name. Asynchronous calls
+return a `Handle` whose `wait()` adds the seconds spent waiting. A group of one rank sends nothing and
+records nothing.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class Group:
     rank: int                      # this process's index inside the group
     pg: object = None              # torch ProcessGroup (None when size == 1)
     ledger: CommLedger = field(default_factory=CommLedger)
+    tier: str = "intra"            # the network tier its ranks span: "intra" (one node) | "inter"
 
     @property
     def size(self) -> int:
@@ -41,15 +44,15 @@ class Group:
 class Handle:
     """An in-flight collective; `wait()` blocks and records the waiting time."""
 
-    def __init__(self, work, ledger: CommLedger, dim: str, op: str, then=None):
-        self.work, self.ledger, self.dim, self.op, self.then = work, ledger, dim, op, then
+    def __init__(self, work, ledger: CommLedger, dim: str, op: str, then=None, tier: str | None = None):
+        self.work, self.ledger, self.dim, self.op, self.then, self.tier = work, ledger, dim, op, then, tier
 
     def wait(self) -> None:
         if self.work is None:
             return
         t0 = time.perf_counter()
         self.work.wait()
-        self.ledger.add_seconds(self.dim, self.op, time.perf_counter() - t0)
+        self.ledger.add_seconds(self.dim, self.op, time.perf_counter() - t0, self.tier)
         self.work = None
         if self.then is not None:
             self.then()
@@ -67,8 +70,9 @@ def _issue(group: Group, dim: str | None, op: str, message_bytes: int, fn, async
     t0 = time.perf_counter()
     work = fn()
     seconds = time.perf_counter() - t0
-    group.ledger.record(dim, op, message_bytes, volume.bytes_sent(op, message_bytes, group.size, **kw), seconds)
-    handle = Handle(work, group.ledger, dim, op, then)
+    group.ledger.record(dim, op, message_bytes, volume.bytes_sent(op, message_bytes, group.size, **kw), seconds,
+                        tier=group.tier)
+    handle = Handle(work, group.ledger, dim, op, then, group.tier)
     if not async_op:
         handle.wait()
     return handle
@@ -158,13 +162,14 @@ def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
     works = dist.batch_isend_irecv(ops)
     seconds = time.perf_counter() - t0
     for t, _ in sends:
-        group.ledger.record(dim, "send", nbytes(t), volume.send(nbytes(t)), seconds / len(ops))
+        group.ledger.record(dim, "send", nbytes(t), volume.send(nbytes(t)), seconds / len(ops), tier=group.tier)
     for t, _ in recvs:
-        group.ledger.record(dim, "recv", nbytes(t), volume.recv(nbytes(t)), seconds / len(ops))
+        group.ledger.record(dim, "recv", nbytes(t), volume.recv(nbytes(t)), seconds / len(ops), tier=group.tier)
 
     if len(works) != len(ops):  # a backend that coalesces the batch into one work (NCCL): wait for all
         works = [_Joined(works)] * len(ops)
-    parts = [Handle(w, group.ledger, dim, "send" if i < len(sends) else "recv") for i, w in enumerate(works)]
+    parts = [Handle(w, group.ledger, dim, "send" if i < len(sends) else "recv", tier=group.tier)
+             for i, w in enumerate(works)]
 
     class _All:
         def wait(self):

@@ -12,6 +12,8 @@ the same quantity. Every function answers: for one call on a group of `n` ranks 
 | all_to_all     | the rank's whole input             | S minus the chunk it keeps |
 | send           | the tensor sent                    | S                          |
 | recv           | the tensor received                | 0                          |
+| d2h, h2d       | the tensor copied device<->host    | S                          |
+| nvme_read/write| the bytes read / written on disk   | S                          |
 
 These are the bandwidth-optimal volumes (ring / pairwise exchange). A real library may pick a tree
 or a direct algorithm for small messages; the volumes above are what the literature (and the DESIGN
@@ -20,6 +22,8 @@ table) uses, and what the ledger and the planner both count.
 from __future__ import annotations
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv")
+# copies of offloaded state (parallel/offload.py, comm/transfer.py): one rank's own bytes over PCIe or to disk
+COPIES = ("d2h", "h2d", "nvme_read", "nvme_write")
 
 
 def all_reduce(message_bytes: float, n: int) -> float:
@@ -51,11 +55,16 @@ def recv(message_bytes: float, n: int = 2) -> float:
     return 0.0
 
 
+def copy(message_bytes: float, n: int = 1) -> float:
+    """A copy between device and host memory or between host memory and disk moves all its bytes."""
+    return float(message_bytes)
+
+
 def bytes_sent(op: str, message_bytes: float, n: int, **kw) -> float:
-    """Dispatch by op name (one of OPS)."""
+    """Dispatch by op name (one of OPS or COPIES)."""
     try:
         fn = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
-              "all_to_all": all_to_all, "send": send, "recv": recv}[op]
+              "all_to_all": all_to_all, "send": send, "recv": recv, **{c: copy for c in COPIES}}[op]
     except KeyError:
-        raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}") from None
+        raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS + COPIES)}") from None
     return fn(message_bytes, n, **kw)

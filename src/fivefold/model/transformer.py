@@ -58,7 +58,8 @@ def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor)
 def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0) -> torch.Tensor:
     """Causal (or full) attention; kv heads are repeated to match query heads (head i uses kv head
     i // (n/k)). With `past` > 0 (a KV cache) the keys are the `past` cached tokens followed by the
-    queries' own s tokens, and query i sees keys 0..past+i."""
+    queries' own s tokens, and query i sees keys 0..past+i. Training passes no mask (is_causal, no
+    dropout), so on CUDA SDPA takes the flash kernel (bf16/fp16) or the memory-efficient one (fp32)."""
     n, k = q_bnsd.shape[1], k_bksd.shape[1]
     if n != k:
         k_bksd = k_bksd.repeat_interleave(n // k, dim=1)

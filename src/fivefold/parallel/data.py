@@ -78,7 +78,7 @@ class DataParallel:
         self.module, self.average = module, average
         self.params = unique_params(module)
         self.grad_dtype = grad_dtype
-        itemsize = torch.empty((), dtype=grad_dtype).element_size()
+        itemsize = grad_dtype.itemsize
         device = self.params[0].device if self.params else None
         self.partitions = reduce_partitions(backward_order(self.params), groups)
         self.lanes = [[Bucket(ps, group, grad_dtype, device) for ps in bucketize(members, int(bucket_mb * 2**20), itemsize)]

@@ -115,9 +115,10 @@ def regroup(counts_rl: torch.Tensor) -> torch.Tensor:
         for c in row:
             starts[-1].append(o)
             o += c
-    idx = [torch.arange(starts[r][l], starts[r][l] + counts[r][l]) for l in range(len(counts[0]))
+    device = counts_rl.device   # made where the rows are: no host-to-device copy per layer and step
+    idx = [torch.arange(starts[r][l], starts[r][l] + counts[r][l], device=device) for l in range(len(counts[0]))
            for r in range(len(counts))]
-    return torch.cat(idx).to(counts_rl.device) if idx else torch.zeros(0, dtype=torch.long)
+    return torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long, device=device)
 
 
 class ExpertParallelism(ShardedState):

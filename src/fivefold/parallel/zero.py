@@ -40,6 +40,14 @@ per step, 3m with full recompute), frees it after, and keeps the root unit gathe
 
 The optimizer (train/optim.py's AdamW) updates this rank's shard through per-parameter views, so the
 arithmetic on every element is the single-process arithmetic.
+
+Offload (`offload="cpu" | "nvme"`, parallel/offload.py: ZeRO-Offload, ZeRO-Infinity): the masters and
+moments of this rank's shards live in host memory or in files instead, and the step runs there unit by
+unit (gradient shard device -> host, AdamW, parameter shard host -> device); the device keeps the
+parameters and gradients. `master_shards` is then empty and the state is reached through `store`.
+ZeRO-3 with "nvme" (`params_on_disk`, ZeRO-Infinity) keeps the parameter shards in the file too:
+`param_shards` is empty, each all-gather first reads its unit's shard from disk into the shard's own
+slot of the gathered buffer (and gathers in place), and the step writes the updated shards to disk.
 """
 from __future__ import annotations
 
@@ -53,6 +61,7 @@ from ..comm import Group
 from ..shapes import padded, segments
 from .data import bucketize
 from .engine import backward_order, counted, held, nbytes, reduce_partitions, unique_params
+from .offload import offloaded_state
 
 # Reduce-scatters in flight before the oldest is waited for and folded into its shard: enough to
 # overlap one with the next unit's backward, few enough to bound the temporary buffers.
@@ -104,8 +113,10 @@ class ShardedOptimizer:
 
     def __init__(self, model: nn.Module, groups: Mapping[str, Group], make_optimizer,
                  master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
-                 pipeline: bool = False, reduce_each_microbatch: bool = False):
+                 pipeline: bool = False, reduce_each_microbatch: bool = False, offload: str = "none",
+                 offload_dir: str = ""):
         self.model, self.pipeline = model, pipeline
+        self.offload = offload
         rules.check_reduce_each_microbatch(reduce_each_microbatch, self.stage)
         self.block_units = rules.block_units(self.stage, 2 if pipeline else 1, reduce_each_microbatch)
         self.params = unique_params(model)
@@ -131,12 +142,22 @@ class ShardedOptimizer:
         # stage 1 keeps full gradients; its shard is its slice of them (the reduced values copied in)
         self.grad_shards = [self._unit_grad(u)[u.lo:u.hi] if self.stage == 1 else
                             torch.zeros(u.shard_size, dtype=self.grad_dtype, device=self.device) for u in self.units]
-        opt_params, decay = [], []
-        for u, m in zip(self.units, self.master_shards):
-            for i, a, n in u.segments:
-                opt_params.append(m[a:a + n])
-                decay.append(len(u.shapes[i]) >= 2)
-        self.optimizer = make_optimizer(opt_params, decay)
+        decay = [[len(u.shapes[i]) >= 2 for i, _, _ in u.segments] for u in self.units]
+        self.store = None   # offloaded optimizer state (parallel/offload.py)
+        # ZeRO-Infinity: ZeRO-3's parameter shards live on disk between uses, read before each all-gather
+        self.params_on_disk = offload == "nvme" and self.stage == 3
+        if offload == "none":
+            opt_params = [m[a:a + n] for u, m in zip(self.units, self.master_shards) for _, a, n in u.segments]
+            self.optimizer = make_optimizer(opt_params, [d for ds in decay for d in ds])
+        else:   # the optimizer keeps its hyperparameters and step count; the state lives in the store
+            self.optimizer = make_optimizer([], [])
+            self.master_shards = []
+            world = self.norm_group
+            self.store = offloaded_state(offload, self.units, decay, self.param_shards, master_dtype,
+                                         self.grad_dtype, world.ledger, offload_dir, world.global_rank(world.rank),
+                                         self.params_on_disk)
+            if self.params_on_disk:
+                self.param_shards = []   # the file holds them now: the device keeps none between uses
         for p in self.unit_of:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self.zero_grad()
@@ -176,7 +197,9 @@ class ShardedOptimizer:
             holders = [self.model]
         return [("root", root, holders)] + blocks
 
-    def _master(self, shard: torch.Tensor) -> torch.Tensor:
+    def _master(self, shard: torch.Tensor) -> torch.Tensor | None:
+        if self.offload != "none":
+            return None   # the master lives off the device (the store builds it from the parameters)
         return shard if self.master_dtype == self.param_dtype else shard.to(self.master_dtype)
 
     # -- gradients ---------------------------------------------------------------------------
@@ -273,10 +296,13 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        self.optimizer.step(self.owned_grads(), lr)
-        for j, u in enumerate(self.units):
-            if self.master_shards[j] is not self.param_shards[j]:
-                self.param_shards[j].copy_(self.master_shards[j])
+        if self.store is not None:   # offloaded: unit by unit, grads out, parameters back (offload.py)
+            self.store.step(self.optimizer, self.grad_shards, self.param_shards, lr)
+        else:
+            self.optimizer.step(self.owned_grads(), lr)
+            for j, u in enumerate(self.units):
+                if self.master_shards[j] is not self.param_shards[j]:
+                    self.param_shards[j].copy_(self.master_shards[j])
         self.after_step()
 
     def after_step(self) -> None:
@@ -297,17 +323,22 @@ class ShardedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.store is not None:
+            self.store.close()
 
     # -- accounting and checkpoints ------------------------------------------------------------
     def param_bytes(self) -> int:
         raise NotImplementedError
 
     def state_bytes(self) -> dict:
-        """Model-state bytes this rank holds between steps, counted from the tensors."""
+        """Model-state bytes this rank holds between steps on the device, counted from the tensors; with
+        offload also "host" and "disk": {params, grads, optimizer, total} kept there (offload.py)."""
         params = self.param_bytes()
         # stage 1 holds full gradients (its shards are slices of them); the others hold shards
         full = nbytes(u.grad for u in self.units if u.grad is not None)
         grads = full if self.stage == 1 else nbytes(self.grad_shards) + full
+        if self.store is not None:
+            return {"params": params, "grads": grads, "optimizer": 0, "total": params + grads, **self.store.bytes()}
         opt = self.optimizer.state_bytes()
         if self.master_dtype != self.param_dtype:
             opt += nbytes(self.master_shards)
@@ -317,7 +348,7 @@ class ShardedOptimizer:
         out = {}
         for u, s in zip(self.units, shards):
             full = torch.empty(u.padded, dtype=dtype, device=self.device)
-            comm.all_gather(full, s.to(dtype).contiguous(), u.group, dim="checkpoint")
+            comm.all_gather(full, s.to(self.device, dtype).contiguous(), u.group, dim="checkpoint")
             for name, v in zip(u.names, u.views(full)):
                 out[name] = v.clone()
         return out
@@ -334,13 +365,28 @@ class ShardedOptimizer:
 
     def full_state(self) -> dict:
         """Full tensors keyed by parameter name (an all-gather per unit, recorded as 'checkpoint')."""
-        return {"model": self._gather_shards(self.master_shards, self.master_dtype),
-                "exp_avg": self._gather_shards(self._opt_shards(self.optimizer.exp_avg), self.master_dtype),
-                "exp_avg_sq": self._gather_shards(self._opt_shards(self.optimizer.exp_avg_sq), self.master_dtype),
+        if self.store is not None:
+            masters, avgs, avg_sqs = zip(*(self.store.state(j) for j in range(len(self.units))))
+        else:
+            masters = self.master_shards
+            avgs, avg_sqs = self._opt_shards(self.optimizer.exp_avg), self._opt_shards(self.optimizer.exp_avg_sq)
+        return {"model": self._gather_shards(masters, self.master_dtype),
+                "exp_avg": self._gather_shards(avgs, self.master_dtype),
+                "exp_avg_sq": self._gather_shards(avg_sqs, self.master_dtype),
                 "opt_t": self.optimizer.t}
 
     @torch.no_grad()
     def load_full_state(self, state: dict) -> None:
+        if self.store is not None:
+            for j, u in enumerate(self.units):
+                master, avg, avg_sq = (u.flatten([state[key][n] for n in u.names], self.master_dtype)[u.lo:u.hi]
+                                       for key in ("model", "exp_avg", "exp_avg_sq"))
+                self.store.put(j, master, avg, avg_sq)   # with params on disk: the parameter shard too
+                if not self.params_on_disk:
+                    self.param_shards[j].copy_(master)
+                self.load_params(j, u.flatten([state["model"][n] for n in u.names], self.master_dtype, self.device))
+            self.optimizer.t = state["opt_t"]
+            return
         for j, u in enumerate(self.units):
             flat = u.flatten([state["model"][n] for n in u.names], self.master_dtype, self.device)
             self.master_shards[j].copy_(flat[u.lo:u.hi])
@@ -363,7 +409,16 @@ class ShardedOptimizer:
     def local_state(self) -> tuple[list, int]:
         """This rank's own state, nothing gathered: (parameter name, offset into the flattened
         parameter, {"model", "exp_avg", "exp_avg_sq": 1-D tensor}) per segment of its shards, and
-        Adam's step count. A checkpoint writes these pieces as they are."""
+        Adam's step count. A checkpoint writes these pieces as they are (offloaded: host tensors, read
+        from disk in nvme mode)."""
+        if self.store is not None:
+            out = []
+            for j, u in enumerate(self.units):
+                master, avg, avg_sq = self.store.state(j)
+                for i, a, n in u.segments:
+                    out.append((u.names[i], u.lo + a - u.offsets[i],
+                                {"model": master[a:a + n], "exp_avg": avg[a:a + n], "exp_avg_sq": avg_sq[a:a + n]}))
+            return out, self.optimizer.t
         out, avg, avg_sq = [], iter(self.optimizer.exp_avg), iter(self.optimizer.exp_avg_sq)
         for u, master in zip(self.units, self.master_shards):
             for i, a, n in u.segments:
@@ -376,13 +431,23 @@ class ShardedOptimizer:
         """The inverse of `local_state`: read(name, offset, length, section) gives a 1-D tensor."""
         avg, avg_sq = iter(self.optimizer.exp_avg), iter(self.optimizer.exp_avg_sq)
         for j, u in enumerate(self.units):
-            for i, a, n in u.segments:
-                name, start = u.names[i], u.lo + a - u.offsets[i]
-                self.master_shards[j][a:a + n].copy_(read(name, start, n, "model"))
-                next(avg).copy_(read(name, start, n, "exp_avg"))
-                next(avg_sq).copy_(read(name, start, n, "exp_avg_sq"))
-            if self.master_shards[j] is not self.param_shards[j]:
-                self.param_shards[j].copy_(self.master_shards[j])
+            if self.store is not None:   # the unit's state built on the host, then handed to the store
+                state = [torch.zeros(u.shard_size, dtype=self.master_dtype) for _ in range(3)]
+                for i, a, n in u.segments:
+                    name, start = u.names[i], u.lo + a - u.offsets[i]
+                    for t, section in zip(state, ("model", "exp_avg", "exp_avg_sq")):
+                        t[a:a + n].copy_(read(name, start, n, section))
+                self.store.put(j, *state)   # with params on disk: the parameter shard too
+                if not self.params_on_disk:
+                    self.param_shards[j].copy_(state[0])
+            else:
+                for i, a, n in u.segments:
+                    name, start = u.names[i], u.lo + a - u.offsets[i]
+                    self.master_shards[j][a:a + n].copy_(read(name, start, n, "model"))
+                    next(avg).copy_(read(name, start, n, "exp_avg"))
+                    next(avg_sq).copy_(read(name, start, n, "exp_avg_sq"))
+                if self.master_shards[j] is not self.param_shards[j]:
+                    self.param_shards[j].copy_(self.master_shards[j])
             if self.loads_full_params:
                 whole = [read(name, 0, shape.numel(), "model") for name, shape in zip(u.names, u.shapes)]
                 self.load_params(j, u.flatten(whole, self.param_dtype, self.device))
@@ -400,7 +465,7 @@ class Zero12(ShardedOptimizer):
     def make_units(self, groups) -> list[Unit]:
         if self.block_units:
             return self.block_unit_list(groups)
-        itemsize = torch.empty((), dtype=self.grad_dtype).element_size()
+        itemsize = self.grad_dtype.itemsize
         units = []
         for group, params in reduce_partitions(backward_order(self.params), groups):
             for ps in bucketize(params, int(self.bucket_mb * 2**20), itemsize):
@@ -464,7 +529,12 @@ class Zero3(ShardedOptimizer):
             if u.gathered or u.gather_handle is not None:
                 continue
             u.full = torch.empty(u.padded, dtype=self.param_dtype, device=self.device)
-            u.gather_handle = comm.all_gather(u.full, self.param_shards[u.pos], u.group, async_op=True)
+            if self.params_on_disk:   # from disk into its own slot of the gathered buffer, gathered in place
+                shard = u.full[u.lo:u.hi]
+                self.store.read_params(u.pos, shard)
+            else:
+                shard = self.param_shards[u.pos]
+            u.gather_handle = comm.all_gather(u.full, shard, u.group, async_op=True)
 
     def _gather(self, slot: int) -> None:
         self._gather_async(slot)
@@ -548,15 +618,16 @@ class Zero3(ShardedOptimizer):
 def Zero(model: nn.Module, groups: Mapping[str, Group], stage: int, make_optimizer, bucket_mb: float = 25.0,
          master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
          reshard_after_forward: bool = True, pipeline: bool = False,
-         reduce_each_microbatch: bool = False) -> ShardedOptimizer:
+         reduce_each_microbatch: bool = False, offload: str = "none", offload_dir: str = "") -> ShardedOptimizer:
     """ZeRO stage 1, 2 or 3 for `model`, each parameter over `groups[placement.reduce]`, with AdamW
-    (from `make_optimizer(params, decay)`) on this rank's shards.
+    (from `make_optimizer(params, decay)`) on this rank's shards, on the device or offloaded to host
+    memory ("cpu") or to files in offload_dir ("nvme").
 
         z = Zero(model, mesh, stage=3, make_optimizer=lambda params, decay: AdamW(params, decay))
         ... the engine protocol (engine.py) ...
     """
     kw = dict(master_dtype=master_dtype, grad_dtype=grad_dtype, pipeline=pipeline,
-              reduce_each_microbatch=reduce_each_microbatch)
+              reduce_each_microbatch=reduce_each_microbatch, offload=offload, offload_dir=offload_dir)
     if stage == 3:
         return Zero3(model, groups, make_optimizer, reshard_after_forward, **kw)
     if stage in (1, 2):

@@ -19,14 +19,15 @@ from pathlib import Path
 
 from ..config import load_config
 from ..grid import DEFAULT_ORDER
-from ..rules import (ConfigError, CpMode, Dtype, PartitionKind, Recompute, Schedule, SpMode, check_count, check_real,
-                     choices)
+from ..rules import (ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute, Schedule, SpMode, check_count,
+                     check_real, choices)
 from .estimate import estimate
 from .layout import GradDtype, Layout, ReduceDtype, Workload, from_config
 from .models import PRESETS, PlanModel, from_model_config, load_model
 from .report import estimate_text, plot, search_dict, search_text, to_json
 from .search import MAX_GPUS, search
 from .topology import ACCELERATORS, GB, TOPOLOGIES, GiB, Topology, load_topology
+from .traffic import COPY_TIERS
 
 
 def add_plan_args(ap: argparse.ArgumentParser) -> None:
@@ -35,7 +36,8 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", help="a fivefold training TOML: its model, layout and batch are the defaults")
     ap.add_argument("--gpus", type=int, help="GPU count (default: the product of the given degrees)")
     ap.add_argument("--topology", default="dgx-h100",
-                    help=f"preset ({', '.join(TOPOLOGIES)}) or a .toml file (default dgx-h100)")
+                    help=f"preset ({', '.join(TOPOLOGIES)}), nodes:K (nodes of K GPUs, tiers intra and inter as "
+                         f"comm.json names them) or a .toml file (default dgx-h100)")
     ap.add_argument("--accelerator", choices=list(ACCELERATORS), help="replace the topology's accelerator")
     for name in ("tp", "pp", "dp", "cp", "ep", "zero", "vpp"):
         ap.add_argument(f"--{name}", type=int)
@@ -84,6 +86,10 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                       help="interleaved: micro-batches per group N, pp <= N <= m (default pp)")
     mech.add_argument("--recompute-norm-mla", dest="recompute_norm_mla", action="store_true",
                       help="recompute norms and MLA up-projections in the backward (DeepSeek-V3)")
+    mech.add_argument("--offload", choices=choices(Offload),
+                      help="ZeRO's optimizer state and step in host memory (cpu) or on NVMe (nvme), with --zero 1-3 "
+                           "(default: a --config's parallel.offload; a search tries cpu, then nvme, only when "
+                           "nothing fits the device; none: never)")
     ap.add_argument("--search", action="store_true", help="search even when every degree is given")
     ap.add_argument("--top", type=int, default=10, help="layouts to show when searching")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -130,7 +136,8 @@ def _product(args: argparse.Namespace) -> int:
 
 def check_topology(topo: Topology) -> None:
     """The loaded topology's numbers, in its TOML units: tier sizes >= 1 (the outermost may be absent: the whole
-    cluster), bandwidth > 0, latency >= 0, oversubscription >= 1, accelerator peaks, memory and HBM > 0."""
+    cluster), bandwidth > 0, latency >= 0, oversubscription >= 1, accelerator peaks, memory and HBM > 0, the
+    host side (pcie_gbps, host_memory_gib, host_gbps, nvme_gbps) > 0; no tier named pcie or nvme."""
     where = f"topology {topo.name}"
     acc = topo.accelerator
     if not acc.peak_flops:
@@ -154,6 +161,19 @@ def check_topology(topo: Topology) -> None:
             check_real(f"{name} ops.{op}.latency_us", _scaled(latency, 1e-6), 0, low_open=False)
     for dtype, rate in acc.attention_flops.items():
         check_real(f"{where}: accelerator attention_tflops.{dtype}", _scaled(rate, 1e12), 0)
+    # the host side of one GPU (offload)
+    check_real(f"{where}: accelerator pcie_gbps", _scaled(acc.pcie_bandwidth, GB), 0,
+               meaning=" (GPU <-> host bytes/s each way)")
+    check_real(f"{where}: accelerator host_memory_gib", _scaled(acc.host_memory, GiB), 0,
+               meaning=" (host RAM per GPU)")
+    check_real(f"{where}: accelerator host_gbps", _scaled(acc.host_bandwidth, GB), 0,
+               meaning=" (host memory bandwidth per GPU)")
+    check_real(f"{where}: accelerator nvme_gbps", _scaled(acc.nvme_bandwidth, GB), 0,
+               meaning=" (local NVMe bandwidth per GPU)")
+    for i, t in enumerate(topo.tiers):
+        if t.name in COPY_TIERS:
+            raise ConfigError(f"{where}: tier {i} is named {t.name!r}, the name of the accelerator's own link that "
+                              f"offload copies use; rename the tier (reserved: {', '.join(COPY_TIERS)})")
     check_real(f"{where}: accelerator layer_overhead_us", _scaled(acc.layer_overhead, 1e-6), 0, low_open=False)
     check_real(f"{where}: accelerator action_overhead_us", _scaled(acc.action_overhead, 1e-6), 0, low_open=False)
     check_real(f"{where}: accelerator elementwise", acc.elementwise, 0, 1, low_open=False,
@@ -188,13 +208,14 @@ def _topology(args: argparse.Namespace) -> Topology:
 
 def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
     """Model, default layout and workload, and the degrees the user fixed (from --config, then flags)."""
-    fixed = {k: getattr(args, k) for k in ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute")}
+    fixed = {k: getattr(args, k, None) for k in ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch",
+                                                  "recompute", "offload")}
     if args.config:
         cfg = load_config(args.config)
         model = from_model_config(cfg.model, name=Path(args.config).stem)
         layout, work = from_config(cfg)
         for k in fixed:
-            if fixed[k] is None:
+            if fixed[k] is None and (k != "offload" or layout.offload != "none"):   # a search may still offload
                 fixed[k] = getattr(layout, k)
         work = replace(work, flash=args.flash)
     else:
@@ -262,7 +283,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         sp_mode = args.sp_mode or ("megatron" if fixed["tp"] > 1 and not args.config else layout.sp_mode)
         lay = Layout(tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=fixed["cp"], ep=fixed["ep"] or 1,
                      zero=fixed["zero"] or 0, vpp=fixed["vpp"] or 1, micro_batch=fixed["micro_batch"] or 1,
-                     recompute=fixed["recompute"] or "none", order=order, partition=partition, sp_mode=sp_mode,
+                     recompute=fixed["recompute"] or "none", offload=fixed["offload"] or "none", order=order,
+                     partition=partition, sp_mode=sp_mode,
                      cp_mode=args.cp_mode or layout.cp_mode, ulysses=args.ulysses or layout.ulysses,
                      reshard_after_forward=layout.reshard_after_forward, **mechanism_options(args, layout),
                      schedule=args.schedule or ("interleaved" if (fixed["vpp"] or 1) > 1 else layout.schedule))

@@ -47,8 +47,30 @@ class Estimate:
         return mfu_attention_full(self.model, self.work, self.time.mfu)
 
     @property
-    def fits(self) -> bool:
+    def device_fits(self) -> bool:
+        """The most loaded stage's device bytes (COMPONENTS; offloaded state excluded) fit the accelerator."""
         return self.memory.most_loaded["total"] <= self.topo.accelerator.memory
+
+    @property
+    def host_fits(self) -> bool:
+        """With offload, host bytes per GPU (`memory.offload_memory`) fit its share of the host's RAM."""
+        return self.memory.host <= self.topo.accelerator.host_memory
+
+    @property
+    def fits(self) -> bool:
+        return self.device_fits and self.host_fits
+
+    def offload(self) -> dict:
+        """What offload moves (docs/plan.md, "Offload"): optimizer bytes that left the device (and weight
+        bytes: ZeRO-3 nvme), host and disk bytes per GPU, bytes per rank per step over PCIe and to/from
+        disk, the exposed seconds."""
+        copies = [f for f in self.flows if f.dim == "offload"]
+        tier = lambda name: sum(f.bytes_sent for f in copies if f.tier == name)
+        return {"mode": self.layout.offload, "moved_from_device": self.memory.most_loaded.get("offloaded", 0.0),
+                "params_moved_from_device": self.memory.most_loaded.get("offloaded_params", 0.0),
+                "host": self.memory.host, "host_limit": self.topo.accelerator.host_memory, "host_fits": self.host_fits,
+                "disk": self.memory.disk, "pcie_bytes": tier("pcie"), "nvme_bytes": tier("nvme"),
+                "exposed_s": self.time.offload_s}
 
     def traffic(self) -> dict:
         """Per dimension: rows of op, calls, message bytes, bytes sent per rank per step, tier, seconds."""
@@ -68,6 +90,7 @@ class Estimate:
             "layout": {**self.layout.to_dict(), "microbatches": microbatches(self.layout, self.work)},
             "workload": {f: getattr(self.work, f) for f in self.work.__dataclass_fields__},
             "memory": self.memory.to_dict(), "memory_limit": self.topo.accelerator.memory, "fits": self.fits,
+            "device_fits": self.device_fits, "offload": self.offload(),
             "traffic": self.traffic(), "bytes_per_dim": by_dim(self.flows),
             "bytes_per_tier": by_tier(self.flows, self.topo),
             "bubble": t.bubble, "bubble_source": t.bubble_source, "step_time_s": t.step_time_s,
@@ -93,6 +116,13 @@ def mfu_attention_full(model: PlanModel, work: Workload, mfu: float) -> float:
     return mfu * (counted + extra) / counted
 
 
+def owned_elements(mem: Memory, work: Workload) -> float:
+    """Elements the most loaded stage's rank updates: its optimizer bytes, on the device or offloaded,
+    over the optimizer bytes per parameter."""
+    row = mem.most_loaded
+    return (row["optimizer"] + row.get("offloaded", 0.0)) / optimizer_bytes_per_param(work)
+
+
 def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, gpus: int | None = None,
              simulate: bool = True, all_stages: bool = True) -> Estimate:
     """Everything about one layout. Raises ConfigError if the layout breaks a rule. With
@@ -104,10 +134,13 @@ def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, g
     by_stage = {j: place(stage_flows(model, layout, work, j), layout, topo) for j in stages}
     worst = max(by_stage, key=lambda j: sum(f.bytes_sent for f in by_stage[j]))
     states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
-    owned = mem.most_loaded["optimizer"] / optimizer_bytes_per_param(work)   # elements this rank updates
+    owned = owned_elements(mem, work)
     st = step_time(model, layout, work, topo, by_stage, states, simulate, owned)
     order = recommend_order(by_stage[worst])
     warnings = placement_warnings(layout, topo, layout.order, order)
+    if mem.host > topo.accelerator.host_memory:
+        warnings.insert(0, f"does not fit the host: offload needs {mem.host / GiB:.1f} GiB of host memory per GPU, "
+                           f"the topology gives {topo.accelerator.host_memory / GiB:.0f} GiB")
     if mem.most_loaded["total"] > topo.accelerator.memory:
         warnings.insert(0, f"does not fit: stage {mem.most_loaded['stage']} needs "
                            f"{mem.most_loaded['total'] / GiB:.1f} GiB, {topo.accelerator.name} has "

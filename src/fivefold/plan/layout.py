@@ -16,8 +16,9 @@ all-to-alls overlap another micro-batch's compute, DualPipe-style), `Workload.re
 gradients are reduced in), `Workload.moe_route_nodes` (node-limited routing: each token to at most M
 nodes), `Workload.fp8_gemm` (linear-layer GEMMs at the FP8 peak), `Workload.fp8_act_cache` (inputs
 of the linear layers cached in FP8 for the backward), `Layout.microbatch_group` (the interleaved
-schedule's micro-batches per group N, p..m; 0: p) and `Layout.recompute_norm_mla` (norms' outputs and MLA
-up-projections recomputed in the backward, DeepSeek-V3).
+schedule's micro-batches per group N, p..m; 0: p), `Layout.recompute_norm_mla` (norms' outputs and MLA
+up-projections recomputed in the backward, DeepSeek-V3) and `Layout.offload` (ZeRO's optimizer state and
+step in host memory or on disk; docs/plan.md, "Offload").
 
 `check(model, layout, workload, gpus)` raises `ConfigError` naming the broken rule and the nearest
 valid values; the rules are `fivefold.rules`', the ones `Config.validate` applies.
@@ -31,7 +32,7 @@ from typing import Literal
 from .. import rules
 from ..config import Config
 from ..grid import DEFAULT_ORDER, parse_order
-from ..rules import ConfigError, CpMode, Recompute, Schedule, SpMode, ZeroStage
+from ..rules import ConfigError, CpMode, Offload, Recompute, Schedule, SpMode, ZeroStage
 from ..parallel.pipeline.schedules import check_group
 from .models import PlanModel, cached_hash
 
@@ -72,6 +73,9 @@ class Layout:
                                          # first; Llama 3 §3.3.2, Megatron-Core microbatch_group_size_per_vp_stage)
     recompute_norm_mla: bool = False     # norms' outputs and MLA up-projections recomputed in the backward:
                                          # MLA keeps its latents, not Q/K/V (DeepSeek-V3 §3.4)
+    offload: Offload = "none"            # ZeRO's optimizer shards (fp32 masters, Adam moments) and step: on the
+                                         # device, in host memory ("cpu", ZeRO-Offload) or on disk ("nvme",
+                                         # ZeRO-Infinity); docs/plan.md "Offload"
 
     @property
     def gpus(self) -> int:
@@ -115,6 +119,8 @@ class Layout:
             parts.append("reduce-each-mb")
         if not self.overlap_param_gather and self.zero in (1, 2):
             parts.append("gather-after")
+        if self.offload != "none":
+            parts.append(f"offload-{self.offload}")
         return " ".join(parts)
 
     def to_dict(self) -> dict:
@@ -125,7 +131,8 @@ class Layout:
                 "reshard_after_forward": self.reshard_after_forward,
                 "overlap_grad_reduce": self.overlap_grad_reduce, "overlap_param_gather": self.overlap_param_gather,
                 "ep_overlap": self.ep_overlap, "microbatch_group": self.microbatch_group,
-                "recompute_norm_mla": self.recompute_norm_mla, "reduce_each_microbatch": self.reduce_each_microbatch}
+                "recompute_norm_mla": self.recompute_norm_mla, "reduce_each_microbatch": self.reduce_each_microbatch,
+                "offload": self.offload}
 
     @property
     def effective_schedule(self) -> str:
@@ -201,7 +208,8 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
                     cp_mode=p.cp_mode, ulysses=p.ulysses, vpp=p.vpp, micro_batch=t.global_batch // (p.dp * p.microbatches), schedule=p.schedule,
                     microbatch_group=p.microbatch_group,
                     recompute=t.recompute, order=p.order, partition=p.partition, bucket_mb=p.bucket_mb,
-                    reshard_after_forward=p.reshard_after_forward, reduce_each_microbatch=p.reduce_each_microbatch)
+                    reshard_after_forward=p.reshard_after_forward, reduce_each_microbatch=p.reduce_each_microbatch,
+                    offload=getattr(p, "offload", "none"))
     # the runtime reduces in the accumulation dtype: fp32 main grads, or the weights' dtype without them
     full = t.main_grads_fp32 or t.dtype in ("fp32", "fp64")
     # the runtime reduces a chunk's buckets after its last backward (pp == 1: the one backward) unless
@@ -261,6 +269,9 @@ def check_mechanisms(model: PlanModel, layout: Layout, work: Workload) -> None:
         raise ConfigError(f"moe_route_nodes={r} limits expert routing, but {model.name} has no experts")
     check_microbatch_group(layout, work)
     rules.check_reduce_each_microbatch(layout.reduce_each_microbatch, layout.zero)
+    rules.check_choice("offload", layout.offload, Offload)
+    # the planner writes no files: the offload_dir rule is the run's (Config.validate), not the plan's
+    rules.check_offload(layout.offload, layout.zero, offload_dir="(planned)")
 
 
 def check_microbatch_group(layout: Layout, work: Workload) -> None:

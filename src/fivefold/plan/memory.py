@@ -37,6 +37,12 @@ Buffers (`zero_buffers`): what ZeRO-2/3 hold during a step beyond the states bet
 gathered units (the root unit of embedding, final norm and head included), gradient buffers and
 reduce-scatters in flight are replayed in the runtime's order (parallel/zero.py), so the peak is the
 runtime's to the byte (tests/test_plan_memory.py measures it from the runtime's tensors).
+
+Offload (`Layout.offload`, docs/plan.md "Offload"): the optimizer state leaves the device (`offloaded`)
+for host memory or a file (`offload_bytes`, the runtime's parallel/offload.py to the byte); the device's
+total no longer counts it, the row's `host` and `disk` do. ZeRO-3 with nvme (`params_on_disk`) moves the
+parameter shards to the file too: the device's `weights` are 0 (`offloaded_params`: what left), and only
+the gathered units `zero_buffers` replays hold parameters on the device.
 """
 from __future__ import annotations
 
@@ -575,9 +581,20 @@ class Memory:
     def most_loaded(self) -> dict:
         return self.stages[self.worst]
 
+    @property
+    def host(self) -> float:
+        """Host bytes per GPU of the stage that needs the most (offload; 0 without)."""
+        return max((s.get("host", 0.0) for s in self.stages), default=0.0)
+
+    @property
+    def disk(self) -> float:
+        return max((s.get("disk", 0.0) for s in self.stages), default=0.0)
+
     def to_dict(self) -> dict:
         return {**{c: self.most_loaded[c] for c in COMPONENTS}, "total": self.most_loaded["total"],
-                "stage": self.most_loaded["stage"], "per_stage": self.stages}
+                "stage": self.most_loaded["stage"], "offloaded": self.most_loaded.get("offloaded", 0.0),
+                "offloaded_params": self.most_loaded.get("offloaded_params", 0.0),
+                "host": self.host, "disk": self.disk, "per_stage": self.stages}
 
 
 # -- ZeRO's buffers during a step ---------------------------------------------------------------------
@@ -772,8 +789,70 @@ def _buffer_key(layout: Layout) -> Layout:
                   reshard_after_forward=L.reshard_after_forward, reduce_each_microbatch=L.reduce_each_microbatch)
 
 
+# -- offload: optimizer state in host memory or on disk ----------------------------------------------------
+def offload_units(model: PlanModel, layout: Layout, work: Workload, stage: int) -> tuple[tuple[int, int], ...]:
+    """(elements, group size n) of every ZeRO unit one rank of `stage` holds: the units the runtime's ZeRO
+    engine builds and the offload engine copies one by one (dense over dp·cp, routed experts over
+    dp·cp/ep; `zero_units`), with a group of one rank too (ZeRO at dp = 1 still makes its units)."""
+    L = layout
+    _, expert = stage_params(model, L, stage)
+    units = [(u, L.dp * L.cp) for u in zero_units(model, L, work.grad_bytes, stage)]
+    if expert:
+        units += [(u, L.edp) for u in zero_units(model, L, work.grad_bytes, stage, True)]
+    return tuple(units)
+
+
+def params_on_disk(layout: Layout) -> bool:
+    """ZeRO-Infinity's parameter offload: ZeRO-3 with nvme keeps the parameter shards in the file between
+    uses (parallel/zero.py `params_on_disk`), read before each all-gather."""
+    return layout.offload == "nvme" and layout.zero == 3
+
+
+def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
+    """What rank 0 of `stage` keeps off the device under `layout.offload`, as the runtime's offloaded state
+    reports it (parallel/offload.py, `bytes()`): {"host": {params, grads, optimizer, total}, "disk": {...}}.
+    Per unit of shard k elements (padded), mb / g / w bytes per master / gradient / parameter element,
+    s = w when the parameters are not in the master dtype (their staging copy for the copy up), else 0:
+
+        cpu   host  Σ (3·mb + g + s)·k        master, exp_avg, exp_avg_sq, the reduced gradient shard, staging
+        nvme  disk  Σ 3·mb·k                  master, exp_avg, exp_avg_sq in one file
+              host  2·(3·mb + g + s)·k_max    two slots of the largest unit: the one updated, the one read ahead
+        ZeRO-3 nvme, in addition (`params_on_disk`):
+              disk  params Σ w·k              the parameter shards
+              host  params w·k_max            the buffer a shard passes through on its way to an all-gather
+    The device keeps ZeRO's weights (none with ZeRO-3 nvme) and gradients and no optimizer state."""
+    none = {"params": 0, "grads": 0, "optimizer": 0, "total": 0}
+    if layout.offload == "none":
+        return {"host": dict(none), "disk": dict(none)}
+    mb, g = work.master_bytes, work.grad_bytes
+    s = work.param_bytes if work.param_bytes != mb else 0
+    shards = [shard_size(u, n) for u, n in offload_units(model, layout, work, stage)]
+    k = sum(shards) if layout.offload == "cpu" else 2 * max(shards, default=0)
+    on_disk = params_on_disk(layout)
+    w = work.param_bytes
+    host = {"params": s * k + (w * max(shards, default=0) if on_disk else 0), "grads": g * k, "optimizer": 3 * mb * k}
+    disk = {"params": w * sum(shards) if on_disk else 0, "grads": 0,
+            "optimizer": 3 * mb * sum(shards) if layout.offload == "nvme" else 0}
+    return {where: {**d, "total": sum(d.values())} for where, d in (("host", host), ("disk", disk))}
+
+
+def offload_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
+    """{"host": bytes, "disk": bytes} per GPU of `stage` (`offload_bytes`' totals)."""
+    out = offload_bytes(model, layout, work, stage)
+    return {"host": float(out["host"]["total"]), "disk": float(out["disk"]["total"])}
+
+
 def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
+    """One rank of `stage`: device bytes per component (COMPONENTS) and their `total`; with offload also
+    `offloaded` (the optimizer bytes that left the device), `offloaded_params` (the weight shards that left
+    it: ZeRO-3 nvme), `host` and `disk` (`offload_memory`)."""
     row = dict(model_states(model, layout, work, stage))
+    row["offloaded"] = row["offloaded_params"] = 0.0
+    if layout.offload != "none":
+        row["offloaded"], row["optimizer"] = row["optimizer"], 0
+    if params_on_disk(layout):
+        row["offloaded_params"], row["weights"] = row["weights"], 0
+    row.update(offload_memory(model, layout, work, stage))
     row["activations"] = stage_activations(model, layout, work, stage)
     row["buffers"] = zero_buffers(model, layout, work, stage)
     row["total"] = sum(row[c] for c in COMPONENTS)

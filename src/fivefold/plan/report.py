@@ -30,7 +30,29 @@ def memory_table(est: Estimate, max_stages: int = 16) -> str:
         keep = {0, est.memory.most_loaded["stage"], len(stages) - 1}
         stages = [s for s in stages if s["stage"] in keep]
     rows = [[s["stage"], s["layers"]] + [gib(s[c]) for c in COMPONENTS] + [gib(s["total"])] for s in stages]
-    return _table(["stage", "layers"] + list(COMPONENTS) + ["total GiB"], rows)
+    header = ["stage", "layers"] + list(COMPONENTS) + ["total GiB"]
+    if est.layout.offload != "none":   # off the device: not in the total
+        header += ["host GiB", "disk GiB"]
+        rows = [r + [gib(s.get("host", 0.0)), gib(s.get("disk", 0.0))] for r, s in zip(rows, stages)]
+    return _table(header, rows)
+
+
+def offload_text(est: Estimate) -> str:
+    """One line on what offload moves: optimizer bytes off the device, host and disk bytes per GPU, bytes
+    per rank per step over PCIe and to and from disk, and the seconds the step exposes."""
+    o, acc = est.offload(), est.topo.accelerator
+    moved = f"optimizer state {gib(o['moved_from_device'])} GiB"
+    if o["params_moved_from_device"]:
+        moved += f" and parameter shards {gib(o['params_moved_from_device'])} GiB"
+    line = (f"offload {o['mode']}: {moved} off the device; host "
+            f"{gib(o['host'])} GiB per GPU (limit {gib(o['host_limit'])})")
+    if o["mode"] == "nvme":
+        line += f", disk {gib(o['disk'])} GiB"
+    line += (f"; per step per rank {fmt_bytes(o['pcie_bytes'])} over PCIe ({acc.pcie_bandwidth / 1e9:g} GB/s each "
+             f"way)")
+    if o["mode"] == "nvme":
+        line += f", {fmt_bytes(o['nvme_bytes'])} to and from NVMe ({acc.nvme_bandwidth / 1e9:g} GB/s)"
+    return line + f"; host step and copies expose {o['exposed_s']:.3f} s"
 
 
 def traffic_table(est: Estimate) -> str:
@@ -44,6 +66,7 @@ def traffic_table(est: Estimate) -> str:
 def estimate_text(est: Estimate) -> str:
     """The whole estimate of one layout as text."""
     m, L, t, d = est.model, est.layout, est.time, est.to_dict()
+    offload = [offload_text(est)] if L.offload != "none" else []
     lines = [
         f"model {m.name}: {m.num_params() / 1e9:.2f} B parameters ({m.active_params() / 1e9:.2f} B active)",
         f"cluster {est.topo.name}: {L.gpus} x {est.topo.accelerator.name}, tiers "
@@ -54,6 +77,7 @@ def estimate_text(est: Estimate) -> str:
         f"memory per rank (GiB; limit {gib(est.topo.accelerator.memory)}), most loaded: stage "
         f"{est.memory.most_loaded['stage']}",
         memory_table(est),
+        *offload,
         "",
         f"traffic per rank per step (stage {_flows_stage(est)})",
         traffic_table(est),
@@ -61,7 +85,8 @@ def estimate_text(est: Estimate) -> str:
         "",
         f"step {t.step_time_s:.3f} s = pipeline {t.pipeline_s:.3f} (compute {t.compute_s:.3f}, exposed tp/cp/ep "
         f"{t.layer_comm_s:.3f}, bubble {t.bubble:.1%} from the {t.bubble_source}) + grads {t.grad_comm_s:.3f} "
-        f"+ step collectives {t.step_comm_s:.3f} + optimizer {t.optimizer_s:.3f}",
+        f"+ step collectives {t.step_comm_s:.3f} + optimizer {t.optimizer_s:.3f}"
+        + (f" + offload {t.offload_s:.3f}" if L.offload != "none" else ""),
         f"{t.tokens_per_s:,.0f} tokens/s   {mfu_text(est)}   HFU {t.hfu:.1%}   (efficiency {est.work.efficiency:.0%} of peak)",
         "",
         f"recommended order {est.order} (innermost first); this layout's order {L.order}: "
@@ -94,6 +119,8 @@ def search_text(res: Result, top: int = 10, examples: int = 3) -> str:
     lines = [f"searched {res.considered} layouts in {res.seconds:.2f} s: {res.fit} fit, {len(res.rejected)} rejected"]
     if res.skipped_layouts or res.untimed:
         lines.append(bound_text(res))
+    if res.offload:
+        lines.append(search_offload_text(res))
     if rows:
         lines.append(_table(["#", "layout", "step s", "MFU", "bubble", "GiB", "order"], rows, "rlrrrrl"))
     else:
@@ -108,6 +135,13 @@ def search_text(res: Result, top: int = 10, examples: int = 3) -> str:
     if res.best:
         lines += ["", "best layout:", estimate_text(res.best[0])]
     return "\n".join(lines)
+
+
+def search_offload_text(res: Result) -> str:
+    """What the search tried with offload, which it does only when no layout fits the device."""
+    tried = ", ".join(f"{mode} for {n} structures" for mode, n in res.offload.items() if mode != "fit")
+    return (f"offload: no layout fits the device with its optimizer state, so the search tried the state off the "
+            f"device ({tried}; nvme only where cpu fit nowhere): {res.offload.get('fit', 0)} layouts fit")
 
 
 def bound_text(res: Result) -> str:
@@ -145,6 +179,9 @@ def search_dict(res: Result, max_rejected: int = 200) -> dict:
         "ranked": [{"layout": e.layout.to_dict(), "step_time_s": e.time.step_time_s, "mfu": e.time.mfu,
                     "mfu_attention_full": e.mfu_attention_full, "memory_total": e.memory.most_loaded["total"],
                     "bubble": e.time.bubble} for e in res.best],
+        "offload": {**res.offload, "meaning": "tried only because no layout fit the device: per mode, the "
+                                                 "structures searched with it (nvme where cpu fit nowhere); "
+                                                 "fit: layouts that fit with offload"} if res.offload else {},
         "rejected_by_reason": res.reasons(),
         "rejected": [{"layout": lay.to_dict(), "reason": why} for lay, why in res.rejected[:max_rejected]],
     }

@@ -30,6 +30,12 @@ not timed (`Result.untimed`). The ranking's first `top` are those of the exhaust
 those that fit among the layouts tried, timed or not. Every preset at 16,384 GPUs takes
 under 1 s as a whole process (DeepSeek-V3 the longest; exhaustively 4.5 s). The top results are then
 estimated in full on every stage (closed-form bubble, so ranking and figures agree).
+
+Offload (`Layout.offload`, docs/plan.md "Offload") is a last resort: when no layout fits the device, the
+search runs again over every structure with ZeRO's optimizer state in host memory ("cpu", ZeRO 1-3), and,
+for a structure where that fits nowhere (device or host memory), on NVMe ("nvme"). So a search where
+something fits without offload is the search without it, layout for layout; `Result.offload` says what
+was tried. A fixed `offload` ("cpu", "nvme", or "none" for never) is held for every layout instead.
 """
 from __future__ import annotations
 
@@ -39,15 +45,16 @@ from dataclasses import dataclass, field
 
 from ..grid import DEFAULT_ORDER
 from ..rules import ConfigError, Recompute, choices, cp_degrees, divisors
-from .estimate import Estimate, estimate
+from .estimate import Estimate, estimate, owned_elements
 from .layout import Layout, Workload, check, valid_tp
-from .memory import Memory, candidate_stages, optimizer_bytes_per_param, stage_layers, stage_memory, time_stages
+from .memory import Memory, candidate_stages, stage_layers, stage_memory, time_stages
 from .models import PlanModel
 from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology
 from .traffic import group_block_of, layer_flows, place, ring_flows, stage_flows
 
-SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode")
+SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode", "offload")
+OFFLOADS = ("cpu", "nvme")   # tried in this order, per structure, when nothing fits the device
 POWERS = (1, 2, 4, 8)   # micro-batch sizes and virtual stages tried
 MAX_GPUS = 2**20        # the largest GPU count planned (about a million; larger clusters do not exist yet)
 
@@ -69,6 +76,8 @@ class Result:
                                   # exceeds the top-th best step time (not in `ranked`)
     bound_limit: float | None = None   # the top-th best step time, which the skipped layouts' bounds exceed
     bounds: list[float] = field(default_factory=list)   # per structure, in the exhaustive order
+    offload: dict = field(default_factory=dict)   # offload mode -> structures searched with it (only when
+                                                  # nothing fit without offload), and "fit": layouts that fit
     seconds: float = 0.0          # wall clock
     cpu_seconds: float = 0.0      # this process's CPU time (what a loaded machine does not inflate)
 
@@ -141,10 +150,12 @@ def _space(model: PlanModel, work: Workload, fixed: dict, structure: tuple, orde
     per_dp = work.global_batch // dp if work.global_batch % dp == 0 else 0
     mbs = _options("micro_batch", fixed, [b for b in POWERS if per_dp and per_dp % b == 0] or [1])
     vpps = _options("vpp", fixed, [1] if pp == 1 else [v for v in POWERS if pp * v <= model.layers])
-    zeros = _options("zero", fixed, [0] if dp * cp == 1 else [1, 2, 3])
+    offload = fixed.get("offload", "none")
+    # offload needs ZeRO's shards: stages 1-3, even over one rank (ZeRO at dp = 1 still makes its units)
+    zeros = _options("zero", fixed, [0] if dp * cp == 1 and offload == "none" else [1, 2, 3])
     sp_mode = fixed.get("sp_mode", "megatron") if tp > 1 else "none"
     base = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp_mode=sp_mode, cp_mode=mode, order=order,
-                partition=partition if pp > 1 else "even")
+                partition=partition if pp > 1 else "even", offload=offload)
     return _Space(per_dp, mbs, vpps, zeros, sp_mode, base)
 
 
@@ -285,8 +296,8 @@ def _fast_time(model, layout, work, topo, mem) -> float:
     stages = time_stages(model, layout.pp, layout.vpp, layout.partition)
     flows = {j: place(stage_flows(model, layout, work, j), layout, topo) for j in stages}
     states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
-    owned = mem.most_loaded["optimizer"] / optimizer_bytes_per_param(work)   # elements this rank updates
-    return step_time(model, layout, work, topo, flows, states, simulate=False, owned=owned).step_time_s
+    return step_time(model, layout, work, topo, flows, states, simulate=False,
+                     owned=owned_elements(mem, work)).step_time_s
 
 
 def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict | None = None,
@@ -336,6 +347,18 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
         ranked[i], rejected[i] = [], []
         _structure(model, work, topo, gpus, res, limit, recomputes, schedule, spaces[i], ranked[i], rejected[i],
                    tables[i], best)
+    if fixed.get("offload") is None and fixed.get("zero") != 0 and not any(ranked.values()) and not res.untimed:
+        # nothing fits the device: every structure again with the optimizer state offloaded (cpu, then nvme)
+        for i in visit:
+            for mode in OFFLOADS:
+                sp = _space(model, work, dict(fixed, offload=mode), structures[i], order, partition)
+                res.offload[mode] = res.offload.get(mode, 0) + 1
+                before = len(ranked[i]) + res.untimed
+                _structure(model, work, topo, gpus, res, limit, recomputes, schedule, sp, ranked[i], rejected[i],
+                           tables[i], best)
+                if len(ranked[i]) + res.untimed > before:
+                    res.offload["fit"] = res.offload.get("fit", 0) + len(ranked[i]) + res.untimed - before
+                    break
     if res.skipped_layouts or res.untimed:
         res.bound_limit = best.limit()
     # in the exhaustive order: ties in step time rank as the exhaustive search ranks them
@@ -409,6 +432,12 @@ def _one_layout(model, work, topo, gpus, res: Result, ranked: list, rejected: li
             continue
         mem = Memory(rows)
         mem.worst = max(range(len(rows)), key=lambda k: rows[k]["total"])
+        if mem.host > topo.accelerator.host_memory:   # offload: the host's share of RAM (recompute does not help)
+            high = max(rows, key=lambda r: r["host"])
+            rejected.append((lay, f"host memory: offload {lay.offload} on stage {high['stage']} needs "
+                                  f"{high['host'] / GiB:.1f} GiB > {topo.accelerator.host_memory / GiB:.0f} GiB "
+                                  f"per GPU"))
+            continue
         if timed:
             ranked.append((_fast_time(model, lay, work, topo, mem), lay))
             best.push(ranked[-1][0])

@@ -33,6 +33,14 @@ Communication: a collective takes bytes_sent / (tier bandwidth / oversubscriptio
 - loss, grad_norm, tied-embedding reductions: exposed (small).
 - optimizer step: memory bound, reads and writes every model-state byte once (fused), or the runtime's
   eager AdamW passes (`optimizer_seconds`).
+- offload (`Layout.offload`, docs/plan.md "Offload"): after the reduction and clipping the step runs on
+  the host, unit by unit: the reduced gradient shard comes to the host (d2h), the host's Adam (memory
+  bound at the host's bandwidth, `host_step_seconds`) updates it, the updated parameter shard goes back
+  (h2d); nvme reads each unit's state ahead and writes it behind. `offload_exposed`: all of it is past
+  the backward (the runtime copies after clipping), only the copies and updates of different units overlap.
+  ZeRO-3 nvme also reads each parameter shard from disk and copies it up before each all-gather, on the
+  gather's critical path (the host reads, copies up with a blocking copy, then issues the gather): every
+  such read and copy is exposed, the slowest stage's (`stage_param_reads`).
 
 Pipeline bubble: the schedule simulator `fivefold.parallel.pipeline.schedules` (pure Python), with
 per-stage forward/backward costs (uneven stages, embedding and head included); when the schedule is too
@@ -323,6 +331,7 @@ class StepTime:
     grad_comm_s: float = 0.0         # exposed dp/edp time
     step_comm_s: float = 0.0         # loss, grad-norm, embedding reductions
     optimizer_s: float = 0.0
+    offload_s: float = 0.0           # exposed host step and its copies (offload; `offload_exposed`)
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
     mfu: float = 0.0
@@ -370,6 +379,77 @@ def optimizer_seconds(work: Workload, acc, states_bytes: float, owned: float) ->
         return 2 * states_bytes / acc.hbm_bandwidth
     per = rules.EAGER_ADAMW_ACCESSES * work.master_bytes + rules.EAGER_GRAD_NORM_BYTES + work.grad_bytes
     return owned * per / acc.hbm_bandwidth
+
+
+def host_step_seconds(work: Workload, acc, shard: float) -> float:
+    """The optimizer step on the host for `shard` elements, memory bound at `acc.host_bandwidth`: a fused
+    CPU Adam (ZeRO-Offload's CPU-Adam) reads the gradient and reads and writes master, m and v once, and
+    writes the parameter in the weights' dtype for the copy up: 6·mb + g + w bytes per element; the
+    runtime's eager AdamW makes rules.EAGER_ADAMW_ACCESSES master-precision passes instead of the 6."""
+    mb = work.master_bytes
+    passes = 6 if work.fused_optimizer else rules.EAGER_ADAMW_ACCESSES
+    return shard * (passes * mb + work.grad_bytes + work.param_bytes) / acc.host_bandwidth
+
+
+def offload_exposed(units: int, d2h: float, host: float, h2d: float, read: float = 0.0, write: float = 0.0) -> float:
+    """Seconds the offloaded optimizer step takes after the gradients are reduced and clipped, as the
+    runtime runs it (parallel/offload.py), for `units` ZeRO units taken as equal parts; d2h, host (the
+    host's Adam), h2d, read and write are the seconds of all units.
+
+    cpu: every gradient copy is issued at once on a side stream, the host updates unit j as soon as its
+    copy has landed, and unit j's parameter copy runs while the host updates unit j + 1: a flow shop of u
+    identical jobs on three resources (down link, host, up link), all ready at the start:
+
+        (d2h + host + h2d)/u + (1 - 1/u)·max(d2h, host, h2d)
+
+    nvme: the host copies, updates and copies back one unit at a time (d2h + host + h2d in turn) while a
+    worker thread reads the next unit's state ahead and writes the last one behind (read + write on one
+    disk); the first read and the last write are not hidden:
+
+        (read + write)/u + max(d2h + host + h2d, read + write)
+    """
+    if units <= 0:
+        return 0.0
+    u = float(units)
+    if read or write:
+        return (read + write) / u + max(d2h + host + h2d, read + write)
+    return (d2h + host + h2d) / u + (1 - 1 / u) * max(d2h, host, h2d)
+
+
+def _offload_parts(flows: list[Flow], work: Workload) -> dict[str, float] | None:
+    """The seconds of one stage's placed "offload" rows split into the optimizer step's part and the
+    parameter reads before ZeRO-3 all-gathers (parameters on disk). The step reads 3·K·mb (K = d2h bytes
+    / g, the shard elements); the rest of nvme_read, and as much of h2d, are the gathers' reads and copies
+    up. Copies have no latency, so seconds split as bytes do."""
+    rows = {f.op: f for f in flows if f.dim == "offload"}
+    if "d2h" not in rows:
+        return None
+    k = rows["d2h"].message_bytes / work.grad_bytes
+    part = lambda op, nbytes: rows[op].seconds * nbytes / rows[op].message_bytes if op in rows else 0.0  # noqa: E731
+    gather = rows["nvme_read"].message_bytes - 3 * k * work.master_bytes if "nvme_read" in rows else 0.0
+    h2d = rows["h2d"].message_bytes if "h2d" in rows else 0.0
+    return {"units": rows["d2h"].calls, "d2h": rows["d2h"].seconds, "k": k,
+            "h2d": part("h2d", h2d - gather), "read": part("nvme_read", 3 * k * work.master_bytes),
+            "write": rows["nvme_write"].seconds if "nvme_write" in rows else 0.0,
+            "gather": part("nvme_read", gather) + part("h2d", gather)}
+
+
+def stage_offload_exposed(flows: list[Flow], work: Workload, acc) -> float:
+    """`offload_exposed` of one stage from its placed "offload" rows (units: the d2h calls; the host's Adam
+    over the shard, d2h bytes / g elements, `host_step_seconds`). ZeRO-3 nvme: the step's part only (its
+    nvme_write includes the parameter shards; the gathers' reads are `stage_param_reads`)."""
+    p = _offload_parts(flows, work)
+    if p is None:
+        return 0.0
+    host = host_step_seconds(work, acc, p["k"])
+    return offload_exposed(p["units"], p["d2h"], host, p["h2d"], p["read"], p["write"])
+
+
+def stage_param_reads(flows: list[Flow], work: Workload) -> float:
+    """ZeRO-3 nvme: seconds one stage spends reading parameter shards from disk and copying them up before
+    its all-gathers (each gather waits for its own read and copy; nothing of it is hidden). 0 otherwise."""
+    p = _offload_parts(flows, work)
+    return p["gather"] if p else 0.0
 
 
 def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
@@ -434,9 +514,20 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     out.grad_comm_s = max(r for r, _ in grads) + max(g for _, g in grads)
     worst = flows_by_stage[slow]
     out.step_comm_s = sum(f.seconds for f in worst if KIND.get(f.dim) == "step")
-    out.optimizer_s = optimizer_seconds(work, acc, states_bytes, owned)
-    out.step_time_s = out.pipeline_s + out.grad_comm_s + out.step_comm_s + out.optimizer_s
-    out.exposed = {"layer": out.layer_comm_s, "grad": out.grad_comm_s, "step": out.step_comm_s}
+    if L.offload == "none":
+        out.optimizer_s = optimizer_seconds(work, acc, states_bytes, owned)
+    else:
+        # the step runs on the host; the device keeps the gradient norm (eager: its passes over the shard)
+        out.optimizer_s = 0.0 if work.fused_optimizer else \
+            owned * (rules.EAGER_GRAD_NORM_BYTES + work.grad_bytes) / acc.hbm_bandwidth
+        # each stage's host step follows its own reduction (r) and clipping; the step ends with the latest
+        ends = [r + stage_offload_exposed(flows, work, acc) for (r, _), flows in zip(grads, flows_by_stage.values())]
+        out.offload_s = max(0.0, max(ends) - max(r for r, _ in grads))
+        # ZeRO-3 nvme: the parameter reads before the gathers, on the slowest stage's path
+        out.offload_s += max(stage_param_reads(flows, work) for flows in flows_by_stage.values())
+    out.step_time_s = out.pipeline_s + out.grad_comm_s + out.step_comm_s + out.optimizer_s + out.offload_s
+    out.exposed = {"layer": out.layer_comm_s, "grad": out.grad_comm_s, "step": out.step_comm_s,
+                   "offload": out.offload_s}
     out.tokens_per_s = work.tokens / out.step_time_s
     # MFU and HFU against the peak of the model's dtype, whatever dtype the GEMMs run in
     model_flops = model.flops_per_token(work.seq, work.causal) * work.tokens

@@ -15,6 +15,7 @@ Presets:
   400 Gb/s RoCE per GPU, two servers (16 GPUs) per rack switch, 192 racks (3,072 GPUs) per pod at full
   bisection, 8 pods (24,576 GPUs) joined by aggregation switches oversubscribed 1:7.
 - any custom TOML (see `load_topology`).
+- `node_topology(K)`: nodes of K GPUs, tiers "intra" and "inter" as the runtime's ledger names them.
 """
 from __future__ import annotations
 
@@ -40,7 +41,13 @@ class Accelerator:
     layer's many small ops) and `elementwise` (share of the layers' element-wise traffic, `PlanModel.
     elementwise_per_token`, paid at `hbm_bandwidth` beside the GEMMs: 1 for eager PyTorch, 0 where fused
     kernels and `efficiency` cover it) and `action_overhead` (host seconds a pipeline compute action costs
-    beyond its compute and its modelled transfer)."""
+    beyond its compute and its modelled transfer).
+
+    The host side, per GPU (docs/plan.md, "Offload"; what ZeRO-Offload and disk offload use):
+    `pcie_bandwidth` (bytes/s each way between the GPU and host memory), `host_memory` (the GPU's share of
+    the node's RAM), `host_bandwidth` (its share of the host's memory bandwidth: the CPU Adam step is
+    memory bound) and `nvme_bandwidth` (its share of the node's local NVMe bandwidth, reads and writes
+    together). The presets are per-GPU shares of NVIDIA DGX nodes (see ACCELERATORS)."""
 
     name: str
     peak_flops: dict = field(default_factory=dict)
@@ -50,6 +57,10 @@ class Accelerator:
     layer_overhead: float = 0.0
     elementwise: float = 0.0
     action_overhead: float = 0.0     # host seconds per pipeline compute action beyond compute and transfer
+    pcie_bandwidth: float = 55e9     # host link, bytes/s each way per GPU (PCIe Gen5 x16, achievable)
+    host_memory: float = 256 * 2**30   # host RAM per GPU (DGX H100: 2 TiB / 8)
+    host_bandwidth: float = 60e9     # host memory bytes/s per GPU (the CPU optimizer step's rate)
+    nvme_bandwidth: float = 3.5e9    # local NVMe bytes/s per GPU, reads and writes together
 
     def peak(self, dtype: str) -> float:
         key = {"fp64": "fp32"}.get(dtype, dtype)
@@ -126,16 +137,30 @@ def _tier_index(block: int, world: int, sizes: tuple) -> int:
 
 
 # -- presets ------------------------------------------------------------------------------------
+# The host side of each accelerator is its share of the NVIDIA DGX node it ships in (8 GPUs):
+# - PCIe: H100, H200 and B200 sit on PCIe Gen5 x16 (32 GT/s x 16 lanes, 128b/130b: 63 GB/s each way;
+#   pinned host<->device copies reach about 55 GB/s), A100 on Gen4 x16 (31.5 GB/s; about 25 achievable).
+# - Host memory: DGX H100, DGX H200, DGX B200 and DGX A100 (640 GB) have 2 TB of RAM (32 x 64 GB DIMMs):
+#   256 GiB per GPU.
+# - Host memory bandwidth: two CPUs of 8 DDR channels each, DDR5-4800 for DGX H100/H200 (Xeon 8480C: 614 GB/s
+#   a node, 77 GB/s a GPU), DDR5-5600 for DGX B200 (Xeon 8570: 90 GB/s a GPU), DDR4-3200 for DGX A100 (EPYC
+#   7742: 51 GB/s a GPU); the planner assumes ~78% of peak is reached (a STREAM-like figure): 60, 70, 40 GB/s.
+# - NVMe: 8 U.2 data drives of 3.84 TB a node (DGX H100/H200/A100/B200), one per GPU; a PCIe Gen4 drive of
+#   that class reads at ~7 GB/s and writes at ~3.5-4 GB/s: 3.5 GB/s, the slower direction, for both.
 ACCELERATORS: dict[str, Accelerator] = {
     # NVIDIA H100 SXM5 datasheet: dense (no sparsity) tensor-core peaks.
     "h100": Accelerator("H100-SXM-80GB", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 495e12,
-                                          "fp32": 67e12}, 80 * GiB, 3.35e12),
+                                          "fp32": 67e12}, 80 * GiB, 3.35e12,
+                        pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=60 * GB, nvme_bandwidth=3.5 * GB),
     "h200": Accelerator("H200-SXM-141GB", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 495e12,
-                                           "fp32": 67e12}, 141 * GB, 4.8e12),
+                                           "fp32": 67e12}, 141 * GB, 4.8e12,
+                        pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=60 * GB, nvme_bandwidth=3.5 * GB),
     "a100": Accelerator("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-                        80 * GiB, 2.04e12),
+                        80 * GiB, 2.04e12,
+                        pcie_bandwidth=25 * GB, host_memory=256 * GiB, host_bandwidth=40 * GB, nvme_bandwidth=3.5 * GB),
     "b200": Accelerator("B200-180GB", {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "tf32": 1100e12,
-                                       "fp32": 75e12}, 180 * GB, 8e12),
+                                       "fp32": 75e12}, 180 * GB, 8e12,
+                        pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=70 * GB, nvme_bandwidth=3.5 * GB),
 }
 
 NVLINK4 = 450 * GB        # per GPU, each direction
@@ -154,6 +179,18 @@ TOPOLOGIES: dict[str, Topology] = {
         Tier("cluster", 24576, NIC_400G, 12e-6, oversubscription=7.0),
     )),
 }
+
+
+def node_topology(ranks_per_node: int, accelerator: str = "h100") -> Topology:
+    """Nodes of `ranks_per_node` GPUs, its tiers named as the runtime's ledger names them (comm/ledger.py):
+    "intra" (inside a node, NVLink 4) and "inter" (between nodes, a 400 Gb/s NIC per GPU); one tier,
+    "intra", when ranks_per_node is 0 (one node). `traffic.by_tier` of flows placed on it predicts a run's
+    comm.json "by_tier" under the same `parallel.ranks_per_node` (tests/test_tiers.py)."""
+    accel = ACCELERATORS[accelerator]
+    if ranks_per_node <= 0:
+        return Topology("one-node", accel, (Tier("intra", None, NVLINK4, 2e-6),))
+    return Topology(f"nodes-of-{ranks_per_node}", accel, (Tier("intra", ranks_per_node, NVLINK4, 2e-6),
+                                                          Tier("inter", None, NIC_400G, 5e-6)))
 
 
 def topology_from_dict(d: dict, name: str = "custom") -> Topology:
@@ -176,7 +213,11 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
         overlap = 0.5
 
     and, in [accelerator], `attention_tflops = { fp32 = 0.03 }`, `layer_overhead_us`, `elementwise`,
-    `action_overhead_us` (see `Accelerator`).
+    `action_overhead_us` (see `Accelerator`), and the host side of one GPU for offload: `pcie_gbps`
+    (GB/s each way), `host_memory_gib` (or `host_memory_gb`), `host_gbps` (host memory bandwidth),
+    `nvme_gbps`. A custom accelerator without them is taken to be its own host (a CPU-only machine, as
+    `fivefold calibrate` measures: host = device): pcie_gbps and host_gbps = hbm_gbps, host memory = memory,
+    nvme_gbps = 3.5. Give them for a GPU.
     """
     acc = d.get("accelerator", "h100")
     if isinstance(acc, str):
@@ -186,11 +227,17 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
     else:
         try:
             mem = acc["memory_gib"] * GiB if "memory_gib" in acc else acc["memory_gb"] * GB
+            hbm = acc.get("hbm_gbps", 3350)
+            host = (_times(acc["host_memory_gib"], GiB) if "host_memory_gib" in acc else
+                    _times(acc["host_memory_gb"], GB) if "host_memory_gb" in acc else mem)
             accel = Accelerator(acc.get("name", "custom"), {k: v * 1e12 for k, v in acc["peak_tflops"].items()},
-                                mem, acc.get("hbm_gbps", 3350) * GB,
+                                mem, hbm * GB,
                                 {k: v * 1e12 for k, v in acc.get("attention_tflops", {}).items()},
                                 acc.get("layer_overhead_us", 0.0) * 1e-6, acc.get("elementwise", 0.0),
-                                acc.get("action_overhead_us", 0.0) * 1e-6)
+                                acc.get("action_overhead_us", 0.0) * 1e-6,
+                                pcie_bandwidth=_times(acc.get("pcie_gbps", hbm), GB), host_memory=host,
+                                host_bandwidth=_times(acc.get("host_gbps", hbm), GB),
+                                nvme_bandwidth=_times(acc.get("nvme_gbps", 3.5), GB))
         except KeyError as e:
             raise ConfigError(f"[accelerator] needs {e.args[0]!r} (peak_tflops, memory_gb or memory_gib)") from None
     raw = d.get("tier") or d.get("tiers")
@@ -213,17 +260,26 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
     return Topology(d.get("name", name), accel, tuple(tiers))
 
 
+def _times(value, unit: float):
+    """value · unit for a number; anything else as it is, for plan/cli.py's check_topology to name."""
+    return value * unit if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
 def load_topology(spec: str | Topology) -> Topology:
-    """A preset name or a TOML file (see `topology_from_dict`)."""
+    """A preset name, "nodes:K" (`node_topology(K)`: the ledger's "intra" and "inter" tiers) or a TOML
+    file (see `topology_from_dict`)."""
     if isinstance(spec, Topology):
         return spec
     if spec.lower() in TOPOLOGIES:
         return TOPOLOGIES[spec.lower()]
+    kind, _, k = spec.partition(":")
+    if kind == "nodes" and k.isdigit() and int(k) > 0:
+        return node_topology(int(k))
     path = Path(spec)
     if path.suffix == ".toml" and path.exists():
         with open(path, "rb") as f:
             return topology_from_dict(tomllib.load(f), name=path.stem)
-    raise ConfigError(f"unknown topology {spec!r}; known topologies: {', '.join(TOPOLOGIES)} (or a .toml file)")
+    raise ConfigError(f"unknown topology {spec!r}; known topologies: {', '.join(TOPOLOGIES)} (or nodes:K, or a .toml file)")
 
 
 def collective_latency(op: str, n: int, latency: float) -> float:

@@ -43,6 +43,13 @@ Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation eleme
   travel in `Workload.reduce_dtype` (fp32 by default, as the runtime's main_grads_fp32).
 - loss: one all-reduce of a float64 over dp, and over pp (only the last stage has it); grad_norm: one float64 over the model-parallel ranks
   (tp·cp·pp, and dp too when ZeRO shards the gradients), when that group has more than one rank.
+- offload (`Layout.offload`, docs/plan.md "Offload"): copies, not collectives, under dim "offload" on the
+  tiers "pcie" (device <-> host) and "nvme" (host <-> disk), which are the accelerator's links, not
+  network tiers. Per ZeRO unit (shard of k elements) per step: "d2h" k·g (the reduced gradient shard),
+  "h2d" k·w (the updated parameter shard); nvme adds "nvme_read" and "nvme_write" of 3·k·mb (master,
+  exp_avg, exp_avg_sq). ZeRO-3 nvme keeps the parameter shards on disk: before each of the unit's G
+  all-gathers (`zero3_gathers`, the counts of the dp all_gather rows) "nvme_read" and "h2d" of k·w,
+  after the step "nvme_write" of k·w instead of the step's h2d. bytes sent = message (`comm.volume.copy`).
 """
 from __future__ import annotations
 
@@ -53,18 +60,21 @@ from functools import lru_cache
 from .. import grid
 from ..comm import volume
 from ..rules import cp_degrees, grad_norm_group, kv_replicas, moe_capacity
-from ..shapes import padded_vocab
+from ..shapes import padded_vocab, shard_size
 from .layout import Layout, Workload, microbatches
-from .memory import (block_units, exact_tensors, held_root, layout_layers, owned_tagged, root_tensors, stage_params,
-                     unit_sums, unit_tensors, zero_units)
+from .memory import (block_units, exact_tensors, held_root, layout_layers, offload_units, owned_tagged,
+                     params_on_disk, root_tensors, stage_params, unit_sums, unit_tensors, zero_units)
 from .models import PlanModel
 from .topology import Topology, collective_latency, group_bandwidth
 
 VOLUME = {op: getattr(volume, op) for op in volume.OPS}   # comm/volume.py's formula for each op
+VOLUME.update({op: volume.copy for op in volume.COPIES})   # offload copies: every byte moves
 
 # how exposed a dimension's time is (see time.py)
 KIND = {"tp": "layer", "cp": "layer", "ep": "layer", "pp": "pipeline", "dp": "grad", "edp": "grad",
-        "loss": "step", "grad_norm": "step", "embed": "step", "moe_stats": "step"}
+        "loss": "step", "grad_norm": "step", "embed": "step", "moe_stats": "step", "offload": "offload"}
+# the accelerator's own links that offload copies cross (not network tiers): tier name -> Accelerator field
+COPY_TIERS = {"pcie": "pcie_bandwidth", "nvme": "nvme_bandwidth"}
 
 
 @dataclass
@@ -102,6 +112,9 @@ class Flows:
             return
         key = (dim, op, part) if part else (dim, op)
         row = self.rows.get(key)
+        if row is not None and row.group != group:   # the same (dim, op) over another group (the loss is
+            key = (dim, op, part, group)               # summed over dp·cp and over pp): a row of its own,
+            row = self.rows.get(key)                   # placed on that group's tier
         if row is None:
             row = self.rows[key] = Flow(dim, op, group, n, part=part, route=route)
         row.calls += int(calls)
@@ -118,6 +131,18 @@ class Flows:
         row.calls += int(calls)
         row.message_bytes += total_message_bytes
         row.bytes_sent += VOLUME[op](total_message_bytes, n)
+
+    def add_copy(self, dim: str, op: str, tier: str, total_message_bytes: float, calls: int) -> None:
+        """`calls` copies (not collectives: one rank's own bytes over `tier`, a key of COPY_TIERS) whose
+        messages sum to `total_message_bytes`."""
+        if calls <= 0 or total_message_bytes <= 0:
+            return
+        row = self.rows.get((dim, op))
+        if row is None:
+            row = self.rows[(dim, op)] = Flow(dim, op, tier, 1, tier=tier)
+        row.calls += int(calls)
+        row.message_bytes += total_message_bytes
+        row.bytes_sent += VOLUME[op](total_message_bytes, 1)
 
     def list(self) -> list[Flow]:
         return [self.rows[k] for k in sorted(self.rows, key=lambda k: (k[0], k[1], k[2] if len(k) > 2 else ""))]
@@ -325,6 +350,17 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
         f.add("embed", "all_reduce", "pp", 2, emb * w.grad_bytes, 1)
 
 
+def zero3_gathers(L: Layout, m: int, root: bool) -> int:
+    """All-gathers of one ZeRO-3 unit per step on one rank (parallel/zero.py `Zero3`), whatever the group
+    size (a group of one "gathers" too, a copy the ledger does not record): without a pipeline before each
+    micro-batch's forward and again before its backward (once with reshard_after_forward off), the root
+    unit included; under one, a block before every forward and backward it runs (and the recomputed
+    forward, full recompute), the root unit once for the step."""
+    if L.pp > 1:
+        return 1 if root else (3 if L.recompute == "full" else 2) * m
+    return (2 if L.reshard_after_forward else 1) * m
+
+
 def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, w: Workload, m: int,
                 units: tuple[int, ...], root: int = 0, held: bool = False) -> None:
     """Gradient reduction and ZeRO gathers for `params` parameters over n ranks: one call per bucket
@@ -349,10 +385,10 @@ def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, 
         if L.zero == 2:
             f.add_total(dim, "all_gather", group, n, padded * w.param_bytes, u)
             return
-        per_use = 3 if L.recompute == "full" else 2
+        per_use = zero3_gathers(L, m, False)
         root_padded = unit_sums(units[:root], n)[0] if root else 0
-        f.add_total(dim, "all_gather", group, n, (root_padded + per_use * m * (padded - root_padded)) * w.param_bytes,
-                    root + per_use * m * (u - root))
+        f.add_total(dim, "all_gather", group, n, (root_padded + per_use * (padded - root_padded)) * w.param_bytes,
+                    root + per_use * (u - root))
         return
     if L.zero == 1 or (L.zero == 2 and L.pp > 1):
         # once per step: ZeRO-1 always; ZeRO-2 under a pipeline accumulates over the micro-batches
@@ -364,14 +400,14 @@ def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, 
     elif L.pp > 1:
         # under a pipeline: each block gathered before every forward and backward it runs (and the
         # recomputed forward), the root unit once for the step; each unit reduce-scattered once
-        per_use = 3 if L.recompute == "full" else 2
+        per_use = zero3_gathers(L, m, False)
         root_padded = unit_sums(units[:root], n)[0] if root else 0
-        gathers = root + per_use * m * (u - root)
-        f.add_total(dim, "all_gather", group, n, (root_padded + per_use * m * (padded - root_padded)) * w.param_bytes,
+        gathers = root + per_use * (u - root)
+        f.add_total(dim, "all_gather", group, n, (root_padded + per_use * (padded - root_padded)) * w.param_bytes,
                     gathers)
         f.add_total(dim, "reduce_scatter", group, n, padded * r, u)
     else:  # gathered before each forward and (resharded after it) again before each backward
-        gathers = (2 if L.reshard_after_forward else 1) * m
+        gathers = zero3_gathers(L, m, False)
         f.add_total(dim, "all_gather", group, n, gathers * padded * w.param_bytes, gathers * u)
         f.add_total(dim, "reduce_scatter", group, n, m * padded * r, m * u)
 
@@ -404,7 +440,35 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
     f.add("grad_norm", "all_reduce", norm_group, group_size(L, norm_group), 8, 1)
     # whether a stop signal arrived: one int64, max over the world (train/trainer.py agree_stop)
     f.add("control", "all_reduce", "world", group_size(L, "world"), 8, 1)
+    _offload_flows(f, model, L, work, stage, m, root)
     return f.list()
+
+
+def _offload_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int = 1,
+                   root: int = 0) -> None:
+    """Offload copies of one rank of `stage` in one step (parallel/offload.py): once per ZeRO unit
+    (`memory.offload_units`, shard k elements), "d2h" of the reduced gradient shard (k·g bytes) and "h2d"
+    of the updated parameter shard (k·w); with nvme also "nvme_read" and "nvme_write" of the master,
+    exp_avg and exp_avg_sq (3·k·mb each way). ZeRO-3 nvme (`memory.params_on_disk`): no h2d after the
+    step but an "nvme_write" of k·w, and before each of the unit's all-gathers (`zero3_gathers`; the
+    first `root` units are the root) an "nvme_read" and an "h2d" of k·w."""
+    if L.offload == "none":
+        return
+    units = offload_units(model, L, w, stage)
+    shards = [shard_size(u, n) for u, n in units]
+    k = sum(shards)
+    f.add_copy("offload", "d2h", "pcie", k * w.grad_bytes, len(units))
+    if L.offload == "nvme":
+        f.add_copy("offload", "nvme_read", "nvme", 3 * k * w.master_bytes, len(units))
+        f.add_copy("offload", "nvme_write", "nvme", 3 * k * w.master_bytes, len(units))
+    if not params_on_disk(L):
+        f.add_copy("offload", "h2d", "pcie", k * w.param_bytes, len(units))
+        return
+    gathers = [zero3_gathers(L, m, i < root) for i in range(len(shards))]
+    read = sum(g * ku for g, ku in zip(gathers, shards)) * w.param_bytes
+    f.add_copy("offload", "nvme_read", "nvme", read, sum(gathers))
+    f.add_copy("offload", "h2d", "pcie", read, sum(gathers))
+    f.add_copy("offload", "nvme_write", "nvme", k * w.param_bytes, len(units))
 
 
 def layer_flows(model: PlanModel, layout: Layout, work: Workload, n_layers: int, moe: int, first: bool, last: bool,
@@ -452,10 +516,16 @@ def group_block_of(tp: int, pp: int, dp: int, cp: int, ep: int, group: str, orde
 def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None = None) -> list[Flow]:
     """Fill each flow's tier (slowest it crosses) and seconds (bytes over that tier's bandwidth plus the
     algorithm's latency hops). Node-limited expert all-to-alls ("routed" rows) become two rows, see
-    `split_routed`. Returns the placed rows."""
+    `split_routed`. Offload copies (group "pcie" or "nvme", COPY_TIERS) stay on that link of the
+    accelerator: bytes over its `pcie_bandwidth` or `nvme_bandwidth`, no latency. Returns the placed rows."""
     world, tiers = layout.gpus, {}
     out = []
     for fl in flows:
+        if fl.group in COPY_TIERS:   # offload copies: the accelerator's own link, no latency hops
+            fl.tier = fl.group
+            fl.seconds = fl.bytes_sent / getattr(topo.accelerator, COPY_TIERS[fl.group])
+            out.append(fl)
+            continue
         parts = split_routed(fl, layout, topo, order) if fl.part == "routed" else [fl]
         for p in parts:
             if p.group not in tiers:
@@ -524,20 +594,45 @@ def by_dim(flows: list[Flow]) -> dict[str, float]:
 def all_ranks(model: PlanModel, layout: Layout, work: Workload) -> dict[tuple[str, str], dict]:
     """(dim, op) -> calls, message_bytes, bytes_sent summed over every rank for one step (what a
     ledger gathered over ranks shows, per step); under ZeRO each data-parallel rank's own rows."""
+    out: dict[tuple[str, str], dict] = {}
+    for flows, weight in _rank_flows(model, layout, work):
+        for fl in flows:
+            _add_weighted(out, (fl.dim, fl.op), fl, weight)
+    return out
+
+
+def all_ranks_by_tier(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
+                      order: str | None = None) -> dict[tuple[str, str, str], dict]:
+    """(dim, op, tier) -> calls, message_bytes, bytes_sent summed over every rank for one step, each row
+    placed on `topo` (`place`; `order`: the layout's). With `topology.node_topology(K)` the tiers are
+    the ledger's ("intra", "inter"): what comm.json's "tiers" rows show per step for a run with
+    parallel.ranks_per_node = K. The runtime names each group's own tier and the planner a dimension's
+    slowest; they agree whenever K and the group blocks nest (powers of two, say)."""
+    out: dict[tuple[str, str, str], dict] = {}
+    for flows, weight in _rank_flows(model, layout, work):
+        for fl in place(flows, layout, topo, order):
+            _add_weighted(out, (fl.dim, fl.op, fl.tier), fl, weight)
+    return out
+
+
+def _rank_flows(model: PlanModel, layout: Layout, work: Workload):
+    """(flows of one rank, how many ranks have them) covering every rank once."""
     L = layout
     n = L.dp * L.cp
     ranks_per_stage = L.gpus // L.pp
     per_dp = L.zero >= 1 and n > 1 and L.tp > 1
-    out: dict[tuple[str, str], dict] = {}
     for j in range(L.pp):
-        for flows, weight in ([(stage_flows(model, L, work, j, r), ranks_per_stage // n) for r in range(n)]
-                              if per_dp else [(stage_flows(model, L, work, j), ranks_per_stage)]):
-            for fl in flows:
-                row = out.setdefault((fl.dim, fl.op), {"calls": 0, "message_bytes": 0.0, "bytes_sent": 0.0})
-                row["calls"] += fl.calls * weight
-                row["message_bytes"] += fl.message_bytes * weight
-                row["bytes_sent"] += fl.bytes_sent * weight
-    return out
+        if per_dp:
+            yield from ((stage_flows(model, L, work, j, r), ranks_per_stage // n) for r in range(n))
+        else:
+            yield stage_flows(model, L, work, j), ranks_per_stage
+
+
+def _add_weighted(out: dict, key: tuple, fl: Flow, weight: int) -> None:
+    row = out.setdefault(key, {"calls": 0, "message_bytes": 0.0, "bytes_sent": 0.0})
+    row["calls"] += fl.calls * weight
+    row["message_bytes"] += fl.message_bytes * weight
+    row["bytes_sent"] += fl.bytes_sent * weight
 
 
 

@@ -453,6 +453,13 @@ def torchrun_env() -> tuple[int, int] | None:
     return None
 
 
+def torchrun_ranks_per_node() -> int | None:
+    """Ranks on this node when started by torchrun (its LOCAL_WORLD_SIZE: --nproc-per-node), else None.
+    Read only by the launcher, which passes it on as parallel.ranks_per_node."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if torchrun_env() is not None and value.isdigit() else None
+
+
 def init_torchrun(timeout_s: float = 1800, device: str = "auto") -> tuple[int, int]:
     """Join a torchrun job: NCCL when the run's device (train.device: auto | cpu | cuda) is CUDA, else gloo.
     On CUDA each rank takes the GPU of its local rank (torchrun's LOCAL_RANK)."""

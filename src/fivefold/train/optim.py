@@ -14,36 +14,100 @@ from .. import comm
 from ..comm import Group
 
 
+# Elements per multi-tensor (foreach) call: bounds the temporaries a call makes (the denominators, one
+# per tensor of the call) to 128 MiB of fp32, or to the largest single tensor, as the eager loop does.
+FOREACH_CHUNK = 1 << 25
+
+
 class AdamW:
     """Decoupled weight decay Adam (Loshchilov & Hutter, 2019). `decay[i]` says whether tensor i decays
-    (matrices do; norms do not). Eager: one pass over memory per line of `step` (the planner charges
-    rules.EAGER_ADAMW_ACCESSES element accesses per owned element; keep the two in step)."""
+    (matrices do; norms do not). One pass over memory per line of `update` (the planner charges
+    rules.EAGER_ADAMW_ACCESSES element accesses per owned element; keep the two in step).
+
+    Two ways to run the same arithmetic: `update`, one tensor at a time (eager), and `update_many`, the
+    same ops over lists of tensors with torch's multi-tensor `_foreach_*` kernels (one launch per op
+    and chunk of tensors instead of one per op and tensor: what the CUDA path needs, where a ~1B-parameter
+    model has ~150 tensors and launches would dominate). Op by op they are the same (decay mul, lerp,
+    mul + addcmul, sqrt, divide, add eps, addcdiv), so the results are bit-identical on the CPU, where
+    torch's foreach ops run the per-tensor kernels (tests/test_device.py holds them equal); on CUDA the
+    fused kernels may round a scalar division differently (~1 ulp). `foreach`: None (default) uses
+    `update_many` everywhere; False keeps the eager loop."""
 
     def __init__(self, params: list[torch.Tensor], decay: list[bool], betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay=0.1):
+                 weight_decay=0.1, foreach: bool | None = None):
         self.params, self.decay = params, decay
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
         self.exp_avg = [torch.zeros_like(p) for p in params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in params]
         self.t = 0
+        self.foreach = foreach is not False
 
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], lr: float) -> None:
-        self.t += 1
-        bc1 = 1 - self.beta1 ** self.t
-        bc2_sqrt = math.sqrt(1 - self.beta2 ** self.t)
+        self.advance()
+        if self.foreach:
+            self.update_many(self.params, grads, self.exp_avg, self.exp_avg_sq, self.decay, lr)
+            return
         for p, g, m, v, decay in zip(self.params, grads, self.exp_avg, self.exp_avg_sq, self.decay):
-            g = g.to(p.dtype)  # low-precision gradients (main_grads_fp32 = false) are upcast here
-            if decay and self.weight_decay:
-                p.mul_(1 - lr * self.weight_decay)
-            m.lerp_(g, 1 - self.beta1)
-            v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
-            denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
-            p.addcdiv_(m, denom, value=-lr / bc1)
+            self.update(p, g, m, v, decay, lr)
+
+    def advance(self) -> None:
+        """Start step t + 1: its bias corrections. `step` = advance + `update` of every tensor; an engine
+        whose state lives elsewhere (parallel/offload.py) calls the two itself, unit by unit, on its own
+        state tensors (then `params` and the moment lists may be empty)."""
+        self.t += 1
+        self.bc1 = 1 - self.beta1 ** self.t
+        self.bc2_sqrt = math.sqrt(1 - self.beta2 ** self.t)
+
+    @torch.no_grad()
+    def update(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, decay: bool,
+               lr: float) -> None:
+        """One tensor's update of the current step (after `advance`): p, m, v in place."""
+        g = g.to(p.dtype)  # low-precision gradients (main_grads_fp32 = false) are upcast here
+        if decay and self.weight_decay:
+            p.mul_(1 - lr * self.weight_decay)
+        m.lerp_(g, 1 - self.beta1)
+        v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+        denom = (v.sqrt() / self.bc2_sqrt).add_(self.eps)
+        p.addcdiv_(m, denom, value=-lr / self.bc1)
+
+    @torch.no_grad()
+    def update_many(self, ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
+                    vs: list[torch.Tensor], decay: list[bool], lr: float) -> None:
+        """`update` of every tensor of the lists (after `advance`), with multi-tensor kernels: the same
+        ops in the same order, over chunks of at most FOREACH_CHUNK elements (or one larger tensor)."""
+        for a, b in foreach_chunks([p.numel() for p in ps], FOREACH_CHUNK):
+            p_, m_, v_ = ps[a:b], ms[a:b], vs[a:b]
+            g_ = [g.to(p.dtype) for p, g in zip(p_, gs[a:b])]   # low-precision gradients upcast, as in `update`
+            if self.weight_decay:
+                decayed = [p for p, d in zip(p_, decay[a:b]) if d]
+                if decayed:
+                    torch._foreach_mul_(decayed, 1 - lr * self.weight_decay)
+            torch._foreach_lerp_(m_, g_, 1 - self.beta1)
+            torch._foreach_mul_(v_, self.beta2)
+            torch._foreach_addcmul_(v_, g_, g_, value=1 - self.beta2)
+            denom = torch._foreach_sqrt(v_)
+            torch._foreach_div_(denom, self.bc2_sqrt)
+            torch._foreach_add_(denom, self.eps)
+            torch._foreach_addcdiv_(p_, m_, denom, value=-lr / self.bc1)
+            del denom, g_
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
+
+
+def foreach_chunks(sizes: list[int], limit: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of consecutive tensors whose sizes sum to at most `limit` (a larger tensor alone)."""
+    out, start, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and total + n > limit:
+            out.append((start, i))
+            start, total = i, 0
+        total += n
+    if start < len(sizes):
+        out.append((start, len(sizes)))
+    return out
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:

@@ -33,7 +33,7 @@ SHAPE_FIELDS = ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "tie_em
 # fields that say where and how often to write, not what is trained: changing them is silent
 # (train.tokenizer is a path: the tokenizer itself is compared by its digest, `compare_data`)
 QUIET_FIELDS = ("train.out", "train.checkpoint", "train.checkpoint_every", "train.keep_checkpoints",
-                "train.log_every", "train.device", "train.tensorboard", "train.tokenizer")
+                "train.log_every", "train.device", "train.compile", "train.tensorboard", "train.tokenizer")
 
 
 def step_dir(out: str | Path, step: int) -> Path:

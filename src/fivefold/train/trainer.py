@@ -10,7 +10,8 @@ data. `step(k)` runs one optimizer step over the global batch of step k and retu
     OUT/metrics.jsonl  one line per step: step, loss, grad_norm, lr, tokens, seconds (NaN/inf: null);
                        a resumed run keeps the lines of the steps before its start and appends
     OUT/comm.json      the communication ledger summed over ranks (see comm/ledger.py)
-    OUT/run.json       resolved config, parameter count, world size, versions, model-state bytes
+    OUT/run.json       resolved config, parameter count, world size, versions, model-state bytes; the
+                       device and each rank's peak memory beside the planner's prediction (`run_info`)
     OUT/checkpoints/step-N/  sharded checkpoints (checkpoint.py): every train.checkpoint_every steps,
                        at the end, and when a stop signal arrives (SIGTERM / SIGINT)
     OUT/pipeline.json  (pp > 1) the last step's measured per-rank timeline beside the simulated one,
@@ -21,6 +22,15 @@ Failures: a step whose loss or gradient norm is NaN/inf is skipped (no optimizer
 train.skip_nonfinite) and the run stops after train.max_skips such steps in a row, naming the step; a
 non-finite state is never saved. Once per step the ranks agree whether a stop signal arrived (one
 8-byte all-reduce over the world, ledger dim "control"): then they save and return.
+
+Devices: the full model is built and parallelized on the host, then moved to the rank's device
+(train.device, `launch.resolve_device`: CUDA under torchrun/NCCL or a single process, else the CPU);
+every tensor the engines, the dimensions and the loop make after that is made on the model's device
+(tests/test_device.py walks them). On the host by design: the token batches and the context-parallel
+indices that shard them (moved per step), the offload store's state, and the generators that draw the
+same dropout masks on every device. With `train.dtype = "bf16"` the model
+computes in bf16 while the engine keeps fp32 master weights and fp32 main gradients; `train.compile`
+compiles each transformer block in place with torch.compile (`compile_blocks`).
 
 Loss rule: each micro-batch's summed token loss is divided by the number of tokens in the *global*
 batch, and gradients are summed across data-parallel ranks; so loss and gradients are those of the mean
@@ -46,6 +56,7 @@ from ..comm import CommLedger, gather_objects
 from ..config import Config, ConfigError
 from ..mesh import ParallelMesh
 from ..model import Transformer, loss_sum
+from ..model.transformer import Block
 from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
 from ..parallel.expert import moe_step_stats
@@ -67,6 +78,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 # a prime stride keeps the streams of nearby seeds and ranks apart. Weight init uses its own generator.
 RANK_SEED_STRIDE = 7919
 STOP_SIGNALS = ("SIGINT", "SIGTERM")   # agreed over the ranks as an index + 1 (0: keep going)
+COMPILE_BACKEND = "inductor"           # train.compile's torch.compile backend (CPU tests may swap in aot_eager)
 
 
 class NonFiniteError(RuntimeError):
@@ -85,13 +97,17 @@ class Trainer:
     dimension shards what it owns and writes its placements) → the gradient engine over the placement
     groups → the loop."""
 
-    def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, tokens=None, quiet: bool = False):
+    def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, tokens=None, quiet: bool = False,
+                 planned: dict | None = None):
         cfg.validate(world_size)
         supported(cfg)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.quiet = quiet or rank != 0
         t, p = cfg.train, cfg.parallel
         self.device = resolve_device(t.device, dist.get_backend() if dist.is_initialized() else None)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)   # run.json's peak: this trainer's, not the process's
+        self.planned = planned   # the planner's memory for this layout (cli.planned_memory), written to run.json
         torch.manual_seed(t.seed + RANK_SEED_STRIDE * rank)
         self.ledger = CommLedger(rank, world_size)
         self.mesh = ParallelMesh(p, rank, self.ledger, kv_replicas=rules.kv_replicas(p.tp, cfg.model.kv_heads),
@@ -104,6 +120,8 @@ class Trainer:
         self.n_params = sum(q.numel() for q in unique_params(full))
         self.model, self.dims = parallelize(full, self.mesh, cfg)
         self.model.to(self.device)                                   # parameters keep their placements
+        if t.compile:
+            compile_blocks(self.model)
         self.loss_sum = loss_function(self.dims, loss_sum)
         self.forward_backward = next((d.forward_backward for d in self.dims if hasattr(d, "forward_backward")),
                                      direct_forward_backward)
@@ -137,7 +155,8 @@ class Trainer:
             print(f"note: ZeRO-{p.zero} with dp=1 shards over a single rank and saves no memory", file=sys.stderr)
         scheduled = any(getattr(d, "schedules_backward", False) for d in self.dims)
         return Zero(self.model, self.mesh, p.zero, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype,
-                    p.reshard_after_forward, pipeline=scheduled, reduce_each_microbatch=p.reduce_each_microbatch)
+                    p.reshard_after_forward, pipeline=scheduled, reduce_each_microbatch=p.reduce_each_microbatch,
+                    offload=p.offload, offload_dir=p.offload_dir)   # offload: parallel/offload.py
 
     # -- one step ----------------------------------------------------------------------------
     def micro_batches(self, step: int):
@@ -286,8 +305,10 @@ class Trainer:
         buffers = {name: reader.full(f"buffers/{name}") for name in checkpoint.persistent_buffers(self.model)}
         checkpoint.load_buffers(self.model, buffers)
         self.skips = reader.index.get("skips", 0)
+        where = ("offload", "offload_dir")   # where optimizer state lives changes no random stream
+        layout = lambda par: {k: v for k, v in par.items() if k not in where}   # noqa: E731
         same_layout = (reader.index["world_size"] == self.world_size
-                       and reader.index["config"]["parallel"] == self.cfg.to_dict()["parallel"])
+                       and layout(reader.index["config"]["parallel"]) == layout(self.cfg.to_dict()["parallel"]))
         if same_layout:
             self.set_rng_state(reader.rng(self.rank))
         elif self.cfg.model.dropout and not self.quiet:
@@ -335,6 +356,7 @@ class Trainer:
         total = self.ledger.gather()
         self.all_state_bytes = gather_objects(self.model_state_bytes())
         self.all_activation_bytes = gather_objects(self.activations.peak)
+        self.all_memory = gather_objects(self.memory_info())
         if cfg.checkpoint and history and saved != self.step_count:
             self.save(out, self.step_count)
         if self.rank == 0:
@@ -343,14 +365,64 @@ class Trainer:
         return {"history": history, "comm": total.to_dict(), "state_bytes": self.model_state_bytes(),
                 "stopped": stopped, "step": self.step_count}
 
+    def memory_info(self) -> dict:
+        """This rank's device and peak memory so far: `peak_device_bytes` is
+        torch.cuda.max_memory_allocated on CUDA (every tensor the caching allocator handed out since the
+        trainer started; None on the CPU, which has no such counter), `peak_rss_bytes` the process's peak
+        resident set (getrusage ru_maxrss: the interpreter and torch's libraries included, so only a
+        coarse upper bound of the tensors'; None where the platform does not report it)."""
+        cuda = self.device.type == "cuda"
+        return {"device": str(self.device),
+                "device_name": torch.cuda.get_device_name(self.device) if cuda else platform.processor() or "cpu",
+                "pp_stage": self.mesh.coords["pp"],
+                "peak_device_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
+                "peak_rss_bytes": peak_rss_bytes()}
+
     def run_info(self) -> dict:
+        """run.json. Besides the config and the model-state bytes: `device` (rank 0's; `device_by_rank`),
+        `peak_device_memory_bytes_by_rank` (torch.cuda.max_memory_allocated per rank; null on the CPU),
+        `peak_rss_bytes_by_rank` (each process's peak RSS: see `memory_info`) and, when the caller passed
+        the planner's prediction for this layout (the CLI does: cli.planned_memory), `planned_memory`
+        (the planner's rows per pipeline stage) and `planned_memory_bytes_by_rank` (each rank's stage
+        total, the number to hold against the measured peak; null without a prediction)."""
+        mem = getattr(self, "all_memory", None) or [self.memory_info()]
+        stages = (self.planned or {}).get("stages")
+        planned = [stages[m["pp_stage"]]["total"] if stages else None for m in mem]
         return {"config": self.cfg.to_dict(), "data": self.data_id, "params": self.n_params,
                 "world_size": self.world_size, "model_state_bytes_per_rank": self.model_state_bytes(),
                 "model_state_bytes_by_rank": self.all_state_bytes,
                 "peak_activation_bytes_per_rank": self.activations.peak,
                 "peak_activation_bytes_by_rank": self.all_activation_bytes,
+                "device": mem[0]["device"], "device_name": mem[0]["device_name"],
+                "device_by_rank": [m["device"] for m in mem],
+                "peak_device_memory_bytes_by_rank": [m["peak_device_bytes"] for m in mem],
+                "peak_rss_bytes_by_rank": [m["peak_rss_bytes"] for m in mem],
+                "planned_memory_bytes_by_rank": planned, "planned_memory": self.planned,
                 "versions": {"fivefold": __version__, "torch": torch.__version__,
                              "python": sys.version.split()[0], "platform": platform.platform()}}
+
+
+def compile_blocks(model: torch.nn.Module, backend: str | None = None) -> int:
+    """train.compile: torch.compile every transformer block of `model` in place (`Module.compile`: the
+    block keeps its parameters, buffers, hooks and name, so placements, engines, checkpoints and the
+    pipeline's chunks see the same objects). Called after `parallelize`, so what is compiled is the block
+    as this rank runs it (its tensor-parallel layers; their collectives are graph breaks and still go
+    through comm/, recorded in the ledger). Returns how many blocks were compiled."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for b in blocks:
+        b.compile(backend=backend or COMPILE_BACKEND)
+    return len(blocks)
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set size in bytes (Linux reports KiB, macOS bytes), or None."""
+    try:
+        import resource   # POSIX only
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (ImportError, AttributeError, OSError):
+        return None
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
 def finite_or_null(m: dict) -> dict:
@@ -358,8 +430,10 @@ def finite_or_null(m: dict) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}
 
 
-def train_rank(rank: int, world_size: int, cfg_dict: dict, out: str | None = None, resume: str | None = None) -> dict:
-    """Entry point for one rank (used by the launcher and the tests)."""
-    trainer = Trainer(Config.from_dict(cfg_dict), rank, world_size)
+def train_rank(rank: int, world_size: int, cfg_dict: dict, out: str | None = None, resume: str | None = None,
+               planned: dict | None = None) -> dict:
+    """Entry point for one rank (used by the launcher and the tests). `planned`: the planner's memory for
+    this layout, written to run.json beside the measured peaks (cli.planned_memory)."""
+    trainer = Trainer(Config.from_dict(cfg_dict), rank, world_size, planned=planned)
     result = trainer.run(out, resume)
     return result if rank == 0 else {"state_bytes": result["state_bytes"]}

@@ -144,3 +144,31 @@ def measured_first_step(step, counter) -> dict:
     sent = counter.stop()
     tdist.all_reduce(first)
     return {"first_loss": float(first), "sent": sent, "act_peak": meter.peak}
+
+
+def deepspeed_step(model, zero: dict, x, y, n_tokens: int, torch_adam: bool = True):
+    """A DeepSpeed engine step (forward, backward, optimizer) for `model` with the `zero_optimization`
+    section `zero`, AdamW lr 1e-4 / weight decay 0.1 (torch's, or DeepSpeed's CPU Adam with
+    torch_adam=False), inside this already-initialised gloo process group (CPU accelerator)."""
+    import os
+
+    import torch.distributed as dist
+
+    # DeepSpeed reads its launcher's variables; this process group is already up (gloo)
+    os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()),
+                      WORLD_SIZE=str(dist.get_world_size()), LOCAL_SIZE=str(dist.get_world_size()))
+    import deepspeed
+
+    from fivefold.model import loss_sum
+
+    cfg = {"train_micro_batch_size_per_gpu": x.shape[0], "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": torch_adam}},
+           "zero_optimization": zero, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                      dist_init_required=False)
+
+    def step():
+        loss = loss_sum(engine(x), y) / n_tokens
+        engine.backward(loss)
+        engine.step()
+    return step

@@ -16,7 +16,7 @@ import argparse
 import os
 import tempfile
 
-from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, time_steps
+from common import BENCH_MODEL, best_of_rounds, deepspeed_step, peak_rss_mb, time_steps
 
 
 def bench_rank(rank, world, impl, steps, batch, seq, scratch):
@@ -33,7 +33,11 @@ def bench_rank(rank, world, impl, steps, batch, seq, scratch):
     if impl.startswith("ours"):
         step, engine = ours_step(model, rank, world, impl.split("-")[1], x, y, n_tokens, scratch)
     else:
-        step, engine = deepspeed_step(model, impl == "ds-offload", x, y, n_tokens), None
+        offload = impl == "ds-offload"   # ZeRO-Offload proper: state and step on the host, DeepSpeedCPUAdam
+        zero = {"stage": 2, "reduce_bucket_size": 2**20, "allgather_bucket_size": 2**20}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        step, engine = deepspeed_step(model, zero, x, y, n_tokens, torch_adam=not offload), None
     out["times"] = time_steps(step, warmup=2, steps=steps)
     out["rss_mb"] = peak_rss_mb()
     if engine is not None:
@@ -61,32 +65,6 @@ def ours_step(model, rank, world, offload, x, y, n_tokens, scratch):
         engine.step(1e-4)
         engine.zero_grad()
     return step, engine
-
-
-def deepspeed_step(model, offload, x, y, n_tokens):
-    import torch.distributed as dist
-
-    # DeepSpeed reads its launcher's variables; this process group is already up (gloo)
-    os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()),
-                      WORLD_SIZE=str(dist.get_world_size()), LOCAL_SIZE=str(dist.get_world_size()))
-    import deepspeed
-
-    from fivefold.model import loss_sum
-
-    zero = {"stage": 2, "reduce_bucket_size": 2**20, "allgather_bucket_size": 2**20}
-    if offload:   # ZeRO-Offload proper: optimizer state and step on the host, DeepSpeedCPUAdam
-        zero["offload_optimizer"] = {"device": "cpu"}
-    cfg = {"train_micro_batch_size_per_gpu": x.shape[0], "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": not offload}},
-           "zero_optimization": zero, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
-                                      dist_init_required=False)
-
-    def step():
-        loss = loss_sum(engine(x), y) / n_tokens
-        engine.backward(loss)
-        engine.step()
-    return step
 
 
 def main():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, time_steps
+from common import BENCH_MODEL, best_of_rounds, deepspeed_step, peak_rss_mb, time_steps
 
 
 
@@ -31,7 +31,8 @@ def bench_rank(rank, world, impl, steps, batch, seq):
     elif impl == "fsdp2":
         step = fsdp2_step(model, world, x, y, n_tokens)
     else:
-        step = deepspeed_step(model, int(impl[-1]), x, y, n_tokens)
+        step = deepspeed_step(model, {"stage": int(impl[-1]), "reduce_bucket_size": 2**20,
+                                      "allgather_bucket_size": 2**20}, x, y, n_tokens)
     return {"times": time_steps(step, warmup=2, steps=steps), "rss_mb": peak_rss_mb()}
 
 
@@ -76,32 +77,6 @@ def fsdp2_step(model, world, x, y, n_tokens):
         (loss_sum(model(x), y) / n_tokens).backward()
         opt.step()
         opt.zero_grad()
-    return step
-
-
-def deepspeed_step(model, stage, x, y, n_tokens):
-    import os
-
-    import torch.distributed as dist
-
-    # DeepSpeed reads its launcher's variables; this process group is already up (gloo)
-    os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()),
-                      WORLD_SIZE=str(dist.get_world_size()), LOCAL_SIZE=str(dist.get_world_size()))
-    import deepspeed
-
-    from fivefold.model import loss_sum
-
-    cfg = {"train_micro_batch_size_per_gpu": x.shape[0], "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 2**20, "allgather_bucket_size": 2**20},
-           "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
-                                      dist_init_required=False)
-
-    def step():
-        loss = loss_sum(engine(x), y) / n_tokens
-        engine.backward(loss)
-        engine.step()
     return step
 
 

@@ -261,6 +261,15 @@ def gather_delay(first_use: list[tuple[float, float]], a_sum: float, calls: floa
     return max(0.0, late)
 
 
+def grad_totals(flows: list[Flow]) -> tuple[float, float, float, float]:
+    """(reduction seconds, reduction calls, gather seconds, gather calls) of a stage's dp/edp rows."""
+    grad = [f for f in flows if KIND.get(f.dim) == "grad"]
+    red = [f for f in grad if f.op in ("all_reduce", "reduce_scatter")]
+    gat = [f for f in grad if f.op == "all_gather"]
+    return (sum(f.seconds for f in red), sum(f.calls for f in red),
+            sum(f.seconds for f in gat), sum(f.calls for f in gat))
+
+
 def stage_grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: list[tuple[float, float]],
                        first_use: list[tuple[float, float]], t_f: float, t_b: float,
                        backwards: list[tuple[float, float]] | None = None, overlap: float = 1.0) -> tuple[float, float]:
@@ -269,9 +278,7 @@ def stage_grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, re
     reduction, gather = _grad_exposed(flows, layout, m, end, ready, first_use, t_f, t_b, backwards)
     if overlap >= 1.0:
         return reduction, gather
-    grad = [f for f in flows if KIND.get(f.dim) == "grad"]
-    rs = sum(f.seconds for f in grad if f.op in ("all_reduce", "reduce_scatter"))
-    ag = sum(f.seconds for f in grad if f.op == "all_gather")
+    rs, _, ag, _ = grad_totals(flows)
     if layout.zero == 3 and layout.pp == 1:   # one figure for both (prefetched gathers and reductions)
         return reduction + (1.0 - overlap) * max(0.0, rs + ag - reduction), gather
     return (reduction + (1.0 - overlap) * max(0.0, rs - reduction),
@@ -289,11 +296,7 @@ def _grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: 
     stage, each launching its share of the reduce-scatters, which run one at a time on their own stream
     through the rest of the schedule."""
     L = layout
-    grad = [f for f in flows if KIND.get(f.dim) == "grad"]
-    rs = sum(f.seconds for f in grad if f.op in ("all_reduce", "reduce_scatter"))
-    calls = sum(f.calls for f in grad if f.op in ("all_reduce", "reduce_scatter"))
-    ag = sum(f.seconds for f in grad if f.op == "all_gather")
-    ag_calls = sum(f.calls for f in grad if f.op == "all_gather")
+    rs, calls, ag, ag_calls = grad_totals(flows)
     if L.zero == 3:
         if L.pp == 1:   # per micro-batch: gathers prefetched behind the previous unit's compute
             return m * (max(0.0, ag / (2 * m) - t_f) + max(0.0, ag / (2 * m) + rs / m - t_b)), 0.0

@@ -166,16 +166,41 @@ def test_moe_load_balance_loss_matches_hf_convention():
 
 
 @pytest.mark.parametrize("over, words", [
-    (dict(qkv_bias=True), "qkv_bias"),
     (dict(decoder_sparse_step=2, num_hidden_layers=4), "layers [0, 2] are dense"),
     (dict(mlp_only_layers=[1]), "layers [1] are dense"),
     (dict(shared_expert_intermediate_size=48), "multiple of moe_intermediate_size"),
-    (dict(use_sliding_window=True), "use_sliding_window"),
 ])
 def test_qwen2_moe_unsupported_configs_refused(over, words):
     cfg = transformers.Qwen2MoeConfig(**{**MOE_COMMON, **MOE_CASES["qwen2_moe"], **over})
     with pytest.raises(ValueError, match=re.escape(words)):
         config_from_hf(cfg)
+
+
+def test_qwen2_moe_with_qkv_biases_matches_and_round_trips():
+    """Every released Qwen2-MoE has q/k/v biases (qkv_bias, transformers' default): they load, match and go back."""
+    hf = hf_moe("qwen2_moe", qkv_bias=True)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.5)
+    ours = from_hf(hf)
+    assert ours.cfg.qkv_bias and ours.layers[0].attn.wq.bias is not None
+    tokens = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+    back = to_hf(ours)
+    for name, t in back.state_dict().items():
+        assert torch.equal(t, hf.state_dict()[name]), name
+
+
+def test_a_sliding_window_shorter_than_the_positions_limits_max_seq():
+    """Up to its window, sliding-window attention is full causal attention: max_seq becomes the window."""
+    cfg = transformers.Qwen2MoeConfig(**{**MOE_COMMON, **MOE_CASES["qwen2_moe"], "use_sliding_window": True,
+                                         "sliding_window": 16})
+    assert config_from_hf(cfg).max_seq == 16
+    mistral = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=64, sliding_window=32)
+    assert config_from_hf(mistral).max_seq == 32 and config_from_hf(mistral).heads == 4
 
 
 def test_qwen2_moe_sparse_step_with_a_dense_prefix_is_supported():

@@ -31,6 +31,7 @@ TRAIN_FLAGS = {
     "recompute": "train.recompute", "steps": "train.steps", "global_batch": "train.global_batch",
     "seq_len": "train.seq_len", "lr": "train.lr", "dtype": "train.dtype", "device": "train.device",
     "seed": "train.seed", "out": "train.out", "data": "train.data", "tokenizer": "train.tokenizer",
+    "init_hf": "train.init_hf",
 }
 HELP = {
     "sp_mode": "Megatron sequence parallelism inside tp",
@@ -43,7 +44,13 @@ HELP = {
     "data": "text files, or token files (fivefold tokenize's, .u16/.bin, .u32, .npy)",
     "tokenizer": "a Hugging Face tokenizer.json or tiktoken BPE file (default: UTF-8 bytes); model.vocab "
                  "follows it unless set",
+    "init_hf": "start from a Hugging Face folder (save_pretrained's: config.json sets [model], its "
+               "safetensors are read slice by slice into each rank's shards, its tokenizer becomes the run's)",
 }
+# [model] fields a run started from Hugging Face weights may set to other values than its config.json:
+# they change training, not what the weights mean
+HF_TRAINING_FIELDS = ("dropout", "capacity_factor", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "init_std",
+                      "max_seq")
 
 
 def flag_kwargs(kind) -> dict:
@@ -82,7 +89,11 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
         overrides[key.strip()] = value.strip()
     cfg = load_config(args.config, overrides)
     resume_tokenizer(cfg, getattr(args, "resume", None))
-    vocab_from_tokenizer(cfg, "model.vocab" in overrides or sets_key(args.config, "model", "vocab"))
+    if cfg.train.init_hf:
+        model_from_hf(cfg, {k.removeprefix("model.") for k, v in overrides.items()
+                            if k.startswith("model.") and v is not None} | file_keys(args.config, "model"))
+    vocab_from_tokenizer(cfg, "model.vocab" in overrides or sets_key(args.config, "model", "vocab")
+                         or bool(cfg.train.init_hf))
     p = cfg.parallel
     world = world or args.nproc
     if world and args.dp is None and p.world_size != world:
@@ -95,12 +106,46 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
 
 def sets_key(config_file: str | None, table: str, key: str) -> bool:
     """Whether the TOML file `config_file` sets [table] key."""
+    return key in file_keys(config_file, table)
+
+
+def file_keys(config_file: str | None, table: str) -> set[str]:
+    """The keys the TOML file `config_file` sets in [table]."""
     if not config_file:
-        return False
+        return set()
     import tomllib
 
     with open(config_file, "rb") as f:
-        return key in tomllib.load(f).get(table, {})
+        return set(tomllib.load(f).get(table, {}))
+
+
+def model_from_hf(cfg, user_keys: set[str]) -> None:
+    """--init-hf DIR: [model] becomes DIR/config.json's model (model/hf.py); a field the user set to
+    another value is an error naming it, except the training-only ones (HF_TRAINING_FIELDS), which
+    are kept. DIR's tokenizer becomes the run's unless --tokenizer names another."""
+    from dataclasses import fields
+
+    from .model.hf_weights import hf_config
+    from .tokenizer import run_tokenizer_file
+
+    folder = cfg.train.init_hf
+    hf = hf_config(folder)
+    for f in fields(hf):
+        mine, theirs = getattr(cfg.model, f.name), getattr(hf, f.name)
+        if f.name not in user_keys or mine == theirs:
+            continue
+        if f.name not in HF_TRAINING_FIELDS:
+            raise ConfigError(f"--init-hf {folder}: its config.json sets model.{f.name} = {theirs!r}, the config "
+                              f"or --set asks for {mine!r}; drop model.{f.name} (the weights fix it)")
+        if f.name == "max_seq" and mine > theirs:
+            raise ConfigError(f"--init-hf {folder}: model.max_seq ({mine}) exceeds the model's position limit "
+                              f"({theirs}); use max_seq <= {theirs}")
+        setattr(hf, f.name, mine)
+    cfg.model = hf
+    if not cfg.train.tokenizer:
+        found = run_tokenizer_file(folder)
+        if found is not None:
+            cfg.train.tokenizer = str(found)
 
 
 def resume_tokenizer(cfg, resume: str | None) -> None:
@@ -156,6 +201,15 @@ def prepare_run(cfg, args) -> tuple[str | None, int]:
     return str(ckpt), index["step"]
 
 
+def check_init_hf(cfg) -> None:
+    """--init-hf: the folder's tensors are exactly the model's, with their shapes and a float dtype, read
+    from the files' own headers (model/hf_weights.py); one line otherwise, before any rank starts."""
+    if cfg.train.init_hf:
+        from .model.hf_weights import HFWeights
+
+        HFWeights(cfg.train.init_hf, cfg.model).check()
+
+
 def nodes_from_torchrun(cfg, local_world: int | None, announce: bool) -> None:
     """Under torchrun the ranks of one agent share a node: parallel.ranks_per_node takes its
     LOCAL_WORLD_SIZE unless the config sets it (to emulate other nodes), which is then announced."""
@@ -190,6 +244,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if env is None:                                                  # does not run, a device it cannot use,
         device = resolve_device(cfg.train.device, "gloo" if world > 1 else None)
     n_tokens = check_data(cfg.train, cfg.model.vocab)               # data it cannot read, a run folder it
+    check_init_hf(cfg)                                              # HF weights that do not fit the model,
     lock = rundir.RunLock(out) if env is None or env[0] == 0 else None   # must not touch
     ckpt, start = prepare_run(cfg, args)
     if start >= cfg.train.steps:
@@ -271,7 +326,9 @@ def add_export_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("dest", nargs="?", help="the single safetensors file to write, or with --hf a new folder "
                     "(never overwritten)")
     ap.add_argument("--hf", nargs="?", const=True, metavar="DIR", help="write a Hugging Face model folder DIR "
-                    "(Llama / Mixtral / Qwen2-MoE by the config, with the tokenizer; needs transformers)")
+                    "(Llama / Qwen2 / Mixtral / Qwen2-MoE by the config, with the tokenizer; needs transformers)")
+    ap.add_argument("--max-shard-mb", type=float, default=2048, help="with --hf: weight files of at most this "
+                    "many MiB, as save_pretrained's max_shard_size (default 2048; a bigger tensor gets its own file)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -282,7 +339,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise ConfigError("export --hf takes one folder: fivefold export RUN --hf DIR")
         from .hf_export import export_hf_folder
 
-        path = export_hf_folder(args.checkpoint, args.dest if args.hf is True else args.hf)
+        if not args.max_shard_mb > 0:
+            raise ConfigError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
+        path = export_hf_folder(args.checkpoint, args.dest if args.hf is True else args.hf,
+                                max_shard_bytes=int(args.max_shard_mb * 2**20))
         print(f"wrote {path}/ ({', '.join(sorted(p.name for p in path.iterdir()))})")
         return 0
     if args.dest is None:

@@ -69,6 +69,7 @@ class ModelConfig:
     z_loss_coef: float = 0.0      # ST-MoE router z-loss
     shared_expert_gate: bool = False   # Qwen2-MoE: shared output times sigmoid(Linear(h, 1))
     bias_update_rate: float = 0.001    # sigmoid_bias: expert-bias step per update (DeepSeek-V3's gamma)
+    qkv_bias: bool = False        # Qwen2 / Qwen2-MoE: biases on the q, k, v projections
 
     @property
     def head_dim(self) -> int:
@@ -87,7 +88,7 @@ class ModelConfig:
         bias is a buffer, not a parameter)."""
         h, v, m = self.hidden, self.vocab, self.expert_ffn
         kv = self.kv_heads * self.head_dim
-        attn = h * h + 2 * h * kv + h * h
+        attn = h * h + 2 * h * kv + h * h + ((h + 2 * kv) if self.qkv_bias else 0)
         dense = attn + 3 * h * self.ffn + 2 * h
         moe = (attn + 2 * h + self.experts * h + self.experts * 3 * h * m + 3 * h * self.shared_experts * m
                + (h if self.shared_expert_gate else 0))
@@ -200,6 +201,7 @@ class TrainConfig:
     device: Device = "auto"               # auto: CUDA when available, else CPU
     compile: bool = False                 # torch.compile each transformer block in place (after parallelize)
     tensorboard: bool = False             # rank 0 also writes loss, grad_norm, lr, tokens/s to OUT/tensorboard/
+    init_hf: str = ""                     # start from a Hugging Face folder's weights (--init-hf; "": the seeded init)
 
     def validate(self) -> None:
         _check_choices(self, "train")

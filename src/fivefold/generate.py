@@ -120,7 +120,7 @@ def load_hf(folder: str | Path, device: str = "auto"):
     if not (folder / "config.json").is_file():
         raise ConfigError(f"--hf {folder}: not a Hugging Face model folder (no config.json)")
     try:
-        model = from_hf(folder).float()
+        model = from_hf(folder).float()   # tensor by tensor from the shard files (model/hf_weights.py)
     except (ImportError, ValueError, OSError) as e:
         raise ConfigError(f"--hf {folder}: cannot load it ({str(e).splitlines()[0]})") from None
     path = run_tokenizer_file(folder)

@@ -2,7 +2,8 @@
 loads, with the run's tokenizer.
 
     DIR/config.json, generation_config.json, model.safetensors   train/checkpoint.py's `export_hf`
-                                                                   (Llama, Mixtral or Qwen2-MoE: model/hf.py)
+      (or model-0000k-of-0000n.safetensors + index)              (Llama, Qwen2, Mixtral or Qwen2-MoE:
+                                                                   model/hf.py), streamed tensor by tensor
     DIR/tokenizer.json, tokenizer_config.json                    `AutoTokenizer.from_pretrained(DIR)` loads them
 
 The tokenizer, by what the run trained with (tokenizer.py):
@@ -29,11 +30,13 @@ from .tokenizer import HFTokenizer, load_tokenizer, run_tokenizer_file
 from .train import checkpoint, rundir
 
 
-def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None = None) -> Path:
-    """Write the Hugging Face folder `dest` (new or empty) from the run's newest checkpoint (or `step`)."""
+def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None = None,
+                     max_shard_bytes: int = checkpoint.DEFAULT_SHARD_BYTES) -> Path:
+    """Write the Hugging Face folder `dest` (new or empty) from the run's newest checkpoint (or `step`),
+    its weights in files of at most `max_shard_bytes`."""
     ckpt = find_checkpoint(run, step)
     try:
-        checkpoint.export_hf(ckpt, dest)
+        checkpoint.export_hf(ckpt, dest, max_shard_bytes)
     except (ImportError, ValueError) as e:   # no transformers; a model no HF family matches
         raise ConfigError(f"cannot export to Hugging Face form: {e}") from None
     dest = Path(dest)

@@ -5,8 +5,13 @@
 - `padded(numel, n)`, `shard_size(numel, n)`, `segments(...)`: a ZeRO unit's flat buffer padded to a
   multiple of n, the k = padded/n elements each rank owns (rank r: [r·k, (r+1)·k)), and which
   parameters overlap a rank's shard [lo, hi).
+- `Box`: the part of a single-process tensor that a piece holds (offsets and sizes along every dim): what
+  checkpoints store and every weight source (init, checkpoint, Hugging Face files) is asked for.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 
 def padded_vocab(vocab: int, n: int) -> int:
@@ -51,3 +56,21 @@ def segments(numels: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
             out.append((i, a - lo, b - a))
         o += n
     return out
+
+
+@dataclass(frozen=True)
+class Box:
+    """The part of a single-process tensor a piece holds: `shape` is the full tensor's."""
+
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @staticmethod
+    def whole(shape) -> "Box":
+        shape = tuple(shape)
+        return Box(shape, (0,) * len(shape), shape)

@@ -1,4 +1,4 @@
-"""Import and export Hugging Face Llama, Mixtral and Qwen2-MoE weights.
+"""Import and export Hugging Face Llama, Mistral, Qwen2, Mixtral and Qwen2-MoE weights.
 
 `from_hf(m)` takes a `transformers` LlamaForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM (an
 object, or a folder saved with `save_pretrained`) and returns our `Transformer` with the same weights;
@@ -11,12 +11,16 @@ What maps (ours <- theirs):
 - Mixtral: router softmax_topk_norm; experts num_local_experts, top_k num_experts_per_tok,
   moe_ffn = ffn = intermediate_size; aux_loss_coef router_aux_loss_coef. Refused: a sliding window,
   router jitter noise.
-- Qwen2-MoE: router softmax_topk_norm if norm_topk_prob else softmax_topk; moe_ffn moe_intermediate_size;
+- Mistral: a Llama (head_dim given). A sliding window shorter than max_position_embeddings sets
+  model.max_seq to the window: up to it, sliding-window attention is full causal attention (exact).
+- Qwen2: a Llama with q/k/v biases (model.qkv_bias); a sliding window (use_sliding_window) as Mistral's.
+- Qwen2-MoE: q/k/v biases when qkv_bias (the default, and every released checkpoint); router softmax_topk_norm if norm_topk_prob else softmax_topk; moe_ffn moe_intermediate_size;
   the shared expert (width shared_expert_intermediate_size, which must be a multiple of
   moe_intermediate_size: shared_experts = the ratio) behind its sigmoid gate (shared_expert_gate);
   ffn = intermediate_size (the dense layers). Dense layers (mlp_only_layers, decoder_sparse_step) must be
-  the first N layers (dense_layers = N; the default, all sparse, is N = 0). Refused: q/k/v biases
-  (qkv_bias, the default of real Qwen1.5-MoE checkpoints: our attention has no biases), sliding windows.
+  the first N layers (dense_layers = N; the default, all sparse, is N = 0).
+Refused everywhere: biases on the output projection or the MLP (attention_bias, mlp_bias), other RoPE
+scalings, activations other than SiLU.
 Hugging Face computes its load-balance loss over the whole batch and with f_e = count/tokens (k times
 ours); ours is per sequence (model/moe.py). Capacity has no Hugging Face counterpart (it runs dropless).
 """
@@ -30,6 +34,11 @@ from ..config import ModelConfig
 from .transformer import Transformer
 
 # ours -> Hugging Face, per layer: attention and norms (every family), then each MLP kind
+QKV_BIAS_NAMES = {
+    "attn.wq.bias": "self_attn.q_proj.bias",
+    "attn.wk.bias": "self_attn.k_proj.bias",
+    "attn.wv.bias": "self_attn.v_proj.bias",
+}
 ATTN_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn.wq.weight": "self_attn.q_proj.weight",
@@ -57,7 +66,8 @@ SHARED_GATE_NAMES = {"mlp.shared_gate.weight": "mlp.shared_expert_gate.weight"}
 PACKED_NAMES = {"mlp.experts.gate_up_proj": ("mlp.experts.w_gate", "mlp.experts.w_up")}
 LAYER_NAMES = {**ATTN_NAMES, **DENSE_NAMES}   # a dense (Llama) layer
 
-CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+           "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def rope_theta_of(hf_cfg) -> float:
@@ -100,10 +110,13 @@ def config_from_hf(hf_cfg) -> ModelConfig:
     kind = getattr(hf_cfg, "model_type", "llama")
     if kind not in CLASSES:
         raise ValueError(f"unsupported Hugging Face model_type {kind!r}; supported: {', '.join(CLASSES)}")
-    if any(getattr(hf_cfg, name, False) for name in ("attention_bias", "mlp_bias", "qkv_bias")):
-        raise ValueError(f"{kind} models with attention (qkv_bias/attention_bias) or MLP biases are not supported: "
-                         f"fivefold's attention and MLP have no biases")
+    if any(getattr(hf_cfg, name, False) for name in ("attention_bias", "mlp_bias")):
+        raise ValueError(f"{kind} models with output-projection or MLP biases (attention_bias/mlp_bias) are not "
+                         f"supported: fivefold's biases are Qwen2's, on q, k and v only")
     cfg = _common(hf_cfg)
+    cfg["max_seq"] = _window_limit(hf_cfg, kind, cfg["max_seq"])
+    if kind == "qwen2":
+        cfg["qkv_bias"] = True   # Qwen2's attention always has them
     if kind == "mixtral":
         if hf_cfg.sliding_window is not None:
             raise ValueError(f"Mixtral with sliding_window={hf_cfg.sliding_window} is not supported (full causal "
@@ -114,8 +127,6 @@ def config_from_hf(hf_cfg) -> ModelConfig:
                    moe_ffn=hf_cfg.intermediate_size, router="softmax_topk_norm",
                    aux_loss_coef=hf_cfg.router_aux_loss_coef)
     elif kind == "qwen2_moe":
-        if hf_cfg.use_sliding_window:
-            raise ValueError("Qwen2-MoE with use_sliding_window=True is not supported (full causal attention only)")
         m, shared = hf_cfg.moe_intermediate_size, hf_cfg.shared_expert_intermediate_size
         if shared <= 0 or shared % m:
             raise ValueError(f"Qwen2-MoE shared_expert_intermediate_size ({shared}) must be a positive multiple of "
@@ -123,21 +134,30 @@ def config_from_hf(hf_cfg) -> ModelConfig:
         cfg.update(experts=hf_cfg.num_experts, top_k=hf_cfg.num_experts_per_tok, moe_ffn=m,
                    shared_experts=shared // m, shared_expert_gate=True, dense_layers=qwen2_moe_dense_layers(hf_cfg),
                    router="softmax_topk_norm" if hf_cfg.norm_topk_prob else "softmax_topk",
-                   aux_loss_coef=hf_cfg.router_aux_loss_coef)
+                   aux_loss_coef=hf_cfg.router_aux_loss_coef, qkv_bias=bool(getattr(hf_cfg, "qkv_bias", True)))
     out = ModelConfig(**cfg)
     out.validate()
     return out
+
+
+def _window_limit(hf_cfg, kind: str, max_seq: int) -> int:
+    """max_seq under a sliding window: the window when it is shorter (up to it, attention is full causal).
+    Mistral and Mixtral name a window by `sliding_window`; Qwen2 and Qwen2-MoE only with use_sliding_window."""
+    window = getattr(hf_cfg, "sliding_window", None)
+    if kind in ("qwen2", "qwen2_moe") and not getattr(hf_cfg, "use_sliding_window", False):
+        window = None
+    return min(max_seq, window) if window else max_seq
 
 
 def hf_family(cfg: ModelConfig) -> str:
     """The transformers family that holds this model exactly: llama (dense); mixtral (softmax_topk_norm,
     no shared expert, no dense layers); qwen2_moe (softmax routers, shared experts behind a gate)."""
     if not cfg.experts:
-        return "llama"
+        return "qwen2" if cfg.qkv_bias else "llama"
     if cfg.router == "sigmoid_bias" or cfg.router_groups:
         raise ValueError(f"no supported Hugging Face family routes like this model (router {cfg.router}, "
                          f"router_groups {cfg.router_groups}); export supports Mixtral and Qwen2-MoE routers")
-    if not cfg.shared_experts and not cfg.dense_layers and cfg.router == "softmax_topk_norm":
+    if not cfg.shared_experts and not cfg.dense_layers and cfg.router == "softmax_topk_norm" and not cfg.qkv_bias:
         return "mixtral"
     if cfg.shared_expert_gate:
         return "qwen2_moe"
@@ -153,8 +173,20 @@ def config_to_hf(cfg: ModelConfig, family: str | None = None):
                   num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, rope_theta=cfg.rope_theta,
                   rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
                   max_position_embeddings=cfg.max_seq, initializer_range=cfg.init_std, attention_dropout=0.0)
+    dense = family in ("llama", "mistral", "qwen2")
+    if dense and cfg.experts:
+        raise ValueError(f"{family} is a dense family; this model has {cfg.experts} experts")
+    if family in ("llama", "mistral", "mixtral") and cfg.qkv_bias:
+        raise ValueError(f"{family} has no q/k/v biases (model.qkv_bias): export as qwen2 / qwen2_moe")
+    if family == "qwen2" and not cfg.qkv_bias:
+        raise ValueError("Qwen2 always has q/k/v biases: this model has none (model.qkv_bias false); use llama")
     if family == "llama":
         return transformers.LlamaConfig(intermediate_size=cfg.ffn, attention_bias=False, mlp_bias=False, **common)
+    if family == "mistral":
+        return transformers.MistralConfig(intermediate_size=cfg.ffn, sliding_window=None, head_dim=cfg.head_dim,
+                                          **common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(intermediate_size=cfg.ffn, use_sliding_window=False, **common)
     if family == "mixtral":
         if cfg.shared_experts or cfg.dense_layers or cfg.router != "softmax_topk_norm":
             raise ValueError("Mixtral has no shared experts or dense layers and renormalises its top-k")
@@ -169,7 +201,7 @@ def config_to_hf(cfg: ModelConfig, family: str | None = None):
             intermediate_size=cfg.ffn, moe_intermediate_size=cfg.expert_ffn,
             shared_expert_intermediate_size=cfg.shared_experts * cfg.expert_ffn, num_experts=cfg.experts,
             num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.router == "softmax_topk_norm",
-            decoder_sparse_step=1, mlp_only_layers=list(range(cfg.dense_layers)), qkv_bias=False,
+            decoder_sparse_step=1, mlp_only_layers=list(range(cfg.dense_layers)), qkv_bias=cfg.qkv_bias,
             use_sliding_window=False, router_aux_loss_coef=cfg.aux_loss_coef, **common)
     raise ValueError(f"unknown family {family!r}; supported: {', '.join(CLASSES)}")
 
@@ -181,7 +213,7 @@ def name_map(cfg: ModelConfig) -> dict[str, str]:
     if not cfg.tie_embeddings:
         out["head.weight"] = "lm_head.weight"
     for i in range(cfg.layers):
-        names = dict(ATTN_NAMES)
+        names = {**ATTN_NAMES, **(QKV_BIAS_NAMES if cfg.qkv_bias else {})}
         if cfg.is_moe_layer(i):
             names.update(MOE_NAMES)
             names.update(SHARED_NAMES if cfg.shared_experts else {})
@@ -210,12 +242,13 @@ def _check_covered(theirs: dict, cfg: ModelConfig) -> None:
 
 
 def from_hf(hf_model) -> Transformer:
-    """Our Transformer with the weights of a transformers Llama/Mixtral/Qwen2-MoE ForCausalLM (object or
-    saved folder)."""
+    """Our Transformer with the weights of a transformers Llama/Mistral/Qwen2/Mixtral/Qwen2-MoE
+    ForCausalLM (an object), or of a saved folder (read tensor by tensor from its safetensors files:
+    model/hf_weights.py's `load_hf_model`; fp32)."""
     if isinstance(hf_model, (str, Path)):
-        from transformers import AutoModelForCausalLM
+        from .hf_weights import load_hf_model
 
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_model)
+        return load_hf_model(hf_model)
     cfg = config_from_hf(hf_model.config)
     model = Transformer(cfg)
     theirs = hf_model.state_dict()

@@ -60,7 +60,8 @@ class Experts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(experts, ffn, hidden))
         self.w_down = nn.Parameter(torch.empty(experts, hidden, ffn))
         for w in (self.w_gate, self.w_up, self.w_down):
-            nn.init.normal_(w, std=0.02)
+            if not w.is_meta:
+                nn.init.normal_(w, std=0.02)
 
     def forward(self, x_mh: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x_mh: token rows grouped by expert, in the order of the experts this module holds (row block i
@@ -280,5 +281,7 @@ class MoE(nn.Module):
         if bias is not None:
             moved = self.expert_bias
             dtype = torch.float64 if moved.dtype == torch.float64 else torch.float32
-            self.expert_bias = bias.to(device=moved.device, dtype=dtype)
+            # values that exist are kept (a cast would round them); a meta bias has only its shape
+            self.expert_bias = moved.to(dtype) if bias.is_meta or moved.is_meta else \
+                bias.to(device=moved.device, dtype=dtype)
         return self

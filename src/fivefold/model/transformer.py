@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .init import init_box, materialize
 
 
 class RMSNorm(nn.Module):
@@ -169,9 +170,10 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.enter = nn.Identity()  # tensor parallelism puts its input op here (f, or the SP all-gather)
-        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.qkv_bias   # Qwen2 / Qwen2-MoE: q, k, v projections with biases
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
         self.core = attention_core  # selective recompute swaps in a checkpointed version (pipeline runtime)
 
@@ -233,35 +235,37 @@ class Transformer(nn.Module):
     non-contiguous ones); auxiliary losses go through the one `AuxLosses` channel shared by every block.
     Inference may pass `cache=KVCache(layers)`: positions then continue after the cached tokens."""
 
-    def __init__(self, cfg: ModelConfig, seed: int | None = None):
+    def __init__(self, cfg: ModelConfig, seed: int | None = None, device=None):
+        """Built on the meta device (nothing allocated); unless `device` is "meta", then materialised on
+        `device` (default the CPU) and filled with the seeded init (`reset_parameters`)."""
         super().__init__()
         self.cfg = cfg
         self.aux = AuxLosses()
-        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg, self.aux, i) for i in range(cfg.layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        with torch.device("meta"):
+            self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+            self.layers = nn.ModuleList(Block(cfg, self.aux, i) for i in range(cfg.layers))
+            self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+            self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        self.reset_parameters(seed)
+        if str(device) != "meta":
+            materialize(self, device or "cpu")
+            self.reset_parameters(seed)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
-        """Seeded init: N(0, init_std) for matrices, output projections (attention's wo, an MLP's or
-        shared expert's down, the experts' w_down) scaled by 1/sqrt(2·layers) (GPT-2 style), ones for
-        norms. A stacked expert weight (E, out, in) is E matrices, each drawn like the dense one it replaces
-        (every entry N(0, std)); routers and the shared-expert gate are matrices like any other. Buffers
-        (the sigmoid router's expert bias, zeros when built) are left alone. The same seed gives the same
-        weights in every process."""
-        gen = torch.Generator().manual_seed(seed if seed is not None else 0)
-        std = self.cfg.init_std
-        out_proj = std / math.sqrt(2 * self.cfg.layers)
+        """The seeded init of model/init.py, whole tensor by whole tensor: N(0, init_std) for matrices,
+        output projections (attention's wo, an MLP's or shared expert's down, the experts' w_down) scaled
+        by 1/sqrt(2·layers) (GPT-2 style), ones for norms, zeros for biases. A stacked expert weight
+        (E, out, in) is E matrices, each drawn like the dense one it replaces (every entry N(0, std));
+        routers and the shared-expert gate are matrices like any other. Buffers (the sigmoid router's
+        expert bias, zeros when built) are left alone. Each element's value depends only on the seed,
+        the parameter's name and the element's position, so a rank that holds any piece of a tensor
+        initialises it to exactly these values (init.InitSource)."""
+        seed = seed if seed is not None else 0
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-                continue
-            scale = out_proj if name.endswith(("wo.weight", "down.weight", "w_down")) else std
-            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+            full = tuple(p.shape)
+            p.copy_(init_box(self.cfg, seed, name, full, (0,) * len(full), full))
 
     def rope(self, positions, device=None, offset: int = 0):
         return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, device, offset)

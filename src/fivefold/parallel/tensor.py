@@ -81,15 +81,15 @@ class ColumnParallelLinear(nn.Module):
     holds rows [r·out/n, (r+1)·out/n) and produces that slice of y; no communication in forward.
 
     `enter` is the input op: None when a shared `ParallelInput` already ran (attention, MLP), or a
-    `ParallelInput` of its own (the LM head)."""
+    `ParallelInput` of its own (the LM head). A bias (Qwen2's q/k/v) is split like the output rows."""
 
-    def __init__(self, weight: nn.Parameter, enter: ParallelInput | None = None):
+    def __init__(self, weight: nn.Parameter, enter: ParallelInput | None = None, bias: nn.Parameter | None = None):
         super().__init__()
-        self.weight = weight
+        self.weight, self.bias = weight, bias
         self.enter = enter if enter is not None else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.enter(x), self.weight)
+        return F.linear(self.enter(x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -238,7 +238,8 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
     sp, d = sequence_parallel, cfg.head_dim
 
     def column(linear: nn.Linear, shard: Shard, partial: str | None = None, enter=None) -> ColumnParallelLinear:
-        return ColumnParallelLinear(_shard(linear.weight, shard, group, partial), enter)
+        bias = None if linear.bias is None else _shard(linear.bias, shard, group, partial)
+        return ColumnParallelLinear(_shard(linear.weight, shard, group, partial), enter, bias)
 
     def row(linear: nn.Linear, full: int) -> RowParallelLinear:
         return RowParallelLinear(_shard(linear.weight, Shard("tp", 1, full), group), group, sp)

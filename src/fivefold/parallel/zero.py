@@ -58,6 +58,7 @@ from torch import nn
 
 from .. import comm, rules
 from ..comm import Group
+from ..model.init import is_placeholder
 from ..shapes import padded, segments
 from .data import bucketize
 from .engine import backward_order, counted, held, nbytes, reduce_partitions, unique_params
@@ -90,10 +91,24 @@ class Unit:
         self.full: torch.Tensor | None = None
 
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype, device=None) -> torch.Tensor:
+        """The unit's padded flat buffer holding `tensors`; a placeholder (a parameter not filled yet:
+        model/init.py) leaves its part zero."""
         flat = torch.zeros(self.padded, dtype=dtype, device=device)
         for t, o in zip(tensors, self.offsets):
-            flat[o:o + t.numel()].copy_(t.reshape(-1))
+            if not is_placeholder(t):
+                flat[o:o + t.numel()].copy_(t.reshape(-1))
         return flat
+
+    def shard_of(self, tensors: list[torch.Tensor], dtype: torch.dtype, device=None) -> torch.Tensor:
+        """This rank's shard [lo, hi) of the unit's flat buffer, built from its segments only (the whole
+        unit is never allocated); placeholders leave their segments zero."""
+        shard = torch.zeros(self.shard_size, dtype=dtype, device=device)
+        for i, a, n in self.segments:
+            t = tensors[i]
+            if not is_placeholder(t):
+                start = self.lo + a - self.offsets[i]
+                shard[a:a + n].copy_(t.reshape(-1)[start:start + n])
+        return shard
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o:o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
@@ -513,8 +528,7 @@ class Zero3(ShardedOptimizer):
     @torch.no_grad()
     def build_storage(self) -> None:
         for u in self.units:
-            flat = u.flatten([p.data for p in u.params], self.param_dtype, self.device)
-            shard = flat[u.lo:u.hi].clone()
+            shard = u.shard_of([p.data for p in u.params], self.param_dtype, self.device)
             self.param_shards.append(shard)
             self.master_shards.append(self._master(shard))
             for p in u.params:

@@ -40,28 +40,11 @@ import torch
 from ..comm import gather_objects
 from ..config import Config, ConfigError
 from ..parallel.placement import Placement
+from ..shapes import Box
 from . import rundir
 from .rundir import FORMAT, INDEX
 
 SECTIONS = ("model", "exp_avg", "exp_avg_sq")
-
-
-@dataclass(frozen=True)
-class Box:
-    """The part of a single-process tensor a piece holds: `shape` is the full tensor's."""
-
-    shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
-
-    @staticmethod
-    def whole(shape) -> "Box":
-        shape = tuple(shape)
-        return Box(shape, (0,) * len(shape), shape)
 
 
 def box_of(local_shape, placement: Placement, groups) -> Box:
@@ -329,51 +312,102 @@ def full_tensors(path: str | Path, section: str = "model") -> dict[str, torch.Te
     return {k.removeprefix(prefix): reader.full(k) for k in reader.tensors if k.startswith(prefix)}
 
 
-def to_model(path: str | Path):
-    """A single-process Transformer holding the checkpoint's weights (and persistent buffers)."""
+def to_model(path: str | Path, device="cpu"):
+    """A single-process Transformer holding the checkpoint's weights (and persistent buffers), filled
+    tensor by tensor from the chunk files: what is held is the model and one tensor being read."""
     from ..model import Transformer
+    from ..model.init import fill_model, materialize
 
     ckpt = find(path)
-    cfg = Config.from_dict(rundir.read_index(ckpt)["config"])
-    model = Transformer(cfg.model)
-    weights = {**full_tensors(ckpt, "model"), **full_tensors(ckpt, "buffers")}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not (cfg.model.tie_embeddings and k == "head.weight")]
+    reader = Reader(ckpt)
+    cfg = Config.from_dict(reader.index["config"])
+    model = Transformer(cfg.model, device="meta")
+    wanted = {f"model/{n}" for n, _ in model.named_parameters()} | {
+        f"buffers/{n}" for n in persistent_buffers(model)}
+    missing, unexpected = sorted(wanted - set(reader.tensors)), sorted(set(reader.tensors) - wanted)
+    unexpected = [k for k in unexpected if not k.startswith(("exp_avg/", "exp_avg_sq/"))]
     if missing or unexpected:
         raise ConfigError(f"{ckpt}: weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    materialize(model, device)
+    fill_model(model, reader)
     return model
+
+
+def weight_keys(reader: Reader) -> list[str]:
+    """The checkpoint's model weights and persistent buffers, as "model/<name>" / "buffers/<name>"."""
+    return [k for k in reader.tensors if k.startswith(("model/", "buffers/"))]
 
 
 def export(path: str | Path, dest: str | Path) -> Path:
     """One safetensors file with the whole model weights (single-process names) and, in its metadata,
-    the config and step. Never replaces an existing file."""
-    from safetensors.torch import save_file
+    the config and step, streamed tensor by tensor (one tensor held at a time). Never replaces an
+    existing file."""
+    from ..model.hf_weights import stream_safetensors
 
     ckpt, dest = find(path), Path(dest)
     if dest.exists():
         raise ConfigError(f"{dest} exists; choose another file (export never overwrites)")
-    index = rundir.read_index(ckpt)
-    weights = {k: v.contiguous() for k, v in {**full_tensors(ckpt, "model"), **full_tensors(ckpt, "buffers")}.items()}
+    reader = Reader(ckpt)
+    keys = {k.split("/", 1)[1]: k for k in weight_keys(reader)}
+    specs = {name: (reader.shape(key), getattr(torch, reader.tensors[key]["dtype"])) for name, key in keys.items()}
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    save_file(weights, str(tmp), metadata={"format": "fivefold", "step": str(index["step"]),
-                                           "config": json.dumps(index["config"])})
-    tmp.replace(dest)
+    meta = {"format": "fivefold", "step": str(reader.index["step"]), "config": json.dumps(reader.index["config"])}
+    stream_safetensors(dest, specs, lambda name: reader.full(keys[name]), meta)
     return dest
 
 
-def export_hf(path: str | Path, dest: str | Path) -> Path:
-    """A Hugging Face model folder (config.json + model.safetensors, `save_pretrained`) holding the
-    checkpoint's weights: Llama, Mixtral or Qwen2-MoE by the model's config (model/hf.py). Needs
-    `transformers`; never writes into a non-empty folder."""
-    from ..model.hf import to_hf
+DEFAULT_SHARD_BYTES = 2 * 2**30   # export --hf: files of at most 2 GiB (--max-shard-mb)
+
+
+def export_hf(path: str | Path, dest: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """A Hugging Face model folder (config.json, generation_config.json, and model.safetensors or
+    model-0000k-of-0000n.safetensors shards of at most `max_shard_bytes` with their index, as
+    `save_pretrained` writes them) holding the checkpoint's weights: Llama, Qwen2, Mixtral or Qwen2-MoE
+    by the model's config (model/hf.py). Streamed tensor by tensor from the chunk files: one Hugging
+    Face tensor is held at a time (a packed expert gate_up_proj: both halves). Needs `transformers`
+    for the config; never writes into a non-empty folder."""
+    from ..model.hf import config_to_hf, name_map, packed_map
+    from ..model.hf_weights import write_sharded
 
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()):
         raise ConfigError(f"{dest} is not empty; choose a new folder (export never overwrites)")
-    model = to_model(path)
-    to_hf(model).save_pretrained(str(dest))
+    reader = Reader(find(path))
+    cfg = Config.from_dict(reader.index["config"]).model
+    hf_cfg = config_to_hf(cfg)
+    sources = {theirs: (f"model/{ours}",) for ours, theirs in name_map(cfg).items()}
+    sources.update({theirs: tuple(f"model/{o}" for o in ours) for theirs, ours in packed_map(cfg).items()})
+    missing = sorted(k for ks in sources.values() for k in ks if k not in reader.tensors)
+    if missing:
+        raise ConfigError(f"{reader.path}: the checkpoint lacks {missing[:3]} for the Hugging Face export")
+
+    def shape_of(keys):   # a packed tensor: its parts concatenated along dim 1
+        shapes = [reader.shape(k) for k in keys]
+        return shapes[0] if len(shapes) == 1 else (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
+
+    def fetch(theirs):
+        parts = [reader.full(k) for k in sources[theirs]]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    dtype = getattr(torch, reader.tensors[sources["model.embed_tokens.weight"][0]]["dtype"])
+    specs = {theirs: (shape_of(keys), dtype) for theirs, keys in sorted(sources.items(), key=lambda kv: hf_order(kv[0]))}
+    dest.mkdir(parents=True, exist_ok=True)
+    hf_cfg.dtype = str(dtype).removeprefix("torch.")
+    hf_cfg.architectures = [type(hf_cfg).__name__.replace("Config", "ForCausalLM")]
+    hf_cfg.save_pretrained(str(dest))
+    from transformers import GenerationConfig
+
+    GenerationConfig.from_model_config(hf_cfg).save_pretrained(str(dest))
+    write_sharded(dest, specs, fetch, max_shard_bytes)
     return dest
+
+
+def hf_order(name: str) -> tuple:
+    """Hugging Face tensors in model order: the embedding, the layers by number, the final norm, the head."""
+    part = name.split(".")
+    if part[:2] == ["model", "layers"]:
+        return (1, int(part[2]), name)
+    return (0 if "embed" in name else 2 if part[1:2] == ["norm"] else 3, 0, name)
 
 
 # -------------------------------------------------------------------------------------------------------

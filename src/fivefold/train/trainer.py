@@ -56,6 +56,7 @@ from ..comm import CommLedger, gather_objects
 from ..config import Config, ConfigError
 from ..mesh import ParallelMesh
 from ..model import Transformer, loss_sum
+from ..model.init import InitSource, materialize
 from ..model.transformer import Block
 from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
@@ -116,10 +117,14 @@ class Trainer:
         # optimizer math in fp32 (fp64 when the model is fp64, for exactness checks)
         self.master_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
 
-        full = Transformer(cfg.model, seed=t.seed).to(self.dtype)   # the same seeded weights on every rank
-        self.n_params = sum(q.numel() for q in unique_params(full))
-        self.model, self.dims = parallelize(full, self.mesh, cfg)
-        self.model.to(self.device)                                   # parameters keep their placements
+        # the model on the meta device: every dimension cuts meta parameters, nothing is allocated
+        # until this rank materialises what it holds (model/init.py; DESIGN.md's data flow)
+        meta = Transformer(cfg.model, device="meta").to(self.dtype)
+        self.n_params = sum(q.numel() for q in unique_params(meta))
+        self.model, self.dims = parallelize(meta, self.mesh, cfg)
+        # DDP holds its pieces whole; ZeRO keeps them in its own flat buffers or shards, so its
+        # parameters start as placeholders and never exist at their full size here
+        materialize(self.model, self.device, whole=not p.zero)
         if t.compile:
             compile_blocks(self.model)
         self.loss_sum = loss_function(self.dims, loss_sum)
@@ -131,6 +136,8 @@ class Trainer:
         positions = next((d.positions for d in self.dims if hasattr(d, "positions")), None)
         self.positions = None if positions is None else positions.to(self.device)   # (cp: not contiguous)
         self.engine = self.make_engine()
+        self.source = weight_source(cfg)   # the seeded init, or a Hugging Face folder (--init-hf)
+        self.fill(self.source)
         self.activations = ActivationMeter()
         for m in self.model.modules():   # layers that normalise by the step's totals (MoE aux losses)
             if hasattr(m, "global_sequences"):
@@ -292,18 +299,7 @@ class Trainer:
         own state covers. Random streams are restored when the layout is the same (then a resumed run
         is bit-exact, dropout included)."""
         reader = checkpoint.open_matching(ckpt, self.checkpoint_keys())
-
-        def read(name: str, start: int, length: int, section: str) -> torch.Tensor:
-            full, shape, piece, _ = self.layout[name]
-            key = f"{section}/{full}"
-            flat = torch.zeros(length, dtype=getattr(torch, reader.tensors[key]["dtype"]))
-            for box, sizes, o in checkpoint.segment_chunks(piece, shape, start, length):
-                flat[o:o + math.prod(sizes)] = reader.read(key, box, sizes).reshape(-1)
-            return flat.to(self.device)
-
-        self.engine.load_local_state(read, reader.index["opt_t"])
-        buffers = {name: reader.full(f"buffers/{name}") for name in checkpoint.persistent_buffers(self.model)}
-        checkpoint.load_buffers(self.model, buffers)
+        self.fill(reader, reader.index["opt_t"])
         self.skips = reader.index.get("skips", 0)
         where = ("offload", "offload_dir")   # where optimizer state lives changes no random stream
         layout = lambda par: {k: v for k, v in par.items() if k not in where}   # noqa: E731
@@ -315,6 +311,24 @@ class Trainer:
             print("note: the checkpoint was written by another layout: dropout's random streams start afresh",
                   file=sys.stderr)
         return reader.index["step"]
+
+    def fill(self, source, opt_t: int = 0) -> None:
+        """Fill what this rank holds — its parameters' pieces and ZeRO shards, their fp32 masters and
+        Adam moments, its persistent buffers — from `source` (model/init.py's protocol: the seeded init,
+        a checkpoint's Reader, Hugging Face files), box by box. A rank reads only the boxes of its own
+        pieces; what one read holds at once is one parameter's local piece (DDP, ZeRO-1/2) or one
+        segment of a ZeRO-3 shard (engines' `load_local_state`)."""
+        def read(name: str, start: int, length: int, section: str) -> torch.Tensor:
+            full, shape, piece, _ = self.layout[name]
+            flat = torch.zeros(length, dtype=self.master_dtype)
+            for box, sizes, o in checkpoint.segment_chunks(piece, shape, start, length):
+                flat[o:o + math.prod(sizes)] = source.read(f"{section}/{full}", box, sizes).reshape(-1)
+            return flat.to(self.device)
+
+        self.engine.load_local_state(read, opt_t)
+        with torch.no_grad():
+            for name, b in checkpoint.persistent_buffers(self.model).items():
+                b.copy_(source.read(f"buffers/{name}", Box.whole(b.shape), b.shape))
 
     # -- the run -----------------------------------------------------------------------------
     def run(self, out: str | Path | None = None, resume: str | Path | None = None) -> dict:
@@ -400,6 +414,16 @@ class Trainer:
                 "planned_memory_bytes_by_rank": planned, "planned_memory": self.planned,
                 "versions": {"fivefold": __version__, "torch": torch.__version__,
                              "python": sys.version.split()[0], "platform": platform.platform()}}
+
+
+def weight_source(cfg: Config):
+    """Where a fresh run's weights come from: the Hugging Face folder train.init_hf (read slice by slice,
+    model/hf_weights.py), else the seeded init (model/init.py)."""
+    if cfg.train.init_hf:
+        from ..model.hf_weights import HFWeights
+
+        return HFWeights(cfg.train.init_hf, cfg.model)
+    return InitSource(cfg.model, cfg.train.seed)
 
 
 def compile_blocks(model: torch.nn.Module, backend: str | None = None) -> int:

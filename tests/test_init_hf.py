@@ -1,0 +1,147 @@
+"""`--init-hf`: a folder `transformers` wrote (several shard files) read slice by slice into each rank's
+shards under tp2, pp2 and ep2: the first step's loss equals transformers' on the same batch, and each
+rank reads its share of the files' bytes, not the whole model. Then `export --hf` of a 4-rank run
+writes several shards that `from_pretrained` loads with equal logits."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from fivefold.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from fivefold.model.hf_weights import HFWeights, hf_config  # noqa: E402
+from tests.helpers import spawn_jobs  # noqa: E402
+
+pytestmark = pytest.mark.ranks
+
+COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def hf_folder(path, family: str):
+    torch.manual_seed(0)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=96, **COMMON))
+    elif family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(intermediate_size=96, **COMMON))
+        with torch.no_grad():   # biases start at zero: make them matter
+            for n, p in model.named_parameters():
+                if n.endswith("bias"):
+                    p.normal_(0, 0.5)
+    else:
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+            router_jitter_noise=0.0, **COMMON))
+    model.save_pretrained(path, max_shard_size="60KB")
+    return model.eval()
+
+
+def config(folder, **parallel) -> Config:
+    cfg = Config(model=hf_config(folder), parallel=ParallelConfig(**parallel),
+                 train=TrainConfig(steps=1, global_batch=4, seq_len=32, lr=1e-3, min_lr=1e-4, warmup=1, seed=7,
+                                   data_limit_mb=0.05, checkpoint=False, init_hf=str(folder)))
+    cfg.model.capacity_factor = 0.0
+    return cfg
+
+
+def first_step(rank, world, cfg_dict):
+    from fivefold.train.trainer import Trainer
+
+    t = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
+    x_bs, y_bs = t.batches.local(0, 0, 1)
+    loss = t.step(0)["loss"]
+    held = sum(box.numel * 4 for _, _, box, _ in t.layout.values())   # the boxes of this rank's pieces, fp32
+    return {"loss": loss, "bytes": dict(t.source.bytes_read), "held": held, "x": x_bs, "y": y_bs}
+
+
+def hf_loss(model, x_bs, y_bs) -> float:
+    with torch.no_grad():
+        logits = model(x_bs).logits
+    return float(F.cross_entropy(logits.flatten(0, 1).double(), y_bs.flatten()))
+
+
+FAMILIES = {"llama": [dict(tp=2), dict(pp=2, microbatches=2)], "qwen2": [dict(tp=2)],
+            "mixtral": [dict(tp=2), dict(pp=2, microbatches=2), dict(dp=2, ep=2)]}
+CASES = [(f, p) for f, ps in FAMILIES.items() for p in ps]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case in one spawn of two ranks (process start-up is the slow part)."""
+    folders, models, jobs = {}, {}, []
+    for family in FAMILIES:
+        folders[family] = tmp_path_factory.mktemp(family)
+        models[family] = hf_folder(folders[family], family)
+    for i, (family, par) in enumerate(CASES):
+        jobs.append((str(i), first_step, (config(folders[family], **par).to_dict(),)))
+    return folders, models, spawn_jobs(2, jobs)
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{f}-{'-'.join(map(str, p))}" for f, p in CASES])
+def test_first_step_equals_transformers_and_each_rank_reads_its_share(runs, i):
+    folders, models, results = runs
+    family, par = CASES[i]
+    per_rank = results[str(i)]
+    expected = hf_loss(models[family], per_rank[0]["x"], per_rank[0]["y"])
+    for r in per_rank:
+        assert r["loss"] == pytest.approx(expected, rel=1e-5)
+    files = [f for f in os.listdir(folders[family]) if f.endswith(".safetensors")]
+    assert len(files) > 2
+    total = sum(os.path.getsize(folders[family] / f) for f in files)
+    for r in per_rank:
+        read = sum(r["bytes"].values())
+        assert read == r["held"] and read < 0.8 * total, (read, r["held"], total)   # its share, never the model
+    assert sum(sum(r["bytes"].values()) for r in per_rank) >= 0.9 * total   # together: everything
+
+
+def test_a_bad_folder_is_one_line(tmp_path):
+    folder = tmp_path / "m"
+    hf_folder(folder, "llama")
+    cfg = hf_config(folder)
+    HFWeights(folder, cfg).check()
+    other = ModelConfig(**{**cfg.__dict__, "ffn": 128})
+    with pytest.raises(ConfigError, match="has shape"):
+        HFWeights(folder, other).check()
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"].pop("model.norm.weight")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match="missing 1 tensor"):
+        HFWeights(folder, cfg).check()
+
+
+def fivefold_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "fivefold.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_cli_refuses_a_conflicting_set_in_one_line(tmp_path):
+    folder = tmp_path / "m"
+    hf_folder(folder, "llama")
+    r = fivefold_cli("train", "--init-hf", str(folder), "--set", "model.hidden=128", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "model.hidden = 64" in r.stderr and "drop model.hidden" in r.stderr
+
+
+def test_export_hf_of_a_4_rank_run_writes_shards_from_pretrained_loads(tmp_path):
+    folder, out, dest = tmp_path / "m", tmp_path / "run", tmp_path / "hf"
+    hf_folder(folder, "mixtral")
+    r = fivefold_cli("train", "--init-hf", str(folder), "--tp", "2", "--ep", "2", "--nproc", "4", "--steps", "2",
+                     "--global-batch", "4", "--seq-len", "32", "--lr", "1e-3", "--set", "train.data_limit_mb=0.05",
+                     "--set", "train.min_lr=1e-4", "--set", "train.warmup=1", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = fivefold_cli("export", str(out), "--hf", str(dest), "--max-shard-mb", "0.05")
+    assert r.returncode == 0, r.stderr[-2000:]
+    shards = sorted(p.name for p in dest.iterdir() if p.name.endswith(".safetensors"))
+    assert len(shards) > 2 and (dest / "model.safetensors.index.json").is_file()
+    from fivefold.train.checkpoint import to_model
+
+    ours = to_model(out).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(dest).eval()
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)

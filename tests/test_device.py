@@ -5,8 +5,8 @@ This machine may have no GPU, so a tensor landing "on the host instead of the GP
 wrong device here. Two checks stand in for it:
 - a spy (a TorchFunctionMode) records every tensor factory (torch.zeros, empty, arange, ...) called from
   fivefold's code without a `device` while a trainer is built and steps: on CUDA such a tensor would land
-  on the CPU. Only what is on the host by design may do that (`HOST_BY_DESIGN`): the full model, built on
-  the host and then moved whole; token batches, made on the host and moved by `Trainer.micro_batches`;
+  on the CPU. Only what is on the host by design may do that (`HOST_BY_DESIGN`): the values that fill a
+  rank's pieces (the seeded init, Hugging Face slices), staged on the host a piece at a time; token batches, made on the host and moved by `Trainer.micro_batches`;
   the offload store's host state.
 - a walk over every parameter, gradient, main gradient, module buffer, optimizer state and engine
   buffer (DDP buckets, ZeRO units, flat buffers and shards; the offload store excepted by design) after
@@ -43,8 +43,9 @@ FACTORIES = torch_device._device_constructors()
 SRC = f"{os.sep}fivefold{os.sep}"
 # (file under src/fivefold, function) whose device-less tensors are on the host by design
 HOST_BY_DESIGN = {
-    ("model/transformer.py", "__init__"), ("model/transformer.py", "reset_parameters"),  # the full model, built
-    ("model/moe.py", "__init__"),                                                      # on the host, moved whole
+    ("model/init.py", "*"),          # init values: drawn on the host (the same on any device), then moved
+    ("model/hf_weights.py", "*"),    # Hugging Face slices: read from the files into host memory, then moved
+    ("train/trainer.py", "read"),    # Trainer.fill's staging of one piece on its way to the device
     ("train/data.py", "*"),          # token batches: made on the host, moved by Trainer.micro_batches
     ("parallel/context.py", "token_indices"), ("parallel/ring.py", "zigzag_positions"),   # context parallel:
                                      # the token shares, host indices into the host batch (moved for the model)

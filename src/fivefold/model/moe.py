@@ -54,11 +54,11 @@ class Experts(nn.Module):
     w_down[e] · (silu(w_gate[e]·x) ⊙ w_up[e]·x). Built standalone the weights are N(0, 0.02);
     `Transformer.reset_parameters` re-draws them from its seed."""
 
-    def __init__(self, experts: int, hidden: int, ffn: int):
+    def __init__(self, experts: int, hidden: int, ffn: int, device=None):
         super().__init__()
-        self.w_gate = nn.Parameter(torch.empty(experts, ffn, hidden))
-        self.w_up = nn.Parameter(torch.empty(experts, ffn, hidden))
-        self.w_down = nn.Parameter(torch.empty(experts, hidden, ffn))
+        self.w_gate = nn.Parameter(torch.empty(experts, ffn, hidden, device=device))
+        self.w_up = nn.Parameter(torch.empty(experts, ffn, hidden, device=device))
+        self.w_down = nn.Parameter(torch.empty(experts, hidden, ffn, device=device))
         for w in (self.w_gate, self.w_up, self.w_down):
             if not w.is_meta:
                 nn.init.normal_(w, std=0.02)
@@ -181,7 +181,7 @@ class MoE(nn.Module):
     "tokens_per_expert" ((E,) int64: assignments each expert ran, after drops) and "dropped" (a 0-dim
     int64 tensor: assignments dropped by capacity), detached, for metrics."""
 
-    def __init__(self, cfg: ModelConfig, aux: AuxLosses | None = None):
+    def __init__(self, cfg: ModelConfig, aux: AuxLosses | None = None, device=None):
         super().__init__()
         e, h, m = cfg.experts, cfg.hidden, cfg.expert_ffn
         self.n_experts, self.top_k, self.kind = e, cfg.top_k, cfg.router
@@ -190,11 +190,11 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
         self.bias_update_rate = cfg.bias_update_rate
         self.aux = aux if aux is not None else AuxLosses()
-        self.router = nn.Linear(h, e, bias=False)
-        self.experts = Experts(e, h, m)
-        self.shared = SwiGLU(h, cfg.shared_experts * m) if cfg.shared_experts else None
-        self.shared_gate = nn.Linear(h, 1, bias=False) if cfg.shared_expert_gate else None
-        self.register_buffer("expert_bias", torch.zeros(e) if cfg.router == "sigmoid_bias" else None)
+        self.router = nn.Linear(h, e, bias=False, device=device)
+        self.experts = Experts(e, h, m, device)
+        self.shared = SwiGLU(h, cfg.shared_experts * m, device) if cfg.shared_experts else None
+        self.shared_gate = nn.Linear(h, 1, bias=False, device=device) if cfg.shared_expert_gate else None
+        self.register_buffer("expert_bias", torch.zeros(e, device=device) if cfg.router == "sigmoid_bias" else None)
         self.dispatcher = LocalDispatch()
         self.enter = nn.Identity()   # tensor parallelism: take this rank's sequences ... (parallel/tensor.py)
         self.leave = nn.Identity()   # ... and all-gather the outputs again

@@ -22,10 +22,10 @@ from .init import init_box, materialize
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, device=None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -166,15 +166,15 @@ class AuxLosses:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.enter = nn.Identity()  # tensor parallelism puts its input op here (f, or the SP all-gather)
         bias = cfg.qkv_bias   # Qwen2 / Qwen2-MoE: q, k, v projections with biases
-        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=bias)
-        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
-        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
-        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=bias, device=device)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias, device=device)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias, device=device)
+        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False, device=device)
         self.core = attention_core  # selective recompute swaps in a checkpointed version (pipeline runtime)
 
     def forward(self, x_bsh: torch.Tensor, cos_sd, sin_sd, kv: LayerKV | None = None) -> torch.Tensor:
@@ -195,12 +195,12 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ffn: int):
+    def __init__(self, hidden: int, ffn: int, device=None):
         super().__init__()
         self.enter = nn.Identity()  # tensor parallelism puts its input op here (f, or the SP all-gather)
-        self.gate = nn.Linear(hidden, ffn, bias=False)
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
+        self.gate = nn.Linear(hidden, ffn, bias=False, device=device)
+        self.up = nn.Linear(hidden, ffn, bias=False, device=device)
+        self.down = nn.Linear(ffn, hidden, bias=False, device=device)
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         x_bsh = self.enter(x_bsh)
@@ -211,15 +211,15 @@ class Block(nn.Module):
     """Layer `index` of the model: attention, then the MLP — the mixture of experts (model/moe.py) for
     layers index >= cfg.dense_layers of an MoE model (experts > 0), else the dense SwiGLU."""
 
-    def __init__(self, cfg: ModelConfig, aux: AuxLosses | None = None, index: int = 0):
+    def __init__(self, cfg: ModelConfig, aux: AuxLosses | None = None, index: int = 0, device=None):
         super().__init__()
         from .moe import MoE   # moe.py builds on this file's SwiGLU and AuxLosses
 
         self.aux = aux if aux is not None else AuxLosses()   # where this block's auxiliary losses go
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = MoE(cfg, self.aux) if cfg.is_moe_layer(index) else SwiGLU(cfg.hidden, cfg.ffn)
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device)
+        self.attn = Attention(cfg, device)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device)
+        self.mlp = MoE(cfg, self.aux, device) if cfg.is_moe_layer(index) else SwiGLU(cfg.hidden, cfg.ffn, device)
         self.drop = Dropout(cfg.dropout)  # on each branch before the residual add (0: off)
 
     def forward(self, x_bsh, cos_sd, sin_sd, kv: LayerKV | None = None):
@@ -241,11 +241,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.aux = AuxLosses()
-        with torch.device("meta"):
-            self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-            self.layers = nn.ModuleList(Block(cfg, self.aux, i) for i in range(cfg.layers))
-            self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-            self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        # meta is passed to each part: a device context, or nn.Embedding's own init, would route a meta
+        # tensor's normal_ through torch._refs (importing torch._dynamo: seconds per process)
+        meta = torch.device("meta")
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden, _weight=torch.empty(cfg.vocab, cfg.hidden, device=meta))
+        self.layers = nn.ModuleList(Block(cfg, self.aux, i, meta) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, meta)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, device=meta)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         if str(device) != "meta":

@@ -358,13 +358,14 @@ class PipelineRuntime:
                                      "shared (tied embedding and head on one stage?)")
                 owner[id(p)] = m
             if weights:
-                m.register_forward_hook(self._record_hook(weights))
+                m.register_forward_hook(self._record_hook)
 
-    def _record_hook(self, weights: tuple):
-        def hook(module, args, output):
-            if self._ops is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-                self._ops.append((weights, output))
-        return hook
+    def _record_hook(self, module, args, output):
+        """The module's weights are read when it runs: the runtime is built on the meta model, whose
+        parameters each rank replaces by real ones afterwards (model/init.py's materialize)."""
+        if self._ops is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+            weights = tuple(p for p in module.parameters(recurse=False) if p.requires_grad)
+            self._ops.append((weights, output))
 
     @contextmanager
     def recording(self, enabled: bool):

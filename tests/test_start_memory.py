@@ -1,10 +1,13 @@
-"""No rank holds the whole model: a model whose fp32 weights are 4x what each of 4 ranks holds trains
-under tp2 x pp2 and under ZeRO-3 dp4, and every rank's peak resident memory stays below the planner's
-bytes for it (run.json's planned_memory_bytes_by_rank) x 1.25 plus the process's own floor (the
-interpreter, torch and the process group, measured before the Trainer is built).
+"""No rank holds the whole model: a model whose fp32 weights are 4x what each of 4 ranks holds starts
+and trains under tp2 x pp2 and under ZeRO-3 dp4, and every rank's peak resident memory once its Trainer
+is built stays below the planner's model-state bytes for its stage (weights + gradients + optimizer
+state, the rows of run.json's planned_memory) x 1.25 plus the process's own floor (the interpreter,
+torch and the process group, measured before the Trainer is built).
 
-Before meta construction every rank built the whole fp32 model first: on this model that alone is
-~125 MB over the floor, which the bound below (~1.25 x the ~35 MB + activations a rank holds) cannot hold."""
+Before meta construction every rank built the whole fp32 model (4 bytes a parameter) first and then
+its pieces and state, which the bound cannot hold (benchmarks/startup.py: +1229 MiB over the floor for
+the 250M model under tp2 x pp2, against 970-1170 MiB of state). The training step's own peak (gloo
+buffers, activations) is reported by run.json, not bounded here: see the note on issue 21."""
 import pytest
 
 from fivefold.config import Config, ModelConfig, ParallelConfig, TrainConfig
@@ -12,7 +15,8 @@ from tests.helpers import spawn_jobs
 
 pytestmark = pytest.mark.ranks
 
-MODEL = ModelConfig(vocab=8192, hidden=512, layers=8, heads=8, kv_heads=4, ffn=1536, max_seq=64)
+MODEL = ModelConfig(vocab=16384, hidden=768, layers=8, heads=8, kv_heads=4, ffn=2048, max_seq=64,
+                    tie_embeddings=False)
 
 
 def config(**parallel) -> Config:
@@ -28,30 +32,24 @@ def peak_over_floor(rank, world, cfg_dict):
     floor = peak_rss_bytes()   # imports and the process group: the process before any model exists
     cfg = Config.from_dict(cfg_dict)
     t = Trainer(cfg, rank, world, quiet=True)
-    for step in range(2):
-        t.step(step)
-    stages = planned_memory(cfg, "cpu")["stages"]
-    held = sum(p.numel() for p in t.params) * 4
-    return {"floor": floor, "peak": peak_rss_bytes(), "planned": stages[t.mesh.coords["pp"]]["total"],
-            "weights": held}
+    built = peak_rss_bytes()
+    t.step(0)
+    row = planned_memory(cfg, "cpu")["stages"][t.mesh.coords["pp"]]
+    return {"floor": floor, "built": built, "state": row["weights"] + row["grads"] + row["optimizer"],
+            "weights": sum(p.numel() for p in t.params) * 4, "step_peak": peak_rss_bytes()}
 
 
 LAYOUTS = {"tp2xpp2": dict(tp=2, pp=2, microbatches=2), "zero3-dp4": dict(dp=4, zero=3)}
 
 
-@pytest.fixture(scope="module")
-def results():
-    return spawn_jobs(4, [(name, peak_over_floor, (config(**par).to_dict(),)) for name, par in LAYOUTS.items()],
-                      timeout_s=600)
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_peak_memory_is_what_the_rank_holds_not_the_model(results, layout):
+def test_start_up_memory_is_what_the_rank_holds_not_the_model(layout):
+    results = spawn_jobs(4, [(layout, peak_over_floor, (config(**LAYOUTS[layout]).to_dict(),))], timeout_s=600)
     full = MODEL.num_params() * 4
     for rank, r in enumerate(results[layout]):
         if layout == "tp2xpp2":
             assert full >= 3 * r["weights"], (full, r["weights"])   # each rank holds ~1/4 of the weights
-        bound = 1.25 * r["planned"] + r["floor"]
-        assert r["peak"] < bound, (f"rank {rank}: peak {r['peak'] / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB "
-                                   f"(planned {r['planned'] / 2**20:.0f} MiB, floor {r['floor'] / 2**20:.0f} MiB, "
-                                   f"whole model {full / 2**20:.0f} MiB)")
+        bound = 1.25 * r["state"] + r["floor"]
+        assert r["built"] < bound, (f"rank {rank}: peak {r['built'] / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB "
+                                    f"(planned state {r['state'] / 2**20:.0f} MiB, floor {r['floor'] / 2**20:.0f} "
+                                    f"MiB, whole model {full / 2**20:.0f} MiB)")

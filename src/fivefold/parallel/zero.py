@@ -447,7 +447,7 @@ class ShardedOptimizer:
         avg, avg_sq = iter(self.optimizer.exp_avg), iter(self.optimizer.exp_avg_sq)
         for j, u in enumerate(self.units):
             if self.store is not None:   # the unit's state built on the host, then handed to the store
-                state = [torch.zeros(u.shard_size, dtype=self.master_dtype) for _ in range(3)]
+                state = [torch.zeros(u.shard_size, dtype=self.master_dtype, device="cpu") for _ in range(3)]
                 for i, a, n in u.segments:
                     name, start = u.names[i], u.lo + a - u.offsets[i]
                     for t, section in zip(state, ("model", "exp_avg", "exp_avg_sq")):

@@ -80,6 +80,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 RANK_SEED_STRIDE = 7919
 STOP_SIGNALS = ("SIGINT", "SIGTERM")   # agreed over the ranks as an index + 1 (0: keep going)
 COMPILE_BACKEND = "inductor"           # train.compile's torch.compile backend (CPU tests may swap in aot_eager)
+FILL_CHUNK = 2**22   # elements a weight source is asked for at once when filling a rank's pieces (16 MiB fp32)
 
 
 class NonFiniteError(RuntimeError):
@@ -138,6 +139,7 @@ class Trainer:
         self.engine = self.make_engine()
         self.source = weight_source(cfg)   # the seeded init, or a Hugging Face folder (--init-hf)
         self.fill(self.source)
+        self.ledger.reset()   # the ledger counts training: filling the state (offload: its first disk writes) is set-up
         self.activations = ActivationMeter()
         for m in self.model.modules():   # layers that normalise by the step's totals (MoE aux losses)
             if hasattr(m, "global_sequences"):
@@ -316,13 +318,16 @@ class Trainer:
         """Fill what this rank holds — its parameters' pieces and ZeRO shards, their fp32 masters and
         Adam moments, its persistent buffers — from `source` (model/init.py's protocol: the seeded init,
         a checkpoint's Reader, Hugging Face files), box by box. A rank reads only the boxes of its own
-        pieces; what one read holds at once is one parameter's local piece (DDP, ZeRO-1/2) or one
-        segment of a ZeRO-3 shard (engines' `load_local_state`)."""
+        pieces. Bound on what a fill holds beyond the rank's state: one staging buffer of one
+        parameter's local piece (DDP, ZeRO-1/2) or one segment of a ZeRO-3 shard (engines'
+        `load_local_state`), plus the source's buffers for at most FILL_CHUNK elements."""
         def read(name: str, start: int, length: int, section: str) -> torch.Tensor:
             full, shape, piece, _ = self.layout[name]
             flat = torch.zeros(length, dtype=self.master_dtype)
-            for box, sizes, o in checkpoint.segment_chunks(piece, shape, start, length):
-                flat[o:o + math.prod(sizes)] = source.read(f"{section}/{full}", box, sizes).reshape(-1)
+            for lo in range(0, length, FILL_CHUNK):   # the source's own buffers stay within FILL_CHUNK elements
+                n = min(FILL_CHUNK, length - lo)
+                for box, sizes, o in checkpoint.segment_chunks(piece, shape, start + lo, n):
+                    flat[lo + o:lo + o + math.prod(sizes)] = source.read(f"{section}/{full}", box, sizes).reshape(-1)
             return flat.to(self.device)
 
         self.engine.load_local_state(read, opt_t)

@@ -1,11 +1,12 @@
 """Hugging Face weight folders read slice by slice, and written tensor by tensor.
 
 Reading (`HFWeights`): a folder that `save_pretrained` wrote — `model.safetensors`, or shards
-`model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` naming the file of every tensor —
-is opened through safetensors' memory maps. `read(key, box, local_shape)` (the source protocol of
-model/init.py) returns one box of one of *our* tensors: it finds the Hugging Face tensors that hold the
-box (`parts`), reads only the overlapping slice of each (`get_slice`: the bytes of that slice, no more)
-and counts what it read (`bytes_read`, per file). So a rank reads its vocabulary rows, its tensor-
+`model-0000k-of-0000n.safetensors` with `model.safetensors.index.json` naming the file of every tensor.
+`read(key, box, local_shape)` (the source protocol of model/init.py) returns one box of one of *our*
+tensors: it finds the Hugging Face tensors that hold the box (`parts`) and reads only the overlapping
+slice of each (`SafetensorsFile`: positioned reads of exactly the slice's contiguous runs of bytes, no
+memory map, so neither the reads nor the resident memory exceed the slice), counting what it read
+(`bytes_read`, per file). So a rank reads its vocabulary rows, its tensor-
 parallel column or row piece, its pipeline stage's layers, its experts, or its ZeRO-3 flat shard's rows,
 and never a tensor it does not hold.
 
@@ -26,6 +27,7 @@ streamed tensor by tensor: what is held at once is one tensor, produced by the c
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -40,6 +42,7 @@ from ..config import ConfigError, ModelConfig
 from .hf import PACKED_NAMES, name_map
 
 INDEX = "model.safetensors.index.json"
+MAX_HEADER = 100 * 2**20   # a safetensors header larger than this is refused (the format's own limit)
 SINGLE = "model.safetensors"
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 CODES = {v: k for k, v in DTYPES.items()}
@@ -114,6 +117,75 @@ def their_shapes(cfg: ModelConfig, mapping: dict[str, list[Part]]) -> dict[str, 
     return {k: tuple(v) for k, v in shapes.items()}
 
 
+class SafetensorsFile:
+    """One safetensors file read with positioned reads: the header (8-byte length, JSON) parsed once and
+    checked against itself (every tensor's byte range is its shape times its dtype's size, inside the
+    file), then any box of any tensor read as the few contiguous runs of bytes it spans."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            if not 0 < n <= min(MAX_HEADER, size - 8):
+                raise ConfigError(f"{path} is not a safetensors file (header length {n})")
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:
+                raise ConfigError(f"{path} is not a safetensors file ({e})") from None
+        if not isinstance(header, dict):
+            raise ConfigError(f"{path} is not a safetensors file (its header is not a JSON object)")
+        header.pop("__metadata__", None)
+        self.start = 8 + n
+        self.tensors = {}
+        for name, info in header.items():
+            self.tensors[name] = self._checked(name, info, size - self.start)
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def _checked(self, name, info, data_bytes: int) -> tuple[tuple[int, ...], str, int]:
+        """(shape, dtype code, first byte) of one header entry, once its claims agree with each other."""
+        try:
+            shape, code, (lo, hi) = tuple(info["shape"]), info["dtype"], info["data_offsets"]
+            ok = all(isinstance(d, int) and d >= 0 for d in (*shape, lo, hi))
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ConfigError(f"{self.path}: header entry {name!r} is malformed")
+        itemsize = DTYPES[code].itemsize if code in DTYPES else None
+        if itemsize is not None and (hi - lo != math.prod(shape) * itemsize or hi > data_bytes):
+            raise ConfigError(f"{self.path}: {name} claims bytes [{lo}, {hi}) for shape {list(shape)} {code} "
+                              f"in {data_bytes} bytes of data")
+        return shape, code, lo
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def read(self, name: str, offsets, sizes) -> tuple[torch.Tensor, int]:
+        """(the box (offsets, sizes) of tensor `name`, the bytes read for it)."""
+        shape, code, lo = self.tensors[name]
+        dtype = DTYPES[code]
+        item = dtype.itemsize
+        offsets, sizes = tuple(offsets), tuple(sizes)
+        k = len(shape)   # dims k.. are whole in the box: each run is sizes[k-1] x prod(shape[k:]) elements
+        while k > 0 and offsets[k - 1] == 0 and sizes[k - 1] == shape[k - 1]:
+            k -= 1
+        strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+        run = (sizes[k - 1] if k else 1) * math.prod(shape[k:]) * item
+        out = bytearray(math.prod(sizes) * item)
+        view, at = memoryview(out), 0
+        for index in itertools.product(*(range(o, o + n) for o, n in zip(offsets[:max(k - 1, 0)], sizes))):
+            first = sum(i * s for i, s in zip(index, strides)) + (offsets[k - 1] * strides[k - 1] if k else 0)
+            got = os.preadv(self.fd, [view[at:at + run]], self.start + lo + first * item)
+            if got != run:
+                raise ConfigError(f"{self.path}: {name} is cut short (the file is truncated)")
+            at += run
+        return torch.frombuffer(out, dtype=dtype).view(sizes) if out else torch.empty(sizes, dtype=dtype), len(out)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class HFWeights:
     """A Hugging Face weight folder as a source of boxes of our tensors (module docstring)."""
 
@@ -139,25 +211,23 @@ class HFWeights:
             return {k: SINGLE for k in self.handle(SINGLE).keys()}
         raise ConfigError(f"{self.folder}: no {SINGLE} or {INDEX} (a folder written by save_pretrained)")
 
-    def handle(self, file: str):
-        from safetensors import safe_open
-
+    def handle(self, file: str) -> SafetensorsFile:
         if file not in self._open:
             path = self.folder / file
             if Path(file).name != file or path.is_symlink() and not path.resolve().is_relative_to(self.folder.resolve()):
                 raise ConfigError(f"{self.folder}: weight file {file!r} is outside the folder")
             if not path.is_file():
                 raise ConfigError(f"{self.folder}: weight file {file} is missing")
-            try:
-                self._open[file] = safe_open(str(path), framework="pt", device="cpu")
-            except Exception as e:   # not safetensors (a pickle, say): refused, never run
-                raise ConfigError(f"{path} is not a safetensors file ({e})") from None
+            self._open[file] = SafetensorsFile(path)   # not safetensors (a pickle, say): refused, never run
         return self._open[file]
 
     def header(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype code) of Hugging Face tensor `name`, from its file's own header."""
-        s = self.handle(self.files[name]).get_slice(name)
-        return tuple(s.get_shape()), s.get_dtype()
+        f = self.handle(self.files[name])
+        if name not in f.tensors:
+            raise ConfigError(f"{self.folder}: the index puts {name} in {self.files[name]}, which does not hold it")
+        shape, code, _ = f.tensors[name]
+        return shape, code
 
     def check(self) -> None:
         """The folder holds exactly the tensors this model needs, with their shapes, in a float dtype."""
@@ -191,11 +261,11 @@ class HFWeights:
             hi = [min(a + n, b + m) for a, n, b, m in zip(box.offsets, box.sizes, p.lo, p.sizes)]
             if any(h <= low for low, h in zip(lo, hi)):
                 continue
-            theirs = tuple(slice(low - o + t, h - o + t) for low, h, o, t in
-                           zip(lo[p.drop:], hi[p.drop:], p.lo[p.drop:], p.their_lo))
+            their_offsets = [low - o + t for low, o, t in zip(lo[p.drop:], p.lo[p.drop:], p.their_lo)]
+            their_sizes = [h - low for low, h in zip(lo[p.drop:], hi[p.drop:])]
             file = self.files[p.name]
-            piece = self.handle(file).get_slice(p.name)[theirs]
-            self.bytes_read[file] = self.bytes_read.get(file, 0) + piece.numel() * piece.element_size()
+            piece, n = self.handle(file).read(p.name, their_offsets, their_sizes)
+            self.bytes_read[file] = self.bytes_read.get(file, 0) + n
             dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, box.offsets))
             out[dst] = piece.reshape([h - low for low, h in zip(lo, hi)]).to(out.dtype)
             covered += math.prod(h - low for low, h in zip(lo, hi))

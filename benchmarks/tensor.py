@@ -8,8 +8,8 @@ its peak RSS is its own; the implementations alternate for `--rounds` rounds and
 round (machine noise). A step is forward + backward + optimizer step.
 
 Peer plans (`parallelize_module`), written as torchtitan does for Llama:
-- TP: embedding RowwiseParallel (vocab-parallel), per block PrepareModuleInput (one f per block part)
-  + ColwiseParallel wq/wk/wv, gate/up + RowwiseParallel wo, down; LM head ColwiseParallel with
+- TP: embedding RowwiseParallel (vocab-parallel), per block PrepareModuleInput on each block part's
+  `enter` Identity (one f per block part; the part's other arguments need no layouts) + ColwiseParallel wq/wk/wv, gate/up + RowwiseParallel wo, down; LM head ColwiseParallel with
   sharded logits and `loss_parallel()` (vocab-parallel cross-entropy).
 - SP: the same with SequenceParallel norms, the row layers' outputs Shard(1) (reduce-scatter) and the
   block parts' inputs gathered from Shard(1) (all-gather).
@@ -92,12 +92,14 @@ def dtensor_plan(model, sp):
     blocks = []
     for block in model.layers:
         plan = {
-            "attn": PrepareModuleInput(input_layouts=(between, None, None),
-                                       desired_input_layouts=(Replicate(), None, None), use_local_output=False),
+            # on the Identity each block part opens with, so the part's other arguments (rotary
+            # tables, KV cache) never have to be listed here
+            "attn.enter": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+                                             use_local_output=False),
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=between),
-            "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
-                                      use_local_output=False),
+            "mlp.enter": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+                                            use_local_output=False),
             "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
             "mlp.down": RowwiseParallel(output_layouts=between),
         }

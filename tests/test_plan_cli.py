@@ -299,6 +299,7 @@ def plan_without_torch(*argv) -> subprocess.CompletedProcess:
                           timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+@pytest.mark.ranks
 def test_plan_runs_without_torch_and_its_errors_do_not_mention_it(tmp_path_factory):
     good = plan_without_torch("--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "1")
     assert good.returncode == 0, good.stderr

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, time_steps
+from common import BENCH_MODEL, best_of_rounds, parse_options, peak_rss_mb, time_steps
 
 
 
@@ -143,7 +143,7 @@ def main():
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
-    a = ap.parse_args()
+    a = parse_options(ap, steps=1, rounds=1, batch=1, seq=32)
     impls = [("dtensor", "DTensor TP"), ("ours", "fivefold TP"),
              ("dtensor_sp", "DTensor TP+SP"), ("ours_sp", "fivefold TP+SP")]
     print(f"model: {BENCH_MODEL.num_params() / 1e6:.2f} M parameters, batch {a.batch}x{a.seq}, tp={a.nproc} "

@@ -33,7 +33,7 @@ def extra_options(script: str, tmp_path: Path) -> list[str]:
 def test_every_benchmark_is_smoke_tested():
     """A new script is picked up by the glob; it only needs to take --smoke (common.parse_options)."""
     assert {"ddp.py", "zero.py", "tensor.py", "pipeline.py", "context.py", "expert.py", "offload.py",
-            "checkpoint.py", "plan_vs_run.py", "gpu.py"} <= set(SCRIPTS)
+            "checkpoint.py", "plan_vs_run.py", "plan_search.py", "gpu.py"} <= set(SCRIPTS)
     for script in SCRIPTS:
         assert "parse_options(" in (BENCHMARKS / script).read_text(), f"{script} takes no --smoke"
 

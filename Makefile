@@ -1,4 +1,5 @@
-# `make demo` trains the embedded default model on 2 local ranks; `make test` runs the test suite;
+# `make demo` trains the embedded default model on 2 local ranks; `make test` runs the test suite (CI);
+# `make test-fast` runs the tests that spawn no ranks or processes (`-m "not ranks"`, about a minute);
 # `make layers` checks DESIGN.md's import arrows (import-linter; tests/test_layers.py runs it too).
 # Both create .venv and install what is missing. torch is pinned here to the CPU wheel on disk;
 # the package itself asks only for torch>=2.8.
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS := 1
 export MKL_NUM_THREADS := 1
 
-.PHONY: demo test layers bench clean
+.PHONY: demo test test-fast layers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not ranks" tests
 
 layers: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache

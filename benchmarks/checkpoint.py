@@ -34,11 +34,12 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from common import best_of_rounds, peak_rss_mb
+from common import best_of_rounds, parse_options, peak_rss_mb
 
 from fivefold.config import Config, ModelConfig, ParallelConfig, TrainConfig
 
@@ -230,7 +231,8 @@ def main():
     ap.add_argument("--vocab", type=int, default=MODEL.vocab)
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=64)
-    a = ap.parse_args()
+    # --smoke: the 2-D layout only (TP plan, FSDP2 and DCP; our TP and ZeRO-1): 4 ranks per spawn are slow here
+    a = parse_options(ap, rounds=1, layouts="tp2dp2z1", hidden=64, layers=2, ffn=128, vocab=256, batch=8, seq=16)
     model = replace(MODEL, hidden=a.hidden, layers=a.layers, ffn=a.ffn, vocab=a.vocab, max_seq=max(a.seq, 64))
     layouts = [s.strip() for s in a.layouts.split(",") if s.strip()]
     state_mb = model.num_params() * 4 * 3 / 2**20
@@ -254,7 +256,8 @@ def main():
                 cfg = make_config(model, LAYOUTS[lay], a.batch, a.seq)
                 world = cfg.parallel.world_size
                 got = best_of_rounds(bench_rank, world, [("peer", "peer"), ("ours", "ours")],
-                                     args_of(cfg.to_dict()), 1, keep_going=True, worst=worst)
+                                     args_of(cfg.to_dict()), 1, keep_going=not a.smoke,
+                                     worst=worst)
                 for impl, row in got.items():
                     results.setdefault(lay, {}).setdefault(impl, []).append(row)
     finally:
@@ -299,7 +302,11 @@ def main():
         for impl, rows in results.get(lay, {}).items():
             print(f"  {lay:<10}{names[impl]:<13}" + "   ".join(
                 f"{x['median_s']:.2f}/{x['save2_s']:.2f}, {x['load_s']:.2f}/{x['load2_s']:.2f}" for x in rows))
+    differ = [lay for lay, by_impl in results.items() for rows in by_impl.values() if any(r["bad"] for r in rows)]
+    if differ:
+        print(f"\nrestored state differs from the saved state: {', '.join(differ)}")
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,6 +14,19 @@ from fivefold.config import ModelConfig  # noqa: E402
 BENCH_MODEL = ModelConfig(vocab=256, hidden=256, layers=4, heads=8, kv_heads=4, ffn=704, max_seq=256)
 
 
+def parse_options(ap, argv=None, **smoke):
+    """`ap`'s options plus --smoke. With --smoke the values in `smoke` replace the options: one timed step of
+    one round at the smallest sizes that still run every implementation once, so tests/test_benchmarks.py
+    runs each script in seconds; a script then treats any implementation's failure as an error (its
+    `keep_going` is off) instead of reporting it and going on."""
+    ap.add_argument("--smoke", action="store_true",
+                    help="one step of one round at a tiny size; any failure is an error (tests/test_benchmarks.py)")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        vars(a).update(smoke)
+    return a
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set size in MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

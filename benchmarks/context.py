@@ -38,7 +38,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from common import BENCH_MODEL, AllToAllCount, LedgerCount, best_of_rounds, peak_rss_mb, measured_first_step, sum_grads, time_steps
+from common import BENCH_MODEL, AllToAllCount, LedgerCount, best_of_rounds, parse_options, peak_rss_mb, measured_first_step, sum_grads, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -187,7 +187,7 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--part", choices=("both", "peer", "modes"), default="both")
     ap.add_argument("--no-deepspeed", action="store_true")
-    a = ap.parse_args()
+    a = parse_options(ap, steps=1, rounds=1, batch=1, seq=64)
     nproc = 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "runs" / "torch_extensions"))  # DeepSpeed's JIT op
@@ -206,7 +206,7 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print(f"DeepSpeed not available: {e}")
         best = best_of_rounds(peer_rank, nproc, impls, lambda impl: (impl, a.steps, a.batch, a.seq),
-                              a.rounds, keep_going=True)
+                              a.rounds, keep_going=not a.smoke)
         print(f"\n1. attention core, cp = {nproc} Ulysses: same Transformer, torch AdamW foreach=False, grads summed by "
               f"one all-reduce (its bytes: dp in ours' ledger, not counted for DeepSpeed)")
         table(best, "DeepSpeed Ulysses core", "ours / DeepSpeed")
@@ -220,7 +220,7 @@ def main():
         impls = [("ulysses", "fivefold Ulysses (cp=2)"), ("ring", "fivefold ring (cp=2)"),
                  ("megatron", "fivefold Megatron SP (tp=2)")]
         best = best_of_rounds(trainer_rank, nproc, impls, lambda impl: (impl, a.steps, a.batch, a.seq),
-                              a.rounds, keep_going=True)
+                              a.rounds, keep_going=not a.smoke)
         print(f"\n2. modes through Trainer (our AdamW, grad clip): bytes per rank per step by ledger dim")
         table(best, "fivefold Ulysses (cp=2)", "vs Ulysses")
 

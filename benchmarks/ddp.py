@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, report, time_steps
+from common import BENCH_MODEL, best_of_rounds, parse_options, peak_rss_mb, report, time_steps
 
 
 def bench_rank(rank, world, impl, steps, bucket_mb, batch, seq):
@@ -58,7 +58,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="alternate the implementations this many times")
-    a = ap.parse_args()
+    a = parse_options(ap, steps=1, rounds=1, batch=1, seq=32)
     n = BENCH_MODEL.num_params()
     print(f"model: {n / 1e6:.2f} M parameters, batch {a.batch}x{a.seq} per rank, {a.nproc} gloo ranks, "
           f"bucket {a.bucket_mb} MB, {a.steps} timed steps")

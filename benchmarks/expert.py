@@ -62,7 +62,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from common import BENCH_MODEL, AllToAllCount, LedgerCount, best_of_rounds, peak_rss_mb, measured_first_step, sum_grads, time_steps
+from common import BENCH_MODEL, AllToAllCount, LedgerCount, best_of_rounds, parse_options, peak_rss_mb, measured_first_step, sum_grads, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE = dict(experts=8, top_k=2, moe_ffn=512, router="softmax_topk_norm")
@@ -284,7 +284,7 @@ def main():
     ap.add_argument("--hf-grouped", action="store_true", help="also time transformers' grouped_mm experts")
     ap.add_argument("--profile", default="", help="profile one implementation (e.g. ours_cap, ds_dropless, "
                                                     "ours, hf) and print its op table instead of timing")
-    a = ap.parse_args()
+    a = parse_options(ap, steps=1, rounds=1, batch=2, seq=32, layers=2)
     nproc = 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "runs" / "torch_extensions"))  # DeepSpeed's JIT op
@@ -317,7 +317,7 @@ def main():
                 print("DeepSpeed not available (not installed)")
         best = best_of_rounds(peer_rank, nproc, impls,
                               lambda impl: (impl, a.steps, a.batch, a.seq, a.layers, a.capacity_factor),
-                              a.rounds, keep_going=True, worst=("base_rss_mb",))
+                              a.rounds, keep_going=not a.smoke, worst=("base_rss_mb",))
         names = dict(impls)
         pairs = {names["ours_cap"]: names.get("ds_cap"), names["ours_dropless"]: names.get("ds_dropless")}
         table(best, pairs, "ours / DeepSpeed")
@@ -334,7 +334,7 @@ def main():
         if a.hf_grouped:
             impls.append(("hf_grouped", "transformers Mixtral (grouped_mm)"))
         best = best_of_rounds(local_rank, 1, impls, lambda impl: (impl, a.steps, a.batch, a.seq, a.layers),
-                              a.rounds, keep_going=True, worst=("base_rss_mb",))
+                              a.rounds, keep_going=not a.smoke, worst=("base_rss_mb",))
         names = dict(impls)
         table(best, {names["ours"]: names["hf"], names.get("hf_grouped"): names["hf"]}, "vs Mixtral eager")
 

@@ -29,7 +29,9 @@ One command, one GPU (an H100/H200-class device; under 8 minutes there):
    on the CPU in fp32 (the reference), then on CUDA in fp32 (losses within rtol 1e-3), in bf16 and in
    bf16 with compiled blocks (within rtol 2e-2, bf16's tolerance). A miss exits with status 1.
 
-Without a CUDA device it prints one line and exits with status 2. Results go to `--out` as JSON.
+Without a CUDA device it prints one line and exits with status 2 (with `--smoke`, tests/test_benchmarks.py:
+it plans the `--quick` micro-batch and exits 0; on CUDA `--smoke` is `--quick` for one eager step without
+the loss check). Results go to `--out` as JSON.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (puts src/ on the path)
+import common  # puts src/ on the path
 
 BIG = dict(vocab=32000, hidden=2048, layers=16, heads=16, kv_heads=8, ffn=8192)
 QUICK = dict(vocab=32000, hidden=1024, layers=8, heads=8, kv_heads=4, ffn=4096)
@@ -65,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's bf16 dense peak, for MFU on "
                     "GPUs plan/topology.py does not know")
     ap.add_argument("--skip-check", action="store_true", help="skip the CUDA-vs-CPU loss check")
-    return ap.parse_args(argv)
+    # --smoke (tests/test_benchmarks.py): the --quick path for one eager step; without CUDA, the planner side only
+    return common.parse_options(ap, argv, quick=True, steps=1, micro_batch=1, no_compile=True, skip_check=True)
 
 
 def accelerator_for(name: str):
@@ -237,11 +240,22 @@ def check_losses() -> dict:
     return out
 
 
+def smoke_without_cuda() -> int:
+    """--smoke without a CUDA device: what runs without one (the --quick configs, the planner's memory for
+    them, the micro-batch pick for an 80 GiB GPU), then exit 0."""
+    mb, rows = pick_micro_batch(QUICK, 1024, 2, 80 * 2**30)
+    print(f"benchmarks/gpu.py --smoke: no CUDA device, so the planner side only: the --quick model at seq 1024 "
+          f"takes micro-batch {mb} on an 80 GiB GPU ({len(rows)} sizes planned)")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")   # before CUDA starts
     import torch
 
+    if args.smoke and not torch.cuda.is_available():
+        return smoke_without_cuda()
     if not torch.cuda.is_available():
         print(f"benchmarks/gpu.py: no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is "
               f"False): run it on a machine with an NVIDIA GPU and a CUDA build of torch", file=sys.stderr)

@@ -16,7 +16,7 @@ import argparse
 import os
 import tempfile
 
-from common import BENCH_MODEL, best_of_rounds, deepspeed_step, peak_rss_mb, time_steps
+from common import BENCH_MODEL, best_of_rounds, deepspeed_step, parse_options, peak_rss_mb, time_steps
 
 
 def bench_rank(rank, world, impl, steps, batch, seq, scratch):
@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--no-deepspeed", action="store_true")
-    a = ap.parse_args()
+    a = parse_options(ap, steps=1, rounds=1, batch=1, seq=32)
     impls = [("ours-none", "fivefold ZeRO-2"), ("ours-cpu", "fivefold ZeRO-2 cpu"),
              ("ours-nvme", "fivefold ZeRO-2 nvme")]
     if not a.no_deepspeed:
@@ -89,7 +89,8 @@ def main():
           f"{a.nproc} gloo ranks, {a.steps} timed steps, best of {a.rounds} rounds")
     with tempfile.TemporaryDirectory(prefix="fivefold-offload-bench-") as scratch:
         best = best_of_rounds(bench_rank, a.nproc, impls,
-                              lambda impl: (impl, a.steps, a.batch, a.seq, scratch), a.rounds, keep_going=True)
+                              lambda impl: (impl, a.steps, a.batch, a.seq, scratch), a.rounds,
+                              keep_going=not a.smoke)
     base = {"fivefold ZeRO-2 cpu": "DeepSpeed ZeRO-Offload", "fivefold ZeRO-2 nvme": "fivefold ZeRO-2 cpu",
             "DeepSpeed ZeRO-Offload": "DeepSpeed ZeRO-2"}
     print(f"{'impl':<26}{'median step':>12}{'peak RSS':>10}  {'state on device / host / disk (MiB)':<36}ratio")

@@ -21,7 +21,7 @@ import argparse
 import dataclasses
 import statistics
 
-from common import BENCH_MODEL, peak_rss_mb, time_steps
+from common import BENCH_MODEL, parse_options, peak_rss_mb, time_steps
 
 from fivefold.train.launch import run_ranks
 
@@ -181,7 +181,7 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", default="all", help="comma list of indices into CASES, or 'all'")
-    a = ap.parse_args()
+    a = parse_options(ap, steps=1, rounds=1, microbatches=4, batch=4, seq=32, cases="0,1")   # both schedules
     cases = CASES if a.cases == "all" else [CASES[int(i)] for i in a.cases.split(",")]
     print(f"model: hidden {BENCH_MODEL.hidden}, layers as listed, {a.batch}x{a.seq} tokens per step in "
           f"{a.microbatches} micro-batches, gloo on CPU, {a.steps} timed steps, best of {a.rounds} rounds")
@@ -196,6 +196,8 @@ def main():
                     per_rank = run_ranks(bench_rank, pp, (impl, schedule, vpp, layers, a.steps, a.batch, a.seq,
                                                           a.microbatches), timeout_s=900)
                 except Exception as e:  # noqa: BLE001 - report what failed and go on
+                    if a.smoke:
+                        raise
                     best.setdefault(impl, {"error": str(e).strip().splitlines()[-1]})
                     continue
                 med = max(statistics.median(r["times"]) for r in per_rank)

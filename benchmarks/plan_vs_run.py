@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (puts src/ on the path)
+import common  # puts src/ on the path
 
 from fivefold.config import Config, ModelConfig, ParallelConfig, TrainConfig
 
@@ -302,7 +302,8 @@ def main() -> int:
     ap.add_argument("--max-load", type=float, default=1.5, help="wait for a 1-minute load below this")
     ap.add_argument("--tries", type=int, default=4, help="spawns per round until one is undisturbed")
     ap.add_argument("--out", default="runs/plan_vs_run", help="folder for calibrated topologies and results.json")
-    args = ap.parse_args()
+    args = common.parse_options(ap, steps=1, warmup=1, rounds=1, quick_calibration=True, max_load=float("inf"),
+                                tries=1, only="dp2,pp2-interleaved-v2")
     names = args.only.split(",") if args.only else list(LAYOUTS)
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:

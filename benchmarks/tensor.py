@@ -8,8 +8,8 @@ its peak RSS is its own; the implementations alternate for `--rounds` rounds and
 round (machine noise). A step is forward + backward + optimizer step.
 
 Peer plans (`parallelize_module`), written as torchtitan does for Llama:
-- TP: embedding RowwiseParallel (vocab-parallel), per block PrepareModuleInput (one f per block part)
-  + ColwiseParallel wq/wk/wv, gate/up + RowwiseParallel wo, down; LM head ColwiseParallel with
+- TP: embedding RowwiseParallel (vocab-parallel), per block PrepareModuleInput on each block part's
+  `enter` Identity (one f per block part; the part's other arguments need no layouts) + ColwiseParallel wq/wk/wv, gate/up + RowwiseParallel wo, down; LM head ColwiseParallel with
   sharded logits and `loss_parallel()` (vocab-parallel cross-entropy).
 - SP: the same with SequenceParallel norms, the row layers' outputs Shard(1) (reduce-scatter) and the
   block parts' inputs gathered from Shard(1) (all-gather).
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import BENCH_MODEL, best_of_rounds, peak_rss_mb, time_steps
+from common import BENCH_MODEL, best_of_rounds, parse_options, peak_rss_mb, time_steps
 
 
 
@@ -92,12 +92,14 @@ def dtensor_plan(model, sp):
     blocks = []
     for block in model.layers:
         plan = {
-            "attn": PrepareModuleInput(input_layouts=(between, None, None),
-                                       desired_input_layouts=(Replicate(), None, None), use_local_output=False),
+            # on the Identity each block part opens with, so the part's other arguments (rotary
+            # tables, KV cache) never have to be listed here
+            "attn.enter": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+                                             use_local_output=False),
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=between),
-            "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
-                                      use_local_output=False),
+            "mlp.enter": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+                                            use_local_output=False),
             "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
             "mlp.down": RowwiseParallel(output_layouts=between),
         }
@@ -141,7 +143,7 @@ def main():
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
-    a = ap.parse_args()
+    a = parse_options(ap, steps=1, rounds=1, batch=1, seq=32)
     impls = [("dtensor", "DTensor TP"), ("ours", "fivefold TP"),
              ("dtensor_sp", "DTensor TP+SP"), ("ours_sp", "fivefold TP+SP")]
     print(f"model: {BENCH_MODEL.num_params() / 1e6:.2f} M parameters, batch {a.batch}x{a.seq}, tp={a.nproc} "

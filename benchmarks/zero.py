@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import BENCH_MODEL, best_of_rounds, deepspeed_step, peak_rss_mb, time_steps
+from common import BENCH_MODEL, best_of_rounds, deepspeed_step, parse_options, peak_rss_mb, time_steps
 
 
 
@@ -88,7 +88,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--no-deepspeed", action="store_true")
-    a = ap.parse_args()
+    a = parse_options(ap, steps=1, rounds=1, batch=1, seq=32)
     impls = [("fsdp2", "torch FSDP2"), ("ours3", "fivefold ZeRO-3"), ("ours0", "fivefold DP"),
              ("ours1", "fivefold ZeRO-1"), ("ours2", "fivefold ZeRO-2")]
     if not a.no_deepspeed:
@@ -100,7 +100,7 @@ def main():
     print(f"model: {BENCH_MODEL.num_params() / 1e6:.2f} M parameters, batch {a.batch}x{a.seq} per rank, "
           f"{a.nproc} gloo ranks, {a.steps} timed steps, best of {a.rounds} rounds")
     best = best_of_rounds(bench_rank, a.nproc, impls, lambda impl: (impl, a.steps, a.batch, a.seq), a.rounds,
-                          keep_going=True)
+                          keep_going=not a.smoke)
     print(f"{'impl':<22}{'median step':>13}{'peak RSS':>11}{'time ratio':>20}{'mem ratio':>11}")
     base = {"fivefold ZeRO-3": "torch FSDP2", "fivefold ZeRO-1": "fivefold DP", "fivefold ZeRO-2": "fivefold DP"}
     for name, r in best.items():

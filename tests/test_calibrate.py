@@ -28,6 +28,7 @@ def calibrated(tmp_path_factory):
     return out
 
 
+@pytest.mark.ranks
 def test_writes_a_topology_load_topology_reads(calibrated):
     text = calibrated.read_text()
     assert "--efficiency 1.0" in text                     # the peaks are achieved rates
@@ -48,6 +49,7 @@ def test_writes_a_topology_load_topology_reads(calibrated):
 
 @pytest.mark.parametrize("parallel", [dict(dp=2, microbatches=2), dict(pp=2, microbatches=4),
                                       dict(tp=2, sp_mode="megatron")])
+@pytest.mark.ranks
 def test_estimate_consumes_it(calibrated, parallel):
     cfg = tiny_config(**parallel)
     layout, work = from_config(cfg)
@@ -56,6 +58,7 @@ def test_estimate_consumes_it(calibrated, parallel):
     assert est.time.step_time_s > 0 and est.fits
 
 
+@pytest.mark.ranks
 def test_each_measured_term_moves_the_prediction(calibrated):
     """The attention rate, the element-wise term, the per-op fits and the overlap share each change the
     predicted step the way they should (slower attention, unfused ops, a partly hidden reduction: longer)."""

@@ -50,12 +50,14 @@ def four(tmp_path_factory):
 
 
 @pytest.mark.parametrize("before,after", [("dp4", "dp4->tp2pp2"), ("zero3", "zero3->zero0"), ("ep4", "ep4->ep2")])
+@pytest.mark.ranks
 def test_another_layout_continues_the_run(four, before, after):
     _, r = four
     assert len(r[before]) == 4 and len(r[after]) == 2
     torch.testing.assert_close(torch.tensor(r[after]), torch.tensor(r[before][2:]), rtol=1e-5, atol=0)
 
 
+@pytest.mark.ranks
 def test_every_layout_writes_the_same_checkpoint(four, tmp_path):
     root, _ = four
     a = checkpoint.full_tensors(root / "dp4" / "checkpoints" / "step-00000002")
@@ -80,6 +82,7 @@ def test_every_layout_writes_the_same_checkpoint(four, tmp_path):
     assert sum(p.numel() for p in model.parameters()) == tiny_config().model.num_params()
 
 
+@pytest.mark.ranks
 def test_keep_checkpoints_and_atomic_publish(four):
     root, _ = four
     names = [p.name for p in rundir.checkpoints(root / "dp4")]
@@ -142,12 +145,14 @@ def two(tmp_path_factory):
     return run_ranks(run_jobs, 2, (jobs,), timeout_s=TIMEOUT_S)[0]
 
 
+@pytest.mark.ranks
 def test_resume_is_bit_exact_with_dropout_and_appends_metrics(two):
     whole, rest, lines = two["dropout"]
     assert rest == whole[2:]            # random streams restored: exactly equal
     assert lines == [0, 1, 2, 3]        # the resumed run appended to the same metrics
 
 
+@pytest.mark.ranks
 def test_nonfinite_step_is_skipped_then_the_run_stops(two):
     r = two["nonfinite"]
     assert r["m1"]["skipped"] and math.isnan(r["m1"]["loss"])
@@ -215,6 +220,7 @@ def test_flat_boxes_cover_a_flat_range_in_order():
     assert len(checkpoint.flat_boxes((1000, 1000), 500, 999_700)) == 3   # partial row, whole rows, partial row
 
 
+@pytest.mark.ranks
 def test_zero_shards_are_written_where_they_are(four):
     """ZeRO-3 on 4 ranks: each rank wrote its own slice of the embedding; nothing was gathered."""
     root, _ = four
@@ -223,6 +229,7 @@ def test_zero_shards_are_written_where_they_are(four):
     assert len(files) >= 2
 
 
+@pytest.mark.ranks
 def test_export_to_hugging_face_loads_in_transformers(four, tmp_path):
     from transformers import AutoModelForCausalLM
 

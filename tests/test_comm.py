@@ -1,4 +1,5 @@
 """Each recorded collective: its result is right and the ledger's bytes equal comm/volume.py's formula."""
+import pytest
 import torch
 
 from fivefold import comm
@@ -64,6 +65,7 @@ def _collectives(rank, world):
     return mesh.ledger.rows(), sum(in_splits) * 12, in_splits[rank] * 12
 
 
+@pytest.mark.ranks
 def test_ledger_bytes_match_formula():
     n = 4
     results = ranks(_collectives, n)

@@ -136,6 +136,7 @@ def results_of(name, two, four, eight):
 # -- training equals one process ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.ranks
 def test_training_equals_single_process(name, two, four, eight):
     c = case_config(name)
     one = tiny_config(microbatches=c.parallel.microbatches * c.parallel.dp)
@@ -148,6 +149,7 @@ def test_training_equals_single_process(name, two, four, eight):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.ranks
 def test_attention_alone_equals_full_attention(world, two, four):
     check_attention({2: two, 4: four}[world]["attention"], world)
 
@@ -179,6 +181,7 @@ def expected_cp(c: Config) -> dict:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.ranks
 def test_cp_bytes_match_the_formula(name, two, four, eight):
     c = case_config(name)
     want = expected_cp(c)
@@ -190,6 +193,7 @@ def test_cp_bytes_match_the_formula(name, two, four, eight):
 
 # -- memory ------------------------------------------------------------------------------------------
 
+@pytest.mark.ranks
 def test_activation_memory_falls_with_cp(four):
     """Counted activation bytes (saved for backward) per rank at cp = 4 are at most 0.3× those of one
     process on the same 2048-token sequences."""

@@ -36,6 +36,7 @@ def reference(cfg: Config, steps=3):
 
 
 @pytest.mark.parametrize("world, micro, dtype", [(2, 1, "fp32"), (2, 2, "fp32"), (4, 2, "fp32"), (2, 2, "fp64")])
+@pytest.mark.ranks
 def test_dp_equals_single_process(world, micro, dtype):
     cfg = tiny_config(dp=world, microbatches=micro, bucket_mb=0.05)  # several buckets
     ref_cfg = tiny_config()
@@ -74,6 +75,7 @@ def _accumulation(rank, world):
     return sent, sum(p.numel() for p in tr.params)
 
 
+@pytest.mark.ranks
 def test_accumulation_sends_only_on_last_microbatch():
     for sent, phi in ranks(_accumulation, 2):
         assert sent[:3] == [0, 0, 0]
@@ -95,6 +97,7 @@ def test_bf16_keeps_fp32_main_grads_and_masters():
                                       "total": 18 * phi}
 
 
+@pytest.mark.ranks
 def test_bf16_dp_matches_single_process_loosely():
     """bf16 compute: DP and one process agree to bf16 precision (sums differ in order)."""
     cfg = tiny_config()

@@ -177,6 +177,7 @@ def two_rank_runs():
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.ranks
 def test_every_tensor_is_made_on_the_models_device(two_rank_runs, name):
     for rank, r in enumerate(two_rank_runs[name]):
         assert r["device"] == "cpu"
@@ -326,6 +327,7 @@ def _cxx() -> str | None:
 
 
 @pytest.mark.skipif(_cxx() is None, reason="torch.compile's inductor backend needs a C++ compiler on the CPU")
+@pytest.mark.ranks
 def test_compile_with_inductor_matches_eager():
     """The default backend (inductor, what a GPU run uses): generated kernels, fp32 tolerance (~30 s of
     compilation on a small CPU)."""
@@ -334,6 +336,7 @@ def test_compile_with_inductor_matches_eager():
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
 
 
+@pytest.mark.ranks
 def test_compile_under_tensor_parallel_sends_the_same_bytes(two_rank_runs):
     """Collectives inside a compiled block are graph breaks that still go through comm/: same losses,
     same ledger (calls and bytes per dim and op)."""
@@ -356,6 +359,7 @@ def fivefold(*args, timeout=300):
                           timeout=timeout, env=env)
 
 
+@pytest.mark.ranks
 def test_run_json_has_device_peak_memory_and_the_plan(tmp_path):
     out = tmp_path / "pp2"
     r = fivefold("train", "--nproc", "2", "--pp", "2", "--microbatches", "2", *TINY,
@@ -373,6 +377,7 @@ def test_run_json_has_device_peak_memory_and_the_plan(tmp_path):
         assert key in run                                                  # the keys run.json had before
 
 
+@pytest.mark.ranks
 def test_a_cuda_device_without_cuda_fails_at_start_in_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

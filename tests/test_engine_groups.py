@@ -127,6 +127,7 @@ def ref():
 
 
 @pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2", "zero3"])
+@pytest.mark.ranks
 def test_two_reduce_groups_equal_the_reference(kind, ref):
     params, ref_norm = ref
     for rank, r in enumerate(ranks(run_engine, WORLD, kind)):

@@ -106,6 +106,7 @@ def results_of(name, two, four):
 
 
 @pytest.mark.parametrize("name", EXACT)
+@pytest.mark.ranks
 def test_expert_parallel_equals_single_process(name, two, four):
     c = case_config(name)
     one = moe_config(dict(microbatches=c.parallel.microbatches * c.parallel.dp), CASES[name][2])
@@ -117,12 +118,14 @@ def test_expert_parallel_equals_single_process(name, two, four):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.ranks
 def test_dispatcher_equals_local_on_uneven_and_empty_loads(world, two, four):
     for r in {2: two, 4: four}[world]["dispatch"]:
         for got, want in r.values():
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.ranks
 def test_ep_all_to_alls_per_step(two):
     """Per MoE layer and micro-batch: the counts exchange, dispatch and combine forward, and both again
     backward: 1 + 4 all-to-alls under dim "ep"; expert gradients summed over expert-dp (a group of one
@@ -136,6 +139,7 @@ def test_ep_all_to_alls_per_step(two):
             assert ("edp", "all_reduce") not in got and got[("dp", "all_reduce")] >= 1
 
 
+@pytest.mark.ranks
 def test_fp8_dispatch_quarters_the_bytes_and_keeps_the_loss(two):
     """FP8 dispatch sends h + 4 bytes a routed row instead of 4h (fp32); combine and both backward
     exchanges are unchanged, so of the four equal-row all-to-alls per layer the step sends
@@ -152,6 +156,7 @@ def test_fp8_dispatch_quarters_the_bytes_and_keeps_the_loss(two):
             assert got["message_bytes"] == want["message_bytes"] * (13 * h + 4) / (16 * h)
 
 
+@pytest.mark.ranks
 def test_ep_x_tp_sends_one_tp_share(two, four):
     """Group-wise dispatch: with tp = 2 each tp rank dispatches only its half of the micro-batch's
     sequences, so a rank's expert all-to-all bytes are half those of the same dp × ep layout without tp
@@ -190,6 +195,7 @@ def check_planned(c: Config, rows_by_rank: list, dropless: bool) -> None:
             assert measured[key][2] == pytest.approx(row["bytes_sent"], rel=1e-12), key
 
 
+@pytest.mark.ranks
 def test_five_dimensions_in_one_run_equal_single_process():
     """tp2 × cp2 × pp2 × dp2 with ep2 carved from dp × cp: the tiny MoE model's losses, grad norms and
     parameters after 3 steps equal one process's (same micro-batches), and the planner's rows for the

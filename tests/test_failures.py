@@ -67,6 +67,7 @@ def finish(p: subprocess.Popen, timeout=90) -> tuple[int, str]:
     return p.returncode, err
 
 
+@pytest.mark.ranks
 def test_sigterm_saves_a_second_run_is_refused_and_resume_auto_finishes(tmp_path):
     out = tmp_path / "run"
     p = start("train", "--nproc", "2", *LONG, "--out", str(out))
@@ -89,6 +90,7 @@ def test_sigterm_saves_a_second_run_is_refused_and_resume_auto_finishes(tmp_path
     assert [m["step"] for m in metrics(out)] == list(range(step + 2))
 
 
+@pytest.mark.ranks
 def test_a_killed_rank_is_named_and_the_periodic_checkpoint_is_complete(tmp_path):
     out = tmp_path / "run"
     p = start("train", "--nproc", "2", *LONG, "--set", "train.checkpoint_every=2", "--out", str(out))
@@ -110,6 +112,7 @@ def test_a_killed_rank_is_named_and_the_periodic_checkpoint_is_complete(tmp_path
     assert [m["step"] for m in metrics(out)] == list(range(step + 1))
 
 
+@pytest.mark.ranks
 def test_the_run_folder_is_never_written_over(tmp_path):
     out = tmp_path / "run"
     short = [a if a != "4" else "2" for a in TINY]
@@ -133,6 +136,7 @@ def test_the_run_folder_is_never_written_over(tmp_path):
     assert rundir.newest_checkpoint(out).name == "step-00000002"
 
 
+@pytest.mark.ranks
 def test_bad_input_is_refused_before_any_rank_starts(tmp_path):
     marker = tmp_path / "pwned"
 
@@ -159,6 +163,7 @@ def test_bad_input_is_refused_before_any_rank_starts(tmp_path):
     assert r.returncode == 2 and "token id 300" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.ranks
 def test_nonfinite_loss_stops_naming_the_step_and_saves_nothing(tmp_path):
     out = tmp_path / "run"
     r = fivefold("train", *[a if a != "4" else "12" for a in TINY], "--lr", "1e30",
@@ -172,6 +177,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_saves_nothing(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="finds the worker through /proc")
+@pytest.mark.ranks
 def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
     out = tmp_path / "run"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -194,6 +200,7 @@ def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
     assert [m["step"] for m in metrics(out)] == list(range(300))  # trimmed at the checkpoint, then appended
 
 
+@pytest.mark.ranks
 def test_killing_the_torchrun_agent_kills_its_ranks(tmp_path):
     out = tmp_path / "run"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -81,6 +81,7 @@ def fivefold(capsys, *args):
     return code, got.out, got.err
 
 
+@pytest.mark.ranks
 def test_a_seed_gives_the_same_text_and_another_seed_another(runs, capsys):
     args = ("generate", runs["dense"], "--prompt", "The ", "--max-tokens", 24, "--temperature", 1.0)
     a = fivefold(capsys, *args, "--seed", 1)
@@ -91,6 +92,7 @@ def test_a_seed_gives_the_same_text_and_another_seed_another(runs, capsys):
 
 
 @pytest.mark.parametrize("name", ["dense", "mixtral", "qwen2_moe"])
+@pytest.mark.ranks
 def test_the_kv_cache_gives_the_tokens_of_a_full_rerun(runs, name):
     model, tok = load_run(runs[name])
     prompt = tok.encode("over the ")
@@ -107,6 +109,7 @@ def test_the_kv_cache_gives_the_tokens_of_a_full_rerun(runs, name):
     torch.testing.assert_close(torch.cat(parts, 1), full_bsv, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.ranks
 def test_top_k_1_and_a_tiny_top_p_are_greedy(runs):
     model, tok = load_run(runs["mixtral"])
     prompt = tok.encode("the lazy")
@@ -125,6 +128,7 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens():
     assert picks(Sampling(temperature=1.0)) >= {0, 1, 2, 3}
 
 
+@pytest.mark.ranks
 def test_generation_stops_at_the_end_of_text_token(runs):
     model, tok = load_run(runs["dense"])
     prompt = tok.encode("fox")
@@ -134,6 +138,7 @@ def test_generation_stops_at_the_end_of_text_token(runs):
 
 
 @pytest.mark.parametrize("name", ["dense", "mixtral", "qwen2_moe"])
+@pytest.mark.ranks
 def test_export_hf_loads_in_transformers_with_equal_logits(runs, tmp_path, capsys, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -157,6 +162,7 @@ def test_export_hf_loads_in_transformers_with_equal_logits(runs, tmp_path, capsy
     assert fivefold(capsys, "export", runs[name], dest, "--hf")[0] == 2   # never into a non-empty folder
 
 
+@pytest.mark.ranks
 def test_a_run_with_a_hugging_face_tokenizer(runs, tmp_path, capsys):
     from transformers import AutoTokenizer
 
@@ -183,6 +189,7 @@ def test_a_run_with_a_hugging_face_tokenizer(runs, tmp_path, capsys):
     (["--prompt", "a", "--checkpoint", "step-9"], "no such checkpoint"),
     (["--prompt", "x" * 64], "the prompt must be 1..63 tokens"),
 ])
+@pytest.mark.ranks
 def test_bad_input_is_one_line_and_exit_2(runs, capsys, args, rule):
     code, out, err = fivefold(capsys, "generate", runs["dense"], *args)
     assert code == 2 and rule in err and len(err.strip().splitlines()) == 1, err
@@ -199,6 +206,7 @@ def test_missing_runs_and_checkpoints_are_named(tmp_path, capsys):
     assert code == 2 and "export needs a destination" in err
 
 
+@pytest.mark.ranks
 def test_a_full_context_stops_with_a_note(runs, capsys):
     code, out, err = fivefold(capsys, "generate", runs["dense"], "--prompt", "x" * 60, "--max-tokens", 10)
     assert code == 0 and out.startswith("x" * 60) and "stopped after 4 tokens: the context is full" in err

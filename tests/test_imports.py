@@ -3,7 +3,10 @@ themselves (and "nothing imports fivefold.cli") are checked by import-linter: te
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.ranks
 def test_planner_and_the_shared_facts_do_not_import_torch():
     code = ("import sys, fivefold.plan.search, fivefold.plan.estimate, fivefold.plan.report, fivefold.plan.cli, "
             "fivefold.config, fivefold.rules, fivefold.grid, fivefold.shapes, fivefold.comm.volume, "

@@ -62,6 +62,7 @@ def _sockets_after_a_collective(rank, world):
 
 
 @pytest.mark.skipif(not HAS_PROC_NET, reason="needs Linux /proc/net/tcp")
+@pytest.mark.ranks
 def test_local_ranks_listen_on_loopback_only():
     out = run_ranks(_sockets_after_a_collective, 2, timeout_s=60)
     for rank, r in enumerate(out):
@@ -146,6 +147,7 @@ def _cleanup(parent, pids):
     parent.communicate(timeout=30)
 
 
+@pytest.mark.ranks
 def test_ranks_die_when_the_launcher_is_killed(tmp_path):
     parent = _start_launcher(tmp_path, "sleeper")
     pids = []
@@ -161,6 +163,7 @@ def test_ranks_die_when_the_launcher_is_killed(tmp_path):
         _cleanup(parent, pids)
 
 
+@pytest.mark.ranks
 def test_sigterm_stops_the_ranks_cleanly(tmp_path):
     parent = _start_launcher(tmp_path, "stopper")
     pids = []
@@ -177,6 +180,7 @@ def test_sigterm_stops_the_ranks_cleanly(tmp_path):
         _cleanup(parent, pids)
 
 
+@pytest.mark.ranks
 def test_a_second_sigterm_kills_the_ranks(tmp_path):
     parent = _start_launcher(tmp_path, "sleeper")     # ignores the first signal
     pids = []
@@ -193,6 +197,7 @@ def test_a_second_sigterm_kills_the_ranks(tmp_path):
         _cleanup(parent, pids)
 
 
+@pytest.mark.ranks
 def test_last_stop_signal_is_none_without_a_signal():
     assert run_ranks(_beats, 1, (0, 0), timeout_s=30) == [0] and last_stop_signal() is None
 
@@ -213,6 +218,7 @@ def _beat_once_then_hang(rank, world, stamp):
     time.sleep(60)
 
 
+@pytest.mark.ranks
 def test_heartbeats_keep_a_long_run_alive():
     t0 = time.monotonic()
     assert run_ranks(_beats, 2, (15, 0.2), timeout_s=1.5) == [0, 1]   # 3 s of work, 1.5 s watchdog
@@ -220,6 +226,7 @@ def test_heartbeats_keep_a_long_run_alive():
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.ranks
 def test_silence_after_a_heartbeat_is_a_timeout_naming_the_step(tmp_path):
     stamp = tmp_path / "beat"
     with pytest.raises(TimeoutError, match=r"no progress for 1.5 s: rank [01] last reported step 7"):
@@ -248,6 +255,7 @@ def _rank1_killed_during_all_reduce(rank, world):
     return rank
 
 
+@pytest.mark.ranks
 def test_a_killed_rank_is_named_first():
     t0 = time.monotonic()
     with pytest.raises(RankError) as e:
@@ -264,6 +272,7 @@ def _exit_3_on_rank1(rank, world):
     time.sleep(60)
 
 
+@pytest.mark.ranks
 def test_an_exit_code_without_a_result_is_named():
     with pytest.raises(RankError, match=r"^rank 1 exited with code 3 without a result"):
         run_ranks(_exit_3_on_rank1, 2, timeout_s=30)

@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.ranks
 def test_import_contracts_hold():
     exe = Path(sys.executable).parent / "lint-imports"
     assert exe.exists(), "lint-imports is missing: install the test extra (pip install -e '.[test]')"

@@ -132,6 +132,7 @@ def two(tmp_path_factory):
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("mode", ("cpu", "nvme"))
+@pytest.mark.ranks
 def test_offload_equals_the_run_without_it(two, stage, mode):
     _, r = two
     for rank in range(2):
@@ -139,6 +140,7 @@ def test_offload_equals_the_run_without_it(two, stage, mode):
 
 
 @pytest.mark.parametrize("stage", (1, 3))
+@pytest.mark.ranks
 def test_bf16_offload_equals_the_run_without_it(two, stage):
     """Masters in fp32, parameters and gradients in bf16: converted on the host, the same rounding."""
     _, r = two
@@ -148,6 +150,7 @@ def test_bf16_offload_equals_the_run_without_it(two, stage):
 
 
 @pytest.mark.parametrize("case", ["keep-z3", "pp2-z3"])
+@pytest.mark.ranks
 def test_zero3_params_on_disk_equal_the_run_without_offload(two, case):
     """ZeRO-3 nvme with reshard_after_forward off (one gather per micro-batch) and under a pipeline (a
     block per use, the root once; dp = 1: the gather is the shard itself, read in place)."""
@@ -156,6 +159,7 @@ def test_zero3_params_on_disk_equal_the_run_without_offload(two, case):
         assert_same_run(r[f"{case}-nvme"][rank], r[f"{case}-none"][rank], f"{case} rank {rank}")
 
 
+@pytest.mark.ranks
 def test_ledger_rows_per_step_are_the_contract(two):
     """Per rank per step: d2h and h2d once per unit (its gradient and parameter shard), in nvme mode a
     read and a write of its master and moments; ZeRO-3 nvme a read and a copy up of the parameter shard
@@ -181,6 +185,7 @@ def test_ledger_rows_per_step_are_the_contract(two):
 
 
 @pytest.mark.parametrize("dtype", ("fp32", "bf16"))
+@pytest.mark.ranks
 def test_optimizer_state_and_masters_leave_the_device(two, dtype):
     """ZeRO-Offload: the device keeps parameters and gradients; masters and moments (12 bytes per owned
     element) go to host memory, or to disk with two units' worth of host buffers."""
@@ -210,6 +215,7 @@ def test_optimizer_state_and_masters_leave_the_device(two, dtype):
 
 
 @pytest.mark.parametrize("resumed", ["nvme->nvme", "nvme->none", "nvme->cpu", "none->nvme"])
+@pytest.mark.ranks
 def test_resume_across_offload_modes_equals_the_uninterrupted_run(two, resumed):
     root, r = two
     before = resumed.split("->")[0]
@@ -222,6 +228,7 @@ def test_resume_across_offload_modes_equals_the_uninterrupted_run(two, resumed):
     assert not list((root / "ck-nvme" / "nvme").glob("rank-*/*")), "the scratch files go with the run"
 
 
+@pytest.mark.ranks
 def test_four_ranks_dp2_pp2_and_dp4(tmp_path):
     """ZeRO-1 under a pipeline (dp2 x pp2) and ZeRO-2 over 4 ranks, both modes, equal no offload."""
     jobs = []
@@ -265,6 +272,7 @@ def _resident_memory(rank, world, cfg_dict, steps=3):
     return out
 
 
+@pytest.mark.ranks
 def test_disk_mode_keeps_resident_memory_below_the_optimizer_state(tmp_path):
     """~72 MB of masters and moments on disk, in units of ~1 MB (a single process, ZeRO-2 over one
     rank). Every step reads and writes all of it, yet resident memory grows by a small fraction of it;

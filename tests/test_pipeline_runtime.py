@@ -218,16 +218,19 @@ def check_equal(name, results, references):
 
 
 @pytest.mark.parametrize("name", [n for n, (w, _) in CASES.items() if w == 2])
+@pytest.mark.ranks
 def test_two_ranks_equal_single_process(name, two, references):
     check_equal(name, two, references)
 
 
 @pytest.mark.parametrize("name", [n for n, (w, _) in CASES.items() if w == 4])
+@pytest.mark.ranks
 def test_four_ranks_equal_single_process(name, four, references):
     check_equal(name, four, references)
 
 
 @pytest.mark.parametrize("name", [n for n, (w, _) in CASES.items() if w == 8])
+@pytest.mark.ranks
 def test_pp_tp_dp_zero1_on_eight_ranks_equals_single_process(name, eight, references):
     check_equal(name, eight, references)
 
@@ -258,6 +261,7 @@ def expected_pp(c: Config, stage: int) -> dict:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.ranks
 def test_p2p_bytes_match_the_formula(name, two, four, eight):
     c = case_config(name)
     world, p = CASES[name][0], c.parallel
@@ -279,6 +283,7 @@ def test_p2p_bytes_match_the_formula(name, two, four, eight):
 
 @pytest.mark.parametrize("name", ["pp2_zero2_1f1b", "pp2_zero3_interleaved", "pp2_dp2_zero2_interleaved",
                                   "pp2_dp2_zero3_1f1b_full"])
+@pytest.mark.ranks
 def test_zero_under_pipeline_reduces_once_per_step(name, two, four):
     """Under a pipeline ZeRO-2/3 reduce-scatter each unit once per step (gradients accumulate unsharded
     over the micro-batches, as ZeRO-1); ZeRO-3 all-gathers each block before every forward and backward
@@ -303,6 +308,7 @@ def test_zero_under_pipeline_reduces_once_per_step(name, two, four):
 
 
 @pytest.mark.parametrize("name", list(OVERLAP_CASES))
+@pytest.mark.ranks
 def test_gradient_reduction_overlaps_the_schedule(name, four):
     """With parallel.overlap_grad_reduce (the default) a chunk's buckets or units are reduced as soon as
     its last backward has run, while the schedule goes on (stage 1 drains stage 0's backwards; stage 0
@@ -315,6 +321,7 @@ def test_gradient_reduction_overlaps_the_schedule(name, four):
 
 
 @pytest.mark.parametrize("name", ["pp2_gpipe", "pp4_zb", "pp2_tp2_dp2_zero1", "pp2_zero3_interleaved"])
+@pytest.mark.ranks
 def test_tied_embedding_gradients_summed_once_per_step(name, two, four, eight):
     """First and last stage all-reduce the embedding gradient (v·h/tp elements) once per step; the
     middle stages send nothing under "embed"."""
@@ -331,11 +338,13 @@ def test_tied_embedding_gradients_summed_once_per_step(name, two, four, eight):
             assert rows == []
 
 
+@pytest.mark.ranks
 def test_loss_reported_by_every_rank(two, four):
     for results in (two["pp2_gpipe"], four["pp2_dp2_zero1"], four["pp4_interleaved"]):
         assert len({tuple(r["losses"]) for r in results}) == 1
 
 
+@pytest.mark.ranks
 def test_auxiliary_losses_train_through_the_pipeline(two, references):
     """An auxiliary loss added inside the blocks (model.aux) gives the single-process gradients under
     pp = 2 with full recompute: it is trained on the stage that holds its block, counted once."""
@@ -349,6 +358,7 @@ def test_auxiliary_losses_train_through_the_pipeline(two, references):
 
 # -- checkpoints, resume, the measured timeline -------------------------------------------------
 
+@pytest.mark.ranks
 def test_interleaved_micro_batch_group_equals_single_process(two, references):
     """N = 4 micro-batches per group on pp = 2 (breadth-first instead of the default N = p = 2) runs the same
     work in another order: the same losses, norms and weights as one process."""
@@ -360,6 +370,7 @@ def test_interleaved_micro_batch_group_equals_single_process(two, references):
         assert_states_close(r["state"], ref["state"], **TOL["fp32"])
 
 
+@pytest.mark.ranks
 def test_resume_from_full_state_is_exact(two, references):
     """The full state holds the single-process names (the tied embedding once); loading it into a new
     pipeline (both copies of the tied weight) and stepping gives the single-process third step."""
@@ -369,6 +380,7 @@ def test_resume_from_full_state_is_exact(two, references):
         assert_states_close(r["state"], ref["state"], **TOL["fp32"])
 
 
+@pytest.mark.ranks
 def test_training_run_writes_the_measured_timeline(two):
     out = two["run_dir"]
     info = json.loads((out / "pipeline.json").read_text())

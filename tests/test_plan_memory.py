@@ -269,6 +269,7 @@ def run_zero3_jobs(rank: int, world: int, jobs: list) -> list:
     return [measured_zero3_peak(rank, world, job) for job in jobs]
 
 
+@pytest.mark.ranks
 def test_zero3_buffers_equal_the_runtime_sharded_and_pipelined():
     """dp=2 (shards, a micro-batch's reductions in flight into the next) and pp=2 (root kept all step,
     end-of-step reductions), measured on two gloo ranks."""

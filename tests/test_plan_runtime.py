@@ -151,6 +151,7 @@ def _planned(cfg: Config) -> tuple[dict, dict, dict]:
 
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=[_layout_id(c) for c in LAYOUTS])
+@pytest.mark.ranks
 def test_planner_equals_ledger_and_run_json(case, runs):
     cfg = _config(*case)
     try:

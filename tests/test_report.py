@@ -34,6 +34,7 @@ def assert_svg(path):
     assert path.stat().st_size > 1000 and ET.parse(path).getroot().tag.endswith("svg"), path
 
 
+@pytest.mark.ranks
 def test_report_overlays_a_dp_and_a_pp_run_and_tensorboard_holds_every_loss(tmp_path):
     dp, pp = tmp_path / "dp2", tmp_path / "pp2"
     r = fivefold("train", "--nproc", "2", *TINY, "--set", "train.tensorboard=true", "--out", str(dp))
@@ -72,6 +73,7 @@ def test_report_overlays_a_dp_and_a_pp_run_and_tensorboard_holds_every_loss(tmp_
     assert [e.value for e in logged] == pytest.approx(losses(dp), rel=1e-6)   # TensorBoard keeps float32
 
 
+@pytest.mark.ranks
 def test_report_errors_are_one_line_exit_2(tmp_path):
     r = fivefold("report", str(tmp_path / "missing"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no such run folder" in r.stderr
@@ -86,6 +88,7 @@ def test_report_errors_are_one_line_exit_2(tmp_path):
     assert not (tmp_path / "run" / "report").exists()
 
 
+@pytest.mark.ranks
 def test_tensorboard_without_the_package_fails_before_any_rank(tmp_path):
     r = fivefold("train", "--nproc", "2", *TINY, "--set", "train.tensorboard=true", "--out", str(tmp_path / "o"),
                  blocked="tensorboard")

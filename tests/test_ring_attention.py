@@ -104,6 +104,7 @@ def message_bytes(r: int, kh: int, dtype: torch.dtype) -> int:
 
 @pytest.mark.parametrize("r", [2, 4])
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.ranks
 def test_ring_matches_full_attention(ring_results, r, case):
     dtype = CASES[case][0]
     for rank, result in enumerate(ring_results):
@@ -115,6 +116,7 @@ def test_ring_matches_full_attention(ring_results, r, case):
 
 @pytest.mark.parametrize("r", [2, 4])
 @pytest.mark.parametrize("case", ["fp64-causal-mqa", "fp32-causal-gqa2", "fp64-full-gqa2"])
+@pytest.mark.ranks
 def test_ring_ledger(ring_results, r, case):
     dtype, kh = CASES[case][:2]
     msg = message_bytes(r, kh, dtype)

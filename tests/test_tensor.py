@@ -154,6 +154,7 @@ def check_equal(name, results, references):
 
 
 @pytest.mark.parametrize("name", [n for n, (w, _) in CASES.items() if w == 2])
+@pytest.mark.ranks
 def test_two_ranks_equal_single_process(name, two, references):
     """tp=2 with and without SP, accumulation, clipping, untied embeddings with a padded vocab (257),
     fp64 to 1e-10 everywhere: full parameters after 3 steps, losses and grad norms per step."""
@@ -161,6 +162,7 @@ def test_two_ranks_equal_single_process(name, two, references):
 
 
 @pytest.mark.parametrize("name", [n for n, (w, _) in CASES.items() if w == 4])
+@pytest.mark.ranks
 def test_four_ranks_equal_single_process(name, four, references):
     """tp=4 with K/V replicated (kv_heads=2) and split (kv_heads=4), with SP and vocab padding (257 ->
     260); tp2 x dp2 with plain DP and ZeRO-1, 2 (with SP) and 3 (with SP in fp64)."""
@@ -200,6 +202,7 @@ def expected_tp_bytes(c: Config) -> dict[str, float]:
 
 @pytest.mark.parametrize("name", ["tp2", "tp2_sp", "tp2_sp_fp64", "tp4_kv_replicated", "tp4_kv_replicated_sp",
                                   "tp2_dp2_zero3"])
+@pytest.mark.ranks
 def test_ledger_tp_bytes_match_the_formula(name, two, four):
     results = (two[0] if CASES[name][0] == 2 else four[0])[name]
     expect = expected_tp_bytes(case_config(name))
@@ -209,6 +212,7 @@ def test_ledger_tp_bytes_match_the_formula(name, two, four):
             assert {op: x["bytes_sent"] for op, x in got.items()} == expect, name
 
 
+@pytest.mark.ranks
 def test_sp_sends_the_bytes_of_tp(two):
     """Activations: SP's all-gathers plus reduce-scatters send exactly TP's all-reduce bytes; SP's
     remaining all-reduces are the loss statistics and, once per step, the norm weights' gradients."""
@@ -223,6 +227,7 @@ def test_sp_sends_the_bytes_of_tp(two):
     assert tp["all_reduce"]["calls"] == c.parallel.microbatches * (4 * c.model.layers + 2 + 2)
 
 
+@pytest.mark.ranks
 def test_state_bytes_are_counted_from_the_shards(two, four):
     """run.json's model-state bytes come from the tensors a rank holds: the shards."""
     for name in ("tp2", "tp4_kv_split_sp_untied_pad"):
@@ -243,6 +248,7 @@ def test_state_bytes_are_counted_from_the_shards(two, four):
 
 # -- checkpoints -----------------------------------------------------------------------------------
 
+@pytest.mark.ranks
 def test_checkpoint_is_full_and_resume_is_exact(two):
     _, ck, out = two
     for r in ck:
@@ -254,6 +260,7 @@ def test_checkpoint_is_full_and_resume_is_exact(two):
 
 # -- dropout streams ---------------------------------------------------------------------------------
 
+@pytest.mark.ranks
 def test_dropout_masks_agree_where_replicated_and_differ_where_sharded(four):
     """tp2 x dp2 with dropout 0.1. Without SP the residual stream is replicated over tp: both tp ranks
     draw the same masks, so the stream stays identical on them, and the replicated norm weights stay

@@ -186,6 +186,7 @@ def emulated(tmp_path_factory) -> dict:
     return {order: json.loads((folder / "comm.json").read_text()) for order, folder in folders.items()}
 
 
+@pytest.mark.ranks
 def test_recommended_order_keeps_tp_inside_a_node_and_ledger_equals_plan(emulated):
     order = recommended()
     comm = emulated[order]
@@ -195,6 +196,7 @@ def test_recommended_order_keeps_tp_inside_a_node_and_ledger_equals_plan(emulate
     assert_ledger_equals_plan(comm, _config(order))
 
 
+@pytest.mark.ranks
 def test_bad_order_moves_tp_bytes_between_nodes_and_the_plan_says_so(emulated):
     good, bad = emulated[recommended()], emulated[BAD_ORDER]
     tp = {name: {r["tier"]: r["bytes_sent"] for r in c["tiers"] if r["dim"] == "tp"}
@@ -214,6 +216,7 @@ SHAPE = ["--set", "model.vocab=256", "--set", "model.hidden=64", "--set", "model
          "--set", "train.checkpoint=false"]
 
 
+@pytest.mark.ranks
 def test_two_torchrun_agents_record_the_same_bytes_per_tier(tmp_path, emulated):
     """`--nnodes 2 --nproc-per-node 4 --rdzv-backend c10d` on 127.0.0.1: torchrun's LOCAL_WORLD_SIZE (4)
     becomes parallel.ranks_per_node, so comm.json's tiers equal the emulation's and the planner's."""
@@ -264,6 +267,7 @@ def test_report_shows_bytes_per_tier(tmp_path):
     assert {p.name for p in write_report([read_run(run)], tmp_path / "out", "svg")} == {"metrics.svg", "comm.svg"}
 
 
+@pytest.mark.ranks
 def test_slurm_example_runs_torchrun_per_node():
     script = Path(__file__).parent.parent / "examples" / "slurm" / "train.sbatch"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0

@@ -196,6 +196,7 @@ def losses(out):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.ranks
 def test_train_on_a_token_file_resumes_exactly(corpus, token_file, tmp_path):
     common = ["train", "--nproc", "2", *TINY, "--data", str(token_file), "--tokenizer", str(corpus["hf"])]
     full, part = tmp_path / "full", tmp_path / "part"
@@ -291,6 +292,7 @@ MEMORY_PROBE = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.ranks
 def test_batches_from_a_large_token_file_do_not_load_it(tmp_path):
     data = tmp_path / "big.bin"
     writer = TokenFileWriter(data, ByteTokenizer())

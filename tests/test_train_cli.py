@@ -29,6 +29,7 @@ def metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.ranks
 def test_train_writes_outputs_and_loss_is_layout_independent(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     r1 = fivefold("train", *TINY, "--out", str(one))
@@ -51,6 +52,7 @@ def test_train_writes_outputs_and_loss_is_layout_independent(tmp_path):
     assert sum(p.numel() for p in model.parameters()) == run["params"]
 
 
+@pytest.mark.ranks
 def test_resume_continues_the_same_run(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     assert fivefold("train", *TINY, "--out", str(full)).returncode == 0
@@ -62,6 +64,7 @@ def test_resume_continues_the_same_run(tmp_path):
                                [m["loss"] for m in metrics(full)][2:], rtol=1e-6)
 
 
+@pytest.mark.ranks
 def test_user_text_and_token_files(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
@@ -74,6 +77,7 @@ def test_user_text_and_token_files(tmp_path):
     assert metrics(tmp_path / "u")[-1]["loss"] > 0
 
 
+@pytest.mark.ranks
 def test_config_error_exits_2_with_the_rule(tmp_path):
     r = fivefold("train", "--nproc", "3", "--global-batch", "16", "--out", str(tmp_path))
     assert r.returncode == 2
@@ -92,6 +96,7 @@ def _hang(rank, world):
     time.sleep(600)
 
 
+@pytest.mark.ranks
 def test_failing_rank_gives_traceback_and_no_orphans():
     t0 = time.monotonic()
     with pytest.raises(RankError) as e:
@@ -102,18 +107,21 @@ def test_failing_rank_gives_traceback_and_no_orphans():
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.ranks
 def test_hang_is_killed_at_the_timeout():
     with pytest.raises(TimeoutError):
         run_ranks(_hang, 2, timeout_s=8)
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.ranks
 def test_data_errors_are_one_line_before_any_rank_starts(tmp_path):
     r = fivefold("train", "--nproc", "2", *TINY, "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "missing.txt" in r.stderr
     assert "Traceback" not in r.stderr and "rank" not in r.stderr and not (tmp_path / "o").exists()
 
 
+@pytest.mark.ranks
 def test_torchrun_runs_one_rank_per_process(tmp_path):
     """Under torchrun the same command is one rank of the job (gloo here, NCCL when CUDA is present)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

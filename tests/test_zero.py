@@ -10,6 +10,7 @@ from .test_data_parallel import reference, run_many
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.ranks
 def test_zero_equals_single_process(world):
     """Stages 1, 2, 3, with gradient accumulation (2 micro-batches) and clipping (max norm 0.5) on."""
     ref = reference(tiny_config())
@@ -22,6 +23,7 @@ def test_zero_equals_single_process(world):
             assert_states_close(r["state"], ref["state"], **TOL["fp32"])
 
 
+@pytest.mark.ranks
 def test_zero3_fp64_is_exact_and_keeping_params_gives_same_result():
     ref_cfg = tiny_config()
     ref_cfg.train.dtype = "fp64"
@@ -44,6 +46,7 @@ def dp_bytes(rows):
 CASES = [(1, True, 1.0), (2, True, 1.0), (3, True, 1.5), (3, False, 1.0)]
 
 
+@pytest.mark.ranks
 def test_bytes_per_step_match_the_paper():
     """ZeRO-1/2 send the bytes of DP (2Φ(n-1)/n), ZeRO-3 1.5x that; keeping gathered params saves a gather."""
     n = 4
@@ -61,6 +64,7 @@ def test_bytes_per_step_match_the_paper():
             assert ops["all_gather"]["bytes_sent"] == gathers * volume.all_gather(4 * phi, n)
 
 
+@pytest.mark.ranks
 def test_stage2_reduces_every_microbatch_stage1_once():
     n, m = 2, 4
     out = ranks(run_many, n, [tiny_config(dp=n, zero=s, microbatches=m).to_dict() for s in (1, 2)], 1)
@@ -79,6 +83,7 @@ def _state_bytes(rank, world, cfg_dicts):
     return out
 
 
+@pytest.mark.ranks
 def test_model_state_bytes_match_the_formula():
     """ZeRO paper, sections 3 and 5: params w, grads g, optimizer K bytes per parameter (fp32: 4+4+8;
     mixed precision: 2+2+12, or 2+4+12 with fp32 main gradients); stages 1, 2, 3 divide K, then g,

@@ -359,8 +359,18 @@ def _convert(value: Any, kind: Any, key: str) -> Any:
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Read a TOML file (or start from the defaults) and apply dotted-key overrides."""
-    cfg = Config()
-    if path is not None:
-        with open(path, "rb") as f:
-            cfg = Config.from_dict(tomllib.load(f))
+    cfg = Config() if path is None else Config.from_dict(read_toml(path))
     return apply_overrides(cfg, overrides or {})
+
+
+def read_toml(path: str | Path) -> dict:
+    """A config file's tables; a file that cannot be opened or is not TOML is a ConfigError (one line)."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"config {path}: cannot open it ({e.strerror or type(e).__name__}); give the path of a "
+                          f"fivefold TOML config") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config {path} is not TOML ({e}); a fivefold config has [model], [parallel] and "
+                          f"[train] tables") from None

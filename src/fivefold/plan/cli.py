@@ -211,7 +211,7 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
     fixed = {k: getattr(args, k, None) for k in ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch",
                                                   "recompute", "offload")}
     if args.config:
-        cfg = load_config(args.config)
+        cfg = training_config(args.config)
         model = from_model_config(cfg.model, name=Path(args.config).stem)
         layout, work = from_config(cfg)
         for k in fixed:
@@ -232,6 +232,32 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
                    moe_route_nodes=args.moe_route_nodes or work.moe_route_nodes,
                    fp8_gemm=args.fp8_gemm or work.fp8_gemm, fp8_act_cache=args.fp8_act_cache or work.fp8_act_cache)
     return model, layout, work, fixed
+
+
+def training_config(path: str):
+    """--config: a fivefold training TOML, read and checked (a Hugging Face config.json belongs to --model)."""
+    if Path(path).suffix.lower() == ".json":
+        raise ConfigError(f"--config takes a fivefold training TOML, got the JSON file {path}; a Hugging Face "
+                          f"config.json goes to --model")
+    cfg = load_config(path)
+    cfg.model.validate()
+    return cfg
+
+
+def check_seq(work: Workload, model: PlanModel, given: bool) -> None:
+    """The sequence fits the model's positions: seq <= max_seq (past it rotary or learned positions are
+    untrained, and nothing bounded the planner: a billion tokens planned at 120% MFU)."""
+    if work.seq > model.max_seq:
+        what = f"--seq {work.seq}" if given else f"the sequence length {work.seq}"
+        raise ConfigError(f"{what} is beyond the position limit of model {model.name}: it must be <= max_seq = "
+                          f"{model.max_seq}; valid: 1..{model.max_seq}")
+
+
+def check_plot(path: str | None) -> None:
+    """--plot goes into a folder that exists (checked before the search, not after it)."""
+    if path and not Path(path).resolve().parent.is_dir():
+        raise ConfigError(f"--plot {path}: the folder {Path(path).resolve().parent} does not exist; create it or "
+                          f"give a path in an existing folder")
 
 
 def mechanism_options(args, layout: Layout) -> dict:
@@ -270,8 +296,10 @@ def _complete(fixed: dict, gpus: int | None, model: PlanModel) -> bool:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run `fivefold plan`; ConfigError propagates (the caller prints it)."""
     check_args(args)
+    check_plot(args.plot)
     topo = _topology(args)
     model, layout, work, fixed = _base(args)
+    check_seq(work, model, given=args.seq is not None)
     if model.moe:   # beyond experts/top_k every expert already takes every token of a sequence
         check_real("--capacity-factor", args.capacity_factor, 0, model.experts / model.top_k, low_open=False,
                    meaning=f" (the top is experts/top_k = {model.experts}/{model.top_k}: every expert takes every "

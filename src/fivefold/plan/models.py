@@ -33,6 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..config import ConfigError, ModelConfig
+from ..rules import check_count, divisors
 
 
 def cached_hash(obj) -> int:
@@ -304,11 +305,31 @@ def from_hf_config(d: dict, name: str = "hf") -> PlanModel:
 
 
 def _need(d: dict, kind: str, *keys: str) -> list:
+    """The sizes `keys`, each present and a whole number >= 1 (not 0, negative, NaN or a fraction)."""
     missing = [k for k in keys if d.get(k) is None]
     if missing:
         raise ConfigError(f"Hugging Face config ({kind}) lacks {', '.join(map(repr, missing))}; "
                           f"need {', '.join(keys)}")
+    for k in keys:
+        check_count(f"Hugging Face config ({kind}) {k}", d[k], 1)
     return [d[k] for k in keys]
+
+
+# PlanModel's sizes: each a whole number >= 1, or >= 0 where 0 means "none" (no experts, standard attention)
+SIZES = ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq", "top_k")
+OPTIONAL_SIZES = ("experts", "moe_ffn", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank",
+                  "qk_nope_dim", "qk_rope_dim", "v_head_dim")
+
+
+def check_shape(m: PlanModel, source: str) -> PlanModel:
+    """Every size of `m` (read from `source`) a whole number in its range, and the heads grouped evenly
+    for GQA: what the planner divides by and counts with. Returns `m`."""
+    for name in SIZES + OPTIONAL_SIZES:
+        check_count(f"model {m.name} ({source}): {name}", getattr(m, name), 1 if name in SIZES else 0)
+    if m.heads % m.kv_heads:
+        raise ConfigError(f"model {m.name} ({source}): heads ({m.heads}) must divide by kv_heads ({m.kv_heads}) "
+                          f"for grouped-query attention; valid kv_heads: {divisors(m.heads)}")
+    return m
 
 
 def _refuse(kind: str, what: str) -> None:
@@ -405,9 +426,24 @@ def load_model(spec: str | ModelConfig | PlanModel) -> PlanModel:
         return PRESETS[key]
     path = Path(spec)
     if path.suffix == ".json" and path.exists():
-        return from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+        return check_shape(from_hf_config(read_json(path), name=path.parent.name or path.stem),
+                           "Hugging Face config.json")
     if path.suffix == ".toml" and path.exists():
         from ..config import load_config
-        return from_model_config(load_config(path).model, name=path.stem)
+        cfg = load_config(path).model
+        cfg.validate()
+        return from_model_config(cfg, name=path.stem)
     raise ConfigError(f"unknown model {spec!r}; known models: {', '.join(PRESETS)} "
                       f"(or a path to a Hugging Face config.json or a fivefold .toml)")
+
+
+def read_json(path: Path) -> dict:
+    """A Hugging Face config.json's object; a file that is not a JSON object is a ConfigError (one line)."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"model {path}: cannot read it as JSON ({type(e).__name__}: {e}); give a Hugging Face "
+                          f"config.json") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"model {path}: a Hugging Face config.json is a JSON object, got {type(d).__name__}")
+    return d

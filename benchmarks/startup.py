@@ -17,7 +17,10 @@ import os
 import sys
 import time
 
+import common
+
 MODELS = {   # Llama-style shapes; "1b": ~1.1B parameters
+    "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, max_seq=64),
     "small": dict(vocab=8192, hidden=512, layers=8, heads=8, kv_heads=4, ffn=1536, max_seq=64),
     "250m": dict(vocab=32000, hidden=1024, layers=16, heads=16, kv_heads=8, ffn=2816, max_seq=64,
                  tie_embeddings=False),
@@ -109,7 +112,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="steps after the build (0: build only)")
     ap.add_argument("--init-time", action="store_true", help="time the seeded init in one process")
     ap.add_argument("--init-hf", action="store_true", help="--init-hf's reader vs transformers.from_pretrained")
-    args = ap.parse_args()
+    args = common.parse_options(ap, model="tiny", layouts=["tp2xpp2"], steps=1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.init_time:
         return init_time(args)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from fivefold.model import Transformer, loss_sum  # noqa: E402
-from fivefold.model.hf import config_from_hf, from_hf, name_map, to_hf  # noqa: E402
+from fivefold.model.hf import config_from_hf, from_hf, hf_family, name_map, to_hf  # noqa: E402
 
 CONFIGS = [
     dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0),
@@ -220,3 +220,54 @@ def test_export_refuses_models_without_a_family():
                 dict(router="softmax_topk")):
         with pytest.raises(ValueError):
             hf_family(ModelConfig(**base, **bad))
+
+
+def test_older_per_expert_folders_load_like_packed_ones(tmp_path):
+    """A Mixtral folder in the per-expert layout of earlier transformers and of the released checkpoints
+    (block_sparse_moe.experts.<e>.w1 / w3 / w2, block_sparse_moe.gate) reads into the same model."""
+    from safetensors.torch import load_file, save_file
+
+    from fivefold.model.hf_weights import load_hf_model
+
+    hf = hf_moe("mixtral")
+    hf.save_pretrained(tmp_path / "packed")
+    packed = load_hf_model(tmp_path / "packed")
+    theirs = load_file(str(tmp_path / "packed" / "model.safetensors"))
+    legacy = {}
+    for name, t in theirs.items():
+        if ".mlp.experts.gate_up_proj" in name:
+            base = name.replace("mlp.experts.gate_up_proj", "block_sparse_moe.experts")
+            for e, (w1, w3) in enumerate(zip(*t.chunk(2, dim=1))):
+                legacy[f"{base}.{e}.w1.weight"], legacy[f"{base}.{e}.w3.weight"] = w1.clone(), w3.clone()
+        elif ".mlp.experts.down_proj" in name:
+            base = name.replace("mlp.experts.down_proj", "block_sparse_moe.experts")
+            for e, w2 in enumerate(t):
+                legacy[f"{base}.{e}.w2.weight"] = w2.clone()
+        else:
+            legacy[name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")] = t
+    (tmp_path / "legacy").mkdir()
+    (tmp_path / "legacy" / "config.json").write_text((tmp_path / "packed" / "config.json").read_text())
+    save_file(legacy, str(tmp_path / "legacy" / "model.safetensors"))
+    old = load_hf_model(tmp_path / "legacy")
+    for (name, a), b in zip(packed.named_parameters(), old.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_qwen2_with_biases_round_trips_through_a_saved_folder(tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    ours = from_hf(str(tmp_path))
+    assert ours.cfg.qkv_bias and hf_family(ours.cfg) == "qwen2"
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+    back = to_hf(ours)
+    assert type(back).__name__ == "Qwen2ForCausalLM"
+    for name, t in back.state_dict().items():
+        assert torch.equal(t, hf.state_dict()[name]), name

@@ -153,6 +153,28 @@ def is_placeholder(t: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
+def cast_meta(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`module.to(dtype)` for a meta model, by new meta parameters (ties and attributes kept), so it also
+    works under a FakeTensorMode (where Module.to cannot swap tensors). Floating buffers (the router's
+    expert bias) stay fp32, as MoE._apply keeps them, unless the model becomes fp64."""
+    made: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for key, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in made:
+                new = nn.Parameter(torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype,
+                                               device="meta"), requires_grad=p.requires_grad)
+                new.__dict__.update({k: v for k, v in p.__dict__.items() if not k.startswith("_")})
+                made[id(p)] = new
+            m._parameters[key] = made[id(p)]
+        for key, b in list(m._buffers.items()):
+            if b is not None and b.is_floating_point() and dtype == torch.float64:
+                m._buffers[key] = torch.empty(b.shape, dtype=dtype, device="meta")
+    return module
+
+
+@torch.no_grad()
 def materialize(module: nn.Module, device, whole: bool = True) -> None:
     """Replace every meta parameter of `module` by a real one on `device` (uninitialised; `whole`:
     its full local size, else a `placeholder`), keeping its attributes (the placement) and its ties (a

@@ -56,7 +56,7 @@ from ..comm import CommLedger, gather_objects
 from ..config import Config, ConfigError
 from ..mesh import ParallelMesh
 from ..model import Transformer, loss_sum
-from ..model.init import InitSource, materialize
+from ..model.init import InitSource, cast_meta, materialize
 from ..model.transformer import Block
 from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
@@ -120,7 +120,7 @@ class Trainer:
 
         # the model on the meta device: every dimension cuts meta parameters, nothing is allocated
         # until this rank materialises what it holds (model/init.py; DESIGN.md's data flow)
-        meta = Transformer(cfg.model, device="meta").to(self.dtype)
+        meta = cast_meta(Transformer(cfg.model, device="meta"), self.dtype)
         self.n_params = sum(q.numel() for q in unique_params(meta))
         self.model, self.dims = parallelize(meta, self.mesh, cfg)
         # DDP holds its pieces whole; ZeRO keeps them in its own flat buffers or shards, so its

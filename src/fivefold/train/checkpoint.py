@@ -42,6 +42,7 @@ from ..config import Config, ConfigError
 from ..parallel.placement import Placement
 from . import rundir
 from .rundir import FORMAT, INDEX
+from .verify import CLAIMS, canonical, chunk_key, rank_file, verify
 
 SECTIONS = ("model", "exp_avg", "exp_avg_sq")
 
@@ -120,7 +121,7 @@ def segment_chunks(piece: Box, local_shape, start: int, length: int):
 
 
 def _chunk_key(key: str, box: Box) -> str:
-    return f"{key}@{','.join(map(str, box.offsets))}"
+    return chunk_key(key, box.offsets)
 
 
 def _fsync(path: Path) -> None:
@@ -163,7 +164,8 @@ def save(out: str | Path, step: int, cfg: Config, entries: list[tuple[str, torch
             for key, t, box in entries if writers[(key, box.offsets)] == rank}
     mine.update({f"rng/{k}": v.detach().to("cpu").contiguous() for k, v in rng.items()})
     tmp.mkdir(parents=True, exist_ok=True)
-    _write_safetensors(tmp / rank_file(rank), mine)
+    claims = {"step": step, "config": cfg.to_dict(), "world_size": len(everyone), **meta}
+    _write_safetensors(tmp / rank_file(rank), mine, {CLAIMS: canonical(claims)} if rank == 0 else {})
     gather_objects(None)   # every rank's file is written and synced
     final = rundir.step_dir(out, step)
     if rank == 0:
@@ -176,10 +178,6 @@ def save(out: str | Path, step: int, cfg: Config, entries: list[tuple[str, torch
         prune(out, keep)
     gather_objects(None)   # the checkpoint is visible
     return final
-
-
-def rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
 
 
 def assign_writers(specs_by_rank: list[dict]) -> dict[tuple[str, tuple], int]:
@@ -204,10 +202,10 @@ def build_index(everyone: list, writers: dict) -> dict:
     return dict(sorted(tensors.items()))
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path))
+    save_file(tensors, str(path), metadata={"format": "fivefold", **metadata})
     _fsync(path)
 
 
@@ -239,12 +237,13 @@ def prune(out: str | Path, keep: int) -> None:
 # Load
 
 class Reader:
-    """Reads boxes of a checkpoint's tensors from its chunks (files opened lazily, memory-mapped)."""
+    """Reads boxes of a checkpoint's tensors from its chunks (files opened lazily, memory-mapped), once
+    `verify` has confirmed every claim of its index against the files (verify.py)."""
 
-    def __init__(self, ckpt: str | Path):
+    def __init__(self, ckpt: str | Path, model: bool = True):
         self.path = Path(ckpt)
-        self.index = rundir.read_index(self.path)
-        self.tensors = self.index.get("tensors", {})
+        self.index = verify(self.path, model)
+        self.tensors = self.index["tensors"]
         self._files: dict[str, object] = {}
 
     def _file(self, name: str):
@@ -252,8 +251,8 @@ class Reader:
 
         if name not in self._files:
             path = self.path / name
-            if Path(name).name != name or not path.is_file():
-                raise ConfigError(f"{self.path}: chunk file {name!r} is missing")
+            if Path(name).name != name or path.is_symlink() or not path.is_file():
+                raise ConfigError(f"{self.path}: chunk file {name!r} is missing (or not a plain file)")
             try:
                 self._files[name] = safe_open(str(path), framework="pt", device="cpu")
             except Exception as e:   # a file that is not safetensors (e.g. a pickle) is refused, not run
@@ -300,7 +299,7 @@ class Reader:
 def open_matching(ckpt: str | Path, wanted: set[str]) -> Reader:
     """A reader of checkpoint `ckpt`, once the keys the ranks want (`wanted` on each) are checked to be
     exactly those it holds. Call on every rank."""
-    reader = Reader(ckpt)
+    reader = Reader(ckpt, model=False)   # the keys and shapes are compared with this model's below and in read
     every = set().union(*gather_objects(sorted(wanted)))   # bookkeeping exchange
     missing = sorted(every - set(reader.tensors))
     extra = sorted(set(reader.tensors) - every)
@@ -315,10 +314,11 @@ def open_matching(ckpt: str | Path, wanted: set[str]) -> Reader:
 # Single process: whole tensors, export
 
 def find(path: str | Path) -> Path:
-    """A checkpoint folder, or the newest complete one of a run folder."""
+    """A checkpoint folder, or the newest complete one of a run folder, once `verify` confirmed it."""
     ckpt = rundir.resolve_resume(str(path), path)
     if ckpt is None:
         raise ConfigError(f"{path}: no checkpoint")
+    verify(ckpt)
     return ckpt
 
 

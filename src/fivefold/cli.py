@@ -140,7 +140,9 @@ def prepare_run(cfg, args) -> tuple[str | None, int]:
     ckpt = rundir.resolve_resume(args.resume, out)
     if ckpt is None:
         return None, 0
-    index = rundir.read_index(ckpt)
+    from .train.verify import verify
+
+    index = verify(ckpt)   # every claim of its index checked against its own bytes (train/verify.py)
     errors, warnings = rundir.compare_configs(index["config"], cfg.to_dict())
     if errors:
         raise ConfigError(f"cannot resume {ckpt} with a different model shape: {'; '.join(errors)}")
@@ -190,14 +192,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     if env is None:                                                  # does not run, a device it cannot use,
         device = resolve_device(cfg.train.device, "gloo" if world > 1 else None)
     n_tokens = check_data(cfg.train, cfg.model.vocab)               # data it cannot read, a run folder it
-    lock = rundir.RunLock(out) if env is None or env[0] == 0 else None   # must not touch
+    rundir.check_out(out, args.resume, args.overwrite)              # must not touch (again under the lock)
+    lock = rundir.RunLock(out) if env is None or env[0] == 0 else None
     ckpt, start = prepare_run(cfg, args)
     if start >= cfg.train.steps:
         print(f"fivefold train: {out} is at step {start} of {cfg.train.steps}: nothing to do "
               f"(raise --steps to train on)", file=sys.stderr)
         return 0
-    if args.overwrite and lock is not None:
-        rundir.clear(out)
+    if args.overwrite and lock is not None and rundir.holds_run(out):
+        rundir.clear(out)                                           # only what fivefold wrote
+    if lock is not None:
+        rundir.mark(out)                                            # OUT/.fivefold-run: fivefold's from now on
     if lock is not None:
         from .tokenizer import save_to_run
 

@@ -21,6 +21,10 @@ Nothing on disk is unpickled: tensors are safetensors, the rest is JSON. (torch.
 was the other candidate; its metadata file is read with `pickle.load`, so a crafted checkpoint there
 runs code on every rank.)
 
+Trusted only as far as its own bytes confirm (verify.py): rank 0's file carries a copy of the index's
+step, config and counters in its header metadata, and the index the digest of every rank file's header,
+so neither can change without the other.
+
 Atomic: ranks write into OUT/checkpoints/.tmp-step-N-<nonce>/ and fsync; rank 0 writes index.json last,
 fsyncs and renames the folder to step-N. Readers only ever see complete checkpoints; the oldest complete
 ones beyond `keep` are removed after the new one is in place, stale temporary folders with them.
@@ -42,7 +46,7 @@ from ..config import Config, ConfigError
 from ..parallel.placement import Placement
 from . import rundir
 from .rundir import FORMAT, INDEX
-from .verify import CLAIMS, canonical, chunk_key, rank_file, verify
+from .verify import CLAIMS, canonical, chunk_key, header_digest, rank_file, verify
 
 SECTIONS = ("model", "exp_avg", "exp_avg_sq")
 
@@ -166,10 +170,11 @@ def save(out: str | Path, step: int, cfg: Config, entries: list[tuple[str, torch
     tmp.mkdir(parents=True, exist_ok=True)
     claims = {"step": step, "config": cfg.to_dict(), "world_size": len(everyone), **meta}
     _write_safetensors(tmp / rank_file(rank), mine, {CLAIMS: canonical(claims)} if rank == 0 else {})
-    gather_objects(None)   # every rank's file is written and synced
+    digests = gather_objects(header_digest(tmp / rank_file(rank)))   # every rank's file is written and synced
     final = rundir.step_dir(out, step)
     if rank == 0:
         index = {"format": FORMAT, "step": step, "config": cfg.to_dict(), "world_size": len(everyone), **meta,
+                 "files": {rank_file(r): d for r, d in enumerate(digests)},
                  "tensors": build_index(everyone, writers)}
         (tmp / INDEX).write_text(json.dumps(index, indent=1))
         _fsync(tmp / INDEX)

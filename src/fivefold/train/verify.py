@@ -13,16 +13,20 @@ starts). What is checked, reading only the index and the safetensors headers (no
   inside it and cover it exactly (no overlap, no gap), each chunk stored once under the key that names
   its tensor and offsets, with the index's dtype and the chunk's sizes as its shape in the header;
 - the index's step, config, world size and optimizer counters equal the copy rank 0's file carries in
-  its header metadata (written by the same save: the claims travel with the bytes);
+  its header metadata, and the index's digest of each rank file's header equals that header's
+  (written by the same save: the claims travel with the bytes, and a header that changed is refused,
+  say two tensors' byte ranges swapped);
 - the config's model against the tensors: its parameter count first (cheap: a config claiming a huge
   model is refused before anything is built), then every parameter's and buffer's name and shape, from
   the model built on the meta device (no memory).
 
 So a reader that passes `verify` allocates no more than the checkpoint's own tensors hold, and reads
-what was written. Torch is imported only for the meta-device model.
+what was written. Not checked: the tensor bytes themselves (no checksum over the data; a resume reads
+only its own boxes). Torch is imported only for the meta-device model.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -56,6 +60,12 @@ def chunk_key(key: str, offsets) -> str:
 
 def canonical(obj) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def header_digest(path: str | Path) -> str:
+    """sha256 of a safetensors file's checked header (its tensors' names, dtypes, shapes and byte
+    ranges, and its metadata), as the index records it for every rank file."""
+    return hashlib.sha256(canonical(read_header(path)).encode()).hexdigest()
 
 
 class Bad(ConfigError):
@@ -252,12 +262,15 @@ def overlapping(boxes: list[tuple[list, list]]) -> bool:
 
 
 def check_claims(ckpt: Path, index: dict, headers: dict, where: str) -> None:
-    """The index's step, config, world size, ... equal the copy in rank 0's file (when it has one: a
-    checkpoint written before the copy existed is checked by the rest alone)."""
+    """The index's step, config, world size, ... equal the copy in rank 0's file, and its digest of every
+    rank file's header equals the header's (a checkpoint written before these copies existed has
+    neither, and is checked by the rest alone)."""
     header = header_of(ckpt, rank_file(0), index["world_size"], headers, where)
     saved = header.get("__metadata__", {}).get(CLAIMS)
-    if saved is None:
+    if saved is None and "files" not in index:
         return
+    if saved is None:
+        raise Bad(f"{ckpt / rank_file(0)} carries no copy of the index's claims, yet the index lists file digests")
     try:
         claims = json.loads(saved)
     except (ValueError, RecursionError):
@@ -267,6 +280,18 @@ def check_claims(ckpt: Path, index: dict, headers: dict, where: str) -> None:
     for name in CLAIMED:
         if name in claims and canonical(index.get(name)) != canonical(claims[name]):
             raise Bad(f"{where}: {name!r} differs from the copy its rank files carry (the index was changed)")
+    check_digests(ckpt, index, headers, where)
+
+
+def check_digests(ckpt: Path, index: dict, headers: dict, where: str) -> None:
+    """Exactly one digest per rank, each equal to that rank file's header's."""
+    files, world = index.get("files"), index["world_size"]
+    if not isinstance(files, dict) or len(files) != world:
+        raise Bad(f"{where}: 'files' must list the header digest of each of the {world} rank files")
+    for name, digest in files.items():
+        header = header_of(ckpt, name, world, headers, where)
+        if digest != hashlib.sha256(canonical(header).encode()).hexdigest():
+            raise Bad(f"{ckpt / name}: its header is not the one the index recorded (the file was changed)")
 
 
 def check_shapes(cfg: Config, tensors: dict, where: str) -> None:

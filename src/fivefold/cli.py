@@ -97,10 +97,9 @@ def sets_key(config_file: str | None, table: str, key: str) -> bool:
     """Whether the TOML file `config_file` sets [table] key."""
     if not config_file:
         return False
-    import tomllib
+    from .config import read_toml
 
-    with open(config_file, "rb") as f:
-        return key in tomllib.load(f).get(table, {})
+    return key in read_toml(config_file).get(table, {})
 
 
 def resume_tokenizer(cfg, resume: str | None) -> None:

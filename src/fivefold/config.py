@@ -365,6 +365,16 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Read a TOML file (or start from the defaults) and apply dotted-key overrides."""
     cfg = Config()
     if path is not None:
-        with open(path, "rb") as f:
-            cfg = Config.from_dict(tomllib.load(f))
+        cfg = Config.from_dict(read_toml(path))
     return apply_overrides(cfg, overrides or {})
+
+
+def read_toml(path: str | Path) -> dict:
+    """A TOML file's tables; a missing, unreadable or malformed file is one ConfigError naming it."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"config {path}: cannot read it ({e.strerror or e})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ConfigError(f"config {path}: not valid TOML ({e})") from None

@@ -11,7 +11,7 @@ import torch
 
 from fivefold.config import Config, ConfigError
 from fivefold.train import checkpoint, rundir, verify
-from fivefold.train.trainer import Trainer
+from fivefold.train.trainer import Trainer, supported
 
 from .helpers import TIMEOUT_S, run_ranks, tiny_config
 from .test_train_cli import TINY, fivefold, metrics
@@ -276,3 +276,241 @@ def test_chunk_boxes_must_cover_the_tensor_exactly(run, tmp_path):
     edit_index(ckpt, lambda i: i["tensors"][key]["chunks"].pop())
     with pytest.raises(ConfigError, match="do not cover"):
         verify.verify(ckpt)
+
+
+# ---- fuzz: random mutations of a real checkpoint are refused in one line, or change nothing ---------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FUZZ = settings(max_examples=75, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SPECIAL = ["float16", "int64", "bfloat16", "float32", "F16", "I64", "rank-00001.safetensors", "rank-00002.safetensors",
+           "../run.json", "model/embed.weight", "model/embed.weight@0,0", "exp_avg/embed.weight", "step-00000002"]
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.integers(-2**64, 2**64) | st.floats(allow_nan=True)
+    | st.text(max_size=6) | st.sampled_from(SPECIAL),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=2),
+    max_leaves=4)
+
+
+def mutate(doc, data):
+    """One random edit somewhere in a JSON document: replace, delete, nudge a number, swap two siblings."""
+    parent, key, node = None, None, doc
+    while isinstance(node, (dict, list)) and node and data.draw(st.integers(0, 4)) > 0:
+        keys = sorted(node) if isinstance(node, dict) else list(range(len(node)))
+        parent, key = node, data.draw(st.sampled_from(keys))
+        node = node[key]
+    if parent is None:
+        return data.draw(values)
+    kind = data.draw(st.sampled_from(["replace", "delete", "nudge", "swap", "add"]))
+    siblings = sorted(parent) if isinstance(parent, dict) else list(range(len(parent)))
+    if kind == "delete":
+        del parent[key]
+    elif kind == "nudge" and isinstance(node, int) and not isinstance(node, bool):
+        parent[key] = node + data.draw(st.sampled_from([-1, 1, -node - 1, node, 2**40]))
+    elif kind == "swap" and len(siblings) > 1:
+        other = data.draw(st.sampled_from(siblings))
+        parent[key], parent[other] = parent[other], parent[key]
+    elif kind == "add" and isinstance(parent, dict):
+        parent[data.draw(st.sampled_from(["x", "dtype", "step", "offsets", "sizes", "file", "key"]))] = data.draw(values)
+    else:
+        parent[key] = data.draw(values)
+    return doc
+
+
+def fresh_checkpoint(run: Path, root: Path) -> Path:
+    ckpt = root / STEP
+    ckpt.mkdir(parents=True)
+    for f in (run / "checkpoints" / STEP).iterdir():
+        if f.suffix == ".safetensors":
+            os.link(f, ckpt / f.name)
+    return ckpt
+
+
+def same_as_untouched(ckpt: Path, original: dict, index: dict, untouched: dict) -> None:
+    """A checkpoint the checks accepted reads exactly the untouched one's tensors and claims."""
+    for name in verify.CLAIMED + ("world_size",):
+        assert verify.canonical(index.get(name)) == verify.canonical(untouched.get(name)), name
+    reader = checkpoint.Reader(ckpt)
+    assert reader.tensors.keys() == original.keys()
+    for key, want in original.items():
+        got = reader.full(key)
+        assert got.dtype == want.dtype and torch.equal(got, want), key
+    assert reader.rng(1).keys() == checkpoint.Reader(ckpt).rng(1).keys()
+
+
+def accept_or_refuse(ckpt: Path, original: dict, untouched: dict) -> str:
+    try:
+        index = verify.verify(ckpt)
+        same_as_untouched(ckpt, original, index, untouched)
+    except ConfigError as e:
+        assert "\n" not in str(e), str(e)      # one line
+        return "refused"
+    return "accepted"
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_index_json(run, original, tmp_path_factory, data):
+    untouched = rundir.read_index(run / "checkpoints" / STEP)
+    ckpt = fresh_checkpoint(run, tmp_path_factory.mktemp("fuzz"))
+    doc = json.loads(json.dumps(untouched))
+    for _ in range(data.draw(st.integers(1, 3))):
+        doc = mutate(doc, data)
+    (ckpt / "index.json").write_text(json.dumps(doc))
+    accept_or_refuse(ckpt, original, untouched)
+    assert sorted(p.name for p in ckpt.parent.rglob("*")) == sorted([STEP, "index.json", *(
+        f.name for f in (run / "checkpoints" / STEP).glob("*.safetensors"))])   # nothing written
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_rank_file_headers(run, original, tmp_path_factory, data):
+    untouched = rundir.read_index(run / "checkpoints" / STEP)
+    ckpt = fresh_checkpoint(run, tmp_path_factory.mktemp("fuzz"))
+    shutil.copy(run / "checkpoints" / STEP / "index.json", ckpt / "index.json")
+    name = data.draw(st.sampled_from(["rank-00000.safetensors", "rank-00001.safetensors"]))
+    raw = (ckpt / name).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header, rest = json.loads(raw[8:8 + n]), raw[8 + n:]
+    if data.draw(st.booleans()):
+        new = json.dumps(mutate(header, data)).encode()
+    else:   # raw bytes: one flipped, or the header's length field wrong
+        new = bytearray(raw[8:8 + n])
+        new[data.draw(st.integers(0, n - 1))] ^= data.draw(st.integers(1, 255))
+        new = bytes(new)
+    cut = data.draw(st.sampled_from([None, None, None, 0, 7, len(rest) // 2]))
+    (ckpt / name).unlink()
+    (ckpt / name).write_bytes(len(new).to_bytes(8, "little") + new + (rest if cut is None else rest[:cut]))
+    accept_or_refuse(ckpt, original, untouched)
+
+
+def test_the_cli_refuses_mutations_in_one_line(run, tmp_path):
+    """A few representative mutations through the tools themselves: train --resume, generate, export."""
+    cases = [lambda i: i["tensors"]["model/norm.weight"]["chunks"][0].update(offsets=[1]),
+             lambda i: i["tensors"]["model/embed.weight"].update(shape=[512, 64]),
+             lambda i: i["tensors"]["model/embed.weight"]["chunks"][0].update(file="../../run.json")]
+    for k, edit in enumerate(cases):
+        out = copy_run(run, tmp_path / f"r{k}")
+        edit_index(out / "checkpoints" / STEP, edit)
+        tool = [("train", *TINY, "--resume", "auto", "--out", str(out)),
+                ("generate", str(out), "--prompt", "a", "--max-tokens", "1"),
+                ("export", str(out), str(tmp_path / f"e{k}.safetensors"))][k]
+        one_line(fivefold(*tool))
+
+
+# ---- fuzz: config TOML into train, HF config.json and TOML into plan -----------------------------
+
+from fivefold import cli  # noqa: E402
+
+HF_LLAMA = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+            "num_key_value_heads": 4, "vocab_size": 1000, "intermediate_size": 512, "max_position_embeddings": 2048,
+            "hidden_act": "silu", "tie_word_embeddings": False}
+TRAIN_TOML = {"model": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256, "max_seq": 64},
+              "parallel": {"dp": 2, "tp": 1, "microbatches": 2},
+              "train": {"steps": 4, "global_batch": 8, "seq_len": 32, "lr": 0.01, "checkpoint": True}}
+scalars = (st.integers(-3, 3) | st.integers(-2**63, 2**63 - 1) | st.floats(allow_nan=True) | st.booleans()
+           | st.text(max_size=6) | st.sampled_from(["llama", "mixtral", "gpt2", "silu", "1f1b", "megatron"]))
+
+
+def toml_text(tables: dict) -> str:
+    """Tables of scalars (and lists of them) as TOML."""
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, float):
+            return {"nan": "nan", "inf": "inf", "-inf": "-inf"}.get(repr(v), repr(v))
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(v) if isinstance(v, str) else str(v)
+    lines = []
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            lines.append(f"{name} = {value(table)}")
+            continue
+        lines.append(f"[{name}]")
+        lines += [f"{json.dumps(k)} = {value(v)}" for k, v in table.items() if not isinstance(v, dict)]
+    return "\n".join(lines) + "\n"
+
+
+def edit_config(doc: dict, data) -> dict:
+    """One random edit of a table of tables: a key set to a random scalar, removed, or added."""
+    table = data.draw(st.sampled_from(sorted(doc)))
+    if isinstance(doc[table], dict):
+        keys = sorted(doc[table]) + ["experts", "zero", "pp", "cp", "vocab", "num_experts", "x"]
+        key = data.draw(st.sampled_from(keys))
+        if data.draw(st.integers(0, 5)) == 0:
+            doc[table].pop(key, None)
+        else:
+            doc[table][key] = data.draw(scalars | st.lists(scalars, max_size=2))
+    return doc
+
+
+def plan_exit(argv) -> int:
+    """`fivefold plan ...` in this process: its exit status (a traceback fails the test)."""
+    return cli.main(["plan", *argv, "--json"])
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_hf_config_into_plan(tmp_path_factory, capsys, data):
+    doc = dict(HF_LLAMA)
+    for _ in range(data.draw(st.integers(1, 3))):
+        key = data.draw(st.sampled_from(sorted(doc) + ["num_local_experts", "head_dim", "num_experts_per_tok"]))
+        doc[key] = data.draw(scalars)
+    path = tmp_path_factory.mktemp("hf") / "config.json"
+    path.write_text(json.dumps(doc) if data.draw(st.integers(0, 9)) else json.dumps(doc)[:-3])
+    assert plan_exit(["--model", str(path), "--gpus", "2", "--tp", "1", "--pp", "1", "--cp", "1"]) in (0, 2)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_config_toml_into_train_and_plan(tmp_path_factory, capsys, data):
+    doc = json.loads(json.dumps(TRAIN_TOML))
+    for _ in range(data.draw(st.integers(1, 3))):
+        doc = edit_config(doc, data)
+    path = tmp_path_factory.mktemp("toml") / "run.toml"
+    path.write_text(toml_text(doc) if data.draw(st.integers(0, 9)) else toml_text(doc)[:-4] + "= [")
+    ap = cli.argparse.ArgumentParser()
+    cli.add_train_args(ap)
+    args = ap.parse_args(["--config", str(path), "--out", str(path.parent / "out")])
+    try:
+        cfg = cli.resolve_train_config(args)
+        cfg.validate(cfg.parallel.world_size)
+        supported(cfg)
+    except ConfigError as e:
+        assert "\n" not in str(e)
+    assert plan_exit(["--config", str(path)]) in (0, 2)
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_plan_refuses_bad_model_files_in_one_line(tmp_path, capsys):
+    cases = {"zero heads": dict(HF_LLAMA, num_attention_heads=0), "negative heads": dict(HF_LLAMA, num_attention_heads=-4),
+             "vocab 0": dict(HF_LLAMA, vocab_size=0), "float": dict(HF_LLAMA, hidden_size=64.5),
+             "string": dict(HF_LLAMA, hidden_size="256"), "kv": dict(HF_LLAMA, num_key_value_heads=3)}
+    for name, doc in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(doc))
+        assert plan_exit(["--model", str(path)]) == 2, name
+    (tmp_path / "nan.json").write_text(json.dumps(HF_LLAMA).replace("256", "NaN"))
+    (tmp_path / "not.json").write_text("not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "zero.toml").write_text("[model]\nheads = 0\n")
+    (tmp_path / "bad.toml").write_text("[model\n")
+    for argv in (["--model", "nan.json"], ["--model", "not.json"], ["--model", "list.json"],
+                 ["--config", "zero.toml"], ["--model", "zero.toml"], ["--config", "bad.toml"],
+                 ["--config", "missing.toml"]):
+        assert plan_exit([argv[0], str(tmp_path / argv[1])]) == 2, argv
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("fivefold: config error:") == 13
+
+
+def test_train_refuses_a_missing_or_malformed_config_in_one_line(tmp_path):
+    (tmp_path / "bad.toml").write_text("[train\nsteps = 3\n")
+    for path in (tmp_path / "bad.toml", tmp_path / "missing.toml"):
+        r = fivefold("train", "--config", str(path), "--out", str(tmp_path / "out"))
+        one_line(r)
+        assert str(path) in r.stderr

@@ -216,3 +216,17 @@ def alive(pid: int) -> bool:
         return "\tZ" not in Path(f"/proc/{pid}/status").read_text().split("State:")[1][:4]
     except (FileNotFoundError, IndexError):
         return False
+
+
+def test_ctrl_c_of_the_launcher_saves_and_exits_130(tmp_path):
+    out = tmp_path / "run"
+    p = start("train", "--nproc", "2", *LONG, "--out", str(out))
+    try:
+        wait_for(lambda: lines(out) >= 2, what="two steps")
+        p.send_signal(signal.SIGINT)
+        code, err = finish(p)
+    finally:
+        p.kill()
+    assert code == 128 + signal.SIGINT, err[-2000:]            # 130, as for any Ctrl-C'd command
+    step = newest_step(out)
+    assert f"stopped by SIGINT after step {step}" in err and "Traceback" not in err

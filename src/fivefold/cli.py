@@ -174,8 +174,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .comm import CommLedger
     from .train import rundir
     from .train.data import check_data
-    from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, leave_torchrun,
-                               resolve_device, run_ranks, torchrun_env, torchrun_ranks_per_node)
+    from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, last_stop_signal,
+                               leave_torchrun, resolve_device, run_ranks, torchrun_env, torchrun_ranks_per_node)
     from .train.scalars import require_tensorboard
     from .train.trainer import supported, train_rank
 
@@ -233,10 +233,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(hist)} steps")
     print("\ncommunication (all ranks):")
     print(CommLedger.read(Path(out) / "comm.json").table())
-    if r0.get("stopped"):
-        print(f"fivefold: stopped by {r0['stopped']} after step {r0['step']}; checkpoint in "
+    # the signal the launcher received (it forwards any stop to the ranks as SIGTERM): Ctrl-C exits 130
+    stopped = last_stop_signal() or r0.get("stopped")
+    if stopped:
+        print(f"fivefold: stopped by {stopped} after step {r0['step']}; checkpoint in "
               f"{rundir.step_dir(out, r0['step'])}; continue with --resume auto --out {out}", file=sys.stderr)
-    return stop_code(r0.get("stopped"))
+    return stop_code(stopped)
 
 
 def planned_memory(cfg, device_type: str) -> dict:

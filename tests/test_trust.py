@@ -514,3 +514,29 @@ def test_train_refuses_a_missing_or_malformed_config_in_one_line(tmp_path):
         r = fivefold("train", "--config", str(path), "--out", str(tmp_path / "out"))
         one_line(r)
         assert str(path) in r.stderr
+
+
+# ---- weak today: one line, exit 2, before any rank starts ----------------------------------------
+
+def test_an_out_that_cannot_be_a_folder_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    for out in ("/proc/fivefold-x", tmp_path / "file" / "child", tmp_path / "file"):
+        r = fivefold("train", *TINY, "--out", str(out))
+        one_line(r)
+        assert "folder" in r.stderr
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_checkpoints_folder_that_cannot_take_a_save_fails_at_start(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    rundir.mark(out)
+    (out / "checkpoints").write_text("")
+    with pytest.raises(ConfigError, match="checkpoints is not a folder"):
+        rundir.check_writable(out, checkpoints_too=True)
+    rundir.check_writable(out, checkpoints_too=False)   # a run that saves nothing does not care
+    if os.geteuid() != 0:   # root writes through permission bits
+        (out / "checkpoints").unlink()
+        (out / "checkpoints").mkdir(mode=0o500)
+        with pytest.raises(ConfigError, match="not writable"):
+            rundir.check_writable(out, checkpoints_too=True)

@@ -194,6 +194,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     rundir.check_out(out, args.resume, args.overwrite)              # must not touch (again under the lock)
     lock = rundir.RunLock(out) if env is None or env[0] == 0 else None
     ckpt, start = prepare_run(cfg, args)
+    if lock is not None:
+        rundir.check_writable(out, cfg.train.checkpoint)
     if start >= cfg.train.steps:
         print(f"fivefold train: {out} is at step {start} of {cfg.train.steps}: nothing to do "
               f"(raise --steps to train on)", file=sys.stderr)

@@ -212,6 +212,27 @@ def check_folder(out: str | Path) -> None:
         raise ConfigError(f"--out {out} cannot be created: {parent} is not writable")
 
 
+def check_writable(out: str | Path, checkpoints_too: bool) -> None:
+    """OUT, and OUT/checkpoints when the run saves, take a new file: probed by making and removing one
+    (permission bits alone miss read-only mounts, full disks and root), so a run that could not save
+    fails before its first step, not after its last."""
+    out = Path(out)
+    folders = [out]
+    root = out / CHECKPOINTS
+    if checkpoints_too and os.path.lexists(root):
+        if root.is_symlink() or not root.is_dir():
+            raise ConfigError(f"--out {out}: {CHECKPOINTS} is not a folder; checkpoints could not be saved there")
+        folders.append(root)
+    for folder in folders:
+        probe = folder / f".probe-{os.getpid()}"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            os.unlink(probe)
+        except OSError as e:
+            what = "checkpoints could not be saved" if folder == root else "the run could not write it"
+            raise ConfigError(f"--out {out}: {folder} is not writable ({e.strerror or e}); {what}") from None
+
+
 def clear(out: str | Path) -> None:
     """--overwrite: remove what a fivefold run wrote, and nothing else: its metric and report files,
     its TensorBoard event files, and its checkpoints (folders holding fivefold's index) and interrupted
@@ -285,6 +306,9 @@ class RunLock:
         check_folder(out)
         try:
             out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--out {out} cannot be a folder ({e.strerror or e}); choose another --out") from None
+        try:
             self.path = out / LOCK
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:

@@ -101,6 +101,12 @@ def header_digest(data: str | Path) -> str:
     return hashlib.sha256(header_path(data).read_bytes()).hexdigest()[:16]
 
 
+class DataChanged(OSError):
+    """A data file shrank under a running job: one line naming it (launch.py reports `brief` errors so)."""
+
+    brief = True
+
+
 class TokenFile:
     """A token file's ids as a read-only 1-D array-like (`len`, `[a:b]` slices, `dtype`) that reads only
     the slices asked for, with positioned reads (os.pread) through the page cache. Not an np.memmap: a
@@ -124,11 +130,16 @@ class TokenFile:
         while size:
             part = os.pread(self.fd(), size, where)
             if not part:
-                raise OSError(f"token file {self.path} ends before byte {where}: it changed after it was checked")
+                raise DataChanged(f"data file {self.path} ends before byte {where}: it was truncated after "
+                                  f"the run checked it; restore it, then --resume auto")
             parts.append(part)
             size -= len(part)
             where += len(part)
         return np.frombuffer(b"".join(parts), dtype=self.dtype)
+
+    def tolist(self) -> list[int]:
+        """Every id (reads the whole file: for small files and tests)."""
+        return self[:].tolist()
 
     def fd(self) -> int:
         """The open file (opened again in a child process: descriptors are not shared across fork)."""

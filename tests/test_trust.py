@@ -540,3 +540,31 @@ def test_a_checkpoints_folder_that_cannot_take_a_save_fails_at_start(tmp_path):
         (out / "checkpoints").mkdir(mode=0o500)
         with pytest.raises(ConfigError, match="not writable"):
             rundir.check_writable(out, checkpoints_too=True)
+
+
+def test_an_offload_dir_that_cannot_hold_the_state_fails_at_start(tmp_path, monkeypatch):
+    cfg = tiny_config(dp=2, zero=1, offload="nvme")
+    (tmp_path / "file").write_text("")
+    cfg.parallel.offload_dir = str(tmp_path / "file")
+    planned = cli.planned_memory(cfg, "cpu")
+    with pytest.raises(ConfigError, match="is not a folder"):
+        cli.check_offload_dir(cfg, 2, planned)
+    cfg.parallel.offload_dir = str(tmp_path / "file" / "under")
+    with pytest.raises(ConfigError, match="not writable"):
+        cli.check_offload_dir(cfg, 2, planned)
+    cfg.parallel.offload_dir = str(tmp_path / "nvme")
+    per_rank = max(s["disk"] for s in planned["stages"])
+    assert per_rank > 0
+    cli.check_offload_dir(cfg, 2, planned)                 # room enough here
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=2 * per_rank - 1))
+    with pytest.raises(ConfigError, match=r"needs .* GiB \(2 rank\(s\)"):
+        cli.check_offload_dir(cfg, 2, planned)
+
+
+def test_an_offload_dir_that_is_a_file_is_one_line_in_the_cli(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    r = fivefold("train", "--nproc", "2", *TINY, "--zero", "1", "--set", "parallel.offload=nvme",
+                 "--set", f"parallel.offload_dir={tmp_path / 'file'}", "--out", str(tmp_path / "out"))
+    one_line(r)
+    assert "offload_dir" in r.stderr and (tmp_path / "file").read_text() == "mine"

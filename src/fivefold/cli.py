@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from pathlib import Path
@@ -157,6 +158,37 @@ def prepare_run(cfg, args) -> tuple[str | None, int]:
     return str(ckpt), index["step"]
 
 
+def check_offload_dir(cfg, ranks_here: int, planned: dict) -> None:
+    """parallel.offload = nvme: offload_dir must be a folder this process can write (made here when
+    missing, as the run would), on a disk with room for the offloaded state of the `ranks_here` ranks
+    that share it: the planner's `disk` bytes per rank (`planned_memory`, what parallel/offload.py
+    writes). Checked before any rank starts, not at the first step."""
+    import shutil
+
+    p = cfg.parallel
+    if p.offload != "nvme":
+        return
+    folder = Path(p.offload_dir)
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise ConfigError(f"parallel.offload_dir {folder} is not a folder; give a folder on a fast local disk")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe-{os.getpid()}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"parallel.offload_dir {folder} is not writable ({e.strerror or e}); give a folder on a "
+                          f"fast local disk") from None
+    stages = planned.get("stages") or []
+    per_rank = max((s.get("disk", 0) for s in stages), default=0)
+    need, free = per_rank * ranks_here, shutil.disk_usage(folder).free
+    if need > free:
+        gib = 2**30
+        raise ConfigError(f"parallel.offload_dir {folder} has {free / gib:.2f} GiB free; the offloaded optimizer "
+                          f"state needs {need / gib:.2f} GiB ({ranks_here} rank(s) x {per_rank / gib:.2f} GiB, "
+                          f"the planner's disk row): free space there, or choose another offload_dir")
+
+
 def nodes_from_torchrun(cfg, local_world: int | None, announce: bool) -> None:
     """Under torchrun the ranks of one agent share a node: parallel.ranks_per_node takes its
     LOCAL_WORLD_SIZE unless the config sets it (to emulate other nodes), which is then announced."""
@@ -217,6 +249,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         import torch.distributed as dist
 
         planned = planned_memory(cfg, resolve_device(cfg.train.device, dist.get_backend()).type)
+        check_offload_dir(cfg, torchrun_ranks_per_node() or 1, planned)
         result = train_rank(rank, world, cfg.to_dict(), out, ckpt, planned)
         leave_torchrun(stop_code(result.get("stopped")))   # does not return; failures propagate as usual
     k = cfg.parallel.ranks_per_node
@@ -226,6 +259,7 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"{cfg.model.num_params():,} parameters, {n_tokens:,} tokens, steps {start}..{cfg.train.steps} -> {out}",
           file=sys.stderr)
     planned = planned_memory(cfg, device.type)
+    check_offload_dir(cfg, world, planned)
     results = run_ranks(train_rank, world, (cfg.to_dict(), out, ckpt, planned), timeout_s=args.timeout)
     lock.release()
     r0 = results[0]

@@ -568,3 +568,24 @@ def test_an_offload_dir_that_is_a_file_is_one_line_in_the_cli(tmp_path):
                  "--set", f"parallel.offload_dir={tmp_path / 'file'}", "--out", str(tmp_path / "out"))
     one_line(r)
     assert "offload_dir" in r.stderr and (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_linked_tokenizer_copy_is_refused(run, tmp_path):
+    from fivefold.tokenizer import run_tokenizer_file
+
+    out = copy_run(run, tmp_path / "r")
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("{}")
+    (out / "tokenizer.json").symlink_to(outside)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        run_tokenizer_file(out)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        rundir.check_out(out, "auto", False)
+
+
+def test_a_model_too_big_for_this_machine_is_refused_before_any_rank_starts(tmp_path):
+    r = fivefold("train", "--nproc", "2", *TINY, "--set", "model.hidden=65536", "--set", "model.heads=64",
+                 "--set", "model.kv_heads=8", "--set", "model.layers=64", "--set", "model.ffn=262144",
+                 "--out", str(tmp_path / "out"))
+    one_line(r)
+    assert "parameters" in r.stderr and "GiB" in r.stderr and not (tmp_path / "out").exists()

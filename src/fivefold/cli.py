@@ -158,6 +158,23 @@ def prepare_run(cfg, args) -> tuple[str | None, int]:
     return str(ckpt), index["step"]
 
 
+def check_host_memory(cfg, ranks_here: int) -> None:
+    """Each local rank first builds the whole model in host memory (train/trainer.py), so a model whose
+    weights alone, times the ranks on this machine, exceed its physical memory cannot start: refused in
+    one line rather than left to the kernel's OOM killer. A lower bound of the need, never a prediction."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return   # the platform does not say
+    itemsize = {"fp32": 4, "bf16": 2, "fp64": 8}.get(cfg.train.dtype, 4)
+    need = cfg.model.num_params() * itemsize * ranks_here
+    if need > total:
+        gib = 2**30
+        raise ConfigError(f"the model has {cfg.model.num_params():,} parameters: its {cfg.train.dtype} weights on "
+                          f"each of {ranks_here} local rank(s) take {need / gib:,.1f} GiB, this machine has "
+                          f"{total / gib:,.1f} GiB; choose a smaller model (model.hidden, model.layers, ...)")
+
+
 def check_offload_dir(cfg, ranks_here: int, planned: dict) -> None:
     """parallel.offload = nvme: offload_dir must be a folder this process can write (made here when
     missing, as the run would), on a disk with room for the offloaded state of the `ranks_here` ranks
@@ -218,6 +235,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = cfg.train.out
     world = env[1] if env else (args.nproc or cfg.parallel.world_size)
     cfg.validate(world)
+    check_host_memory(cfg, (torchrun_ranks_per_node() or 1) if env else world)
     require_tensorboard(cfg.train.tensorboard)
     supported(cfg)                                                   # before any rank starts: what the runtime
     if env is None:                                                  # does not run, a device it cannot use,

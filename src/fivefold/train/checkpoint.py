@@ -230,6 +230,10 @@ def prune(out: str | Path, keep: int) -> None:
     """Remove the oldest complete checkpoints beyond `keep`, and leftovers of interrupted saves (the run
     folder's lock means no other save is under way)."""
     for old in rundir.checkpoints(out)[:-keep]:
+        try:
+            rundir.read_index(old)   # fivefold's own (its index says so): nothing else is removed
+        except ConfigError:
+            continue
         shutil.rmtree(old, ignore_errors=True)
     root = Path(out) / rundir.CHECKPOINTS
     for stale in root.glob(".*"):

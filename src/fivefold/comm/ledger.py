@@ -142,7 +142,7 @@ class CommLedger:
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return CommLedger.merge([self])
-        from .ops import waiting
+        from .waits import waiting
 
         objs: list = [None] * dist.get_world_size()
         with waiting():

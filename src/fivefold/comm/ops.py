@@ -8,13 +8,11 @@ seconds under (dim, op) on the group's tier, where dim defaults to the group's n
 return a `Handle` whose `wait()` adds the seconds spent waiting. A group of one rank sends nothing and
 records nothing.
 
-Every blocking wait (a Handle's `wait`, `gather_objects`) is marked while it lasts in `waiting`, a
-slot of shared memory the launcher hands each local rank (`watch_waits`): when the hang watchdog fires,
-the ranks blocked in a collective are waiting for the ones that are not, and those are named.
+Every blocking wait (a Handle's `wait`, `gather_objects`) is marked while it lasts (comm/waits.py), so
+the launcher's hang watchdog names a rank that stalled, not one waiting for it.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -23,31 +21,7 @@ import torch.distributed as dist
 
 from . import volume
 from .ledger import CommLedger
-
-
-_waits = None   # (shared array, this rank's slot) under train.launch.run_ranks; None elsewhere
-_depth = 0      # nested waits of this process (a batched handle waits for its parts)
-
-
-def watch_waits(slots, index: int) -> None:
-    """Mark this process's blocking waits in slots[index] (1 while waiting, else 0): the launcher reads it."""
-    global _waits
-    _waits = (slots, index)
-
-
-@contextlib.contextmanager
-def waiting():
-    """Inside: this rank is blocked in a collective (see `watch_waits`)."""
-    global _depth
-    _depth += 1
-    if _waits is not None:
-        _waits[0][_waits[1]] = 1
-    try:
-        yield
-    finally:
-        _depth -= 1
-        if _waits is not None and _depth == 0:
-            _waits[0][_waits[1]] = 0
+from .waits import waiting
 
 
 @dataclass

@@ -33,7 +33,7 @@ starting up and joining may take max(timeout_s, 60 s), which is also gloo's own 
 that has not finished stays silent for timeout_s, every rank is killed and `TimeoutError` says which
 rank and the last step it reported. So a function that never calls `heartbeat` is still killed timeout_s
 after its ranks joined. The rank named is one that stalled, not one waiting for it: every rank marks in
-shared memory while it is blocked in a collective (comm/ops.py `waiting`), and of the silent ranks
+shared memory while it is blocked in a collective (comm/waits.py), and of the silent ranks
 one that is not blocked is blamed (`stalled_rank`), the blocked ones listed after it.
 
 Failures. A rank that raises makes the call raise `RankError` with that rank's traceback, after every
@@ -198,15 +198,15 @@ def _loads(data: bytes):
 
 def _worker(rank, world_size, store_path, fn, args, results, timeout_s, parent_pid, waits=None):
     """One rank: messages to the parent are (rank, kind, payload), kind in started|progress|ok|error.
-    `waits[rank]` is 1 while the rank is blocked in a collective (comm.ops.watch_waits)."""
+    `waits[rank]` is 1 while the rank is blocked in a collective (comm.waits.watch_waits)."""
     global _progress
     die_with_parent(parent_pid)
     install_stop_handlers()
     one_thread()
     if waits is not None:
-        from ..comm import ops
+        from ..comm.waits import watch_waits
 
-        ops.watch_waits(waits, rank)
+        watch_waits(waits, rank)
     try:
         if world_size > 1:
             init_gloo(rank, world_size, store_path, timeout_s)

@@ -283,7 +283,7 @@ def test_chunk_boxes_must_cover_the_tensor_exactly(run, tmp_path):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-FUZZ = settings(max_examples=75, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=75, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 SPECIAL = ["float16", "int64", "bfloat16", "float32", "F16", "I64", "rank-00001.safetensors", "rank-00002.safetensors",
            "../run.json", "model/embed.weight", "model/embed.weight@0,0", "exp_avg/embed.weight", "step-00000002"]

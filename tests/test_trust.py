@@ -75,6 +75,14 @@ def test_an_index_dtype_other_than_the_files_is_refused(run, tmp_path, dtype):
         checkpoint.full_tensors(ckpt)
 
 
+def test_a_dtype_that_is_not_a_name_is_refused(run, tmp_path):
+    """Found by the fuzz test below: a list where a dtype name belongs (unhashable) is a refusal too."""
+    ckpt = copy_run(run, tmp_path / "r") / "checkpoints" / STEP
+    edit_index(ckpt, lambda i: i["tensors"]["model/embed.weight"].update(dtype=["float32"]))
+    with pytest.raises(ConfigError, match="needs a shape"):
+        verify.verify(ckpt)
+
+
 def test_resume_from_a_retyped_checkpoint_exits_2_before_training(run, tmp_path):
     ckpt = copy_run(run, tmp_path / "r") / "checkpoints" / STEP
     edit_index(ckpt, lambda i: i["tensors"]["model/embed.weight"].update(dtype="int64"))

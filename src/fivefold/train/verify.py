@@ -79,6 +79,11 @@ def _is_count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+def _named(x, table: dict) -> bool:
+    """Whether x is one of the string keys of `table` (a list or table from JSON is not hashable)."""
+    return isinstance(x, str) and x in table
+
+
 def _counts(x) -> bool:
     return isinstance(x, list) and all(_is_count(v) for v in x)
 
@@ -127,7 +132,7 @@ def read_header(path: str | Path) -> dict:
 def _check_tiling(path: Path, tensors: dict, data_bytes: int) -> None:
     ranges = []
     for name, t in tensors.items():
-        ok = (isinstance(t, dict) and t.get("dtype") in DTYPES and _counts(t.get("shape"))
+        ok = (isinstance(t, dict) and _named(t.get("dtype"), DTYPES) and _counts(t.get("shape"))
               and _counts(t.get("data_offsets")) and len(t["data_offsets"]) == 2)
         if not ok:
             raise Bad(f"{path}: header entry {name!r} is not a tensor of a known dtype")
@@ -215,7 +220,7 @@ def check_tensor(ckpt: Path, key, entry, world: int, headers: dict, used: set, w
     section = key.split("/", 1)[0] if isinstance(key, str) and "/" in key else None
     if section not in SECTIONS:
         raise Bad(f"{where}: tensor {key!r} is in no known section ({', '.join(SECTIONS)})")
-    ok = isinstance(entry, dict) and entry.get("dtype") in ITEMSIZE and _counts(entry.get("shape"))
+    ok = isinstance(entry, dict) and _named(entry.get("dtype"), ITEMSIZE) and _counts(entry.get("shape"))
     if not ok or not isinstance(entry.get("chunks"), list):
         raise Bad(f"{where}: {key}: needs a shape (integers >= 0), a dtype ({', '.join(ITEMSIZE)}) and chunks")
     shape, boxes = entry["shape"], []

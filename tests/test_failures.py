@@ -223,3 +223,36 @@ def alive(pid: int) -> bool:
         return "\tZ" not in Path(f"/proc/{pid}/status").read_text().split("State:")[1][:4]
     except (FileNotFoundError, IndexError):
         return False
+
+
+def test_ctrl_c_of_the_launcher_saves_and_exits_130(tmp_path):
+    out = tmp_path / "run"
+    p = start("train", "--nproc", "2", *LONG, "--out", str(out))
+    try:
+        wait_for(lambda: lines(out) >= 2, what="two steps")
+        p.send_signal(signal.SIGINT)
+        code, err = finish(p)
+    finally:
+        p.kill()
+    assert code == 128 + signal.SIGINT, err[-2000:]            # 130, as for any Ctrl-C'd command
+    step = newest_step(out)
+    assert f"stopped by SIGINT after step {step}" in err and "Traceback" not in err
+
+
+def test_a_token_file_truncated_during_training_is_named_in_one_line(tmp_path):
+    import numpy as np
+
+    tokens = tmp_path / "tok.u16"
+    np.random.default_rng(0).integers(0, 256, 200_000).astype(np.uint16).tofile(tokens)
+    out = tmp_path / "run"
+    p = start("train", "--nproc", "2", *LONG, "--data", str(tokens), "--out", str(out))
+    try:
+        wait_for(lambda: lines(out) >= 2, what="two steps")
+        os.truncate(tokens, 0)
+        code, err = finish(p)
+    finally:
+        p.kill()
+    assert code == 1, err[-2000:]
+    first = err.split("fivefold: ", 1)[1].splitlines()[0]
+    assert f"data file {tokens} ends before byte" in first and "truncated" in first, err[-2000:]
+    assert "Traceback" not in err

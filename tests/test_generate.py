@@ -188,6 +188,7 @@ def test_a_run_with_a_hugging_face_tokenizer(runs, tmp_path, capsys):
     (["--prompt", "a", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--prompt", "a", "--checkpoint", "step-9"], "no such checkpoint"),
     (["--prompt", "x" * 64], "the prompt must be 1..63 tokens"),
+    (["--prompt", "caf\udce9"], "--prompt is not valid UTF-8: byte 0xe9 at character 3"),   # argv's Latin-1 bytes
 ])
 @pytest.mark.ranks
 def test_bad_input_is_one_line_and_exit_2(runs, capsys, args, rule):
@@ -210,3 +211,18 @@ def test_missing_runs_and_checkpoints_are_named(tmp_path, capsys):
 def test_a_full_context_stops_with_a_note(runs, capsys):
     code, out, err = fivefold(capsys, "generate", runs["dense"], "--prompt", "x" * 60, "--max-tokens", 10)
     assert code == 0 and out.startswith("x" * 60) and "stopped after 4 tokens: the context is full" in err
+
+
+def test_a_temperature_so_small_it_overflows_is_greedy(runs, capsys):
+    args = ("generate", runs["dense"], "--prompt", "The ", "--max-tokens", 8)
+    greedy = fivefold(capsys, *args, "--temperature", 0)
+    tiny = fivefold(capsys, *args, "--temperature", 1e-45)
+    assert tiny[0] == 0 and tiny[1] == greedy[1], tiny[2]
+
+
+def test_export_hf_to_a_file_or_under_one_is_one_line(runs, tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    for dest in (tmp_path / "file", tmp_path / "file" / "hf"):
+        code, _, err = fivefold(capsys, "export", runs["dense"], "--hf", dest)
+        assert code == 2 and "file" in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "file").read_text() == "mine"

@@ -237,6 +237,28 @@ def test_silence_after_a_heartbeat_is_a_timeout_naming_the_step(tmp_path):
     assert multiprocessing.active_children() == []
 
 
+def _rank1_stalls_while_rank0_waits(rank, world):
+    """Rank 0 reports step 3 and waits for rank 1 in a collective; rank 1 reports step 3 later, then stalls
+    outside any collective (so rank 0 is the one heard from least recently)."""
+    from fivefold.comm import gather_objects
+
+    if rank == 0:
+        heartbeat(3)
+        gather_objects(rank)
+    else:
+        time.sleep(1.0)
+        heartbeat(3)
+        time.sleep(60)
+
+
+def test_the_watchdog_names_the_rank_that_stalled_not_the_one_waiting_for_it():
+    with pytest.raises(TimeoutError) as e:
+        run_ranks(_rank1_stalls_while_rank0_waits, 2, timeout_s=4)
+    assert str(e.value).startswith("no progress for 4 s: rank 1 last reported step 3"), str(e.value)
+    assert "rank(s) [0] wait for it in a collective" in str(e.value)
+    assert multiprocessing.active_children() == []
+
+
 def test_silence_messages():
     assert _silence_message(8, 1, True, False, None) == "no progress for 8 s: rank 1 never reported"
     assert _silence_message(8, 0, True, True, 3) == "no progress for 8 s: rank 0 last reported step 3"

@@ -185,6 +185,46 @@ def test_tokenize_refuses_to_overwrite_and_leaves_nothing_on_failure(corpus, tmp
     assert "c.jsonl:1: no field 'body' (has: id, text); pass --field NAME" in one_line(capsys.readouterr().err)
 
 
+def test_bytes_that_are_not_utf8_are_named_by_file_and_offset_or_replaced(tmp_path, capsys):
+    text, rows = tmp_path / "latin1.txt", tmp_path / "rows.jsonl"
+    text.write_bytes("first line\ncaf".encode() + b"\xe9 au lait\n")
+    rows.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    for path, where in ((text, "not UTF-8 at byte 14 (line 2)"), (rows, "not UTF-8 at byte 28 (line 2)")):
+        out = tmp_path / f"{path.stem}.bin"
+        assert fivefold_main(["tokenize", str(path), "--out", str(out), "--workers", "1"]) == 2
+        err = one_line(capsys.readouterr().err)
+        assert str(path) in err and where in err and "--errors replace" in err, err
+        assert not list(tmp_path.glob(f"*{path.stem}.bin*"))
+        assert fivefold_main(["tokenize", str(path), "--out", str(out), "--workers", "1", "--errors", "replace"]) == 0
+        assert "\ufffd".encode() in bytes(np.fromfile(out, np.uint16).astype(np.uint8))   # U+FFFD's bytes
+        capsys.readouterr()
+
+
+def test_ctrl_c_in_tokenize_leaves_nothing_and_no_traceback(corpus, tmp_path):
+    import signal
+    import time
+
+    big = tmp_path / "big.txt"
+    big.write_text(" ".join(DOCS) * max(1, (40 << 20) // len(" ".join(DOCS))))   # some seconds of BPE
+    out = tmp_path / "d.bin"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "fivefold.cli", "tokenize", str(big), "--out", str(out),
+                          "--tokenizer", str(corpus["hf"]), "--workers", "2"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        until = time.monotonic() + 120
+        while not list(tmp_path.glob(".d.bin.*.tmp")) and p.poll() is None and time.monotonic() < until:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.killpg(p.pid, signal.SIGINT)     # Ctrl-C reaches the whole process group
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "interrupted; nothing written" in err, err[-2000:]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["big.txt"]
+
+
 # -- training on a token file ----------------------------------------------------------------------------
 def fivefold(*args, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from pathlib import Path
@@ -113,10 +114,9 @@ def file_keys(config_file: str | None, table: str) -> set[str]:
     """The keys the TOML file `config_file` sets in [table]."""
     if not config_file:
         return set()
-    import tomllib
+    from .config import read_toml
 
-    with open(config_file, "rb") as f:
-        return set(tomllib.load(f).get(table, {}))
+    return set(read_toml(config_file).get(table, {}))
 
 
 def model_from_hf(cfg, user_keys: set[str]) -> None:
@@ -185,7 +185,9 @@ def prepare_run(cfg, args) -> tuple[str | None, int]:
     ckpt = rundir.resolve_resume(args.resume, out)
     if ckpt is None:
         return None, 0
-    index = rundir.read_index(ckpt)
+    from .train.verify import verify
+
+    index = verify(ckpt)   # every claim of its index checked against its own bytes (train/verify.py)
     errors, warnings = rundir.compare_configs(index["config"], cfg.to_dict())
     if errors:
         raise ConfigError(f"cannot resume {ckpt} with a different model shape: {'; '.join(errors)}")
@@ -210,6 +212,55 @@ def check_init_hf(cfg) -> None:
         HFWeights(cfg.train.init_hf, cfg.model).check()
 
 
+def check_host_memory(planned: dict, ranks_here: int) -> None:
+    """Local CPU ranks keep what they hold in this machine's memory, and no rank holds more than its
+    pieces (the model is built on the meta device): when the planner's bytes for the `ranks_here` ranks
+    (each pipeline stage's total, for its share of the ranks) exceed physical memory, the run is refused
+    in one line instead of being left to the kernel's OOM killer."""
+    stages = planned.get("stages") or []
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return   # the platform does not say
+    need = sum(s.get("total", 0) for s in stages) * ranks_here // max(1, len(stages))
+    if stages and need > total:
+        gib = 2**30
+        raise ConfigError(f"the {ranks_here} local rank(s) need {need / gib:,.1f} GiB by the planner's memory per "
+                          f"rank, this machine has {total / gib:,.1f} GiB; choose a smaller model or more ranks "
+                          f"(fivefold plan shows the bytes per rank)")
+
+
+def check_offload_dir(cfg, ranks_here: int, planned: dict) -> None:
+    """parallel.offload = nvme: offload_dir must be a folder this process can write (made here when
+    missing, as the run would), on a disk with room for the offloaded state of the `ranks_here` ranks
+    that share it: the planner's `disk` bytes per rank (`planned_memory`, what parallel/offload.py
+    writes). Checked before any rank starts, not at the first step."""
+    import shutil
+
+    p = cfg.parallel
+    if p.offload != "nvme":
+        return
+    folder = Path(p.offload_dir)
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise ConfigError(f"parallel.offload_dir {folder} is not a folder; give a folder on a fast local disk")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe-{os.getpid()}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"parallel.offload_dir {folder} is not writable ({e.strerror or e}); give a folder on a "
+                          f"fast local disk") from None
+    stages = planned.get("stages") or []
+    per_rank = max((s.get("disk", 0) for s in stages), default=0)
+    need, free = per_rank * ranks_here, shutil.disk_usage(folder).free
+    if need > free:
+        gib = 2**30
+        raise ConfigError(f"parallel.offload_dir {folder} has {free / gib:.2f} GiB free; the offloaded optimizer "
+                          f"state needs {need / gib:.2f} GiB ({ranks_here} rank(s) x {per_rank / gib:.2f} GiB, "
+                          f"the planner's disk row): free space there, or choose another offload_dir")
+
+
 def nodes_from_torchrun(cfg, local_world: int | None, announce: bool) -> None:
     """Under torchrun the ranks of one agent share a node: parallel.ranks_per_node takes its
     LOCAL_WORLD_SIZE unless the config sets it (to emulate other nodes), which is then announced."""
@@ -227,8 +278,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .comm import CommLedger
     from .train import rundir
     from .train.data import check_data
-    from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, leave_torchrun,
-                               resolve_device, run_ranks, torchrun_env, torchrun_ranks_per_node)
+    from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, last_stop_signal,
+                               leave_torchrun, resolve_device, run_ranks, torchrun_env, torchrun_ranks_per_node)
     from .train.scalars import require_tensorboard
     from .train.trainer import supported, train_rank
 
@@ -245,14 +296,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         device = resolve_device(cfg.train.device, "gloo" if world > 1 else None)
     n_tokens = check_data(cfg.train, cfg.model.vocab)               # data it cannot read, a run folder it
     check_init_hf(cfg)                                              # HF weights that do not fit the model,
-    lock = rundir.RunLock(out) if env is None or env[0] == 0 else None   # must not touch
+    rundir.check_out(out, args.resume, args.overwrite)              # a run folder it must not touch (again under the lock)
+    lock = rundir.RunLock(out) if env is None or env[0] == 0 else None
     ckpt, start = prepare_run(cfg, args)
+    if lock is not None:
+        rundir.check_writable(out, cfg.train.checkpoint)
     if start >= cfg.train.steps:
         print(f"fivefold train: {out} is at step {start} of {cfg.train.steps}: nothing to do "
               f"(raise --steps to train on)", file=sys.stderr)
         return 0
-    if args.overwrite and lock is not None:
-        rundir.clear(out)
+    if args.overwrite and lock is not None and rundir.holds_run(out):
+        rundir.clear(out)                                           # only what fivefold wrote
+    if lock is not None:
+        rundir.mark(out)                                            # OUT/.fivefold-run: fivefold's from now on
     if lock is not None:
         from .tokenizer import save_to_run
 
@@ -266,6 +322,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         import torch.distributed as dist
 
         planned = planned_memory(cfg, resolve_device(cfg.train.device, dist.get_backend()).type)
+        check_offload_dir(cfg, torchrun_ranks_per_node() or 1, planned)
         result = train_rank(rank, world, cfg.to_dict(), out, ckpt, planned)
         leave_torchrun(stop_code(result.get("stopped")))   # does not return; failures propagate as usual
     k = cfg.parallel.ranks_per_node
@@ -275,6 +332,9 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"{cfg.model.num_params():,} parameters, {n_tokens:,} tokens, steps {start}..{cfg.train.steps} -> {out}",
           file=sys.stderr)
     planned = planned_memory(cfg, device.type)
+    check_offload_dir(cfg, world, planned)
+    if device.type == "cpu":
+        check_host_memory(planned, world)
     results = run_ranks(train_rank, world, (cfg.to_dict(), out, ckpt, planned), timeout_s=args.timeout)
     lock.release()
     r0 = results[0]
@@ -284,10 +344,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(hist)} steps")
     print("\ncommunication (all ranks):")
     print(CommLedger.read(Path(out) / "comm.json").table())
-    if r0.get("stopped"):
-        print(f"fivefold: stopped by {r0['stopped']} after step {r0['step']}; checkpoint in "
+    # the signal the launcher received (it forwards any stop to the ranks as SIGTERM): Ctrl-C exits 130
+    stopped = last_stop_signal() or r0.get("stopped")
+    if stopped:
+        print(f"fivefold: stopped by {stopped} after step {r0['step']}; checkpoint in "
               f"{rundir.step_dir(out, r0['step'])}; continue with --resume auto --out {out}", file=sys.stderr)
-    return stop_code(r0.get("stopped"))
+    return stop_code(stopped)
 
 
 def planned_memory(cfg, device_type: str) -> dict:

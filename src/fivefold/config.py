@@ -253,8 +253,13 @@ class Config:
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Config":
         cfg = Config()
+        if not isinstance(d, dict):
+            raise ConfigError(f"a config is a table of tables [model], [parallel], [train]; got {type(d).__name__}")
         for part in ("model", "parallel", "train"):
-            apply_overrides(cfg, {f"{part}.{k}": v for k, v in d.get(part, {}).items()})
+            table = d.get(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"[{part}] must be a table of keys, got {table!r:.60}")
+            apply_overrides(cfg, {f"{part}.{k}": v for k, v in table.items()})
         unknown = set(d) - {"model", "parallel", "train"}
         if unknown:
             raise ConfigError(f"unknown config tables {sorted(unknown)}; valid tables: model, parallel, train")
@@ -342,7 +347,8 @@ def _convert(value: Any, kind: Any, key: str) -> Any:
             return str(value).strip().lower() in TRUE
         raise ConfigError(f"{key} must be a boolean ({'/'.join(TRUE)} or {'/'.join(FALSE)}), got {value!r}")
     if typing.get_origin(kind) is list:
-        return list(value) if isinstance(value, (list, tuple)) else [value]
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        return [_convert(v, typing.get_args(kind)[0], key) for v in items]
     if isinstance(value, bool) or kind not in (int, float, str):
         raise bad
     try:
@@ -353,7 +359,7 @@ def _convert(value: Any, kind: Any, key: str) -> Any:
         if kind is str and not isinstance(value, str):
             raise bad
         return kind(value)
-    except ValueError:
+    except (ValueError, TypeError, OverflowError):
         raise bad from None
 
 
@@ -371,6 +377,6 @@ def read_toml(path: str | Path) -> dict:
     except OSError as e:
         raise ConfigError(f"config {path}: cannot open it ({e.strerror or type(e).__name__}); give the path of a "
                           f"fivefold TOML config") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"config {path} is not TOML ({e}); a fivefold config has [model], [parallel] and "
                           f"[train] tables") from None

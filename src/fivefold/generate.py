@@ -17,7 +17,8 @@ training-time limit, and per-step capacity would make the cached and uncached pa
 Choosing the next token, from the last position's logits (computed on the CPU in fp32, drawn from a
 `torch.Generator` seeded by `seed`, so a seed gives the same text again, and the draws do not depend
 on the device):
-temperature 0 is greedy (argmax); otherwise logits / temperature, then keep the top_k most likely
+temperature 0 is greedy (argmax), and so is a temperature so small that logits / temperature
+overflows; otherwise logits / temperature, then keep the top_k most likely
 tokens (0: all), then the smallest set whose probabilities sum to at least top_p (1: all), renormalise
 and draw. Generation stops after max_tokens, at the tokenizer's end-of-sequence token, or when the
 context reaches the model's max_seq.
@@ -142,7 +143,10 @@ def next_token(logits_v: torch.Tensor, s: Sampling, gen: torch.Generator) -> int
     logits_v = logits_v.float().cpu()
     if s.temperature == 0:
         return int(logits_v.argmax())
-    logits_v = logits_v / s.temperature
+    scaled_v = logits_v / s.temperature
+    if bool(torch.isinf(scaled_v[torch.isfinite(logits_v)]).any()):   # a temperature so small it overflows:
+        return int(logits_v.argmax())                                 # the limit of T -> 0 is greedy
+    logits_v = scaled_v
     if 0 < s.top_k < logits_v.numel():
         kth = logits_v.topk(s.top_k).values[-1]
         logits_v = logits_v.masked_fill(logits_v < kth, float("-inf"))
@@ -196,12 +200,23 @@ def generate_text(model: Transformer, tokenizer, prompt: str, s: Sampling) -> tu
 # -------------------------------------------------------------------------------------------------------
 # Command line (cli.py defines the flags)
 
+def check_utf8(name: str, text: str) -> None:
+    """Text from the command line must be valid UTF-8 (Python keeps undecodable argv bytes as surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = text[e.start].encode("utf-8", "surrogateescape")
+        raise ConfigError(f"{name} is not valid UTF-8: byte 0x{byte.hex()} at character {e.start}; "
+                          f"give UTF-8 text") from None
+
+
 def cmd_generate(args) -> int:
     """`fivefold generate`: print the prompt and its sampled continuation; speed on stderr."""
     s = Sampling(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, not args.no_cache)
     s.validate()
     if not args.prompt:
         raise ConfigError("--prompt must not be empty")
+    check_utf8("--prompt", args.prompt)
     if (args.run is None) == (args.hf is None):
         raise ConfigError("give a run folder (fivefold generate RUN --prompt ...) or --hf DIR, not both or neither")
     if args.device == "cuda" and not torch.cuda.is_available():

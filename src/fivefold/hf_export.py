@@ -34,6 +34,7 @@ def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None 
                      max_shard_bytes: int = checkpoint.DEFAULT_SHARD_BYTES) -> Path:
     """Write the Hugging Face folder `dest` (new or empty) from the run's newest checkpoint (or `step`),
     its weights in files of at most `max_shard_bytes`."""
+    check_dest(Path(dest))
     ckpt = find_checkpoint(run, step)
     try:
         checkpoint.export_hf(ckpt, dest, max_shard_bytes)
@@ -44,6 +45,19 @@ def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None 
     tokenizer = write_tokenizer(run_tokenizer_file(run_of(ckpt)), dest, max_seq)
     set_special_ids(dest, tokenizer.eos_id)
     return dest
+
+
+def check_dest(dest: Path) -> None:
+    """`dest` must be a new or empty folder that can be made: not a file, not under a file, not a link."""
+    if dest.is_symlink():
+        raise ConfigError(f"--hf {dest} is a symbolic link; choose a new folder")
+    if dest.exists() and not dest.is_dir():
+        raise ConfigError(f"--hf {dest} is a file; choose a new folder (export never overwrites)")
+    if dest.is_dir() and any(dest.iterdir()):
+        raise ConfigError(f"--hf {dest} is not empty; choose a new folder (export never overwrites)")
+    parent = next((p for p in dest.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"--hf {dest} cannot be a folder: {parent} is a file")
 
 
 def write_tokenizer(path: Path | None, dest: Path, max_seq: int):

@@ -210,6 +210,9 @@ def run_tokenizer_file(run_dir: str | Path) -> Path | None:
     """The tokenizer file a run folder keeps (also found from one of its checkpoints/step-N folders), or None."""
     run_dir = Path(run_dir)
     folder = run_dir.parents[1] if (run_dir / "index.json").is_file() else run_dir   # step-N -> its run
+    for name in RUN_FILES.values():
+        if (folder / name).is_symlink():   # never followed out of the run folder
+            raise ConfigError(f"{folder / name} is a symbolic link; a run's tokenizer copy must be its own file")
     return next((folder / name for name in RUN_FILES.values() if (folder / name).is_file()), None)
 
 

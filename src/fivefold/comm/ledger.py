@@ -142,8 +142,11 @@ class CommLedger:
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return CommLedger.merge([self])
+        from .waits import waiting
+
         objs: list = [None] * dist.get_world_size()
-        dist.all_gather_object(objs, self.tier_rows())
+        with waiting():
+            dist.all_gather_object(objs, self.tier_rows())
         return CommLedger.merge([CommLedger.from_rows(rows, rank=i) for i, rows in enumerate(objs)])
 
     # -- files -------------------------------------------------------------------------------

@@ -7,6 +7,9 @@ torch.distributed collective, then records calls, message bytes, bytes sent (fro
 seconds under (dim, op) on the group's tier, where dim defaults to the group's name. Asynchronous calls
 return a `Handle` whose `wait()` adds the seconds spent waiting. A group of one rank sends nothing and
 records nothing.
+
+Every blocking wait (a Handle's `wait`, `gather_objects`) is marked while it lasts (comm/waits.py), so
+the launcher's hang watchdog names a rank that stalled, not one waiting for it.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch.distributed as dist
 
 from . import volume
 from .ledger import CommLedger
+from .waits import waiting
 
 
 @dataclass
@@ -51,7 +55,8 @@ class Handle:
         if self.work is None:
             return
         t0 = time.perf_counter()
-        self.work.wait()
+        with waiting():
+            self.work.wait()
         self.ledger.add_seconds(self.dim, self.op, time.perf_counter() - t0, self.tier)
         self.work = None
         if self.then is not None:
@@ -187,5 +192,6 @@ def gather_objects(obj) -> list:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    with waiting():
+        dist.all_gather_object(out, obj)
     return out

@@ -284,6 +284,48 @@ ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_t
                "quick_gelu", "relu")
 
 
+def read_hf_config(path: Path) -> PlanModel:
+    """A Hugging Face config.json from disk, trusted for nothing: it must be a JSON object whose sizes are
+    integers (heads, vocab, ... >= 1), and the model it describes must be whole (`check_plan_model`)."""
+    d = read_json(path)
+    for key in HF_COUNTS:
+        if d.get(key) is not None:
+            check_count(f"--model {path}: {key}", d[key], 1 if key in HF_SIZES else 0)
+    try:
+        model = from_hf_config(d, name=path.parent.name or path.stem)
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError, KeyError, OverflowError) as e:
+        raise ConfigError(f"--model {path}: cannot read it as a Hugging Face config ({type(e).__name__}: {e})") from None
+    check_plan_model(model, f"--model {path}")
+    return model
+
+
+# config.json keys that are counts: the sizes must be >= 1, the others >= 0
+HF_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_key_value_heads",
+            "intermediate_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions",
+            "num_experts_per_tok", "moe_intermediate_size", "n_inner")
+HF_COUNTS = HF_SIZES + ("num_local_experts", "n_routed_experts", "num_experts", "n_shared_experts",
+                        "first_k_dense_replace", "shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank",
+                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "head_dim")
+# PlanModel fields that are sizes (>= 1); its other integer fields are counts (>= 0)
+PLAN_SIZES = ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq", "top_k")
+
+
+def check_plan_model(m: PlanModel, where: str) -> None:
+    """A model the planner can count: every integer field an integer (sizes >= 1, the rest >= 0), every
+    flag a boolean, heads splitting hidden (standard attention) and kv_heads splitting heads."""
+    for f in fields(m):
+        value = getattr(m, f.name)
+        if f.type in ("bool", bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: {f.name} must be true or false, got {value!r}")
+        elif f.type in ("int", int):
+            check_count(f"{where}: {f.name}", value, 1 if f.name in PLAN_SIZES else 0)
+    if not m.mla and m.hidden % m.heads:
+        raise ConfigError(f"{where}: hidden ({m.hidden}) must divide by heads ({m.heads})")
+    if m.heads % m.kv_heads:
+        raise ConfigError(f"{where}: heads ({m.heads}) must divide by kv_heads ({m.kv_heads})")
+
+
 def from_hf_config(d: dict, name: str = "hf") -> PlanModel:
     """A Hugging Face `config.json`: Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, DeepSeek-V2/V3 (gated
     SwiGLU MLP), GPT-NeoX (Pythia) and GPT-2 (GELU MLP of width 4h, biases, LayerNorm). A config without
@@ -426,8 +468,7 @@ def load_model(spec: str | ModelConfig | PlanModel) -> PlanModel:
         return PRESETS[key]
     path = Path(spec)
     if path.suffix == ".json" and path.exists():
-        return check_shape(from_hf_config(read_json(path), name=path.parent.name or path.stem),
-                           "Hugging Face config.json")
+        return check_shape(read_hf_config(path), "Hugging Face config.json")
     if path.suffix == ".toml" and path.exists():
         from ..config import load_config
         cfg = load_config(path).model
@@ -441,7 +482,7 @@ def read_json(path: Path) -> dict:
     """A Hugging Face config.json's object; a file that is not a JSON object is a ConfigError (one line)."""
     try:
         d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ConfigError(f"model {path}: cannot read it as JSON ({type(e).__name__}: {e}); give a Hugging Face "
                           f"config.json") from None
     if not isinstance(d, dict):

@@ -21,6 +21,10 @@ Nothing on disk is unpickled: tensors are safetensors, the rest is JSON. (torch.
 was the other candidate; its metadata file is read with `pickle.load`, so a crafted checkpoint there
 runs code on every rank.)
 
+Trusted only as far as its own bytes confirm (verify.py): rank 0's file carries a copy of the index's
+step, config and counters in its header metadata, and the index the digest of every rank file's header,
+so neither can change without the other.
+
 Atomic: ranks write into OUT/checkpoints/.tmp-step-N-<nonce>/ and fsync; rank 0 writes index.json last,
 fsyncs and renames the folder to step-N. Readers only ever see complete checkpoints; the oldest complete
 ones beyond `keep` are removed after the new one is in place, stale temporary folders with them.
@@ -43,6 +47,7 @@ from ..parallel.placement import Placement
 from ..shapes import Box
 from . import rundir
 from .rundir import FORMAT, INDEX
+from .verify import CLAIMS, canonical, chunk_key, header_digest, rank_file, verify
 
 SECTIONS = ("model", "exp_avg", "exp_avg_sq")
 
@@ -103,7 +108,7 @@ def segment_chunks(piece: Box, local_shape, start: int, length: int):
 
 
 def _chunk_key(key: str, box: Box) -> str:
-    return f"{key}@{','.join(map(str, box.offsets))}"
+    return chunk_key(key, box.offsets)
 
 
 def _fsync(path: Path) -> None:
@@ -146,11 +151,13 @@ def save(out: str | Path, step: int, cfg: Config, entries: list[tuple[str, torch
             for key, t, box in entries if writers[(key, box.offsets)] == rank}
     mine.update({f"rng/{k}": v.detach().to("cpu").contiguous() for k, v in rng.items()})
     tmp.mkdir(parents=True, exist_ok=True)
-    _write_safetensors(tmp / rank_file(rank), mine)
-    gather_objects(None)   # every rank's file is written and synced
+    claims = {"step": step, "config": cfg.to_dict(), "world_size": len(everyone), **meta}
+    _write_safetensors(tmp / rank_file(rank), mine, {CLAIMS: canonical(claims)} if rank == 0 else {})
+    digests = gather_objects(header_digest(tmp / rank_file(rank)))   # every rank's file is written and synced
     final = rundir.step_dir(out, step)
     if rank == 0:
         index = {"format": FORMAT, "step": step, "config": cfg.to_dict(), "world_size": len(everyone), **meta,
+                 "files": {rank_file(r): d for r, d in enumerate(digests)},
                  "tensors": build_index(everyone, writers)}
         (tmp / INDEX).write_text(json.dumps(index, indent=1))
         _fsync(tmp / INDEX)
@@ -159,10 +166,6 @@ def save(out: str | Path, step: int, cfg: Config, entries: list[tuple[str, torch
         prune(out, keep)
     gather_objects(None)   # the checkpoint is visible
     return final
-
-
-def rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
 
 
 def assign_writers(specs_by_rank: list[dict]) -> dict[tuple[str, tuple], int]:
@@ -187,10 +190,10 @@ def build_index(everyone: list, writers: dict) -> dict:
     return dict(sorted(tensors.items()))
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path))
+    save_file(tensors, str(path), metadata={"format": "fivefold", **metadata})
     _fsync(path)
 
 
@@ -210,6 +213,10 @@ def prune(out: str | Path, keep: int) -> None:
     """Remove the oldest complete checkpoints beyond `keep`, and leftovers of interrupted saves (the run
     folder's lock means no other save is under way)."""
     for old in rundir.checkpoints(out)[:-keep]:
+        try:
+            rundir.read_index(old)   # fivefold's own (its index says so): nothing else is removed
+        except ConfigError:
+            continue
         shutil.rmtree(old, ignore_errors=True)
     root = Path(out) / rundir.CHECKPOINTS
     for stale in root.glob(".*"):
@@ -222,12 +229,13 @@ def prune(out: str | Path, keep: int) -> None:
 # Load
 
 class Reader:
-    """Reads boxes of a checkpoint's tensors from its chunks (files opened lazily, memory-mapped)."""
+    """Reads boxes of a checkpoint's tensors from its chunks (files opened lazily, memory-mapped), once
+    `verify` has confirmed every claim of its index against the files (verify.py)."""
 
-    def __init__(self, ckpt: str | Path):
+    def __init__(self, ckpt: str | Path, model: bool = True):
         self.path = Path(ckpt)
-        self.index = rundir.read_index(self.path)
-        self.tensors = self.index.get("tensors", {})
+        self.index = verify(self.path, model)
+        self.tensors = self.index["tensors"]
         self._files: dict[str, object] = {}
 
     def _file(self, name: str):
@@ -235,8 +243,8 @@ class Reader:
 
         if name not in self._files:
             path = self.path / name
-            if Path(name).name != name or not path.is_file():
-                raise ConfigError(f"{self.path}: chunk file {name!r} is missing")
+            if Path(name).name != name or path.is_symlink() or not path.is_file():
+                raise ConfigError(f"{self.path}: chunk file {name!r} is missing (or not a plain file)")
             try:
                 self._files[name] = safe_open(str(path), framework="pt", device="cpu")
             except Exception as e:   # a file that is not safetensors (e.g. a pickle) is refused, not run
@@ -283,7 +291,7 @@ class Reader:
 def open_matching(ckpt: str | Path, wanted: set[str]) -> Reader:
     """A reader of checkpoint `ckpt`, once the keys the ranks want (`wanted` on each) are checked to be
     exactly those it holds. Call on every rank."""
-    reader = Reader(ckpt)
+    reader = Reader(ckpt, model=False)   # the keys and shapes are compared with this model's below and in read
     every = set().union(*gather_objects(sorted(wanted)))   # bookkeeping exchange
     missing = sorted(every - set(reader.tensors))
     extra = sorted(set(reader.tensors) - every)
@@ -298,10 +306,11 @@ def open_matching(ckpt: str | Path, wanted: set[str]) -> Reader:
 # Single process: whole tensors, export
 
 def find(path: str | Path) -> Path:
-    """A checkpoint folder, or the newest complete one of a run folder."""
+    """A checkpoint folder, or the newest complete one of a run folder, once `verify` confirmed it."""
     ckpt = rundir.resolve_resume(str(path), path)
     if ckpt is None:
         raise ConfigError(f"{path}: no checkpoint")
+    verify(ckpt)
     return ckpt
 
 

@@ -92,8 +92,8 @@ def corpus_files(paths: list[str | Path] | None) -> list[Path]:
 
 
 def file_tokens(f: Path, budget: int | None = None, tokenizer: Tokenizer | None = None) -> np.ndarray:
-    """The tokens of one data file as a 1-D integer array (raw and .npy files memory-mapped, token files
-    read on demand; at most `budget` bytes of a text file). `tokenizer`: the run's, which a token file
+    """The tokens of one data file as a 1-D integer array-like (raw, .npy and token files read on demand:
+    `TokenFile`; at most `budget` bytes of a text file). `tokenizer`: the run's, which a token file
     must have been made with (None: not checked)."""
     if not f.exists():
         raise ConfigError(f"data file {str(f)!r} does not exist; pass --data FILE ({FORMATS})")
@@ -112,28 +112,39 @@ def file_tokens(f: Path, budget: int | None = None, tokenizer: Tokenizer | None 
         raise ConfigError(f"data file {str(f)!r} cannot be read ({e.strerror or e})") from None
 
 
-def _raw_tokens(f: Path, dtype: np.dtype) -> np.ndarray:
+def _raw_tokens(f: Path, dtype: np.dtype) -> TokenFile:
+    """A raw file of token ids, read on demand (a file that shrinks under the run is named, not a SIGBUS)."""
     size = f.stat().st_size
     if size % dtype.itemsize:
         raise ConfigError(f"data file {str(f)!r} has {size} bytes, not a multiple of {dtype.itemsize}: "
                           f"{f.suffix} holds raw {dtype.name} token ids ({dtype.itemsize} bytes each)")
-    if size == 0:
-        return np.zeros(0, dtype)
-    return np.memmap(f, dtype=dtype, mode="r")
+    return TokenFile(f, dtype, size // dtype.itemsize)
 
 
-def _npy_tokens(f: Path) -> np.ndarray:
+def _npy_tokens(f: Path) -> TokenFile:
+    """A .npy array of integer token ids (flattened), read on demand after its header (no pickle)."""
+    fix = "save token ids with np.save(path, ids.astype(np.uint32))"
     try:
-        arr = np.load(f, mmap_mode="r", allow_pickle=False)
-    except (ValueError, EOFError) as e:
+        with open(f, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(fh)
+            offset = fh.tell()
+    except (ValueError, EOFError, SyntaxError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"data file {str(f)!r} is not a .npy array loadable without pickle ({reason}); "
-                          f"save token ids with np.save(path, ids.astype(np.uint32))") from None
-    if not isinstance(arr, np.ndarray) or not np.issubdtype(arr.dtype, np.integer):
-        kind = arr.dtype if isinstance(arr, np.ndarray) else type(arr).__name__
-        raise ConfigError(f"data file {str(f)!r} holds {kind}, not integer token ids; "
-                          f"save them with np.save(path, ids.astype(np.uint32))")
-    return arr.reshape(-1)
+        raise ConfigError(f"data file {str(f)!r} is not a .npy array loadable without pickle ({reason}); {fix}") from None
+    if dtype.hasobject:
+        raise ConfigError(f"data file {str(f)!r} is not a .npy array loadable without pickle (it holds Python "
+                          f"objects); {fix}")
+    if not np.issubdtype(dtype, np.integer):
+        raise ConfigError(f"data file {str(f)!r} holds {dtype}, not integer token ids; {fix}")
+    count = int(np.prod(shape)) if shape else 1
+    if fortran and len([n for n in shape if n > 1]) > 1:
+        raise ConfigError(f"data file {str(f)!r} is a Fortran-ordered {shape} array; {fix}")
+    if f.stat().st_size < offset + count * dtype.itemsize:
+        raise ConfigError(f"data file {str(f)!r} is shorter than its header says ({count} ids of {dtype}): "
+                          f"a truncated file; {fix}")
+    return TokenFile(f, dtype, count, offset)
 
 
 def is_mapped(f: Path) -> bool:
@@ -248,6 +259,9 @@ class Joined:
             if a < b:
                 out.append(np.asarray(part[a:b]))
         return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def tolist(self) -> list[int]:
+        return self[:].tolist()
 
 
 class Batches:

@@ -32,7 +32,9 @@ rank's clock at each heartbeat and at its result. A rank's clock starts once it 
 starting up and joining may take max(timeout_s, 60 s), which is also gloo's own timeout. When a rank
 that has not finished stays silent for timeout_s, every rank is killed and `TimeoutError` says which
 rank and the last step it reported. So a function that never calls `heartbeat` is still killed timeout_s
-after its ranks joined.
+after its ranks joined. The rank named is one that stalled, not one waiting for it: every rank marks in
+shared memory while it is blocked in a collective (comm/waits.py), and of the silent ranks
+one that is not blocked is blamed (`stalled_rank`), the blocked ones listed after it.
 
 Failures. A rank that raises makes the call raise `RankError` with that rank's traceback, after every
 other rank has been killed. When a rank dies without a result (killed by a signal, e.g. by the OOM
@@ -194,12 +196,17 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=True)   # results are tensors and plain data: no code
 
 
-def _worker(rank, world_size, store_path, fn, args, results, timeout_s, parent_pid):
-    """One rank: messages to the parent are (rank, kind, payload), kind in started|progress|ok|error."""
+def _worker(rank, world_size, store_path, fn, args, results, timeout_s, parent_pid, waits=None):
+    """One rank: messages to the parent are (rank, kind, payload), kind in started|progress|ok|error.
+    `waits[rank]` is 1 while the rank is blocked in a collective (comm.waits.watch_waits)."""
     global _progress
     die_with_parent(parent_pid)
     install_stop_handlers()
     one_thread()
+    if waits is not None:
+        from ..comm.waits import watch_waits
+
+        watch_waits(waits, rank)
     try:
         if world_size > 1:
             init_gloo(rank, world_size, store_path, timeout_s)
@@ -228,6 +235,14 @@ def _describe(e: BaseException) -> str:
 
 # ---- launcher side ----------------------------------------------------------------------------------
 
+def stalled_rank(late: list[int], blocked: list[int], running: list[int], heard: list[float]) -> int:
+    """The rank a hang is blamed on: a silent rank blocked in a collective waits for a rank that is not,
+    so of the running ranks not blocked, the one heard from least recently (silent or soon to be);
+    when every running rank is blocked, the silent one heard from least recently."""
+    free = [r for r in running if r not in blocked]
+    return min(free or late, key=lambda r: heard[r])
+
+
 def _exit_reason(code: int) -> str:
     if code < 0:
         try:
@@ -252,8 +267,9 @@ def _silence_message(limit: float, rank: int, started: bool, reported: bool, ste
 class _Ranks:
     """The launcher's view of the running ranks: their messages, clocks, exits and the stop state."""
 
-    def __init__(self, procs, results, timeout_s: float):
+    def __init__(self, procs, results, timeout_s: float, waits=None):
         self.procs, self.results, self.timeout_s = procs, results, timeout_s
+        self.waits = waits or [0] * len(procs)   # 1: the rank is blocked in a collective
         now = time.monotonic()
         self.heard = [now] * len(procs)    # when each rank was last heard from (its spawn at first)
         self.started = [False] * len(procs)
@@ -357,9 +373,12 @@ class _Ranks:
         now = time.monotonic()
         late = [r for r in self._unfinished() if now - self.heard[r] > self._limit(r)]
         if late:
+            blocked = [r for r in self._unfinished() if self.waits[r]]
             self.kill_all()
-            r = min(late, key=lambda r: self.heard[r])
+            r = stalled_rank(late, blocked, self._unfinished(), self.heard)
             msg = _silence_message(self._limit(r), r, self.started[r], r in self.steps, self.steps.get(r))
+            if blocked and r not in blocked:
+                msg += f"; rank(s) {blocked} wait for it in a collective"
             raise TimeoutError(msg + (f" (finished: {sorted(self.out)})" if self.out else ""))
 
     def _failure(self) -> RankError:
@@ -427,10 +446,11 @@ def run_ranks(fn, nproc: int, args: tuple = (), timeout_s: float = 300) -> list:
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fivefold-ranks-") as tmp:
         store_path = os.path.join(tmp, "store")
+        waits = ctx.Array("b", nproc, lock=False)   # shared: which ranks are blocked in a collective
         procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(r, nproc, store_path, fn, args, results, timeout_s, os.getpid()))
+                             args=(r, nproc, store_path, fn, args, results, timeout_s, os.getpid(), waits))
                  for r in range(nproc)]
-        ranks = _Ranks(procs, results, timeout_s)
+        ranks = _Ranks(procs, results, timeout_s, waits)
         with _catching_stops(ranks.on_signal):
             try:
                 with _sigint_ignored():

@@ -26,12 +26,15 @@ reads it on demand (`TokenFile`), never whole.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -98,6 +101,12 @@ def header_digest(data: str | Path) -> str:
     return hashlib.sha256(header_path(data).read_bytes()).hexdigest()[:16]
 
 
+class DataChanged(OSError):
+    """A data file shrank under a running job: one line naming it (launch.py reports `brief` errors so)."""
+
+    brief = True
+
+
 class TokenFile:
     """A token file's ids as a read-only 1-D array-like (`len`, `[a:b]` slices, `dtype`) that reads only
     the slices asked for, with positioned reads (os.pread) through the page cache. Not an np.memmap: a
@@ -121,11 +130,16 @@ class TokenFile:
         while size:
             part = os.pread(self.fd(), size, where)
             if not part:
-                raise OSError(f"token file {self.path} ends before byte {where}: it changed after it was checked")
+                raise DataChanged(f"data file {self.path} ends before byte {where}: it was truncated after "
+                                  f"the run checked it; restore it, then --resume auto")
             parts.append(part)
             size -= len(part)
             where += len(part)
         return np.frombuffer(b"".join(parts), dtype=self.dtype)
+
+    def tolist(self) -> list[int]:
+        """Every id (reads the whole file: for small files and tests)."""
+        return self[:].tolist()
 
     def fd(self) -> int:
         """The open file (opened again in a child process: descriptors are not shared across fork)."""
@@ -232,48 +246,66 @@ def input_kind(path: Path) -> str:
     return "text"
 
 
-def documents(path: Path, field: str) -> Iterator[tuple[str, bool]]:
-    """(text, whether it ends a document) for every piece of one input, in order."""
+def documents(path: Path, field: str, errors: str = "strict") -> Iterator[tuple[str, bool]]:
+    """(text, whether it ends a document) for every piece of one input, in order. `errors`: what bytes
+    that are not UTF-8 in a text or JSON-lines input do: strict (an error naming the file and the byte
+    offset) or replace (U+FFFD)."""
     kind = input_kind(path)
     if kind == "text":
-        yield from text_pieces(path)
+        yield from text_pieces(path, errors)
         return
-    rows = {"jsonl": jsonl_rows, "table": table_rows, "datasets": datasets_rows}[kind](path, field)
+    if kind == "jsonl":
+        yield from ((text, True) for text in jsonl_rows(path, field, errors))
+        return
+    rows = {"table": table_rows, "datasets": datasets_rows}[kind](path, field)
     for text in rows:
         yield text, True
 
 
-def text_pieces(path: Path) -> Iterator[tuple[str, bool]]:
-    """A text file as one document, in pieces of about TEXT_PIECE characters cut after a line end."""
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            piece, size = [], 0
-            for line in f:
-                piece.append(line)
-                size += len(line)
-                if size >= TEXT_PIECE:
-                    yield "".join(piece), False
-                    piece, size = [], 0
-            yield "".join(piece), True
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"input {path}: not UTF-8 text (byte {e.start} of a read block); "
-                          f"convert it to UTF-8") from None
-
-
-def jsonl_rows(path: Path, field: str) -> Iterator[str]:
+def utf8_lines(path: Path, errors: str = "strict") -> Iterator[str]:
+    """The lines of a (gzipped) text file, line ends kept as they are, decoded as UTF-8. A byte that is
+    not UTF-8 is an error naming the file, the byte's offset (in the uncompressed text) and its line,
+    or with errors="replace" becomes U+FFFD."""
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                raise ConfigError(f"input {path}:{n}: not a JSON object (JSON lines: one object per line)") from None
-            if not isinstance(row, dict) or field not in row:
-                keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                raise ConfigError(f"input {path}:{n}: no field {field!r} (has: {keys}); pass --field NAME")
-            yield _text(row[field], path, f"line {n}", field)
+    offset, n, f = 0, 0, opener(path, "rb")
+    try:
+        with f:
+            for n, raw in enumerate(f, 1):   # b"\n" never occurs inside a UTF-8 sequence
+                try:
+                    yield raw.decode("utf-8", errors)
+                except UnicodeDecodeError as e:
+                    raise ConfigError(f"input {path}: not UTF-8 at byte {offset + e.start} (line {n}); convert "
+                                      f"it to UTF-8, or pass --errors replace") from None
+                offset += len(raw)
+    except (OSError, EOFError) as e:   # a damaged gzip stream, a read error
+        raise ConfigError(f"input {path}: cannot be read after byte {offset} (line {n + 1}): {e}") from None
+
+
+def text_pieces(path: Path, errors: str = "strict") -> Iterator[tuple[str, bool]]:
+    """A text file as one document, in pieces of about TEXT_PIECE characters cut after a line end."""
+    piece, size = [], 0
+    for line in utf8_lines(path, errors):
+        piece.append(line)
+        size += len(line)
+        if size >= TEXT_PIECE:
+            yield "".join(piece), False
+            piece, size = [], 0
+    yield "".join(piece), True
+
+
+def jsonl_rows(path: Path, field: str, errors: str = "strict") -> Iterator[str]:
+    """The `field` of every JSON object, one a line (blank lines skipped)."""
+    for n, line in enumerate(utf8_lines(path, errors), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            raise ConfigError(f"input {path}:{n}: not a JSON object (JSON lines: one object per line)") from None
+        if not isinstance(row, dict) or field not in row:
+            keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+            raise ConfigError(f"input {path}:{n}: no field {field!r} (has: {keys}); pass --field NAME")
+        yield _text(row[field], path, f"line {n}", field)
 
 
 def _text(value, path: Path, where: str, field: str) -> str:
@@ -350,11 +382,11 @@ def datasets_rows(folder: Path, field: str) -> Iterator[str]:
         yield from table_rows(folder / name, field)
 
 
-def batches(inputs: list[Path], field: str) -> Iterator[tuple[list[str], list[bool]]]:
+def batches(inputs: list[Path], field: str, errors: str = "strict") -> Iterator[tuple[list[str], list[bool]]]:
     """The corpus in order as work for one worker at a time: (texts, ends-a-document flags)."""
     texts, ends, size = [], [], 0
     for path in inputs:
-        for text, end in documents(path, field):
+        for text, end in documents(path, field, errors):
             texts.append(text)
             ends.append(end)
             size += len(text)
@@ -372,6 +404,20 @@ _worker_tokenizer: Tokenizer | None = None
 def _init_worker(tokenizer_path: str | None) -> None:
     global _worker_tokenizer
     _worker_tokenizer = load_tokenizer(tokenizer_path)
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """SIGINT ignored inside (main thread only), so processes started there ignore it too: Ctrl-C reaches
+    the whole process group, and the parent alone stops the pool (workers print no traceback)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old if old is not None else signal.SIG_DFL)
 
 
 def encode_batch(work: tuple[list[str], list[bool]], tokenizer: Tokenizer | None = None):
@@ -397,7 +443,9 @@ def encoded(work: Iterator, tokenizer: Tokenizer, tokenizer_path: str | None, wo
             yield encode_batch(item, tokenizer)
         return
     ctx = multiprocessing.get_context("spawn")   # fresh processes: no inherited threads or state
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
+    with sigint_ignored():                       # workers start deaf to Ctrl-C (exec keeps SIG_IGN)
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,))
+    with pool:
         pending = deque()
         for item in work:
             pending.append(pool.apply_async(encode_batch, (item,)))
@@ -427,8 +475,9 @@ class Progress:
 
 
 def tokenize(inputs: list[str | Path], tokenizer_path: str | Path | None, out: str | Path, field: str = "text",
-             workers: int = 1, overwrite: bool = False, progress: bool = True) -> dict:
-    """Tokenize the corpus `inputs` into token file `out` (module docstring); returns its header."""
+             workers: int = 1, overwrite: bool = False, progress: bool = True, errors: str = "strict") -> dict:
+    """Tokenize the corpus `inputs` into token file `out` (module docstring); returns its header.
+    Interrupted or failed, it leaves nothing under `out`'s names (temporary files are removed)."""
     paths = [Path(p) for p in inputs]
     if not paths:
         raise ConfigError("no inputs: give text, .jsonl, .parquet files or a datasets folder")
@@ -438,7 +487,7 @@ def tokenize(inputs: list[str | Path], tokenizer_path: str | Path | None, out: s
     writer = TokenFileWriter(out, tokenizer, overwrite)
     bar = Progress(progress)
     docs = chars = 0
-    results = encoded(batches(paths, field), tokenizer, None if tokenizer_path is None else str(tokenizer_path),
+    results = encoded(batches(paths, field, errors), tokenizer, None if tokenizer_path is None else str(tokenizer_path),
                       workers)
     try:
         for ids, doc_ends, n_chars in results:
@@ -468,12 +517,20 @@ def add_tokenize_args(ap) -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                     help="tokenizing processes (default: one per CPU core)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing token file")
+    ap.add_argument("--errors", choices=("strict", "replace"), default="strict", help="bytes that are not UTF-8 "
+                    "in text and JSON-lines inputs: strict (an error naming the file and byte offset) or replace "
+                    "(U+FFFD)")
 
 
 def cmd_tokenize(args) -> int:
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
-    h = tokenize(args.inputs, args.tokenizer, args.out, args.field, args.workers, args.overwrite)
+    try:
+        h = tokenize(args.inputs, args.tokenizer, args.out, args.field, args.workers, args.overwrite,
+                     errors=args.errors)
+    except KeyboardInterrupt:   # Ctrl-C: the temporary files are gone, nothing was renamed into place
+        print(f"\nfivefold tokenize: interrupted; nothing written to {args.out}", file=sys.stderr)
+        return 130
     print(f"wrote {args.out}: {h['tokens']:,} {h['dtype']} tokens in {h['documents']:,} documents "
           f"(vocab {h['vocab_size']:,}, tokenizer {h['tokenizer']['name']})")
     return 0

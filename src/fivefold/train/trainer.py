@@ -345,8 +345,10 @@ class Trainer:
         start = self.restore(ckpt) if ckpt else 0
         self.step_count = start
         if self.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            rundir.trim_metrics(out / "metrics.jsonl", start)
+            for gone in rundir.start_run(out, start):   # a branch: the abandoned run's newer checkpoints go
+                if not self.quiet:
+                    print(f"note: branching at step {start}: removed {gone.name}, a checkpoint of the run it "
+                          f"leaves", file=sys.stderr)
         bar = Progress(cfg.steps, enabled=not self.quiet, log_every=cfg.log_every, start=start)
         scalars = ScalarLog(out, cfg.tensorboard and self.rank == 0, start)   # OUT/tensorboard/ (scalars.py)
         history, stopped, saved = [], None, start if ckpt else None

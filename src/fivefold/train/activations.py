@@ -36,7 +36,7 @@ class ActivationMeter:
         if isinstance(t, nn.Parameter) or t.layout != torch.strided:
             return t
         storage = t.untyped_storage()
-        key = (t.device, storage.data_ptr())
+        key = (t.device, storage._cdata)   # the storage itself (fake tensors of a dry run share data_ptr 0)
         entry = self.live.get(key)
         if entry is None:
             entry = self.live[key] = [storage.nbytes(), 0]

@@ -84,9 +84,14 @@ def live_bytes():
             self.now -= self.live.pop(key, 0)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            # an output on an input's storage (a view, an in-place op) allocated nothing
+            inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and t.layout == torch.strided}
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided and \
+                        t.untyped_storage()._cdata not in inputs:
                     self._add(t)
             return out
 

@@ -16,16 +16,20 @@ import common
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama3-405b")
+    ap.add_argument("--model", default="llama3-405b", help="a planner preset (or `tiny`)")
     ap.add_argument("--layout", default="tp=8,pp=16,dp=128,microbatches=16")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--global-batch", type=int, default=2048)
     ap.add_argument("--stages", type=int, nargs="*", help="pipeline stages to run (default: every stage)")
     ap.add_argument("--out", default="/tmp/fivefold-dry-run")
-    a = common.parse_options(ap, model="llama3-8b", layout="tp=2,pp=2,microbatches=2", seq=128, global_batch=2,
+    a = common.parse_options(ap, model="tiny", layout="tp=2,pp=2,microbatches=2", seq=32, global_batch=2,
                              stages=[0])
-    from fivefold.config import Config, ParallelConfig, TrainConfig
+    from fivefold.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from fivefold.dryrun import dry_run, model_of_preset, stage_ranks, table
+
+    if a.model == "tiny":   # --smoke: the suite's tiny Llama
+        model_of_preset = lambda _: ModelConfig(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128,  # noqa: E731
+                                                max_seq=64)
 
     par = {k: int(v) for k, v in (kv.split("=") for kv in a.layout.split(","))}
     cfg = Config(model=model_of_preset(a.model), parallel=ParallelConfig(**par),

@@ -1,7 +1,7 @@
 """`fivefold train --dry-run` runs the real Trainer at real size under fake tensors and a fake process
 group: model-state bytes per rank equal the planner's exactly, and every ledger row equals the
-planner's per-rank prediction (Llama-3 8B on 8 ranks, tp8 and ZeRO-3 dp8; Llama-3 405B's tp8 x pp16 x
-dp128 layout, one stage of 16,384 ranks). Activation and buffer peaks are reported beside the plan
+planner's per-rank prediction (Llama-3 8B on 8 ranks, tp8 and ZeRO-3 dp8; Mixtral 8x7B ep8 x tp2 in
+capacity mode; Llama-3 405B's tp8 x pp16 x dp128 layout, one stage of 16,384 ranks). Activation and buffer peaks are reported beside the plan
 (dryrun.json), not asserted: see the README's "Will it fit?"."""
 import json
 import os
@@ -24,6 +24,10 @@ CASES = {
     "llama3-8b-tp8": ["--model", "llama3-8b", "--tp", "8", "--seq-len", "2048", "--global-batch", "1", "--steps", "1"],
     "llama3-8b-zero3-dp8": ["--model", "llama3-8b", "--dp", "8", "--zero", "3", "--seq-len", "1024",
                             "--global-batch", "8", "--steps", "1"],
+    # capacity mode: every MoE layer's (E, B, C) buffers by shape (the planner's bucket count matched only
+    # once it listed an MoE layer's tensors one by one: each is larger than a bucket at this size)
+    "mixtral-8x7b-ep8-tp2": ["--model", "mixtral-8x7b", "--tp", "2", "--ep", "8", "--dp", "8", "--seq-len", "4096",
+                             "--global-batch", "16", "--set", "model.capacity_factor=1.25", "--steps", "1"],
     "llama3-405b-tp8-pp16-dp128": ["--model", "llama3-405b", "--tp", "8", "--pp", "16", "--dp", "128",
                                    "--microbatches", "16", "--seq-len", "8192", "--global-batch", "2048",
                                    "--ranks", "0", "--steps", "1"],
@@ -53,6 +57,7 @@ def test_a_layout_that_does_not_fit_is_refused_naming_the_rank(tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["--model", "nowhere-7b"], "nowhere-7b"),
+    (["--model", "mixtral-8x7b", "--ep", "8", "--dp", "8"], "needs capacity mode"),
     (["--ranks", "x"], "--ranks takes stages, all or a list"),
     (["--tp", "3"], "tp"),
 ])

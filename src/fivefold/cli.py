@@ -288,8 +288,13 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     from .dryrun import DoesNotFit, check_dry_run, dry_run, model_of_preset, stage_ranks, table
 
     cfg = resolve_train_config(args)
-    if args.model:
+    if args.model:   # the preset's shape, then any --set model.* on top of it
+        from .config import apply_overrides
+
         cfg.model = model_of_preset(args.model)
+        model_sets = {k.strip(): v.strip() for k, _, v in (item.partition("=") for item in args.set)
+                      if k.strip().startswith("model.")}
+        cfg = apply_overrides(cfg, model_sets)
     if args.steps is None:
         cfg.train.steps = 2
     cfg.train.checkpoint = False

@@ -269,7 +269,7 @@ def from_model_config(cfg: ModelConfig, name: str = "custom") -> PlanModel:
                      kv_heads=cfg.kv_heads, ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, max_seq=cfg.max_seq,
                      experts=cfg.experts, top_k=cfg.top_k if cfg.experts else 1,
                      moe_ffn=cfg.moe_ffn or cfg.ffn, shared_experts=cfg.shared_experts,
-                     dense_layers=cfg.dense_layers, qkv_bias=cfg.qkv_bias)
+                     dense_layers=cfg.dense_layers, qkv_bias=cfg.qkv_bias, shared_expert_gate=cfg.shared_expert_gate)
 
 
 # -- Hugging Face config.json ---------------------------------------------------------------------

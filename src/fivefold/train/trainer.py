@@ -60,7 +60,7 @@ from ..model.init import InitSource, cast_meta, materialize
 from ..model.transformer import Block
 from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
-from ..parallel.expert import moe_step_stats
+from ..parallel.expert import moe_step_stats, shape_only_dispatch
 from ..parallel.placement import placement_of
 from ..parallel.parallelize import (direct_forward_backward, gather_state, loss_function, parallelize, split_state,
                                     sum_loss)
@@ -126,6 +126,8 @@ class Trainer:
         # DDP holds its pieces whole; ZeRO keeps them in its own flat buffers or shards, so its
         # parameters start as placeholders and never exist at their full size here
         materialize(self.model, self.device, whole=not p.zero)
+        if dry and cfg.model.experts:   # fake tensors route no values: capacity-mode buffers by shape only
+            shape_only_dispatch(self.model, self.mesh["ep"] if p.ep > 1 else None, p.fp8_dispatch)
         if t.compile:
             compile_blocks(self.model)
         self.loss_sum = loss_function(self.dims, loss_sum)
@@ -206,7 +208,8 @@ class Trainer:
         else:
             self.skip(step, loss, norm)
         self.engine.zero_grad()
-        routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers) if self.cfg.model.experts else {}
+        routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers, not self.dry) \
+            if self.cfg.model.experts else {}
         self.stop = self.agree_stop()
         self.step_count = step + 1
         return {"step": step, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,

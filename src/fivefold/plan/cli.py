@@ -212,7 +212,7 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
                                                   "recompute", "offload")}
     if args.config:
         cfg = load_config(args.config)
-        cfg.model.validate()   # the model the file describes must be one the runtime builds (rules.py)
+        cfg.validate()   # a config the runtime would refuse plans nothing (rules.py; any world size)
         model = from_model_config(cfg.model, name=Path(args.config).stem)
         layout, work = from_config(cfg)
         for k in fixed:

@@ -363,10 +363,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.overwrite and lock is not None and rundir.holds_run(out):
         rundir.clear(out)                                           # only what fivefold wrote
     if lock is not None:
-        rundir.mark(out)                                            # OUT/.fivefold-run: fivefold's from now on
-    if lock is not None:
         from .tokenizer import save_to_run
 
+        rundir.mark(out)                                            # OUT/.fivefold-run: fivefold's from now on
         save_to_run(cfg.train.tokenizer, out)                       # OUT/tokenizer.*: generate and export read it
     if ckpt and (env is None or env[0] == 0):
         print(f"fivefold train: resuming from {ckpt} (step {start})", file=sys.stderr)
@@ -380,16 +379,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_offload_dir(cfg, torchrun_ranks_per_node() or 1, planned)
         result = train_rank(rank, world, cfg.to_dict(), out, ckpt, planned)
         leave_torchrun(stop_code(result.get("stopped")))   # does not return; failures propagate as usual
+    planned = planned_memory(cfg, device.type)
+    check_offload_dir(cfg, world, planned)
+    if device.type == "cpu":
+        check_host_memory(planned, world)
     k = cfg.parallel.ranks_per_node
     nodes = f" as {world // k} emulated nodes of {k}" if 0 < k < world else ""
     print(f"fivefold train: {world} rank(s){nodes}, dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
           f"cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
           f"{cfg.model.num_params():,} parameters, {n_tokens:,} tokens, steps {start}..{cfg.train.steps} -> {out}",
           file=sys.stderr)
-    planned = planned_memory(cfg, device.type)
-    check_offload_dir(cfg, world, planned)
-    if device.type == "cpu":
-        check_host_memory(planned, world)
     results = run_ranks(train_rank, world, (cfg.to_dict(), out, ckpt, planned), timeout_s=args.timeout)
     lock.release()
     r0 = results[0]

@@ -221,7 +221,7 @@ def check_init_hf(cfg) -> None:
         HFWeights(cfg.train.init_hf, cfg.model).check()
 
 
-def check_host_memory(planned: dict, ranks_here: int) -> None:
+def check_host_memory(planned: dict, ranks_here: int, params: int) -> None:
     """Local CPU ranks keep what they hold in this machine's memory, and no rank holds more than its
     pieces (the model is built on the meta device): when the planner's bytes for the `ranks_here` ranks
     (each pipeline stage's total, for its share of the ranks) exceed physical memory, the run is refused
@@ -234,9 +234,10 @@ def check_host_memory(planned: dict, ranks_here: int) -> None:
     need = sum(s.get("total", 0) for s in stages) * ranks_here // max(1, len(stages))
     if stages and need > total:
         gib = 2**30
-        raise ConfigError(f"the {ranks_here} local rank(s) need {need / gib:,.1f} GiB by the planner's memory per "
-                          f"rank, this machine has {total / gib:,.1f} GiB; choose a smaller model or more ranks "
-                          f"(fivefold plan shows the bytes per rank)")
+        raise ConfigError(f"the model has {params:,} parameters: its {ranks_here} local rank(s) need "
+                          f"{need / gib:,.1f} GiB by the planner's memory per rank, this machine has "
+                          f"{total / gib:,.1f} GiB; choose a smaller model or more ranks (fivefold plan shows "
+                          f"the bytes per rank)")
 
 
 def check_offload_dir(cfg, ranks_here: int, planned: dict) -> None:
@@ -349,6 +350,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     supported(cfg)                                                   # before any rank starts: what the runtime
     if env is None:                                                  # does not run, a device it cannot use,
         device = resolve_device(cfg.train.device, "gloo" if world > 1 else None)
+        if device.type == "cpu":                                     # more than this machine's memory,
+            check_host_memory(planned_memory(cfg, "cpu"), world, cfg.model.num_params())
     n_tokens = check_data(cfg.train, cfg.model.vocab)               # data it cannot read, a run folder it
     check_init_hf(cfg)                                              # HF weights that do not fit the model,
     rundir.check_out(out, args.resume, args.overwrite)              # a run folder it must not touch (again under the lock)
@@ -381,8 +384,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         leave_torchrun(stop_code(result.get("stopped")))   # does not return; failures propagate as usual
     planned = planned_memory(cfg, device.type)
     check_offload_dir(cfg, world, planned)
-    if device.type == "cpu":
-        check_host_memory(planned, world)
     k = cfg.parallel.ranks_per_node
     nodes = f" as {world // k} emulated nodes of {k}" if 0 < k < world else ""
     print(f"fivefold train: {world} rank(s){nodes}, dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "

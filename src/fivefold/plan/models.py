@@ -295,6 +295,7 @@ def read_hf_config(path: Path) -> PlanModel:
         model = from_hf_config(d, name=path.parent.name or path.stem)
     except (TypeError, ValueError, ZeroDivisionError, AttributeError, KeyError, OverflowError) as e:
         raise ConfigError(f"--model {path}: cannot read it as a Hugging Face config ({type(e).__name__}: {e})") from None
+    check_shape(model, f"--model {path}")   # GQA grouping, with the valid kv_heads
     check_plan_model(model, f"--model {path}")
     return model
 
@@ -469,7 +470,7 @@ def load_model(spec: str | ModelConfig | PlanModel) -> PlanModel:
         return PRESETS[key]
     path = Path(spec)
     if path.suffix == ".json" and path.exists():
-        return check_shape(read_hf_config(path), "Hugging Face config.json")
+        return read_hf_config(path)
     if path.suffix == ".toml" and path.exists():
         from ..config import load_config
         cfg = load_config(path).model

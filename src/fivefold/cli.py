@@ -32,7 +32,8 @@ TRAIN_FLAGS = {
     "recompute": "train.recompute", "steps": "train.steps", "global_batch": "train.global_batch",
     "seq_len": "train.seq_len", "lr": "train.lr", "dtype": "train.dtype", "device": "train.device",
     "seed": "train.seed", "out": "train.out", "data": "train.data", "tokenizer": "train.tokenizer",
-    "init_hf": "train.init_hf",
+    "init_hf": "train.init_hf", "eval_data": "train.eval_data", "eval_every": "train.eval_every",
+    "eval_tokens": "train.eval_tokens",
 }
 HELP = {
     "sp_mode": "Megatron sequence parallelism inside tp",
@@ -45,6 +46,9 @@ HELP = {
     "data": "text files, or token files (fivefold tokenize's, .u16/.bin, .u32, .npy)",
     "tokenizer": "a Hugging Face tokenizer.json or tiktoken BPE file (default: UTF-8 bytes); model.vocab "
                  "follows it unless set",
+    "eval_data": "evaluation files, read like --data (or train.eval_fraction: a held-out tail of the data)",
+    "eval_every": "steps between evaluations, and one after the last step (0: none)",
+    "eval_tokens": "tokens an evaluation covers (whole global batches)",
     "init_hf": "start from a Hugging Face folder (save_pretrained's: config.json sets [model], its "
                "safetensors are read slice by slice into each rank's shards, its tokenizer becomes the run's)",
 }
@@ -277,7 +281,7 @@ def nodes_from_torchrun(cfg, local_world: int | None, announce: bool) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from .comm import CommLedger
     from .train import rundir
-    from .train.data import check_data
+    from .train.data import check_data, check_eval_data
     from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, last_stop_signal,
                                leave_torchrun, resolve_device, run_ranks, torchrun_env, torchrun_ranks_per_node)
     from .train.scalars import require_tensorboard
@@ -295,6 +299,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if env is None:                                                  # does not run, a device it cannot use,
         device = resolve_device(cfg.train.device, "gloo" if world > 1 else None)
     n_tokens = check_data(cfg.train, cfg.model.vocab)               # data it cannot read, a run folder it
+    check_eval_data(cfg.train, cfg.model.vocab)                     # (evaluation data too)
     check_init_hf(cfg)                                              # HF weights that do not fit the model,
     rundir.check_out(out, args.resume, args.overwrite)              # a run folder it must not touch (again under the lock)
     lock = rundir.RunLock(out) if env is None or env[0] == 0 else None

@@ -32,6 +32,7 @@ windows; micro-batches split that slice in order. How the windows are chosen:
 """
 from __future__ import annotations
 
+import math
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -233,12 +234,69 @@ def data_identity(train: TrainConfig) -> dict:
 
 def make_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None) -> "Batches":
     """The batches of a run: `tokens` if given, else the corpus of `train` (ids checked against vocab);
-    shuffled by sequence when the run trains on token files only (module docstring)."""
+    shuffled by sequence when the run trains on token files only (module docstring). With
+    train.eval_fraction the held-out tail (`split_corpus`) is left out."""
     if tokens is not None:
-        return Batches(tokens, train.seq_len, train.global_batch, train.seed, vocab)
+        return Batches(split_corpus(tokens, train.eval_fraction)[0], train.seq_len, train.global_batch, train.seed,
+                       vocab)
     corpus = read_tokens(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train))
     kind = ShuffledBatches if uses_token_files(train) else Batches
-    return kind(corpus, train.seq_len, train.global_batch, train.seed)
+    return kind(split_corpus(corpus, train.eval_fraction)[0], train.seq_len, train.global_batch, train.seed)
+
+
+def split_corpus(tokens, fraction: float) -> tuple:
+    """(training part, held-out part) of a token stream: the last ceil(fraction * len) tokens are held
+    out for evaluation (train.eval_fraction), so no training window (seq_len + 1 tokens inside the first
+    part) shares a token with an evaluation window. fraction 0: (tokens, None)."""
+    if not fraction:
+        return tokens, None
+    cut = len(tokens) - math.ceil(fraction * len(tokens))
+    return Slice(tokens, 0, cut), Slice(tokens, cut, len(tokens))
+
+
+def eval_corpus(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None):
+    """The tokens evaluations read: the files train.eval_data (read like train.data, ids checked), or the
+    held-out tail of the training corpus (train.eval_fraction; `tokens` stands for that corpus when
+    given); None when neither is set."""
+    if train.eval_data:
+        return read_tokens(train.eval_data, train.data_limit_mb, vocab, run_tokenizer_of(train))
+    if not train.eval_fraction:
+        return None
+    if tokens is None:
+        tokens = read_tokens(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train))
+    return split_corpus(tokens, train.eval_fraction)[1]
+
+
+def make_eval_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None) -> "EvalBatches | None":
+    """The evaluation batches of a run (`EvalBatches` over `eval_corpus`), or None without eval data."""
+    corpus = eval_corpus(train, vocab, tokens)
+    if corpus is None:
+        return None
+    return EvalBatches(corpus, train.seq_len, train.global_batch, train.eval_tokens)
+
+
+def check_eval_data(train: TrainConfig, vocab: int) -> int | None:
+    """The evaluation data's checks (files, ids, at least one global batch of windows) before any rank
+    starts; the tokens an evaluation covers, or None without eval data."""
+    batches = make_eval_batches(train, vocab)
+    return None if batches is None else batches.total_tokens()
+
+
+class Slice:
+    """Tokens [lo, hi) of a 1-D array-like (length and slices), read on demand like the array itself."""
+
+    def __init__(self, tokens, lo: int, hi: int):
+        self.tokens, self.lo, self.hi = tokens, lo, hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        begin, end, _ = index.indices(len(self))
+        return np.asarray(self.tokens[self.lo + begin:self.lo + max(begin, end)])
+
+    def tolist(self) -> list[int]:
+        return self[:].tolist()
 
 
 class Joined:
@@ -305,6 +363,30 @@ class ShuffledBatches(Batches):
         n = self.windows
         return torch.tensor([permute(j % n, n, mix(self.seed, j // n)) * self.seq_len
                              for j in range(first, first + self.global_batch)], dtype=torch.int64)
+
+
+class EvalBatches(Batches):
+    """The fixed batches of an evaluation: batch b holds the non-overlapping windows b·B .. b·B + B - 1
+    of the evaluation tokens (window i starts at i·seq_len), the same in every evaluation and under every
+    layout. `count` batches cover about `eval_tokens` tokens: ceil(eval_tokens / (B·seq_len)) batches,
+    at most as many as the data holds; fewer than one batch of windows is a ConfigError."""
+
+    def __init__(self, tokens, seq_len: int, global_batch: int, eval_tokens: int):
+        windows = (len(tokens) - 1) // seq_len
+        if windows < global_batch:
+            raise ConfigError(f"the evaluation data has {len(tokens)} tokens, fewer than one global batch of "
+                              f"windows (train.global_batch x train.seq_len + 1 = {global_batch * seq_len + 1}); "
+                              f"add evaluation data or raise train.eval_fraction")
+        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, 0
+        self.count = min(-(-eval_tokens // (global_batch * seq_len)), windows // global_batch)
+
+    def offsets(self, step: int) -> torch.Tensor:
+        first = step * self.global_batch
+        return torch.arange(first, first + self.global_batch, dtype=torch.int64) * self.seq_len
+
+    def total_tokens(self) -> int:
+        """Tokens one evaluation covers (its predicted targets)."""
+        return self.count * self.tokens_per_step()
 
 
 def mix(*values: int) -> int:

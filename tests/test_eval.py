@@ -108,3 +108,30 @@ def test_train_cli_evaluates(tmp_path):
     assert comm["eval"]["evaluations"] == 2
     assert {row["dim"] for row in comm["eval"]["rows"]} >= {"pp", "loss"}
     assert all(row["dim"] != "eval" for row in comm["rows"])
+
+
+def printed_loss(r) -> float:
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("eval loss"))
+    return float(line.split()[2])
+
+
+@pytest.mark.ranks
+def test_eval_command_loads_any_layout_and_hf_folders(tmp_path):
+    """`fivefold eval` of a run's last checkpoint gives the run's own last evaluation, under any layout,
+    and the same for the run exported as a Hugging Face folder."""
+    data, run = tmp_path / "eval.txt", tmp_path / "run"
+    data.write_text("words the model has not seen while it trained. " * 300)
+    r = fivefold("train", *TINY, "--eval-data", str(data), "--eval-every", "4", "--eval-tokens", "512",
+                 "--set", "train.checkpoint=true", "--out", str(run))
+    assert r.returncode == 0, r.stderr
+    trained = metrics(run)[-1]["eval_loss"]
+    shape = ["--data", str(data), "--eval-tokens", "512", "--seq-len", "32", "--global-batch", "8"]
+    for layout in ([], ["--nproc", "2", "--tp", "2"], ["--nproc", "2", "--pp", "2", "--microbatches", "2"]):
+        assert math.isclose(printed_loss(fivefold("eval", str(run), *shape, *layout)), trained, rel_tol=1e-5), layout
+    hf = tmp_path / "hf"
+    assert fivefold("export", str(run), "--hf", str(hf)).returncode == 0
+    assert math.isclose(printed_loss(fivefold("eval", str(hf), *shape, "--nproc", "2", "--dp", "2")), trained,
+                        rel_tol=1e-5)
+    bad = fivefold("eval", str(run), "--data", str(data), "--global-batch", "3", "--nproc", "2", "--dp", "2")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1

@@ -1,7 +1,8 @@
-"""Command line: `fivefold train | tokenize | export | generate | report | calibrate | plan | schedule`.
+"""Command line: `fivefold train | eval | tokenize | export | generate | report | calibrate | plan | schedule`.
 
     fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --cp-mode --ep --zero ...] [--steps K] [--out DIR]
                    [--resume auto|DIR] [--overwrite]
+    fivefold eval RUN_OR_CHECKPOINT|HF_DIR --data FILES [--nproc N] [--dp --tp --pp --cp ...] [--eval-tokens N]
     fivefold export RUN_OR_CHECKPOINT FILE.safetensors | --hf DIR
     fivefold generate RUN --prompt TEXT [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
                       [--checkpoint step-N] [--no-cache]    (or --hf DIR instead of RUN)
@@ -442,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     add_train_args(sub.add_parser("train", help="train a model (embedded default when no config)"))
     add_export_args(sub.add_parser("export", help="write a checkpoint's whole weights to one safetensors file"))
     add_generate_args(sub.add_parser("generate", help="sample text from a run's checkpoint (or a Hugging Face folder)"))
+    from .evaluate import add_eval_args, cmd_eval
+    add_eval_args(sub.add_parser("eval", help="a run's checkpoint's (or a Hugging Face folder's) loss and "
+                                 "perplexity on data, under any layout"))
     from .report import add_report_args, cmd_report
     add_report_args(sub.add_parser("report", help="draw runs' loss, grad norm, tokens/s, lr, traffic, pipeline"))
     from .train.tokenize import add_tokenize_args, cmd_tokenize
@@ -464,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.cmd == "report":
             return cmd_report(args)
+        if args.cmd == "eval":
+            return cmd_eval(args)
         if args.cmd == "tokenize":
             return cmd_tokenize(args)
         if args.cmd == "calibrate":

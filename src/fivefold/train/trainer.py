@@ -8,8 +8,11 @@ data. `step(k)` runs one optimizer step over the global batch of step k and retu
 `run()` trains `cfg.train.steps` steps and writes, on rank 0:
 
     OUT/metrics.jsonl  one line per step: step, loss, grad_norm, lr, tokens, seconds (NaN/inf: null);
+                       eval_loss, eval_ppl, eval_tokens on the steps followed by an evaluation
+                       (`evaluate`); data_tokens (tokens per source) when the data is a mixture;
                        a resumed run keeps the lines of the steps before its start and appends
-    OUT/comm.json      the communication ledger summed over ranks (see comm/ledger.py)
+    OUT/comm.json      the communication ledger summed over ranks (see comm/ledger.py); the
+                       evaluations' traffic apart, under "eval"
     OUT/run.json       resolved config, parameter count, world size, versions, model-state bytes; the
                        device and each rank's peak memory beside the planner's prediction (`run_info`)
     OUT/checkpoints/step-N/  sharded checkpoints (checkpoint.py): every train.checkpoint_every steps,
@@ -392,6 +395,8 @@ class Trainer:
         history, stopped, saved = [], None, start if ckpt else None
         for step in range(start, cfg.steps):
             m = self.step(step)
+            if hasattr(self.batches, "drawn"):   # a data mixture: the step's tokens per source
+                m["data_tokens"] = self.batches.drawn(step)
             if self.evaluates_after(step):
                 m.update(self.evaluate())
             history.append(m)
@@ -454,7 +459,10 @@ class Trainer:
         mem = getattr(self, "all_memory", None) or [self.memory_info()]
         stages = (self.planned or {}).get("stages")
         planned = [stages[m["pp_stage"]]["total"] if stages else None for m in mem]
-        return {"config": self.cfg.to_dict(), "data": self.data_id, "params": self.n_params,
+        mixture = ({"data_mixture": {"weights": dict(zip(self.batches.names, self.batches.weights)),
+                                     "tokens": self.batches.drawn(0, self.step_count)}}
+                   if hasattr(self.batches, "drawn") else {})   # tokens per source over steps 0 .. step_count - 1
+        return {**mixture, "config": self.cfg.to_dict(), "data": self.data_id, "params": self.n_params,
                 "world_size": self.world_size, "model_state_bytes_per_rank": self.model_state_bytes(),
                 "model_state_bytes_by_rank": self.all_state_bytes,
                 "peak_activation_bytes_per_rank": self.activations.peak,

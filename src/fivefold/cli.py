@@ -34,7 +34,7 @@ TRAIN_FLAGS = {
     "seq_len": "train.seq_len", "lr": "train.lr", "dtype": "train.dtype", "device": "train.device",
     "seed": "train.seed", "out": "train.out", "data": "train.data", "tokenizer": "train.tokenizer",
     "init_hf": "train.init_hf", "eval_data": "train.eval_data", "eval_every": "train.eval_every",
-    "eval_tokens": "train.eval_tokens",
+    "eval_tokens": "train.eval_tokens", "eos": "train.eos", "bos": "train.bos",
 }
 HELP = {
     "sp_mode": "Megatron sequence parallelism inside tp",
@@ -47,6 +47,9 @@ HELP = {
     "data": "text files, or token files (fivefold tokenize's, .u16/.bin, .u32, .npy)",
     "tokenizer": "a Hugging Face tokenizer.json or tiktoken BPE file (default: UTF-8 bytes); model.vocab "
                  "follows it unless set",
+    "eos": "the tokenizer's end-of-text token, put after each text document and where generate stops (default: "
+           "found by name; none: no such token)",
+    "bos": "a start-of-text token put before each text document (default: none)",
     "eval_data": "evaluation files, read like --data (or train.eval_fraction: a held-out tail of the data)",
     "eval_every": "steps between evaluations, and one after the last step (0: none)",
     "eval_tokens": "tokens an evaluation covers (whole global batches)",
@@ -208,6 +211,15 @@ def prepare_run(cfg, args) -> tuple[str | None, int]:
     return str(ckpt), index["step"]
 
 
+def warn_missing_eos(train, announce: bool) -> None:
+    """A run's tokenizer whose end-of-text cannot be found (and no --eos): one warning naming the option."""
+    from .tokenizer import load_tokenizer, missing_eos
+
+    text = missing_eos(load_tokenizer(train.tokenizer or None, train.eos, train.bos), train.eos)
+    if text and announce:
+        print(text, file=sys.stderr)
+
+
 def check_init_hf(cfg) -> None:
     """--init-hf: the folder's tensors are exactly the model's, with their shapes and a float dtype, read
     from the files' own headers (model/hf_weights.py); one line otherwise, before any rank starts."""
@@ -300,6 +312,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if env is None:                                                  # does not run, a device it cannot use,
         device = resolve_device(cfg.train.device, "gloo" if world > 1 else None)
     n_tokens = check_data(cfg.train, cfg.model.vocab)               # data it cannot read, a run folder it
+    warn_missing_eos(cfg.train, env is None or env[0] == 0)
     check_eval_data(cfg.train, cfg.model.vocab)                     # (evaluation data too)
     check_init_hf(cfg)                                              # HF weights that do not fit the model,
     rundir.check_out(out, args.resume, args.overwrite)              # a run folder it must not touch (again under the lock)
@@ -318,7 +331,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if lock is not None:
         from .tokenizer import save_to_run
 
-        save_to_run(cfg.train.tokenizer, out)                       # OUT/tokenizer.*: generate and export read it
+        save_to_run(cfg.train.tokenizer, out, cfg.train.eos, cfg.train.bos)   # OUT/tokenizer.*: generate and export read it
     if ckpt and (env is None or env[0] == 0):
         print(f"fivefold train: resuming from {ckpt} (step {start})", file=sys.stderr)
     if env is not None:  # one rank of a torchrun job
@@ -395,6 +408,9 @@ def add_export_args(ap: argparse.ArgumentParser) -> None:
                     "(never overwritten)")
     ap.add_argument("--hf", nargs="?", const=True, metavar="DIR", help="write a Hugging Face model folder DIR "
                     "(Llama / Qwen2 / Mixtral / Qwen2-MoE by the config, with the tokenizer; needs transformers)")
+    ap.add_argument("--eos", default="", metavar="TOKEN", help="with --hf: the end-of-text token the export names "
+                    "(default: the run's)")
+    ap.add_argument("--bos", default="", metavar="TOKEN", help="with --hf: a start-of-text token (default: the run's)")
     ap.add_argument("--max-shard-mb", type=float, default=2048, help="with --hf: weight files of at most this "
                     "many MiB, as save_pretrained's max_shard_size (default 2048; a bigger tensor gets its own file)")
 
@@ -410,7 +426,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if not args.max_shard_mb > 0:
             raise ConfigError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
         path = export_hf_folder(args.checkpoint, args.dest if args.hf is True else args.hf,
-                                max_shard_bytes=int(args.max_shard_mb * 2**20))
+                                max_shard_bytes=int(args.max_shard_mb * 2**20), eos=args.eos, bos=args.bos)
         print(f"wrote {path}/ ({', '.join(sorted(p.name for p in path.iterdir()))})")
         return 0
     if args.dest is None:

@@ -202,6 +202,8 @@ class TrainConfig:
     compile: bool = False                 # torch.compile each transformer block in place (after parallelize)
     tensorboard: bool = False             # rank 0 also writes loss, grad_norm, lr, tokens/s to OUT/tensorboard/
     init_hf: str = ""                     # start from a Hugging Face folder's weights (--init-hf; "": the seeded init)
+    eos: str = ""                         # end-of-text token of train.tokenizer (--eos; "": found by name; none)
+    bos: str = ""                         # start-of-text token put before each text document (--bos; "": none)
     eval_data: list[str] = field(default_factory=list)   # evaluation files, read like data (--eval-data)
     eval_fraction: float = 0.0            # ... or hold out this last fraction of the training tokens (0: none)
     eval_every: int = 0                   # steps between evaluations, and one at the end (0: no evaluation)

@@ -161,11 +161,14 @@ def is_mapped(f: Path) -> bool:
 
 
 def text_tokens(raw: np.ndarray, tokenizer: Tokenizer | None) -> np.ndarray:
-    """A text file's bytes as tokens: the bytes themselves (no tokenizer, or the byte-level one), else
-    the tokenizer's ids of the text, followed by its end-of-text id when it has one."""
-    if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
+    """A text file's bytes as tokens: the bytes themselves (no tokenizer, or the byte-level one without
+    --eos / --bos), else the tokenizer's ids of the text, after its start-of-text id (--bos) and followed
+    by its end-of-text id when it has them."""
+    if tokenizer is None or (isinstance(tokenizer, ByteTokenizer) and tokenizer.eos_id is None
+                             and tokenizer.bos_id is None):
         return raw
-    ids = tokenizer.encode(raw.tobytes().decode("utf-8", errors="replace"))
+    ids = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    ids += tokenizer.encode(raw.tobytes().decode("utf-8", errors="replace"))
     if tokenizer.eos_id is not None:
         ids.append(tokenizer.eos_id)
     return np.asarray(ids, dtype=token_dtype(tokenizer.vocab_size))
@@ -206,8 +209,8 @@ def read_tokens(paths: list[str | Path] | None = None, limit_mb: float = 8.0, vo
 
 
 def run_tokenizer_of(train: TrainConfig) -> Tokenizer:
-    """The tokenizer of a run: `train.tokenizer`, or the byte-level default."""
-    return load_tokenizer(train.tokenizer or None)
+    """The tokenizer of a run: `train.tokenizer`, or the byte-level default, with train.eos / train.bos."""
+    return load_tokenizer(train.tokenizer or None, train.eos, train.bos)
 
 
 def uses_token_files(train: TrainConfig) -> bool:

@@ -348,8 +348,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     nodes = f" as {world // k} emulated nodes of {k}" if 0 < k < world else ""
     print(f"fivefold train: {world} rank(s){nodes}, dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
           f"cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
-          f"{cfg.model.num_params():,} parameters, {n_tokens:,} tokens, steps {start}..{cfg.train.steps} -> {out}",
-          file=sys.stderr)
+          f"{cfg.model.num_params():,} parameters, {banner_tokens(cfg, start, n_tokens)}, steps {start}..{cfg.train.steps} "
+          f"-> {out}", file=sys.stderr)
     planned = planned_memory(cfg, device.type)
     check_offload_dir(cfg, world, planned)
     if device.type == "cpu":
@@ -369,6 +369,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"fivefold: stopped by {stopped} after step {r0['step']}; checkpoint in "
               f"{rundir.step_dir(out, r0['step'])}; continue with --resume auto --out {out}", file=sys.stderr)
     return stop_code(stopped)
+
+
+def banner_tokens(cfg, start: int, data_tokens: int) -> str:
+    """What the run will train on: steps x global_batch x seq_len tokens (the steps left), beside the data's size."""
+    t = cfg.train
+    steps = t.steps - start
+    return (f"{steps * t.global_batch * t.seq_len:,} tokens to train ({steps} steps x {t.global_batch} x {t.seq_len}; "
+            f"the data holds {data_tokens:,})")
 
 
 def planned_memory(cfg, device_type: str) -> dict:
@@ -432,8 +440,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.dest is None:
         raise ConfigError("export needs a destination: fivefold export RUN FILE.safetensors, or --hf DIR")
     path = export(args.checkpoint, args.dest)
-    print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    print(exported_summary(path))
     return 0
+
+
+def exported_summary(path: Path) -> str:
+    """What `export FILE` wrote: tensors, parameters and their dtypes, the checkpoint's step, bytes."""
+    import json as _json
+    import math as _math
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        dtypes = sorted({str(f.get_slice(k).get_dtype()) for k in f.keys()})
+    params = sum(_math.prod(s) for s in shapes.values())
+    model = _json.loads(meta.get("config", "{}")).get("model", {})
+    shape = f", hidden {model['hidden']}, {model['layers']} layers, vocab {model['vocab']}" if model else ""
+    return (f"wrote {path}: {len(shapes)} tensors, {params:,} parameters ({'/'.join(dtypes)}{shape}) of step "
+            f"{meta.get('step', '?')}, {path.stat().st_size:,} bytes")
 
 
 def add_generate_args(ap: argparse.ArgumentParser) -> None:

@@ -222,13 +222,18 @@ class TokenFileWriter:
 
 
 def check_outputs(out: Path, overwrite: bool) -> None:
-    """Never write over a token file by accident; the output's folder must exist."""
+    """Never write over a token file by accident; the output's folder is made when missing (not through a file)."""
     taken = [p for p in (out, header_path(out), offsets_path(out)) if p.exists()]
     if taken and not overwrite:
         raise ConfigError(f"--out {out}: {taken[0].name} exists; pass --overwrite to replace it or choose "
                           f"another --out")
-    if not out.parent.is_dir():
-        raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
+    blocked = next((p for p in (out.parent, *out.parent.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError(f"--out {out}: {blocked} is a file, not a folder; choose another --out")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot make folder {out.parent} ({e.strerror or e})") from None
 
 
 # -- reading a corpus ------------------------------------------------------------------------------------

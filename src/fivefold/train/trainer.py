@@ -430,7 +430,8 @@ class Trainer:
             total.write(out / "comm.json")
             if evals is not None:   # the evaluations' traffic, apart from the training steps' rows
                 info = json.loads((out / "comm.json").read_text())
-                info["eval"] = {**evals.to_dict(), "evaluations": self.evaluations}
+                info["eval"] = {**evals.to_dict(), "evaluations": self.evaluations,
+                                "batches": self.eval_batches.count}   # global batches per evaluation
                 (out / "comm.json").write_text(json.dumps(info, indent=1))
             (out / "run.json").write_text(json.dumps(self.run_info(), indent=1))
         return {"history": history, "comm": total.to_dict(), "state_bytes": self.model_state_bytes(),

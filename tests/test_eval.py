@@ -135,3 +135,19 @@ def test_eval_command_loads_any_layout_and_hf_folders(tmp_path):
                         rel_tol=1e-5)
     bad = fivefold("eval", str(run), "--data", str(data), "--global-batch", "3", "--nproc", "2", "--dp", "2")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+def test_eval_scalars_and_report_summary(tmp_path):
+    """TensorBoard gets eval_loss / eval_ppl on the steps that evaluated; the report's table the last ones."""
+    from fivefold.report import read_run, summary
+    from fivefold.train.scalars import step_scalars
+
+    step = {"step": 0, "loss": 5.0, "grad_norm": 1.0, "lr": 1e-3, "tokens": 256, "seconds": 0.5}
+    assert set(step_scalars(step)) == {"loss", "grad_norm", "lr", "tokens_per_s"}
+    evaluated = {**step, "step": 1, "eval_loss": 4.5, "eval_ppl": math.exp(4.5)}
+    assert step_scalars(evaluated)["eval_loss"] == 4.5 and step_scalars(evaluated)["eval_ppl"] == math.exp(4.5)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in (step, evaluated, {**step, "step": 2})))
+    table = summary([read_run(run)])
+    assert "eval loss" in table.splitlines()[0] and "4.5000" in table and f"{math.exp(4.5):.4f}" in table

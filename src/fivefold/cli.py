@@ -462,6 +462,52 @@ def exported_summary(path: Path) -> str:
             f"{meta.get('step', '?')}, {path.stat().st_size:,} bytes")
 
 
+def add_eval_args(ap: argparse.ArgumentParser) -> None:
+    from .evaluate import EVAL_FLAGS
+
+    ap.add_argument("source", help="a run folder (its newest checkpoint), a checkpoints/step-N folder, or a "
+                    "Hugging Face model folder (config.json + safetensors)")
+    ap.add_argument("--data", nargs="+", required=True, help="text files, or token files (fivefold tokenize's, "
+                    ".u16/.bin, .u32, .npy), read with the model's tokenizer")
+    ap.add_argument("--nproc", type=int, help="local gloo ranks to spawn (default: the layout's world size)")
+    for flag, key in EVAL_FLAGS.items():
+        ap.add_argument(f"--{flag.replace('_', '-')}", dest=flag, **flag_kwargs(field_type(key)))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
+    ap.add_argument("--timeout", type=float, default=600, help="hang watchdog (seconds without progress)")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """`fivefold eval` (evaluate.py): every rule checked here, then the ranks evaluate."""
+    from .config import Config
+    from .evaluate import eval_config, eval_rank, is_hf_folder, run_config
+    from .train.data import check_data, check_eval_data
+    from .train.launch import resolve_device, run_ranks
+    from .train.trainer import supported
+
+    source = Path(args.source)
+    if not source.is_dir():
+        raise ConfigError(f"{source}: no such run, checkpoint or Hugging Face folder")
+    if is_hf_folder(source):   # --init-hf semantics: config.json sets [model], its tokenizer is the run's
+        cfg, ckpt = Config(), None
+        cfg.train.init_hf = str(source)
+        model_from_hf(cfg, set())
+        vocab_from_tokenizer(cfg, True)
+    else:
+        cfg, ckpt = run_config(source)
+    cfg = eval_config(cfg, args)
+    world = args.nproc or cfg.parallel.world_size
+    cfg.validate(world)
+    supported(cfg)
+    resolve_device(cfg.train.device, "gloo" if world > 1 else None)
+    check_data(cfg.train, cfg.model.vocab)
+    check_eval_data(cfg.train, cfg.model.vocab)
+    check_init_hf(cfg)
+    result = run_ranks(eval_rank, world, (cfg.to_dict(), ckpt), timeout_s=args.timeout)[0]
+    print(f"eval loss {result['eval_loss']:.6f}  perplexity {result['eval_ppl']:.4f}  "
+          f"({result['eval_tokens']:,} tokens, {ckpt or args.source})")
+    return 0
+
+
 def add_generate_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("run", nargs="?", help="a run folder (its newest checkpoint) or a checkpoints/step-N folder")
     ap.add_argument("--prompt", required=True, help="the text to continue")
@@ -485,7 +531,6 @@ def main(argv: list[str] | None = None) -> int:
     add_train_args(sub.add_parser("train", help="train a model (embedded default when no config)"))
     add_export_args(sub.add_parser("export", help="write a checkpoint's whole weights to one safetensors file"))
     add_generate_args(sub.add_parser("generate", help="sample text from a run's checkpoint (or a Hugging Face folder)"))
-    from .evaluate import add_eval_args, cmd_eval
     add_eval_args(sub.add_parser("eval", help="a run's checkpoint's (or a Hugging Face folder's) loss and "
                                  "perplexity on data, under any layout"))
     from .report import add_report_args, cmd_report

@@ -9,14 +9,15 @@ whole global batches of `--seq-len` windows); the ranks run `Trainer.evaluate` (
 gradient), so the number is the same under every layout: `--dp/--tp/--pp/--cp/--ep/--zero/...` choose
 one, as for `train`. Every rule is checked before any rank starts (one line, exit 2).
 
-Prints `eval loss L  perplexity P  (N tokens, SOURCE)` on stdout.
+Prints `eval loss L  perplexity P  (N tokens, SOURCE)` on stdout. The command's flags and checks are
+cli.py's (`add_eval_args`, `cmd_eval`); this module builds the config and runs a rank.
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from .config import Config, ConfigError, ParallelConfig, apply_overrides, field_type
+from .config import Config, ConfigError, ParallelConfig, apply_overrides
 
 # eval's flags: the layout and the shape of its windows (dotted config keys, typed like train's flags)
 EVAL_FLAGS = {
@@ -28,20 +29,6 @@ EVAL_FLAGS = {
 }
 
 
-def add_eval_args(ap: argparse.ArgumentParser) -> None:
-    from .cli import flag_kwargs
-
-    ap.add_argument("source", help="a run folder (its newest checkpoint), a checkpoints/step-N folder, or a "
-                    "Hugging Face model folder (config.json + safetensors)")
-    ap.add_argument("--data", nargs="+", required=True, help="text files, or token files (fivefold tokenize's, "
-                    ".u16/.bin, .u32, .npy), read with the model's tokenizer")
-    ap.add_argument("--nproc", type=int, help="local gloo ranks to spawn (default: the layout's world size)")
-    for flag, key in EVAL_FLAGS.items():
-        ap.add_argument(f"--{flag.replace('_', '-')}", dest=flag, **flag_kwargs(field_type(key)))
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
-    ap.add_argument("--timeout", type=float, default=600, help="hang watchdog (seconds without progress)")
-
-
 def is_hf_folder(source: Path) -> bool:
     """A Hugging Face folder: config.json and no fivefold checkpoint in or under it."""
     from .train import rundir
@@ -50,36 +37,25 @@ def is_hf_folder(source: Path) -> bool:
             and rundir.newest_checkpoint(source) is None)
 
 
-def base_config(source: Path) -> tuple[Config, str | None]:
-    """(config, checkpoint or None) of the model to evaluate: a run's checkpoint config (verified against
-    its bytes) with the run's own tokenizer copy, or a Hugging Face folder's model (`--init-hf`)."""
-    from .cli import model_from_hf, vocab_from_tokenizer
-    from .generate import find_checkpoint
-    from .tokenizer import run_tokenizer_file
-
-    if is_hf_folder(source):
-        cfg = Config()
-        cfg.train.init_hf = str(source)
-        model_from_hf(cfg, set())
-        vocab_from_tokenizer(cfg, True)
-        return cfg, None
+def run_config(source: Path) -> tuple[Config, str]:
+    """(config, checkpoint) of a run folder or checkpoint folder: the checkpoint's config (verified
+    against its bytes) with the run's own tokenizer copy and --eos / --bos."""
+    from .generate import find_checkpoint, run_of
+    from .tokenizer import read_specials, run_tokenizer_file
     from .train.verify import verify
 
     ckpt = find_checkpoint(source)
     cfg = Config.from_dict(verify(ckpt)["config"])
     saved = run_tokenizer_file(ckpt)
     cfg.train.tokenizer = str(saved) if saved is not None else ""
+    cfg.train.eos, cfg.train.bos = read_specials(run_of(ckpt))
     cfg.train.init_hf = ""   # the checkpoint holds the weights
     return cfg, str(ckpt)
 
 
-def eval_config(args: argparse.Namespace) -> tuple[Config, str | None]:
-    """The config the ranks evaluate with: the model's, a fresh layout from the flags (not the run's),
-    `--data` as both the (unused) training and the evaluation data, nothing written."""
-    source = Path(args.source)
-    if not source.is_dir():
-        raise ConfigError(f"{source}: no such run, checkpoint or Hugging Face folder")
-    cfg, ckpt = base_config(source)
+def eval_config(cfg: Config, args: argparse.Namespace) -> Config:
+    """The config the ranks evaluate with: the model's `cfg`, a fresh layout from the flags (not the
+    run's), `--data` as both the (unused) training and the evaluation data, nothing written."""
     cfg.parallel = ParallelConfig()
     t = cfg.train
     t.data, t.eval_data, t.eval_fraction, t.eval_every = list(args.data), list(args.data), 0.0, 0
@@ -97,7 +73,7 @@ def eval_config(args: argparse.Namespace) -> tuple[Config, str | None]:
         if args.nproc % other:
             raise ConfigError(f"{args.nproc} ranks must divide by tp*cp*pp = {other}")
         p.dp = args.nproc // other
-    return cfg, ckpt
+    return cfg
 
 
 def eval_rank(rank: int, world_size: int, cfg_dict: dict, ckpt: str | None) -> dict:
@@ -108,23 +84,3 @@ def eval_rank(rank: int, world_size: int, cfg_dict: dict, ckpt: str | None) -> d
     if ckpt:
         trainer.restore(ckpt)
     return trainer.evaluate()
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    from .cli import check_init_hf
-    from .train.data import check_data, check_eval_data
-    from .train.launch import resolve_device, run_ranks
-    from .train.trainer import supported
-
-    cfg, ckpt = eval_config(args)
-    world = args.nproc or cfg.parallel.world_size
-    cfg.validate(world)
-    supported(cfg)
-    resolve_device(cfg.train.device, "gloo" if world > 1 else None)
-    check_data(cfg.train, cfg.model.vocab)
-    check_eval_data(cfg.train, cfg.model.vocab)
-    check_init_hf(cfg)
-    result = run_ranks(eval_rank, world, (cfg.to_dict(), ckpt), timeout_s=args.timeout)[0]
-    print(f"eval loss {result['eval_loss']:.6f}  perplexity {result['eval_ppl']:.4f}  "
-          f"({result['eval_tokens']:,} tokens, {ckpt or args.source})")
-    return 0

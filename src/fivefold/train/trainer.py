@@ -175,7 +175,7 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
     def micro_batches(self, step: int, batches=None):
         p = self.cfg.parallel
-        x_bs, y_bs = (batches or self.batches).local(step, self.mesh.coords["dp"], p.dp)
+        x_bs, y_bs = (self.batches if batches is None else batches).local(step, self.mesh.coords["dp"], p.dp)
         for d in self.dims:
             if hasattr(d, "shard_batch"):
                 x_bs, y_bs = d.shard_batch(x_bs, y_bs)
@@ -234,6 +234,7 @@ class Trainer:
             for b in range(batches.count):
                 loss_local += forward(self.model, self.loss_sum, self.micro_batches(b, batches), n_tokens,
                                       self.positions)
+                heartbeat(self.step_count - 1 if self.step_count else None)   # progress, not a hang (watchdog)
             if hasattr(self.engine, "release_params"):   # ZeRO-3: free what the forwards gathered
                 self.engine.release_params()
             sum_loss(loss_local, self.mesh, self.dims)

@@ -91,3 +91,19 @@ def test_cli_refuses_a_bad_mixture_in_one_line(tmp_path):
     r = fivefold("train", "--data", f"{files[0]}:0.5", f"{files[0]}:heavy", "--steps", "1", "--out",
                  str(tmp_path / "run"))
     assert r.returncode == 2 and "weight 'heavy' is not a number" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_each_source_keeps_its_own_held_out_tail(tmp_path):
+    from fivefold.train.data import make_eval_batches
+
+    files = sources(tmp_path, 2)
+    cfg = tiny_config()
+    cfg.train.data = [f"{files[0]}:0.5", f"{files[1]}:0.5"]
+    cfg.train.eval_fraction, cfg.train.global_batch, cfg.train.seq_len = 0.1, 4, 8
+    batches, held = make_batches(cfg.train, 256), make_eval_batches(cfg.train, 256)
+    assert [len(s.tokens) for s in batches.sources] == [4_500, 4_500]
+    assert len(held.tokens) == 1_000
+    tail = held.tokens[0:1_000]
+    assert (tail[:500] // 64 == 0).all() and (tail[500:] // 64 == 1).all()   # both sources' tails
+    full = np.fromfile(files[0], dtype=np.uint16)
+    assert tail[:500].tolist() == full[4_500:].tolist()

@@ -107,3 +107,17 @@ def test_each_source_keeps_its_own_held_out_tail(tmp_path):
     assert (tail[:500] // 64 == 0).all() and (tail[500:] // 64 == 1).all()   # both sources' tails
     full = np.fromfile(files[0], dtype=np.uint16)
     assert tail[:500].tolist() == full[4_500:].tolist()
+
+
+def test_a_resume_with_other_weights_is_warned_about(tmp_path):
+    from fivefold.train.data import data_identity
+    from fivefold.train.rundir import compare_data
+
+    files = sources(tmp_path, 2)
+    cfg = tiny_config()
+    cfg.train.data = [f"{files[0]}:0.7", f"{files[1]}:0.3"]
+    before = data_identity(cfg.train)
+    assert [f["weight"] for f in before["files"]] == [0.7, 0.3]
+    cfg.train.data = [f"{files[0]}:0.5", f"{files[1]}:0.5"]
+    errors, warnings = compare_data(before, data_identity(cfg.train))
+    assert not errors and warnings and "'weight': 0.5" in warnings[0]

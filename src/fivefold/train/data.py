@@ -274,12 +274,16 @@ def check_data(train: TrainConfig, vocab: int) -> int:
 
 def data_identity(train: TrainConfig) -> dict:
     """What a run trains on, for a checkpoint: the tokenizer's digest and, per data file, its size (and
-    for a token file a hash of its header, which holds the data's SHA-256). A resume compares them."""
+    for a token file a hash of its header, which holds the data's SHA-256; in a mixture its weight). A
+    resume compares them."""
     files = []
-    for f in map(Path, data_files(train)):
+    weights = [w for _, w in mixture_of(train) or []]
+    for i, f in enumerate(map(Path, data_files(train))):
         entry = {"file": f.name, "bytes": f.stat().st_size if f.is_file() else None}
         if is_token_file(f):
             entry["header"] = header_digest(f)
+        if weights:   # a mixture: a resume with other weights draws other sequences
+            entry["weight"] = weights[i]
         files.append(entry)
     return {"tokenizer": file_digest(train.tokenizer) if train.tokenizer else ByteTokenizer.digest, "files": files}
 

@@ -93,6 +93,21 @@ def test_eval_loss_is_the_same_under_every_layout():
     assert pp_ops == {"send"}   # the first stage only sends activations forward: no gradient comes back
 
 
+def moe_config(**parallel) -> Config:
+    cfg = eval_config(**parallel)
+    cfg.model.experts, cfg.model.top_k, cfg.model.moe_ffn, cfg.model.capacity_factor = 4, 2, 64, 1.0
+    return cfg
+
+
+@pytest.mark.ranks
+def test_moe_eval_loss_is_the_same_under_expert_parallelism():
+    ref = eval_losses(0, 1, moe_config().to_dict())
+    out = spawn_jobs(2, [("ep2", eval_losses, (moe_config(dp=2, ep=2).to_dict(),))])
+    for r in out["ep2"]:
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5)
+        assert {row["dim"] for row in r["eval_rows"]} == {"ep", "loss"}   # no routing statistics, no balance loss
+
+
 @pytest.mark.ranks
 def test_train_cli_evaluates(tmp_path):
     data, out = tmp_path / "eval.txt", tmp_path / "run"

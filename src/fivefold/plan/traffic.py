@@ -312,8 +312,9 @@ def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     _ep_layer_flows(f, model, L, w, sum(1 for i in rng if model.is_moe_layer(i)), m, T)
 
 
-def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int, m: int, T: float) -> None:
-    """The expert all-to-alls of a stage holding `moe` MoE layers."""
+def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int, m: int, T: float,
+                    backward: bool = True) -> None:
+    """The expert all-to-alls of a stage holding `moe` MoE layers (without `backward`: the forward's only)."""
     if not model.moe or L.ep == 1 or not moe:
         return
     fwd_passes = 2 if L.recompute == "full" else 1
@@ -331,7 +332,7 @@ def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int
     # node-limited routing: the routed rows are split between nodes and inside them by `place`
     part, route = ("routed", (w.moe_route_nodes, tokens * L.tp / T)) if w.moe_route_nodes else ("", ())
     f.add("ep", "all_to_all", "ep", L.ep, dispatch, fwd_passes * calls, part, route)   # dispatch forward
-    f.add("ep", "all_to_all", "ep", L.ep, msg, (fwd_passes + 2) * calls, part, route)  # combine fwd; both bwd
+    f.add("ep", "all_to_all", "ep", L.ep, msg, (fwd_passes + 2 * backward) * calls, part, route)  # combine fwd; both bwd
 
 
 def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
@@ -455,14 +456,16 @@ def eval_stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: in
     forward-only action list). ZeRO-3 gathers each unit before each forward and frees it after (the
     pipeline's root unit stays for the evaluation), or once per evaluation with reshard_after_forward
     off (everything is freed at its end); with params on disk each gather first reads its shard. Then
-    the loss is summed once, over dp·cp and pp. MoE layers are not planned here (ValueError)."""
-    if model.moe:
-        raise ValueError("the planner does not predict an evaluation's traffic for MoE models yet")
+    the loss is summed once, over dp·cp and pp. MoE layers: the expert dispatch and combine all-to-alls
+    (and dropless routing's counts) of each forward, exact in capacity mode as for training; no balance
+    loss, so no statistics are summed."""
     L, f = replace(layout, recompute="none"), Flows()
     m = microbatches(L, work) * batches
     T = L.micro_batch * work.seq / L.cp
     rng = layout_layers(model, L)[stage]
-    _tp_forward_flows(f, model, L, work, len(rng), stage == 0, stage == L.pp - 1, m, T)
+    moe = sum(1 for i in rng if model.is_moe_layer(i))
+    _tp_forward_flows(f, model, L, work, len(rng), moe, stage == 0, stage == L.pp - 1, m, T)
+    _ep_layer_flows(f, model, L, work, moe, m, T, backward=False)
     if L.cp > 1:
         _cp_layer_flows(f, model, L, work, len(rng), m, T, backward=False)
     if L.pp > 1:
@@ -477,18 +480,21 @@ def eval_stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: in
     return f.list()
 
 
-def _tp_forward_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers: int, first: bool, last: bool,
-                      m: int, T: float) -> None:
-    """The forward half of `_tp_layer_flows` (dense layers), for `m` forward micro-batches."""
+def _tp_forward_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers: int, moe: int, first: bool,
+                      last: bool, m: int, T: float) -> None:
+    """The forward half of `_tp_layer_flows`, for `m` forward micro-batches."""
     t = L.tp
     if t == 1:
         return
     act = T * model.hidden * w.act_bytes
+    regions = 2 * n_layers - moe                       # attention and dense MLP; an MoE layer has none
     if L.seq_parallel:
-        f.add("tp", "all_gather", "tp", t, act, 2 * n_layers * m + (m if last else 0))
-        f.add("tp", "reduce_scatter", "tp", t, act, 2 * n_layers * m + (m if first else 0))
+        f.add("tp", "all_gather", "tp", t, act, regions * m + (m if last else 0))
+        f.add("tp", "reduce_scatter", "tp", t, act, regions * m + (m if first else 0))
     else:
-        f.add("tp", "all_reduce", "tp", t, act, 2 * n_layers * m + (m if first else 0))
+        f.add("tp", "all_reduce", "tp", t, act, regions * m + (m if first else 0))
+        if moe:   # EP x TP: each rank's sequences' outputs all-gathered
+            f.add("tp", "all_gather", "tp", t, act, m * moe)
     if last:
         f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, m)          # max logit
         f.add("tp", "all_reduce", "tp", t, 2 * T * w.master_bytes, m)      # sum of exp, target logit

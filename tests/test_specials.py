@@ -83,3 +83,15 @@ def test_train_keeps_eos_for_generate_and_export(tok_file, tmp_path):
     assert e.returncode == 0 and "--eos TOKEN" in e.stderr     # the export says what is missing
     cfg = json.loads((hf2 / "config.json").read_text())
     assert cfg["eos_token_id"] is None and cfg["bos_token_id"] == 1
+
+
+def test_train_text_gets_bos_and_eos(tok_file):
+    from fivefold.train.data import text_tokens
+
+    raw = np.frombuffer(DOCS[0].encode(), dtype=np.uint8)
+    tok = load_tokenizer(tok_file, "<EOT>", "<BOS>")
+    ids = text_tokens(raw, tok).tolist()
+    assert ids[0] == 1 and ids[-1] == 0 and tok.decode(ids[1:-1]) == DOCS[0]
+    assert text_tokens(raw, load_tokenizer(tok_file)).tolist() == ids[1:-1]   # unknown end: no separator
+    newline = load_tokenizer(None, "\n")                                      # bytes can name one too
+    assert newline.eos_id == 10 and text_tokens(raw, newline).tolist()[-1] == 10

@@ -127,15 +127,33 @@ def test_cli_refuses_a_conflicting_set_in_one_line(tmp_path):
     assert "model.hidden = 64" in r.stderr and "drop model.hidden" in r.stderr
 
 
+def test_cli_refuses_a_folder_missing_a_tensor_before_any_rank_starts(tmp_path):
+    folder = tmp_path / "m"
+    hf_folder(folder, "llama")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"].pop("model.layers.1.mlp.up_proj.weight")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    r = fivefold_cli("train", "--init-hf", str(folder), "--seq-len", "32", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "missing 1 tensor(s), e.g. ['model.layers.1.mlp.up_proj.weight']" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_export_hf_of_a_4_rank_run_writes_shards_from_pretrained_loads(tmp_path):
+    """...and the folder's tokenizer became the run's (copied into the run, then into the export)."""
+    from fivefold.hf_export import byte_level_tokenizer
+
     folder, out, dest = tmp_path / "m", tmp_path / "run", tmp_path / "hf"
     hf_folder(folder, "mixtral")
+    byte_level_tokenizer().save(str(folder / "tokenizer.json"))
     r = fivefold_cli("train", "--init-hf", str(folder), "--tp", "2", "--ep", "2", "--nproc", "4", "--steps", "2",
                      "--global-batch", "4", "--seq-len", "32", "--lr", "1e-3", "--set", "train.data_limit_mb=0.05",
                      "--set", "train.min_lr=1e-4", "--set", "train.warmup=1", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     r = fivefold_cli("export", str(out), "--hf", str(dest), "--max-shard-mb", "0.05")
     assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    assert (dest / "tokenizer.json").is_file()
     shards = sorted(p.name for p in dest.iterdir() if p.name.endswith(".safetensors"))
     assert len(shards) > 2 and (dest / "model.safetensors.index.json").is_file()
     from fivefold.train.checkpoint import to_model

@@ -460,6 +460,9 @@ def plan_exit(argv) -> int:
     return cli.main(["plan", *argv, "--json"])
 
 
+PLANNED = (0, 1, 2)   # a plan, a search that found no layout that fits, a one-line refusal
+
+
 @FUZZ
 @given(data=st.data())
 def test_fuzz_hf_config_into_plan(tmp_path_factory, capsys, data):
@@ -469,7 +472,7 @@ def test_fuzz_hf_config_into_plan(tmp_path_factory, capsys, data):
         doc[key] = data.draw(scalars)
     path = tmp_path_factory.mktemp("hf") / "config.json"
     path.write_text(json.dumps(doc) if data.draw(st.integers(0, 9)) else json.dumps(doc)[:-3])
-    assert plan_exit(["--model", str(path), "--gpus", "2", "--tp", "1", "--pp", "1", "--cp", "1"]) in (0, 2)
+    assert plan_exit(["--model", str(path), "--gpus", "2", "--tp", "1", "--pp", "1", "--cp", "1"]) in PLANNED
     err = capsys.readouterr().err
     assert "Traceback" not in err
 
@@ -491,7 +494,7 @@ def test_fuzz_config_toml_into_train_and_plan(tmp_path_factory, capsys, data):
         supported(cfg)
     except ConfigError as e:
         assert "\n" not in str(e)
-    assert plan_exit(["--config", str(path)]) in (0, 2)
+    assert plan_exit(["--config", str(path)]) in PLANNED
     assert "Traceback" not in capsys.readouterr().err
 
 

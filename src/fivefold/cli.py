@@ -86,6 +86,15 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
                     help="any config key, e.g. --set model.hidden=256 (repeatable)")
     ap.add_argument("--timeout", type=float, default=600, help="hang watchdog: local ranks that make no "
                     "progress (no finished step) for this many seconds are killed")
+    ap.add_argument("--dry-run", action="store_true", help="run the real code for the selected ranks under fake "
+                    "tensors and a fake process group (any size, no memory): memory by kind and the ledger beside "
+                    "the planner's (OUT/dryrun.json); --steps defaults to 2")
+    ap.add_argument("--ranks", default="stages", help="with --dry-run: stages (one rank per pipeline stage), all, "
+                    "or a comma-separated list of ranks")
+    ap.add_argument("--device-memory", type=float, metavar="GIB", help="with --dry-run: refuse (exit 1) a rank "
+                    "that needs more than this many GiB")
+    ap.add_argument("--model", help="with --dry-run: a planner preset (llama3-405b, ...) or a Hugging Face "
+                    "config.json as [model]")
 
 
 def resolve_train_config(args: argparse.Namespace, world: int | None = None):
@@ -291,6 +300,50 @@ def nodes_from_torchrun(cfg, local_world: int | None, announce: bool) -> None:
               f"{local_world} ranks per node", file=sys.stderr)
 
 
+def cmd_dry_run(args: argparse.Namespace) -> int:
+    """`fivefold train --dry-run`: train/dryrun.py, for the layout at its own world size."""
+    from .dryrun import DoesNotFit, check_dry_run, dry_run, model_of_preset, stage_ranks, table
+
+    cfg = resolve_train_config(args)
+    if args.model:   # the preset's shape, then any --set model.* on top of it
+        from .config import apply_overrides
+
+        cfg.model = model_of_preset(args.model)
+        model_sets = {k.strip(): v.strip() for k, _, v in (item.partition("=") for item in args.set)
+                      if k.strip().startswith("model.")}
+        cfg = apply_overrides(cfg, model_sets)
+    if args.steps is None:
+        cfg.train.steps = 2
+    cfg.train.checkpoint = False
+    world = cfg.parallel.world_size
+    cfg.validate(world)
+    check_dry_run(cfg)
+    if args.ranks == "stages":
+        ranks = stage_ranks(cfg)
+    elif args.ranks == "all":
+        ranks = list(range(world))
+    else:
+        try:
+            ranks = sorted({int(r) for r in args.ranks.split(",")})
+        except ValueError:
+            raise ConfigError(f"--ranks takes stages, all or a list like 0,8,16; got {args.ranks!r}") from None
+        if not all(0 <= r < world for r in ranks):
+            raise ConfigError(f"--ranks {args.ranks}: ranks are 0..{world - 1} for this layout")
+    if args.device_memory is not None and not args.device_memory > 0:
+        raise ConfigError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
+    print(f"fivefold train --dry-run: {world} ranks (tp={cfg.parallel.tp} cp={cfg.parallel.cp} pp={cfg.parallel.pp} "
+          f"dp={cfg.parallel.dp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}), {cfg.model.num_params():,} "
+          f"parameters, ranks {ranks}, {cfg.train.steps} step(s)", file=sys.stderr)
+    try:
+        report = dry_run(cfg, ranks, cfg.train.steps, Path(cfg.train.out), args.device_memory)
+    except DoesNotFit as e:
+        print(f"fivefold: {e}", file=sys.stderr)
+        return 1
+    print(table(report))
+    print(f"ledger equals the planner's rows: {report['ledger_equals_plan']}  ({cfg.train.out}/dryrun.json)")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from .comm import CommLedger
     from .train import rundir
@@ -300,6 +353,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train.scalars import require_tensorboard
     from .train.trainer import supported, train_rank
 
+    if args.dry_run:
+        return cmd_dry_run(args)
     env = torchrun_env()
     cfg = resolve_train_config(args, env[1] if env else None)
     if env is not None:
@@ -327,10 +382,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.overwrite and lock is not None and rundir.holds_run(out):
         rundir.clear(out)                                           # only what fivefold wrote
     if lock is not None:
-        rundir.mark(out)                                            # OUT/.fivefold-run: fivefold's from now on
-    if lock is not None:
         from .tokenizer import save_to_run
 
+        rundir.mark(out)                                            # OUT/.fivefold-run: fivefold's from now on
         save_to_run(cfg.train.tokenizer, out, cfg.train.eos, cfg.train.bos)   # OUT/tokenizer.*: generate and export read it
     if ckpt and (env is None or env[0] == 0):
         print(f"fivefold train: resuming from {ckpt} (step {start})", file=sys.stderr)
@@ -344,16 +398,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_offload_dir(cfg, torchrun_ranks_per_node() or 1, planned)
         result = train_rank(rank, world, cfg.to_dict(), out, ckpt, planned)
         leave_torchrun(stop_code(result.get("stopped")))   # does not return; failures propagate as usual
+    planned = planned_memory(cfg, device.type)
+    check_offload_dir(cfg, world, planned)
+    if device.type == "cpu":
+        check_host_memory(planned, world)
     k = cfg.parallel.ranks_per_node
     nodes = f" as {world // k} emulated nodes of {k}" if 0 < k < world else ""
     print(f"fivefold train: {world} rank(s){nodes}, dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
           f"cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
           f"{cfg.model.num_params():,} parameters, {banner_tokens(cfg, start, n_tokens)}, steps {start}..{cfg.train.steps} "
           f"-> {out}", file=sys.stderr)
-    planned = planned_memory(cfg, device.type)
-    check_offload_dir(cfg, world, planned)
-    if device.type == "cpu":
-        check_host_memory(planned, world)
     results = run_ranks(train_rank, world, (cfg.to_dict(), out, ckpt, planned), timeout_s=args.timeout)
     lock.release()
     r0 = results[0]

@@ -39,6 +39,13 @@ __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfi
            "divisors", "field_type", "load_config", "nearest"]
 
 
+# Upper bounds of the model's sizes: far past any model trained so far (Llama 3 405B: 126 layers, hidden
+# 16384, vocab 128256), low enough that a typo (or a crafted file) cannot make a loop over the layers or
+# a shape computation run for hours before anything is allocated.
+MODEL_LIMITS = {"vocab": 2**31, "hidden": 2**20, "layers": 2**16, "heads": 2**14, "kv_heads": 2**14, "ffn": 2**24,
+                "max_seq": 2**30, "experts": 2**16, "moe_ffn": 2**24, "shared_experts": 2**10, "dense_layers": 2**16}
+
+
 @dataclass
 class ModelConfig:
     """A Llama-style decoder. MoE fields are used when `experts > 0` (model/moe.py explains each)."""
@@ -100,7 +107,9 @@ class ModelConfig:
         _check_choices(self, "model")
         _check_finite(self, "model")
         for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq"):
-            rules.check_positive(f"model.{name}", getattr(self, name))
+            rules.check_count(f"model.{name}", getattr(self, name), 1, MODEL_LIMITS[name])
+        for name in ("experts", "moe_ffn", "shared_experts", "dense_layers"):
+            rules.check_count(f"model.{name}", getattr(self, name), 0, MODEL_LIMITS[name])
         rules.check_attention(self.hidden, self.heads, self.kv_heads)
         _check_unit("model.dropout", self.dropout, "0: off")
         for name, typical in (("rope_theta", "10000 or 500000"), ("norm_eps", "1e-5 or 1e-6"), ("init_std", "0.02")):

@@ -152,22 +152,29 @@ def is_placeholder(t: torch.Tensor) -> bool:
     return t.is_meta or (t.numel() > 1 and t.untyped_storage().nbytes() < t.numel() * t.element_size())
 
 
-@torch.no_grad()
-def cast_meta(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """`module.to(dtype)` for a meta model, by new meta parameters (ties and attributes kept), so it also
-    works under a FakeTensorMode (where Module.to cannot swap tensors). Floating buffers (the router's
-    expert bias) stay fp32, as MoE._apply keeps them, unless the model becomes fp64."""
+def replace_parameters(module: nn.Module, data_of) -> None:
+    """Replace every parameter p of `module` by a new one holding `data_of(p)`, keeping its attributes
+    (the placement), requires_grad and ties (a parameter held by two modules stays one)."""
     made: dict[int, nn.Parameter] = {}
     for m in module.modules():
         for key, p in list(m._parameters.items()):
             if p is None:
                 continue
             if id(p) not in made:
-                new = nn.Parameter(torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype,
-                                               device="meta"), requires_grad=p.requires_grad)
+                new = nn.Parameter(data_of(p), requires_grad=p.requires_grad)
                 new.__dict__.update({k: v for k, v in p.__dict__.items() if not k.startswith("_")})
                 made[id(p)] = new
             m._parameters[key] = made[id(p)]
+
+
+@torch.no_grad()
+def cast_meta(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`module.to(dtype)` for a meta model, by new meta parameters, so it also works under a
+    FakeTensorMode (where Module.to cannot swap tensors). Floating buffers (the router's expert bias) stay
+    fp32, as MoE._apply keeps them, unless the model becomes fp64."""
+    replace_parameters(module, lambda p: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype,
+                                                     device="meta"))
+    for m in module.modules():
         for key, b in list(m._buffers.items()):
             if b is not None and b.is_floating_point() and dtype == torch.float64:
                 m._buffers[key] = torch.empty(b.shape, dtype=dtype, device="meta")
@@ -177,24 +184,15 @@ def cast_meta(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 @torch.no_grad()
 def materialize(module: nn.Module, device, whole: bool = True) -> None:
     """Replace every meta parameter of `module` by a real one on `device` (uninitialised; `whole`:
-    its full local size, else a `placeholder`), keeping its attributes (the placement) and its ties (a
-    parameter held by two modules stays one); meta buffers become zeros on `device`. What is not meta
-    is moved to `device` as it is."""
-    made: dict[int, nn.Parameter] = {}
+    its full local size, else a `placeholder`), keeping its attributes and ties (`replace_parameters`);
+    meta buffers become zeros on `device`. What is not meta is moved to `device` as it is."""
+    def data_of(p):
+        if not p.is_meta:
+            return p.detach().to(device)
+        return torch.empty(p.shape, dtype=p.dtype, device=device) if whole else placeholder(p.shape, p.dtype, device)
+
+    replace_parameters(module, data_of)
     for m in module.modules():
-        for key, p in list(m._parameters.items()):
-            if p is None:
-                continue
-            if id(p) not in made:
-                if p.is_meta:
-                    data = torch.empty(p.shape, dtype=p.dtype, device=device) if whole else \
-                        placeholder(p.shape, p.dtype, device)
-                else:
-                    data = p.detach().to(device)
-                new = nn.Parameter(data, requires_grad=p.requires_grad)
-                new.__dict__.update({k: v for k, v in p.__dict__.items() if not k.startswith("_")})
-                made[id(p)] = new
-            m._parameters[key] = made[id(p)]
         for key, b in list(m._buffers.items()):
             if b is not None:
                 m._buffers[key] = torch.zeros(b.shape, dtype=b.dtype, device=device) if b.is_meta else b.to(device)

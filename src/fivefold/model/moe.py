@@ -241,9 +241,10 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 shared_th = torch.sigmoid(self.shared_gate(x_th)) * shared_th
             y_th = y_th + shared_th
-        kept_m = experts_tk[experts_tk >= 0]
-        self.last_stats = {"tokens_per_expert": torch.bincount(kept_m, minlength=self.n_experts).detach(),
-                           "dropped": (experts_tk < 0).sum().detach()}
+        kept_a = (experts_tk >= 0).reshape(-1)   # counted by scatter, not by boolean indexing: shapes never
+        per_expert = torch.zeros(self.n_experts, dtype=torch.long, device=experts_tk.device).scatter_add_(
+            0, experts_tk.clamp(min=0).reshape(-1), kept_a.long())   # depend on values (a dry run has none)
+        self.last_stats = {"tokens_per_expert": per_expert.detach(), "dropped": (experts_tk < 0).sum().detach()}
         if torch.is_grad_enabled():   # the step's totals (a forward re-run for recomputation counts once)
             step = torch.cat([self.last_stats["tokens_per_expert"], self.last_stats["dropped"].view(1)])
             self.step_stats = step if self.step_stats is None else self.step_stats + step

@@ -11,7 +11,6 @@ The model knows nothing of process groups; parallel layers wrap or replace its p
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F

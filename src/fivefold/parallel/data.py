@@ -98,7 +98,7 @@ class DataParallel:
 
     # -- backward hooks ----------------------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
-        if p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr():
+        if p.grad is not None and p.grad.untyped_storage()._cdata != p.main_grad.untyped_storage()._cdata:
             # bf16 compute: add into the fp32 main grad and free the low-precision one
             p.main_grad.add_(p.grad)
             p.grad = None if p.dtype != self.grad_dtype else p.main_grad

@@ -105,6 +105,45 @@ class AllToAllDispatch:
         return recv_rl
 
 
+class ShapeDispatch(AllToAllDispatch):
+    """A dry run's capacity-mode dispatch (fivefold/dryrun.py): the (E, B, C) buffers of `padded`, of the
+    same sizes, through the same all-to-alls (forward, and in backward through autograd) and the same
+    expert matmuls — but filled from no index, since fake tensors have no routed values. Its bytes,
+    shapes and graph are `padded`'s; its values are none. With `group` None (ep = 1) only the experts run."""
+
+    def __init__(self, group, n_experts: int, fp8: bool = False):
+        self.group, self.n_experts = group, n_experts
+        size = group.size if group is not None else 1
+        self.local = n_experts // size
+        self.send_rows = fp8_all_to_all_rows if fp8 else all_to_all_rows
+
+    def __call__(self, x_th, experts_tk, weights_tk, experts, capacity=None) -> torch.Tensor:
+        if capacity is None:
+            raise ValueError("a dry run routes MoE tokens only in capacity mode (model.capacity_factor > 0)")
+        seq, cap = capacity
+        t, h = x_th.shape
+        b, ep = t // seq, self.n_experts // self.local
+        rows = self.local * b * cap
+        buf = x_th.new_zeros(self.n_experts * b * cap, h) + x_th.mean(0, keepdim=True) * weights_tk.mean()
+        if self.group is not None:
+            buf = self.send_rows(buf, self.group, [rows] * ep, [rows] * ep)
+        by_expert = buf.view(ep, self.local, b * cap, h).transpose(0, 1).reshape(-1, h)
+        y = experts(by_expert, [ep * b * cap] * self.local)
+        y = y.view(self.local, ep, b * cap, h).transpose(0, 1).reshape(-1, h)
+        if self.group is not None:
+            y = all_to_all_rows(y, self.group, [rows] * ep, [rows] * ep)
+        return torch.zeros_like(x_th, dtype=y.dtype) + y.mean(0, keepdim=True)
+
+
+def shape_only_dispatch(model: nn.Module, group=None, fp8: bool = False) -> None:
+    """A dry run: every MoE layer of `model` dispatches by shapes only (`ShapeDispatch`), over `group`
+    (the ep group; None when ep = 1)."""
+    from ..model.moe import MoE
+
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.dispatcher = ShapeDispatch(group, moe.n_experts, fp8)
+
+
 def regroup(counts_rl: torch.Tensor) -> torch.Tensor:
     """Row order that turns blocks laid out source-major (source r, then local expert l) into
     expert-major (expert l, then source r)."""
@@ -149,7 +188,7 @@ class ExpertParallelism(ShardedState):
         return model
 
 
-def moe_step_stats(model: nn.Module, group, layers: int) -> dict:
+def moe_step_stats(model: nn.Module, group, layers: int, values: bool = True) -> dict:
     """The step's routing statistics over every MoE layer and rank, then each layer's balancing update.
 
     Each MoE layer of this rank contributes its (E + 1,) step counts (tokens per expert, dropped) at its
@@ -174,6 +213,8 @@ def moe_step_stats(model: nn.Module, group, layers: int) -> dict:
     comm.all_reduce(table, group, dim="moe_stats")
     for i, moe in mine:
         moe.update_bias(table[i, :n_experts])
+    if not values:   # a dry run: the exchange and the update ran; there are no counts to report
+        return {}
     moe_rows = table[table[:, :n_experts].sum(1) > 0, :n_experts]
     if moe_rows.numel() == 0:
         return {}

@@ -212,6 +212,7 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
                                                   "recompute", "offload")}
     if args.config:
         cfg = training_config(args.config)
+        cfg.validate()   # a config the runtime would refuse plans nothing (rules.py; any world size)
         model = from_model_config(cfg.model, name=Path(args.config).stem)
         layout, work = from_config(cfg)
         for k in fixed:

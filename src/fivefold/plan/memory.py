@@ -195,30 +195,49 @@ def _param_table(model: PlanModel, layout: Layout) -> tuple:
 
 
 def exact_tensors(model: PlanModel) -> bool:
-    """Whether `layer_tensors` lists every layer's tensors one by one (our runtime's Llama block), none
-    lumped per sub-block."""
-    return not (model.mla or model.linear_bias or model.qkv_bias or model.moe or model.mlp != "swiglu")
+    """Whether `layer_tensors` lists every layer's tensors one by one (our runtime's blocks: Llama, with
+    q/k/v biases, and its MoE layers), none lumped per sub-block."""
+    return not (model.mla or model.linear_bias or model.mlp != "swiglu" or model.router_bias)
 
 
 def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int, bool, str]]:
     """(elements on one rank, is routed expert, tag) of layer i's tensors in registration order. Exact
-    for our runtime's Llama block (attn_norm, wq, wk, wv, wo, mlp_norm, gate, up, down; see
-    `exact_tensors`); other variants are lumped per sub-block, which only moves ZeRO bucket boundaries.
-    Tags: "norm" (replicated over tp), "kv" (K/V weights, replicated over tp/kv_heads ranks when
-    tp > kv_heads), "" otherwise; a lump holding K/V is tagged "" (see `exact_tensors`)."""
+    for our runtime's blocks (attn_norm, wq[, bias], wk[, bias], wv[, bias], wo, mlp_norm, then gate, up,
+    down, or an MoE layer's router, experts' w_gate, w_up, w_down, shared gate, up, down and shared gate;
+    see `exact_tensors`): at real sizes a tensor is larger than a bucket, so the bucket count is the
+    tensor count (the dry run found a lumped MoE layer two buckets short). Other variants are lumped
+    per sub-block, which only moves ZeRO bucket boundaries. Tags: "norm" (replicated over tp), "kv" (K/V
+    weights and biases, replicated over tp/kv_heads ranks when tp > kv_heads), "moe" (an MoE layer's
+    weights under tp: whole on every tp rank, partial gradients), "" otherwise; a lump holding K/V is
+    tagged ""."""
     h = model.hidden
     dense, expert = layer_rank_params(model, i, tp, ep)
     norm = model._norm(h)
-    if model.mla or model.linear_bias or model.qkv_bias or model.is_moe_layer(i) or model.mlp != "swiglu":
+    if not exact_tensors(model):
         attn = _attn_rank(model, tp)
         mlp = dense - 2 * norm - attn     # dense MLP, or router + shared experts
         moe = "moe" if model.is_moe_layer(i) and tp > 1 else ""   # whole on every tp rank, partial grads
         out = [(norm, False, "norm"), (attn, False, ""), (norm, False, "norm"), (mlp, False, moe)]
         return out + ([(expert, True, moe)] if expert else [])
-    kv = model.kv_heads * model.head_dim * h // min(tp, model.kv_heads)
-    f = model.ffn * h // tp
-    return [(norm, False, "norm"), (h * h // tp, False, ""), (kv, False, "kv"), (kv, False, "kv"),
-            (h * h // tp, False, ""), (norm, False, "norm"), (f, False, ""), (f, False, ""), (f, False, "")]
+    kv_width = model.kv_heads * model.head_dim // min(tp, model.kv_heads)
+    q_width = model.heads * model.head_dim // tp
+    bias = model.qkv_bias
+    out = [(norm, False, "norm"), (q_width * h, False, "")] + ([(q_width, False, "")] if bias else [])
+    for _ in range(2):   # wk, wv
+        out += [(kv_width * h, False, "kv")] + ([(kv_width, False, "kv")] if bias else [])
+    out += [(q_width * h, False, ""), (norm, False, "norm")]
+    if not model.is_moe_layer(i):
+        f = model.ffn * h // tp
+        return out + [(f, False, ""), (f, False, ""), (f, False, "")]
+    moe = "moe" if tp > 1 else ""
+    per_expert = (model.experts // ep) * model.moe_ffn * h
+    shared = model.shared_experts * model.moe_ffn * h
+    out += [(model.experts * h, False, moe)] + [(per_expert, True, moe)] * 3
+    if model.shared_experts:
+        out += [(shared, False, moe)] * 3
+    if model.shared_expert_gate:
+        out += [(h, False, moe)]
+    return out
 
 
 def _attn_rank(model: PlanModel, tp: int) -> int:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from pathlib import Path
 
-from ..config import ConfigError, ModelConfig
+from ..config import MODEL_LIMITS, ConfigError, ModelConfig
 from ..rules import check_count, divisors
 
 
@@ -269,7 +269,7 @@ def from_model_config(cfg: ModelConfig, name: str = "custom") -> PlanModel:
                      kv_heads=cfg.kv_heads, ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, max_seq=cfg.max_seq,
                      experts=cfg.experts, top_k=cfg.top_k if cfg.experts else 1,
                      moe_ffn=cfg.moe_ffn or cfg.ffn, shared_experts=cfg.shared_experts,
-                     dense_layers=cfg.dense_layers, qkv_bias=cfg.qkv_bias)
+                     dense_layers=cfg.dense_layers, qkv_bias=cfg.qkv_bias, shared_expert_gate=cfg.shared_expert_gate)
 
 
 # -- Hugging Face config.json ---------------------------------------------------------------------
@@ -319,7 +319,8 @@ def check_plan_model(m: PlanModel, where: str) -> None:
             if not isinstance(value, bool):
                 raise ConfigError(f"{where}: {f.name} must be true or false, got {value!r}")
         elif f.type in ("int", int):
-            check_count(f"{where}: {f.name}", value, 1 if f.name in PLAN_SIZES else 0)
+            check_count(f"{where}: {f.name}", value, 1 if f.name in PLAN_SIZES else 0,
+                        MODEL_LIMITS.get(f.name, 2**31))   # past these, per-layer loops would run for hours
     if not m.mla and m.hidden % m.heads:
         raise ConfigError(f"{where}: hidden ({m.hidden}) must divide by heads ({m.heads})")
     if m.heads % m.kv_heads:

@@ -4,7 +4,8 @@
 each tensor saved for backward is counted when packed and uncounted when autograd frees it (the packed
 handle is dropped with the graph), so `peak` is the most activation memory alive at once — across every
 micro-batch a pipeline schedule keeps in flight. It counts storages, not tensors (a tensor saved twice,
-or two views of one buffer, count once) and skips parameters, which are model state, not activations.
+or two views of one buffer, count once) and skips parameters and views of them (a linear saves its
+weight's transpose), which are model state, not activations.
 This is what context parallelism divides by cp and recomputation trades for time; unlike RSS it does
 not depend on the allocator or the machine.
 """
@@ -33,10 +34,10 @@ class ActivationMeter:
         self.peak = 0
 
     def pack(self, t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or t.layout != torch.strided:
-            return t
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.layout != torch.strided:
+            return t   # a parameter, or a view of one (a linear saves weight.t()): model state, not activations
         storage = t.untyped_storage()
-        key = (t.device, storage.data_ptr())
+        key = (t.device, storage._cdata)   # the storage itself (fake tensors of a dry run share data_ptr 0)
         entry = self.live.get(key)
         if entry is None:
             entry = self.live[key] = [storage.nbytes(), 0]

@@ -36,7 +36,6 @@ import math
 import os
 import secrets
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch

@@ -534,3 +534,18 @@ def permute(i: int, n: int, key: int, rounds: int = 4) -> int:
         x = (left << half) | right
         if x < n:
             return x
+
+
+class SyntheticBatches:
+    """A dry run's batches (train/dryrun.py): the shapes of `Batches.local` (global_batch/dp sequences of
+    seq_len tokens, inputs and targets), token 0 everywhere; under a FakeTensorMode they hold no memory."""
+
+    def __init__(self, train: TrainConfig):
+        self.global_batch, self.seq_len = train.global_batch, train.seq_len
+
+    def local(self, step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.global_batch // dp, self.seq_len)
+        return torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len

@@ -63,6 +63,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import ConfigError
+from .signals import sigint_ignored
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STARTUP_S = 60.0     # a rank may take max(timeout_s, this) to start and join the group
@@ -423,17 +424,6 @@ def _catching_stops(handler):
             signal.signal(sig, h if h is not None else signal.SIG_DFL)
 
 
-@contextlib.contextmanager
-def _sigint_ignored():
-    """Processes started inside begin with SIGINT ignored (exec keeps SIG_IGN), until their own handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old if old is not None else signal.SIG_DFL)
 
 
 def run_ranks(fn, nproc: int, args: tuple = (), timeout_s: float = 300) -> list:
@@ -453,7 +443,7 @@ def run_ranks(fn, nproc: int, args: tuple = (), timeout_s: float = 300) -> list:
         ranks = _Ranks(procs, results, timeout_s, waits)
         with _catching_stops(ranks.on_signal):
             try:
-                with _sigint_ignored():
+                with sigint_ignored():
                     for p in procs:
                         p.start()
                 out = ranks.collect()

@@ -121,20 +121,21 @@ def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float
 
 
 @torch.no_grad()
-def global_grad_norm(owned: list[torch.Tensor], group: Group | None = None, device=None) -> float:
+def global_grad_norm(owned: list[torch.Tensor], group: Group | None = None, device=None, value=float) -> float:
     """L2 norm of all gradients of the model.
 
     `owned` holds the gradient pieces this rank is responsible for, so that each element of the model
     is counted exactly once across `group` (the ranks holding different pieces: tensor, pipeline and
     ZeRO shards). Replicated gradients must be passed by one rank only. `device` places the sum when
-    this rank owns no gradient (its collective still runs).
+    this rank owns no gradient (its collective still runs). `value` reads the result (a dry run's
+    fake tensors have none: train/dryrun.py).
     """
     sq = torch.zeros(1, dtype=torch.float64, device=owned[0].device if owned else device)
     for g in owned:
         sq += g.double().pow(2).sum()
     if group is not None and group.size > 1:
         comm.all_reduce(sq, group, dim="grad_norm")
-    return float(sq.sqrt())
+    return value(sq.sqrt())
 
 
 @torch.no_grad()

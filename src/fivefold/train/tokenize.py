@@ -26,15 +26,12 @@ reads it on demand (`TokenFile`), never whole.
 """
 from __future__ import annotations
 
-import contextlib
 import gzip
 import hashlib
 import json
 import multiprocessing
 import os
-import signal
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -44,6 +41,7 @@ import numpy as np
 
 from ..rules import ConfigError
 from ..tokenizer import Tokenizer, load_tokenizer, missing_eos
+from .signals import sigint_ignored
 
 FORMAT = "fivefold-tokens"
 VERSION = 1
@@ -413,18 +411,6 @@ def _init_worker(tokenizer_path: str | None, eos: str = "", bos: str = "") -> No
     _worker_tokenizer = load_tokenizer(tokenizer_path, eos, bos)
 
 
-@contextlib.contextmanager
-def sigint_ignored():
-    """SIGINT ignored inside (main thread only), so processes started there ignore it too: Ctrl-C reaches
-    the whole process group, and the parent alone stops the pool (workers print no traceback)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old if old is not None else signal.SIG_DFL)
 
 
 def encode_batch(work: tuple, tokenizer: Tokenizer | None = None):

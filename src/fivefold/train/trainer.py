@@ -63,14 +63,14 @@ from ..model.init import InitSource, cast_meta, materialize
 from ..model.transformer import Block
 from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
-from ..parallel.expert import moe_step_stats
+from ..parallel.expert import moe_step_stats, shape_only_dispatch
 from ..parallel.placement import placement_of
 from ..parallel.parallelize import (direct_forward, direct_forward_backward, gather_state, loss_function, parallelize,
                                     split_state, sum_loss)
 from ..parallel.zero import Zero
 from . import checkpoint, rundir
 from .activations import ActivationMeter
-from .data import data_identity, make_batches, make_eval_batches
+from .data import SyntheticBatches, data_identity, make_batches, make_eval_batches
 from .checkpoint import SECTIONS, Box, box_of
 from .launch import heartbeat, resolve_device, stop_requested
 from .optim import AdamW, clip_, global_grad_norm, lr_at
@@ -103,7 +103,7 @@ class Trainer:
     groups → the loop."""
 
     def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, tokens=None, quiet: bool = False,
-                 planned: dict | None = None):
+                 planned: dict | None = None, dry: bool = False):
         cfg.validate(world_size)
         supported(cfg)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -129,6 +129,8 @@ class Trainer:
         # DDP holds its pieces whole; ZeRO keeps them in its own flat buffers or shards, so its
         # parameters start as placeholders and never exist at their full size here
         materialize(self.model, self.device, whole=not p.zero)
+        if dry and cfg.model.experts:   # fake tensors route no values: capacity-mode buffers by shape only
+            shape_only_dispatch(self.model, self.mesh["ep"] if p.ep > 1 else None, p.fp8_dispatch)
         if t.compile:
             compile_blocks(self.model)
         self.loss_sum = loss_function(self.dims, loss_sum)
@@ -141,15 +143,20 @@ class Trainer:
         self.positions = None if positions is None else positions.to(self.device)   # (cp: not contiguous)
         self.engine = self.make_engine()
         self.source = weight_source(cfg)   # the seeded init, or a Hugging Face folder (--init-hf)
-        self.fill(self.source)
+        if not dry:                         # a dry run's fake tensors take no values
+            self.fill(self.source)
         self.ledger.reset()   # the ledger counts training: filling the state (offload: its first disk writes) is set-up
         self.activations = ActivationMeter()
         for m in self.model.modules():   # layers that normalise by the step's totals (MoE aux losses)
             if hasattr(m, "global_sequences"):
                 m.global_sequences, m.global_tokens = t.global_batch, t.global_batch * t.seq_len
-        self.batches = make_batches(t, cfg.model.vocab, tokens)   # token files: shuffled by sequence (data.py)
+        # --dry-run (train/dryrun.py): fake tensors hold no values, so batches are token-less stand-ins and
+        # scalars read back from the step (loss, norm, stop flag) are 0
+        self.dry = dry
+        self.value = (lambda _t: 0.0) if dry else float
+        self.batches = SyntheticBatches(t) if dry else make_batches(t, cfg.model.vocab, tokens)
         self.data_id = data_identity(t)   # saved in checkpoints: a resume on other data is warned about
-        self.eval_batches = make_eval_batches(t, cfg.model.vocab, tokens)   # None without eval data (evaluate)
+        self.eval_batches = None if dry else make_eval_batches(t, cfg.model.vocab, tokens)   # None: no evaluation
         self.evaluations = 0
         self.step_count = 0
         self.skips = 0          # consecutive skipped (non-finite) steps
@@ -189,12 +196,14 @@ class Trainer:
         with self.activations:   # counts what autograd saves for backward (peak over the run)
             loss_local = self.forward_backward(self.model, self.loss_sum, self.engine, self.micro_batches(step),
                                                n_tokens, self.positions)
+        if self.dry:
+            self.model.aux.values = []
         self.model.aux.take()   # auxiliary losses were trained in that backward; their values are not reported yet
         self.engine.finish()
         sum_partial_grads(self.engine, self.mesh)                  # e.g. SP norms, replicated K/V
-        norm = global_grad_norm(self.engine.norm_grads(), self.engine.norm_group, self.device)
+        norm = global_grad_norm(self.engine.norm_grads(), self.engine.norm_group, self.device, self.value)
         sum_loss(loss_local, self.mesh, self.dims)   # the step's loss, the same on every rank
-        loss = float(loss_local)
+        loss = self.value(loss_local)
         lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
         finite = math.isfinite(loss) and math.isfinite(norm)   # both global: every rank decides alike
         if finite:
@@ -204,7 +213,8 @@ class Trainer:
         else:
             self.skip(step, loss, norm)
         self.engine.zero_grad()
-        routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers) if self.cfg.model.experts else {}
+        routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers, not self.dry) \
+            if self.cfg.model.experts else {}
         self.stop = self.agree_stop()
         self.step_count = step + 1
         return {"step": step, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,
@@ -265,7 +275,8 @@ class Trainer:
         name = stop_requested()
         flag = torch.tensor([STOP_SIGNALS.index(name) + 1 if name in STOP_SIGNALS else 0], device=self.device)
         comm.all_reduce(flag, self.mesh["world"], op="max", dim="control")
-        return STOP_SIGNALS[int(flag) - 1] if int(flag) else None
+        agreed = int(self.value(flag))
+        return STOP_SIGNALS[agreed - 1] if agreed else None
 
     # -- state -------------------------------------------------------------------------------
     def model_state_bytes(self) -> dict:

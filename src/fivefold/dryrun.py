@@ -1,0 +1,248 @@
+"""`fivefold train --dry-run`: the real runtime at any size, on no memory and no peers (an application above
+train/ and plan/, like calibrate.py).
+
+A selected rank builds the same `Trainer` — the meta model, `parallelize`, the engines, the pipeline
+runtime, the ledger — and takes `steps` steps, under torch's `FakeTensorMode` (every tensor has its
+shape, dtype and device but no storage, so a 405B layer costs nothing) with torch's fake process group
+(collectives return at once; each is still recorded in our ledger, by the same code as a real run). The
+ranks run one after another in this process; `--ranks stages` (the default) takes one rank per pipeline
+stage — the rank with tp = cp = dp = ep = 0 on that stage — because the other ranks of a stage hold the
+same shapes (tp, cp and ep pieces are equal by the layout rules; dp and ZeRO shards differ by at most the
+padding of one unit), so their memory and traffic are the stage's.
+
+Measured per rank, by kind (the planner's names):
+    weights, grads, optimizer  the engine's state counted from its tensors between steps
+                               (`Engine.state_bytes`: exact, as in a real run's run.json)
+    activations                the peak of what autograd saved for backward (train/activations.py)
+    total                      the state plus the peak of every storage allocated during a step and
+                               still alive (`LiveBytes`: storages counted when an op makes them, uncounted
+                               when freed)
+    buffers                    total - state - activations: communication and ZeRO buffers (gathered
+                               units, gradient buckets in flight) and temporaries at the peak
+and the ledger's rows per (dim, op, tier), next to the planner's prediction for the rank's stage
+(`cli.planned_memory`, `plan.traffic`). Values are never read: loss, norm and the stop flag read as 0
+(the step's collectives all run). Dropless MoE routing has no counts without values: a dry run refuses
+it; in capacity mode every MoE layer dispatches by shape (parallel/expert.py `ShapeDispatch`: the same
+(E, B, C) buffers through the same all-to-alls and expert matmuls, filled from no index).
+"""
+from __future__ import annotations
+
+import json
+import weakref
+from pathlib import Path
+
+from .config import Config, ConfigError
+from .grid import coords, grid_sizes, parse_order
+
+KINDS = ("weights", "grads", "optimizer", "activations", "buffers", "total")
+
+
+class DoesNotFit(Exception):
+    """A dry run's rank needs more than --device-memory (the CLI exits 1 with this line)."""
+
+
+def planned_memory(cfg: Config, stage: int) -> dict:
+    """The planner's bytes by kind for one rank of `stage` (plan.memory.stage_memory; the CPU's attention,
+    as the dry run's fake CPU tensors compute it), or {} when the planner cannot estimate the layout."""
+    try:
+        from .plan.layout import from_config
+        from .plan.memory import stage_memory
+        from .plan.models import from_model_config
+
+        layout, work = from_config(cfg)
+        row = stage_memory(from_model_config(cfg.model), layout, work, stage)
+    except Exception:   # noqa: BLE001 - the prediction is a report
+        return {}
+    return {k: int(row[k]) for k in KINDS if k in row}
+
+
+def live_bytes():
+    """A TorchDispatchMode counting the bytes of the storages made by ops inside it and still alive
+    (`now`, `peak`): each storage counted when an op makes it, uncounted when it is freed. (Made here,
+    so that importing this module, and a bad command line, need no torch.)"""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live: dict[int, int] = {}
+            self.now = self.peak = 0
+
+        def _add(self, t) -> None:
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in self.live:
+                return
+            n = storage.nbytes()
+            self.live[key] = n
+            self.now += n
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self._free, key)
+
+        def _free(self, key: int) -> None:
+            self.now -= self.live.pop(key, 0)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            # an output on an input's storage (a view, an in-place op) allocated nothing
+            inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided and \
+                        t.untyped_storage()._cdata not in inputs:
+                    self._add(t)
+            return out
+
+    return LiveBytes()
+
+
+def model_of_preset(name: str):
+    """Our ModelConfig for a planner preset or a Hugging Face config.json (`fivefold plan --model`), when
+    the runtime builds that architecture (a Llama-style decoder: gated MLP, RMSNorm, rotary, no biases
+    but q/k/v's, no MLA)."""
+    from dataclasses import replace
+
+    from .config import ModelConfig
+    from .plan.models import load_model
+
+    m = load_model(name)
+    if (m.mlp, m.norm, m.linear_bias, m.learned_pos, m.parallel_residual, m.mla) != ("swiglu", "rms", False, False,
+                                                                                       False, False):
+        raise ConfigError(f"--model {name}: the runtime builds Llama-style decoders (gated MLP, RMSNorm, rotary); "
+                          f"this one is not (plan it with fivefold plan)")
+    cfg = ModelConfig(vocab=m.vocab, hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, ffn=m.ffn,
+                      tie_embeddings=m.tie_embeddings, max_seq=m.max_seq, qkv_bias=m.qkv_bias,
+                      experts=m.experts, top_k=m.top_k if m.experts else 2, moe_ffn=m.moe_ffn if m.experts else 0,
+                      shared_experts=m.shared_experts, dense_layers=m.dense_layers,
+                      shared_expert_gate=m.shared_expert_gate)
+    return replace(cfg)
+
+
+def check_dry_run(cfg: Config) -> None:
+    """What a dry run cannot run yet, in one line (before anything is built)."""
+    if cfg.model.experts and not cfg.model.capacity_factor > 0:
+        raise ConfigError("--dry-run of an MoE model needs capacity mode (--set model.capacity_factor=1.25, say): "
+                          "dropless routing sizes its all-to-alls by the routed values, which fake tensors do not "
+                          "have; capacity mode's buffers are shapes")
+    if cfg.train.init_hf:
+        raise ConfigError("--dry-run takes the model's shape only: drop --init-hf (use --set model.* or --config)")
+
+
+def stage_ranks(cfg: Config) -> list[int]:
+    """One rank per pipeline stage: the rank at tp = cp = dp = ep = 0 of each stage (module docstring)."""
+    p = cfg.parallel
+    dense, _ = grid_sizes(p)
+    order = parse_order(p.order)
+    by_stage = {}
+    for r in range(p.world_size):
+        c = coords(r, dense, order)
+        if all(v == 0 for k, v in c.items() if k != "pp"):
+            by_stage.setdefault(c["pp"], r)
+    return [by_stage[s] for s in sorted(by_stage)]
+
+
+def dry_rank(cfg: Config, rank: int, steps: int, limit: float | None = None) -> dict:
+    """One rank's dry run: measured memory by kind, the ledger's rows, the planner's prediction. With
+    `limit` (bytes), a rank whose model state alone exceeds it stops before its steps (the caller refuses it)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .train.trainer import Trainer
+
+    world = cfg.parallel.world_size
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            t = Trainer(cfg, rank, world, quiet=True, dry=True)
+            state = t.model_state_bytes()
+            live = live_bytes()
+            if limit is None or state["total"] <= limit:
+                with live:
+                    for step in range(steps):
+                        t.step(step)
+        rows = t.ledger.rows()
+    finally:
+        dist.destroy_process_group()
+    stage = t.mesh.coords["pp"]
+    held = state["params"] + state["grads"] + state["optimizer"]
+    total = held + live.peak
+    measured = {"weights": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
+                "activations": t.activations.peak, "total": total}
+    measured["buffers"] = max(0, total - held - t.activations.peak)
+    planned = planned_memory(cfg, stage)
+    plan_rows = planned_rows(cfg, stage, t.mesh.coords["dp"], steps)
+    return {"rank": rank, "stage": stage, "measured": measured, "planned": planned, "ledger": rows,
+            "planned_ledger": [{"dim": d, "op": o, **r} for (d, o), r in sorted((plan_rows or {}).items())],
+            "ledger_equals_plan": ledger_equals_plan(rows, plan_rows), "steps": steps}
+
+
+def planned_rows(cfg: Config, stage: int, dp_rank: int, steps: int) -> dict[tuple[str, str], dict] | None:
+    """The planner's (dim, op) rows for one rank of `stage` over `steps` steps (plan.traffic.stage_flows),
+    or None when the planner cannot estimate the layout."""
+    try:
+        from .plan.layout import from_config
+        from .plan.models import from_model_config
+        from .plan.traffic import stage_flows
+
+        layout, work = from_config(cfg)
+        flows = stage_flows(from_model_config(cfg.model), layout, work, stage, dp_rank)
+    except Exception:   # noqa: BLE001 - the comparison is a report
+        return None
+    out: dict[tuple[str, str], dict] = {}
+    for fl in flows:
+        row = out.setdefault((fl.dim, fl.op), {"calls": 0, "message_bytes": 0.0, "bytes_sent": 0.0})
+        row["calls"] += fl.calls * steps
+        row["message_bytes"] += fl.message_bytes * steps
+        row["bytes_sent"] += fl.bytes_sent * steps
+    return out
+
+
+def ledger_equals_plan(rows: list[dict], planned: dict | None) -> bool:
+    """Every (dim, op) row the rank recorded is the planner's, and the planner predicts no other."""
+    if planned is None:
+        return False
+    got = {(r["dim"], r["op"]): r for r in rows}
+    return got.keys() == planned.keys() and all(
+        got[k]["calls"] == planned[k]["calls"] and got[k]["message_bytes"] == planned[k]["message_bytes"]
+        and abs(got[k]["bytes_sent"] - planned[k]["bytes_sent"]) <= 1e-9 * max(1.0, planned[k]["bytes_sent"])
+        for k in planned)
+
+
+def dry_run(cfg: Config, ranks: list[int], steps: int, out: Path, device_memory_gib: float | None = None) -> dict:
+    """Run `ranks` one after another; write OUT/dryrun.json (and run.json, comm.json of the first)."""
+    check_dry_run(cfg)
+    limit = device_memory_gib * 2**30 if device_memory_gib else None
+    results = [dry_rank(cfg, r, steps, limit) for r in ranks]
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"ranks": [{k: r[k] for k in ("rank", "stage", "measured", "planned", "ledger_equals_plan")}
+                        for r in results],
+              "ledger_equals_plan": all(r["ledger_equals_plan"] for r in results),
+              "ledger_by_rank": {str(r["rank"]): {"measured": r["ledger"], "planned": r["planned_ledger"]}
+                                 for r in results},
+              "steps": steps, "config": cfg.to_dict()}
+    (out / "dryrun.json").write_text(json.dumps(report, indent=1))
+    if limit:
+        for r in results:
+            if r["measured"]["total"] > limit:
+                biggest = sorted(((v, k) for k, v in r["measured"].items() if k != "total"), reverse=True)[:2]
+                raise DoesNotFit(f"rank {r['rank']} (pipeline stage {r['stage']}) needs "
+                                  f"{r['measured']['total'] / 2**30:.1f} GiB > --device-memory {device_memory_gib:g}"
+                                  f" GiB, mostly {', '.join(f'{k} {v / 2**30:.1f} GiB' for v, k in biggest)}; "
+                                  f"fivefold plan --search suggests a layout that fits")
+    return report
+
+
+def table(report: dict) -> str:
+    """Measured beside planned, GiB, a line per rank and kind."""
+    lines = [f"{'rank':>6} {'stage':>5} " + " ".join(f"{k:>22}" for k in KINDS)]
+    for r in report["ranks"]:
+        cells = []
+        for k in KINDS:
+            m, p = r["measured"].get(k), r["planned"].get(k)
+            cells.append(f"{m / 2**30:9.2f} / {p / 2**30 if p is not None else float('nan'):9.2f}")
+        lines.append(f"{r['rank']:>6} {r['stage']:>5} " + " ".join(f"{c:>22}" for c in cells))
+    return "GiB measured / planned\n" + "\n".join(lines)

@@ -1,0 +1,66 @@
+"""`fivefold train --dry-run` runs the real Trainer at real size under fake tensors and a fake process
+group: model-state bytes per rank equal the planner's exactly, and every ledger row equals the
+planner's per-rank prediction (Llama-3 8B on 8 ranks, tp8 and ZeRO-3 dp8; Mixtral 8x7B ep8 x tp2 in
+capacity mode; Llama-3 405B's tp8 x pp16 x dp128 layout, one stage of 16,384 ranks). Activation and buffer peaks are reported beside the plan
+(dryrun.json), not asserted: see the README's "Will it fit?"."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.ranks
+
+
+def dry(tmp_path, *args):
+    out = tmp_path / "dry"
+    r = subprocess.run([sys.executable, "-m", "fivefold.cli", "train", "--dry-run", "--dtype", "bf16", "--out", str(out),
+                        *args], capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return r, (json.loads((out / "dryrun.json").read_text()) if (out / "dryrun.json").is_file() else None)
+
+
+CASES = {
+    "llama3-8b-tp8": ["--model", "llama3-8b", "--tp", "8", "--seq-len", "2048", "--global-batch", "1", "--steps", "1"],
+    "llama3-8b-zero3-dp8": ["--model", "llama3-8b", "--dp", "8", "--zero", "3", "--seq-len", "1024",
+                            "--global-batch", "8", "--steps", "1"],
+    # capacity mode: every MoE layer's (E, B, C) buffers by shape (the planner's bucket count matched only
+    # once it listed an MoE layer's tensors one by one: each is larger than a bucket at this size)
+    "mixtral-8x7b-ep8-tp2": ["--model", "mixtral-8x7b", "--tp", "2", "--ep", "8", "--dp", "8", "--seq-len", "4096",
+                             "--global-batch", "16", "--set", "model.capacity_factor=1.25", "--steps", "1"],
+    "llama3-405b-tp8-pp16-dp128": ["--model", "llama3-405b", "--tp", "8", "--pp", "16", "--dp", "128",
+                                   "--microbatches", "16", "--seq-len", "8192", "--global-batch", "2048",
+                                   "--ranks", "0", "--steps", "1"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_model_state_and_ledger_equal_the_planner(tmp_path, case):
+    r, report = dry(tmp_path, *CASES[case])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert report["ledger_equals_plan"], json.dumps(report["ledger_by_rank"])[:3000]
+    for rank in report["ranks"]:
+        for kind in ("weights", "grads", "optimizer"):
+            assert rank["measured"][kind] == rank["planned"][kind], (case, rank["rank"], kind)
+        assert rank["measured"]["activations"] > 0 and rank["measured"]["total"] > 0
+
+
+def test_a_layout_that_does_not_fit_is_refused_naming_the_rank(tmp_path):
+    """Llama-3 8B on one rank: 8.0B x (2 + 4 + 4 + 8) bytes of bf16 weights, fp32 masters, gradients and
+    Adam = 134 GiB of model state, which the planner also says cannot fit in 80 GiB."""
+    r, _ = dry(tmp_path, "--model", "llama3-8b", "--seq-len", "512", "--global-batch", "1", "--steps", "1",
+               "--device-memory", "80")
+    assert r.returncode == 1, r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert "rank 0 (pipeline stage 0) needs" in line and "--device-memory 80 GiB" in line and "optimizer" in line
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "nowhere-7b"], "nowhere-7b"),
+    (["--model", "mixtral-8x7b", "--ep", "8", "--dp", "8"], "needs capacity mode"),
+    (["--ranks", "x"], "--ranks takes stages, all or a list"),
+    (["--tp", "3"], "tp"),
+])
+def test_bad_input_is_one_line_before_anything_runs(tmp_path, args, words):
+    r, _ = dry(tmp_path, *args)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and words in r.stderr, r.stderr

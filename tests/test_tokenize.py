@@ -144,7 +144,7 @@ def test_jsonl_parquet_and_datasets_folder_give_the_same_tokens(corpus, tmp_path
     expected = [i for d in DOCS for i in hf.encode(d) + [hf.eos_id]]
     assert tokens["jsonl"].tolist() == expected
     assert (h["dtype"], h["vocab_size"], h["tokens"], h["documents"]) == ("uint16", 301, len(expected), 240)
-    assert h["tokenizer"] == {"name": "hf:tokenizer.json", "digest": hf.digest, "eos_id": 0}
+    assert h["tokenizer"] == {"name": "hf:tokenizer.json", "digest": hf.digest, "eos_id": 0, "bos_id": None}
     offsets = read_offsets(outs["jsonl"])
     assert offsets.dtype == np.int64 and len(offsets) == 241 and offsets[-1] == len(expected)
     doc7 = tokens["jsonl"][offsets[7]:offsets[8]].tolist()

@@ -1,7 +1,8 @@
-"""Command line: `fivefold train | tokenize | export | generate | report | calibrate | plan | schedule`.
+"""Command line: `fivefold train | eval | tokenize | export | generate | report | calibrate | plan | schedule`.
 
     fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --cp-mode --ep --zero ...] [--steps K] [--out DIR]
                    [--resume auto|DIR] [--overwrite]
+    fivefold eval RUN_OR_CHECKPOINT|HF_DIR --data FILES [--nproc N] [--dp --tp --pp --cp ...] [--eval-tokens N]
     fivefold export RUN_OR_CHECKPOINT FILE.safetensors | --hf DIR
     fivefold generate RUN --prompt TEXT [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
                       [--checkpoint step-N] [--no-cache]    (or --hf DIR instead of RUN)
@@ -32,7 +33,8 @@ TRAIN_FLAGS = {
     "recompute": "train.recompute", "steps": "train.steps", "global_batch": "train.global_batch",
     "seq_len": "train.seq_len", "lr": "train.lr", "dtype": "train.dtype", "device": "train.device",
     "seed": "train.seed", "out": "train.out", "data": "train.data", "tokenizer": "train.tokenizer",
-    "init_hf": "train.init_hf",
+    "init_hf": "train.init_hf", "eval_data": "train.eval_data", "eval_every": "train.eval_every",
+    "eval_tokens": "train.eval_tokens", "eos": "train.eos", "bos": "train.bos",
 }
 HELP = {
     "sp_mode": "Megatron sequence parallelism inside tp",
@@ -45,6 +47,12 @@ HELP = {
     "data": "text files, or token files (fivefold tokenize's, .u16/.bin, .u32, .npy)",
     "tokenizer": "a Hugging Face tokenizer.json or tiktoken BPE file (default: UTF-8 bytes); model.vocab "
                  "follows it unless set",
+    "eos": "the tokenizer's end-of-text token, put after each text document and where generate stops (default: "
+           "found by name; none: no such token)",
+    "bos": "a start-of-text token put before each text document (default: none)",
+    "eval_data": "evaluation files, read like --data (or train.eval_fraction: a held-out tail of the data)",
+    "eval_every": "steps between evaluations, and one after the last step (0: none)",
+    "eval_tokens": "tokens an evaluation covers (whole global batches)",
     "init_hf": "start from a Hugging Face folder (save_pretrained's: config.json sets [model], its "
                "safetensors are read slice by slice into each rank's shards, its tokenizer becomes the run's)",
 }
@@ -212,6 +220,15 @@ def prepare_run(cfg, args) -> tuple[str | None, int]:
     return str(ckpt), index["step"]
 
 
+def warn_missing_eos(train, announce: bool) -> None:
+    """A run's tokenizer whose end-of-text cannot be found (and no --eos): one warning naming the option."""
+    from .tokenizer import load_tokenizer, missing_eos
+
+    text = missing_eos(load_tokenizer(train.tokenizer or None, train.eos, train.bos), train.eos)
+    if text and announce:
+        print(text, file=sys.stderr)
+
+
 def check_init_hf(cfg) -> None:
     """--init-hf: the folder's tensors are exactly the model's, with their shapes and a float dtype, read
     from the files' own headers (model/hf_weights.py); one line otherwise, before any rank starts."""
@@ -331,7 +348,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from .comm import CommLedger
     from .train import rundir
-    from .train.data import check_data
+    from .train.data import check_data, check_eval_data
     from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, last_stop_signal,
                                leave_torchrun, resolve_device, run_ranks, torchrun_env, torchrun_ranks_per_node)
     from .train.scalars import require_tensorboard
@@ -353,6 +370,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if device.type == "cpu":                                     # more than this machine's memory,
             check_host_memory(planned_memory(cfg, "cpu"), world, cfg.model.num_params())
     n_tokens = check_data(cfg.train, cfg.model.vocab)               # data it cannot read, a run folder it
+    warn_missing_eos(cfg.train, env is None or env[0] == 0)
+    check_eval_data(cfg.train, cfg.model.vocab)                     # (evaluation data too)
     check_init_hf(cfg)                                              # HF weights that do not fit the model,
     rundir.check_out(out, args.resume, args.overwrite)              # a run folder it must not touch (again under the lock)
     lock = rundir.RunLock(out) if env is None or env[0] == 0 else None
@@ -369,7 +388,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from .tokenizer import save_to_run
 
         rundir.mark(out)                                            # OUT/.fivefold-run: fivefold's from now on
-        save_to_run(cfg.train.tokenizer, out)                       # OUT/tokenizer.*: generate and export read it
+        save_to_run(cfg.train.tokenizer, out, cfg.train.eos, cfg.train.bos)   # OUT/tokenizer.*: generate and export read it
     if ckpt and (env is None or env[0] == 0):
         print(f"fivefold train: resuming from {ckpt} (step {start})", file=sys.stderr)
     if env is not None:  # one rank of a torchrun job
@@ -388,8 +407,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     nodes = f" as {world // k} emulated nodes of {k}" if 0 < k < world else ""
     print(f"fivefold train: {world} rank(s){nodes}, dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
           f"cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
-          f"{cfg.model.num_params():,} parameters, {n_tokens:,} tokens, steps {start}..{cfg.train.steps} -> {out}",
-          file=sys.stderr)
+          f"{cfg.model.num_params():,} parameters, {banner_tokens(cfg, start, n_tokens)}, steps {start}..{cfg.train.steps} "
+          f"-> {out}", file=sys.stderr)
     results = run_ranks(train_rank, world, (cfg.to_dict(), out, ckpt, planned), timeout_s=args.timeout)
     lock.release()
     r0 = results[0]
@@ -405,6 +424,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"fivefold: stopped by {stopped} after step {r0['step']}; checkpoint in "
               f"{rundir.step_dir(out, r0['step'])}; continue with --resume auto --out {out}", file=sys.stderr)
     return stop_code(stopped)
+
+
+def banner_tokens(cfg, start: int, data_tokens: int) -> str:
+    """What the run will train on: steps x global_batch x seq_len tokens (the steps left), beside the data's size."""
+    t = cfg.train
+    steps = t.steps - start
+    return (f"{steps * t.global_batch * t.seq_len:,} tokens to train ({steps} steps x {t.global_batch} x {t.seq_len}; "
+            f"the data holds {data_tokens:,})")
 
 
 def planned_memory(cfg, device_type: str) -> dict:
@@ -444,6 +471,9 @@ def add_export_args(ap: argparse.ArgumentParser) -> None:
                     "(never overwritten)")
     ap.add_argument("--hf", nargs="?", const=True, metavar="DIR", help="write a Hugging Face model folder DIR "
                     "(Llama / Qwen2 / Mixtral / Qwen2-MoE by the config, with the tokenizer; needs transformers)")
+    ap.add_argument("--eos", default="", metavar="TOKEN", help="with --hf: the end-of-text token the export names "
+                    "(default: the run's)")
+    ap.add_argument("--bos", default="", metavar="TOKEN", help="with --hf: a start-of-text token (default: the run's)")
     ap.add_argument("--max-shard-mb", type=float, default=2048, help="with --hf: weight files of at most this "
                     "many MiB, as save_pretrained's max_shard_size (default 2048; a bigger tensor gets its own file)")
 
@@ -459,13 +489,77 @@ def cmd_export(args: argparse.Namespace) -> int:
         if not args.max_shard_mb > 0:
             raise ConfigError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
         path = export_hf_folder(args.checkpoint, args.dest if args.hf is True else args.hf,
-                                max_shard_bytes=int(args.max_shard_mb * 2**20))
+                                max_shard_bytes=int(args.max_shard_mb * 2**20), eos=args.eos, bos=args.bos)
         print(f"wrote {path}/ ({', '.join(sorted(p.name for p in path.iterdir()))})")
         return 0
     if args.dest is None:
         raise ConfigError("export needs a destination: fivefold export RUN FILE.safetensors, or --hf DIR")
     path = export(args.checkpoint, args.dest)
-    print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    print(exported_summary(path))
+    return 0
+
+
+def exported_summary(path: Path) -> str:
+    """What `export FILE` wrote: tensors, parameters and their dtypes, the checkpoint's step, bytes."""
+    import json as _json
+    import math as _math
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        dtypes = sorted({str(f.get_slice(k).get_dtype()) for k in f.keys()})
+    params = sum(_math.prod(s) for s in shapes.values())
+    model = _json.loads(meta.get("config", "{}")).get("model", {})
+    shape = f", hidden {model['hidden']}, {model['layers']} layers, vocab {model['vocab']}" if model else ""
+    return (f"wrote {path}: {len(shapes)} tensors, {params:,} parameters ({'/'.join(dtypes)}{shape}) of step "
+            f"{meta.get('step', '?')}, {path.stat().st_size:,} bytes")
+
+
+def add_eval_args(ap: argparse.ArgumentParser) -> None:
+    from .evaluate import EVAL_FLAGS
+
+    ap.add_argument("source", help="a run folder (its newest checkpoint), a checkpoints/step-N folder, or a "
+                    "Hugging Face model folder (config.json + safetensors)")
+    ap.add_argument("--data", nargs="+", required=True, help="text files, or token files (fivefold tokenize's, "
+                    ".u16/.bin, .u32, .npy), read with the model's tokenizer")
+    ap.add_argument("--nproc", type=int, help="local gloo ranks to spawn (default: the layout's world size)")
+    for flag, key in EVAL_FLAGS.items():
+        ap.add_argument(f"--{flag.replace('_', '-')}", dest=flag, **flag_kwargs(field_type(key)))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
+    ap.add_argument("--timeout", type=float, default=600, help="hang watchdog (seconds without progress)")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """`fivefold eval` (evaluate.py): every rule checked here, then the ranks evaluate."""
+    from .config import Config
+    from .evaluate import eval_config, eval_rank, is_hf_folder, run_config
+    from .train.data import check_data, check_eval_data
+    from .train.launch import resolve_device, run_ranks
+    from .train.trainer import supported
+
+    source = Path(args.source)
+    if not source.is_dir():
+        raise ConfigError(f"{source}: no such run, checkpoint or Hugging Face folder")
+    if is_hf_folder(source):   # --init-hf semantics: config.json sets [model], its tokenizer is the run's
+        cfg, ckpt = Config(), None
+        cfg.train.init_hf = str(source)
+        model_from_hf(cfg, set())
+        vocab_from_tokenizer(cfg, True)
+    else:
+        cfg, ckpt = run_config(source)
+    cfg = eval_config(cfg, args)
+    world = args.nproc or cfg.parallel.world_size
+    cfg.validate(world)
+    supported(cfg)
+    resolve_device(cfg.train.device, "gloo" if world > 1 else None)
+    check_data(cfg.train, cfg.model.vocab)
+    check_eval_data(cfg.train, cfg.model.vocab)
+    check_init_hf(cfg)
+    result = run_ranks(eval_rank, world, (cfg.to_dict(), ckpt), timeout_s=args.timeout)[0]
+    print(f"eval loss {result['eval_loss']:.6f}  perplexity {result['eval_ppl']:.4f}  "
+          f"({result['eval_tokens']:,} tokens, {ckpt or args.source})")
     return 0
 
 
@@ -492,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     add_train_args(sub.add_parser("train", help="train a model (embedded default when no config)"))
     add_export_args(sub.add_parser("export", help="write a checkpoint's whole weights to one safetensors file"))
     add_generate_args(sub.add_parser("generate", help="sample text from a run's checkpoint (or a Hugging Face folder)"))
+    add_eval_args(sub.add_parser("eval", help="a run's checkpoint's (or a Hugging Face folder's) loss and "
+                                 "perplexity on data, under any layout"))
     from .report import add_report_args, cmd_report
     add_report_args(sub.add_parser("report", help="draw runs' loss, grad norm, tokens/s, lr, traffic, pipeline"))
     from .train.tokenize import add_tokenize_args, cmd_tokenize
@@ -514,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.cmd == "report":
             return cmd_report(args)
+        if args.cmd == "eval":
+            return cmd_eval(args)
         if args.cmd == "tokenize":
             return cmd_tokenize(args)
         if args.cmd == "calibrate":

@@ -211,6 +211,12 @@ class TrainConfig:
     compile: bool = False                 # torch.compile each transformer block in place (after parallelize)
     tensorboard: bool = False             # rank 0 also writes loss, grad_norm, lr, tokens/s to OUT/tensorboard/
     init_hf: str = ""                     # start from a Hugging Face folder's weights (--init-hf; "": the seeded init)
+    eos: str = ""                         # end-of-text token of train.tokenizer (--eos; "": found by name; none)
+    bos: str = ""                         # start-of-text token put before each text document (--bos; "": none)
+    eval_data: list[str] = field(default_factory=list)   # evaluation files, read like data (--eval-data)
+    eval_fraction: float = 0.0            # ... or hold out this last fraction of the training tokens (0: none)
+    eval_every: int = 0                   # steps between evaluations, and one at the end (0: no evaluation)
+    eval_tokens: int = 65536              # tokens one evaluation covers (whole global batches of windows)
 
     def validate(self) -> None:
         _check_choices(self, "train")
@@ -226,6 +232,20 @@ class TrainConfig:
         _check_unit("train.beta1", self.beta1, "typical: 0.9")
         _check_unit("train.beta2", self.beta2, "typical: 0.95 or 0.999")
         _check_above_zero("train.eps", self.eps, "1e-8")
+        self.validate_eval()
+
+    def validate_eval(self) -> None:
+        """Evaluation: eval_every, eval_tokens >= 0 / > 0, eval_fraction in [0, 1), one source at most,
+        and one when evaluations run."""
+        _check_at_least_zero("train.eval_every", self.eval_every, "0: no evaluation")
+        rules.check_positive("train.eval_tokens", self.eval_tokens)
+        _check_unit("train.eval_fraction", self.eval_fraction, "0: no held-out split")
+        if self.eval_data and self.eval_fraction:
+            raise ConfigError("train.eval_data and train.eval_fraction both give evaluation data; valid: one of "
+                              "them (eval_fraction = 0 with eval_data)")
+        if self.eval_every and not (self.eval_data or self.eval_fraction):
+            raise ConfigError(f"train.eval_every = {self.eval_every} needs evaluation data; valid: --eval-data FILE, "
+                              f"train.eval_fraction in (0, 1), or eval_every = 0")
 
 
 @dataclass

@@ -16,34 +16,43 @@ The tokenizer, by what the run trained with (tokenizer.py):
   transformers' AutoTokenizer does not (no conversion is attempted).
 config.json and generation_config.json name the tokenizer's end-of-text id (none for bytes) and no
 beginning-of-sequence id: fivefold trains without BOS, and transformers' Llama defaults (1, 2) would be
-ordinary tokens here.
+ordinary tokens here. The run's `--eos` / `--bos` (kept beside its tokenizer copy), or the export's own
+`--eos TOKEN` / `--bos TOKEN`, choose those ids; a tokenizer whose end-of-text cannot be found is a
+warning naming `--eos`.
 """
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from .config import ConfigError
 from .generate import find_checkpoint, run_of
-from .tokenizer import HFTokenizer, load_tokenizer, run_tokenizer_file
+from .tokenizer import HFTokenizer, load_tokenizer, missing_eos, read_specials, run_tokenizer_file
 from .train import checkpoint, rundir
 
 
 def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None = None,
-                     max_shard_bytes: int = checkpoint.DEFAULT_SHARD_BYTES) -> Path:
+                     max_shard_bytes: int = checkpoint.DEFAULT_SHARD_BYTES, eos: str = "", bos: str = "") -> Path:
     """Write the Hugging Face folder `dest` (new or empty) from the run's newest checkpoint (or `step`),
-    its weights in files of at most `max_shard_bytes`."""
+    its weights in files of at most `max_shard_bytes`; `eos`, `bos`: tokens that override the run's."""
     check_dest(Path(dest))
     ckpt = find_checkpoint(run, step)
+    run_eos, run_bos = read_specials(run_of(ckpt))
+    eos, bos = eos or run_eos, bos or run_bos
+    tokenizer = load_tokenizer(run_tokenizer_file(run_of(ckpt)), eos, bos)   # an unknown --eos fails before writing
+    warning = missing_eos(tokenizer, eos)
+    if warning:
+        print(warning, file=sys.stderr)
     try:
         checkpoint.export_hf(ckpt, dest, max_shard_bytes)
     except (ImportError, ValueError) as e:   # no transformers; a model no HF family matches
         raise ConfigError(f"cannot export to Hugging Face form: {e}") from None
     dest = Path(dest)
     max_seq = rundir.read_index(ckpt)["config"]["model"]["max_seq"]
-    tokenizer = write_tokenizer(run_tokenizer_file(run_of(ckpt)), dest, max_seq)
-    set_special_ids(dest, tokenizer.eos_id)
+    tokenizer = write_tokenizer(run_tokenizer_file(run_of(ckpt)), dest, max_seq, eos, bos)
+    set_special_ids(dest, tokenizer.eos_id, tokenizer.bos_id)
     return dest
 
 
@@ -60,9 +69,10 @@ def check_dest(dest: Path) -> None:
         raise ConfigError(f"--hf {dest} cannot be a folder: {parent} is a file")
 
 
-def write_tokenizer(path: Path | None, dest: Path, max_seq: int):
-    """Put the run's tokenizer file (None: byte-level) into `dest` (module docstring); returns it loaded."""
-    tokenizer = load_tokenizer(path)
+def write_tokenizer(path: Path | None, dest: Path, max_seq: int, eos: str = "", bos: str = ""):
+    """Put the run's tokenizer file (None: byte-level) into `dest` (module docstring); returns it loaded
+    (with `eos`, `bos` chosen)."""
+    tokenizer = load_tokenizer(path, eos, bos)
     if path is not None and not isinstance(tokenizer, HFTokenizer):   # tiktoken: as it is
         shutil.copyfile(path, dest / "tokenizer.tiktoken")
         return tokenizer
@@ -72,8 +82,10 @@ def write_tokenizer(path: Path | None, dest: Path, max_seq: int):
         shutil.copyfile(path, dest / "tokenizer.json")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_seq,
               "clean_up_tokenization_spaces": False}
-    if tokenizer.eos_id is not None:
-        config["eos_token"] = tokenizer.backend.id_to_token(tokenizer.eos_id)
+    for name in ("eos", "bos"):   # the token's text (a Hugging Face vocabulary's; the byte-level one has none)
+        token_id = getattr(tokenizer, f"{name}_id")
+        if token_id is not None and isinstance(tokenizer, HFTokenizer):
+            config[f"{name}_token"] = tokenizer.backend.id_to_token(token_id)
     (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return tokenizer
 
@@ -97,11 +109,11 @@ def byte_level_tokenizer():
     return tok
 
 
-def set_special_ids(dest: Path, eos_id: int | None) -> None:
-    """config.json and generation_config.json: eos_token_id = the tokenizer's, no bos_token_id."""
+def set_special_ids(dest: Path, eos_id: int | None, bos_id: int | None = None) -> None:
+    """config.json and generation_config.json: eos_token_id = the tokenizer's, bos_token_id only when chosen."""
     for name in ("config.json", "generation_config.json"):
         path = dest / name
         if path.is_file():
             config = json.loads(path.read_text())
-            config.update(bos_token_id=None, eos_token_id=eos_id)
+            config.update(bos_token_id=bos_id, eos_token_id=eos_id)
             path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -5,13 +5,15 @@ layout) and pipeline.json. Writes into `--out` (default: the first RUN's `report
 same name there are replaced, nothing else is touched), as PNG or SVG:
 
     metrics.png          loss, gradient norm, tokens/s and learning rate over steps, one line per run,
-                         the legend naming each run by folder and layout ("dp2 tp1 pp2")
+                         the legend naming each run by folder and layout ("dp2 tp1 pp2"); a run that
+                         evaluated also draws its eval loss (dashed, at the steps that evaluated)
     comm.png             the ledger's bytes sent (all ranks) per (dim, op), a bar per run in each group;
                          in a multi-node run each bar is split by the tier its groups cross (hatched:
                          between nodes; comm/ledger.py)
     pipeline-RUN.png     pipeline runs: the measured timeline above the simulated one (pipeline/timeline.py)
 
-and prints a summary table: per run its steps, final loss, tokens/s (all tokens over all step
+and prints a summary table: per run its steps, final loss, the last eval loss and perplexity (when the
+run evaluated), tokens/s (all tokens over all step
 seconds), bytes sent per parallel dimension and, when a run sent beyond one node, per tier. Needs
 matplotlib (`pip install fivefold[plot]`); torch-free.
 A run folder that is missing or holds no metrics is a one-line error (exit 2).
@@ -125,6 +127,12 @@ def final_loss(run: Run) -> float:
     return next((r["loss"] for r in reversed(run.metrics) if r.get("loss") is not None), math.nan)
 
 
+def final_eval(run: Run) -> tuple[float, float]:
+    """(eval loss, eval perplexity) of the run's last evaluation; NaNs when it never evaluated."""
+    r = next((r for r in reversed(run.metrics) if r.get("eval_loss") is not None), None)
+    return (math.nan, math.nan) if r is None else (float(r["eval_loss"]), value(r, "eval_ppl"))
+
+
 def tokens_per_second(run: Run) -> float:
     """All tokens over all step seconds."""
     done = [r for r in run.metrics if r.get("tokens") is not None and r.get("seconds")]
@@ -159,12 +167,15 @@ def summary(runs: list[Run]) -> str:
     used several tiers) per tier."""
     dims = sorted({d for run in runs for d in bytes_by_dim(run)})
     tiers = shown_tiers(runs)
-    header = (["run", "layout", "steps", "final loss", "tokens/s"] + [f"sent {d}" for d in dims]
+    evals = any(r.get("eval_loss") is not None for run in runs for r in run.metrics)
+    header = (["run", "layout", "steps", "final loss"] + (["eval loss", "eval ppl"] if evals else []) + ["tokens/s"]
+              + [f"sent {d}" for d in dims]
               + [f"{t or '?'} tier" for t in tiers])
     rows = []
     for run in runs:
         sent, on = bytes_by_dim(run), bytes_by_tier(run)
-        rows.append([run.name, run.layout, str(len(run.metrics)), f"{final_loss(run):.4f}",
+        ev = [f"{v:.4f}" if not math.isnan(v) else "-" for v in final_eval(run)] if evals else []
+        rows.append([run.name, run.layout, str(len(run.metrics)), f"{final_loss(run):.4f}", *ev,
                      f"{tokens_per_second(run):,.0f}"] + [fmt_bytes(sent[d]) if d in sent else "-" for d in dims]
                     + [fmt_bytes(on[t]) if t in on else "-" for t in tiers])
     widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
@@ -192,8 +203,12 @@ def plot_metrics(runs: list[Run], path: Path) -> Path:
     for ax, (key, title) in zip(axes, PANELS):
         for run in runs:
             steps = [r["step"] for r in run.metrics]
-            ax.plot(steps, [value(r, key) for r in run.metrics], marker="." if len(steps) < 50 else None,
-                    label=run.label)
+            line, = ax.plot(steps, [value(r, key) for r in run.metrics], marker="." if len(steps) < 50 else None,
+                            label=run.label)
+            evals = [r for r in run.metrics if r.get("eval_loss") is not None]
+            if key == "loss" and evals:
+                ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], linestyle="--", marker="o",
+                        color=line.get_color(), label=f"{run.label} eval")
         ax.set_title(title, loc="left", fontsize=10)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

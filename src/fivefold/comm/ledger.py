@@ -16,6 +16,11 @@ ledgers so rank 0 can write `comm.json`:
      "by_tier": {"inter": ..., "intra": ...},  # bytes sent per tier, all ranks
      "per_rank": [{"rank": 0, "rows": [...], "tiers": [...]}, ...]}
 
+Sections: what is recorded inside `with ledger.section("eval"):` (evaluations: the trainer's forward-only
+passes) is kept apart from the training rows, so the rows above stay those of training steps (what the
+planner predicts per step); `part("eval")` returns that section as a ledger of its own, and the trainer
+writes it into comm.json under "eval" (the same shape, plus "evaluations": how many ran).
+
 The "rows" mean what they always meant (each is the sum of its "tiers" rows). A (dim, op) may appear
 under two tiers when it runs over two groups (the loss is summed over dp and over pp). Training,
 benchmarks and tests all read it through this class: `total(dim, op, field, tier=None)`, `rows()`,
@@ -25,6 +30,7 @@ as tier "").
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,7 +60,24 @@ class CommLedger:
         self.world_size = world_size
         self._rows: dict[tuple[str, str, str], Row] = {}        # (dim, op, tier) -> Row
         self._per_rank: list[dict[tuple[str, str, str], Row]] | None = None
+        self._sections: dict[str, dict[tuple[str, str, str], Row]] = {}   # name -> rows recorded inside it
         self.enabled = True
+
+    @contextmanager
+    def section(self, name: str):
+        """Record into section `name` instead of the main rows while inside (waits too)."""
+        main = self._rows
+        self._rows = self._sections.setdefault(name, {})
+        try:
+            yield self
+        finally:
+            self._rows = main
+
+    def part(self, name: str) -> "CommLedger":
+        """Section `name`'s rows as a ledger of their own (empty when nothing was recorded there)."""
+        led = CommLedger(self.rank, self.world_size)
+        led._rows = {k: Row(**asdict(v)) for k, v in self._sections.get(name, {}).items()}
+        return led
 
     # -- recording ---------------------------------------------------------------------------
     def record(self, dim: str, op: str, message_bytes: float, bytes_sent: float, seconds: float = 0.0,
@@ -71,6 +94,7 @@ class CommLedger:
 
     def reset(self) -> None:
         self._rows.clear()
+        self._sections.clear()
         self._per_rank = None
 
     # -- reading -----------------------------------------------------------------------------

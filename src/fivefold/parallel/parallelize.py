@@ -14,6 +14,7 @@ A dimension (`Parallelism`) may provide, all optional but `name` and `apply`:
     shard_batch(x, y) -> (x, y)    the tokens of each sequence this rank holds (cp: its slice)
     positions                      their position ids (cp: zig-zag, not contiguous)
     forward_backward(...)          run the step's forward and backward itself (pp: the schedule)
+    forward_only(...)              run an evaluation's forwards itself, no gradient (pp: F/SEND_F/RECV_F)
     schedules_backward: bool       its backwards interleave with other micro-batches' forwards, so the
                                    engine accumulates the step's gradients and reduces them once (pp)
     loss_group: str                a group whose ranks each hold part of the loss, summed for reporting
@@ -143,6 +144,13 @@ class PipelineParallelism:
         engine.end_backward()
         return loss_local
 
+    def forward_only(self, model: nn.Module, loss_sum: LossSum, micro_batches: list, n_tokens: int,
+                     positions=None) -> torch.Tensor:
+        """An evaluation: every micro-batch's forward through the stages (the forward-only action list),
+        no gradient; this rank's share of the loss (nonzero on the last stage)."""
+        self.runtime.loss_fn = loss_sum
+        return self.runtime.run_forward(micro_batches, n_tokens, positions)
+
     def gather_state(self, state: dict) -> dict:
         from .pipeline.runtime import gather_stages
 
@@ -181,6 +189,17 @@ def direct_forward_backward(model: nn.Module, loss_sum: LossSum, engine: Engine,
         loss.backward()
         engine.end_backward()
         loss_local += loss.detach().double()
+    return loss_local
+
+
+@torch.no_grad()
+def direct_forward(model: nn.Module, loss_sum: LossSum, micro_batches: list, n_tokens: int,
+                   positions=None) -> torch.Tensor:
+    """An evaluation's forward of each micro-batch in turn, no gradient: the sum of their token losses
+    over `n_tokens`, as `direct_forward_backward` reports it."""
+    loss_local = torch.zeros(1, dtype=torch.float64, device=micro_batches[0][0].device)
+    for x_bs, y_bs in micro_batches:
+        loss_local += (loss_sum(model(x_bs, positions), y_bs) / n_tokens).double()
     return loss_local
 
 

@@ -590,6 +590,11 @@ class Zero3(ShardedOptimizer):
         for slot in range(len(self.slots)):
             self._free(slot)
 
+    def release_params(self) -> None:
+        """After forwards without a backward (an evaluation): free every gathered unit, as a step's end does."""
+        for slot in range(len(self.slots)):
+            self._free(slot)
+
     def _install_hooks(self) -> None:
         prefetch = not self.pipeline   # under a pipeline the next module to run depends on the schedule
         last = len(self.slots) - 1

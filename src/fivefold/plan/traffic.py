@@ -280,9 +280,9 @@ def _cp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
 
 
 def _cp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers: int, m: int, T: float,
-                    ring: bool = True, ulysses: bool = True) -> None:
+                    ring: bool = True, ulysses: bool = True, backward: bool = True) -> None:
     """`_cp_flows` for a stage of `n_layers` layers; without `ring` the Ulysses all-to-alls only, without
-    `ulysses` the ring sends only."""
+    `ulysses` the ring sends only, without `backward` the forward's only (an evaluation)."""
     if L.cp == 1:
         return
     e = w.act_bytes
@@ -298,9 +298,9 @@ def _cp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers
         q = T * model.q_width / L.tp * e
         o = T * model.attn_out_width / L.tp * e
         for msg in (q, kv / 2, kv / 2, o):  # q, k, v forward in; output back (and their gradients)
-            f.add("cp", "all_to_all", "cp", u, msg, (fwd_passes + 1) * m * n_layers)
+            f.add("cp", "all_to_all", "cp", u, msg, (fwd_passes + backward) * m * n_layers)
     if r > 1 and ring:  # after Ulysses a ring rank's block holds u times the tokens and 1/u of the heads: same bytes
-        sends = (r - 1) * m * n_layers * (fwd_passes + 2)   # K,V forward; K,V and dK,dV backward
+        sends = (r - 1) * m * n_layers * (fwd_passes + 2 * backward)   # K,V forward; K,V and dK,dV backward
         f.add("cp", "send", "cp", r, kv, sends)
         f.add("cp", "recv", "cp", r, kv, sends)
 
@@ -312,8 +312,9 @@ def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     _ep_layer_flows(f, model, L, w, sum(1 for i in rng if model.is_moe_layer(i)), m, T)
 
 
-def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int, m: int, T: float) -> None:
-    """The expert all-to-alls of a stage holding `moe` MoE layers."""
+def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int, m: int, T: float,
+                    backward: bool = True) -> None:
+    """The expert all-to-alls of a stage holding `moe` MoE layers (without `backward`: the forward's only)."""
     if not model.moe or L.ep == 1 or not moe:
         return
     fwd_passes = 2 if L.recompute == "full" else 1
@@ -331,7 +332,7 @@ def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int
     # node-limited routing: the routed rows are split between nodes and inside them by `place`
     part, route = ("routed", (w.moe_route_nodes, tokens * L.tp / T)) if w.moe_route_nodes else ("", ())
     f.add("ep", "all_to_all", "ep", L.ep, dispatch, fwd_passes * calls, part, route)   # dispatch forward
-    f.add("ep", "all_to_all", "ep", L.ep, msg, (fwd_passes + 2) * calls, part, route)  # combine fwd; both bwd
+    f.add("ep", "all_to_all", "ep", L.ep, msg, (fwd_passes + 2 * backward) * calls, part, route)  # combine fwd; both bwd
 
 
 def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
@@ -442,6 +443,88 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
     f.add("control", "all_reduce", "world", group_size(L, "world"), 8, 1)
     _offload_flows(f, model, L, work, stage, m, root)
     return f.list()
+
+
+# -- evaluations ---------------------------------------------------------------------------------------
+def eval_stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int, batches: int) -> list[Flow]:
+    """Every (dim, op) row one rank of `stage` records in one evaluation of `batches` global batches
+    (train/trainer.py `evaluate`, what comm.json's "eval" section holds per evaluation): forward passes
+    only, without autograd, so nothing is recomputed and no gradient moves. Per forward micro-batch: tp's
+    forward collectives (g all-reduces, or SP's all-gather before and reduce-scatter after each region;
+    the embedding's g; the cross-entropy's two reductions; the head input's f is the identity forward),
+    Ulysses' 4 all-to-alls and ring's cp-1 K,V sends per layer, the pipeline's activation sends (the
+    forward-only action list). ZeRO-3 gathers each unit before each forward and frees it after (the
+    pipeline's root unit stays for the evaluation), or once per evaluation with reshard_after_forward
+    off (everything is freed at its end); with params on disk each gather first reads its shard. Then
+    the loss is summed once, over dp·cp and pp. MoE layers: the expert dispatch and combine all-to-alls
+    (and dropless routing's counts) of each forward, exact in capacity mode as for training; no balance
+    loss, so no statistics are summed."""
+    L, f = replace(layout, recompute="none"), Flows()
+    m = microbatches(L, work) * batches
+    T = L.micro_batch * work.seq / L.cp
+    rng = layout_layers(model, L)[stage]
+    moe = sum(1 for i in rng if model.is_moe_layer(i))
+    _tp_forward_flows(f, model, L, work, len(rng), moe, stage == 0, stage == L.pp - 1, m, T)
+    _ep_layer_flows(f, model, L, work, moe, m, T, backward=False)
+    if L.cp > 1:
+        _cp_layer_flows(f, model, L, work, len(rng), m, T, backward=False)
+    if L.pp > 1:
+        v = L.vpp if L.effective_schedule == "interleaved" else 1
+        act = T * model.hidden * work.act_bytes / (L.tp if L.seq_parallel else 1)
+        f.add("pp", "send", "pp", L.pp, act, m * v - (m if stage == L.pp - 1 else 0))
+        f.add("pp", "recv", "pp", L.pp, act, m * v - (m if stage == 0 else 0))
+    if L.zero == 3:
+        _eval_gather_flows(f, model, L, work, stage, m)
+    f.add("loss", "all_reduce", "dp_cp", L.dp * L.cp, 8, 1)
+    f.add("loss", "all_reduce", "pp", L.pp, 8, 1)
+    return f.list()
+
+
+def _tp_forward_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers: int, moe: int, first: bool,
+                      last: bool, m: int, T: float) -> None:
+    """The forward half of `_tp_layer_flows`, for `m` forward micro-batches."""
+    t = L.tp
+    if t == 1:
+        return
+    act = T * model.hidden * w.act_bytes
+    regions = 2 * n_layers - moe                       # attention and dense MLP; an MoE layer has none
+    if L.seq_parallel:
+        f.add("tp", "all_gather", "tp", t, act, regions * m + (m if last else 0))
+        f.add("tp", "reduce_scatter", "tp", t, act, regions * m + (m if first else 0))
+    else:
+        f.add("tp", "all_reduce", "tp", t, act, regions * m + (m if first else 0))
+        if moe:   # EP x TP: each rank's sequences' outputs all-gathered
+            f.add("tp", "all_gather", "tp", t, act, m * moe)
+    if last:
+        f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, m)          # max logit
+        f.add("tp", "all_reduce", "tp", t, 2 * T * w.master_bytes, m)      # sum of exp, target logit
+
+
+def _eval_gather_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int) -> None:
+    """ZeRO-3's all-gathers in an evaluation (and, with params on disk, the reads before them)."""
+    n = L.dp * L.cp
+    units = zero_units(model, L, w.grad_bytes, stage)
+    root = 1 if any(k for k, _ in root_tensors(model, L.tp, L.pp, stage)) else 0
+    per_unit = [(m if L.reshard_after_forward and not (L.pp > 1 and i < root) else 1) for i in range(len(units))]
+    if n > 1:
+        padded = [unit_sums((u,), n)[0] for u in units]
+        f.add_total("dp", "all_gather", "dp_cp", n, sum(g * p for g, p in zip(per_unit, padded)) * w.param_bytes,
+                    sum(per_unit))
+    if params_on_disk(L):
+        shards = [shard_size(u, k) for u, k in offload_units(model, L, w, stage)]
+        read = sum(g * k for g, k in zip(per_unit, shards)) * w.param_bytes
+        f.add_copy("offload", "nvme_read", "nvme", read, sum(per_unit))
+        f.add_copy("offload", "h2d", "pcie", read, sum(per_unit))
+
+
+def eval_all_ranks(model: PlanModel, layout: Layout, work: Workload, batches: int) -> dict[tuple[str, str], dict]:
+    """(dim, op) -> calls, message_bytes, bytes_sent summed over every rank for one evaluation of `batches`
+    global batches (`eval_stage_flows`): what comm.json's "eval" rows show per evaluation."""
+    out: dict[tuple[str, str], dict] = {}
+    for j in range(layout.pp):
+        for fl in eval_stage_flows(model, layout, work, j, batches):
+            _add_weighted(out, (fl.dim, fl.op), fl, layout.gpus // layout.pp)
+    return out
 
 
 def _offload_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int = 1,

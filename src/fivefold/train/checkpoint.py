@@ -193,7 +193,21 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: d
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata={"format": "fivefold", **metadata})
+    os.chmod(path, 0o666 & ~current_umask())   # safetensors' temporary file is 0600: follow the umask like every output
     _fsync(path)
+
+
+def current_umask() -> int:
+    """This process's umask (Linux: read from /proc, leaving it untouched; else set and restored)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _publish(tmp: Path, final: Path) -> None:

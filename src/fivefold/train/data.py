@@ -29,9 +29,14 @@ windows; micro-batches split that slice in order. How the windows are chosen:
   document boundaries (documents are separated by the end-of-text id, as in GPT-style packing).
 - anything else (`Batches`): each window starts at a uniformly random offset drawn from a generator
   seeded with (seed, k).
+- a mixture (`--data a.bin:0.7 b.bin:0.3`, `MixtureBatches`): sample j comes from a source chosen by
+  weight from (seed, j) alone, and is the window that source's own batches give sample j.
+Evaluation (`EvalBatches`): the fixed, non-overlapping windows of train.eval_data, or of the held-out
+tail of the training stream (train.eval_fraction, `split_corpus`), which training never reads.
 """
 from __future__ import annotations
 
+import math
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,6 +56,9 @@ RAW_DTYPES = {".u16": np.uint16, ".bin": np.uint16, ".u32": np.uint32}
 CHECK_CHUNK = 1 << 24        # token ids scanned at a time by check_token_ids
 FORMATS = "text, .u16/.bin, .u32, .npy, or a token file from fivefold tokenize"
 M64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15   # 2**64 / φ: the step of MixtureBatches' Weyl sequence
+SOURCE_SEED_STRIDE = 7919     # mixture source i draws its windows from seed + stride · i
+MIX_CHUNK = 1 << 20           # samples whose sources MixtureBatches.drawn counts at a time
 
 
 def stdlib_files() -> list[Path]:
@@ -153,11 +161,14 @@ def is_mapped(f: Path) -> bool:
 
 
 def text_tokens(raw: np.ndarray, tokenizer: Tokenizer | None) -> np.ndarray:
-    """A text file's bytes as tokens: the bytes themselves (no tokenizer, or the byte-level one), else
-    the tokenizer's ids of the text, followed by its end-of-text id when it has one."""
-    if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
+    """A text file's bytes as tokens: the bytes themselves (no tokenizer, or the byte-level one without
+    --eos / --bos), else the tokenizer's ids of the text, after its start-of-text id (--bos) and followed
+    by its end-of-text id when it has them."""
+    if tokenizer is None or (isinstance(tokenizer, ByteTokenizer) and tokenizer.eos_id is None
+                             and tokenizer.bos_id is None):
         return raw
-    ids = tokenizer.encode(raw.tobytes().decode("utf-8", errors="replace"))
+    ids = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    ids += tokenizer.encode(raw.tobytes().decode("utf-8", errors="replace"))
     if tokenizer.eos_id is not None:
         ids.append(tokenizer.eos_id)
     return np.asarray(ids, dtype=token_dtype(tokenizer.vocab_size))
@@ -198,47 +209,167 @@ def read_tokens(paths: list[str | Path] | None = None, limit_mb: float = 8.0, vo
 
 
 def run_tokenizer_of(train: TrainConfig) -> Tokenizer:
-    """The tokenizer of a run: `train.tokenizer`, or the byte-level default."""
-    return load_tokenizer(train.tokenizer or None)
+    """The tokenizer of a run: `train.tokenizer`, or the byte-level default, with train.eos / train.bos."""
+    return load_tokenizer(train.tokenizer or None, train.eos, train.bos)
 
 
 def uses_token_files(train: TrainConfig) -> bool:
     """The run trains on token files only (then batches are shuffled by sequence: ShuffledBatches)."""
-    return bool(train.data) and all(is_token_file(f) for f in train.data)
+    files = data_files(train)
+    return bool(files) and all(is_token_file(f) for f in files)
+
+
+def parse_source(entry: str) -> tuple[str, float | None]:
+    """One train.data entry: FILE, or FILE:WEIGHT (a mixture source; an entry that names an existing file
+    is that file, colons and all). WEIGHT must be a finite number > 0, else a one-line ConfigError."""
+    path, sep, weight = str(entry).rpartition(":")
+    if not sep or Path(entry).is_file() or not path:
+        return str(entry), None
+    try:
+        w = float(weight)
+    except ValueError:
+        raise ConfigError(f"data source {entry!r}: weight {weight!r} is not a number; a mixture source is "
+                          f"FILE:WEIGHT with WEIGHT a finite number > 0, e.g. --data a.bin:0.7 b.bin:0.3") from None
+    if not (math.isfinite(w) and w > 0):
+        raise ConfigError(f"data source {entry!r}: weight {weight} must be a finite number > 0 (FILE:WEIGHT, "
+                          f"e.g. --data a.bin:0.7 b.bin:0.3)")
+    return path, w
+
+
+def mixture_of(train: TrainConfig) -> list[tuple[str, float]] | None:
+    """[(file, weight)] when train.data is a mixture (every entry FILE:WEIGHT), else None; mixing weighted
+    and plain entries is a ConfigError."""
+    parsed = [parse_source(e) for e in train.data]
+    weighted = [w is not None for _, w in parsed]
+    if not any(weighted):
+        return None
+    if not all(weighted):
+        plain = next(e for e, (_, w) in zip(train.data, parsed) if w is None)
+        raise ConfigError(f"data source {plain!r} has no weight while others do; give every source as FILE:WEIGHT "
+                          f"(e.g. --data a.bin:0.7 b.bin:0.3) or none")
+    return [(f, w) for f, w in parsed]
+
+
+def data_files(train: TrainConfig) -> list[str]:
+    """The files of train.data, without mixture weights."""
+    return [parse_source(e)[0] for e in train.data]
 
 
 def check_data(train: TrainConfig, vocab: int) -> int:
     """Run every data check for `train` (files exist and are readable, sizes and dtypes, a token file's
     tokenizer is the run's, ids in [0, vocab), at least train.seq_len + 2 tokens) without building the
     corpus; the number of tokens."""
-    n = 0
-    for f, part in iter_tokens(train.data, train.data_limit_mb, run_tokenizer_of(train)):
-        check_token_ids(part, vocab, f)
-        n += len(part)
-    check_length(n, train.seq_len)
-    return n
+    mixture = mixture_of(train)
+    groups = [[f] for f, _ in mixture] if mixture else [train.data]
+    total = 0
+    for files in groups:   # a mixture: each source on its own
+        n = 0
+        for f, part in iter_tokens(files, train.data_limit_mb, run_tokenizer_of(train)):
+            check_token_ids(part, vocab, f)
+            n += len(part)
+        check_length(n, train.seq_len)
+        total += n
+    return total
 
 
 def data_identity(train: TrainConfig) -> dict:
     """What a run trains on, for a checkpoint: the tokenizer's digest and, per data file, its size (and
-    for a token file a hash of its header, which holds the data's SHA-256). A resume compares them."""
+    for a token file a hash of its header, which holds the data's SHA-256; in a mixture its weight). A
+    resume compares them."""
     files = []
-    for f in map(Path, train.data):
+    weights = [w for _, w in mixture_of(train) or []]
+    for i, f in enumerate(map(Path, data_files(train))):
         entry = {"file": f.name, "bytes": f.stat().st_size if f.is_file() else None}
         if is_token_file(f):
             entry["header"] = header_digest(f)
+        if weights:   # a mixture: a resume with other weights draws other sequences
+            entry["weight"] = weights[i]
         files.append(entry)
     return {"tokenizer": file_digest(train.tokenizer) if train.tokenizer else ByteTokenizer.digest, "files": files}
 
 
 def make_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None) -> "Batches":
     """The batches of a run: `tokens` if given, else the corpus of `train` (ids checked against vocab);
-    shuffled by sequence when the run trains on token files only (module docstring)."""
+    shuffled by sequence when the run trains on token files only (module docstring). With
+    train.eval_fraction the held-out tail (`split_corpus`) is left out."""
     if tokens is not None:
-        return Batches(tokens, train.seq_len, train.global_batch, train.seed, vocab)
+        return Batches(split_corpus(tokens, train.eval_fraction)[0], train.seq_len, train.global_batch, train.seed,
+                       vocab)
+    mixture = mixture_of(train)
+    if mixture:
+        return MixtureBatches([source_batches(train, f, vocab, i) for i, (f, _) in enumerate(mixture)],
+                              [w for _, w in mixture], [f for f, _ in mixture], train.seed)
     corpus = read_tokens(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train))
     kind = ShuffledBatches if uses_token_files(train) else Batches
-    return kind(corpus, train.seq_len, train.global_batch, train.seed)
+    return kind(split_corpus(corpus, train.eval_fraction)[0], train.seq_len, train.global_batch, train.seed)
+
+
+def split_corpus(tokens, fraction: float) -> tuple:
+    """(training part, held-out part) of a token stream: the last ceil(fraction * len) tokens are held
+    out for evaluation (train.eval_fraction), so no training window (seq_len + 1 tokens inside the first
+    part) shares a token with an evaluation window. fraction 0: (tokens, None)."""
+    if not fraction:
+        return tokens, None
+    cut = len(tokens) - math.ceil(fraction * len(tokens))
+    return Slice(tokens, 0, cut), Slice(tokens, cut, len(tokens))
+
+
+def eval_corpus(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None):
+    """The tokens evaluations read: the files train.eval_data (read like train.data, ids checked), or the
+    held-out tail of the training corpus (train.eval_fraction; `tokens` stands for that corpus when
+    given); None when neither is set."""
+    if train.eval_data:
+        return read_tokens(train.eval_data, train.data_limit_mb, vocab, run_tokenizer_of(train))
+    if not train.eval_fraction:
+        return None
+    mixture = mixture_of(train) if tokens is None else None
+    if mixture:   # each source's held-out tail
+        return Joined([split_corpus(read_tokens([f], train.data_limit_mb, vocab, run_tokenizer_of(train)),
+                                    train.eval_fraction)[1] for f, _ in mixture])
+    if tokens is None:
+        tokens = read_tokens(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train))
+    return split_corpus(tokens, train.eval_fraction)[1]
+
+
+def source_batches(train: TrainConfig, file: str, vocab: int, index: int) -> "Batches":
+    """One mixture source's batches, as a run on that file alone would draw them (its held-out tail left
+    out), from its own seed (train.seed + SOURCE_SEED_STRIDE · index)."""
+    corpus = split_corpus(read_tokens([file], train.data_limit_mb, vocab, run_tokenizer_of(train)),
+                          train.eval_fraction)[0]
+    kind = ShuffledBatches if is_token_file(Path(file)) else Batches
+    return kind(corpus, train.seq_len, train.global_batch, train.seed + SOURCE_SEED_STRIDE * index)
+
+
+def make_eval_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None) -> "EvalBatches | None":
+    """The evaluation batches of a run (`EvalBatches` over `eval_corpus`), or None without eval data."""
+    corpus = eval_corpus(train, vocab, tokens)
+    if corpus is None:
+        return None
+    return EvalBatches(corpus, train.seq_len, train.global_batch, train.eval_tokens)
+
+
+def check_eval_data(train: TrainConfig, vocab: int) -> int | None:
+    """The evaluation data's checks (files, ids, at least one global batch of windows) before any rank
+    starts; the tokens an evaluation covers, or None without eval data."""
+    batches = make_eval_batches(train, vocab)
+    return None if batches is None else batches.total_tokens()
+
+
+class Slice:
+    """Tokens [lo, hi) of a 1-D array-like (length and slices), read on demand like the array itself."""
+
+    def __init__(self, tokens, lo: int, hi: int):
+        self.tokens, self.lo, self.hi = tokens, lo, hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        begin, end, _ = index.indices(len(self))
+        return np.asarray(self.tokens[self.lo + begin:self.lo + max(begin, end)])
+
+    def tolist(self) -> list[int]:
+        return self[:].tolist()
 
 
 class Joined:
@@ -305,6 +436,77 @@ class ShuffledBatches(Batches):
         n = self.windows
         return torch.tensor([permute(j % n, n, mix(self.seed, j // n)) * self.seq_len
                              for j in range(first, first + self.global_batch)], dtype=torch.int64)
+
+
+class MixtureBatches:
+    """Batches drawn from several sources by weight (`--data a.bin:0.7 b.bin:0.3`). Sample j of the run
+    (j = k·B + row) comes from source `source_of(j)`: with u_j = frac(j·φ + key(seed)) (φ the golden
+    ratio, in exact 64-bit integers: a Weyl sequence), the source whose share of [0, 1) holds u_j. Any
+    n consecutive samples then hold each source within a few samples of n · weight (its discrepancy is
+    O(log n / n)), and the choice depends on (seed, j) alone, so a resumed run draws what an
+    uninterrupted one does. The window itself is the one that source's own batches (`source_batches`:
+    shuffled by sequence for a token file) give sample j."""
+
+    def __init__(self, sources: list[Batches], weights: list[float], names: list[str], seed: int):
+        self.sources, self.names = sources, names
+        self.seq_len, self.global_batch, self.seed = sources[0].seq_len, sources[0].global_batch, seed
+        total = sum(weights)
+        self.weights = [w / total for w in weights]
+        edges = np.cumsum(self.weights)[:-1]
+        self.edges = np.array([min(int(e * 2.0**64), M64) for e in edges], dtype=np.uint64)   # source bounds of u
+        self.key = np.uint64(mix(seed, 0x6D69787475726521))
+
+    def source_of(self, first: int, count: int) -> np.ndarray:
+        """The source index of samples first .. first + count - 1."""
+        j = np.arange(first, first + count, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            u = j * np.uint64(GOLDEN) + self.key   # wraps mod 2**64
+        return np.searchsorted(self.edges, u, side="right")
+
+    def rows(self, step: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        which = self.source_of(step * self.global_batch + start, stop - start)
+        offsets = {s: self.sources[s].offsets(step) for s in set(which.tolist())}
+        win = np.stack([np.asarray(self.sources[s].tokens[o:o + self.seq_len + 1], dtype=np.int64)
+                        for s, o in ((s, int(offsets[s][start + i])) for i, s in enumerate(which.tolist()))])
+        win_bs = torch.from_numpy(win)
+        return win_bs[:, :-1].contiguous(), win_bs[:, 1:].contiguous()
+
+    local = Batches.local
+    tokens_per_step = Batches.tokens_per_step
+
+    def drawn(self, first_step: int, steps: int = 1) -> dict[str, int]:
+        """Tokens drawn from each source (by its file, as train.data names it) over `steps` steps from `first_step`, every rank's
+        rows together."""
+        counts = np.zeros(len(self.sources), dtype=np.int64)
+        per = self.global_batch
+        for lo in range(first_step * per, (first_step + steps) * per, MIX_CHUNK):
+            n = min(MIX_CHUNK, (first_step + steps) * per - lo)
+            counts += np.bincount(self.source_of(lo, n), minlength=len(self.sources))
+        return {name: int(c) * self.seq_len for name, c in zip(self.names, counts)}
+
+
+class EvalBatches(Batches):
+    """The fixed batches of an evaluation: batch b holds the non-overlapping windows b·B .. b·B + B - 1
+    of the evaluation tokens (window i starts at i·seq_len), the same in every evaluation and under every
+    layout. `count` batches cover about `eval_tokens` tokens: ceil(eval_tokens / (B·seq_len)) batches,
+    at most as many as the data holds; fewer than one batch of windows is a ConfigError."""
+
+    def __init__(self, tokens, seq_len: int, global_batch: int, eval_tokens: int):
+        windows = (len(tokens) - 1) // seq_len
+        if windows < global_batch:
+            raise ConfigError(f"the evaluation data has {len(tokens)} tokens, fewer than one global batch of "
+                              f"windows (train.global_batch x train.seq_len + 1 = {global_batch * seq_len + 1}); "
+                              f"add evaluation data or raise train.eval_fraction")
+        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, 0
+        self.count = min(-(-eval_tokens // (global_batch * seq_len)), windows // global_batch)
+
+    def offsets(self, step: int) -> torch.Tensor:
+        first = step * self.global_batch
+        return torch.arange(first, first + self.global_batch, dtype=torch.int64) * self.seq_len
+
+    def total_tokens(self) -> int:
+        """Tokens one evaluation covers (its predicted targets)."""
+        return self.count * self.tokens_per_step()
 
 
 def mix(*values: int) -> int:

@@ -1,8 +1,8 @@
 """Progress of the training loop on stderr.
 
-On a terminal: one line (step, bar, loss, grad norm, lr, tokens/s) rewritten in place every step. Elsewhere
-(a log file, a pipe): whole lines, one at the run's first step, one every `log_every` steps and one at
-the last step; `log_every` 0 means about 20 lines a run (every max(total // 20, 1) steps). A run resumed
+On a terminal: one line (step, bar, loss, grad norm, lr, tokens/s; after an evaluation its loss and
+perplexity) rewritten in place every step. Elsewhere (a log file, a pipe): whole lines, one at the run's
+first step, one every `log_every` steps, one after each evaluation and one at the last step; `log_every` 0 means about 20 lines a run (every max(total // 20, 1) steps). A run resumed
 at step `start` counts steps globally (done/total) and tokens/s over its own steps only.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Progress:
         done = m["step"] + 1
         if self.tty:
             sys.stderr.write("\r" + self.line(m, done))
-        elif self.logs(done):
+        elif self.logs(done) or "eval_loss" in m:   # an evaluation always gets its line
             sys.stderr.write(self.line(m, done) + "\n")
         sys.stderr.flush()
 
@@ -41,7 +41,8 @@ class Progress:
         rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
         fill = min(int(self.width * done / max(self.total, 1)), self.width)
         return (f"step {done:>5}/{self.total} [{'#' * fill}{'.' * (self.width - fill)}] "
-                f"loss {m['loss']:.4f}  grad {m['grad_norm']:.3f}  lr {m['lr']:.2e}  {rate:,.0f} tok/s")
+                f"loss {m['loss']:.4f}  grad {m['grad_norm']:.3f}  lr {m['lr']:.2e}  {rate:,.0f} tok/s"
+                + (f"  eval {m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})" if "eval_loss" in m else ""))
 
     def close(self) -> None:
         if self.enabled and self.tty:

@@ -167,9 +167,10 @@ def mark(out: str | Path) -> None:
 def check_no_links(out: str | Path) -> None:
     """No name fivefold writes in OUT may be a symbolic link: writing through it would write outside."""
     from ..tokenizer import RUN_FILES as TOKENIZER_FILES
+    from ..tokenizer import SPECIALS
 
     out = Path(out)
-    for name in (*RUN_FILES, LOCK, MARKER, *TOKENIZER_FILES.values()):
+    for name in (*RUN_FILES, LOCK, MARKER, *TOKENIZER_FILES.values(), SPECIALS):
         if (out / name).is_symlink():
             raise ConfigError(f"--out {out}: {name} is a symbolic link; fivefold never writes through one out "
                               f"of the run folder: remove it, or choose another --out")

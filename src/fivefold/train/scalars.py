@@ -1,6 +1,7 @@
 """Per-step scalars for TensorBoard (`train.tensorboard = true`): what rank 0 writes beside metrics.jsonl.
 
-    OUT/tensorboard/events.out.tfevents.*   loss, grad_norm, lr, tokens_per_s, one point per step
+    OUT/tensorboard/events.out.tfevents.*   loss, grad_norm, lr, tokens_per_s, one point per step;
+                                            eval_loss, eval_ppl at the steps that evaluate
 
 The values are those of the step's metrics.jsonl line (tokens/s = tokens / seconds). A resumed run
 hides the events of the steps it rewrites (SummaryWriter's `purge_step`). Needs the `tensorboard` package
@@ -16,6 +17,7 @@ from ..config import ConfigError
 
 FOLDER = "tensorboard"
 SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s")
+EVAL_SCALARS = ("eval_loss", "eval_ppl")   # only at the steps that evaluate
 
 
 def require_tensorboard(enabled: bool) -> None:
@@ -26,10 +28,11 @@ def require_tensorboard(enabled: bool) -> None:
 
 
 def step_scalars(m: dict) -> dict[str, float]:
-    """A metrics record's scalars: loss, grad_norm, lr and tokens/s."""
+    """A metrics record's scalars: loss, grad_norm, lr and tokens/s (and eval_loss, eval_ppl when it has them)."""
     seconds = m.get("seconds") or 0.0
+    evals = {k: m[k] for k in EVAL_SCALARS if m.get(k) is not None}
     return {"loss": m["loss"], "grad_norm": m["grad_norm"], "lr": m["lr"],
-            "tokens_per_s": m["tokens"] / seconds if seconds > 0 else float("nan")}
+            "tokens_per_s": m["tokens"] / seconds if seconds > 0 else float("nan"), **evals}
 
 
 class ScalarLog:

@@ -16,7 +16,7 @@ Output, written to temporary names and renamed into place (the header last), nev
 file unless `--overwrite`:
 
     data.bin            the token ids, flat: uint16 when the vocabulary has <= 65536 ids, else uint32
-    data.bin.idx.json   the header: format, dtype, vocab_size, tokenizer {name, digest, eos_id},
+    data.bin.idx.json   the header: format, dtype, vocab_size, tokenizer {name, digest, eos_id, bos_id},
                         tokens, documents, data_sha256 (of data.bin), inputs, field
     data.bin.idx.npy    int64 offsets of the documents' starts, plus the end: documents + 1 values
                         (np.load(..., allow_pickle=False))
@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from ..rules import ConfigError
-from ..tokenizer import Tokenizer, load_tokenizer
+from ..tokenizer import Tokenizer, load_tokenizer, missing_eos
 from .signals import sigint_ignored
 
 FORMAT = "fivefold-tokens"
@@ -200,7 +200,7 @@ class TokenFileWriter:
             self.starts.append(self.tokens)
         t = self.tokenizer
         header = {"format": FORMAT, "version": VERSION, "dtype": self.dtype.name, "vocab_size": t.vocab_size,
-                  "tokenizer": {"name": t.name, "digest": t.digest, "eos_id": t.eos_id},
+                  "tokenizer": {"name": t.name, "digest": t.digest, "eos_id": t.eos_id, "bos_id": t.bos_id},
                   "tokens": self.tokens, "documents": len(self.starts) - 1,
                   "data_sha256": self.sha.hexdigest(), **info}
         offsets_tmp = self.tmp.with_name(self.tmp.name + ".npy")
@@ -220,13 +220,18 @@ class TokenFileWriter:
 
 
 def check_outputs(out: Path, overwrite: bool) -> None:
-    """Never write over a token file by accident; the output's folder must exist."""
+    """Never write over a token file by accident; the output's folder is made when missing (not through a file)."""
     taken = [p for p in (out, header_path(out), offsets_path(out)) if p.exists()]
     if taken and not overwrite:
         raise ConfigError(f"--out {out}: {taken[0].name} exists; pass --overwrite to replace it or choose "
                           f"another --out")
-    if not out.parent.is_dir():
-        raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
+    blocked = next((p for p in (out.parent, *out.parent.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError(f"--out {out}: {blocked} is a file, not a folder; choose another --out")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot make folder {out.parent} ({e.strerror or e})") from None
 
 
 # -- reading a corpus ------------------------------------------------------------------------------------
@@ -381,38 +386,44 @@ def datasets_rows(folder: Path, field: str) -> Iterator[str]:
 
 
 def batches(inputs: list[Path], field: str, errors: str = "strict") -> Iterator[tuple[list[str], list[bool]]]:
-    """The corpus in order as work for one worker at a time: (texts, ends-a-document flags)."""
-    texts, ends, size = [], [], 0
+    """The corpus in order as work for one worker at a time: (texts, ends-a-document flags, whether the
+    first text starts a document)."""
+    texts, ends, size, first = [], [], 0, True
     for path in inputs:
         for text, end in documents(path, field, errors):
             texts.append(text)
             ends.append(end)
             size += len(text)
             if size >= BATCH_CHARS or len(texts) >= BATCH_DOCS:
-                yield texts, ends
+                yield texts, ends, first
+                first = ends[-1]
                 texts, ends, size = [], [], 0
     if texts:
-        yield texts, ends
+        yield texts, ends, first
 
 
 # -- encoding ------------------------------------------------------------------------------------------
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(tokenizer_path: str | None) -> None:
+def _init_worker(tokenizer_path: str | None, eos: str = "", bos: str = "") -> None:
     global _worker_tokenizer
-    _worker_tokenizer = load_tokenizer(tokenizer_path)
+    _worker_tokenizer = load_tokenizer(tokenizer_path, eos, bos)
 
 
 
 
-def encode_batch(work: tuple[list[str], list[bool]], tokenizer: Tokenizer | None = None):
-    """(the batch's ids with end-of-text after each document, the token counts at its document ends,
-    characters read)."""
+def encode_batch(work: tuple, tokenizer: Tokenizer | None = None):
+    """(the batch's ids with start-of-text (--bos) before and end-of-text after each document, the token
+    counts at its document ends, characters read). `work`: (texts, ends-a-document flags[, whether the
+    first text starts a document: default yes])."""
     tok = tokenizer or _worker_tokenizer
-    texts, ends = work
+    texts, ends = work[0], work[1]
+    starts = [work[2] if len(work) > 2 else True] + list(ends[:-1])
     ids, doc_ends = [], []
-    for text, end in zip(texts, ends):
+    for text, end, start in zip(texts, ends, starts):
+        if start and tok.bos_id is not None:
+            ids.append(tok.bos_id)
         ids += tok.encode(text)
         if end:
             if tok.eos_id is not None:
@@ -421,7 +432,8 @@ def encode_batch(work: tuple[list[str], list[bool]], tokenizer: Tokenizer | None
     return np.asarray(ids, dtype=token_dtype(tok.vocab_size)), doc_ends, sum(map(len, texts))
 
 
-def encoded(work: Iterator, tokenizer: Tokenizer, tokenizer_path: str | None, workers: int) -> Iterator:
+def encoded(work: Iterator, tokenizer: Tokenizer, tokenizer_path: str | None, workers: int,
+            specials: tuple[str, str] = ("", "")) -> Iterator:
     """encode_batch of every batch, in order: in this process (workers <= 1) or in `workers` processes
     with at most 2·workers batches in flight (reading stays just ahead of encoding)."""
     if workers <= 1:
@@ -430,7 +442,7 @@ def encoded(work: Iterator, tokenizer: Tokenizer, tokenizer_path: str | None, wo
         return
     ctx = multiprocessing.get_context("spawn")   # fresh processes: no inherited threads or state
     with sigint_ignored():                       # workers start deaf to Ctrl-C (exec keeps SIG_IGN)
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,))
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path, *specials))
     with pool:
         pending = deque()
         for item in work:
@@ -461,7 +473,8 @@ class Progress:
 
 
 def tokenize(inputs: list[str | Path], tokenizer_path: str | Path | None, out: str | Path, field: str = "text",
-             workers: int = 1, overwrite: bool = False, progress: bool = True, errors: str = "strict") -> dict:
+             workers: int = 1, overwrite: bool = False, progress: bool = True, errors: str = "strict",
+             eos: str = "", bos: str = "") -> dict:
     """Tokenize the corpus `inputs` into token file `out` (module docstring); returns its header.
     Interrupted or failed, it leaves nothing under `out`'s names (temporary files are removed)."""
     paths = [Path(p) for p in inputs]
@@ -469,12 +482,15 @@ def tokenize(inputs: list[str | Path], tokenizer_path: str | Path | None, out: s
         raise ConfigError("no inputs: give text, .jsonl, .parquet files or a datasets folder")
     for p in paths:
         input_kind(p)                      # every input exists before anything is written
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, eos, bos)
+    warning = missing_eos(tokenizer, eos)
+    if warning and progress:
+        print(warning, file=sys.stderr)
     writer = TokenFileWriter(out, tokenizer, overwrite)
     bar = Progress(progress)
     docs = chars = 0
     results = encoded(batches(paths, field, errors), tokenizer, None if tokenizer_path is None else str(tokenizer_path),
-                      workers)
+                      workers, (eos, bos))
     try:
         for ids, doc_ends, n_chars in results:
             writer.write(ids, doc_ends)
@@ -503,6 +519,10 @@ def add_tokenize_args(ap) -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                     help="tokenizing processes (default: one per CPU core)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing token file")
+    ap.add_argument("--eos", default="", metavar="TOKEN", help="the end-of-text token put after each document "
+                    "(default: the first of <|endoftext|>, <|end_of_text|>, </s>, ... the vocabulary holds; none: no token)")
+    ap.add_argument("--bos", default="", metavar="TOKEN", help="a start-of-text token put before each document "
+                    "(default: none)")
     ap.add_argument("--errors", choices=("strict", "replace"), default="strict", help="bytes that are not UTF-8 "
                     "in text and JSON-lines inputs: strict (an error naming the file and byte offset) or replace "
                     "(U+FFFD)")
@@ -513,7 +533,7 @@ def cmd_tokenize(args) -> int:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     try:
         h = tokenize(args.inputs, args.tokenizer, args.out, args.field, args.workers, args.overwrite,
-                     errors=args.errors)
+                     errors=args.errors, eos=args.eos, bos=args.bos)
     except KeyboardInterrupt:   # Ctrl-C: the temporary files are gone, nothing was renamed into place
         print(f"\nfivefold tokenize: interrupted; nothing written to {args.out}", file=sys.stderr)
         return 130

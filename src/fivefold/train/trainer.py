@@ -8,8 +8,11 @@ data. `step(k)` runs one optimizer step over the global batch of step k and retu
 `run()` trains `cfg.train.steps` steps and writes, on rank 0:
 
     OUT/metrics.jsonl  one line per step: step, loss, grad_norm, lr, tokens, seconds (NaN/inf: null);
+                       eval_loss, eval_ppl, eval_tokens on the steps followed by an evaluation
+                       (`evaluate`); data_tokens (tokens per source) when the data is a mixture;
                        a resumed run keeps the lines of the steps before its start and appends
-    OUT/comm.json      the communication ledger summed over ranks (see comm/ledger.py)
+    OUT/comm.json      the communication ledger summed over ranks (see comm/ledger.py); the
+                       evaluations' traffic apart, under "eval"
     OUT/run.json       resolved config, parameter count, world size, versions, model-state bytes; the
                        device and each rank's peak memory beside the planner's prediction (`run_info`)
     OUT/checkpoints/step-N/  sharded checkpoints (checkpoint.py): every train.checkpoint_every steps,
@@ -62,12 +65,12 @@ from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
 from ..parallel.expert import moe_step_stats, shape_only_dispatch
 from ..parallel.placement import placement_of
-from ..parallel.parallelize import (direct_forward_backward, gather_state, loss_function, parallelize, split_state,
-                                    sum_loss)
+from ..parallel.parallelize import (direct_forward, direct_forward_backward, gather_state, loss_function, parallelize,
+                                    split_state, sum_loss)
 from ..parallel.zero import Zero
 from . import checkpoint, rundir
 from .activations import ActivationMeter
-from .data import SyntheticBatches, data_identity, make_batches
+from .data import SyntheticBatches, data_identity, make_batches, make_eval_batches
 from .checkpoint import SECTIONS, Box, box_of
 from .launch import heartbeat, resolve_device, stop_requested
 from .optim import AdamW, clip_, global_grad_norm, lr_at
@@ -153,6 +156,8 @@ class Trainer:
         self.value = (lambda _t: 0.0) if dry else float
         self.batches = SyntheticBatches(t) if dry else make_batches(t, cfg.model.vocab, tokens)
         self.data_id = data_identity(t)   # saved in checkpoints: a resume on other data is warned about
+        self.eval_batches = None if dry else make_eval_batches(t, cfg.model.vocab, tokens)   # None: no evaluation
+        self.evaluations = 0
         self.step_count = 0
         self.skips = 0          # consecutive skipped (non-finite) steps
         self.stop = None        # a stop signal the ranks agreed on at the end of the last step
@@ -175,9 +180,9 @@ class Trainer:
                     offload=p.offload, offload_dir=p.offload_dir)   # offload: parallel/offload.py
 
     # -- one step ----------------------------------------------------------------------------
-    def micro_batches(self, step: int):
+    def micro_batches(self, step: int, batches=None):
         p = self.cfg.parallel
-        x_bs, y_bs = self.batches.local(step, self.mesh.coords["dp"], p.dp)
+        x_bs, y_bs = (self.batches if batches is None else batches).local(step, self.mesh.coords["dp"], p.dp)
         for d in self.dims:
             if hasattr(d, "shard_batch"):
                 x_bs, y_bs = d.shard_batch(x_bs, y_bs)
@@ -214,6 +219,43 @@ class Trainer:
         self.step_count = step + 1
         return {"step": step, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,
                 "seconds": time.perf_counter() - t0, **({} if finite else {"skipped": True}), **routing}
+
+    # -- evaluation --------------------------------------------------------------------------
+    def evaluates_after(self, step: int) -> bool:
+        """Whether step `step` (0-based) is followed by an evaluation: every train.eval_every steps and
+        after the run's last step (eval_every 0: never)."""
+        every = self.cfg.train.eval_every
+        return bool(every and self.eval_batches is not None and ((step + 1) % every == 0
+                                                                 or step + 1 == self.cfg.train.steps))
+
+    def evaluate(self) -> dict:
+        """The model's loss on the evaluation batches (data.EvalBatches): forward only (the pipeline's
+        forward-only action list with pp > 1), no gradient, no optimizer step, dropout off; the mean
+        token loss over every evaluated token, summed over dp × cp and the pipeline as the training loss
+        is (`sum_loss`), so it is the same under every layout. Its traffic is recorded in the ledger's
+        "eval" section (comm.json "eval"), apart from the training steps'. Call on every rank."""
+        batches = self.eval_batches
+        n_tokens = batches.total_tokens()
+        forward = next((d.forward_only for d in self.dims if hasattr(d, "forward_only")), direct_forward)
+        was_training = self.model.training
+        self.model.eval()
+        with self.ledger.section("eval"), torch.no_grad():
+            loss_local = torch.zeros(1, dtype=torch.float64, device=self.device)
+            for b in range(batches.count):
+                loss_local += forward(self.model, self.loss_sum, self.micro_batches(b, batches), n_tokens,
+                                      self.positions)
+                heartbeat(self.step_count - 1 if self.step_count else None)   # progress, not a hang (watchdog)
+            if hasattr(self.engine, "release_params"):   # ZeRO-3: free what the forwards gathered
+                self.engine.release_params()
+            sum_loss(loss_local, self.mesh, self.dims)
+        self.model.train(was_training)
+        self.model.aux.take()   # an evaluation trains nothing: no auxiliary loss, no routing statistics
+        for m in self.model.modules():
+            if getattr(m, "step_stats", None) is not None:
+                m.step_stats = None
+        self.evaluations += 1
+        loss = float(loss_local)
+        return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_tokens": n_tokens}
 
     def skip(self, step: int, loss: float, norm: float) -> None:
         """A non-finite step: no update (its gradients are dropped), or the end of the run."""
@@ -365,6 +407,10 @@ class Trainer:
         history, stopped, saved = [], None, start if ckpt else None
         for step in range(start, cfg.steps):
             m = self.step(step)
+            if hasattr(self.batches, "drawn"):   # a data mixture: the step's tokens per source
+                m["data_tokens"] = self.batches.drawn(step)
+            if self.evaluates_after(step):
+                m.update(self.evaluate())
             history.append(m)
             if self.rank == 0:
                 with open(out / "metrics.jsonl", "a") as f:
@@ -386,6 +432,7 @@ class Trainer:
                 if hasattr(d, "write"):
                     d.write(out, gather_objects, self.rank)
         total = self.ledger.gather()
+        evals = self.ledger.part("eval").gather() if self.evaluations else None
         self.all_state_bytes = gather_objects(self.model_state_bytes())
         self.all_activation_bytes = gather_objects(self.activations.peak)
         self.all_memory = gather_objects(self.memory_info())
@@ -393,6 +440,11 @@ class Trainer:
             self.save(out, self.step_count)
         if self.rank == 0:
             total.write(out / "comm.json")
+            if evals is not None:   # the evaluations' traffic, apart from the training steps' rows
+                info = json.loads((out / "comm.json").read_text())
+                info["eval"] = {**evals.to_dict(), "evaluations": self.evaluations,
+                                "batches": self.eval_batches.count}   # global batches per evaluation
+                (out / "comm.json").write_text(json.dumps(info, indent=1))
             (out / "run.json").write_text(json.dumps(self.run_info(), indent=1))
         return {"history": history, "comm": total.to_dict(), "state_bytes": self.model_state_bytes(),
                 "stopped": stopped, "step": self.step_count}
@@ -420,7 +472,10 @@ class Trainer:
         mem = getattr(self, "all_memory", None) or [self.memory_info()]
         stages = (self.planned or {}).get("stages")
         planned = [stages[m["pp_stage"]]["total"] if stages else None for m in mem]
-        return {"config": self.cfg.to_dict(), "data": self.data_id, "params": self.n_params,
+        mixture = ({"data_mixture": {"weights": dict(zip(self.batches.names, self.batches.weights)),
+                                     "tokens": self.batches.drawn(0, self.step_count)}}
+                   if hasattr(self.batches, "drawn") else {})   # tokens per source over steps 0 .. step_count - 1
+        return {**mixture, "config": self.cfg.to_dict(), "data": self.data_id, "params": self.n_params,
                 "world_size": self.world_size, "model_state_bytes_per_rank": self.model_state_bytes(),
                 "model_state_bytes_by_rank": self.all_state_bytes,
                 "peak_activation_bytes_per_rank": self.activations.peak,
@@ -465,6 +520,11 @@ def peak_rss_bytes() -> int | None:
     except (ImportError, AttributeError, OSError):
         return None
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where that overflows (and NaN for a NaN loss)."""
+    return math.exp(loss) if loss < 709 or not math.isfinite(loss) else math.inf
 
 
 def finite_or_null(m: dict) -> dict:

@@ -220,6 +220,21 @@ class PipelineRuntime:
         """Run every action for the step's micro-batches [(tokens, targets)], whose tokens sit at
         `positions` (position ids, default 0..s-1); return this rank's share of the loss (nonzero on the
         last stage only) as a float64 tensor of one element."""
+        self.begin(micro_batches, n_tokens, positions)
+        self.timeline = []
+        for item in steps(self.actions):
+            if isinstance(item, list):
+                self.post(item)
+            else:
+                self.compute(item)
+        for handle, _ in self.sending:
+            handle.wait()
+        assert not (self.saved or self.deferred or self.inbox or self.outbox), "actions left work undone"
+        self.sending = []
+        return self.loss
+
+    def begin(self, micro_batches: list, n_tokens: int, positions: torch.Tensor | None) -> None:
+        """The state one pass over the micro-batches starts from (no message, no saved forward)."""
         self.mbs, self.n_tokens = micro_batches, n_tokens
         self.device = micro_batches[0][0].device
         b, s = micro_batches[0][0].shape
@@ -231,15 +246,31 @@ class PipelineRuntime:
         self.saved: dict = {}      # (micro-batch, chunk) -> Saved
         self.deferred: dict = {}   # (micro-batch, chunk) -> [(weights, output, d_output)] for W
         self.loss = torch.zeros(1, dtype=torch.float64, device=micro_batches[0][0].device)
-        self.timeline = []
-        for item in steps(self.actions):
+
+    @torch.no_grad()
+    def run_forward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int,
+                    positions: torch.Tensor | None = None) -> torch.Tensor:
+        """An evaluation's pass: the forward-only action list (`schedules.forward_only`: F, SEND_F, RECV_F)
+        without autograd, keeping nothing for a backward and leaving `timeline` (the last training step's)
+        alone; returns this rank's share of the loss (nonzero on the last stage only), as `run` does."""
+        from .schedules import forward_only
+
+        self.begin(micro_batches, n_tokens, positions)
+        actions = forward_only(self.pp, len(micro_batches), self.chunks // self.pp)[self.stage.rank]
+        for item in steps(actions):
             if isinstance(item, list):
                 self.post(item)
+                continue
+            got = {key: self.receive(key) for key in input_messages(item, self.pp, self.chunks)}
+            mb, c = item.microbatch, item.chunk
+            out = self.run_chunk(c, mb, self.mbs[mb][0] if c == 0 else got[("F", mb, c - 1)])
+            if c == self.last:
+                self.loss += out.double()
             else:
-                self.compute(item)
+                self.outbox[("F", mb, c)] = out
         for handle, _ in self.sending:
             handle.wait()
-        assert not (self.saved or self.deferred or self.inbox or self.outbox), "actions left work undone"
+        assert not (self.inbox or self.outbox), "forward-only actions left messages undelivered"
         self.sending = []
         return self.loss
 

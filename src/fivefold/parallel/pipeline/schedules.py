@@ -315,6 +315,16 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1,
     return add_communication(orders, pp * vpp) if communication else orders
 
 
+def forward_only(pp: int, microbatches: int, vpp: int = 1) -> list[list[Action]]:
+    """Each rank's action list for an evaluation: only forwards, F of every micro-batch through each of
+    its chunks in (chunk, micro-batch) order, with their SEND_F / RECV_F (`add_communication`). A
+    forward depends only on the same micro-batch's previous chunk, which comes earlier in that order,
+    so the lists always finish."""
+    check_args(pp, microbatches, vpp)
+    orders = [[Action(F, mb, c) for c in range(r, pp * vpp, pp) for mb in range(microbatches)] for r in range(pp)]
+    return add_communication(orders, pp * vpp)
+
+
 def gpipe(pp: int, microbatches: int) -> list[list[Action]]:
     return build_schedule("gpipe", pp, microbatches)
 

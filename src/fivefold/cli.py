@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from .config import ConfigError, field_type, load_config
+from .config import ConfigError, field_type, load_config, parse_sets
 from .rules import PartitionKind, choices
 
 # flag -> dotted config key; each flag's type and choices come from the field's declared type
@@ -100,11 +100,7 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
 def resolve_train_config(args: argparse.Namespace, world: int | None = None):
     """The config from file + flags; when dp is not given it fills the world left by tp*cp*pp."""
     overrides = {key: getattr(args, flag) for flag, key in TRAIN_FLAGS.items()}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        overrides[key.strip()] = value.strip()
+    overrides.update(parse_sets(args.set))
     cfg = load_config(args.config, overrides)
     resume_tokenizer(cfg, getattr(args, "resume", None))
     if cfg.train.init_hf:
@@ -310,8 +306,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
         from .config import apply_overrides
 
         cfg.model = model_of_preset(args.model)
-        model_sets = {k.strip(): v.strip() for k, _, v in (item.partition("=") for item in args.set)
-                      if k.strip().startswith("model.")}
+        model_sets = {k: v for k, v in parse_sets(args.set).items() if k.startswith("model.")}
         cfg = apply_overrides(cfg, model_sets)
     if args.steps is None:
         cfg.train.steps = 2

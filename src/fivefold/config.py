@@ -392,6 +392,18 @@ def _convert(value: Any, kind: Any, key: str) -> Any:
         raise bad from None
 
 
+def parse_sets(items: list[str]) -> dict[str, str]:
+    """`--set KEY=VALUE` items as dotted-key overrides (values still strings: apply_overrides converts
+    them by the field's type); an item without "=" is one line."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Read a TOML file (or start from the defaults) and apply dotted-key overrides."""
     cfg = Config() if path is None else Config.from_dict(read_toml(path))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .config import Config, ConfigError, ParallelConfig, apply_overrides
+from .config import Config, ConfigError, ParallelConfig, apply_overrides, parse_sets
 
 # eval's flags: the layout and the shape of its windows (dotted config keys, typed like train's flags)
 EVAL_FLAGS = {
@@ -61,11 +61,7 @@ def eval_config(cfg: Config, args: argparse.Namespace) -> Config:
     t.data, t.eval_data, t.eval_fraction, t.eval_every = list(args.data), list(args.data), 0.0, 0
     t.checkpoint, t.tensorboard = False, False
     overrides = {key: getattr(args, flag) for flag, key in EVAL_FLAGS.items()}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        overrides[key.strip()] = value.strip()
+    overrides.update(parse_sets(args.set))
     apply_overrides(cfg, overrides)
     p = cfg.parallel
     if args.nproc and args.dp is None and p.world_size != args.nproc:

@@ -362,8 +362,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     supported(cfg)                                                   # before any rank starts: what the runtime
     if env is None:                                                  # does not run, a device it cannot use,
         device = resolve_device(cfg.train.device, "gloo" if world > 1 else None)
-        if device.type == "cpu":                                     # more than this machine's memory,
-            check_host_memory(planned_memory(cfg, "cpu"), world, cfg.model.num_params())
+        planned = planned_memory(cfg, device.type)                   # more than this machine's memory,
+        if device.type == "cpu":
+            check_host_memory(planned, world, cfg.model.num_params())
     n_tokens = check_data(cfg.train, cfg.model.vocab)               # data it cannot read, a run folder it
     warn_missing_eos(cfg.train, env is None or env[0] == 0)
     check_eval_data(cfg.train, cfg.model.vocab)                     # (evaluation data too)
@@ -396,7 +397,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_offload_dir(cfg, torchrun_ranks_per_node() or 1, planned)
         result = train_rank(rank, world, cfg.to_dict(), out, ckpt, planned)
         leave_torchrun(stop_code(result.get("stopped")))   # does not return; failures propagate as usual
-    planned = planned_memory(cfg, device.type)
     check_offload_dir(cfg, world, planned)
     k = cfg.parallel.ranks_per_node
     nodes = f" as {world // k} emulated nodes of {k}" if 0 < k < world else ""

@@ -103,7 +103,7 @@ class Trainer:
     groups → the loop."""
 
     def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, tokens=None, quiet: bool = False,
-                 planned: dict | None = None, dry: bool = False):
+                 planned: dict | None = None, dry: bool = False, fill: bool = True):
         cfg.validate(world_size)
         supported(cfg)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -143,9 +143,9 @@ class Trainer:
         self.positions = None if positions is None else positions.to(self.device)   # (cp: not contiguous)
         self.engine = self.make_engine()
         self.source = weight_source(cfg)   # the seeded init, or a Hugging Face folder (--init-hf)
-        if not dry:                         # a dry run's fake tensors take no values
-            self.fill(self.source)
-        self.ledger.reset()   # the ledger counts training: filling the state (offload: its first disk writes) is set-up
+        self.filled = dry                   # a dry run's fake tensors take no values
+        if fill:   # fill=False: a checkpoint will be restored (run), so the init is not drawn only to be replaced
+            self.fill_from_source()
         self.activations = ActivationMeter()
         for m in self.model.modules():   # layers that normalise by the step's totals (MoE aux losses)
             if hasattr(m, "global_sequences"):
@@ -367,6 +367,13 @@ class Trainer:
                   file=sys.stderr)
         return reader.index["step"]
 
+    def fill_from_source(self) -> None:
+        """A fresh start: the state from the seeded init or the Hugging Face folder (once)."""
+        if not self.filled:
+            self.fill(self.source)
+            self.filled = True
+        self.ledger.reset()   # the ledger counts training: filling the state (offload: its first disk writes) is set-up
+
     def fill(self, source, opt_t: int = 0) -> None:
         """Fill what this rank holds — its parameters' pieces and ZeRO shards, their fp32 masters and
         Adam moments, its persistent buffers — from `source` (model/init.py's protocol: the seeded init,
@@ -395,7 +402,12 @@ class Trainer:
         cfg = self.cfg.train
         out = Path(out or cfg.out)
         ckpt = rundir.resolve_resume(str(resume), out) if resume else None
-        start = self.restore(ckpt) if ckpt else 0
+        if ckpt:
+            start = self.restore(ckpt)
+            self.filled = True
+        else:
+            self.fill_from_source()
+            start = 0
         self.step_count = start
         if self.rank == 0:
             for gone in rundir.start_run(out, start):   # a branch: the abandoned run's newer checkpoints go
@@ -536,6 +548,8 @@ def train_rank(rank: int, world_size: int, cfg_dict: dict, out: str | None = Non
                planned: dict | None = None) -> dict:
     """Entry point for one rank (used by the launcher and the tests). `planned`: the planner's memory for
     this layout, written to run.json beside the measured peaks (cli.planned_memory)."""
-    trainer = Trainer(Config.from_dict(cfg_dict), rank, world_size, planned=planned)
+    # a given checkpoint replaces the whole state: no init is drawn first ("auto" may find none)
+    trainer = Trainer(Config.from_dict(cfg_dict), rank, world_size, planned=planned,
+                      fill=resume in (None, "auto"))
     result = trainer.run(out, resume)
     return result if rank == 0 else {"state_bytes": result["state_bytes"]}

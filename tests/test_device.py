@@ -45,7 +45,6 @@ SRC = f"{os.sep}fivefold{os.sep}"
 HOST_BY_DESIGN = {
     ("model/init.py", "*"),          # init values: drawn on the host (the same on any device), then moved
     ("model/hf_weights.py", "*"),    # Hugging Face slices: read from the files into host memory, then moved
-    ("train/trainer.py", "read"),    # Trainer.fill's staging of one piece on its way to the device
     ("train/data.py", "*"),          # token batches: made on the host, moved by Trainer.micro_batches
     ("parallel/context.py", "token_indices"), ("parallel/ring.py", "zigzag_positions"),   # context parallel:
                                      # the token shares, host indices into the host batch (moved for the model)

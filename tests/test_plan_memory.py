@@ -196,12 +196,13 @@ def watch_zero3(patch=setattr) -> None:
     if zero.Zero3._gather_async.__name__ == "watched":
         return
 
-    def note(engine) -> None:
+    def note(engine) -> None:   # a freed unit keeps its (empty) gathered buffer: count storages' bytes
         alive = {id(u.full): u.full for u in engine.units if u.full is not None}
         alive.update({id(u.grad): u.grad for u in engine.units if u.grad is not None})
         for _, _, result, grad in engine._inflight:
             alive.update({id(result): result, id(grad): grad})
-        PEAK[0] = max(PEAK[0], sum(t.numel() * t.element_size() for t in alive.values()))
+        PEAK[0] = max(PEAK[0], sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+                                   for t in alive.values()))
 
     class Watched(list):          # a reduction's result buffer exists from its launch
         def __init__(self, engine):

@@ -58,7 +58,8 @@ def planned_memory(cfg: Config, stage: int) -> dict:
 
 def live_bytes():
     """A TorchDispatchMode counting the bytes of the storages made by ops inside it and still alive
-    (`now`, `peak`): each storage counted when an op makes it, uncounted when it is freed. (Made here,
+    (`now`, `peak`): each storage counted when an op makes it, recounted when it is resized in place
+    (`UntypedStorage.resize_`, which no op reports), uncounted when it is freed. (Made here,
     so that importing this module, and a bad command line, need no torch.)"""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -83,6 +84,30 @@ def live_bytes():
 
         def _free(self, key: int) -> None:
             self.now -= self.live.pop(key, 0)
+
+        def _resized(self, storage, nbytes: int) -> None:
+            """A storage given back or given bytes in place (ZeRO-3's gathered units: parallel/zero.py
+            `free_bytes`), which no op reports."""
+            key = storage._cdata
+            if key in self.live:
+                self.now += nbytes - self.live[key]
+                self.live[key] = nbytes
+                self.peak = max(self.peak, self.now)
+
+        def __enter__(self):
+            counter, resize = self, torch.UntypedStorage.resize_
+            self._resize = resize
+
+            def counted_resize(storage, nbytes):
+                out = resize(storage, nbytes)
+                counter._resized(storage, int(nbytes))
+                return out
+            torch.UntypedStorage.resize_ = counted_resize
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            torch.UntypedStorage.resize_ = self._resize
+            return super().__exit__(*exc)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}

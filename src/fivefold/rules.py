@@ -377,10 +377,17 @@ def check_microbatch_group(pp: int, microbatches: int, group: int) -> int:
 
 # Memory traffic of the runtime's eager optimizer step (train/optim.py), per element this rank owns, in
 # accesses of one master-precision element: AdamW's decay 2, lerp 3, mul 2, addcmul 4, sqrt 2, divide 2,
-# add eps 2, addcdiv 4. The global gradient norm reads each owned gradient once and makes three passes
-# over its fp64 copy (write, square, sum: 32 bytes). A fused optimizer reads and writes each state once.
+# add eps 2, addcdiv 4. The global gradient norm reads each owned gradient once and writes and reads its
+# fp64 copy (a dot product: 16 bytes), one slice of STEP_CHUNK elements at a time. A fused optimizer reads
+# and writes each state once.
 EAGER_ADAMW_ACCESSES = 21
-EAGER_GRAD_NORM_BYTES = 32
+EAGER_GRAD_NORM_BYTES = 16
+
+# Elements per pass of the optimizer step (train/optim.py: one multi-tensor AdamW call, one slice of the
+# gradient norm; larger tensors are cut into flat slices). What the step holds beyond the states is
+# bounded by it: AdamW's fp32 denominators (+ an fp32 copy of low-precision gradients) of one call, or
+# the norm's fp64 copy of one slice (plan/memory.py `step_scratch`).
+STEP_CHUNK = 1 << 22
 
 
 def block_units(zero: int, pp: int, reduce_each_microbatch: bool) -> bool:

@@ -235,13 +235,13 @@ class DataParallelOptimizer:
         return out, self.optimizer.t
 
     @torch.no_grad()
-    def load_local_state(self, read, opt_t: int) -> None:
+    def load_local_state(self, read_into, opt_t: int) -> None:
         for p, m, a, s in zip(self.params, self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq):
             name, n = self.names[id(p)], p.numel()
-            m.view(-1).copy_(read(name, 0, n, "model"))
+            read_into(m.view(-1), name, 0, "model")
             p.copy_(m)
-            a.view(-1).copy_(read(name, 0, n, "exp_avg"))
-            s.view(-1).copy_(read(name, 0, n, "exp_avg_sq"))
+            read_into(a.view(-1), name, 0, "exp_avg")
+            read_into(s.view(-1), name, 0, "exp_avg_sq")
         self.optimizer.t = opt_t
 
     @torch.no_grad()

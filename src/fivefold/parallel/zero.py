@@ -442,8 +442,9 @@ class ShardedOptimizer:
         return out, self.optimizer.t
 
     @torch.no_grad()
-    def load_local_state(self, read, opt_t: int) -> None:
-        """The inverse of `local_state`: read(name, offset, length, section) gives a 1-D tensor."""
+    def load_local_state(self, read_into, opt_t: int) -> None:
+        """The inverse of `local_state`: read_into(dst, name, offset, section) fills the 1-D tensor dst
+        with elements offset.. of this rank's piece of `name`."""
         avg, avg_sq = iter(self.optimizer.exp_avg), iter(self.optimizer.exp_avg_sq)
         for j, u in enumerate(self.units):
             if self.store is not None:   # the unit's state built on the host, then handed to the store
@@ -451,20 +452,22 @@ class ShardedOptimizer:
                 for i, a, n in u.segments:
                     name, start = u.names[i], u.lo + a - u.offsets[i]
                     for t, section in zip(state, ("model", "exp_avg", "exp_avg_sq")):
-                        t[a:a + n].copy_(read(name, start, n, section))
+                        read_into(t[a:a + n], name, start, section)
                 self.store.put(j, *state)   # with params on disk: the parameter shard too
                 if not self.params_on_disk:
                     self.param_shards[j].copy_(state[0])
             else:
                 for i, a, n in u.segments:
                     name, start = u.names[i], u.lo + a - u.offsets[i]
-                    self.master_shards[j][a:a + n].copy_(read(name, start, n, "model"))
-                    next(avg).copy_(read(name, start, n, "exp_avg"))
-                    next(avg_sq).copy_(read(name, start, n, "exp_avg_sq"))
+                    read_into(self.master_shards[j][a:a + n], name, start, "model")
+                    read_into(next(avg), name, start, "exp_avg")
+                    read_into(next(avg_sq), name, start, "exp_avg_sq")
                 if self.master_shards[j] is not self.param_shards[j]:
                     self.param_shards[j].copy_(self.master_shards[j])
             if self.loads_full_params:
-                whole = [read(name, 0, shape.numel(), "model") for name, shape in zip(u.names, u.shapes)]
+                whole = [torch.empty(shape.numel(), dtype=self.master_dtype, device=self.device) for shape in u.shapes]
+                for name, t in zip(u.names, whole):
+                    read_into(t, name, 0, "model")
                 self.load_params(j, u.flatten(whole, self.param_dtype, self.device))
         self.optimizer.t = opt_t
 
@@ -511,6 +514,25 @@ class Zero12(ShardedOptimizer):
         self.param_flats[j].copy_(flat)
 
 
+def free_bytes(full: torch.Tensor) -> None:
+    """Give back the bytes of a gathered unit while views of it live on. Autograd saves views of the
+    weights it needs for the backward (a linear saves `weight.t()`), and those views keep the storage
+    they see: swapping `p.data` alone would free nothing until the backward, so every unit gathered in
+    the forward would stay gathered (the whole model's weights at the backward's start). Resizing the
+    storage to 0 frees it under every view, as FSDP does (Zhao et al. 2023); `regather_buffer`
+    gives it back its bytes before the next all-gather refills it."""
+    full.untyped_storage().resize_(0)
+
+
+def regather_buffer(full: torch.Tensor | None, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The unit's gathered buffer with room for `numel` elements: the same storage (and so every view
+    of it autograd saved) when the unit was gathered before, a new one the first time."""
+    if full is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    full.untyped_storage().resize_(numel * full.element_size())
+    return full
+
+
 class Zero3(ShardedOptimizer):
     """ZeRO stage 3: only parameter shards stay; a unit is all-gathered before its module runs
     (forward and backward) and freed after, with the next unit prefetched."""
@@ -542,7 +564,7 @@ class Zero3(ShardedOptimizer):
         for u in self.slots[slot]:
             if u.gathered or u.gather_handle is not None:
                 continue
-            u.full = torch.empty(u.padded, dtype=self.param_dtype, device=self.device)
+            u.full = regather_buffer(u.full, u.padded, self.param_dtype, self.device)
             if self.params_on_disk:   # from disk into its own slot of the gathered buffer, gathered in place
                 shard = u.full[u.lo:u.hi]
                 self.store.read_params(u.pos, shard)
@@ -564,7 +586,7 @@ class Zero3(ShardedOptimizer):
         if u.gathered:
             for p in u.params:
                 p.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
-            u.full = None
+            free_bytes(u.full)
             u.gathered = False
 
     def _free(self, slot: int) -> None:

@@ -33,7 +33,8 @@ only the activation function's inputs (its output recomputed); `Layout.recompute
 the norms' outputs and MLA's up-projections, so MLA stores its latents instead of per-head Q, K, V
 (DeepSeek-AI 2024, §3.3.3, §3.4). `layer_acts` lists the tensors.
 
-Buffers (`zero_buffers`): what ZeRO-2/3 hold during a step beyond the states between steps. ZeRO-3's
+Buffers: the larger of `zero_buffers` and the optimizer step's scratch (`step_scratch`: one bounded pass
+of rules.STEP_CHUNK elements). `zero_buffers` is what ZeRO-2/3 hold during a step beyond the states between steps. ZeRO-3's
 gathered units (the root unit of embedding, final norm and head included), gradient buffers and
 reduce-scatters in flight are replayed in the runtime's order (parallel/zero.py), so the peak is the
 runtime's to the byte (tests/test_plan_memory.py measures it from the runtime's tensors).
@@ -855,6 +856,16 @@ def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) 
     return {where: {**d, "total": sum(d.values())} for where, d in (("host", host), ("disk", disk))}
 
 
+def step_scratch(owned: float, work: Workload) -> float:
+    """What the optimizer step holds beyond the states, per rank updating `owned` elements: one pass of
+    rules.STEP_CHUNK elements (train/optim.py) at a time, the gradient norm's fp64 copy (8 bytes) or
+    AdamW's denominators and low-precision gradients' upcast copies (master bytes each). The step runs
+    after the backward has freed its activations and ZeRO's buffers, so a stage's buffers are the larger
+    of the two (`stage_memory`), not their sum."""
+    upcast = work.master_bytes if work.grad_bytes != work.master_bytes else 0
+    return max(8, work.master_bytes + upcast) * min(rules.STEP_CHUNK, owned)
+
+
 def offload_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
     """{"host": bytes, "disk": bytes} per GPU of `stage` (`offload_bytes`' totals)."""
     out = offload_bytes(model, layout, work, stage)
@@ -873,7 +884,8 @@ def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -
         row["offloaded_params"], row["weights"] = row["weights"], 0
     row.update(offload_memory(model, layout, work, stage))
     row["activations"] = stage_activations(model, layout, work, stage)
-    row["buffers"] = zero_buffers(model, layout, work, stage)
+    owned = (row["optimizer"] + row["offloaded"]) / optimizer_bytes_per_param(work)
+    row["buffers"] = max(zero_buffers(model, layout, work, stage), step_scratch(owned, work))
     row["total"] = sum(row[c] for c in COMPONENTS)
     row["stage"] = stage
     row["layers"] = len(layout_layers(model, layout)[stage])

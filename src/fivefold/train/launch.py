@@ -63,6 +63,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import ConfigError
+from .malloc import return_freed_memory
 from .signals import sigint_ignored
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -204,6 +205,7 @@ def _worker(rank, world_size, store_path, fn, args, results, timeout_s, parent_p
     die_with_parent(parent_pid)
     install_stop_handlers()
     one_thread()
+    return_freed_memory()
     if waits is not None:
         from ..comm.waits import watch_waits
 
@@ -473,6 +475,7 @@ def torchrun_ranks_per_node() -> int | None:
 def init_torchrun(timeout_s: float = 1800, device: str = "auto") -> tuple[int, int]:
     """Join a torchrun job: NCCL when the run's device (train.device: auto | cpu | cuda) is CUDA, else gloo.
     On CUDA each rank takes the GPU of its local rank (torchrun's LOCAL_RANK)."""
+    return_freed_memory()
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"   # the trainer resolves train.device from this backend
     if backend == "nccl":

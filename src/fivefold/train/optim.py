@@ -10,13 +10,16 @@ import math
 
 import torch
 
-from .. import comm
+from .. import comm, rules
 from ..comm import Group
 
 
-# Elements per multi-tensor (foreach) call: bounds the temporaries a call makes (the denominators, one
-# per tensor of the call) to 128 MiB of fp32, or to the largest single tensor, as the eager loop does.
-FOREACH_CHUNK = 1 << 25
+# Elements per multi-tensor (foreach) call and per pass of the gradient norm: bounds the temporaries the
+# optimizer step makes whatever the model's size (rules.STEP_CHUNK, which the planner charges): AdamW's
+# denominators (and low-precision gradients' fp32 copies) of one call, 16 MiB of fp32; the norm's fp64
+# copy of one slice, 32 MiB. A tensor larger than the chunk is cut into flat slices (element-wise ops:
+# the same numbers).
+FOREACH_CHUNK = rules.STEP_CHUNK
 
 
 class AdamW:
@@ -76,7 +79,8 @@ class AdamW:
     def update_many(self, ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
                     vs: list[torch.Tensor], decay: list[bool], lr: float) -> None:
         """`update` of every tensor of the lists (after `advance`), with multi-tensor kernels: the same
-        ops in the same order, over chunks of at most FOREACH_CHUNK elements (or one larger tensor)."""
+        ops in the same order, over calls of at most FOREACH_CHUNK elements (larger tensors in slices)."""
+        ps, gs, ms, vs, decay = sliced(ps, gs, ms, vs, decay, limit=FOREACH_CHUNK)
         for a, b in foreach_chunks([p.numel() for p in ps], FOREACH_CHUNK):
             p_, m_, v_ = ps[a:b], ms[a:b], vs[a:b]
             g_ = [g.to(p.dtype) for p, g in zip(p_, gs[a:b])]   # low-precision gradients upcast, as in `update`
@@ -95,6 +99,31 @@ class AdamW:
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
+
+
+def flat_slices(t: torch.Tensor, limit: int) -> list[torch.Tensor]:
+    """`t` as views of at most `limit` consecutive elements (`t` itself when it is small enough or not
+    contiguous, which no parameter, moment or gradient the engines make is)."""
+    if t.numel() <= limit or not t.is_contiguous():
+        return [t]
+    flat = t.view(-1)
+    return [flat[a:a + limit] for a in range(0, flat.numel(), limit)]
+
+
+def sliced(*lists, limit: int) -> tuple[list, ...]:
+    """Parallel lists of tensors (the last may hold per-tensor flags) with every tensor larger than
+    `limit` cut into the same flat slices in every list."""
+    *tensors, flags = lists
+    out = [[] for _ in lists]
+    for row in zip(*tensors, flags):
+        *ts, flag = row
+        cut = [flat_slices(t, limit) for t in ts]
+        if len({len(c) for c in cut}) != 1:   # a non-contiguous one among them: keep the whole tensors
+            cut = [[t] for t in ts]
+        for k, pieces in enumerate(cut):
+            out[k].extend(pieces)
+        out[-1].extend([flag] * len(cut[0]))
+    return tuple(out)
 
 
 def foreach_chunks(sizes: list[int], limit: int) -> list[tuple[int, int]]:
@@ -132,7 +161,10 @@ def global_grad_norm(owned: list[torch.Tensor], group: Group | None = None, devi
     """
     sq = torch.zeros(1, dtype=torch.float64, device=owned[0].device if owned else device)
     for g in owned:
-        sq += g.double().pow(2).sum()
+        for piece in flat_slices(g, FOREACH_CHUNK):
+            x = piece.reshape(-1).double()   # one slice's fp64 copy at a time (FOREACH_CHUNK)
+            sq += torch.dot(x, x)
+            del x   # before the next slice's copy exists
     if group is not None and group.size > 1:
         comm.all_reduce(sq, group, dim="grad_norm")
     return value(sq.sqrt())

@@ -377,20 +377,19 @@ class Trainer:
     def fill(self, source, opt_t: int = 0) -> None:
         """Fill what this rank holds — its parameters' pieces and ZeRO shards, their fp32 masters and
         Adam moments, its persistent buffers — from `source` (model/init.py's protocol: the seeded init,
-        a checkpoint's Reader, Hugging Face files), box by box. A rank reads only the boxes of its own
-        pieces. Bound on what a fill holds beyond the rank's state: one staging buffer of one
-        parameter's local piece (DDP, ZeRO-1/2) or one segment of a ZeRO-3 shard (engines'
-        `load_local_state`), plus the source's buffers for at most FILL_CHUNK elements."""
-        def read(name: str, start: int, length: int, section: str) -> torch.Tensor:
+        a checkpoint's Reader, Hugging Face files), box by box, straight into the engine's tensors
+        (engines' `load_local_state`). A rank reads only the boxes of its own pieces, and a fill holds
+        beyond the rank's state only the source's buffers for at most FILL_CHUNK elements (ZeRO-1/2,
+        which hold whole parameters, also one parameter's staging copy)."""
+        def read_into(dst: torch.Tensor, name: str, start: int, section: str) -> None:
+            """dst (1-D) = elements start.. of this rank's piece of `name` (flat, row-major)."""
             full, shape, piece, _ = self.layout[name]
-            flat = torch.zeros(length, dtype=self.master_dtype)
-            for lo in range(0, length, FILL_CHUNK):   # the source's own buffers stay within FILL_CHUNK elements
-                n = min(FILL_CHUNK, length - lo)
+            for lo in range(0, dst.numel(), FILL_CHUNK):   # the source's own buffers stay within FILL_CHUNK elements
+                n = min(FILL_CHUNK, dst.numel() - lo)
                 for box, sizes, o in checkpoint.segment_chunks(piece, shape, start + lo, n):
-                    flat[lo + o:lo + o + math.prod(sizes)] = source.read(f"{section}/{full}", box, sizes).reshape(-1)
-            return flat.to(self.device)
+                    dst[lo + o:lo + o + math.prod(sizes)].copy_(source.read(f"{section}/{full}", box, sizes).reshape(-1))
 
-        self.engine.load_local_state(read, opt_t)
+        self.engine.load_local_state(read_into, opt_t)
         with torch.no_grad():
             for name, b in checkpoint.persistent_buffers(self.model).items():
                 b.copy_(source.read(f"buffers/{name}", Box.whole(b.shape), b.shape))

@@ -67,9 +67,9 @@ def test_report_overlays_a_dp_and_a_pp_run_and_tensorboard_holds_every_loss(tmp_
 
     events = EventAccumulator(str(dp / "tensorboard"))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == {"loss", "grad_norm", "lr", "tokens_per_s"}
+    assert set(events.Tags()["scalars"]) == {"loss", "grad_norm", "lr", "tokens_per_s", "peak_memory_gib", "tflops"}
     logged = events.Scalars("loss")
-    assert [e.step for e in logged] == [0, 1, 2]
+    assert [e.step for e in logged] == [1, 2, 3]
     assert [e.value for e in logged] == pytest.approx(losses(dp), rel=1e-6)   # TensorBoard keeps float32
 
 

@@ -688,7 +688,20 @@ def add_generate_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when available")
 
 
+# third-party progress bars (tqdm: transformers' "Loading checkpoint shards", huggingface_hub, datasets)
+# would interleave with our console line; each library reads these at import, so they are set before any
+# is imported; a variable the user set is kept (TQDM_DISABLE=0 brings the bars back)
+QUIET_THIRD_PARTY = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+
+
+def quiet_third_party_bars() -> None:
+    """Third-party progress bars off for this process and the ranks it spawns (QUIET_THIRD_PARTY)."""
+    for name, value in QUIET_THIRD_PARTY.items():
+        os.environ.setdefault(name, value)
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_third_party_bars()
     ap = argparse.ArgumentParser(prog="fivefold", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_train_args(sub.add_parser("train", help="train a model (embedded default when no config)"))

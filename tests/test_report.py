@@ -84,7 +84,7 @@ def test_report_errors_are_one_line_exit_2(tmp_path):
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0, "grad_norm": 1.0, "lr": 0.1, '
                                                      '"tokens": 8, "seconds": 0.5}\n')
     r = fivefold("report", str(tmp_path / "run"), blocked="matplotlib")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pip install fivefold[plot]" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pip install -e '.[plot]' from the fivefold checkout" in r.stderr
     assert not (tmp_path / "run" / "report").exists()
 
 

@@ -36,14 +36,15 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import RUN_CONFIG, ConfigError
 
 CHECKPOINTS = "checkpoints"
 INDEX = "index.json"
 FORMAT = 2
 MARKER = ".fivefold-run"
 LOCK = ".lock"
-RUN_FILES = ("metrics.jsonl", "config.toml", "comm.json", "run.json", "pipeline.json", "pipeline.svg", "tensorboard", CHECKPOINTS)
+RUN_FILES = ("metrics.jsonl", "comm.json", "run.json", "pipeline.json", "pipeline.svg", "tensorboard", CHECKPOINTS)
+# RUN_CONFIG (config.toml) is written at the start like the tokenizer copy: not a sign that a run trained here
 STEP_NAME = re.compile(r"step-(\d+)")
 TEMP_NAME = re.compile(r"\.(tmp|old)-step-\d+-[0-9a-f]+")   # a save in progress, a replaced checkpoint
 EVENTS_NAME = re.compile(r"events\.out\.tfevents\..+")      # TensorBoard's SummaryWriter files
@@ -171,7 +172,7 @@ def check_no_links(out: str | Path) -> None:
     from ..tokenizer import SPECIALS
 
     out = Path(out)
-    for name in (*RUN_FILES, LOCK, MARKER, *TOKENIZER_FILES.values(), SPECIALS):
+    for name in (*RUN_FILES, LOCK, MARKER, *TOKENIZER_FILES.values(), SPECIALS, RUN_CONFIG):
         if (out / name).is_symlink():
             raise ConfigError(f"--out {out}: {name} is a symbolic link; fivefold never writes through one out "
                               f"of the run folder: remove it, or choose another --out")
@@ -243,7 +244,7 @@ def clear(out: str | Path) -> None:
     if not is_fivefold_run(out):
         raise ConfigError(f"--overwrite: {out} does not hold a fivefold run; nothing removed")
     check_no_links(out)
-    for name in RUN_FILES:
+    for name in (*RUN_FILES, RUN_CONFIG):
         path = out / name
         if name == CHECKPOINTS:
             _clear_checkpoints(path)

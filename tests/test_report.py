@@ -92,5 +92,5 @@ def test_report_errors_are_one_line_exit_2(tmp_path):
 def test_tensorboard_without_the_package_fails_before_any_rank(tmp_path):
     r = fivefold("train", "--nproc", "2", *TINY, "--set", "train.tensorboard=true", "--out", str(tmp_path / "o"),
                  blocked="tensorboard")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pip install fivefold[tensorboard]" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pip install -e '.[tensorboard]' from the fivefold checkout" in r.stderr
     assert not (tmp_path / "o").exists()

@@ -3,7 +3,7 @@ peak memory against the planner — then a small model's losses on CUDA against 
 
 One command, one GPU (an H100/H200-class device; under 8 minutes there):
 
-    python benchmarks/gpu.py [--quick] [--out runs/gpu.json] [--seq 2048] [--micro-batch 0] [--steps 30]
+    python benchmarks/gpu.py [--quick] [--out runs/gpu.json] [--seq 2048] [--micro-batch-size 0] [--steps 30]
                              [--accum 2] [--no-compile] [--peak-tflops T]
 
 1. Model: Llama-style, hidden 2048, 16 layers, 16 heads / 8 KV heads (head dim 128), SwiGLU ffn 8192,
@@ -15,7 +15,7 @@ One command, one GPU (an H100/H200-class device; under 8 minutes there):
    `--quick`: hidden 1024, 8 layers, seq 1024, 10 steps: a smoke run of the same path.
 2. Micro-batch: the largest power of two whose planned memory (`fivefold.plan.memory.memory` for this
    layout, flash attention: cli.planned_memory) fits in 85% of the GPU's memory; if a step still runs out
-   of memory the trainer is rebuilt with half the micro-batch. `--micro-batch N` fixes it. Each optimizer
+   of memory the trainer is rebuilt with half the micro-batch. `--micro-batch-size N` fixes it. Each optimizer
    step runs `--accum` micro-batches (gradient accumulation) on random tokens.
 3. Measured over `--steps` steps after 3 warm-up steps (compilation, allocator): median step seconds,
    tokens/s = tokens per step / median, and
@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="smaller model, shorter sequences, 10 steps")
     ap.add_argument("--out", default="runs/gpu.json", help="results as JSON")
     ap.add_argument("--seq", type=int, default=0, help="sequence length (default 2048; --quick 1024)")
-    ap.add_argument("--micro-batch", type=int, default=0, help="sequences per micro-batch (0: the planner's largest)")
+    ap.add_argument("--micro-batch-size", dest="micro_batch", type=int, default=0, help="sequences per micro-batch (0: the planner's largest)")
     ap.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
     ap.add_argument("--steps", type=int, default=0, help="timed steps (default 30; --quick 10)")
     ap.add_argument("--no-compile", action="store_true", help="eager blocks (train.compile = false)")

@@ -149,7 +149,7 @@ def two(tmp_path_factory):
 def test_resume_is_bit_exact_with_dropout_and_appends_metrics(two):
     whole, rest, lines = two["dropout"]
     assert rest == whole[2:]            # random streams restored: exactly equal
-    assert lines == [0, 1, 2, 3]        # the resumed run appended to the same metrics
+    assert lines == [1, 2, 3, 4]        # the resumed run appended to the same metrics
 
 
 @pytest.mark.ranks

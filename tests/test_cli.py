@@ -44,3 +44,63 @@ def test_plan_takes_the_cp_mode_and_the_partition(capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert '"cp_mode": "hybrid"' in out and '"partition": "llama3"' in out
+
+
+def test_train_help_gives_every_flag_a_text_and_its_default():
+    ap = argparse.ArgumentParser()
+    add_train_args(ap)
+    shown = [a for a in ap._actions if a.help != argparse.SUPPRESS and a.dest != "help"]
+    missing = [a.option_strings[0] for a in shown if not a.help or "default" not in a.help]
+    assert not missing, missing
+    sets = next(a for a in shown if a.dest == "set").help
+    assert "README 'Config keys'" in sets and "config.py" in sets
+
+
+@pytest.mark.parametrize("command", [["train"], ["plan", "--model", "llama3-8b"]])
+def test_old_micro_batch_flag_names_the_new_one(command, capsys):
+    """--micro-batch (plan: a size, easily taken for train's count) is one line naming --micro-batch-size."""
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--micro-batch", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--micro-batch-size B" in err and "--microbatches" in err
+
+
+def test_micro_batch_size_means_sequences_in_train_too():
+    from fivefold.cli import resolve_train_config
+    from fivefold.config import ConfigError
+
+    ap = argparse.ArgumentParser()
+    add_train_args(ap)
+    cfg = resolve_train_config(ap.parse_args(["--nproc", "2", "--global-batch", "16", "--micro-batch-size", "2"]))
+    assert cfg.parallel.dp == 2 and cfg.parallel.microbatches == 4   # 16 / (2 x 2)
+    for argv, words in ((["--micro-batch-size", "3"], r"valid sizes: \[1, 2, 4, 8\]"),
+                        (["--micro-batch-size", "2", "--microbatches", "2"], "disagree")):
+        with pytest.raises(ConfigError, match=words):
+            resolve_train_config(ap.parse_args(["--nproc", "2", "--global-batch", "16", *argv]))
+
+
+def test_config_toml_round_trips_and_json_is_named(tmp_path):
+    from fivefold.config import Config, ConfigError, load_config, write_run_config
+
+    cfg = Config()
+    cfg.train.data, cfg.model.experts, cfg.parallel.order = ["a b.txt", "x.bin:0.3"], 4, "tp-dp-cp-ep-pp"
+    path = write_run_config(cfg, tmp_path)
+    assert path.name == "config.toml" and load_config(path) == cfg
+    for wrong in (tmp_path / "run.json", tmp_path):
+        with pytest.raises(ConfigError, match=f"pass --config {tmp_path / 'config.toml'}"):
+            load_config(wrong)
+
+
+def test_third_party_progress_bars_are_off_in_the_cli(tmp_path):
+    """tqdm (transformers' shard loading, huggingface_hub, datasets) reads TQDM_DISABLE at import: the
+    CLI sets it (and the hub's and datasets' switches) before any of them is imported, ranks inherit it."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("tqdm")
+    code = ("import os, sys; from fivefold.cli import quiet_third_party_bars; quiet_third_party_bars(); "
+            "from tqdm.auto import tqdm; [None for _ in tqdm(range(3))]; print(os.environ['HF_HUB_DISABLE_PROGRESS_BARS'])")
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "1" and "it/s" not in r.stderr, r.stderr

@@ -167,14 +167,15 @@ class Tty(io.StringIO):
 
 
 def run_bar(monkeypatch, stream, steps, **kw):
-    """Feed Progress steps (global, 0-based) of 10 tokens each, one second apart; stderr's text."""
+    """Feed Progress steps (global, 1-based: steps done) of 10 tokens in 1 second each, one second apart;
+    stderr's text."""
     clock = [0.0]
     monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr("sys.stderr", stream)
     bar = Progress(**kw)
     for s in steps:
         clock[0] += 1.0
-        bar.update({"step": s, "tokens": 10, "loss": 2.0, "grad_norm": 0.5, "lr": 1e-3})
+        bar.update({"step": s + 1, "tokens": 10, "seconds": 1.0, "loss": 2.0, "grad_norm": 0.5, "lr": 1e-3})
     bar.close()
     return stream.getvalue()
 
@@ -199,12 +200,12 @@ def test_progress_resumed_run(monkeypatch):
     text = run_bar(monkeypatch, io.StringIO(), range(6, 10), total=10, log_every=4, start=6)
     assert logged_steps(text) == [7, 8, 10]
     first = text.splitlines()[0]
-    assert first.startswith("step     7/10 [################........]") and first.endswith(" 10 tok/s")
+    assert first.startswith("step     7/10 [################........]") and first.endswith(" 10 tok/s  ETA 3s")
 
 
 def test_progress_on_terminal_every_step(monkeypatch):
     text = run_bar(monkeypatch, Tty(), range(5), total=5, log_every=100)
-    assert text.count("\r") == 5 and text.endswith("tok/s\n")
+    assert text.count("\r") == 5 and text.endswith("tok/s\n") and "ETA 1s" in text
 
 
 def test_progress_disabled(monkeypatch):

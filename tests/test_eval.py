@@ -158,7 +158,7 @@ def test_eval_scalars_and_report_summary(tmp_path):
     from fivefold.train.scalars import step_scalars
 
     step = {"step": 0, "loss": 5.0, "grad_norm": 1.0, "lr": 1e-3, "tokens": 256, "seconds": 0.5}
-    assert set(step_scalars(step)) == {"loss", "grad_norm", "lr", "tokens_per_s"}
+    assert set(step_scalars(step)) == {"loss", "grad_norm", "lr", "tokens_per_s"}   # no optional scalar in the record
     evaluated = {**step, "step": 1, "eval_loss": 4.5, "eval_ppl": math.exp(4.5)}
     assert step_scalars(evaluated)["eval_loss"] == 4.5 and step_scalars(evaluated)["eval_ppl"] == math.exp(4.5)
     run = tmp_path / "run"

@@ -82,12 +82,12 @@ def test_sigterm_saves_a_second_run_is_refused_and_resume_auto_finishes(tmp_path
     assert code == 128 + signal.SIGTERM, err[-2000:]
     step = newest_step(out)
     assert step >= 3 and f"stopped by SIGTERM after step {step}" in err
-    assert [m["step"] for m in metrics(out)] == list(range(step))
+    assert [m["step"] for m in metrics(out)] == list(range(1, step + 1))
     more = [a if a != "3000" else str(step + 2) for a in LONG]
     r = fivefold("train", "--nproc", "2", *more, "--resume", "auto", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "warning: resuming with a changed setting: train.steps" in r.stderr
-    assert [m["step"] for m in metrics(out)] == list(range(step + 2))
+    assert [m["step"] for m in metrics(out)] == list(range(1, step + 3))
 
 
 @pytest.mark.ranks
@@ -109,7 +109,7 @@ def test_a_killed_rank_is_named_and_the_periodic_checkpoint_is_complete(tmp_path
     more = [a if a != "3000" else str(step + 1) for a in LONG]
     r = fivefold("train", "--nproc", "2", *more, "--resume", "auto", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert [m["step"] for m in metrics(out)] == list(range(step + 1))
+    assert [m["step"] for m in metrics(out)] == list(range(1, step + 2))
 
 
 @pytest.mark.ranks
@@ -132,7 +132,7 @@ def test_the_run_folder_is_never_written_over(tmp_path):
     assert "Traceback" not in shape.stderr
 
     over = fivefold("train", *short, "--overwrite", "--out", str(out))
-    assert over.returncode == 0 and [m["step"] for m in metrics(out)] == [0, 1]
+    assert over.returncode == 0 and [m["step"] for m in metrics(out)] == [1, 2]
     assert rundir.newest_checkpoint(out).name == "step-00000002"
 
 
@@ -197,7 +197,7 @@ def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path):
     assert code == 0, err[-3000:]
     assert re.search(r"resuming from \S+/checkpoints/step-\d{8} \(step \d+\)", err), err[-3000:]
     assert killed_at < 300                                        # killed while training
-    assert [m["step"] for m in metrics(out)] == list(range(300))  # trimmed at the checkpoint, then appended
+    assert [m["step"] for m in metrics(out)] == list(range(1, 301))  # trimmed at the checkpoint, then appended
 
 
 @pytest.mark.ranks

@@ -80,7 +80,7 @@ BAD_OPTIONS = [
     (["--seq", str(2**122)], "--seq must be between 1 and 1073741824"),
     (["--global-batch", "0"], "--global-batch must be between 1 and 1073741824"),
     (["--global-batch", str(2**40)], "--global-batch must be between 1 and 1073741824"),
-    (["--micro-batch", "0"], "--micro-batch must be between 1 and 1073741824"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be between 1 and 1073741824"),
     (["--gpus", "0"], "--gpus must be between 1 and 1048576"),
     (["--gpus", "-8"], "--gpus must be between 1 and 1048576"),
     (["--tp", "0"], "--tp must be between 1 and 1048576"),

@@ -67,9 +67,9 @@ def test_report_overlays_a_dp_and_a_pp_run_and_tensorboard_holds_every_loss(tmp_
 
     events = EventAccumulator(str(dp / "tensorboard"))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == {"loss", "grad_norm", "lr", "tokens_per_s"}
+    assert set(events.Tags()["scalars"]) == {"loss", "grad_norm", "lr", "tokens_per_s", "peak_memory_gib", "tflops"}
     logged = events.Scalars("loss")
-    assert [e.step for e in logged] == [0, 1, 2]
+    assert [e.step for e in logged] == [1, 2, 3]
     assert [e.value for e in logged] == pytest.approx(losses(dp), rel=1e-6)   # TensorBoard keeps float32
 
 
@@ -84,7 +84,7 @@ def test_report_errors_are_one_line_exit_2(tmp_path):
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0, "grad_norm": 1.0, "lr": 0.1, '
                                                      '"tokens": 8, "seconds": 0.5}\n')
     r = fivefold("report", str(tmp_path / "run"), blocked="matplotlib")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pip install fivefold[plot]" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pip install -e '.[plot]' from the fivefold checkout" in r.stderr
     assert not (tmp_path / "run" / "report").exists()
 
 
@@ -92,5 +92,5 @@ def test_report_errors_are_one_line_exit_2(tmp_path):
 def test_tensorboard_without_the_package_fails_before_any_rank(tmp_path):
     r = fivefold("train", "--nproc", "2", *TINY, "--set", "train.tensorboard=true", "--out", str(tmp_path / "o"),
                  blocked="tensorboard")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pip install fivefold[tensorboard]" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pip install -e '.[tensorboard]' from the fivefold checkout" in r.stderr
     assert not (tmp_path / "o").exists()

@@ -113,7 +113,7 @@ def test_resume_of_a_negative_step_exits_2(run, tmp_path):
     r = fivefold("train", *TINY, "--steps", "8", "--resume", "auto", "--out", str(out))
     one_line(r)
     assert "'step' must be an integer >= 0" in r.stderr
-    assert [m["step"] for m in metrics(out)] == [0, 1]        # nothing trained, nothing trimmed
+    assert [m["step"] for m in metrics(out)] == [1, 2]        # nothing trained, nothing trimmed
 
 
 # ---- 3. a config the tensors cannot be ------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_a_branch_removes_the_newer_checkpoints_it_abandons(tmp_path):
         branch.run(out, out / "checkpoints" / "step-00000002")
     assert [c.name for c in rundir.checkpoints(out)] == ["step-00000002"]   # step 4 was the abandoned run's
     assert rundir.resolve_resume("auto", out).name == "step-00000002"
-    assert [m["step"] for m in metrics(out)] == [0, 1, 2]                # the branch's history
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]                # the branch's history
 
 
 # ---- 5. only what fivefold wrote -----------------------------------------------------------------

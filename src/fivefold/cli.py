@@ -21,7 +21,8 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from .config import ConfigError, field_type, load_config, parse_sets
+from .config import ConfigError, field_type, load_config, parse_sets, write_run_config
+from .flags import MICRO_BATCH_SIZE_HELP, MICROBATCHES_HELP, add_renamed
 from .rules import PartitionKind, choices
 
 # flag -> dotted config key; each flag's type and choices come from the field's declared type
@@ -37,9 +38,27 @@ TRAIN_FLAGS = {
     "eval_tokens": "train.eval_tokens", "eos": "train.eos", "bos": "train.bos",
 }
 HELP = {
+    "dp": "data-parallel degree (default: the ranks left by tp x cp x pp)",
+    "tp": "tensor-parallel degree (Megatron: heads and MLP columns split)",
+    "pp": "pipeline stages",
+    "cp": "context-parallel degree (each rank holds seq_len / cp tokens of every sequence)",
+    "ep": "expert-parallel degree (MoE; carved out of dp x cp)",
+    "zero": "ZeRO stage: 1 optimizer state, 2 also gradients, 3 also parameters sharded over dp",
+    "microbatches": MICROBATCHES_HELP,
+    "schedule": "pipeline schedule (pp > 1)",
+    "vpp": "virtual pipeline stages per rank (schedule interleaved)",
+    "microbatch_group": "interleaved: micro-batches per group, pp..microbatches (0: pp)",
+    "bucket_mb": "gradient bucket size in MiB (all-reduce / reduce-scatter overlapped with backward)",
+    "steps": "optimizer steps the run trains to (a resumed run continues to this step)",
+    "global_batch": "sequences per optimizer step, over all data-parallel ranks",
+    "seq_len": "tokens per sequence (<= model.max_seq)",
+    "lr": "peak learning rate (linear warmup over train.warmup steps, then cosine to train.min_lr)",
+    "dtype": "compute dtype (bf16 keeps fp32 master weights and main gradients)",
+    "device": "auto: CUDA under torchrun on a GPU machine, else the CPU",
+    "seed": "seed of the init, the data order and dropout",
     "sp_mode": "Megatron sequence parallelism inside tp",
     "cp_mode": "context parallelism: Ulysses all-to-all, ring attention, or both (hybrid)",
-    "order": "rank order, innermost first (default tp-cp-ep-dp-pp)",
+    "order": "rank order, innermost first",
     "partition": f"layers to pipeline stages: {' | '.join(choices(PartitionKind))} | counts like 3,5,5,3",
     "recompute": "activation checkpointing (pp)",
     "out": "run folder (metrics.jsonl, comm.json, run.json, checkpoints/); never written over without "
@@ -72,29 +91,54 @@ def flag_kwargs(kind) -> dict:
     return {"type": kind}
 
 
+def flag_help(flag: str, key: str) -> str:
+    """A train flag's help: its text, the config key it sets and the key's default (unless the text says it)."""
+    text = HELP[flag]
+    if "(default" in text:
+        return f"{text}; {key}"
+    default = default_of(key)
+    shown = " ".join(default) if isinstance(default, list) else default
+    return f"{text} ({key}, default: {shown if shown not in ('', []) else 'none'})"
+
+
+def default_of(key: str):
+    """The default value of a dotted config key."""
+    from .config import Config
+
+    part, _, name = key.partition(".")
+    return getattr(getattr(Config(), part), name)
+
+
 def add_train_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", help="TOML file with [model], [parallel], [train] tables")
+    ap.add_argument("--config", help="TOML file with [model], [parallel], [train] tables, e.g. a run's OUT/config.toml "
+                    "(default: the embedded small Llama)")
     ap.add_argument("--nproc", type=int, help="local gloo ranks to spawn (default: the layout's world size)")
     for flag, key in TRAIN_FLAGS.items():
-        ap.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help=HELP.get(flag),
+        ap.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help=flag_help(flag, key),
                         **flag_kwargs(field_type(key)))
+    ap.add_argument("--micro-batch-size", type=int, metavar="B", help=MICRO_BATCH_SIZE_HELP + " (default: unset; "
+                    "--microbatches decides)")
+    add_renamed(ap)   # --micro-batch: one line naming --micro-batch-size
     ap.add_argument("--resume", help="continue a run: auto (the newest checkpoint in --out, else start fresh), "
-                    "a run folder (its newest checkpoint) or a checkpoints/step-N folder; any layout loads it")
+                    "a run folder (its newest checkpoint) or a checkpoints/step-N folder; any layout loads it "
+                    "(default: none, a fresh start)")
     ap.add_argument("--overwrite", action="store_true", help="start again in an --out that holds a run "
-                    "(removes its metrics and checkpoints)")
+                    "(removes its metrics and checkpoints; default: off)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="any config key, e.g. --set model.hidden=256 (repeatable)")
+                    help="any config key, e.g. --set model.hidden=256 (repeatable); the keys and their defaults: "
+                         "README 'Config keys', or the dataclasses ModelConfig / ParallelConfig / TrainConfig in "
+                         "src/fivefold/config.py (default: none)")
     ap.add_argument("--timeout", type=float, default=600, help="hang watchdog: local ranks that make no "
-                    "progress (no finished step) for this many seconds are killed")
+                    "progress (no finished step) for this many seconds are killed (default: 600)")
     ap.add_argument("--dry-run", action="store_true", help="run the real code for the selected ranks under fake "
                     "tensors and a fake process group (any size, no memory): memory by kind and the ledger beside "
-                    "the planner's (OUT/dryrun.json); --steps defaults to 2")
+                    "the planner's (OUT/dryrun.json); --steps defaults to 2 (default: off)")
     ap.add_argument("--ranks", default="stages", help="with --dry-run: stages (one rank per pipeline stage), all, "
-                    "or a comma-separated list of ranks")
+                    "or a comma-separated list of ranks (default: stages)")
     ap.add_argument("--device-memory", type=float, metavar="GIB", help="with --dry-run: refuse (exit 1) a rank "
-                    "that needs more than this many GiB")
+                    "that needs more than this many GiB (default: no limit)")
     ap.add_argument("--model", help="with --dry-run: a planner preset (llama3-405b, ...) or a Hugging Face "
-                    "config.json as [model]")
+                    "config.json as [model] (default: the config's)")
 
 
 def resolve_train_config(args: argparse.Namespace, world: int | None = None):
@@ -115,7 +159,25 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
         if world % other:
             raise ConfigError(f"{world} ranks must divide by tp*cp*pp = {other}")
         p.dp = world // other
+    microbatches_from_size(cfg, getattr(args, "micro_batch_size", None), getattr(args, "microbatches", None))
     return cfg
+
+
+def microbatches_from_size(cfg, size: int | None, count: int | None) -> None:
+    """--micro-batch-size B: parallel.microbatches = global_batch / (dp x B), a whole number; with an
+    explicit --microbatches it must agree."""
+    if size is None:
+        return
+    p, t = cfg.parallel, cfg.train
+    per_rank = t.global_batch // p.dp if t.global_batch % p.dp == 0 else 0
+    if size < 1 or not per_rank or per_rank % size:
+        valid = [b for b in range(1, per_rank + 1) if per_rank % b == 0] if per_rank else []
+        raise ConfigError(f"--micro-batch-size {size} must divide global_batch / dp = {t.global_batch} / {p.dp}; "
+                          f"valid sizes: {valid or 'none (global_batch must divide by dp first)'}")
+    if count is not None and count != per_rank // size:
+        raise ConfigError(f"--microbatches {count} and --micro-batch-size {size} disagree: global_batch / dp = "
+                          f"{per_rank} sequences make {per_rank // size} micro-batches of {size}; give one of them")
+    p.microbatches = per_rank // size
 
 
 def sets_key(config_file: str | None, table: str, key: str) -> bool:
@@ -347,6 +409,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, last_stop_signal,
                                leave_torchrun, resolve_device, run_ranks, torchrun_env, torchrun_ranks_per_node)
     from .train.scalars import require_tensorboard
+    from .train.wandb_log import require_wandb
     from .train.trainer import supported, train_rank
 
     if args.dry_run:
@@ -359,10 +422,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     world = env[1] if env else (args.nproc or cfg.parallel.world_size)
     cfg.validate(world)
     require_tensorboard(cfg.train.tensorboard)
+    require_wandb(cfg.train.wandb)
     supported(cfg)                                                   # before any rank starts: what the runtime
     if env is None:                                                  # does not run, a device it cannot use,
         device = resolve_device(cfg.train.device, "gloo" if world > 1 else None)
         planned = planned_memory(cfg, device.type)                   # more than this machine's memory,
+        speed = speed_model(cfg, device.type, device_name(device))
         if device.type == "cpu":
             check_host_memory(planned, world, cfg.model.num_params())
     n_tokens = check_data(cfg.train, cfg.model.vocab)               # data it cannot read, a run folder it
@@ -385,6 +450,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         rundir.mark(out)                                            # OUT/.fivefold-run: fivefold's from now on
         save_to_run(cfg.train.tokenizer, out, cfg.train.eos, cfg.train.bos)   # OUT/tokenizer.*: generate and export read it
+        write_run_config(cfg, out)                                  # OUT/config.toml: --config reruns it
     if ckpt and (env is None or env[0] == 0):
         print(f"fivefold train: resuming from {ckpt} (step {start})", file=sys.stderr)
     if env is not None:  # one rank of a torchrun job
@@ -393,18 +459,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         rank, world = init_torchrun(device=cfg.train.device)
         import torch.distributed as dist
 
-        planned = planned_memory(cfg, resolve_device(cfg.train.device, dist.get_backend()).type)
+        device = resolve_device(cfg.train.device, dist.get_backend())
+        planned = planned_memory(cfg, device.type)
         check_offload_dir(cfg, torchrun_ranks_per_node() or 1, planned)
-        result = train_rank(rank, world, cfg.to_dict(), out, ckpt, planned)
+        speed = speed_model(cfg, device.type, device_name(device))
+        result = train_rank(rank, world, cfg.to_dict(), out, ckpt, planned, speed)
         leave_torchrun(stop_code(result.get("stopped")))   # does not return; failures propagate as usual
     check_offload_dir(cfg, world, planned)
     k = cfg.parallel.ranks_per_node
     nodes = f" as {world // k} emulated nodes of {k}" if 0 < k < world else ""
     print(f"fivefold train: {world} rank(s){nodes}, dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
           f"cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
-          f"{cfg.model.num_params():,} parameters, {banner_tokens(cfg, start, n_tokens)}, steps {start}..{cfg.train.steps} "
-          f"-> {out}", file=sys.stderr)
-    results = run_ranks(train_rank, world, (cfg.to_dict(), out, ckpt, planned), timeout_s=args.timeout)
+          f"{cfg.model.num_params():,} parameters, {banner_tokens(cfg, start, n_tokens)}, steps {start + 1}..{cfg.train.steps} "
+          f"-> {out}; {peak_text(speed, cfg.train.calibration)}", file=sys.stderr)
+    results = run_ranks(train_rank, world, (cfg.to_dict(), out, ckpt, planned, speed), timeout_s=args.timeout)
     lock.release()
     r0 = results[0]
     hist = r0["history"]
@@ -412,7 +480,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         first, last = hist[0], hist[-1]
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(hist)} steps")
     print("\ncommunication (all ranks):")
-    print(CommLedger.read(Path(out) / "comm.json").table())
+    print(CommLedger.read(Path(out) / "comm.json").table(host_is_device=device.type == "cpu"))
     # the signal the launcher received (it forwards any stop to the ranks as SIGTERM): Ctrl-C exits 130
     stopped = last_stop_signal() or r0.get("stopped")
     if stopped:
@@ -451,6 +519,51 @@ def planned_memory(cfg, device_type: str) -> dict:
     return {"source": "fivefold.plan.memory.memory (plan.layout.from_config, plan.models.from_model_config)",
             "flash": work.flash,
             "stages": [{"stage": r["stage"], **{k: int(r[k]) for k in keys if k in r}} for r in rows]}
+
+
+def speed_model(cfg, device_type: str, device_name: str = "") -> dict:
+    """What the trainer needs for TFLOP/s and MFU (train/speed.py), which it may not compute itself
+    (the planner is off limits to it): the planner's model FLOPs per token at the run's seq_len
+    (`PlanModel.flops_per_token`, causal attention halved) and one rank's peak FLOP/s in the run's dtype:
+    on CUDA the datasheet peak of the accelerator (plan/topology.py ACCELERATORS) whose name the device
+    name contains (H100, H200, A100, B200); on the CPU the peak `fivefold calibrate` measured, read from
+    train.calibration when that file exists. No peak found: no MFU (peak_flops 0), never an error."""
+    from .plan.models import from_model_config
+    from .plan.topology import ACCELERATORS, load_topology
+
+    t = cfg.train
+    try:
+        flops = from_model_config(cfg.model).flops_per_token(t.seq_len)
+    except Exception:  # noqa: BLE001 - a report, not a precondition
+        return {}
+    peak, source = 0.0, ""
+    if device_type == "cuda":
+        accel = next((a for key, a in ACCELERATORS.items() if key in device_name.lower()), None)
+        if accel is not None and t.dtype in accel.peak_flops:
+            peak, source = accel.peak(t.dtype), f"{accel.name} {t.dtype}"
+    elif t.calibration and Path(t.calibration).is_file():
+        try:
+            peak, source = load_topology(t.calibration).accelerator.peak(t.dtype), f"{t.calibration} {t.dtype}"
+        except (ConfigError, OSError, ValueError, KeyError):
+            peak, source = 0.0, ""
+    return {"flops_per_token": flops, "peak_flops": peak, "peak_source": source}
+
+
+def peak_text(speed: dict, calibration: str) -> str:
+    """The banner's word on MFU: the peak it is measured against, or why there is none."""
+    if speed.get("peak_flops"):
+        return f"MFU against {speed['peak_flops'] / 1e12:.4g} TFLOP/s per rank ({speed['peak_source']})"
+    return (f"no MFU: no peak known for this device (on the CPU: fivefold calibrate --out {calibration}, or "
+            f"train.calibration)")
+
+
+def device_name(device) -> str:
+    """The CUDA device's name (to find its peak), "" elsewhere."""
+    if device.type != "cuda":
+        return ""
+    import torch
+
+    return torch.cuda.get_device_name(device)
 
 
 def stop_code(signal_name: str | None) -> int:
@@ -575,7 +688,20 @@ def add_generate_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when available")
 
 
+# third-party progress bars (tqdm: transformers' "Loading checkpoint shards", huggingface_hub, datasets)
+# would interleave with our console line; each library reads these at import, so they are set before any
+# is imported; a variable the user set is kept (TQDM_DISABLE=0 brings the bars back)
+QUIET_THIRD_PARTY = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+
+
+def quiet_third_party_bars() -> None:
+    """Third-party progress bars off for this process and the ranks it spawns (QUIET_THIRD_PARTY)."""
+    for name, value in QUIET_THIRD_PARTY.items():
+        os.environ.setdefault(name, value)
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_third_party_bars()
     ap = argparse.ArgumentParser(prog="fivefold", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_train_args(sub.add_parser("train", help="train a model (embedded default when no config)"))

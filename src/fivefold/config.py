@@ -22,7 +22,9 @@ checks the ranges of its numbers (betas in [0, 1), eps > 0, ...).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -209,7 +211,10 @@ class TrainConfig:
     recompute: Recompute = "none"         # activation checkpointing (full: each pipeline chunk; selective: attention core)
     device: Device = "auto"               # auto: CUDA when available, else CPU
     compile: bool = False                 # torch.compile each transformer block in place (after parallelize)
-    tensorboard: bool = False             # rank 0 also writes loss, grad_norm, lr, tokens/s to OUT/tensorboard/
+    tensorboard: bool = False             # rank 0 also writes the console line's scalars to OUT/tensorboard/
+    wandb: bool = False                   # ... and to Weights & Biases (WANDB_MODE=offline: no network; [wandb] extra)
+    wandb_project: str = "fivefold"       # the W&B project of train.wandb
+    calibration: str = "local.toml"       # CPU runs: `fivefold calibrate`'s topology, whose peak gives MFU (missing: no MFU)
     init_hf: str = ""                     # start from a Hugging Face folder's weights (--init-hf; "": the seeded init)
     eos: str = ""                         # end-of-text token of train.tokenizer (--eos; "": found by name; none)
     bos: str = ""                         # start-of-text token put before each text document (--bos; "": none)
@@ -411,7 +416,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 def read_toml(path: str | Path) -> dict:
-    """A config file's tables; a file that cannot be opened or is not TOML is a ConfigError (one line)."""
+    """A config file's tables; a file that cannot be opened or is not TOML is a ConfigError (one line).
+    A run's run.json (or its folder) is not a config: the error names the run's config.toml instead."""
+    if Path(path).suffix == ".json" or Path(path).is_dir():
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        raise ConfigError(f"--config takes a TOML file, not {path}; a run keeps its resolved config as "
+                          f"{folder / RUN_CONFIG}: pass --config {folder / RUN_CONFIG}")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -421,3 +431,40 @@ def read_toml(path: str | Path) -> dict:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"config {path} is not TOML ({e}); a fivefold config has [model], [parallel] and "
                           f"[train] tables") from None
+
+
+RUN_CONFIG = "config.toml"   # the resolved config a run folder keeps (`write_run_config`)
+
+
+def to_toml(cfg: Config) -> str:
+    """The whole config as TOML, one table per part and every key (what `load_config` reads back to an
+    equal Config)."""
+    lines = []
+    for part, table in cfg.to_dict().items():
+        lines += ["" if lines else None, f"[{part}]"]
+        lines += [f"{key} = {toml_value(v)}" for key, v in table.items()]
+    return "\n".join(x for x in lines if x is not None) + "\n"
+
+
+def toml_value(v: Any) -> str:
+    """A TOML literal for a config value: bool, int, float (inf, nan), str, or a list of them."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return ("inf" if v > 0 else "-inf") if math.isinf(v) else "nan" if math.isnan(v) else repr(v)
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))   # a TOML basic string: JSON's escapes are TOML's
+
+
+def write_run_config(cfg: Config, out: str | Path) -> Path:
+    """OUT/config.toml: the run's resolved config (file, flags and --set together), so that
+    `fivefold train --config OUT/config.toml` trains the same run again. Written to a temporary name and
+    renamed into place."""
+    path = Path(out) / RUN_CONFIG
+    tmp = path.with_name(f".{RUN_CONFIG}.{os.getpid()}.tmp")
+    tmp.write_text("# the resolved config of this run: fivefold train --config " + str(path) + "\n" + to_toml(cfg))
+    tmp.replace(path)
+    return path

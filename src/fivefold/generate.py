@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError
+from .rules import install_hint
 from .model.transformer import KVCache, Transformer
 from .train import checkpoint, rundir
 
@@ -122,7 +123,9 @@ def load_hf(folder: str | Path, device: str = "auto"):
         raise ConfigError(f"--hf {folder}: not a Hugging Face model folder (no config.json)")
     try:
         model = from_hf(folder).float()   # tensor by tensor from the shard files (model/hf_weights.py)
-    except (ImportError, ValueError, OSError) as e:
+    except ImportError as e:
+        raise ConfigError(f"--hf {folder}: cannot load it ({str(e).splitlines()[0]}); {install_hint('hf')}") from None
+    except (ValueError, OSError) as e:
         raise ConfigError(f"--hf {folder}: cannot load it ({str(e).splitlines()[0]})") from None
     path = run_tokenizer_file(folder)
     if path is not None:

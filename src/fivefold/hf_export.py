@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError
+from .rules import install_hint
 from .generate import find_checkpoint, run_of
 from .tokenizer import HFTokenizer, load_tokenizer, missing_eos, read_specials, run_tokenizer_file
 from .train import checkpoint, rundir
@@ -47,7 +48,9 @@ def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None 
         print(warning, file=sys.stderr)
     try:
         checkpoint.export_hf(ckpt, dest, max_shard_bytes)
-    except (ImportError, ValueError) as e:   # no transformers; a model no HF family matches
+    except ImportError as e:   # no transformers
+        raise ConfigError(f"cannot export to Hugging Face form: {e}; {install_hint('hf')}") from None
+    except ValueError as e:    # a model no HF family matches
         raise ConfigError(f"cannot export to Hugging Face form: {e}") from None
     dest = Path(dest)
     max_seq = rundir.read_index(ckpt)["config"]["model"]["max_seq"]

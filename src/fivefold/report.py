@@ -4,18 +4,21 @@ Reads each run folder (train/rundir.py): metrics.jsonl, and when present comm.js
 layout) and pipeline.json. Writes into `--out` (default: the first RUN's `report/` folder; files of the
 same name there are replaced, nothing else is touched), as PNG or SVG:
 
-    metrics.png          loss, gradient norm, tokens/s and learning rate over steps, one line per run,
-                         the legend naming each run by folder and layout ("dp2 tp1 pp2"); a run that
-                         evaluated also draws its eval loss (dashed, at the steps that evaluated)
+    metrics.png          loss, gradient norm, tokens/s and learning rate over steps (step N: the N-th,
+                         1-based), one line per run, the legend naming each run by folder and layout
+                         ("dp2 tp1 pp2"); a run that evaluated also draws its eval loss (dashed, at the
+                         steps that evaluated); panels for MFU (or TFLOP/s without a peak), peak memory
+                         and the MoE routing imbalance when a run's metrics have them
     comm.png             the ledger's bytes sent (all ranks) per (dim, op), a bar per run in each group;
                          in a multi-node run each bar is split by the tier its groups cross (hatched:
                          between nodes; comm/ledger.py)
     pipeline-RUN.png     pipeline runs: the measured timeline above the simulated one (pipeline/timeline.py)
 
 and prints a summary table: per run its steps, final loss, the last eval loss and perplexity (when the
-run evaluated), tokens/s (all tokens over all step
-seconds), bytes sent per parallel dimension and, when a run sent beyond one node, per tier. Needs
-matplotlib (`pip install fivefold[plot]`); torch-free.
+run evaluated), tokens/s (all tokens over all step seconds), where recorded TFLOP/s and MFU (the same
+tokens/s times the run's FLOPs per token), peak memory (rank 0's), the last step's expert imbalance and
+dropped share, bytes sent per parallel dimension and, when a run sent beyond one node, per tier. Needs
+matplotlib (`pip install -e '.[plot]'` from the checkout); torch-free.
 A run folder that is missing or holds no metrics is a one-line error (exit 2).
 """
 from __future__ import annotations
@@ -29,11 +32,15 @@ from pathlib import Path
 
 from .comm.ledger import CommLedger, fmt_bytes
 from .config import ConfigError
+from .rules import install_hint
 
 FORMATS = ("png", "svg")
 # (metric, axis title) of the four panels of metrics.*
 HATCH = {"intra": "", "inter": "//", "pcie": "..", "nvme": "xx"}   # comm.*: the tier of each part of a bar
 PANELS = (("loss", "loss"), ("grad_norm", "gradient norm"), ("tokens_per_s", "tokens/s"), ("lr", "learning rate"))
+# panels drawn when some run's metrics have them; tflops only where no run has mfu
+OPTIONAL_PANELS = (("mfu", "MFU"), ("tflops", "achieved TFLOP/s"), ("peak_memory_gib", "peak memory, GiB (rank 0)"),
+                   ("expert_imbalance", "MoE imbalance (max / mean expert load)"))
 
 
 class ReportError(ConfigError):
@@ -50,6 +57,7 @@ class Run:
     comm: list[dict]          # ledger rows summed over ranks; [] when comm.json is absent
     pipeline: dict | None     # pipeline.json; None when the run had no pipeline
     tiers: list[dict] = field(default_factory=list)   # the ledger's rows per (dim, op, tier); [] before tiers
+    device: str = ""          # run.json's device ("cpu", "cuda:0"); "" when unknown
 
     @property
     def label(self) -> str:
@@ -104,7 +112,8 @@ def read_run(folder: str | Path, name: str | None = None) -> Run:
         tiers = CommLedger.from_rows(comm["tiers"]).tier_rows() if comm and "tiers" in comm else []
     except (KeyError, TypeError, AttributeError) as e:
         raise ReportError(f"{folder}: run.json or comm.json is not fivefold's (missing {e})") from None
-    return Run(path, name or path.resolve().name, layout, metrics, rows, read_json(path / "pipeline.json"), tiers)
+    return Run(path, name or path.resolve().name, layout, metrics, rows, read_json(path / "pipeline.json"), tiers,
+               str((run_info or {}).get("device", "")))
 
 
 def run_names(folders: list[str]) -> list[str]:
@@ -119,6 +128,8 @@ def value(record: dict, key: str) -> float:
     if key == "tokens_per_s":
         seconds = record.get("seconds") or 0.0
         return record["tokens"] / seconds if seconds > 0 and record.get("tokens") is not None else math.nan
+    if key == "peak_memory_gib":
+        return record["peak_memory_bytes"] / 2**30 if record.get("peak_memory_bytes") else math.nan
     v = record.get(key)
     return math.nan if v is None else float(v)
 
@@ -138,6 +149,25 @@ def tokens_per_second(run: Run) -> float:
     done = [r for r in run.metrics if r.get("tokens") is not None and r.get("seconds")]
     seconds = sum(r["seconds"] for r in done)
     return sum(r["tokens"] for r in done) / seconds if seconds > 0 else math.nan
+
+
+def run_speed(run: Run) -> tuple[float, float]:
+    """(TFLOP/s, MFU) over the whole run: its tokens/s times the FLOPs per token its lines record
+    (tflops / tokens_per_s), and MFU in the same proportion; NaN where the run did not record them."""
+    r = next((r for r in reversed(run.metrics) if r.get("tflops") and r.get("tokens_per_s")), None)
+    if r is None:
+        return math.nan, math.nan
+    rate = tokens_per_second(run) / r["tokens_per_s"]
+    return r["tflops"] * rate, (r["mfu"] * rate if r.get("mfu") else math.nan)
+
+
+def last(run: Run, key: str) -> float:
+    """The last recorded value of `key` (NaN when none)."""
+    return next((v for r in reversed(run.metrics) if not math.isnan(v := value(r, key))), math.nan)
+
+
+def present(runs: list[Run], key: str) -> bool:
+    return any(r.get(key) is not None for run in runs for r in run.metrics)
 
 
 def bytes_by_dim(run: Run) -> dict[str, float]:
@@ -167,20 +197,46 @@ def summary(runs: list[Run]) -> str:
     used several tiers) per tier."""
     dims = sorted({d for run in runs for d in bytes_by_dim(run)})
     tiers = shown_tiers(runs)
-    evals = any(r.get("eval_loss") is not None for run in runs for r in run.metrics)
+    evals = present(runs, "eval_loss")
+    flops, mfu, memory = present(runs, "tflops"), present(runs, "mfu"), present(runs, "peak_memory_bytes")
+    moe = present(runs, "expert_imbalance")
     header = (["run", "layout", "steps", "final loss"] + (["eval loss", "eval ppl"] if evals else []) + ["tokens/s"]
+              + (["TFLOP/s"] if flops else []) + (["MFU"] if mfu else []) + (["peak mem"] if memory else [])
+              + (["moe imbalance", "dropped"] if moe else [])
               + [f"sent {d}" for d in dims]
               + [f"{t or '?'} tier" for t in tiers])
     rows = []
     for run in runs:
         sent, on = bytes_by_dim(run), bytes_by_tier(run)
         ev = [f"{v:.4f}" if not math.isnan(v) else "-" for v in final_eval(run)] if evals else []
+        tf, mf = run_speed(run)
+        speed = ([shown(tf, "{:.3g}")] if flops else []) + ([shown(mf, "{:.1%}")] if mfu else [])
+        speed += [shown(last(run, "peak_memory_gib"), "{:.2f} GiB")] if memory else []
+        speed += [shown(last(run, "expert_imbalance"), "{:.3f}"), shown(last(run, "dropped_fraction"), "{:.1%}")] \
+            if moe else []
         rows.append([run.name, run.layout, str(len(run.metrics)), f"{final_loss(run):.4f}", *ev,
-                     f"{tokens_per_second(run):,.0f}"] + [fmt_bytes(sent[d]) if d in sent else "-" for d in dims]
+                     f"{tokens_per_second(run):,.0f}", *speed] + [fmt_bytes(sent[d]) if d in sent else "-" for d in dims]
                     + [fmt_bytes(on[t]) if t in on else "-" for t in tiers])
     widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-                     for line in [header, *rows])
+    return "\n".join([*table_lines(header, rows, widths), *host_copies_note(runs, tiers)])
+
+
+def host_copies_note(runs: list[Run], tiers: list[str]) -> list[str]:
+    """A CPU run's "pcie" bytes crossed no bus: say so under the table."""
+    cpu = [run.name for run in runs if run.device.startswith("cpu") and bytes_by_tier(run).get("pcie")]
+    if "pcie" not in tiers or not cpu:
+        return []
+    return [f"pcie tier of {', '.join(cpu)}: the device is the CPU, so host and device are the same memory; these "
+            f"bytes are offload's copies within it, not PCIe traffic"]
+
+
+def table_lines(header: list[str], rows: list[list[str]], widths: list[int]) -> list[str]:
+    return ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+            for line in [header, *rows]]
+
+
+def shown(v: float, fmt: str) -> str:
+    return "-" if math.isnan(v) else fmt.format(v)
 
 
 # -- drawing -----------------------------------------------------------------------------------
@@ -189,18 +245,23 @@ def figure_class():
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise ReportError("fivefold report draws with matplotlib, which is not installed: "
-                          "pip install fivefold[plot]") from None
+        raise ReportError(f"fivefold report draws with matplotlib, which is not installed: "
+                          f"{install_hint('plot')}") from None
     return Figure
 
 
 def plot_metrics(runs: list[Run], path: Path) -> Path:
-    """Four panels over steps (loss, gradient norm, tokens/s, learning rate), a line per run."""
+    """Panels over steps (loss, gradient norm, tokens/s, learning rate, and `panels`' optional ones), a
+    line per run."""
     from matplotlib.ticker import MaxNLocator
 
-    fig = figure_class()(figsize=(11, 7.5))
-    axes = fig.subplots(2, 2).ravel()
-    for ax, (key, title) in zip(axes, PANELS):
+    shown_panels = panels(runs)
+    rows = (len(shown_panels) + 1) // 2
+    fig = figure_class()(figsize=(11, 3.75 * rows))
+    axes = fig.subplots(rows, 2).ravel()
+    for ax in axes[len(shown_panels):]:
+        ax.set_visible(False)
+    for ax, (key, title) in zip(axes, shown_panels):
         for run in runs:
             steps = [r["step"] for r in run.metrics]
             line, = ax.plot(steps, [value(r, key) for r in run.metrics], marker="." if len(steps) < 50 else None,
@@ -217,6 +278,15 @@ def plot_metrics(runs: list[Run], path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return path
+
+
+def panels(runs: list[Run]) -> list[tuple[str, str]]:
+    """PANELS, then the OPTIONAL_PANELS some run has (TFLOP/s only when no run has MFU)."""
+    keys = {"peak_memory_gib": "peak_memory_bytes"}
+    have = [(k, t) for k, t in OPTIONAL_PANELS if present(runs, keys.get(k, k))]
+    if any(k == "mfu" for k, _ in have):
+        have = [(k, t) for k, t in have if k != "tflops"]
+    return [*PANELS, *have]
 
 
 def plot_comm(runs: list[Run], path: Path) -> Path:

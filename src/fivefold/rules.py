@@ -31,6 +31,11 @@ class ConfigError(ValueError):
     """A configuration breaks a rule; the message names the rule and suggests valid values."""
 
 
+def install_hint(extra: str) -> str:
+    """How to install an optional extra: fivefold is not on a package index, so from the checkout."""
+    return f"pip install -e '.[{extra}]' from the fivefold checkout"
+
+
 def choices(kind) -> tuple:
     """The values a Literal type allows, in declaration order."""
     return get_args(kind)

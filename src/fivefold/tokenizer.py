@@ -37,7 +37,7 @@ import shutil
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from .rules import ConfigError
+from .rules import ConfigError, install_hint
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "TiktokenTokenizer", "Tokenizer", "detect_kind", "file_digest",
            "load_tokenizer", "run_tokenizer", "run_tokenizer_file", "save_to_run"]
@@ -101,7 +101,7 @@ def _require(module: str, path, what: str):
         return importlib.import_module(module)
     except ImportError:
         raise ConfigError(f"tokenizer {path}: reading {what} needs the {module} package "
-                          f"(pip install 'fivefold[data]')") from None
+                          f"({install_hint('data')})") from None
 
 
 class HFTokenizer:

@@ -197,9 +197,10 @@ class CommLedger:
         d = json.loads(Path(path).read_text())
         return CommLedger.merge([CommLedger.from_rows(p.get("tiers", p["rows"]), p["rank"]) for p in d["per_rank"]])
 
-    def table(self) -> str:
+    def table(self, host_is_device: bool = False) -> str:
         """A readable table: per dimension and op, calls, message bytes, bytes sent and seconds; then the
-        bytes sent per tier when anything left a node (or went over an offload link)."""
+        bytes sent per tier when anything left a node (or went over an offload link). `host_is_device`
+        (a run on the CPU): the "pcie" tier's bytes are named copies within host memory, which they are."""
         lines = [f"{'dim':<10}{'op':<16}{'calls':>8}{'message':>12}{'sent':>12}{'seconds':>10}"]
         for r in self.rows():
             lines.append(f"{r['dim']:<10}{r['op']:<16}{r['calls']:>8}{fmt_bytes(r['message_bytes']):>12}"
@@ -208,8 +209,16 @@ class CommLedger:
             lines.append("(no communication)")
         tiers = self.by_tier()
         if set(tiers) - {INTRA, ""}:   # anything beyond one node (or an offload link)
-            lines.append("sent per tier: " + ", ".join(f"{t or '?'} {fmt_bytes(b)}" for t, b in tiers.items()))
+            lines.append("sent per tier: " + ", ".join(f"{tier_label(t, host_is_device)} {fmt_bytes(b)}"
+                                                       for t, b in tiers.items()))
         return "\n".join(lines)
+
+
+def tier_label(tier: str, host_is_device: bool = False) -> str:
+    """A tier's name for people: on a CPU device the offload copies' "pcie" crossed no bus."""
+    if host_is_device and tier == "pcie":
+        return "pcie (none crossed: the device is the CPU, host and device are the same memory; copies within it)"
+    return tier or "?"
 
 
 def fmt_bytes(n: float, binary: bool = True) -> str:

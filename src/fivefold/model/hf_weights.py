@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from ..config import ConfigError, ModelConfig
+from ..rules import install_hint
 from .hf import PACKED_NAMES, name_map
 
 INDEX = "model.safetensors.index.json"
@@ -289,7 +290,7 @@ def hf_config(folder: str | Path) -> ModelConfig:
     try:
         from transformers import AutoConfig
     except ImportError:
-        raise ConfigError("--init-hf needs transformers: pip install -e '.[hf]' from the checkout") from None
+        raise ConfigError(f"--init-hf needs transformers: {install_hint('hf')}") from None
     try:
         hf_cfg = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         return config_from_hf(hf_cfg)

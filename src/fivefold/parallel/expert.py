@@ -196,6 +196,7 @@ def moe_step_stats(model: nn.Module, group, layers: int, values: bool = True) ->
     tokens or layers; recorded under dim "moe_stats") makes it global. Returns metrics (tokens per expert
     min / max / mean over layers and experts, dropped, imbalance = max / mean) and hands each layer its
     global counts (`update_bias`: DeepSeek-V3's auxiliary-loss-free balancing; a no-op for other routers).
+    dropped_fraction: dropped assignments over all the step's assignments (kept + dropped).
     Empty when the model has no MoE layer."""
     from ..model.moe import MoE
 
@@ -218,7 +219,9 @@ def moe_step_stats(model: nn.Module, group, layers: int, values: bool = True) ->
     moe_rows = table[table[:, :n_experts].sum(1) > 0, :n_experts]
     if moe_rows.numel() == 0:
         return {}
-    mean = float(moe_rows.mean())
+    mean, dropped = float(moe_rows.mean()), float(table[:, n_experts].sum())
+    assigned = float(table.sum())   # every assignment routed this step: run by an expert or dropped
     return {"expert_tokens_min": float(moe_rows.min()), "expert_tokens_max": float(moe_rows.max()),
-            "expert_tokens_mean": mean, "dropped_tokens": float(table[:, n_experts].sum()),
+            "expert_tokens_mean": mean, "dropped_tokens": dropped,
+            "dropped_fraction": dropped / assigned if assigned else 0.0,
             "expert_imbalance": float(moe_rows.max()) / mean if mean else 0.0}

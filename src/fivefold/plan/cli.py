@@ -18,6 +18,7 @@ from math import isfinite
 from pathlib import Path
 
 from ..config import load_config
+from ..flags import MICRO_BATCH_SIZE_HELP, add_renamed
 from ..grid import DEFAULT_ORDER
 from ..rules import (ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute, Schedule, SpMode, check_count,
                      check_real, choices)
@@ -48,7 +49,9 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ulysses", type=int, help="hybrid cp: Ulysses degree of the inner ranks (default the largest)")
     ap.add_argument("--seq", type=int, help="sequence length (default min(model max, 4096))")
     ap.add_argument("--global-batch", dest="global_batch", type=int, help="sequences per step (default 1024)")
-    ap.add_argument("--micro-batch", dest="micro_batch", type=int, help="sequences per micro-batch")
+    ap.add_argument("--micro-batch-size", dest="micro_batch", type=int, help=MICRO_BATCH_SIZE_HELP.split(" (")[0]
+                    + " (default: searched, or 1 for one layout)")
+    add_renamed(ap)   # --micro-batch: one line naming --micro-batch-size
     ap.add_argument("--recompute", choices=choices(Recompute))
     ap.add_argument("--schedule", choices=choices(Schedule), default=None)
     ap.add_argument("--order", help=f"rank order, innermost first (default {DEFAULT_ORDER})")
@@ -102,7 +105,7 @@ MAX_SIZE = 2**30    # about a billion tokens in a sequence or sequences in a bat
 
 
 def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    return "--micro-batch-size" if name == "micro_batch" else "--" + name.replace("_", "-")
 
 
 def check_args(args: argparse.Namespace) -> None:

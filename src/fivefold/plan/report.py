@@ -48,8 +48,12 @@ def offload_text(est: Estimate) -> str:
             f"{gib(o['host'])} GiB per GPU (limit {gib(o['host_limit'])})")
     if o["mode"] == "nvme":
         line += f", disk {gib(o['disk'])} GiB"
-    line += (f"; per step per rank {fmt_bytes(o['pcie_bytes'])} over PCIe ({acc.pcie_bandwidth / 1e9:g} GB/s each "
-             f"way)")
+    if acc.host_is_device:   # a CPU device: the "pcie" rows are copies within host memory
+        line += (f"; per step per rank {fmt_bytes(o['pcie_bytes'])} copied within host memory (the device is the "
+                 f"CPU: host and device are the same memory, no PCIe; the traffic's tier pcie names these copies)")
+    else:
+        line += (f"; per step per rank {fmt_bytes(o['pcie_bytes'])} over PCIe ({acc.pcie_bandwidth / 1e9:g} GB/s "
+                 f"each way)")
     if o["mode"] == "nvme":
         line += f", {fmt_bytes(o['nvme_bytes'])} to and from NVMe ({acc.nvme_bandwidth / 1e9:g} GB/s)"
     return line + f"; host step and copies expose {o['exposed_s']:.3f} s"

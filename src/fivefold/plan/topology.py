@@ -61,6 +61,8 @@ class Accelerator:
     host_memory: float = 256 * 2**30   # host RAM per GPU (DGX H100: 2 TiB / 8)
     host_bandwidth: float = 60e9     # host memory bytes/s per GPU (the CPU optimizer step's rate)
     nvme_bandwidth: float = 3.5e9    # local NVMe bytes/s per GPU, reads and writes together
+    host_is_device: bool = False     # a CPU "device" (as `fivefold calibrate` measures): offload's d2h / h2d are
+                                     # copies within one memory, no PCIe crossed
 
     def peak(self, dtype: str) -> float:
         key = {"fp64": "fp32"}.get(dtype, dtype)
@@ -237,7 +239,8 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
                                 acc.get("action_overhead_us", 0.0) * 1e-6,
                                 pcie_bandwidth=_times(acc.get("pcie_gbps", hbm), GB), host_memory=host,
                                 host_bandwidth=_times(acc.get("host_gbps", hbm), GB),
-                                nvme_bandwidth=_times(acc.get("nvme_gbps", 3.5), GB))
+                                nvme_bandwidth=_times(acc.get("nvme_gbps", 3.5), GB),
+                                host_is_device="pcie_gbps" not in acc)
         except KeyError as e:
             raise ConfigError(f"[accelerator] needs {e.args[0]!r} (peak_tflops, memory_gb or memory_gib)") from None
     raw = d.get("tier") or d.get("tiers")

@@ -762,7 +762,11 @@ def placement(layout: Layout, topo: Topology, order: str) -> dict[str, str]:
 
 
 def placement_warnings(layout: Layout, topo: Topology, order: str, recommended: str) -> list[str]:
-    """Groups that cross a slow tier, and an order that differs from the recommended one."""
+    """Groups that cross a slow tier, and an order that puts some group on another tier than the
+    recommended order would. The default order (tp-cp-ep-dp-pp, Megatron-Core's) differs from the
+    recommendation (dp outermost) only in where dp and pp sit; where that moves no group to another
+    tier — one node, or both groups across nodes — the planner's model gives both the same step, so
+    it is no warning."""
     names = [t.name for t in topo.tiers]
     where = placement(layout, topo, order)
     out = []
@@ -775,9 +779,9 @@ def placement_warnings(layout: Layout, topo: Topology, order: str, recommended: 
         tier = topo.tiers[names.index(t)]
         if tier.oversubscription > 1 and g in ("tp", "cp", "ep", "pp"):
             out.append(f"{g} traffic crosses the {t} tier, oversubscribed 1:{tier.oversubscription:g}")
-    live = [d for d in order.split("-") if group_size(layout, d) > 1]
-    best = [d for d in recommended.split("-") if d in live]
-    if live != best:
-        out.append(f"order {order} places groups differently from the recommended {recommended} "
-                   f"(blocking traffic innermost, dp outermost)")
+    best = placement(layout, topo, recommended)
+    moved = [f"{g} on {where[g]} instead of {best[g]}" for g in where if where[g] != best.get(g, where[g])]
+    if moved:   # an order that lands every group on the same tier as the recommended one costs nothing
+        out.append(f"order {order} places groups on other tiers than the recommended {recommended} "
+                   f"(blocking traffic innermost, dp outermost): {', '.join(moved)}")
     return out

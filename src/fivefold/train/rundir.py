@@ -1,7 +1,8 @@
 """The run folder: what a run writes into `--out`, who may write it, and where a resume starts.
 
     OUT/.lock                           held (flock) by the run writing OUT; freed when its process ends
-    OUT/metrics.jsonl                   one line per step; a resumed run keeps the lines before its start
+    OUT/metrics.jsonl                   one line per step (step N: the N-th, 1-based); a resume keeps 1..start
+    OUT/config.toml                     the resolved config (written at the start): --config OUT/config.toml reruns it
     OUT/comm.json, run.json, pipeline.* written at the end of a run
     OUT/tensorboard/                    train.tensorboard: the same scalars as TensorBoard events
     OUT/tokenizer.json or .tiktoken     train.tokenizer: a copy of the run's tokenizer (tokenizer.save_to_run)
@@ -35,7 +36,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import RUN_CONFIG, ConfigError
 
 CHECKPOINTS = "checkpoints"
 INDEX = "index.json"
@@ -43,6 +44,7 @@ FORMAT = 2
 MARKER = ".fivefold-run"
 LOCK = ".lock"
 RUN_FILES = ("metrics.jsonl", "comm.json", "run.json", "pipeline.json", "pipeline.svg", "tensorboard", CHECKPOINTS)
+# RUN_CONFIG (config.toml) is written at the start like the tokenizer copy: not a sign that a run trained here
 STEP_NAME = re.compile(r"step-(\d+)")
 TEMP_NAME = re.compile(r"\.(tmp|old)-step-\d+-[0-9a-f]+")   # a save in progress, a replaced checkpoint
 EVENTS_NAME = re.compile(r"events\.out\.tfevents\..+")      # TensorBoard's SummaryWriter files
@@ -170,7 +172,7 @@ def check_no_links(out: str | Path) -> None:
     from ..tokenizer import SPECIALS
 
     out = Path(out)
-    for name in (*RUN_FILES, LOCK, MARKER, *TOKENIZER_FILES.values(), SPECIALS):
+    for name in (*RUN_FILES, LOCK, MARKER, *TOKENIZER_FILES.values(), SPECIALS, RUN_CONFIG):
         if (out / name).is_symlink():
             raise ConfigError(f"--out {out}: {name} is a symbolic link; fivefold never writes through one out "
                               f"of the run folder: remove it, or choose another --out")
@@ -242,7 +244,7 @@ def clear(out: str | Path) -> None:
     if not is_fivefold_run(out):
         raise ConfigError(f"--overwrite: {out} does not hold a fivefold run; nothing removed")
     check_no_links(out)
-    for name in RUN_FILES:
+    for name in (*RUN_FILES, RUN_CONFIG):
         path = out / name
         if name == CHECKPOINTS:
             _clear_checkpoints(path)
@@ -373,14 +375,14 @@ def compare_data(saved: dict | None, new: dict) -> tuple[list[str], list[str]]:
 
 
 def trim_metrics(path: str | Path, start: int) -> None:
-    """Keep the metric lines of steps before `start` (a resumed run rewrites the later ones)."""
+    """Keep the metric lines of steps 1..`start` (the checkpoint's steps; a resumed run rewrites the later ones)."""
     path = Path(path)
     if not path.exists():
         return
     kept = []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line).get("step", 0) < start:
+            if json.loads(line).get("step", 0) <= start:   # step N: the N-th step (1-based)
                 kept.append(line)
         except ValueError:
             break   # a line cut short by a killed run ends the valid part

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..rules import ConfigError
+from ..rules import ConfigError, install_hint
 from ..tokenizer import Tokenizer, load_tokenizer, missing_eos
 from .signals import sigint_ignored
 
@@ -324,7 +324,7 @@ def _pyarrow():
         import pyarrow.parquet  # noqa: F401 (the submodule)
     except ImportError:
         raise ConfigError("reading Parquet, Arrow or datasets folders needs pyarrow "
-                          "(pip install 'fivefold[data]')") from None
+                          "({install_hint('data')})") from None
     return pa
 
 

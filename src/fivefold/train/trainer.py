@@ -7,7 +7,10 @@ ZeRO over the placements' groups, with AdamW on fp32 master weights when compute
 data. `step(k)` runs one optimizer step over the global batch of step k and returns its metrics.
 `run()` trains `cfg.train.steps` steps and writes, on rank 0:
 
-    OUT/metrics.jsonl  one line per step: step, loss, grad_norm, lr, tokens, seconds (NaN/inf: null);
+    OUT/metrics.jsonl  one line per step: step (1-based: steps done, as checkpoints/step-N and the
+                       console count), loss, grad_norm, lr, tokens, seconds, tokens_per_s, tflops and
+                       mfu where known (speed.py), peak_memory_bytes (rank 0's so far) (NaN/inf: null);
+                       with experts the routing counts, expert_imbalance and dropped_fraction;
                        eval_loss, eval_ppl, eval_tokens on the steps followed by an evaluation
                        (`evaluate`); data_tokens (tokens per source) when the data is a mixture;
                        a resumed run keeps the lines of the steps before its start and appends
@@ -76,6 +79,8 @@ from .launch import heartbeat, resolve_device, stop_requested
 from .optim import AdamW, clip_, global_grad_norm, lr_at
 from .progress import Progress
 from .scalars import ScalarLog
+from .speed import Speed
+from .wandb_log import WandbLog
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 # Each rank's default torch stream (dropout without a generator, sampling) is seeded seed + stride·rank;
@@ -103,7 +108,7 @@ class Trainer:
     groups → the loop."""
 
     def __init__(self, cfg: Config, rank: int = 0, world_size: int = 1, tokens=None, quiet: bool = False,
-                 planned: dict | None = None, dry: bool = False, fill: bool = True):
+                 planned: dict | None = None, dry: bool = False, fill: bool = True, speed: dict | None = None):
         cfg.validate(world_size)
         supported(cfg)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -113,6 +118,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)   # run.json's peak: this trainer's, not the process's
         self.planned = planned   # the planner's memory for this layout (cli.planned_memory), written to run.json
+        self.speed = Speed.from_dict(speed, world_size)   # FLOPs per token and peak from the CLI (cli.speed_model)
         torch.manual_seed(t.seed + RANK_SEED_STRIDE * rank)
         self.ledger = CommLedger(rank, world_size)
         self.mesh = ParallelMesh(p, rank, self.ledger, kv_replicas=rules.kv_replicas(p.tp, cfg.model.kv_heads),
@@ -217,8 +223,17 @@ class Trainer:
             if self.cfg.model.experts else {}
         self.stop = self.agree_stop()
         self.step_count = step + 1
-        return {"step": step, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,
-                "seconds": time.perf_counter() - t0, **({} if finite else {"skipped": True}), **routing}
+        seconds = time.perf_counter() - t0
+        return {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,   # step: 1-based
+                "seconds": seconds, **self.speed.scalars(n_tokens, seconds),
+                "peak_memory_bytes": self.peak_memory(), **({} if finite else {"skipped": True}), **routing}
+
+    def peak_memory(self) -> int | None:
+        """This rank's peak memory so far: the device's (max_memory_allocated) on CUDA, the process's
+        peak resident set on the CPU (`memory_info`)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return peak_rss_bytes()
 
     # -- evaluation --------------------------------------------------------------------------
     def evaluates_after(self, step: int) -> bool:
@@ -413,8 +428,9 @@ class Trainer:
                 if not self.quiet:
                     print(f"note: branching at step {start}: removed {gone.name}, a checkpoint of the run it "
                           f"leaves", file=sys.stderr)
-        bar = Progress(cfg.steps, enabled=not self.quiet, log_every=cfg.log_every, start=start)
+        bar = Progress(cfg.steps, enabled=not self.quiet, log_every=cfg.log_every, start=start, speed=self.speed)
         scalars = ScalarLog(out, cfg.tensorboard and self.rank == 0, start)   # OUT/tensorboard/ (scalars.py)
+        wandb = WandbLog(out, cfg.wandb and self.rank == 0, self.cfg, start)  # train.wandb (wandb_log.py)
         history, stopped, saved = [], None, start if ckpt else None
         for step in range(start, cfg.steps):
             m = self.step(step)
@@ -427,6 +443,7 @@ class Trainer:
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(finite_or_null(m), allow_nan=False) + "\n")
                 scalars.add(m)
+                wandb.add(m)
             bar.update(m)
             heartbeat(step)
             stopped = self.stop
@@ -438,6 +455,7 @@ class Trainer:
                 break
         bar.close()
         scalars.close()
+        wandb.close()
         if history:
             for d in self.dims:
                 if hasattr(d, "write"):
@@ -544,11 +562,12 @@ def finite_or_null(m: dict) -> dict:
 
 
 def train_rank(rank: int, world_size: int, cfg_dict: dict, out: str | None = None, resume: str | None = None,
-               planned: dict | None = None) -> dict:
+               planned: dict | None = None, speed: dict | None = None) -> dict:
     """Entry point for one rank (used by the launcher and the tests). `planned`: the planner's memory for
-    this layout, written to run.json beside the measured peaks (cli.planned_memory)."""
+    this layout, written to run.json beside the measured peaks (cli.planned_memory); `speed`: FLOPs per
+    token and the device peak for TFLOP/s and MFU (cli.speed_model, train/speed.py)."""
     # a given checkpoint replaces the whole state: no init is drawn first ("auto" may find none)
     trainer = Trainer(Config.from_dict(cfg_dict), rank, world_size, planned=planned,
-                      fill=resume in (None, "auto"))
+                      fill=resume in (None, "auto"), speed=speed)
     result = trainer.run(out, resume)
     return result if rank == 0 else {"state_bytes": result["state_bytes"]}

@@ -2,7 +2,7 @@
 
 A timeline is a list per rank of (kind, microbatch, chunk, start, end) — `Simulation.timeline` from the
 simulator, or what a training run measured (same structure, seconds). `write_timeline(path, ...)` writes
-SVG (hand-written, no dependency) or PNG (needs matplotlib: `pip install fivefold[plot]`), chosen by the
+SVG (hand-written, no dependency) or PNG (needs matplotlib: `pip install -e '.[plot]'`), chosen by the
 file suffix. `write_comparison` puts a measured and a simulated timeline in two panels, one above the
 other, each on its own time axis, for holding the runtime against the model.
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 from xml.sax.saxutils import escape
 
+from ...rules import install_hint
 from .schedules import Block, timeline_stats
 
 COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B"}
@@ -138,7 +139,7 @@ def render_png(panels: Sequence[Panel], path: Path, width: int = 1000) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise RuntimeError("PNG output needs matplotlib (pip install matplotlib, or fivefold[plot]); "
+        raise RuntimeError(f"PNG output needs matplotlib ({install_hint('plot')}); "
                            "or write .svg, which needs nothing") from e
     heights = [len(p.timeline) + 1.2 for p in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(width / 100, 0.45 * sum(heights) + 0.6),

@@ -26,7 +26,8 @@ windows; micro-batches split that slice in order. How the windows are chosen:
   windows (neighbours share one token) and epoch e visits each once, in an order permuted by
   (seed, e): sample j of the run (j = k·B + row) is window perm_e(j mod N), e = j // N. The permutation
   is a keyed Feistel network, so it costs no memory however many windows there are. Windows cross
-  document boundaries (documents are separated by the end-of-text id, as in GPT-style packing).
+  document boundaries (documents are separated by the end-of-text id, as in GPT-style packing);
+  train.document_mask keeps attention inside each document (below).
 - anything else (`Batches`): each window starts at a uniformly random offset drawn from a generator
   seeded with (seed, k).
 - a mixture (`--data a.bin:0.7 b.bin:0.3`, `MixtureBatches`): sample j comes from a source chosen by

@@ -85,6 +85,30 @@ def test_flops_per_token_is_six_n_plus_attention():
     assert m.flops_per_token(4096) == pytest.approx(six_n + attn)
 
 
+def test_document_mask_counts_attention_per_document():
+    """Packed documents masked (Workload.document_length, train.document_mask): a document of L tokens
+    costs L²/2 causal pairs instead of its share of seq²/2, so attention FLOPs follow sum(len²)/sum(len);
+    the step is faster, memory and traffic are those of the unmasked plan."""
+    from fivefold.plan.estimate import estimate
+    from fivefold.plan.layout import Layout, Workload
+    from fivefold.plan.topology import TOPOLOGIES
+
+    m = PRESETS["llama3-8b"]
+    lens = [1024, 2048, 5120]                               # one sequence of 8192 tokens, three documents
+    pairs = sum(n * n / 2 for n in lens)                    # causal (query, key) pairs per head and layer
+    whole = Workload(seq=8192, global_batch=64)
+    docs = replace(whole, document_length=sum(n * n for n in lens) / sum(lens))
+    per_pair = m.layers * m.heads * 2 * 2 * m.head_dim      # QK^T and AV, 2 FLOPs per multiply-add
+    assert m.attention_flops_per_token(docs.attention_span) == pytest.approx(per_pair * pairs / 8192)
+    assert m.attention_flops_per_token(whole.attention_span) == pytest.approx(per_pair * 8192 / 2)
+    assert replace(whole, document_length=10**6).attention_span == 8192   # a document past the sequence: seq
+    lay = Layout(tp=8, dp=8, micro_batch=1)
+    a, b = (estimate(m, lay, w, TOPOLOGIES["dgx-h100"], 64) for w in (whole, docs))
+    assert b.time.step_time_s < a.time.step_time_s
+    assert b.memory.most_loaded == a.memory.most_loaded
+    assert [(f.dim, f.op, f.calls, f.bytes_sent) for f in b.flows] == [(f.dim, f.op, f.calls, f.bytes_sent) for f in a.flows]
+
+
 # -- Hugging Face families: counts equal transformers' models built from the same config ------------------
 _SMALL = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=1000, intermediate_size=160,
               max_position_embeddings=128)

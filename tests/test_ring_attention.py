@@ -154,11 +154,12 @@ def test_rows_without_keys_are_zero_not_nan():
     k, v, do = torch.randn(1, 1, 2, D, dtype=torch.float64), torch.randn(1, 1, 2, D, dtype=torch.float64), q * 0.5
     m = torch.full((1, 1, 2, 3), float("-inf"), dtype=torch.float64)
     l, acc = torch.zeros_like(m), torch.zeros_like(q)
-    ring._attend_block(q, k, v, win, pos_q, pos_k, 0.5, m, l, acc)
+    visible = ring._visible(win, pos_q, pos_k)
+    ring._attend_block(q, k, v, visible, 0.5, m, l, acc)
     assert torch.isfinite(l).all() and torch.isfinite(acc).all()
     assert (l[..., 1] == 0).all() and (acc[..., 1, :] == 0).all() and (l[..., [0, 2]] > 0).all()
     lse = m + torch.log(l)
-    grads = ring._grad_block(q, k, v, do, lse, torch.zeros_like(lse), win, pos_q, pos_k, 0.5)
+    grads = ring._grad_block(q, k, v, do, lse, torch.zeros_like(lse), visible, 0.5)
     assert all(torch.isfinite(g).all() for g in grads)
     assert _window(torch.tensor([0, 1]), torch.tensor([2, 3]), causal=True) is None
 

@@ -222,6 +222,8 @@ class TrainConfig:
     eval_fraction: float = 0.0            # ... or hold out this last fraction of the training tokens (0: none)
     eval_every: int = 0                   # steps between evaluations, and one at the end (0: no evaluation)
     eval_tokens: int = 65536              # tokens one evaluation covers (whole global batches of windows)
+    document_mask: bool = False           # attention stays inside each packed document, positions restart per
+                                          # document (Llama 3 §3.2; needs document boundaries: model/documents.py)
 
     def validate(self) -> None:
         _check_choices(self, "train")

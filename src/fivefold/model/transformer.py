@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .documents import Documents, document_mask
 from .init import init_box, materialize
 
 
@@ -34,13 +35,14 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions, head_dim: int, theta: float, device=None, offset: int = 0):
     """cos, sin of shape (s, d) (fp32) for `positions`: a 1-D tensor of position ids (any order:
-    context parallelism gives a rank non-contiguous ones), or a length s for offset..offset+s-1."""
+    context parallelism gives a rank non-contiguous ones), or a length s for offset..offset+s-1; of
+    shape (b, s, d) for (b, s) position ids, one row each (documents: model/documents.py)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     if isinstance(positions, int):
         pos = torch.arange(offset, offset + positions, dtype=torch.float32, device=device)
     else:
         pos = positions.to(device=device, dtype=torch.float32)
-    freqs_sd2 = torch.outer(pos, inv_freq)
+    freqs_sd2 = torch.outer(pos, inv_freq) if pos.dim() == 1 else pos[..., None] * inv_freq
     emb_sd = torch.cat((freqs_sd2, freqs_sd2), dim=-1)
     return emb_sd.cos(), emb_sd.sin()
 
@@ -52,18 +54,29 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor) -> torch.Tensor:
     cos, sin = cos_sd.to(x_bnsd.dtype), sin_sd.to(x_bnsd.dtype)
+    if cos.dim() == 3:   # (b, s, d): positions per row, the same for every head
+        cos, sin = cos[:, None], sin[:, None]
     return x_bnsd * cos + rotate_half(x_bnsd) * sin
 
 
-def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0) -> torch.Tensor:
+def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0,
+                   documents_bS: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (or full) attention; kv heads are repeated to match query heads (head i uses kv head
     i // (n/k)). With `past` > 0 (a KV cache) the keys are the `past` cached tokens followed by the
     queries' own s tokens, and query i sees keys 0..past+i. Training passes no mask (is_causal, no
-    dropout), so on CUDA SDPA takes the flash kernel (bf16/fp16) or the memory-efficient one (fp32)."""
+    dropout), so on CUDA SDPA takes the flash kernel (bf16/fp16) or the memory-efficient one (fp32).
+    `documents_bS` (b, s): the document id of each token, queries and keys being the same tokens
+    (model/documents.py); a query then sees only keys of its own document (block-diagonal, causal
+    inside each block), through an explicit mask."""
     n, k = q_bnsd.shape[1], k_bksd.shape[1]
     if n != k:
         k_bksd = k_bksd.repeat_interleave(n // k, dim=1)
         v_bksd = v_bksd.repeat_interleave(n // k, dim=1)
+    if documents_bS is not None:
+        s = q_bnsd.shape[2]
+        causal_st = torch.ones(s, s, dtype=torch.bool, device=q_bnsd.device).tril() if causal else None
+        mask_b1st = document_mask(documents_bS, documents_bS, causal_st)
+        return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, attn_mask=mask_b1st)
     if past and causal:
         s, t = q_bnsd.shape[2], k_bksd.shape[2]
         mask_st = torch.arange(past, past + s, device=q_bnsd.device)[:, None] >= torch.arange(t, device=q_bnsd.device)
@@ -176,7 +189,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False, device=device)
         self.core = attention_core  # selective recompute swaps in a checkpointed version (pipeline runtime)
 
-    def forward(self, x_bsh: torch.Tensor, cos_sd, sin_sd, kv: LayerKV | None = None) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, cos_sd, sin_sd, kv: LayerKV | None = None,
+                documents_bS: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents_bS`: the document ids of the whole sequences (model/documents.py), handed to the
+        core, which knows which of those tokens its queries and keys are."""
         x_bsh = self.enter(x_bsh)
         b, s, _ = x_bsh.shape
         d = self.head_dim
@@ -185,7 +201,9 @@ class Attention(nn.Module):
         k_bksd = self.wk(x_bsh).view(b, s, -1, d).transpose(1, 2)
         v_bksd = self.wv(x_bsh).view(b, s, -1, d).transpose(1, 2)
         q_bnsd, k_bksd = apply_rope(q_bnsd, cos_sd, sin_sd), apply_rope(k_bksd, cos_sd, sin_sd)
-        if kv is None:
+        if kv is None and documents_bS is not None:
+            o_bnsd = self.core(q_bnsd, k_bksd, v_bksd, documents_bS=documents_bS)
+        elif kv is None:
             o_bnsd = self.core(q_bnsd, k_bksd, v_bksd)
         else:   # the cached tokens' keys and values first
             k_bktd, v_bktd, past = kv.extend(k_bksd, v_bksd)
@@ -221,8 +239,8 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, self.aux, device) if cfg.is_moe_layer(index) else SwiGLU(cfg.hidden, cfg.ffn, device)
         self.drop = Dropout(cfg.dropout)  # on each branch before the residual add (0: off)
 
-    def forward(self, x_bsh, cos_sd, sin_sd, kv: LayerKV | None = None):
-        x_bsh = x_bsh + self.drop(self.attn(self.attn_norm(x_bsh), cos_sd, sin_sd, kv))
+    def forward(self, x_bsh, cos_sd, sin_sd, kv: LayerKV | None = None, documents_bS: torch.Tensor | None = None):
+        x_bsh = x_bsh + self.drop(self.attn(self.attn_norm(x_bsh), cos_sd, sin_sd, kv, documents_bS))
         return x_bsh + self.drop(self.mlp(self.mlp_norm(x_bsh)))
 
 
@@ -272,15 +290,20 @@ class Transformer(nn.Module):
         return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, device, offset)
 
     def forward(self, tokens_bs: torch.Tensor, positions_s: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, documents: Documents | None = None) -> torch.Tensor:
         """Logits for tokens at `positions_s` (position ids shared by the batch; default 0..s-1, or
-        after the cached tokens with a `cache`, which this call extends)."""
+        after the cached tokens with a `cache`, which this call extends). With `documents` (packed
+        documents, model/documents.py) positions are theirs (restarting per document) and attention
+        stays inside each document."""
         offset = cache.length if cache is not None else 0
+        if documents is not None:
+            positions_s = documents.positions_bs
         cos_sd, sin_sd = self.rope(tokens_bs.shape[1] if positions_s is None else positions_s, tokens_bs.device, offset)
+        ids_bS = None if documents is None else documents.ids_bS
         x_bsh = self.embed(tokens_bs)
         for i, layer in enumerate(self.layers):
             if cache is None:
-                x_bsh = layer(x_bsh, cos_sd, sin_sd)
+                x_bsh = layer(x_bsh, cos_sd, sin_sd, documents_bS=ids_bS)
             else:
                 x_bsh = layer(x_bsh, cos_sd, sin_sd, cache.layers[i])
         return self.head(self.norm(x_bsh))

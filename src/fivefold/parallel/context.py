@@ -24,7 +24,10 @@ those tokens alone. Attention is replaced by one of:
   domain and only the ring's sends cross slower links.
 
 Positions: a rank's tokens are not contiguous (zig-zag), so the model gets their position ids
-(`Transformer.forward(tokens, positions)`); the ring masks by them. Gradients of every (dense) parameter
+(`Transformer.forward(tokens, positions)`); the ring masks by them. Packed documents
+(train.document_mask, model/documents.py): every rank holds the document ids of the whole sequences and
+indexes the ids of the tokens it attends (its Ulysses-gathered share, each ring rank's block) itself,
+so masking adds no traffic. Gradients of every (dense) parameter
 are summed over dp × cp (`placement.reduce = "dp_cp"`), and the loss, each rank's share of the
 global-token mean, is summed over dp × cp.
 """
@@ -63,13 +66,20 @@ class ContextAttention(nn.Module):
         self.register_buffer("ring_positions_rs", ring_positions_rs, persistent=False)
         self.inner = attention_core   # causal attention on whole sequences (selective recompute wraps it)
 
-    def forward(self, q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor) -> torch.Tensor:
+    def forward(self, q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor,
+                documents_bS: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents_bS` (b, S): the document ids of the whole sequences (model/documents.py); every cp
+        rank holds them, so each ring rank's ids are indexed here and never sent."""
         u = self.ulysses.size
         if u > 1:
             k_bksd, v_bksd = self.kv_for_ulysses(k_bksd), self.kv_for_ulysses(v_bksd)
             q_bnsd, k_bksd, v_bksd = (seq_to_heads(t, self.ulysses) for t in (q_bnsd, k_bksd, v_bksd))
+        documents_brs = None if documents_bS is None else documents_bS[:, self.ring_positions_rs]
         if self.ring.size > 1:
-            o_bnsd = ring_attention(q_bnsd, k_bksd, v_bksd, self.ring_positions_rs, self.ring, self.causal)
+            o_bnsd = ring_attention(q_bnsd, k_bksd, v_bksd, self.ring_positions_rs, self.ring, self.causal,
+                                    documents_brs)
+        elif documents_brs is not None:   # Ulysses alone: this rank's heads of the whole sequence, in order
+            o_bnsd = self.inner(q_bnsd, k_bksd, v_bksd, self.causal, documents_bS=documents_brs[:, 0])
         else:
             o_bnsd = self.inner(q_bnsd, k_bksd, v_bksd, self.causal)
         return heads_to_seq(o_bnsd, self.ulysses) if u > 1 else o_bnsd
@@ -107,7 +117,8 @@ class ContextParallelism:
                 m.sum_sequence_parts, m.sequence_parts = partial(sum_across, group=parts), parts.size
         return model
 
-    def shard_batch(self, x_bs: torch.Tensor, y_bs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's tokens of every sequence, and their next-token targets."""
-        index = self.positions.to(x_bs.device)
-        return x_bs[:, index], y_bs[:, index]
+    def shard_batch(self, *tensors_bs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's tokens of every sequence, of each (b, S) tensor given: tokens, their next-token
+        targets (and, with documents, their positions)."""
+        index = self.positions.to(tensors_bs[0].device)
+        return tuple(t_bs[:, index] for t_bs in tensors_bs)

@@ -11,7 +11,8 @@ A dimension (`Parallelism`) may provide, all optional but `name` and `apply`:
 
     apply(model) -> model          shard or cut the model; return what this rank runs
     loss(loss_sum) -> loss_sum     wrap the token-loss function (tp: vocab-parallel cross-entropy)
-    shard_batch(x, y) -> (x, y)    the tokens of each sequence this rank holds (cp: its slice)
+    shard_batch(*t_bs) -> t_bs     the tokens of each sequence this rank holds, of each (b, S) tensor
+                                   (tokens, targets, document positions; cp: its slice)
     positions                      their position ids (cp: zig-zag, not contiguous)
     forward_backward(...)          run the step's forward and backward itself (pp: the schedule)
     forward_only(...)              run an evaluation's forwards itself, no gradient (pp: F/SEND_F/RECV_F)
@@ -42,6 +43,7 @@ from torch import nn
 
 from .. import comm
 from ..config import Config
+from ..model.documents import documents_of
 from .engine import Engine, sum_tied_grads
 
 LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -183,9 +185,10 @@ def direct_forward_backward(model: nn.Module, loss_sum: LossSum, engine: Engine,
                             n_tokens: int, positions=None) -> torch.Tensor:
     """Forward and backward of each micro-batch in turn; only the last one's backward reduces."""
     loss_local = torch.zeros(1, dtype=torch.float64, device=micro_batches[0][0].device)
-    for i, (x_bs, y_bs) in enumerate(micro_batches):
+    for i, mb in enumerate(micro_batches):
         engine.set_sync(i == len(micro_batches) - 1)
-        loss = loss_sum(model(x_bs, positions), y_bs) / n_tokens
+        x_bs, y_bs = mb[0], mb[1]
+        loss = loss_sum(model(x_bs, positions, documents=documents_of(mb)), y_bs) / n_tokens
         loss.backward()
         engine.end_backward()
         loss_local += loss.detach().double()
@@ -198,8 +201,8 @@ def direct_forward(model: nn.Module, loss_sum: LossSum, micro_batches: list, n_t
     """An evaluation's forward of each micro-batch in turn, no gradient: the sum of their token losses
     over `n_tokens`, as `direct_forward_backward` reports it."""
     loss_local = torch.zeros(1, dtype=torch.float64, device=micro_batches[0][0].device)
-    for x_bs, y_bs in micro_batches:
-        loss_local += (loss_sum(model(x_bs, positions), y_bs) / n_tokens).double()
+    for mb in micro_batches:
+        loss_local += (loss_sum(model(mb[0], positions, documents=documents_of(mb)), mb[1]) / n_tokens).double()
     return loss_local
 
 

@@ -15,7 +15,11 @@ zig-zag, or a hybrid with Ulysses whose tokens are two zig-zag chunks. On the CP
 into tiles of contiguous position runs, each fully visible or a causal diagonal, computed by torch's
 fused flash-attention kernel (it returns the log-sum-exp the merge needs; its backward takes the merged
 output and log-sum-exp); otherwise only the bounding rectangle of visible (query, key) pairs is
-computed, under a mask. A block nothing sees is skipped.
+computed, under a mask. A block nothing sees is skipped. Packed documents (`documents_brs`, the
+document id of every ring rank's tokens, model/documents.py) mask each block by document too: such a
+block always takes the masked way, and one in which no query shares a document with any key (every
+row of the batch) is skipped. Each rank indexes the ids from the whole rows it already holds, so no id
+travels round the ring.
 
 Load balance (the zig-zag layout of Megatron-CP and torchtitan). With contiguous shards, rank 0 sees
 only its own block and rank r-1 sees all r: the ring waits for the slowest rank. Zig-zag splits the
@@ -50,6 +54,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fivefold.comm import Group, send_recv
+from fivefold.model.documents import document_mask
 
 __all__ = ["ring_attention", "zigzag_positions", "zigzag_indices"]
 
@@ -96,12 +101,20 @@ def _window(pos_q_s: torch.Tensor, pos_k_t: torch.Tensor, causal: bool) -> _Wind
     return _Window(rows, cols, bool(pos_k_t[cols].max() > pos_q_s[rows].min()))
 
 
-def _scores(q_bkgsd, k_bktd, win: _Window, pos_q_s, pos_k_t, scale: float) -> torch.Tensor:
-    """Scaled scores (b, kh, g, s, t) of the window's queries against its keys, -inf where masked."""
+def _visible(win: _Window, pos_q_s, pos_k_t, ids_q_bs=None, ids_k_bt=None) -> torch.Tensor | None:
+    """Which (query, key) pairs of the window are visible: (s, t), or (b, 1, 1, s, t) with document ids
+    (model/documents.py: the same document, and causal); None when every pair is."""
+    causal_st = pos_k_t[win.cols][None, :] <= pos_q_s[win.rows][:, None] if win.masked else None
+    if ids_q_bs is None:
+        return causal_st
+    return document_mask(ids_q_bs[:, win.rows], ids_k_bt[:, win.cols], causal_st)[:, :, None]
+
+
+def _scores(q_bkgsd, k_bktd, visible, scale: float) -> torch.Tensor:
+    """Scaled scores (b, kh, g, s, t) of the window's queries against its keys, -inf where not visible."""
     scores_bkgst = torch.einsum("bkgsd,bktd->bkgst", q_bkgsd, k_bktd) * scale
-    if win.masked:
-        visible_st = pos_k_t[win.cols][None, :] <= pos_q_s[win.rows][:, None]
-        scores_bkgst = scores_bkgst.masked_fill(~visible_st, float("-inf"))
+    if visible is not None:
+        scores_bkgst = scores_bkgst.masked_fill(~visible, float("-inf"))
     return scores_bkgst
 
 
@@ -110,10 +123,10 @@ def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
-def _attend_block(q_bkgsd, k_bktd, v_bktd, win, pos_q_s, pos_k_t, scale, m_bkgs, l_bkgs, acc_bkgsd):
+def _attend_block(q_bkgsd, k_bktd, v_bktd, visible, scale, m_bkgs, l_bkgs, acc_bkgsd):
     """Merge one block into the running max m, sum-exp l and accumulator (views of the window's rows,
     updated in place): the online softmax."""
-    scores_bkgst = _scores(q_bkgsd, k_bktd, win, pos_q_s, pos_k_t, scale)
+    scores_bkgst = _scores(q_bkgsd, k_bktd, visible, scale)
     m_new_bkgs = torch.maximum(m_bkgs, scores_bkgst.amax(-1))
     m_safe_bkgs = _finite_or_zero(m_new_bkgs)
     p_bkgst = torch.exp(scores_bkgst - m_safe_bkgs[..., None])
@@ -123,9 +136,9 @@ def _attend_block(q_bkgsd, k_bktd, v_bktd, win, pos_q_s, pos_k_t, scale, m_bkgs,
     m_bkgs.copy_(m_new_bkgs)
 
 
-def _grad_block(q_bkgsd, k_bktd, v_bktd, do_bkgsd, lse_bkgs, delta_bkgs, win, pos_q_s, pos_k_t, scale):
+def _grad_block(q_bkgsd, k_bktd, v_bktd, do_bkgsd, lse_bkgs, delta_bkgs, visible, scale):
     """Flash-attention backward of one block: (dq, dk, dv), dk/dv summed over the g query heads."""
-    scores_bkgst = _scores(q_bkgsd, k_bktd, win, pos_q_s, pos_k_t, scale)
+    scores_bkgst = _scores(q_bkgsd, k_bktd, visible, scale)
     p_bkgst = torch.exp(scores_bkgst - _finite_or_zero(lse_bkgs)[..., None])
     dv_bktd = torch.einsum("bkgst,bkgsd->bktd", p_bkgst, do_bkgsd)
     dp_bkgst = torch.einsum("bkgsd,bktd->bkgst", do_bkgsd, v_bktd)
@@ -255,7 +268,24 @@ def _wait(handle) -> None:
         handle.wait()
 
 
-def _ring_forward(q_bnsd, k_bksd, v_bksd, pos_rs, group: Group, causal: bool):
+def _block_plan(pos_cpu_rs, pos_rs, ids_brs, i: int, src: int, causal: bool, device):
+    """How rank i computes its queries against rank src's block: (fused tiles, None, None) on the CPU
+    fast path, else (None, window, visible pairs), or (None, None, None) when no pair is visible. With
+    document ids (`ids_brs`, (b, r, s)) the block is always masked, and skipped when no query shares a
+    document with a key of it."""
+    tiles = _tiles(pos_cpu_rs[i], pos_cpu_rs[src], causal, device) if ids_brs is None else None
+    if tiles is not None:
+        return tiles, None, None
+    win = _window(pos_cpu_rs[i], pos_cpu_rs[src], causal)
+    if win is None:
+        return None, None, None
+    if ids_brs is None:
+        return None, win, _visible(win, pos_rs[i], pos_rs[src])
+    visible = _visible(win, pos_rs[i], pos_rs[src], ids_brs[:, i], ids_brs[:, src])
+    return (None, win, visible) if bool(visible.any()) else (None, None, None)
+
+
+def _ring_forward(q_bnsd, k_bksd, v_bksd, pos_rs, group: Group, causal: bool, ids_brs=None):
     b, n, s, d = q_bnsd.shape
     kh, r, i = k_bksd.shape[1], group.size, group.rank
     cdt, scale = _compute_dtype(q_bnsd.dtype), 1.0 / math.sqrt(d)
@@ -268,8 +298,7 @@ def _ring_forward(q_bnsd, k_bksd, v_bksd, pos_rs, group: Group, causal: bool):
     for j in range(r):
         kv_2bksd, src = kv_bufs[j % 2], (i - j) % r
         handle = _hop(group, [kv_2bksd], [kv_bufs[(j + 1) % 2]]) if j < r - 1 else None
-        tiles = _tiles(pos_cpu_rs[i], pos_cpu_rs[src], causal, q_bnsd.device)
-        win = None if tiles is not None else _window(pos_cpu_rs[i], pos_cpu_rs[src], causal)
+        tiles, win, visible = _block_plan(pos_cpu_rs, pos_rs, ids_brs, i, src, causal, q_bnsd.device)
         if tiles:
             g = n // kh
             _attend_tiles(q_bnsd.to(cdt), _expand(kv_2bksd[0], g, cdt), _expand(kv_2bksd[1], g, cdt), tiles, scale,
@@ -277,7 +306,7 @@ def _ring_forward(q_bnsd, k_bksd, v_bksd, pos_rs, group: Group, causal: bool):
         elif win is not None:
             rows, cols = win.rows, win.cols
             _attend_block(q_bkgsd[..., rows, :], kv_2bksd[0][:, :, cols].to(cdt), kv_2bksd[1][:, :, cols].to(cdt),
-                          win, pos_rs[i], pos_rs[src], scale,
+                          visible, scale,
                           m_bkgs[..., rows], l_bkgs[..., rows], acc_bkgsd[..., rows, :])
         _wait(handle)
     seen_bkgs = l_bkgs > 0                                  # rows with no visible key: o = 0, lse = -inf
@@ -286,7 +315,8 @@ def _ring_forward(q_bnsd, k_bksd, v_bksd, pos_rs, group: Group, causal: bool):
     return o_bkgsd.reshape(b, n, s, d).to(q_bnsd.dtype), lse_bkgs.reshape(b, n, s)
 
 
-def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, group: Group, causal: bool):
+def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, group: Group, causal: bool,
+                   ids_brs=None):
     b, n, s, d = q_bnsd.shape
     kh, r, i = k_bksd.shape[1], group.size, group.rank
     cdt, scale = _compute_dtype(q_bnsd.dtype), 1.0 / math.sqrt(d)
@@ -305,8 +335,7 @@ def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, gro
             send, recv = send + [dkv_out], recv + [dkv_in]
         handle = _hop(group, send, recv)
         dkv_2bksd = torch.zeros(kv_2bksd.shape, dtype=cdt, device=kv_2bksd.device)   # this step's partial
-        tiles = _tiles(pos_cpu_rs[i], pos_cpu_rs[src], causal, q_bnsd.device)
-        win = None if tiles is not None else _window(pos_cpu_rs[i], pos_cpu_rs[src], causal)
+        tiles, win, visible = _block_plan(pos_cpu_rs, pos_rs, ids_brs, i, src, causal, q_bnsd.device)
         if tiles:
             g = n // kh
             dq, dk, dv = _grad_tiles(do_bnsd.to(cdt), q_bnsd.to(cdt), _expand(kv_2bksd[0], g, cdt),
@@ -318,7 +347,7 @@ def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, gro
             rows, cols = win.rows, win.cols
             dq, dk, dv = _grad_block(q_bkgsd[..., rows, :], kv_2bksd[0][:, :, cols].to(cdt),
                                      kv_2bksd[1][:, :, cols].to(cdt), do_bkgsd[..., rows, :],
-                                     lse_bkgs[..., rows], delta_bkgs[..., rows], win, pos_rs[i], pos_rs[src], scale)
+                                     lse_bkgs[..., rows], delta_bkgs[..., rows], visible, scale)
             dq_bkgsd[..., rows, :] += dq
             dkv_2bksd[0][:, :, cols] += dk
             dkv_2bksd[1][:, :, cols] += dv
@@ -339,27 +368,29 @@ def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, gro
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_bnsd, k_bksd, v_bksd, positions_rs, group, causal):
-        o_bnsd, lse_bns = _ring_forward(q_bnsd, k_bksd, v_bksd, positions_rs, group, causal)
-        ctx.save_for_backward(q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, positions_rs)
+    def forward(ctx, q_bnsd, k_bksd, v_bksd, positions_rs, group, causal, documents_brs):
+        o_bnsd, lse_bns = _ring_forward(q_bnsd, k_bksd, v_bksd, positions_rs, group, causal, documents_brs)
+        ctx.save_for_backward(q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, positions_rs, documents_brs)
         ctx.group, ctx.causal = group, causal
         return o_bnsd
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do_bnsd):
-        q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, positions_rs = ctx.saved_tensors
+        q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, positions_rs, documents_brs = ctx.saved_tensors
         dq, dk, dv = _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, positions_rs,
-                                    ctx.group, ctx.causal)
-        return dq, dk, dv, None, None, None
+                                    ctx.group, ctx.causal, documents_brs)
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, positions_rs: torch.Tensor,
-                   group: Group, causal: bool = True) -> torch.Tensor:
+                   group: Group, causal: bool = True, documents_brs: torch.Tensor | None = None) -> torch.Tensor:
     """Exact (causal) attention of this rank's queries against the keys/values of every rank of `group`.
 
     q (b, n, s, d); k, v (b, kh, s, d) with kh dividing n (query head h uses kv head h // (n/kh));
     positions_rs (r, s) int64: row j = the position ids of rank j's tokens (row group.rank = ours).
+    documents_brs (b, r, s) int64, optional: the document id of every ring rank's tokens (computed by
+    each rank from the whole rows, never sent): a query then sees only keys of its own document.
     Returns o (b, n, s, d) in q's dtype; differentiable in q, k and v. Scale 1/sqrt(d).
     """
     b, n, s, d = q_bnsd.shape
@@ -371,4 +402,7 @@ def ring_attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Ten
         raise ValueError(f"kv heads ({kh}) must divide query heads ({n})")
     if tuple(positions_rs.shape) != (group.size, s):
         raise ValueError(f"positions must be (ring size, s) = ({group.size}, {s}); got {tuple(positions_rs.shape)}")
-    return _RingAttention.apply(q_bnsd, k_bksd, v_bksd, positions_rs, group, causal)
+    if documents_brs is not None and tuple(documents_brs.shape) != (b, group.size, s):
+        raise ValueError(f"document ids must be (b, ring size, s) = ({b}, {group.size}, {s}); "
+                         f"got {tuple(documents_brs.shape)}")
+    return _RingAttention.apply(q_bnsd, k_bksd, v_bksd, positions_rs, group, causal, documents_brs)

@@ -65,6 +65,9 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", help="MoE dispatch in FP8")
     ap.add_argument("--capacity-factor", dest="capacity_factor", type=float, default=1.0)
     ap.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak FLOP/s kernels reach")
+    ap.add_argument("--document-length", dest="document_length", type=float, default=0.0,
+                    help="train.document_mask: attention stays inside packed documents of this token-weighted "
+                         "mean length, sum(len^2)/sum(len) (README, Document masking; default 0: no mask)")
     mech = ap.add_argument_group("mechanisms (docs/plan.md, Mechanisms)")
     mech.add_argument("--reduce-dtype", dest="reduce_dtype", choices=choices(ReduceDtype),
                       help="dtype of the data-parallel gradient reduction (default fp32; the weights' dtype "
@@ -123,6 +126,8 @@ def check_args(args: argparse.Namespace) -> None:
     check_real("--efficiency", args.efficiency, 0, 1, meaning=" (the fraction of peak FLOP/s kernels reach)")
     check_real("--capacity-factor", args.capacity_factor, 0, low_open=False,
                meaning=" (MoE tokens per expert relative to perfect balance; 0: dropless)")
+    check_real("--document-length", args.document_length, 0, low_open=False,
+               meaning=" (tokens a document holds, sum(len^2)/sum(len); 0: no document mask)")
     product = _product(args)
     if product > MAX_GPUS:
         raise ConfigError(f"the given degrees need tp*pp*dp*cp = {product} GPUs, more than the planner's limit of "
@@ -233,6 +238,7 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
                    dtype=dtype, grad_dtype=args.grad_dtype, reduce_dtype=reduce_dtype,
                    flash=args.flash and work.flash, fp8_dispatch=args.fp8_dispatch,
                    capacity_factor=args.capacity_factor, efficiency=args.efficiency,
+                   document_length=args.document_length,
                    moe_route_nodes=args.moe_route_nodes or work.moe_route_nodes,
                    fp8_gemm=args.fp8_gemm or work.fp8_gemm, fp8_act_cache=args.fp8_act_cache or work.fp8_act_cache)
     return model, layout, work, fixed

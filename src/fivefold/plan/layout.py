@@ -162,9 +162,20 @@ class Workload:
     fp8_act_cache: bool = False    # linear-layer inputs cached in FP8 for the backward (memory.py applies it)
     fused_optimizer: bool = True   # the optimizer reads and writes each state once (False: the runtime's eager
                                    # AdamW and grad norm, rules.EAGER_ADAMW_ACCESSES passes)
+    document_length: float = 0.0   # train.document_mask: attention stays inside each packed document of this
+                                   # token-weighted mean length, sum(len^2)/sum(len) of the pieces a sequence
+                                   # holds (0: no mask; attention spans the sequence)
 
     def __hash__(self) -> int:     # hashed often as a cache key: compute once
         return cached_hash(self)
+
+    @property
+    def attention_span(self) -> float:
+        """The keys a query's attention row spans before the causal halving: the sequence, or with
+        document masking the document (at most the sequence). A document of L tokens costs L²/2 causal
+        pairs, so a sequence's attention work is the sum over its documents of len²/2 = (tokens) ·
+        span/2 with span = sum(len²)/sum(len) (`document_length`)."""
+        return min(self.document_length, self.seq) if self.document_length else self.seq
 
     @property
     def param_bytes(self) -> int:

@@ -185,7 +185,7 @@ class _Bound:
         self.model, self.work, self.topo, self.gpus = model, work, topo, gpus
         self.schedule, self.partition, self.order = schedule, partition, order
         self.peak = topo.accelerator.peak(work.dtype) * work.efficiency
-        self.attn = model.attention_flops_per_token(work.seq, work.causal) / model.layers   # per layer
+        self.attn = model.attention_flops_per_token(work.attention_span, work.causal) / model.layers   # per layer
         self.rows: dict = {}     # (pp, vpp) -> per timed stage (layers, MoE layers, first, last, F per token)
         self.tp: dict = {}       # one micro-batch's tp seconds: per dense layer, MoE layer, embedding, head
         self.cp: dict = {}       # per layer: Ulysses, plus ring sends beyond the attention

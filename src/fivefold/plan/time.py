@@ -70,7 +70,7 @@ def stage_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) ->
     """(linear layers, attention core, LM head) forward FLOPs of one micro-batch on one rank of `stage`."""
     tokens = layout.micro_batch * work.seq / (layout.tp * layout.cp)
     n_layers = len(layout_layers(model, layout)[stage])
-    attn = model.attention_flops_per_token(work.seq, work.causal) / model.layers
+    attn = model.attention_flops_per_token(work.attention_span, work.causal) / model.layers
     body, head = _stage_active_weights(model, layout.pp, layout.vpp, layout.partition)[stage]
     return tokens * 2.0 * body, tokens * attn * n_layers, tokens * 2.0 * head
 
@@ -133,7 +133,7 @@ def forward_seconds(model: PlanModel, work: Workload, topo: Topology, tokens: fl
     sum to `body` (and `head` LM-head weights): `step_time`'s t_f, from `_stage_active_weights` directly."""
     peak = topo.accelerator.peak(work.dtype) * work.efficiency
     peak_mm = topo.accelerator.peak("fp8") * work.efficiency if work.fp8_gemm else peak
-    attn = model.attention_flops_per_token(work.seq, work.causal) / model.layers
+    attn = model.attention_flops_per_token(work.attention_span, work.causal) / model.layers
     return tokens * 2.0 * body / peak_mm + (tokens * attn * n_layers + tokens * 2.0 * head) / peak
 
 
@@ -533,11 +533,11 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
                    "offload": out.offload_s}
     out.tokens_per_s = work.tokens / out.step_time_s
     # MFU and HFU against the peak of the model's dtype, whatever dtype the GEMMs run in
-    model_flops = model.flops_per_token(work.seq, work.causal) * work.tokens
+    model_flops = model.flops_per_token(work.attention_span, work.causal) * work.tokens
     full = acc.peak(work.dtype) * L.gpus * out.step_time_s
     out.mfu = model_flops / full
-    hw = {"none": 0.0, "selective": model.attention_flops_per_token(work.seq, work.causal),
-          "full": model.flops_per_token(work.seq, work.causal) / 3}[L.recompute]  # recomputed forward
+    hw = {"none": 0.0, "selective": model.attention_flops_per_token(work.attention_span, work.causal),
+          "full": model.flops_per_token(work.attention_span, work.causal) / 3}[L.recompute]  # recomputed forward
     hw += 2.0 * _light_weights(model, L) * model.layers
     out.hfu = (model_flops + hw * work.tokens) / full
     return out

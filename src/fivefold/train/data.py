@@ -26,13 +26,19 @@ windows; micro-batches split that slice in order. How the windows are chosen:
   windows (neighbours share one token) and epoch e visits each once, in an order permuted by
   (seed, e): sample j of the run (j = k·B + row) is window perm_e(j mod N), e = j // N. The permutation
   is a keyed Feistel network, so it costs no memory however many windows there are. Windows cross
-  document boundaries (documents are separated by the end-of-text id, as in GPT-style packing).
+  document boundaries (documents are separated by the end-of-text id, as in GPT-style packing);
+  train.document_mask keeps attention inside each document (below).
 - anything else (`Batches`): each window starts at a uniformly random offset drawn from a generator
   seeded with (seed, k).
 - a mixture (`--data a.bin:0.7 b.bin:0.3`, `MixtureBatches`): sample j comes from a source chosen by
   weight from (seed, j) alone, and is the window that source's own batches give sample j.
 Evaluation (`EvalBatches`): the fixed, non-overlapping windows of train.eval_data, or of the held-out
 tail of the training stream (train.eval_fraction, `split_corpus`), which training never reads.
+
+Documents (train.document_mask, model/documents.py): a batch also knows where documents start in its
+stream (`starts`: a token file's offsets, FILE.idx.npy; each text file is one document; raw and .npy
+files have none, an error at start) and gives each window's per-token document ids (`local_documents`:
+0 for the window's first token, +1 at every document start inside it).
 """
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ import torch
 
 from ..config import ConfigError
 from ..tokenizer import ByteTokenizer, Tokenizer, file_digest, load_tokenizer
-from .tokenize import TokenFile, header_digest, is_token_file, open_token_file, token_dtype
+from .tokenize import TokenFile, header_digest, is_token_file, open_token_file, read_offsets, token_dtype
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -198,14 +204,45 @@ def read_tokens(paths: list[str | Path] | None = None, limit_mb: float = 8.0, vo
     `vocab`, every file's ids are checked to lie in [0, vocab). Token files stay on disk: one is
     returned as its `TokenFile`, several files of which any is one as a `Joined` view (both array-likes
     with `len` and `[a:b]`)."""
-    parts = []
+    return read_corpus(paths, limit_mb, vocab, tokenizer)[0]
+
+
+def read_corpus(paths: list[str | Path] | None = None, limit_mb: float = 8.0, vocab: int | None = None,
+                tokenizer: Tokenizer | None = None, documents: bool = False) -> tuple:
+    """(`read_tokens`'s tokens, where documents start in them: sorted int64 offsets, or None unless
+    `documents`). A file without document boundaries (raw, .npy) is a ConfigError then."""
+    parts, starts, base = [], [], 0
     for f, part in iter_tokens(paths, limit_mb, tokenizer):
         if vocab is not None:
             check_token_ids(part, vocab, f)
+        if documents:
+            starts.append(file_document_starts(f) + base)
         parts.append(part)
+        base += len(part)
+    starts = np.concatenate(starts) if documents else None
     if len(parts) == 1:
-        return parts[0]
-    return Joined(parts) if any(isinstance(p, TokenFile) for p in parts) else np.concatenate(parts)
+        return parts[0], starts
+    return (Joined(parts) if any(isinstance(p, TokenFile) for p in parts) else np.concatenate(parts)), starts
+
+
+def file_document_starts(f: Path) -> np.ndarray:
+    """Where the documents of one data file start, in its tokens: a token file's offsets (FILE.idx.npy,
+    written by `fivefold tokenize`); a text file is one document. A raw or .npy file has no boundaries:
+    a ConfigError naming the rule (train.document_mask) and what works."""
+    if is_token_file(f):
+        return read_offsets(f)[:-1].astype(np.int64)
+    if is_mapped(f):
+        raise ConfigError(f"train.document_mask needs document boundaries, and data file {str(f)!r} (raw token "
+                          f"ids) has none; valid: token files from `fivefold tokenize` (FILE.idx.npy), text "
+                          f"files (one document each), or train.document_mask = false")
+    return np.zeros(1, dtype=np.int64)
+
+
+def starts_within(starts: np.ndarray | None, lo: int, hi: int) -> np.ndarray | None:
+    """The document starts in tokens [lo, hi), counted from lo (a `Slice` of the stream)."""
+    if starts is None:
+        return None
+    return starts[(starts >= lo) & (starts < hi)] - lo
 
 
 def run_tokenizer_of(train: TrainConfig) -> Tokenizer:
@@ -266,6 +303,8 @@ def check_data(train: TrainConfig, vocab: int) -> int:
         n = 0
         for f, part in iter_tokens(files, train.data_limit_mb, run_tokenizer_of(train)):
             check_token_ids(part, vocab, f)
+            if train.document_mask:
+                file_document_starts(f)
             n += len(part)
         check_length(n, train.seq_len)
         total += n
@@ -292,16 +331,22 @@ def make_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = Non
     """The batches of a run: `tokens` if given, else the corpus of `train` (ids checked against vocab);
     shuffled by sequence when the run trains on token files only (module docstring). With
     train.eval_fraction the held-out tail (`split_corpus`) is left out."""
-    if tokens is not None:
-        return Batches(split_corpus(tokens, train.eval_fraction)[0], train.seq_len, train.global_batch, train.seed,
-                       vocab)
+    if tokens is not None:   # given tokens: one document (with train.document_mask)
+        part = split_corpus(tokens, train.eval_fraction)[0]
+        return Batches(part, train.seq_len, train.global_batch, train.seed, vocab, one_document(train))
     mixture = mixture_of(train)
     if mixture:
         return MixtureBatches([source_batches(train, f, vocab, i) for i, (f, _) in enumerate(mixture)],
                               [w for _, w in mixture], [f for f, _ in mixture], train.seed)
-    corpus = read_tokens(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train))
+    corpus, starts = read_corpus(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train), train.document_mask)
     kind = ShuffledBatches if uses_token_files(train) else Batches
-    return kind(split_corpus(corpus, train.eval_fraction)[0], train.seq_len, train.global_batch, train.seed)
+    part = split_corpus(corpus, train.eval_fraction)[0]
+    return kind(part, train.seq_len, train.global_batch, train.seed, starts=starts_within(starts, 0, len(part)))
+
+
+def one_document(train: TrainConfig) -> np.ndarray | None:
+    """The starts of a stream that is one document, when the run masks documents."""
+    return np.zeros(1, dtype=np.int64) if train.document_mask else None
 
 
 def split_corpus(tokens, fraction: float) -> tuple:
@@ -315,29 +360,41 @@ def split_corpus(tokens, fraction: float) -> tuple:
 
 
 def eval_corpus(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None):
-    """The tokens evaluations read: the files train.eval_data (read like train.data, ids checked), or the
-    held-out tail of the training corpus (train.eval_fraction; `tokens` stands for that corpus when
-    given); None when neither is set."""
+    """(tokens, document starts) evaluations read: the files train.eval_data (read like train.data, ids
+    checked), or the held-out tail of the training corpus (train.eval_fraction; `tokens` stands for that
+    corpus when given); None when neither is set. Starts are None without train.document_mask."""
+    docs = train.document_mask
     if train.eval_data:
-        return read_tokens(train.eval_data, train.data_limit_mb, vocab, run_tokenizer_of(train))
+        return read_corpus(train.eval_data, train.data_limit_mb, vocab, run_tokenizer_of(train), docs)
     if not train.eval_fraction:
         return None
     mixture = mixture_of(train) if tokens is None else None
     if mixture:   # each source's held-out tail
-        return Joined([split_corpus(read_tokens([f], train.data_limit_mb, vocab, run_tokenizer_of(train)),
-                                    train.eval_fraction)[1] for f, _ in mixture])
+        tails = [held_out(*read_corpus([f], train.data_limit_mb, vocab, run_tokenizer_of(train), docs),
+                          train.eval_fraction) for f, _ in mixture]
+        joined = Joined([t for t, _ in tails])
+        starts = (np.concatenate([s + lo for (_, s), lo in zip(tails, joined.starts[:-1])]) if docs else None)
+        return joined, starts
     if tokens is None:
-        tokens = read_tokens(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train))
-    return split_corpus(tokens, train.eval_fraction)[1]
+        return held_out(*read_corpus(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train), docs),
+                        train.eval_fraction)
+    return held_out(tokens, one_document(train), train.eval_fraction)
+
+
+def held_out(tokens, starts, fraction: float) -> tuple:
+    """(the held-out tail of `tokens`, its document starts)."""
+    tail = split_corpus(tokens, fraction)[1]
+    return tail, starts_within(starts, tail.lo, tail.hi)
 
 
 def source_batches(train: TrainConfig, file: str, vocab: int, index: int) -> "Batches":
     """One mixture source's batches, as a run on that file alone would draw them (its held-out tail left
     out), from its own seed (train.seed + SOURCE_SEED_STRIDE · index)."""
-    corpus = split_corpus(read_tokens([file], train.data_limit_mb, vocab, run_tokenizer_of(train)),
-                          train.eval_fraction)[0]
+    tokens, starts = read_corpus([file], train.data_limit_mb, vocab, run_tokenizer_of(train), train.document_mask)
+    corpus = split_corpus(tokens, train.eval_fraction)[0]
     kind = ShuffledBatches if is_token_file(Path(file)) else Batches
-    return kind(corpus, train.seq_len, train.global_batch, train.seed + SOURCE_SEED_STRIDE * index)
+    return kind(corpus, train.seq_len, train.global_batch, train.seed + SOURCE_SEED_STRIDE * index,
+                starts=starts_within(starts, 0, len(corpus)))
 
 
 def make_eval_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None) -> "EvalBatches | None":
@@ -345,7 +402,7 @@ def make_eval_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None 
     corpus = eval_corpus(train, vocab, tokens)
     if corpus is None:
         return None
-    return EvalBatches(corpus, train.seq_len, train.global_batch, train.eval_tokens)
+    return EvalBatches(corpus[0], train.seq_len, train.global_batch, train.eval_tokens, corpus[1])
 
 
 def check_eval_data(train: TrainConfig, vocab: int) -> int | None:
@@ -398,11 +455,13 @@ class Joined:
 class Batches:
     """Layout-independent batches: `local(step, dp_rank, dp)` gives this rank's (inputs, targets)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, vocab: int | None = None):
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, vocab: int | None = None,
+                 starts: np.ndarray | None = None):
         check_length(len(tokens), seq_len)
         if vocab is not None:
             check_token_ids(tokens, vocab)
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+        self.starts = starts   # where documents start in `tokens` (train.document_mask), or None
 
     def offsets(self, step: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
@@ -418,8 +477,25 @@ class Batches:
         per = self.global_batch // dp
         return self.rows(step, dp_rank * per, (dp_rank + 1) * per)
 
+    def documents(self, step: int, start: int, stop: int) -> torch.Tensor:
+        """(rows, seq_len) document ids of the input tokens of rows [start, stop) (module docstring)."""
+        return window_documents(self.starts, self.offsets(step)[start:stop], self.seq_len)
+
+    def local_documents(self, step: int, dp_rank: int, dp: int) -> torch.Tensor:
+        """The document ids of `local`'s rows."""
+        per = self.global_batch // dp
+        return self.documents(step, dp_rank * per, (dp_rank + 1) * per)
+
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+
+def window_documents(starts: np.ndarray, offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """(rows, seq_len) int64: for windows of input tokens starting at `offsets`, each token's document
+    counted from the window's first (0, then +1 at each document start after it)."""
+    index_bs = offsets.numpy()[:, None] + np.arange(seq_len)
+    docs_bs = np.searchsorted(starts, index_bs, side="right")
+    return torch.from_numpy((docs_bs - docs_bs[:, :1]).astype(np.int64))
 
 
 class ShuffledBatches(Batches):
@@ -427,8 +503,9 @@ class ShuffledBatches(Batches):
     `permute(j mod N, N, key(seed, j // N))` of the N non-overlapping windows, so every window is seen
     once an epoch and step k depends on (seed, k, the data) alone."""
 
-    def __init__(self, tokens, seq_len: int, global_batch: int, seed: int, vocab: int | None = None):
-        super().__init__(tokens, seq_len, global_batch, seed, vocab)
+    def __init__(self, tokens, seq_len: int, global_batch: int, seed: int, vocab: int | None = None,
+                 starts: np.ndarray | None = None):
+        super().__init__(tokens, seq_len, global_batch, seed, vocab, starts)
         self.windows = (len(tokens) - 1) // seq_len
 
     def offsets(self, step: int) -> torch.Tensor:
@@ -471,7 +548,15 @@ class MixtureBatches:
         win_bs = torch.from_numpy(win)
         return win_bs[:, :-1].contiguous(), win_bs[:, 1:].contiguous()
 
+    def documents(self, step: int, start: int, stop: int) -> torch.Tensor:
+        """Each row's document ids, from the source it was drawn from."""
+        which = self.source_of(step * self.global_batch + start, stop - start).tolist()
+        offsets = {s: self.sources[s].offsets(step) for s in set(which)}
+        return torch.cat([window_documents(self.sources[s].starts, offsets[s][start + i:start + i + 1], self.seq_len)
+                          for i, s in enumerate(which)])
+
     local = Batches.local
+    local_documents = Batches.local_documents
     tokens_per_step = Batches.tokens_per_step
 
     def drawn(self, first_step: int, steps: int = 1) -> dict[str, int]:
@@ -491,13 +576,14 @@ class EvalBatches(Batches):
     layout. `count` batches cover about `eval_tokens` tokens: ceil(eval_tokens / (B·seq_len)) batches,
     at most as many as the data holds; fewer than one batch of windows is a ConfigError."""
 
-    def __init__(self, tokens, seq_len: int, global_batch: int, eval_tokens: int):
+    def __init__(self, tokens, seq_len: int, global_batch: int, eval_tokens: int, starts: np.ndarray | None = None):
         windows = (len(tokens) - 1) // seq_len
         if windows < global_batch:
             raise ConfigError(f"the evaluation data has {len(tokens)} tokens, fewer than one global batch of "
                               f"windows (train.global_batch x train.seq_len + 1 = {global_batch * seq_len + 1}); "
                               f"add evaluation data or raise train.eval_fraction")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, 0
+        self.starts = starts
         self.count = min(-(-eval_tokens // (global_batch * seq_len)), windows // global_batch)
 
     def offsets(self, step: int) -> torch.Tensor:
@@ -546,6 +632,10 @@ class SyntheticBatches:
     def local(self, step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.global_batch // dp, self.seq_len)
         return torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+
+    def local_documents(self, step: int, dp_rank: int, dp: int) -> torch.Tensor:
+        """One document a row (the masks are built as in a real run)."""
+        return torch.zeros((self.global_batch // dp, self.seq_len), dtype=torch.long)
 
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len

@@ -62,6 +62,7 @@ from ..comm import CommLedger, gather_objects
 from ..config import Config, ConfigError
 from ..mesh import ParallelMesh
 from ..model import Transformer, loss_sum
+from ..model.documents import Documents, document_positions
 from ..model.init import InitSource, cast_meta, materialize
 from ..model.transformer import Block
 from ..parallel.data import DataParallelOptimizer
@@ -187,13 +188,25 @@ class Trainer:
 
     # -- one step ----------------------------------------------------------------------------
     def micro_batches(self, step: int, batches=None):
+        """This rank's micro-batches of step `step`: (tokens, targets), and with train.document_mask their
+        `Documents` (model/documents.py: positions restarting per document, sharded like the tokens, and
+        the document ids of the whole rows, which every cp rank keeps)."""
         p = self.cfg.parallel
-        x_bs, y_bs = (self.batches if batches is None else batches).local(step, self.mesh.coords["dp"], p.dp)
+        batches = self.batches if batches is None else batches
+        x_bs, y_bs = batches.local(step, self.mesh.coords["dp"], p.dp)
+        tensors_bs = (x_bs, y_bs)
+        if self.cfg.train.document_mask:
+            ids_bS = batches.local_documents(step, self.mesh.coords["dp"], p.dp)
+            tensors_bs += (document_positions(ids_bS),)
         for d in self.dims:
             if hasattr(d, "shard_batch"):
-                x_bs, y_bs = d.shard_batch(x_bs, y_bs)
-        x_bs, y_bs = x_bs.to(self.device), y_bs.to(self.device)
-        return list(zip(x_bs.chunk(p.microbatches), y_bs.chunk(p.microbatches)))
+                tensors_bs = d.shard_batch(*tensors_bs)
+        x_bs, y_bs = tensors_bs[0].to(self.device), tensors_bs[1].to(self.device)
+        m = p.microbatches
+        if not self.cfg.train.document_mask:
+            return list(zip(x_bs.chunk(m), y_bs.chunk(m)))
+        docs = Documents(tensors_bs[2], ids_bS).to(self.device)
+        return list(zip(x_bs.chunk(m), y_bs.chunk(m), docs.chunk(m)))
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()

@@ -54,6 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ... import comm
 from ...comm import Group
+from ...model.documents import documents_of
 from ...model.transformer import rope_cos_sin
 from ..placement import full_shape, place, placement_of
 from .partition import Partition
@@ -116,12 +117,13 @@ class Stage(nn.Module):
         """cos, sin for `positions` (a 1-D tensor of position ids, or a length: 0..seq-1)."""
         return rope_cos_sin(positions, *self.rope_args, device)
 
-    def forward_chunk(self, chunk: int, x: torch.Tensor, cos_sd, sin_sd) -> torch.Tensor:
-        """Tokens (chunk 0) or hidden states -> hidden states (or logits for the last chunk)."""
+    def forward_chunk(self, chunk: int, x: torch.Tensor, cos_sd, sin_sd, documents_bS=None) -> torch.Tensor:
+        """Tokens (chunk 0) or hidden states -> hidden states (or logits for the last chunk);
+        `documents_bS`: the micro-batch's document ids (model/documents.py), None without a document mask."""
         if chunk == 0:
             x = self.embed(x)
         for i in self.partition.layers_of(chunk):
-            x = self.layers[str(i)](x, cos_sd, sin_sd)
+            x = self.layers[str(i)](x, cos_sd, sin_sd, documents_bS=documents_bS)
         if chunk == self.last:
             x = self.head(self.norm(x))
         return x
@@ -149,10 +151,10 @@ def stage_names(model: nn.Module, partition: Partition) -> list[list[tuple[str, 
 def checkpointed(core: Callable) -> Callable:
     """Selective recompute (Korthikanti et al. 2022): keep no activation inside the attention core; it
     is recomputed from q, k, v in backward."""
-    def run(*args):
+    def run(*args, **kwargs):
         if not torch.is_grad_enabled():
-            return core(*args)
-        return checkpoint(core, *args, use_reentrant=False)
+            return core(*args, **kwargs)
+        return checkpoint(core, *args, use_reentrant=False, **kwargs)
     run.recomputes = True
     return run
 
@@ -218,8 +220,11 @@ class PipelineRuntime:
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int,
             positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run every action for the step's micro-batches [(tokens, targets)], whose tokens sit at
-        `positions` (position ids, default 0..s-1); return this rank's share of the loss (nonzero on the
-        last stage only) as a float64 tensor of one element."""
+        `positions` (position ids, default 0..s-1), or [(tokens, targets, Documents)] with packed
+        documents (model/documents.py: each micro-batch's positions and document ids, which stay on the
+        rank: every stage reads them from its own copy of the micro-batch, so nothing more crosses a
+        stage boundary); return this rank's share of the loss (nonzero on the last stage only) as a
+        float64 tensor of one element."""
         self.begin(micro_batches, n_tokens, positions)
         self.timeline = []
         for item in steps(self.actions):
@@ -240,6 +245,9 @@ class PipelineRuntime:
         b, s = micro_batches[0][0].shape
         self.shape = self.stage.boundary_shape(b, s)
         self.cos_sd, self.sin_sd = self.stage.rope(s if positions is None else positions, micro_batches[0][0].device)
+        # packed documents: each micro-batch's own positions (restarting per document) and ids
+        self.documents = [documents_of(mb) for mb in micro_batches]
+        self.ropes = [None if d is None else self.stage.rope(d.positions_bs, self.device) for d in self.documents]
         self.inbox: dict = {}      # message key -> (buffer, receive handle)
         self.outbox: dict = {}     # message key -> tensor waiting for its SEND
         self.sending: list = []    # (send handle, tensor) until the end of the step
@@ -357,7 +365,11 @@ class PipelineRuntime:
         return self.chunks - 1
 
     def run_chunk(self, chunk: int, mb: int, x: torch.Tensor) -> torch.Tensor:
-        out = self.stage.forward_chunk(chunk, x, self.cos_sd, self.sin_sd)
+        docs = self.documents[mb]
+        if docs is None:
+            out = self.stage.forward_chunk(chunk, x, self.cos_sd, self.sin_sd)
+        else:
+            out = self.stage.forward_chunk(chunk, x, *self.ropes[mb], docs.ids_bS)
         if chunk == self.last:
             out = self.loss_fn(out, self.mbs[mb][1]) / self.n_tokens
         return out

@@ -94,11 +94,14 @@ def init_hf(args) -> None:
                 "from fivefold.model.hf import to_hf; m = Transformer(ModelConfig(**%r), seed=0);"
                 "to_hf(m).save_pretrained(sys.argv[1], max_shard_size='500MB')" % MODELS[args.model])
         subprocess.run([sys.executable, "-c", code, tmp], check=True)
+        # each then reads every weight once (a checksum): transformers maps the files and reads a weight
+        # only when it is first used, so without it from_pretrained would be timed without its reads
         for name, load in (("transformers.from_pretrained",
-                            "from transformers import AutoModelForCausalLM as A; A.from_pretrained(sys.argv[1])"),
+                            "from transformers import AutoModelForCausalLM as A; m = A.from_pretrained(sys.argv[1])"),
                            ("fivefold load_hf_model",
-                            "from fivefold.model.hf_weights import load_hf_model; load_hf_model(sys.argv[1])")):
-            code = ("import sys, time, resource; t0 = time.perf_counter(); " + load +
+                            "from fivefold.model.hf_weights import load_hf_model; m = load_hf_model(sys.argv[1])")):
+            code = ("import sys, time, resource, torch; torch.set_num_threads(1); t0 = time.perf_counter(); " + load +
+                    "; sum(float(p.detach().sum()) for p in m.parameters())"
                     "; print(time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
             out = subprocess.run([sys.executable, "-c", code, tmp], check=True, capture_output=True, text=True)
             seconds, peak_kib = out.stdout.split()[-2:]

@@ -173,15 +173,16 @@ class SafetensorsFile:
             k -= 1
         strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
         run = (sizes[k - 1] if k else 1) * math.prod(shape[k:]) * item
-        out = bytearray(math.prod(sizes) * item)
-        view, at = memoryview(out), 0
+        total = math.prod(sizes) * item
+        out = torch.empty(total, dtype=torch.uint8)   # every byte is read into: nothing to zero first
+        view, at = memoryview(out.numpy()), 0
         for index in itertools.product(*(range(o, o + n) for o, n in zip(offsets[:max(k - 1, 0)], sizes))):
             first = sum(i * s for i, s in zip(index, strides)) + (offsets[k - 1] * strides[k - 1] if k else 0)
             got = os.preadv(self.fd, [view[at:at + run]], self.start + lo + first * item)
             if got != run:
                 raise ConfigError(f"{self.path}: {name} is cut short (the file is truncated)")
             at += run
-        return torch.frombuffer(out, dtype=dtype).view(sizes) if out else torch.empty(sizes, dtype=dtype), len(out)
+        return (out.view(dtype).view(sizes) if total else torch.empty(sizes, dtype=dtype)), total
 
     def close(self) -> None:
         os.close(self.fd)
@@ -253,7 +254,8 @@ class HFWeights:
         """The box of our tensor `key` ("model/<name>"; optimizer moments and buffers start at zero),
         in a tensor of `local_shape` (zero beyond box.sizes), as the checkpoint's reader does."""
         section, _, name = key.partition("/")
-        out = torch.zeros(tuple(local_shape), dtype=torch.float32)
+        whole = tuple(box.sizes) == tuple(local_shape)   # every element is written below (`covered`)
+        out = (torch.empty if whole and section == "model" else torch.zeros)(tuple(local_shape), dtype=torch.float32)
         if section != "model" or not box.numel:
             return out
         covered = 0
@@ -267,6 +269,8 @@ class HFWeights:
             file = self.files[p.name]
             piece, n = self.handle(file).read(p.name, their_offsets, their_sizes)
             self.bytes_read[file] = self.bytes_read.get(file, 0) + n
+            if whole and [h - low for low, h in zip(lo, hi)] == list(box.sizes):   # one part is the box
+                return piece.reshape(tuple(local_shape)).to(torch.float32)
             dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, box.offsets))
             out[dst] = piece.reshape([h - low for low, h in zip(lo, hi)]).to(out.dtype)
             covered += math.prod(h - low for low, h in zip(lo, hi))

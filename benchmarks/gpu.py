@@ -96,7 +96,7 @@ def config(model: dict, seq: int, micro_batch: int, accum: int, steps: int, comp
 def planned_total(cfg) -> tuple[float, dict]:
     from fivefold.cli import planned_memory
 
-    plan = planned_memory(cfg, "cuda")
+    plan = planned_memory(cfg)
     if "error" in plan:
         raise SystemExit(f"benchmarks/gpu.py: the planner cannot estimate this layout: {plan['error']}")
     return plan["stages"][0]["total"], plan

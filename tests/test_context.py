@@ -69,7 +69,7 @@ def attention_alone(rank, world, cases):
             continue
         mesh = ParallelMesh(ParallelConfig(cp=cp, cp_mode=mode, ulysses=u), rank, CommLedger(rank, world), ulysses=u)
         idx = token_indices(16, cp, u)
-        core = ContextAttention(mesh["cp_ulysses"], mesh["cp_ring"], idx.view(cp // u, -1), causal)
+        core = ContextAttention(mesh["cp_ulysses"], mesh["cp_ring"], idx.numpy().reshape(cp // u, -1), causal)
         q, k, v, g = full_inputs(kv, dtype)
         mine = idx[mesh.coords["cp"]]
         q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))

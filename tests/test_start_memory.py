@@ -38,7 +38,7 @@ def peak_over_floor(rank, world, cfg_dict):
     built = peak_rss_bytes()
     t.step(0)
     t.step(1)
-    row = planned_memory(cfg, "cpu")["stages"][t.mesh.coords["pp"]]
+    row = planned_memory(cfg)["stages"][t.mesh.coords["pp"]]
     return {"floor": floor, "built": built, "state": row["weights"] + row["grads"] + row["optimizer"],
             "planned": row["total"], "weights": sum(p.numel() for p in t.params) * 4, "step_peak": peak_rss_bytes()}
 

@@ -557,7 +557,7 @@ def test_an_offload_dir_that_cannot_hold_the_state_fails_at_start(tmp_path, monk
     cfg = tiny_config(dp=2, zero=1, offload="nvme")
     (tmp_path / "file").write_text("")
     cfg.parallel.offload_dir = str(tmp_path / "file")
-    planned = cli.planned_memory(cfg, "cpu")
+    planned = cli.planned_memory(cfg)
     with pytest.raises(ConfigError, match="is not a folder"):
         cli.check_offload_dir(cfg, 2, planned)
     cfg.parallel.offload_dir = str(tmp_path / "file" / "under")

@@ -426,7 +426,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     supported(cfg)                                                   # before any rank starts: what the runtime
     if env is None:                                                  # does not run, a device it cannot use,
         device = resolve_device(cfg.train.device, "gloo" if world > 1 else None)
-        planned = planned_memory(cfg, device.type)                   # more than this machine's memory,
+        planned = planned_memory(cfg)                   # more than this machine's memory,
         speed = speed_model(cfg, device.type, device_name(device))
         if device.type == "cpu":
             check_host_memory(planned, world, cfg.model.num_params())
@@ -460,7 +460,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         import torch.distributed as dist
 
         device = resolve_device(cfg.train.device, dist.get_backend())
-        planned = planned_memory(cfg, device.type)
+        planned = planned_memory(cfg)
         check_offload_dir(cfg, torchrun_ranks_per_node() or 1, planned)
         speed = speed_model(cfg, device.type, device_name(device))
         result = train_rank(rank, world, cfg.to_dict(), out, ckpt, planned, speed)
@@ -497,21 +497,18 @@ def banner_tokens(cfg, start: int, data_tokens: int) -> str:
             f"the data holds {data_tokens:,})")
 
 
-def planned_memory(cfg, device_type: str) -> dict:
+def planned_memory(cfg) -> dict:
     """The planner's memory per rank for the layout `cfg` trains, for run.json beside the measured peaks:
     `fivefold.plan.memory.memory(plan.models.from_model_config(cfg.model), *plan.layout.from_config(cfg))`,
-    every pipeline stage. On CUDA the attention is SDPA's flash / memory-efficient kernel, which stores
-    no s x s scores (`Workload.flash`); on the CPU the planner's non-flash default. A layout the planner
-    cannot estimate gives {"error": ...}: a run never fails for its prediction."""
-    from dataclasses import replace
-
+    every pipeline stage, with the attention the runtime runs on any device (SDPA's fused kernels: no
+    s x s scores stored, `from_config`). A layout the planner cannot estimate gives {"error": ...}: a run
+    never fails for its prediction."""
     from .plan.layout import from_config
     from .plan.memory import COMPONENTS, memory
     from .plan.models import from_model_config
 
     try:
         layout, work = from_config(cfg)
-        work = replace(work, flash=device_type == "cuda")
         rows = memory(from_model_config(cfg.model), layout, work).stages
     except Exception as e:  # noqa: BLE001 - the prediction is a report, not a precondition
         return {"error": f"{type(e).__name__}: {e}"}

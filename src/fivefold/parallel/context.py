@@ -36,6 +36,7 @@ from __future__ import annotations
 from functools import partial
 from math import lcm
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -43,27 +44,34 @@ from .. import rules
 from ..comm.autograd import heads_to_seq, seq_to_heads, sum_across
 from ..model.transformer import attention_core
 from .placement import place
-from .ring import ring_attention, zigzag_positions
+from .ring import ring_attention, zigzag_host
+
+
+def token_indices_host(seq: int, cp: int, ulysses: int) -> np.ndarray:
+    """(cp, seq/cp) int64 host data: the token positions cp rank c holds, c = ring rank · ulysses +
+    Ulysses rank. Ring ranks take zig-zag shares (the whole sequence when the ring has one rank); each
+    share is split contiguously among its Ulysses ranks, in their order (so their all-to-all gathers it
+    in order)."""
+    ring = cp // ulysses
+    shares_rs = np.arange(seq, dtype=np.int64).reshape(1, seq) if ring == 1 else zigzag_host(seq, ring)
+    return shares_rs.reshape(cp, seq // cp)
 
 
 def token_indices(seq: int, cp: int, ulysses: int) -> torch.Tensor:
-    """(cp, seq/cp): the token positions cp rank c holds, c = ring rank · ulysses + Ulysses rank. Ring
-    ranks take zig-zag shares (the whole sequence when the ring has one rank); each share is split
-    contiguously among its Ulysses ranks, in their order (so their all-to-all gathers it in order)."""
-    ring = cp // ulysses
-    shares_rs = torch.arange(seq).view(1, seq) if ring == 1 else zigzag_positions(seq, ring)
-    return shares_rs.reshape(cp, seq // cp)
+    """`token_indices_host` as a tensor."""
+    return torch.from_numpy(token_indices_host(seq, cp, ulysses))
 
 
 class ContextAttention(nn.Module):
     """The attention core of one layer under context parallelism (it replaces `Attention.core`):
     (q, k, v) of this rank's tokens for its heads -> attention output for the same tokens and heads."""
 
-    def __init__(self, ulysses, ring, ring_positions_rs: torch.Tensor, causal: bool = True):
+    def __init__(self, ulysses, ring, ring_host_rs: np.ndarray, causal: bool = True):
         super().__init__()
         self.ulysses, self.ring = ulysses, ring   # Groups (size 1 when the mode has no such part)
         self.causal = causal
-        self.register_buffer("ring_positions_rs", ring_positions_rs, persistent=False)
+        self.ring_host_rs = ring_host_rs          # every ring rank's positions, as data (the ring's plan)
+        self.register_buffer("ring_positions_rs", torch.from_numpy(ring_host_rs), persistent=False)
         self.inner = attention_core   # causal attention on whole sequences (selective recompute wraps it)
 
     def forward(self, q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor,
@@ -77,7 +85,7 @@ class ContextAttention(nn.Module):
         documents_brs = None if documents_bS is None else documents_bS[:, self.ring_positions_rs]
         if self.ring.size > 1:
             o_bnsd = ring_attention(q_bnsd, k_bksd, v_bksd, self.ring_positions_rs, self.ring, self.causal,
-                                    documents_brs)
+                                    documents_brs, host_positions_rs=self.ring_host_rs)
         elif documents_brs is not None:   # Ulysses alone: this rank's heads of the whole sequence, in order
             o_bnsd = self.inner(q_bnsd, k_bksd, v_bksd, self.causal, documents_bS=documents_brs[:, 0])
         else:
@@ -102,13 +110,13 @@ class ContextParallelism:
         p, m, t = cfg.parallel, cfg.model, cfg.train
         self.mesh = mesh
         self.ulysses_degree, self.ring_degree = rules.cp_degrees(p.cp_mode, p.cp, m.heads, p.tp, p.ulysses)
-        indices = token_indices(t.seq_len, p.cp, self.ulysses_degree)
-        self.positions = indices[mesh.coords["cp"]]                        # this rank's tokens
-        self.ring_positions_rs = indices.view(self.ring_degree, -1)        # every ring rank's share
+        indices = token_indices_host(t.seq_len, p.cp, self.ulysses_degree)
+        self.positions = torch.from_numpy(indices[mesh.coords["cp"]])      # this rank's tokens
+        self.ring_host_rs = indices.reshape(self.ring_degree, -1)          # every ring rank's share
 
     def apply(self, model: nn.Module) -> nn.Module:
         for block in model.layers:
-            block.attn.core = ContextAttention(self.mesh["cp_ulysses"], self.mesh["cp_ring"], self.ring_positions_rs)
+            block.attn.core = ContextAttention(self.mesh["cp_ulysses"], self.mesh["cp_ring"], self.ring_host_rs)
         for param in model.parameters():
             place(param, reduce="dp_cp")
         for m in model.modules():   # MoE balance statistics are per whole sequence: sum the cp parts

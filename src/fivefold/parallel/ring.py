@@ -50,25 +50,33 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
 from fivefold.comm import Group, send_recv
 from fivefold.model.documents import document_mask
 
-__all__ = ["ring_attention", "zigzag_positions", "zigzag_indices"]
+__all__ = ["ring_attention", "zigzag_host", "zigzag_positions", "zigzag_indices"]
 
 DIM = "cp"
 
 
 # -- layout -------------------------------------------------------------------------------------------
-def zigzag_positions(seq: int, r: int) -> torch.Tensor:
-    """(r, seq // r) int64: rank i holds chunks i and 2r-1-i of the 2r equal chunks of 0 .. seq-1."""
+def zigzag_host(seq: int, r: int) -> np.ndarray:
+    """(r, seq // r) int64 on the host, as data (not a tensor: a dry run's fake tensors have no values,
+    and the ring plans its blocks from these): rank i holds chunks i and 2r-1-i of the 2r equal chunks
+    of 0 .. seq-1."""
     if r < 1 or seq % (2 * r):
         raise ValueError(f"zig-zag needs seq divisible by 2·r = {2 * r}; got seq={seq} "
                          f"(nearest valid: {seq // (2 * r) * 2 * r} or {(seq // (2 * r) + 1) * 2 * r})")
-    chunks_cc = torch.arange(seq, dtype=torch.int64).view(2 * r, seq // (2 * r))
-    return torch.stack([torch.cat([chunks_cc[i], chunks_cc[2 * r - 1 - i]]) for i in range(r)])
+    chunks_cc = np.arange(seq, dtype=np.int64).reshape(2 * r, seq // (2 * r))
+    return np.stack([np.concatenate([chunks_cc[i], chunks_cc[2 * r - 1 - i]]) for i in range(r)])
+
+
+def zigzag_positions(seq: int, r: int) -> torch.Tensor:
+    """`zigzag_host` as a tensor."""
+    return torch.from_numpy(zigzag_host(seq, r))
 
 
 def zigzag_indices(seq: int, r: int) -> torch.Tensor:
@@ -87,8 +95,8 @@ class _Window:
     masked: bool
 
 
-def _window(pos_q_s: torch.Tensor, pos_k_t: torch.Tensor, causal: bool) -> _Window | None:
-    """Which part of a block to compute (None: nothing is visible). Positions are on the CPU."""
+def _window(pos_q_s: np.ndarray, pos_k_t: np.ndarray, causal: bool) -> _Window | None:
+    """Which part of a block to compute (None: nothing is visible). Positions are host arrays."""
     s, t = len(pos_q_s), len(pos_k_t)
     if not causal:
         return _Window(slice(0, s), slice(0, t), False) if s and t else None
@@ -96,7 +104,7 @@ def _window(pos_q_s: torch.Tensor, pos_k_t: torch.Tensor, causal: bool) -> _Wind
     cols_t = pos_k_t <= pos_q_s.max()           # keys some query sees
     if not rows_s.any():
         return None
-    row_idx, col_idx = rows_s.nonzero().flatten(), cols_t.nonzero().flatten()
+    row_idx, col_idx = np.flatnonzero(rows_s), np.flatnonzero(cols_t)
     rows, cols = slice(int(row_idx[0]), int(row_idx[-1]) + 1), slice(int(col_idx[0]), int(col_idx[-1]) + 1)
     return _Window(rows, cols, bool(pos_k_t[cols].max() > pos_q_s[rows].min()))
 
@@ -155,14 +163,14 @@ _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 _FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-def _runs(pos_s: torch.Tensor) -> list[slice]:
+def _runs(pos_s: np.ndarray) -> list[slice]:
     """Maximal runs of consecutive positions (a zig-zag share is two runs)."""
-    breaks = ((pos_s[1:] - pos_s[:-1]) != 1).nonzero().flatten() + 1
+    breaks = np.flatnonzero(np.diff(pos_s) != 1) + 1
     edges = [0, *breaks.tolist(), len(pos_s)]
     return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
 
 
-def _tiles(pos_q_s: torch.Tensor, pos_k_t: torch.Tensor, causal: bool, device) -> list | None:
+def _tiles(pos_q_s: np.ndarray, pos_k_t: np.ndarray, causal: bool, device) -> list | None:
     """The block as tiles the fused kernel computes exactly: (query rows, key columns, causal) for each
     pair of position runs that is fully visible (causal False) or shares its positions (the causal
     diagonal); pairs nothing sees are left out. None when the fused kernel does not apply (not on the CPU,
@@ -268,15 +276,15 @@ def _wait(handle) -> None:
         handle.wait()
 
 
-def _block_plan(pos_cpu_rs, pos_rs, ids_brs, i: int, src: int, causal: bool, device):
+def _block_plan(host_rs, pos_rs, ids_brs, i: int, src: int, causal: bool, device):
     """How rank i computes its queries against rank src's block: (fused tiles, None, None) on the CPU
     fast path, else (None, window, visible pairs), or (None, None, None) when no pair is visible. With
     document ids (`ids_brs`, (b, r, s)) the block is always masked, and skipped when no query shares a
     document with a key of it."""
-    tiles = _tiles(pos_cpu_rs[i], pos_cpu_rs[src], causal, device) if ids_brs is None else None
+    tiles = _tiles(host_rs[i], host_rs[src], causal, device) if ids_brs is None else None
     if tiles is not None:
         return tiles, None, None
-    win = _window(pos_cpu_rs[i], pos_cpu_rs[src], causal)
+    win = _window(host_rs[i], host_rs[src], causal)
     if win is None:
         return None, None, None
     if ids_brs is None:
@@ -285,11 +293,11 @@ def _block_plan(pos_cpu_rs, pos_rs, ids_brs, i: int, src: int, causal: bool, dev
     return (None, win, visible) if bool(visible.any()) else (None, None, None)
 
 
-def _ring_forward(q_bnsd, k_bksd, v_bksd, pos_rs, group: Group, causal: bool, ids_brs=None):
+def _ring_forward(q_bnsd, k_bksd, v_bksd, pos_rs, host_rs, group: Group, causal: bool, ids_brs=None):
     b, n, s, d = q_bnsd.shape
     kh, r, i = k_bksd.shape[1], group.size, group.rank
     cdt, scale = _compute_dtype(q_bnsd.dtype), 1.0 / math.sqrt(d)
-    pos_cpu_rs, pos_rs = pos_rs.cpu(), pos_rs.to(q_bnsd.device)
+    pos_rs = pos_rs.to(q_bnsd.device)
     q_bkgsd = _grouped(q_bnsd, kh, cdt)
     m_bkgs = torch.full(q_bkgsd.shape[:-1], float("-inf"), dtype=cdt, device=q_bnsd.device)
     l_bkgs = torch.zeros_like(m_bkgs)
@@ -298,7 +306,7 @@ def _ring_forward(q_bnsd, k_bksd, v_bksd, pos_rs, group: Group, causal: bool, id
     for j in range(r):
         kv_2bksd, src = kv_bufs[j % 2], (i - j) % r
         handle = _hop(group, [kv_2bksd], [kv_bufs[(j + 1) % 2]]) if j < r - 1 else None
-        tiles, win, visible = _block_plan(pos_cpu_rs, pos_rs, ids_brs, i, src, causal, q_bnsd.device)
+        tiles, win, visible = _block_plan(host_rs, pos_rs, ids_brs, i, src, causal, q_bnsd.device)
         if tiles:
             g = n // kh
             _attend_tiles(q_bnsd.to(cdt), _expand(kv_2bksd[0], g, cdt), _expand(kv_2bksd[1], g, cdt), tiles, scale,
@@ -315,12 +323,12 @@ def _ring_forward(q_bnsd, k_bksd, v_bksd, pos_rs, group: Group, causal: bool, id
     return o_bkgsd.reshape(b, n, s, d).to(q_bnsd.dtype), lse_bkgs.reshape(b, n, s)
 
 
-def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, group: Group, causal: bool,
-                   ids_brs=None):
+def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, host_rs, group: Group,
+                   causal: bool, ids_brs=None):
     b, n, s, d = q_bnsd.shape
     kh, r, i = k_bksd.shape[1], group.size, group.rank
     cdt, scale = _compute_dtype(q_bnsd.dtype), 1.0 / math.sqrt(d)
-    pos_cpu_rs, pos_rs = pos_rs.cpu(), pos_rs.to(q_bnsd.device)
+    pos_rs = pos_rs.to(q_bnsd.device)
     q_bkgsd, do_bkgsd = _grouped(q_bnsd, kh, cdt), _grouped(do_bnsd, kh, cdt)
     delta_bkgs = (do_bkgsd * _grouped(o_bnsd, kh, cdt)).sum(-1)      # D = rowsum(dO * O)
     lse_bkgs = lse_bns.reshape(b, kh, n // kh, s)
@@ -335,7 +343,7 @@ def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, gro
             send, recv = send + [dkv_out], recv + [dkv_in]
         handle = _hop(group, send, recv)
         dkv_2bksd = torch.zeros(kv_2bksd.shape, dtype=cdt, device=kv_2bksd.device)   # this step's partial
-        tiles, win, visible = _block_plan(pos_cpu_rs, pos_rs, ids_brs, i, src, causal, q_bnsd.device)
+        tiles, win, visible = _block_plan(host_rs, pos_rs, ids_brs, i, src, causal, q_bnsd.device)
         if tiles:
             g = n // kh
             dq, dk, dv = _grad_tiles(do_bnsd.to(cdt), q_bnsd.to(cdt), _expand(kv_2bksd[0], g, cdt),
@@ -368,10 +376,10 @@ def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, gro
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_bnsd, k_bksd, v_bksd, positions_rs, group, causal, documents_brs):
-        o_bnsd, lse_bns = _ring_forward(q_bnsd, k_bksd, v_bksd, positions_rs, group, causal, documents_brs)
+    def forward(ctx, q_bnsd, k_bksd, v_bksd, positions_rs, host_rs, group, causal, documents_brs):
+        o_bnsd, lse_bns = _ring_forward(q_bnsd, k_bksd, v_bksd, positions_rs, host_rs, group, causal, documents_brs)
         ctx.save_for_backward(q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, positions_rs, documents_brs)
-        ctx.group, ctx.causal = group, causal
+        ctx.host_rs, ctx.group, ctx.causal = host_rs, group, causal
         return o_bnsd
 
     @staticmethod
@@ -379,18 +387,21 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, do_bnsd):
         q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, positions_rs, documents_brs = ctx.saved_tensors
         dq, dk, dv = _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, positions_rs,
-                                    ctx.group, ctx.causal, documents_brs)
-        return dq, dk, dv, None, None, None, None
+                                    ctx.host_rs, ctx.group, ctx.causal, documents_brs)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, positions_rs: torch.Tensor,
-                   group: Group, causal: bool = True, documents_brs: torch.Tensor | None = None) -> torch.Tensor:
+                   group: Group, causal: bool = True, documents_brs: torch.Tensor | None = None,
+                   host_positions_rs: np.ndarray | None = None) -> torch.Tensor:
     """Exact (causal) attention of this rank's queries against the keys/values of every rank of `group`.
 
     q (b, n, s, d); k, v (b, kh, s, d) with kh dividing n (query head h uses kv head h // (n/kh));
     positions_rs (r, s) int64: row j = the position ids of rank j's tokens (row group.rank = ours).
     documents_brs (b, r, s) int64, optional: the document id of every ring rank's tokens (computed by
     each rank from the whole rows, never sent): a query then sees only keys of its own document.
+    host_positions_rs: the same positions as host data, from which the blocks are planned (default
+    positions_rs's values; a dry run's fake positions have none, so context.py passes them).
     Returns o (b, n, s, d) in q's dtype; differentiable in q, k and v. Scale 1/sqrt(d).
     """
     b, n, s, d = q_bnsd.shape
@@ -405,4 +416,5 @@ def ring_attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Ten
     if documents_brs is not None and tuple(documents_brs.shape) != (b, group.size, s):
         raise ValueError(f"document ids must be (b, ring size, s) = ({b}, {group.size}, {s}); "
                          f"got {tuple(documents_brs.shape)}")
-    return _RingAttention.apply(q_bnsd, k_bksd, v_bksd, positions_rs, group, causal, documents_brs)
+    host_rs = positions_rs.detach().cpu().numpy() if host_positions_rs is None else host_positions_rs
+    return _RingAttention.apply(q_bnsd, k_bksd, v_bksd, positions_rs, host_rs, group, causal, documents_brs)

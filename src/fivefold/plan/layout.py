@@ -211,7 +211,10 @@ def microbatches(layout: Layout, work: Workload) -> int:
 
 
 def from_config(cfg: Config) -> tuple[Layout, Workload]:
-    """The layout and workload of a runtime `Config` (non-flash math attention, as the runtime runs).
+    """The layout and workload of a runtime `Config`. Attention is flash-like, as the runtime runs it:
+    SDPA takes its fused kernels on the CPU (`_scaled_dot_product_flash_attention_for_cpu`, with or
+    without a mask) and on CUDA (flash or memory-efficient), and ring attention saves only q, k, v, o and
+    the log-sum-exp, so no s x s scores are stored (`Workload.flash`).
     The micro-batch size is global_batch / (dp · microbatches), exact for a config that validates."""
     p, t = cfg.parallel, cfg.train
     rules.check_global_batch(t.global_batch, p.dp, p.microbatches)
@@ -226,7 +229,7 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
     # the runtime reduces a chunk's buckets after its last backward (pp == 1: the one backward) unless
     # parallel.overlap_grad_reduce is off; ZeRO-1/2 gather after the step
     layout = replace(layout, overlap_grad_reduce=p.pp == 1 or p.overlap_grad_reduce, overlap_param_gather=False)
-    work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=False,
+    work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=True,
                     capacity_factor=cfg.model.capacity_factor,   # 0: dropless (balanced routing assumed)
                     fp8_dispatch=cfg.parallel.fp8_dispatch, grad_dtype="fp32" if t.main_grads_fp32 else "param",
                     reduce_dtype="fp32" if full else t.dtype, fused_optimizer=False)

@@ -127,7 +127,7 @@ def attention_alone(rank, world):
                             ulysses=2 if mode == "ulysses" else 1)
         u = 2 if mode == "ulysses" else 1
         idx = token_indices(16, 2, u)
-        core = ContextAttention(mesh["cp_ulysses"], mesh["cp_ring"], idx.view(2 // u, -1))
+        core = ContextAttention(mesh["cp_ulysses"], mesh["cp_ring"], idx.numpy().reshape(2 // u, -1))
         q, k, v, g, ids = attention_inputs()
         mine = idx[mesh.coords["cp"]]
         q, k, v = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))

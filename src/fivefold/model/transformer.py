@@ -12,6 +12,8 @@ The model knows nothing of process groups; parallel layers wrap or replace its p
 from __future__ import annotations
 
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,9 +30,39 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """weight · (x / rms(x)) with the normalisation in fp32 (as Hugging Face's LlamaRMSNorm), storing for
+    the backward only x and the fp32 inverse rms per token, as fused RMSNorm kernels do (apex, Megatron):
+    autograd of the eager expression would keep x's fp32 copy and the normalised x as well (three
+    times x's bytes in bf16). The backward recomputes x / rms(x) and applies, step for step, the
+    gradients autograd would: the weight's product, the cast, the scaling, rsqrt, mean and square."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, inv_rms)
+        return weight * (x32 * inv_rms).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, inv_rms = ctx.saved_tensors
+        x32 = x.float()
+        d_weight = None
+        if ctx.needs_input_grad[1]:
+            d_weight = (dy * (x32 * inv_rms).to(x.dtype)).sum_to_size(weight.shape)
+        d_x32 = (dy * weight).float()                                      # through the cast to x.dtype
+        d_mean = (d_x32 * x32).sum(-1, keepdim=True) * (-0.5) * inv_rms.pow(3)   # rsqrt
+        d_x32.mul_(inv_rms)                                                # through x32 · inv_rms
+        d_x32.addcmul_(x32, d_mean / x32.shape[-1], value=2)                # through the mean of squares
+        return d_x32.to(x.dtype), d_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _RMSNorm.apply(x, weight, eps)
 
 
 def rope_cos_sin(positions, head_dim: int, theta: float, device=None, offset: int = 0):
@@ -47,6 +79,28 @@ def rope_cos_sin(positions, head_dim: int, theta: float, device=None, offset: in
     return emb_sd.cos(), emb_sd.sin()
 
 
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) · up, storing gate and up only (silu's output is recomputed in the backward, as
+    Megatron's fused SwiGLU does): eager autograd also keeps silu(gate), a fourth ffn-wide tensor."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        d_up = dy * (gate * sig)                                            # silu(gate) = gate · σ(gate)
+        d_gate = (dy * up) * (sig * (1 + gate * (1 - sig)))                 # silu's derivative, as autograd's
+        return d_gate, d_up
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _SiluMul.apply(gate, up)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -61,27 +115,31 @@ def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor)
 
 def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0,
                    documents_bS: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal (or full) attention; kv heads are repeated to match query heads (head i uses kv head
-    i // (n/k)). With `past` > 0 (a KV cache) the keys are the `past` cached tokens followed by the
+    """Causal (or full) attention; query head i uses kv head i // (n/k): on the CPU SDPA's fused kernel
+    reads the k kv heads itself (`enable_gqa`), so only they are saved for the backward, as the planner
+    counts them; on CUDA they are repeated first (the flash and memory-efficient kernels' GQA support
+    differs by version and dtype). With `past` > 0 (a KV cache) the keys are the `past` cached tokens followed by the
     queries' own s tokens, and query i sees keys 0..past+i. Training passes no mask (is_causal, no
     dropout), so on CUDA SDPA takes the flash kernel (bf16/fp16) or the memory-efficient one (fp32).
     `documents_bS` (b, s): the document id of each token, queries and keys being the same tokens
     (model/documents.py); a query then sees only keys of its own document (block-diagonal, causal
     inside each block), through an explicit mask."""
     n, k = q_bnsd.shape[1], k_bksd.shape[1]
-    if n != k:
+    gqa = n != k and q_bnsd.device.type == "cpu"   # the CPU's fused kernel reads the k kv heads itself
+    if n != k and not gqa:
         k_bksd = k_bksd.repeat_interleave(n // k, dim=1)
         v_bksd = v_bksd.repeat_interleave(n // k, dim=1)
+    sdpa = partial(F.scaled_dot_product_attention, enable_gqa=True) if gqa else F.scaled_dot_product_attention
     if documents_bS is not None:
         s = q_bnsd.shape[2]
         causal_st = torch.ones(s, s, dtype=torch.bool, device=q_bnsd.device).tril() if causal else None
         mask_b1st = document_mask(documents_bS, documents_bS, causal_st)
-        return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, attn_mask=mask_b1st)
+        return sdpa(q_bnsd, k_bksd, v_bksd, attn_mask=mask_b1st)
     if past and causal:
         s, t = q_bnsd.shape[2], k_bksd.shape[2]
         mask_st = torch.arange(past, past + s, device=q_bnsd.device)[:, None] >= torch.arange(t, device=q_bnsd.device)
-        return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, attn_mask=mask_st)
-    return F.scaled_dot_product_attention(q_bnsd, k_bksd, v_bksd, is_causal=causal)
+        return sdpa(q_bnsd, k_bksd, v_bksd, attn_mask=mask_st)
+    return sdpa(q_bnsd, k_bksd, v_bksd, is_causal=causal)
 
 
 class LayerKV:
@@ -221,7 +279,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         x_bsh = self.enter(x_bsh)
-        return self.down(F.silu(self.gate(x_bsh)) * self.up(x_bsh))
+        return self.down(silu_mul(self.gate(x_bsh), self.up(x_bsh)))
 
 
 class Block(nn.Module):

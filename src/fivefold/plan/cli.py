@@ -64,7 +64,11 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-flash", dest="flash", action="store_false", help="store the s^2 attention scores")
     ap.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", help="MoE dispatch in FP8")
     ap.add_argument("--capacity-factor", dest="capacity_factor", type=float, default=1.0)
-    ap.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak FLOP/s kernels reach")
+    ap.add_argument("--efficiency", type=float, default=0.6,
+                    help="fraction of peak FLOP/s kernels reach (with --gemm shape: what large GEMMs reach)")
+    ap.add_argument("--gemm", choices=("shape", "flat"), default="shape",
+                    help="GEMM time by shape: roofline of arithmetic intensity plus a per-kernel floor (default), "
+                         "or flat: every GEMM at --efficiency of peak")
     ap.add_argument("--document-length", dest="document_length", type=float, default=0.0,
                     help="train.document_mask: attention stays inside packed documents of this token-weighted "
                          "mean length, sum(len^2)/sum(len) (README, Document masking; default 0: no mask)")
@@ -237,7 +241,7 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
     work = replace(work, seq=args.seq or work.seq, global_batch=args.global_batch or work.global_batch,
                    dtype=dtype, grad_dtype=args.grad_dtype, reduce_dtype=reduce_dtype,
                    flash=args.flash and work.flash, fp8_dispatch=args.fp8_dispatch,
-                   capacity_factor=args.capacity_factor, efficiency=args.efficiency,
+                   capacity_factor=args.capacity_factor, efficiency=args.efficiency, gemm=args.gemm,
                    document_length=args.document_length,
                    moe_route_nodes=args.moe_route_nodes or work.moe_route_nodes,
                    fp8_gemm=args.fp8_gemm or work.fp8_gemm, fp8_act_cache=args.fp8_act_cache or work.fp8_act_cache)

@@ -155,7 +155,7 @@ def test_bound_compute_is_the_step_times():
 
 def test_search_report_says_what_the_bound_skipped():
     res = search(PRESETS["llama3-70b"], Workload(seq=4096, global_batch=256), TOPOLOGIES["llama3"], 512, top=4)
-    text = search_text(res, 4)
+    text = search_text(res, 4, verbose=True)
     assert f"searched {res.considered} layouts" in text and f"{res.fit} fit, {len(res.rejected)} rejected" in text
     assert (f"bound: {res.skipped} of {res.structures} structures (tp pp cp ep dp) skipped unchecked "
             f"({res.skipped_layouts} more layouts, neither fit nor rejected above) and {res.untimed} of the "
@@ -196,3 +196,20 @@ def test_ties_within_one_percent_prefer_fewer_network_bytes():
     assert tie_break([far, near]) == [near, far]
     far.time.step_time_s = slower / (1 + 2 * TIE)        # faster by 2%: the faster wins
     assert tie_break([near, far]) == [far, near]
+
+
+def test_search_output_leads_with_what_to_act_on(capsys):
+    """Issue 26 item 5: the best layout, memory per device against the limit, step time, MFU with the assumed
+    efficiency beside it and bytes per tier come first; the bound's proof only with --verbose; GiB only; no
+    warning about the order the planner chose itself."""
+    argv = ["plan", "--model", "llama3-70b", "--gpus", "512", "--topology", "llama3", "--top", "3"]
+    main(argv)
+    out = capsys.readouterr().out
+    first = out.splitlines()[:4]
+    assert first[0].startswith("best layout: ") and first[1].startswith("memory per device: ")
+    assert " GiB of 80.00 GiB (fits" in first[1]
+    assert first[2].startswith("step ") and "MFU" in first[2] and "(assumed: GEMMs by shape, at most 60% of peak)" in first[2]
+    assert first[3].startswith("traffic per rank per step: nvlink ")
+    assert "bound:" not in out and "warning: order" not in out and " GB " not in out
+    main(argv + ["--verbose"])
+    assert "bound:" in capsys.readouterr().out

@@ -103,6 +103,8 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--search", action="store_true", help="search even when every degree is given")
     ap.add_argument("--top", type=int, default=10, help="layouts to show when searching")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ap.add_argument("--verbose", action="store_true",
+                    help="searching: also what the branch and bound skipped and why (bound: ...), and rejection examples")
     ap.add_argument("--plot", help="write a PNG of memory per component and bytes per tier")
 
 
@@ -344,10 +346,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     fixed.update(sp_mode=args.sp_mode, cp_mode=args.cp_mode)
     res = search(model, work, topo, gpus, fixed, top=args.top, order=order, partition=partition,
                  schedule=args.schedule or "1f1b")
+    if not args.order:   # the search chose the order: no warning about the planner's own default
+        for e in res.best:
+            e.warnings = [w for w in e.warnings if not w.startswith("order ")]
     if args.json:
         print(to_json(search_dict(res)))
     else:
-        print(search_text(res, args.top))
+        print(search_text(res, args.top, verbose=args.verbose))
     if args.plot and res.best:
         print(f"plot: {plot(res.best[0], args.plot)}", file=sys.stderr)
     return 0 if res.best else 1

@@ -7,7 +7,7 @@ from fivefold.cli import main
 from fivefold.rules import ConfigError, divisors, prime_factors
 
 from fivefold.plan.estimate import estimate
-from fivefold.plan.layout import Workload
+from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.models import PRESETS
 from fivefold.plan.report import search_dict, search_text
 from fivefold.plan.search import _structures, search
@@ -142,7 +142,9 @@ def test_bound_compute_is_the_step_times():
     from fivefold.plan.layout import Layout, microbatches
     from fivefold.plan.time import forward_seconds, stage_weights
     model, topo = PRESETS["mixtral-8x7b"], TOPOLOGIES["dgx-h100"]
-    for work in (Workload(seq=4096, global_batch=64), Workload(seq=2048, global_batch=64, fp8_gemm=True)):
+    # the bound is flat (GEMMs at the flat efficiency); by shape compute only grows (tests/test_plan_gemm.py)
+    for work in (Workload(seq=4096, global_batch=64, gemm="flat"),
+                 Workload(seq=2048, global_batch=64, fp8_gemm=True, gemm="flat")):
         lay = Layout(tp=2, pp=4, dp=8, ep=2, vpp=2, micro_batch=2, schedule="interleaved", sp_mode="megatron")
         est = estimate(model, lay, work, topo, 64, simulate=False)
         body, head = stage_weights(model, 4, 2)[3]
@@ -153,7 +155,7 @@ def test_bound_compute_is_the_step_times():
 
 def test_search_report_says_what_the_bound_skipped():
     res = search(PRESETS["llama3-70b"], Workload(seq=4096, global_batch=256), TOPOLOGIES["llama3"], 512, top=4)
-    text = search_text(res, 4)
+    text = search_text(res, 4, verbose=True)
     assert f"searched {res.considered} layouts" in text and f"{res.fit} fit, {len(res.rejected)} rejected" in text
     assert (f"bound: {res.skipped} of {res.structures} structures (tp pp cp ep dp) skipped unchecked "
             f"({res.skipped_layouts} more layouts, neither fit nor rejected above) and {res.untimed} of the "
@@ -169,3 +171,45 @@ def test_search_report_says_what_the_bound_skipped():
                   bound=False)
     assert "bound:" not in search_text(full, 4)
     assert search_dict(full)["search"]["bound"]["skipped_layouts"] == 0 and full.fit == len(full.ranked)
+
+
+def test_search_finds_llama3_405b_16k_layout():
+    """Dubey et al. 2024 §3.3: TP8 PP16 DP128 on 16,384 H100s fits only with the gradient reduce-scattered every
+    micro-batch (FSDP's sharded gradients); the search tries the reduce policy per layout, so with the degrees
+    fixed and everything else searched it finds that layout, without recompute, rather than full recompute."""
+    res = search(PRESETS["llama3-405b"], Workload(seq=8192, global_batch=2048), TOPOLOGIES["llama3"], 16384,
+                 fixed={"tp": 8, "pp": 16, "cp": 1}, partition="llama3", order="tp-cp-ep-pp-dp", top=3)
+    best = res.best[0]
+    assert best.fits and best.layout.reduce_each_microbatch and best.layout.recompute == "none"
+    assert (best.layout.dp, best.layout.zero, best.layout.vpp) == (128, 2, 4)
+    assert best.time.mfu == pytest.approx(0.41, rel=0.2)
+
+
+def test_ties_within_one_percent_prefer_fewer_network_bytes():
+    from fivefold.plan.search import TIE, _bytes_key, tie_break
+    model, topo, work = PRESETS["llama3-8b"], TOPOLOGIES["dgx-h100"], Workload(seq=4096, global_batch=512)
+    near = estimate(model, Layout(tp=8, dp=32, zero=1, sp_mode="megatron"), work, topo, 256)
+    far = estimate(model, Layout(tp=1, dp=256, zero=1), work, topo, 256)
+    assert _bytes_key(near)[0] < _bytes_key(far)[0]
+    slower = near.time.step_time_s
+    far.time.step_time_s = slower / (1 + TIE / 2)        # faster by under 1%: a tie, fewer bytes wins
+    assert tie_break([far, near]) == [near, far]
+    far.time.step_time_s = slower / (1 + 2 * TIE)        # faster by 2%: the faster wins
+    assert tie_break([near, far]) == [far, near]
+
+
+def test_search_output_leads_with_what_to_act_on(capsys):
+    """Issue 26 item 5: the best layout, memory per device against the limit, step time, MFU with the assumed
+    efficiency beside it and bytes per tier come first; the bound's proof only with --verbose; GiB only; no
+    warning about the order the planner chose itself."""
+    argv = ["plan", "--model", "llama3-70b", "--gpus", "512", "--topology", "llama3", "--top", "3"]
+    main(argv)
+    out = capsys.readouterr().out
+    first = out.splitlines()[:4]
+    assert first[0].startswith("best layout: ") and first[1].startswith("memory per device: ")
+    assert " GiB of 80.00 GiB (fits" in first[1]
+    assert first[2].startswith("step ") and "MFU" in first[2] and "(assumed: GEMMs by shape, at most 60% of peak)" in first[2]
+    assert first[3].startswith("traffic per rank per step: nvlink ")
+    assert "bound:" not in out and "warning: order" not in out and " GB " not in out
+    main(argv + ["--verbose"])
+    assert "bound:" in capsys.readouterr().out

@@ -64,7 +64,11 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-flash", dest="flash", action="store_false", help="store the s^2 attention scores")
     ap.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", help="MoE dispatch in FP8")
     ap.add_argument("--capacity-factor", dest="capacity_factor", type=float, default=1.0)
-    ap.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak FLOP/s kernels reach")
+    ap.add_argument("--efficiency", type=float, default=0.6,
+                    help="fraction of peak FLOP/s kernels reach (with --gemm shape: what large GEMMs reach)")
+    ap.add_argument("--gemm", choices=("shape", "flat"), default="shape",
+                    help="GEMM time by shape: roofline of arithmetic intensity plus a per-kernel floor (default), "
+                         "or flat: every GEMM at --efficiency of peak")
     ap.add_argument("--document-length", dest="document_length", type=float, default=0.0,
                     help="train.document_mask: attention stays inside packed documents of this token-weighted "
                          "mean length, sum(len^2)/sum(len) (README, Document masking; default 0: no mask)")
@@ -99,6 +103,8 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--search", action="store_true", help="search even when every degree is given")
     ap.add_argument("--top", type=int, default=10, help="layouts to show when searching")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ap.add_argument("--verbose", action="store_true",
+                    help="searching: also what the branch and bound skipped and why (bound: ...), and rejection examples")
     ap.add_argument("--plot", help="write a PNG of memory per component and bytes per tier")
 
 
@@ -237,7 +243,7 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
     work = replace(work, seq=args.seq or work.seq, global_batch=args.global_batch or work.global_batch,
                    dtype=dtype, grad_dtype=args.grad_dtype, reduce_dtype=reduce_dtype,
                    flash=args.flash and work.flash, fp8_dispatch=args.fp8_dispatch,
-                   capacity_factor=args.capacity_factor, efficiency=args.efficiency,
+                   capacity_factor=args.capacity_factor, efficiency=args.efficiency, gemm=args.gemm,
                    document_length=args.document_length,
                    moe_route_nodes=args.moe_route_nodes or work.moe_route_nodes,
                    fp8_gemm=args.fp8_gemm or work.fp8_gemm, fp8_act_cache=args.fp8_act_cache or work.fp8_act_cache)
@@ -340,10 +346,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     fixed.update(sp_mode=args.sp_mode, cp_mode=args.cp_mode)
     res = search(model, work, topo, gpus, fixed, top=args.top, order=order, partition=partition,
                  schedule=args.schedule or "1f1b")
+    if not args.order:   # the search chose the order: no warning about the planner's own default
+        for e in res.best:
+            e.warnings = [w for w in e.warnings if not w.startswith("order ")]
     if args.json:
         print(to_json(search_dict(res)))
     else:
-        print(search_text(res, args.top))
+        print(search_text(res, args.top, verbose=args.verbose))
     if args.plot and res.best:
         print(f"plot: {plot(res.best[0], args.plot)}", file=sys.stderr)
     return 0 if res.best else 1

@@ -151,7 +151,8 @@ class Workload:
     fp8_dispatch: bool = False     # MoE dispatch all-to-all in FP8 (combine stays in dtype)
     capacity_factor: float = 1.0   # MoE tokens per expert relative to perfect balance (0: dropless,
                                    # planned as perfect balance); capacity groups are sequences (rules.py)
-    efficiency: float = 0.6        # fraction of peak FLOP/s the compute kernels reach
+    efficiency: float = 0.6        # fraction of peak FLOP/s the compute kernels reach (GEMMs by shape: at most)
+    gemm: str = "shape"            # "shape": GEMM time by roofline and per-kernel floor (plan/gemm.py); "flat"
     causal: bool = True
     reduce_dtype: ReduceDtype = "fp32"   # dp/edp gradient reduction: "fp32" = the main-gradient precision
                                          # (the runtime's main_grads_fp32; fp64 for an fp64 model), or 16-bit

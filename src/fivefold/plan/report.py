@@ -91,7 +91,7 @@ def estimate_text(est: Estimate) -> str:
         f"{t.layer_comm_s:.3f}, bubble {t.bubble:.1%} from the {t.bubble_source}) + grads {t.grad_comm_s:.3f} "
         f"+ step collectives {t.step_comm_s:.3f} + optimizer {t.optimizer_s:.3f}"
         + (f" + offload {t.offload_s:.3f}" if L.offload != "none" else ""),
-        f"{t.tokens_per_s:,.0f} tokens/s   {mfu_text(est)}   HFU {t.hfu:.1%}   (efficiency {est.work.efficiency:.0%} of peak)",
+        f"{t.tokens_per_s:,.0f} tokens/s   {mfu_text(est)}   HFU {t.hfu:.1%}   (assumed: {efficiency_text(est)})",
         "",
         f"recommended order {est.order} (innermost first); this layout's order {L.order}: "
         + ", ".join(f"{g} on {tier}" for g, tier in est.placement.items()),
@@ -115,13 +115,46 @@ def _flows_stage(est: Estimate) -> int:
     return 0
 
 
-def search_text(res: Result, top: int = 10, examples: int = 3) -> str:
+def efficiency_text(est: Estimate) -> str:
+    """The compute efficiency the step time assumed: GEMMs by shape up to `efficiency`, or flat."""
+    from .gemm import shaped
+    eff = est.work.efficiency
+    if shaped(est.work, est.topo.accelerator):
+        return f"GEMMs by shape, at most {eff:.0%} of peak"
+    return f"every kernel at {eff:.0%} of peak"
+
+
+def summary_text(est: Estimate) -> str:
+    """What a person acts on, first: the layout, memory per device against the limit, step time, MFU with
+    the assumed efficiency beside it, and the bytes a rank sends per step on each tier."""
+    t, mem, acc = est.time, est.memory.most_loaded, est.topo.accelerator
+    fits = "fits" if mem["total"] <= acc.memory else "does NOT fit"
+    line_mem = (f"memory per device: {gib(mem['total'])} GiB of {gib(acc.memory)} GiB ({fits}; most loaded: stage "
+                f"{mem['stage']})")
+    if est.layout.offload != "none":
+        o = est.offload()
+        line_mem += f"; host {gib(o['host'])} GiB of {gib(o['host_limit'])} GiB (offload {est.layout.offload})"
+    tiers = est.to_dict()["bytes_per_tier"]
+    return "\n".join([
+        f"best layout: {est.layout.short()}  schedule {est.layout.effective_schedule}  microbatches "
+        f"{microbatches(est.layout, est.work)}",
+        line_mem,
+        f"step {t.step_time_s:.3f} s   {mfu_text(est)}   (assumed: {efficiency_text(est)})   "
+        f"{t.tokens_per_s:,.0f} tokens/s",
+        "traffic per rank per step: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in tiers.items()),
+    ])
+
+
+def search_text(res: Result, top: int = 10, examples: int = 3, verbose: bool = False) -> str:
+    """The best layout's summary first, then the ranking and the rejections; the branch and bound's proof
+    ("bound: ...") and rejection examples only with `verbose`; the best layout in full at the end."""
     rows = []
     for i, e in enumerate(res.best[:top]):
         rows.append([i + 1, e.layout.short(), f"{e.time.step_time_s:.3f}", f"{e.time.mfu:.1%}", f"{e.time.bubble:.1%}",
                      gib(e.memory.most_loaded["total"]), e.order])
-    lines = [f"searched {res.considered} layouts in {res.seconds:.2f} s: {res.fit} fit, {len(res.rejected)} rejected"]
-    if res.skipped_layouts or res.untimed:
+    lines = [summary_text(res.best[0]), ""] if res.best else []
+    lines.append(f"searched {res.considered} layouts in {res.seconds:.2f} s: {res.fit} fit, {len(res.rejected)} rejected")
+    if verbose and (res.skipped_layouts or res.untimed):
         lines.append(bound_text(res))
     if res.offload:
         lines.append(search_offload_text(res))
@@ -131,13 +164,13 @@ def search_text(res: Result, top: int = 10, examples: int = 3) -> str:
         lines.append("no layout fits")
     lines.append("rejected, by reason: " + ", ".join(f"{k} {v}" for k, v in res.reasons().items()))
     seen: dict[str, int] = {}
-    for lay, why in res.rejected:
+    for lay, why in res.rejected if verbose else ():
         key = why.split(":")[0]
         if seen.get(key, 0) < examples:
             seen[key] = seen.get(key, 0) + 1
             lines.append(f"  {lay.short()}: {why}")
     if res.best:
-        lines += ["", "best layout:", estimate_text(res.best[0])]
+        lines += ["", "best layout in full:", estimate_text(res.best[0])]
     return "\n".join(lines)
 
 
@@ -216,8 +249,8 @@ def plot(est: Estimate, path: str | Path) -> Path:
     ax1.set_title(f"{est.model.name}: memory per rank")
     ax1.legend(fontsize=7)
     tiers = est.to_dict()["bytes_per_tier"]
-    ax2.bar(list(tiers), [v / 1e9 for v in tiers.values()], color="tab:purple")
-    ax2.set_ylabel("GB sent per rank per step")
+    ax2.bar(list(tiers), [v / GiB for v in tiers.values()], color="tab:purple")
+    ax2.set_ylabel("GiB sent per rank per step")
     ax2.set_title(f"bytes per tier ({est.layout.short()})", fontsize=9)
     fig.tight_layout()
     path = Path(path)

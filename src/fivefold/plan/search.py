@@ -51,7 +51,7 @@ from .memory import Memory, candidate_stages, stage_layers, stage_memory, time_s
 from .models import PlanModel
 from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology
-from .traffic import group_block_of, layer_flows, place, ring_flows, stage_flows
+from .traffic import COPY_TIERS, by_tier, group_block_of, layer_flows, place, ring_flows, stage_flows
 
 SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode", "offload")
 OFFLOADS = ("cpu", "nvme")   # tried in this order, per structure, when nothing fits the device
@@ -142,7 +142,8 @@ class _Space:
     base: dict         # the Layout fields the structure fixes
 
     def size(self, recomputes: list) -> int:
-        return len(self.mbs) * len(self.vpps) * len(self.zeros) * len(recomputes)
+        policies = sum(len(reduce_policies({"zero": z, "pp": self.base["pp"]})) for z in self.zeros)
+        return len(self.mbs) * len(self.vpps) * policies * len(recomputes)
 
 
 def _space(model: PlanModel, work: Workload, fixed: dict, structure: tuple, order: str, partition: str) -> _Space:
@@ -370,10 +371,31 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
     res.examined = len(ranked)
     res.ranked.sort(key=lambda x: x[0])
     res.best = [estimate(model, lay, work, topo, gpus, simulate=False) for _, lay in res.ranked[:top]]
-    res.best.sort(key=lambda e: e.time.step_time_s)
+    res.best = tie_break(res.best)
     res.seconds = _time.perf_counter() - t0
     res.cpu_seconds = _time.process_time() - c0
     return res
+
+
+TIE = 0.01   # step times within 1% of the fastest are a tie
+
+
+def tie_break(best: list[Estimate]) -> list[Estimate]:
+    """Fastest first; the layouts within `TIE` of the fastest step time ordered by the bytes a rank sends
+    beyond the innermost tier (network crossings), then by all its bytes, then by step time."""
+    best = sorted(best, key=lambda e: e.time.step_time_s)
+    if not best:
+        return best
+    cut = best[0].time.step_time_s * (1 + TIE)
+    tied = [e for e in best if e.time.step_time_s <= cut]
+    return sorted(tied, key=_bytes_key) + best[len(tied):]
+
+
+def _bytes_key(e: Estimate) -> tuple:
+    tiers = by_tier(e.flows, e.topo)
+    inner = e.topo.tiers[0].name
+    network = sum(v for k, v in tiers.items() if k != inner and k not in COPY_TIERS)
+    return network, sum(tiers.values()), e.time.step_time_s
 
 
 def _structure(model, work, topo, gpus, res: Result, limit: float, recomputes: list, schedule: str, sp: _Space,
@@ -407,28 +429,57 @@ def _structure(model, work, topo, gpus, res: Result, limit: float, recomputes: l
 FIT_NO_RECOMPUTE, FIT, NO_FIT, RULE = "fit-no-recompute", "fit", "no-fit", "rule"
 
 
+def reduce_policies(kw: dict) -> list[bool]:
+    """`reduce_each_microbatch` choices of a layout: once per step, then every micro-batch, where it means
+    something (ZeRO-2/3 under a pipeline)."""
+    return [False, True] if kw["zero"] >= 2 and kw["pp"] > 1 else [False]
+
+
+def _over(model, lay: Layout, work, limit: float) -> tuple[list, dict | None]:
+    """(memory rows of the stages that can be the most loaded, the first over `limit` or None)."""
+    rows = []
+    for j in candidate_stages(model, lay.pp, lay.vpp, lay.partition):
+        rows.append(stage_memory(model, lay, work, j))
+        if rows[-1]["total"] > limit:
+            return rows, rows[-1]
+    return rows, None
+
+
+def _memory_why(over: dict, limit: float, lean: bool = False) -> str:
+    head = "memory: does not fit even with the least memory (full recompute, per-micro-batch reduction): " if lean \
+        else "memory: "
+    return f"{head}stage {over['stage']} needs {over['total'] / GiB:.1f} GiB > {limit / GiB:.0f} GiB"
+
+
 def _one_layout(model, work, topo, gpus, res: Result, ranked: list, rejected: list, limit: float, recomputes: list,
                 kw: dict, best: _Top, timed: bool = True) -> str:
-    """Try recompute none → selective → full for one layout; keep the first that fits."""
-    for i, rc in enumerate(recomputes):
+    """Try the mechanisms of one layout from the cheapest in time: recompute none → selective → full, at each
+    the gradient reduction once per step, then every micro-batch (`reduce_policies`); keep the first that
+    fits. When the first does not fit, the option holding the least memory (the last) is checked next: if it
+    does not fit either, none does."""
+    ladder = [(rc, each) for rc in recomputes for each in reduce_policies(kw)]
+    for i, (rc, each) in enumerate(ladder):
         res.considered += 1
-        lay = Layout(recompute=rc, **kw)
-        if i == 0:  # the rules do not depend on recompute
+        lay = Layout(recompute=rc, reduce_each_microbatch=each, **kw)
+        if i == 0:  # the rules do not depend on recompute or the reduction
             try:
                 check(model, lay, work, gpus)
             except ConfigError as e:
                 rejected.append((lay, f"rule: {e}"))
                 return RULE
-        over = None
-        rows = []
-        for j in candidate_stages(model, lay.pp, lay.vpp, lay.partition):
-            rows.append(stage_memory(model, lay, work, j))
-            if rows[-1]["total"] > limit:
-                over = rows[-1]
-                break
+        if i == 1 and len(ladder) > 2:
+            _, lean = _over(model, Layout(recompute=ladder[-1][0], reduce_each_microbatch=ladder[-1][1], **kw),
+                            work, limit)
+            if lean is not None:   # the least memory does not fit: neither does anything above it
+                why = _memory_why(lean, limit, lean=True)
+                rejected.append((lay, why))
+                for rc2, each2 in ladder[2:]:
+                    res.considered += 1
+                    rejected.append((Layout(recompute=rc2, reduce_each_microbatch=each2, **kw), why))
+                return NO_FIT
+        rows, over = _over(model, lay, work, limit)
         if over is not None:
-            rejected.append((lay, f"memory: stage {over['stage']} needs {over['total'] / GiB:.1f} GiB > "
-                                  f"{limit / GiB:.0f} GiB"))
+            rejected.append((lay, _memory_why(over, limit)))
             continue
         mem = Memory(rows)
         mem.worst = max(range(len(rows)), key=lambda k: rows[k]["total"])

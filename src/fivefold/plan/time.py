@@ -56,6 +56,7 @@ from functools import lru_cache
 from .. import rules
 from ..parallel.pipeline import schedules as _schedules
 from ..rules import ConfigError
+from .gemm import linear_seconds
 from .layout import Layout, Workload, microbatches
 from .memory import layout_layers, stage_layers
 from .models import PlanModel
@@ -91,6 +92,17 @@ def elementwise_seconds(model: PlanModel, layout: Layout, work: Workload, acc, s
         whole, split = model.elementwise_per_token(i)
         elements += tokens * (whole / (layout.tp if sp else 1) + split / layout.tp)
     return acc.elementwise * elements * work.act_bytes / acc.hbm_bandwidth + acc.layer_overhead * len(layers)
+
+
+def stage_gemm_seconds(model: PlanModel, layout: Layout, work: Workload, acc, stage: int) -> tuple[float, float]:
+    """(linear layers, LM head) forward seconds of one micro-batch on one rank of `stage` (`gemm.linear_seconds`:
+    flat, or by shape with the MoE layers' GEMMs apart from the dense ones)."""
+    lin, _, head = stage_flops(model, layout, work, stage)
+    n_moe = sum(1 for i in layout_layers(model, layout)[stage] if model.is_moe_layer(i))
+    tokens = layout.micro_batch * work.seq / (layout.tp * layout.cp)
+    moe = tokens * 2.0 * model.layer_params(model.dense_layers, model.top_k) * n_moe if n_moe else 0.0
+    return linear_seconds(model, work, acc, layout.micro_batch * work.seq / layout.cp, layout.tp, layout.ep,
+                          lin - moe, moe, head)
 
 
 def light_recompute_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
@@ -130,7 +142,8 @@ def _stage_active_weights(model: PlanModel, pp: int, vpp: int, partition: str) -
 def forward_seconds(model: PlanModel, work: Workload, topo: Topology, tokens: float, body: float, n_layers: int,
                     head: float) -> float:
     """Forward compute seconds of `tokens` tokens on a rank holding `n_layers` layers whose active weights
-    sum to `body` (and `head` LM-head weights): `step_time`'s t_f, from `_stage_active_weights` directly."""
+    sum to `body` (and `head` LM-head weights), every GEMM at the flat rate: `step_time`'s t_f with flat GEMMs,
+    a lower bound on it by shape (`gemm.gemm_factor` >= 1), from `_stage_active_weights` directly."""
     peak = topo.accelerator.peak(work.dtype) * work.efficiency
     peak_mm = topo.accelerator.peak("fp8") * work.efficiency if work.fp8_gemm else peak
     attn = model.attention_flops_per_token(work.attention_span, work.causal) / model.layers
@@ -272,10 +285,12 @@ def grad_totals(flows: list[Flow]) -> tuple[float, float, float, float]:
 
 def stage_grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: list[tuple[float, float]],
                        first_use: list[tuple[float, float]], t_f: float, t_b: float,
-                       backwards: list[tuple[float, float]] | None = None, overlap: float = 1.0) -> tuple[float, float]:
+                       backwards: list[tuple[float, float]] | None = None, overlap: float = 1.0,
+                       share: float = 0.0) -> tuple[float, float]:
     """`_grad_exposed`, with only `overlap` (the tier's measured share) of what it hides really hidden: a
-    collective that needs the compute's own core (gloo on CPU) hides partly; on GPUs (1.0) fully."""
-    reduction, gather = _grad_exposed(flows, layout, m, end, ready, first_use, t_f, t_b, backwards)
+    collective that needs the compute's own core (gloo on CPU) hides partly; on GPUs (1.0) fully. `share`:
+    the compute rate the accelerator gives collectives that overlap it (`interfered`)."""
+    reduction, gather = _grad_exposed(flows, layout, m, end, ready, first_use, t_f, t_b, backwards, share)
     if overlap >= 1.0:
         return reduction, gather
     rs, _, ag, _ = grad_totals(flows)
@@ -287,27 +302,31 @@ def stage_grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, re
 
 def _grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: list[tuple[float, float]],
                   first_use: list[tuple[float, float]], t_f: float, t_b: float,
-                  backwards: list[tuple[float, float]] | None = None) -> tuple[float, float]:
+                  backwards: list[tuple[float, float]] | None = None, share: float = 0.0) -> tuple[float, float]:
     """(reduction, gather) time of one stage exposed past its compute (docs/plan.md, "Mechanisms"). The
     reduction is counted from `end`, when the whole pipeline has drained; `ready`: (end, duration) of the
     backward that makes each of the stage's chunks final (`chunk_ready`). The gather delays the stage's
     first forwards, `first_use` (`chunk_first_use`). t_f, t_b: one micro-batch's forward and backward.
     `backwards` (`backward_blocks`, with `reduce_each_microbatch` under a pipeline): every backward of the
     stage, each launching its share of the reduce-scatters, which run one at a time on their own stream
-    through the rest of the schedule."""
+    through the rest of the schedule. The collectives hidden behind compute (ZeRO-3's prefetched gathers and
+    reductions, the per-micro-batch reduce-scatters) cost `share` of their time in slower compute at least
+    (`interfered`); the once-per-step reduction hides in the drain, where compute is idle, and is not charged."""
     L = layout
     rs, calls, ag, ag_calls = grad_totals(flows)
     if L.zero == 3:
         if L.pp == 1:   # per micro-batch: gathers prefetched behind the previous unit's compute
-            return m * (max(0.0, ag / (2 * m) - t_f) + max(0.0, ag / (2 * m) + rs / m - t_b)), 0.0
+            return m * (interfered(max(0.0, ag / (2 * m) - t_f), ag / (2 * m), share)
+                        + interfered(max(0.0, ag / (2 * m) + rs / m - t_b), ag / (2 * m) + rs / m, share)), 0.0
         gather = ag     # under a pipeline each use gathers, not prefetched (the next module is not known)
     else:               # ZeRO-1/2: the updated parameters, behind the next step's first forwards
         gather = gather_delay(first_use, ag, ag_calls) if L.overlap_param_gather else ag
     if L.zero >= 2 and L.pp > 1 and L.reduce_each_microbatch and backwards:
         k = len(backwards)
-        return max(0.0, reduction_end(float("-inf"), [(t, d, rs / k, calls / k) for t, d in backwards]) - end), gather
+        late = max(0.0, reduction_end(float("-inf"), [(t, d, rs / k, calls / k) for t, d in backwards]) - end)
+        return interfered(late, rs, share), gather
     if L.zero >= 2 and L.pp == 1:   # per micro-batch, behind its own backward
-        return m * max(0.0, reduction_end(0.0, [(t_b, t_b, rs / m, calls / m)]) - t_b), gather
+        return m * interfered(max(0.0, reduction_end(0.0, [(t_b, t_b, rs / m, calls / m)]) - t_b), rs / m, share), gather
     # once per step: buckets of each chunk as its last backward makes them final, or all at the end of
     # the stage's schedule (overlap_grad_reduce=False); either way inside the drain other stages still run
     if not L.overlap_grad_reduce:
@@ -360,17 +379,27 @@ def _per_dim_seconds(flows: list[Flow]) -> dict[str, float]:
     return out
 
 
-def ep_exposed(a2a: float, t_f: float, t_b: float, passes: int, overlap: bool, m: int) -> float:
+def interfered(exposed: float, comm: float, share: float) -> float:
+    """Exposed seconds of `comm` seconds of collectives run beside compute, of which `exposed` show past it
+    when overlap is free, with `share` of the compute rate given to communication (`Accelerator.
+    comm_share`: SMs and their memory bandwidth). Compute t beside a collective c runs at (1 - share) while
+    the collective lasts, so the pair takes max(c, t + share·c): exposed max(c - t, share·c) = max(exposed,
+    share·c) (docs/plan.md, "Overlap is not free")."""
+    return max(exposed, share * comm)
+
+
+def ep_exposed(a2a: float, t_f: float, t_b: float, passes: int, overlap: bool, m: int, share: float = 0.0) -> float:
     """Exposed expert all-to-all time of one micro-batch on one stage (a2a seconds in all). Without
     overlap all of it. With DualPipe-style two-stream overlap (DeepSeek-V3 §3.2.1) a forward chunk of one
     micro-batch runs beside a backward chunk of another: the forward's all-to-alls (dispatch and combine,
     1/(passes+1) of the calls) hide behind the other's backward compute t_b, the backward's (the rest:
     both gradients, and the recomputed forward's) behind the other's forward compute t_f; only the excess
-    shows. One micro-batch has no partner."""
+    shows, or `share` of each part (`interfered`: the compute beside it loses that share of its SMs). One
+    micro-batch has no partner."""
     if not overlap or m < 2:
         return a2a
     fwd = a2a / (passes + 1)
-    return max(0.0, fwd - t_b) + max(0.0, a2a - fwd - t_f)
+    return interfered(max(0.0, fwd - t_b), fwd, share) + interfered(max(0.0, a2a - fwd - t_f), a2a - fwd, share)
 
 
 def optimizer_seconds(work: Workload, acc, states_bytes: float, owned: float) -> float:
@@ -469,16 +498,17 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     passes = 2 if L.recompute == "full" else 1
     cost_f, cost_b, compute_f, compute_b, layer_comm = {}, {}, {}, {}, {}
     for j, flows in flows_by_stage.items():
-        lin, attn, head = stage_flops(model, L, work, j)
+        _, attn, _ = stage_flops(model, L, work, j)
+        t_lin, t_head = stage_gemm_seconds(model, L, work, acc, j)
         t_attn = attn / (acc.attention_peak(work.dtype) * work.efficiency)
         t_ew = elementwise_seconds(model, L, work, acc, j)
-        t_f = lin / peak_mm + head / peak + t_attn + t_ew / 3
+        t_f = t_lin + t_head + t_attn + t_ew / 3
         extra = t_f if L.recompute == "full" else (t_attn if L.recompute == "selective" else 0.0)
         extra += light_recompute_flops(model, L, work, j) / peak_mm
         t_b = 2 * (t_f - t_ew / 3) + t_ew * 2 / 3 + extra   # element-wise work: a third forward
         ring = sum(f.seconds for f in flows if f.dim == "cp" and f.op in ("send", "recv"))
         secs = _per_dim_seconds([f for f in flows if KIND.get(f.dim) == "layer" and f.op not in ("send", "recv")])
-        ep = ep_exposed(secs.pop("ep", 0.0) / m, t_f, t_b, passes, L.ep_overlap, m)
+        ep = ep_exposed(secs.pop("ep", 0.0) / m, t_f, t_b, passes, L.ep_overlap, m, acc.comm_share)
         # ring sends hide behind the attention of the block before: forward, and backward at 2x forward
         comm_mb = sum(secs.values()) / m + ep + max(0.0, ring / m - 3 * t_attn)
         # the runtime's host time per compute action (calibrated; 0 on datasheet accelerators): one F
@@ -512,7 +542,8 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         ready = chunk_ready(sim, schedule, L.pp, v, j, out.pipeline_s, cost_b, t_send)
         backwards = backward_blocks(sim, j, ready, m, cost_f[j] + cost_b[j]) if each else None
         grads.append(stage_grad_exposed(flows, L, m, out.pipeline_s, ready, chunk_first_use(sim, L.pp, v, j, cost_f, t_send),
-                                        compute_f[j], cost_b[j], backwards, grad_overlap(flows, topo)))
+                                        compute_f[j], cost_b[j], backwards, grad_overlap(flows, topo),
+                                        acc.comm_share))
     # the slowest stage's reduction ends the step; the latest first forward delays the pipeline
     out.grad_comm_s = max(r for r, _ in grads) + max(g for _, g in grads)
     worst = flows_by_stage[slow]

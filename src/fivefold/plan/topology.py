@@ -63,6 +63,15 @@ class Accelerator:
     nvme_bandwidth: float = 3.5e9    # local NVMe bytes/s per GPU, reads and writes together
     host_is_device: bool = False     # a CPU "device" (as `fivefold calibrate` measures): offload's d2h / h2d are
                                      # copies within one memory, no PCIe crossed
+    gemm_kernel: float | None = None   # per-GEMM-kernel floor, seconds (plan/gemm.py); None: GEMMs at the flat
+                                       # efficiency (a custom or calibrated accelerator: its peaks are achieved)
+    sms: int = 0                     # streaming multiprocessors (compute units)
+    comm_sms: int = 0                # of them, those a collective running beside compute occupies (time.interfered)
+
+    @property
+    def comm_share(self) -> float:
+        """Share of the compute rate lost while a collective overlaps it: comm_sms / sms (0: free overlap)."""
+        return self.comm_sms / self.sms if self.sms else 0.0
 
     def peak(self, dtype: str) -> float:
         key = {"fp64": "fp32"}.get(dtype, dtype)
@@ -149,20 +158,32 @@ def _tier_index(block: int, world: int, sizes: tuple) -> int:
 #   7742: 51 GB/s a GPU); the planner assumes ~78% of peak is reached (a STREAM-like figure): 60, 70, 40 GB/s.
 # - NVMe: 8 U.2 data drives of 3.84 TB a node (DGX H100/H200/A100/B200), one per GPU; a PCIe Gen4 drive of
 #   that class reads at ~7 GB/s and writes at ~3.5-4 GB/s: 3.5 GB/s, the slower direction, for both.
+# - GEMM floor: 4 us a kernel (launch and tail; CUDA kernel launches cost a few microseconds each), an
+#   assumption of the planner, not a measurement (docs/plan.md, "GEMM efficiency by shape").
+# - Overlap: SM counts from the datasheets (H100/H200 SXM5 132, A100 108, B200 148). A collective beside
+#   compute holds 20 SMs: DeepSeek-V3 (DeepSeek-AI 2024, §3.2.2) gives 20 of the H800's 132 SMs to its
+#   all-to-alls ("only 20 SMs are sufficient to fully utilize the bandwidths of IB and NVLink"); NCCL runs
+#   each channel of a collective as one thread block on its own SM (NCCL_MIN/MAX_NCHANNELS), of the same order.
+GEMM_KERNEL = 4e-6
+COMM_SMS = 20
 ACCELERATORS: dict[str, Accelerator] = {
     # NVIDIA H100 SXM5 datasheet: dense (no sparsity) tensor-core peaks.
     "h100": Accelerator("H100-SXM-80GB", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 495e12,
                                           "fp32": 67e12}, 80 * GiB, 3.35e12,
-                        pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=60 * GB, nvme_bandwidth=3.5 * GB),
+                        pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=60 * GB, nvme_bandwidth=3.5 * GB,
+                        gemm_kernel=GEMM_KERNEL, sms=132, comm_sms=COMM_SMS),
     "h200": Accelerator("H200-SXM-141GB", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 495e12,
                                            "fp32": 67e12}, 141 * GB, 4.8e12,
-                        pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=60 * GB, nvme_bandwidth=3.5 * GB),
+                        pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=60 * GB, nvme_bandwidth=3.5 * GB,
+                        gemm_kernel=GEMM_KERNEL, sms=132, comm_sms=COMM_SMS),
     "a100": Accelerator("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
                         80 * GiB, 2.04e12,
-                        pcie_bandwidth=25 * GB, host_memory=256 * GiB, host_bandwidth=40 * GB, nvme_bandwidth=3.5 * GB),
+                        pcie_bandwidth=25 * GB, host_memory=256 * GiB, host_bandwidth=40 * GB, nvme_bandwidth=3.5 * GB,
+                        gemm_kernel=GEMM_KERNEL, sms=108, comm_sms=COMM_SMS),
     "b200": Accelerator("B200-180GB", {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "tf32": 1100e12,
                                        "fp32": 75e12}, 180 * GB, 8e12,
-                        pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=70 * GB, nvme_bandwidth=3.5 * GB),
+                        pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=70 * GB, nvme_bandwidth=3.5 * GB,
+                        gemm_kernel=GEMM_KERNEL, sms=148, comm_sms=COMM_SMS),
 }
 
 NVLINK4 = 450 * GB        # per GPU, each direction
@@ -217,7 +238,8 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
     and, in [accelerator], `attention_tflops = { fp32 = 0.03 }`, `layer_overhead_us`, `elementwise`,
     `action_overhead_us` (see `Accelerator`), and the host side of one GPU for offload: `pcie_gbps`
     (GB/s each way), `host_memory_gib` (or `host_memory_gb`), `host_gbps` (host memory bandwidth),
-    `nvme_gbps`. A custom accelerator without them is taken to be its own host (a CPU-only machine, as
+    `nvme_gbps`; for GEMMs by shape `gemm_kernel_us` (the per-kernel floor; absent: flat efficiency) and
+    for overlap's cost `sms` and `comm_sms` (absent: overlap is free). A custom accelerator without them is taken to be its own host (a CPU-only machine, as
     `fivefold calibrate` measures: host = device): pcie_gbps and host_gbps = hbm_gbps, host memory = memory,
     nvme_gbps = 3.5. Give them for a GPU.
     """
@@ -240,7 +262,9 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
                                 pcie_bandwidth=_times(acc.get("pcie_gbps", hbm), GB), host_memory=host,
                                 host_bandwidth=_times(acc.get("host_gbps", hbm), GB),
                                 nvme_bandwidth=_times(acc.get("nvme_gbps", 3.5), GB),
-                                host_is_device="pcie_gbps" not in acc)
+                                host_is_device="pcie_gbps" not in acc,
+                                gemm_kernel=_times(acc["gemm_kernel_us"], 1e-6) if "gemm_kernel_us" in acc else None,
+                                sms=acc.get("sms", 0), comm_sms=acc.get("comm_sms", 0))
         except KeyError as e:
             raise ConfigError(f"[accelerator] needs {e.args[0]!r} (peak_tflops, memory_gb or memory_gib)") from None
     raw = d.get("tier") or d.get("tiers")

@@ -370,7 +370,7 @@ def test_run_json_has_device_peak_memory_and_the_plan(tmp_path):
     assert run["peak_device_memory_bytes_by_rank"] == [None, None]    # no allocator counter on the CPU
     assert all(b > 50 * 2**20 for b in run["peak_rss_bytes_by_rank"])   # the whole process: interpreter, torch
     plan = run["planned_memory"]
-    assert plan["flash"] is False and [s["stage"] for s in plan["stages"]] == [0, 1]
+    assert plan["flash"] is True and [s["stage"] for s in plan["stages"]] == [0, 1]   # SDPA fused on the CPU too
     assert run["planned_memory_bytes_by_rank"] == [s["total"] for s in plan["stages"]]   # rank r is stage r
     for key in ("model_state_bytes_per_rank", "peak_activation_bytes_by_rank", "versions", "params"):
         assert key in run                                                  # the keys run.json had before

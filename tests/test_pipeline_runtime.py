@@ -473,9 +473,7 @@ def test_weight_gradient_waits_for_w():
     assert [a.kind for a in actions] == ["F", "I", "W"]
     runtime = PipelineRuntime(stage, actions[:2], Group.single("pp"), loss_sum)
     x = torch.randint(0, c.model.vocab, (2, 16))
-    runtime.mbs, runtime.n_tokens = [(x, torch.roll(x, -1, 1))], x.numel()
-    runtime.cos_sd, runtime.sin_sd = stage.rope(16)
-    runtime.saved, runtime.deferred, runtime.outbox, runtime.loss = {}, {}, {}, torch.zeros(1, dtype=torch.float64)
+    runtime.begin([(x, torch.roll(x, -1, 1))], x.numel(), None)   # the state a step starts from
     runtime.timeline = []
     for a in actions:
         runtime.compute(a)

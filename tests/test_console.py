@@ -155,3 +155,45 @@ def moe_dropped(torch, moe_step_stats):
     model.w = torch.nn.Parameter(torch.zeros(1))
     stats = moe_step_stats(model, types.SimpleNamespace(size=1), layers=1)   # one rank: nothing to sum
     return stats["dropped_fraction"]
+
+
+def test_eta_seconds_is_the_console_eta(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    bar = Progress(10, enabled=False)
+    assert bar.eta_seconds(0) is None
+    clock[0] = 6.0
+    assert bar.eta_seconds(3) == pytest.approx(14.0) and bar.eta_seconds(10) == 0.0   # 2 s a step x 7 left
+    assert bar.eta_text(3) == "  ETA 14s" and bar.eta_text(10) == ""
+
+
+BALLAST_BYTES = 300 * 2**20   # rank 1's extra resident memory: its peak is the largest
+
+
+def train_two_steps(rank, world, cfg_dict, out):
+    """rank 1 first touches BALLAST_BYTES; every rank trains; returns (peak before, peak after) of this rank."""
+    import numpy as np
+
+    from fivefold.train.trainer import Trainer, peak_rss_bytes
+
+    ballast = np.ones(BALLAST_BYTES // 8) if rank == 1 else None
+    before = peak_rss_bytes()
+    Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True).run(out)
+    del ballast
+    return before, peak_rss_bytes()
+
+
+@pytest.mark.ranks
+def test_metrics_peak_memory_is_the_largest_rank_and_eta_is_recorded(tmp_path):
+    """metrics.jsonl (written by rank 0) carries the largest rank's peak memory, not rank 0's, and the
+    console's ETA as eta_s."""
+    from .helpers import ranks, tiny_config
+
+    cfg = tiny_config(dp=2)
+    cfg.train.steps = 2
+    (r0_before, r0_after), (r1_before, r1_after) = ranks(train_two_steps, 2, cfg.to_dict(), str(tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert r0_after < r1_before   # rank 0's own peak is below rank 1's: the metric must be rank 1's
+    for row in rows:
+        assert r1_before <= row["peak_memory_bytes"] <= max(r0_after, r1_after)
+    assert rows[0]["eta_s"] > 0 and rows[-1]["eta_s"] == 0.0

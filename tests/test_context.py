@@ -2,7 +2,8 @@
 tensor (+ SP), pipeline, data parallelism and ZeRO; its attention equals full attention; its ledger is the
 formula; it divides activation memory.
 
-Three spawns (2, 4, 8 ranks, module fixtures) run every multi-rank case; tests check their results
+Three spawns (2, 4, 8 ranks; the 4-rank one is conftest.py's, shared with test_documents.py) run every
+multi-rank case; tests check their results
 against single-process references computed here. The ring kernel's own tests: test_ring_attention.py.
 """
 from math import lcm
@@ -109,8 +110,12 @@ def activation_peak(rank, world, cp, seq):
 
 
 def spawn(world, extra=()):
+    """The spawn of `world` ranks: this file's cases of that size (4 ranks: also the activation memory
+    case), plus `extra` jobs."""
     jobs = [(n, run_steps, (case_config(n).to_dict(),)) for n, case in CASES.items() if case[0] == world]
     jobs.append(("attention", attention_alone, (ATTENTION,)))
+    if world == 4:
+        jobs.append(("memory", activation_peak, (4, 2048)))
     return spawn_jobs(world, jobs + list(extra))
 
 
@@ -120,8 +125,8 @@ def two():
 
 
 @pytest.fixture(scope="module")
-def four():
-    return spawn(4, [("memory", activation_peak, (4, 2048))])
+def four(context_four):
+    return context_four   # conftest.py: this file's 4-rank spawn, shared with test_documents.py
 
 
 @pytest.fixture(scope="module")

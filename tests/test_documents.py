@@ -1,8 +1,9 @@
 """Document-aware packing (train.document_mask, model/documents.py): a packed batch of documents equals
-the documents run one by one, and a masked run under dp2, tp2 + SP, pp2, cp2 ring (zig-zag) and cp2
-Ulysses equals one process, with the same ledger as the unmasked run.
+the documents run one by one, and a masked run under dp2, tp2 + SP, pp2, cp2 ring (zig-zag), cp2
+Ulysses and hybrid cp4 (Ulysses 2 x ring 2) equals one process, with the same ledger as the unmasked run.
 
-One spawn of 2 ranks runs every multi-rank case (process start-up is the slow part).
+One spawn of 2 ranks runs the 2-rank cases; the 4-rank case rides on test_context.py's 4-rank spawn
+(conftest.py `context_four`), so it costs no process start of its own (start-up is the slow part).
 """
 import numpy as np
 import pytest
@@ -30,6 +31,9 @@ CASES = {   # name -> parallel degrees, on 2 ranks
     "pp2_1f1b_selective": dict(pp=2, microbatches=2, schedule="1f1b"),
     "ring_cp2": dict(cp=2, cp_mode="ring"),
     "ulysses_cp2": dict(cp=2, cp_mode="ulysses", microbatches=2),
+}
+FOUR = {   # on 4 ranks, in conftest.py's shared spawn
+    "hybrid_cp4_ulysses2": dict(cp=4, cp_mode="hybrid", ulysses=2),
 }
 
 
@@ -76,13 +80,6 @@ def write_documents(path, count=400, seed=0):
         w.end_document()
     w.commit()
     return lengths
-
-
-@pytest.fixture(scope="module")
-def docs_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("docs") / "docs.bin"
-    write_documents(path)
-    return path
 
 
 def test_windows_know_their_documents(docs_file):
@@ -146,37 +143,52 @@ def attention_inputs():
     return make(4), make(2), make(2), make(4), ids
 
 
+def layout_jobs(docs_file, cases: dict) -> list:
+    """Each case masked (3 steps) and unmasked (1 step, for the ledger)."""
+    jobs = [(n, run_steps, (masked_config(docs_file, p).to_dict(),)) for n, p in cases.items()]
+    return jobs + [(f"{n}_unmasked", run_steps, (masked_config(docs_file, p, mask=False).to_dict(), 1))
+                   for n, p in cases.items()]
+
+
+def four_rank_jobs(docs_file) -> list:
+    """The jobs this file adds to the shared 4-rank spawn (conftest.py)."""
+    return layout_jobs(docs_file, FOUR)
+
+
 @pytest.fixture(scope="module")
 def two(docs_file):
-    jobs = [(n, run_steps, (masked_config(docs_file, p).to_dict(),)) for n, p in CASES.items()]
-    jobs += [(f"{n}_unmasked", run_steps, (masked_config(docs_file, p, mask=False).to_dict(), 1))
-             for n, p in CASES.items()]
-    jobs.append(("attention", attention_alone, ()))
-    return spawn_jobs(2, jobs)
+    return spawn_jobs(2, layout_jobs(docs_file, CASES) + [("attention", attention_alone, ())])
+
+
+def spawned(name: str, request) -> dict:
+    """The results of every job of the spawn that ran case `name` (the 4-rank spawn only when asked for)."""
+    return request.getfixturevalue("context_four" if name in FOUR else "two")
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("name", list(CASES))
-def test_masked_layouts_equal_one_process(name, two, docs_file):
-    c = masked_config(docs_file, CASES[name])
+@pytest.mark.parametrize("name", [*CASES, *FOUR])
+def test_masked_layouts_equal_one_process(name, request, docs_file):
+    c = masked_config(docs_file, {**CASES, **FOUR}[name])
+    results = spawned(name, request)
     one = masked_config(docs_file, dict(microbatches=c.parallel.microbatches * c.parallel.dp))
     ref = reference(one)
     unmasked = reference(masked_config(docs_file, {}, mask=False), steps=1)
     assert abs(unmasked["losses"][0] - ref["losses"][0]) > 1e-3   # the mask changes the loss
-    for r in two[name]:
+    for r in results[name]:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-10, atol=0)
         torch.testing.assert_close(torch.tensor(r["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-10, atol=0)
         assert_states_close(r["state"], ref["state"], **TOL["fp64"])
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("name", list(CASES))
-def test_masked_ledger_equals_unmasked(name, two):
+@pytest.mark.parametrize("name", [*CASES, *FOUR])
+def test_masked_ledger_equals_unmasked(name, request):
     """Masking sends nothing more: every step's rows (calls, bytes) equal the unmasked run's."""
     def table(rows):
         return sorted((x["dim"], x["op"], x["calls"], x["message_bytes"], x["bytes_sent"]) for x in rows)
 
-    for masked, plain in zip(two[name], two[f"{name}_unmasked"]):
+    results = spawned(name, request)
+    for masked, plain in zip(results[name], results[f"{name}_unmasked"]):
         assert any(x["dim"] != "loss" for x in plain["ledger"][0])
         for rows in masked["ledger"]:
             assert table(rows) == table(plain["ledger"][0])

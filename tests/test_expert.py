@@ -12,6 +12,7 @@ from fivefold.config import Config, ParallelConfig
 from fivefold.mesh import ParallelMesh
 from fivefold.model.moe import Experts, LocalDispatch
 from fivefold.parallel.expert import AllToAllDispatch, regroup
+from fivefold.train.trainer import Trainer
 
 from .helpers import TOL, assert_states_close, ranks, spawn_jobs, tiny_config
 from .test_data_parallel import reference, run_steps
@@ -85,8 +86,18 @@ def test_regroup_orders_rows_by_expert():
 
 # -- spawns ------------------------------------------------------------------------------------------
 
+ROUTING = ["ep2", "ep2_dp2_pp2"]   # layouts whose routing metrics are compared with one process
+
+
+def routing_steps(rank, world, cfg_dict, steps=2):
+    """Each step's routing metrics (metrics.jsonl's expert_* and dropped figures) on this rank."""
+    tr = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
+    return [{k: v for k, v in tr.step(k).items() if k.startswith(("expert_", "dropped"))} for k in range(steps)]
+
+
 def spawn(world):
     jobs = [(n, run_steps, (case_config(n).to_dict(),)) for n, case in CASES.items() if case[0] == world]
+    jobs += [(f"{n}_routing", routing_steps, (case_config(n).to_dict(),)) for n in ROUTING if CASES[n][0] == world]
     jobs.append(("dispatch", dispatcher_alone, ()))
     return spawn_jobs(world, jobs)
 
@@ -115,6 +126,22 @@ def test_expert_parallel_equals_single_process(name, two, four):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(r["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-5, atol=0)
         assert_states_close(r["state"], ref["state"], **TOL["fp32"])
+
+
+@pytest.mark.parametrize("name", ROUTING)
+@pytest.mark.ranks
+def test_routing_imbalance_counts_the_global_batch(name, two, four):
+    """expert_imbalance and the tokens per expert are the step's over its whole global batch (every
+    micro-batch and rank, each MoE layer on its own), so every layout reports one process's figures: the
+    mean load is global_batch x seq_len x top_k / experts assignments, not one micro-batch's share."""
+    c = case_config(name)
+    one = moe_config(dict(microbatches=c.parallel.microbatches * c.parallel.dp), CASES[name][2])
+    want = routing_steps(0, 1, one.to_dict())
+    t, m = c.train, c.model
+    assert all(w["expert_tokens_mean"] == t.global_batch * t.seq_len * m.top_k / m.experts for w in want)
+    assert all(w["expert_imbalance"] > 1.0 for w in want)
+    for got in {2: two, 4: four}[CASES[name][0]][f"{name}_routing"]:
+        assert got == want
 
 
 @pytest.mark.parametrize("world", [2, 4])

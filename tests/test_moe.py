@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.model import Transformer
-from fivefold.model.moe import Experts, LocalDispatch, MoE, limit_to_groups, route, within_capacity
+from fivefold.model.moe import Experts, LocalDispatch, MoE, limit_to_groups, load_balance_loss, route, within_capacity
 from fivefold.model.transformer import AuxLosses, SwiGLU
 
 
@@ -191,6 +191,27 @@ def test_aux_and_z_loss_by_hand():
         m.aux.values.clear()
         m(x)
     assert m.aux.values == []
+
+
+def test_balance_loss_is_megatrons_and_k_times_smaller_than_transformers():
+    """Over one group of tokens our loss is Megatron-Core's switch_load_balancing_loss_func (f_e counted
+    over the T·k top-k choices, P_e the mean of the full softmax, not the renormalised top-k weights) and
+    transformers' Mixtral load_balancing_loss_func over one layer divided by k (its f_e sums to k)."""
+    pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    E, k, T = 8, 2, 96
+    logits_te = torch.randn(T, E, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2
+    p_te = torch.softmax(logits_te, -1)
+    chosen_tk = p_te.topk(k, dim=-1).indices
+    ours = load_balance_loss(p_te[None], chosen_tk[None])
+    counts_e = torch.bincount(chosen_tk.flatten(), minlength=E).double()
+    megatron = (p_te.sum(0) * counts_e).sum() * E / (k * T * T)
+    torch.testing.assert_close(ours, megatron, rtol=1e-12, atol=0)
+    theirs = load_balancing_loss_func((logits_te.float(),), E, k)
+    torch.testing.assert_close(ours.float(), theirs / k, rtol=1e-5, atol=0)
+    assert float(load_balance_loss(torch.full((1, T, E), 1 / E), torch.arange(T * k).remainder(E).view(1, T, k))) \
+        == pytest.approx(1.0)   # perfectly balanced: 1 (transformers': k)
 
 
 def test_aux_loss_is_trained_through_the_block_output():

@@ -16,7 +16,7 @@ same name there are replaced, nothing else is touched), as PNG or SVG:
 
 and prints a summary table: per run its steps, final loss, the last eval loss and perplexity (when the
 run evaluated), tokens/s (all tokens over all step seconds), where recorded TFLOP/s and MFU (the same
-tokens/s times the run's FLOPs per token), peak memory (rank 0's), the last step's expert imbalance and
+tokens/s times the run's FLOPs per token), peak memory (the largest rank's), the last step's expert imbalance and
 dropped share, bytes sent per parallel dimension and, when a run sent beyond one node, per tier. Needs
 matplotlib (`pip install -e '.[plot]'` from the checkout); torch-free.
 A run folder that is missing or holds no metrics is a one-line error (exit 2).
@@ -39,7 +39,7 @@ FORMATS = ("png", "svg")
 HATCH = {"intra": "", "inter": "//", "pcie": "..", "nvme": "xx"}   # comm.*: the tier of each part of a bar
 PANELS = (("loss", "loss"), ("grad_norm", "gradient norm"), ("tokens_per_s", "tokens/s"), ("lr", "learning rate"))
 # panels drawn when some run's metrics have them; tflops only where no run has mfu
-OPTIONAL_PANELS = (("mfu", "MFU"), ("tflops", "achieved TFLOP/s"), ("peak_memory_gib", "peak memory, GiB (rank 0)"),
+OPTIONAL_PANELS = (("mfu", "MFU"), ("tflops", "achieved TFLOP/s"), ("peak_memory_gib", "peak memory, GiB (largest rank)"),
                    ("expert_imbalance", "MoE imbalance (max / mean expert load)"))
 
 

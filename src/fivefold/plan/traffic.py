@@ -439,8 +439,9 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
     # (dense gradients are reduced over dp×cp when cp > 1, expert ones over expert-dp when ep > 1)
     norm_group = grad_norm_group(L.zero, only_dp=L.cp == 1 and L.ep == 1)
     f.add("grad_norm", "all_reduce", norm_group, group_size(L, norm_group), 8, 1)
-    # whether a stop signal arrived: one int64, max over the world (train/trainer.py agree_stop)
-    f.add("control", "all_reduce", "world", group_size(L, "world"), 8, 1)
+    # whether a stop signal arrived and the ranks' largest peak memory: two int64, max over the world
+    # (train/trainer.py agree_stop)
+    f.add("control", "all_reduce", "world", group_size(L, "world"), 16, 1)
     _offload_flows(f, model, L, work, stage, m, root)
     return f.list()
 

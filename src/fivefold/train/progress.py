@@ -7,8 +7,8 @@
 metrics.jsonl, checkpoints/step-N and the banner). tokens/s, TFLOP/s and MFU are those of the steps
 since the previous line (their tokens over their step seconds: the same definition as metrics.jsonl's
 `tokens_per_s`, averaged; TFLOP/s (GFLOP/s below 0.1 TFLOP/s) and MFU from speed.py, shown only when
-known); `mem` is rank 0's peak
-memory so far (the device's on CUDA, the process's resident set on the CPU: `peak_memory_bytes`); ETA
+known); `mem` is the largest peak
+memory so far of any rank (the device's on CUDA, the process's resident set on the CPU: `peak_memory_bytes`); ETA
 is the wall time left at this run's pace so far (evaluations and checkpoints included); `moe` the
 routing imbalance (max / mean tokens per expert over every MoE layer) and `drop` the share of
 assignments capacity dropped, when the model has experts; `eval` after an evaluation.
@@ -67,12 +67,17 @@ class Progress:
                 + moe_text(m)
                 + (f"  eval {m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})" if "eval_loss" in m else ""))
 
-    def eta_text(self, done: int) -> str:
-        """Time left at this run's pace: wall seconds per step so far x steps left."""
+    def eta_seconds(self, done: int) -> float | None:
+        """Time left at this run's pace: wall seconds per step so far x steps left (0 after the last step;
+        None before a step ran). metrics.jsonl's `eta_s`."""
         ran, left = done - self.start, self.total - done
-        if ran <= 0 or left <= 0:
-            return ""
-        return f"  ETA {duration((time.perf_counter() - self.t0) / ran * left)}"
+        if ran <= 0:
+            return None
+        return (time.perf_counter() - self.t0) / ran * max(left, 0)
+
+    def eta_text(self, done: int) -> str:
+        eta = self.eta_seconds(done)
+        return f"  ETA {duration(eta)}" if eta else ""
 
     def close(self) -> None:
         if self.enabled and self.tty:

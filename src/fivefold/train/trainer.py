@@ -9,7 +9,8 @@ data. `step(k)` runs one optimizer step over the global batch of step k and retu
 
     OUT/metrics.jsonl  one line per step: step (1-based: steps done, as checkpoints/step-N and the
                        console count), loss, grad_norm, lr, tokens, seconds, tokens_per_s, tflops and
-                       mfu where known (speed.py), peak_memory_bytes (rank 0's so far) (NaN/inf: null);
+                       mfu where known (speed.py), peak_memory_bytes (the largest rank's so far), eta_s
+                       (seconds left at the run's pace: the console's ETA) (NaN/inf: null);
                        with experts the routing counts, expert_imbalance and dropped_fraction;
                        eval_loss, eval_ppl, eval_tokens on the steps followed by an evaluation
                        (`evaluate`); data_tokens (tokens per source) when the data is a mixture;
@@ -27,7 +28,8 @@ data. `step(k)` runs one optimizer step over the global batch of step k and retu
 Failures: a step whose loss or gradient norm is NaN/inf is skipped (no optimizer update;
 train.skip_nonfinite) and the run stops after train.max_skips such steps in a row, naming the step; a
 non-finite state is never saved. Once per step the ranks agree whether a stop signal arrived (one
-8-byte all-reduce over the world, ledger dim "control"): then they save and return.
+16-byte all-reduce over the world, ledger dim "control", which also carries the largest peak memory
+of any rank for the metrics): then they save and return.
 
 Devices: the full model is built and parallelized on the host, then moved to the rank's device
 (train.device, `launch.resolve_device`: CUDA under torchrun/NCCL or a single process, else the CPU);
@@ -234,12 +236,12 @@ class Trainer:
         self.engine.zero_grad()
         routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers, not self.dry) \
             if self.cfg.model.experts else {}
-        self.stop = self.agree_stop()
+        self.stop, peak = self.agree_stop(self.peak_memory())
         self.step_count = step + 1
         seconds = time.perf_counter() - t0
         return {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,   # step: 1-based
                 "seconds": seconds, **self.speed.scalars(n_tokens, seconds),
-                "peak_memory_bytes": self.peak_memory(), **({} if finite else {"skipped": True}), **routing}
+                "peak_memory_bytes": peak, **({} if finite else {"skipped": True}), **routing}
 
     def peak_memory(self) -> int | None:
         """This rank's peak memory so far: the device's (max_memory_allocated) on CUDA, the process's
@@ -298,13 +300,15 @@ class Trainer:
         if not self.quiet:
             print(f"\nwarning: {what}: step skipped ({self.skips} in a row, stop at {cfg.max_skips})", file=sys.stderr)
 
-    def agree_stop(self) -> str | None:
-        """The stop signal any rank received (SIGINT / SIGTERM), agreed by all: one all-reduce (max)."""
+    def agree_stop(self, peak_bytes: int | None) -> tuple[str | None, int | None]:
+        """The stop signal any rank received (SIGINT / SIGTERM) and the largest of the ranks' peak memory
+        (`peak_bytes`: this rank's), agreed by all: one all-reduce (max) of two int64."""
         name = stop_requested()
-        flag = torch.tensor([STOP_SIGNALS.index(name) + 1 if name in STOP_SIGNALS else 0], device=self.device)
-        comm.all_reduce(flag, self.mesh["world"], op="max", dim="control")
-        agreed = int(self.value(flag))
-        return STOP_SIGNALS[agreed - 1] if agreed else None
+        flags = torch.tensor([STOP_SIGNALS.index(name) + 1 if name in STOP_SIGNALS else 0, peak_bytes or 0],
+                             dtype=torch.int64, device=self.device)
+        comm.all_reduce(flags, self.mesh["world"], op="max", dim="control")
+        agreed, peak = int(self.value(flags[0])), int(self.value(flags[1]))
+        return (STOP_SIGNALS[agreed - 1] if agreed else None), (peak or None)
 
     # -- state -------------------------------------------------------------------------------
     def model_state_bytes(self) -> dict:
@@ -451,6 +455,7 @@ class Trainer:
                 m["data_tokens"] = self.batches.drawn(step)
             if self.evaluates_after(step):
                 m.update(self.evaluate())
+            m["eta_s"] = bar.eta_seconds(step + 1)
             history.append(m)
             if self.rank == 0:
                 with open(out / "metrics.jsonl", "a") as f:

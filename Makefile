@@ -1,4 +1,6 @@
-# `make demo` trains the embedded default model on 2 local ranks; `make test` runs the test suite (CI);
+# `make demo` trains the embedded default model on 2 local ranks; `make test` runs the test suite (CI) on 3
+# pytest workers, whole files each (pytest-xdist --dist loadfile: a file's shared spawns and fixtures stay on one
+# worker; most tests wait on ranks they spawned, so 3 workers keep 2 cores busy);
 # `make test-fast` runs the tests that spawn no ranks or processes (`-m "not ranks"`, about a minute);
 # `make layers` checks DESIGN.md's import arrows (import-linter; tests/test_layers.py runs it too).
 # Both create .venv and install what is missing. torch is pinned here to the CPU wheel on disk;
@@ -21,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/fivefold train --nproc 2 --overwrite --out runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 3 --dist loadfile tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not ranks" tests

@@ -62,8 +62,18 @@ class Handle:
         if self.then is not None:
             self.then()
 
+    def done(self) -> bool:
+        """Whether the operation has finished (never blocks; `wait` then returns at once)."""
+        return self.work is None or finished(self.work)
+
 
 DONE = Handle(None, CommLedger(), "", "")
+
+
+def finished(work) -> bool:
+    """A work's `is_completed`; torch's fake process group (the dry run's) finishes every operation when
+    it is issued but answers False, so its works count as finished."""
+    return type(work).__name__ == "FakeWork" or work.is_completed()
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -147,6 +157,9 @@ class _Joined:
         for w in self.works:
             w.wait()
         self.works = []
+
+    def is_completed(self) -> bool:
+        return all(finished(w) for w in self.works)
 
 
 def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group,

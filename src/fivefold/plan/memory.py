@@ -33,8 +33,9 @@ only the activation function's inputs (its output recomputed); `Layout.recompute
 the norms' outputs and MLA's up-projections, so MLA stores its latents instead of per-head Q, K, V
 (DeepSeek-AI 2024, §3.3.3, §3.4). `layer_acts` lists the tensors.
 
-Buffers: the larger of `zero_buffers` and the optimizer step's scratch (`step_scratch`: one bounded pass
-of rules.STEP_CHUNK elements). `zero_buffers` is what ZeRO-2/3 hold during a step beyond the states between steps. ZeRO-3's
+Buffers: the larger of the backward's (`zero_buffers` plus the norm backward's fp32 working set,
+`norm_backward_scratch`) and the optimizer step's scratch (`step_scratch`: one bounded pass of
+rules.STEP_CHUNK elements). `zero_buffers` is what ZeRO-2/3 hold during a step beyond the states between steps. ZeRO-3's
 gathered units (the root unit of embedding, final norm and head included), gradient buffers and
 reduce-scatters in flight are replayed in the runtime's order (parallel/zero.py), so the peak is the
 runtime's to the byte (tests/test_plan_memory.py measures it from the runtime's tensors).
@@ -856,6 +857,17 @@ def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) 
     return {where: {**d, "total": sum(d.values())} for where, d in (("host", host), ("disk", disk))}
 
 
+def norm_backward_scratch(model: PlanModel, layout: Layout, work: Workload) -> float:
+    """The largest working set of a layer's backward beyond its saved activations: the RMSNorm backward
+    (model/transformer.py `_RMSNorm`) holds, for one micro-batch's tokens on the rank (/t with sequence
+    parallelism), beside the gradient it receives (activation bytes), the fp32 input gradient and one
+    fp32 product, plus the input's fp32 copy when the activations are not fp32: e + 8 or e + 12 bytes per
+    element of hidden."""
+    split = layout.tp if layout.seq_parallel else 1
+    per = work.act_bytes + 8 + (4 if work.act_bytes != 4 else 0)
+    return per * rank_tokens(layout, work) * model.hidden / split
+
+
 def step_scratch(owned: float, work: Workload) -> float:
     """What the optimizer step holds beyond the states, per rank updating `owned` elements: one pass of
     rules.STEP_CHUNK elements (train/optim.py) at a time, the gradient norm's fp64 copy (8 bytes) or
@@ -885,7 +897,8 @@ def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     row.update(offload_memory(model, layout, work, stage))
     row["activations"] = stage_activations(model, layout, work, stage)
     owned = (row["optimizer"] + row["offloaded"]) / optimizer_bytes_per_param(work)
-    row["buffers"] = max(zero_buffers(model, layout, work, stage), step_scratch(owned, work))
+    backward = zero_buffers(model, layout, work, stage) + norm_backward_scratch(model, layout, work)
+    row["buffers"] = max(backward, step_scratch(owned, work))
     row["total"] = sum(row[c] for c in COMPONENTS)
     row["stage"] = stage
     row["layers"] = len(layout_layers(model, layout)[stage])

@@ -559,7 +559,17 @@ def compile_blocks(model: torch.nn.Module, backend: str | None = None) -> int:
 
 
 def peak_rss_bytes() -> int | None:
-    """This process's peak resident set size in bytes (Linux reports KiB, macOS bytes), or None."""
+    """This process's peak resident set size in bytes, or None. On Linux the memory map's high-water mark
+    (/proc/self/status VmHWM), which starts afresh in a spawned rank: getrusage's ru_maxrss survives
+    exec, so a rank started by a large parent (a test runner) reported the parent's peak until it
+    passed it. Elsewhere ru_maxrss (macOS: bytes)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024   # kB
+    except OSError:
+        pass
     try:
         import resource   # POSIX only
 

@@ -42,8 +42,8 @@ class DoesNotFit(Exception):
 
 
 def planned_memory(cfg: Config, stage: int) -> dict:
-    """The planner's bytes by kind for one rank of `stage` (plan.memory.stage_memory; the CPU's attention,
-    as the dry run's fake CPU tensors compute it), or {} when the planner cannot estimate the layout."""
+    """The planner's bytes by kind for one rank of `stage` (plan.memory.stage_memory, with the fused
+    attention the runtime runs: plan.layout.from_config), or {} when the planner cannot estimate it."""
     try:
         from .plan.layout import from_config
         from .plan.memory import stage_memory

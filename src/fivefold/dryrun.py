@@ -17,8 +17,12 @@ Measured per rank, by kind (the planner's names):
     total                      the state plus the peak of every storage allocated during a step and
                                still alive (`LiveBytes`: storages counted when an op makes them, uncounted
                                when freed)
-    buffers                    total - state - activations: communication and ZeRO buffers (gathered
-                               units, gradient buckets in flight) and temporaries at the peak
+    buffers                    the peak of what is alive during a step and not saved for backward:
+                               communication and ZeRO buffers (gathered units, gradient buckets in
+                               flight, posted pipeline receives), gradients and a backward's or the
+                               loss's working set. Each kind has its own peak, as the planner plans
+                               it; `total` is the peak of their sum, which may fall below the sum of
+                               the peaks (on the last stage the loss's peak and the layers' do not meet)
 and the ledger's rows per (dim, op, tier), next to the planner's prediction for the rank's stage
 (`cli.planned_memory`, `plan.traffic`). Values are never read: loss, norm and the stop flag read as 0
 (the step's collectives all run). Dropless MoE routing has no counts without values: a dry run refuses
@@ -56,11 +60,14 @@ def planned_memory(cfg: Config, stage: int) -> dict:
     return {k: int(row[k]) for k in KINDS if k in row}
 
 
-def live_bytes():
+def live_bytes(saved=None):
     """A TorchDispatchMode counting the bytes of the storages made by ops inside it and still alive
     (`now`, `peak`): each storage counted when an op makes it, recounted when it is resized in place
-    (`UntypedStorage.resize_`, which no op reports), uncounted when it is freed. (Made here,
-    so that importing this module, and a bad command line, need no torch.)"""
+    (`UntypedStorage.resize_`, which no op reports), uncounted when it is freed. With `saved` (the
+    step's ActivationMeter: its `now` is the bytes autograd keeps for the backward) also `peak_other`,
+    the most bytes alive at once that are not saved activations: the buffers' own peak (communication
+    buffers, gradients in flight, the working sets of a backward or the loss), sampled whenever bytes
+    are added. (Made here, so that importing this module, and a bad command line, need no torch.)"""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -69,7 +76,12 @@ def live_bytes():
         def __init__(self):
             super().__init__()
             self.live: dict[int, int] = {}
-            self.now = self.peak = 0
+            self.now = self.peak = self.peak_other = 0
+
+        def _grew(self) -> None:
+            self.peak = max(self.peak, self.now)
+            if saved is not None:
+                self.peak_other = max(self.peak_other, self.now - saved.now)
 
         def _add(self, t) -> None:
             storage = t.untyped_storage()
@@ -79,7 +91,7 @@ def live_bytes():
             n = storage.nbytes()
             self.live[key] = n
             self.now += n
-            self.peak = max(self.peak, self.now)
+            self._grew()
             weakref.finalize(storage, self._free, key)
 
         def _free(self, key: int) -> None:
@@ -92,7 +104,7 @@ def live_bytes():
             if key in self.live:
                 self.now += nbytes - self.live[key]
                 self.live[key] = nbytes
-                self.peak = max(self.peak, self.now)
+                self._grew()
 
         def __enter__(self):
             counter, resize = self, torch.UntypedStorage.resize_
@@ -184,7 +196,7 @@ def dry_rank(cfg: Config, rank: int, steps: int, limit: float | None = None) -> 
         with FakeTensorMode(allow_non_fake_inputs=True):
             t = Trainer(cfg, rank, world, quiet=True, dry=True)
             state = t.model_state_bytes()
-            live = live_bytes()
+            live = live_bytes(t.activations)
             if limit is None or state["total"] <= limit:
                 with live:
                     for step in range(steps):
@@ -197,7 +209,7 @@ def dry_rank(cfg: Config, rank: int, steps: int, limit: float | None = None) -> 
     total = held + live.peak
     measured = {"weights": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
                 "activations": t.activations.peak, "total": total}
-    measured["buffers"] = max(0, total - held - t.activations.peak)
+    measured["buffers"] = live.peak_other
     planned = planned_memory(cfg, stage)
     plan_rows = planned_rows(cfg, stage, t.mesh.coords["dp"], steps)
     return {"rank": rank, "stage": stage, "measured": measured, "planned": planned, "ledger": rows,

@@ -65,10 +65,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
-def rope_cos_sin(positions, head_dim: int, theta: float, device=None, offset: int = 0):
-    """cos, sin of shape (s, d) (fp32) for `positions`: a 1-D tensor of position ids (any order:
-    context parallelism gives a rank non-contiguous ones), or a length s for offset..offset+s-1; of
-    shape (b, s, d) for (b, s) position ids, one row each (documents: model/documents.py)."""
+def rope_cos_sin(positions, head_dim: int, theta: float, device=None, offset: int = 0,
+                 dtype: torch.dtype = torch.float32):
+    """cos, sin of shape (s, d) for `positions`: a 1-D tensor of position ids (any order: context
+    parallelism gives a rank non-contiguous ones), or a length s for offset..offset+s-1; of shape
+    (b, s, d) for (b, s) position ids, one row each (documents: model/documents.py). Computed in fp32,
+    then cast once to `dtype`, the activations' dtype: every layer's rotation then multiplies (and saves
+    for its backward) these two tensors, not a cast copy of its own (126 layers' copies were 0.8 GiB of a
+    405B pipeline stage's saved activations)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     if isinstance(positions, int):
         pos = torch.arange(offset, offset + positions, dtype=torch.float32, device=device)
@@ -76,7 +80,7 @@ def rope_cos_sin(positions, head_dim: int, theta: float, device=None, offset: in
         pos = positions.to(device=device, dtype=torch.float32)
     freqs_sd2 = torch.outer(pos, inv_freq) if pos.dim() == 1 else pos[..., None] * inv_freq
     emb_sd = torch.cat((freqs_sd2, freqs_sd2), dim=-1)
-    return emb_sd.cos(), emb_sd.sin()
+    return emb_sd.cos().to(dtype), emb_sd.sin().to(dtype)
 
 
 class _SiluMul(torch.autograd.Function):
@@ -90,11 +94,14 @@ class _SiluMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        """The same arithmetic as autograd's, in place where it can be: beside dy at most three
+        ffn-wide tensors are alive (the planner's `mlp_backward_scratch`), not six."""
         gate, up = ctx.saved_tensors
         sig = torch.sigmoid(gate)
         d_up = dy * (gate * sig)                                            # silu(gate) = gate · σ(gate)
-        d_gate = (dy * up) * (sig * (1 + gate * (1 - sig)))                 # silu's derivative, as autograd's
-        return d_gate, d_up
+        slope = torch.rsub(sig, 1).mul_(gate).add_(1).mul_(sig)            # silu's derivative σ(1 + g(1 - σ))
+        del sig
+        return (dy * up).mul_(slope), d_up
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -345,7 +352,7 @@ class Transformer(nn.Module):
             p.copy_(init_box(self.cfg, seed, name, full, (0,) * len(full), full))
 
     def rope(self, positions, device=None, offset: int = 0):
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, device, offset)
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, device, offset, self.embed.weight.dtype)
 
     def forward(self, tokens_bs: torch.Tensor, positions_s: torch.Tensor | None = None,
                 cache: KVCache | None = None, documents: Documents | None = None) -> torch.Tensor:

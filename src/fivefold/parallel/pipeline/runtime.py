@@ -113,9 +113,10 @@ class Stage(nn.Module):
         sequence parallelism)."""
         return (batch, seq // self.seq_split, self.hidden)
 
-    def rope(self, positions, device=None):
-        """cos, sin for `positions` (a 1-D tensor of position ids, or a length: 0..seq-1)."""
-        return rope_cos_sin(positions, *self.rope_args, device)
+    def rope(self, positions, device=None, dtype: torch.dtype = torch.float32):
+        """cos, sin for `positions` (a 1-D tensor of position ids, or a length: 0..seq-1), in `dtype`
+        (the activations')."""
+        return rope_cos_sin(positions, *self.rope_args, device, dtype=dtype)
 
     def forward_chunk(self, chunk: int, x: torch.Tensor, cos_sd, sin_sd, documents_bS=None) -> torch.Tensor:
         """Tokens (chunk 0) or hidden states -> hidden states (or logits for the last chunk);
@@ -258,10 +259,10 @@ class PipelineRuntime:
         self.device = micro_batches[0][0].device
         b, s = micro_batches[0][0].shape
         self.shape = self.stage.boundary_shape(b, s)
-        self.cos_sd, self.sin_sd = self.stage.rope(s if positions is None else positions, micro_batches[0][0].device)
+        self.cos_sd, self.sin_sd = self.stage.rope(s if positions is None else positions, self.device, self.dtype)
         # packed documents: each micro-batch's own positions (restarting per document) and ids
         self.documents = [documents_of(mb) for mb in micro_batches]
-        self.ropes = [None if d is None else self.stage.rope(d.positions_bs, self.device) for d in self.documents]
+        self.ropes = [None if d is None else self.stage.rope(d.positions_bs, self.device, self.dtype) for d in self.documents]
         self.inbox: dict = {}      # message key -> (buffer, receive handle)
         self.outbox: dict = {}     # message key -> tensor waiting for its SEND
         self.sending: list = []    # (send handle, tensor) until the send is seen complete (`release_sent`)

@@ -21,9 +21,11 @@ per-expert score-correction bias is counted, as the checkpoint stores it, though
 runtime keep it as a buffer). Any other family, activation or variant the shapes here cannot express is
 refused, naming the supported ones.
 
-Approximations (stated where they are used): MLA's activations are modelled as multi-head attention
-with the up-projected q/k/v widths (the compressed latents are small and ignored); MoE expert
-activations assume balanced routing.
+Approximations (stated where they are used): MLA's activations are the up-projected per-head Q, K, V
+plus the latents (plan/memory.py `layer_acts`); MoE expert activations assume balanced routing. MLA's
+parameters per tp rank, ZeRO units and tp messages are the runtime's (model/latent_attention.py,
+parallel/tensor.py): down-projections and latent norms whole on every tp rank, the latents entering the
+tensor-parallel region.
 """
 from __future__ import annotations
 

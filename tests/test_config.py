@@ -115,7 +115,7 @@ def _float_keys() -> list[str]:
 
 def test_every_float_field_is_covered():
     model = ("rope_theta", "norm_eps", "init_std", "dropout", "capacity_factor", "aux_loss_coef", "z_loss_coef",
-             "bias_update_rate")
+             "bias_update_rate", "routed_scaling_factor")
     train = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "data_limit_mb", "eval_fraction")
     assert set(_float_keys()) == ({f"model.{n}" for n in model} | {f"train.{n}" for n in train}
                                   | {"parallel.bucket_mb"})
@@ -182,3 +182,21 @@ def test_reliability_fields_defaults():
     t = TrainConfig()
     assert (t.checkpoint_every, t.keep_checkpoints, t.skip_nonfinite, t.max_skips, t.log_every) == (100, 2, True, 5, 0)
     assert field_type("train.skip_nonfinite") is bool and field_type("train.max_skips") is int
+
+
+@pytest.mark.parametrize("over, words", [
+    (dict(q_lora_rank=16), "kv_lora_rank is 0"),
+    (dict(kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=7, v_head_dim=8), "qk_rope_dim .7. must be even"),
+    (dict(kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8), "v_head_dim must be >= 1"),
+    (dict(kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=8, kv_heads=2), "must equal model.heads"),
+    (dict(kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=8, kv_heads=4, qkv_bias=True), "qkv_bias"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor must be > 0"),
+])
+def test_latent_attention_rules(over, words):
+    m = ModelConfig(heads=4, kv_heads=4, **{k: v for k, v in over.items() if k != "kv_heads"})
+    if "kv_heads" in over:
+        m.kv_heads = over["kv_heads"]
+    with pytest.raises(ConfigError, match=words):
+        m.validate()
+    ok = ModelConfig(heads=4, kv_heads=4, hidden=62, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=8)
+    ok.validate()   # latent attention needs no hidden % heads

@@ -271,3 +271,91 @@ def test_qwen2_with_biases_round_trips_through_a_saved_folder(tmp_path):
     assert type(back).__name__ == "Qwen2ForCausalLM"
     for name, t in back.state_dict().items():
         assert torch.equal(t, hf.state_dict()[name]), name
+
+
+# -- DeepSeek-V3: latent attention, sigmoid router with bias, groups, scaling, shared experts ------------
+
+DEEPSEEK_COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                       num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                       n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                       routed_scaling_factor=2.5, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                       v_head_dim=12, max_position_embeddings=64, rms_norm_eps=1e-6, attn_implementation="eager",
+                       tie_word_embeddings=False)
+DEEPSEEK_CASES = {
+    "q_lora": dict(q_lora_rank=20),
+    "no_q_lora": dict(q_lora_rank=None),                      # DeepSeek-V2-Lite's plain q projection
+    "rotate_half": dict(q_lora_rank=20, rope_interleave=False),
+}
+
+
+def hf_deepseek(case):
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK_COMMON,
+                                                                         **DEEPSEEK_CASES[case])).eval()
+    with torch.no_grad():   # a nonzero score-correction bias, so that its mapping is tested
+        for name, buf in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(3)) * 0.1)
+    return hf
+
+
+@pytest.mark.parametrize("case", list(DEEPSEEK_CASES))
+def test_deepseek_v3_logits_grads_and_round_trip(case):
+    """A tiny DeepseekV3ForCausalLM (transformers) and ours from its weights: the same logits and
+    gradients (fp32); exported back, the same state dict, buffers included."""
+    hf = hf_deepseek(case)
+    ours = from_hf(hf).eval()
+    c = ours.cfg
+    assert c.mla and c.q_lora_rank == (DEEPSEEK_CASES[case]["q_lora_rank"] or 0)
+    assert (c.router, c.router_groups, c.router_group_limit, c.routed_scaling_factor) == ("sigmoid_bias", 4, 2, 2.5)
+    assert (c.dense_layers, c.shared_experts, c.experts) == (1, 1, 8)
+    assert c.num_params() == sum(p.numel() for p in hf.parameters())
+    tokens = torch.randint(0, 97, (3, 24), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(tokens, -1, 1)
+    logits_hf = hf(tokens).logits
+    logits = ours(tokens)
+    torch.testing.assert_close(logits, logits_hf, rtol=1e-5, atol=1e-5)
+    F.cross_entropy(logits_hf.flatten(0, 1), targets.flatten()).backward()
+    (loss_sum(logits, targets) / targets.numel()).backward()
+    theirs = dict(hf.named_parameters())
+    names = name_map(c)
+    for name, p in ours.named_parameters():
+        if name in names:
+            want = theirs[names[name]].grad
+        else:
+            packed = "model." + name.rsplit(".", 1)[0] + ".gate_up_proj"
+            want = theirs[packed].grad.chunk(2, dim=1)[0 if name.endswith("w_gate") else 1]
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    back = to_hf(ours)
+    assert type(back) is type(hf)
+    want, got = hf.state_dict(), back.state_dict()
+    assert set(got) == set(want)
+    for name, t in got.items():
+        assert torch.equal(t, want[name]), name
+    torch.testing.assert_close(back.eval()(tokens).logits, logits_hf, rtol=1e-5, atol=1e-5)
+
+
+def test_deepseek_v3_generate_with_cache_matches_full_forward():
+    """The KV cache (per-head k, v) gives the logits of the full forward."""
+    from fivefold.model.transformer import KVCache
+
+    ours = from_hf(hf_deepseek("q_lora")).eval()
+    tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = ours(tokens)
+        cache = KVCache(ours.cfg.layers)
+        step = torch.cat([ours(tokens[:, :7], cache=cache), ours(tokens[:, 7:9], cache=cache),
+                          ours(tokens[:, 9:], cache=cache)], dim=1)
+    torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("over, words", [(dict(norm_topk_prob=False), "norm_topk_prob"),
+                                         (dict(attention_bias=True), "attention_bias"),
+                                         (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                "rope_theta": 10000.0,
+                                                                "original_max_position_embeddings": 16}),
+                                          "default RoPE")])
+def test_deepseek_v3_unsupported_configs_refused(over, words):
+    hf_cfg = transformers.DeepseekV3Config(**{**DEEPSEEK_COMMON, "q_lora_rank": 20, **over})
+    with pytest.raises(ValueError, match=words):
+        config_from_hf(hf_cfg)

@@ -311,3 +311,30 @@ def test_uneven_chunks_are_walked_in_the_runtimes_order():
     lay = Layout(pp=16, tp=8, sp_mode="megatron", vpp=2, schedule="interleaved", partition="llama3")
     acts = [memory(L405, lay, w).stages[s]["activations"] for s in (0, 1)]
     assert acts[0] < acts[1]
+
+
+@pytest.mark.parametrize("q_lora", [24, 0])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_latent_attention_tensors_are_the_runtimes(tp, q_lora):
+    """The planner lists a latent-attention layer's tensors as the runtime registers them, with the
+    runtime's tp split (down-projections and latent norms whole on every rank, tagged "norm"), so ZeRO
+    units and partial-gradient sets are exact."""
+    from fivefold.model import Transformer
+    from fivefold.plan.memory import exact_tensors, layer_tensors
+    from fivefold.plan.models import from_model_config
+
+    from .helpers import tiny_config
+
+    cfg = tiny_config(mla=True).model
+    cfg.q_lora_rank, cfg.experts, cfg.moe_ffn, cfg.dense_layers = q_lora, 4, 32, 1
+    plan = from_model_config(cfg)
+    assert exact_tensors(plan)
+    meta = Transformer(cfg, device="meta")
+    whole = ("norm", "q_a.", "kv_a.", "router", "experts", "shared")   # replicated over tp in the runtime
+    for i in range(cfg.layers):
+        want = [(p.numel() // (1 if any(w in n for w in whole) else tp), not n.startswith("mlp.experts"))
+                for n, p in meta.layers[i].named_parameters()]
+        got = [(e, not ex) for e, ex, _ in layer_tensors(plan, i, tp, 1)]
+        assert got == want
+        tags = {n: tag for (n, _), (_, _, tag) in zip(meta.layers[i].named_parameters(), layer_tensors(plan, i, tp, 1))}
+        assert all(tags[n] == "norm" for n in tags if "q_a." in n or "kv_a." in n or "norm" in n)

@@ -21,7 +21,7 @@ from fivefold.plan.models import from_model_config
 from fivefold.plan.traffic import all_ranks
 from fivefold.train.trainer import supported, train_rank
 
-from .helpers import ranks, tiny_config
+from .helpers import TINY_MLA, ranks, tiny_config
 
 # (parallel degrees, dtype[, model fields]). Layouts are grouped by world size and run in one spawn per
 # group (at most one 4-rank spawn: it is the slow one); one the runtime does not run yet is skipped with the
@@ -69,6 +69,23 @@ LAYOUTS = [
     (dict(tp=2, dp=2, ep=2), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # EP x TP
     (dict(dp=4, ep=2, zero=1, microbatches=2), "fp32",
      dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.25, shared_experts=1)),  # experts over edp, ZeRO-1                                            # not in the runtime yet
+]
+
+
+# latent attention (DeepSeek's MLA; tests/helpers.py TINY_MLA): the latents enter the tensor-parallel region,
+# their projections' gradients are partial under SP, K and V of their own head dims cross the cp ring and
+# the Ulysses all-to-alls. A fixture of their own (one 2-rank spawn), so `-k mla` runs only them.
+MLA_MOE = dict(experts=4, top_k=2, moe_ffn=32, capacity_factor=1.0, router="sigmoid_bias", shared_experts=1,
+               dense_layers=1, routed_scaling_factor=2.5)
+MLA_LAYOUTS = [
+    (dict(tp=2, dp=1, microbatches=2), "fp32", TINY_MLA),                        # f on the latents
+    (dict(tp=2, dp=1, sp_mode="megatron", microbatches=2), "bf16", TINY_MLA),    # latents all-gathered
+    (dict(tp=2, dp=1, sp_mode="megatron"), "fp32", {**TINY_MLA, "q_lora_rank": 0}),  # x for q_proj, latents
+    (dict(tp=2, dp=1), "fp32", {**TINY_MLA, "q_lora_rank": 0}),
+    (dict(cp=2, dp=1), "fp32", TINY_MLA),                                        # ring: K, V of two widths
+    (dict(cp=2, dp=1, cp_mode="ulysses", microbatches=2), "bf16", TINY_MLA),
+    (dict(dp=2, zero=1, microbatches=2, bucket_mb=0.01), "fp32", TINY_MLA),      # exact buckets
+    (dict(dp=2, ep=2), "fp32", {**TINY_MLA, **MLA_MOE}),                         # MoE + MLA
 ]
 
 
@@ -120,9 +137,18 @@ def _train_many(rank: int, world: int, jobs: list) -> list:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """Train every layout the runtime supports, grouped by world size; id -> output folder."""
+    return _run_layouts(LAYOUTS, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mla_runs(tmp_path_factory) -> dict:
+    return _run_layouts(MLA_LAYOUTS, tmp_path_factory)
+
+
+def _run_layouts(layouts: list, tmp_path_factory) -> dict:
     by_world: dict[int, list] = {}
     out = {}
-    for case in LAYOUTS:
+    for case in layouts:
         cfg = _config(*case)
         try:
             supported(cfg)
@@ -153,6 +179,16 @@ def _planned(cfg: Config) -> tuple[dict, dict, dict]:
 @pytest.mark.parametrize("case", LAYOUTS, ids=[_layout_id(c) for c in LAYOUTS])
 @pytest.mark.ranks
 def test_planner_equals_ledger_and_run_json(case, runs):
+    check_planner_equals_run(case, runs)
+
+
+@pytest.mark.parametrize("case", MLA_LAYOUTS, ids=["mla-" + _layout_id(c) for c in MLA_LAYOUTS])
+@pytest.mark.ranks
+def test_planner_equals_ledger_and_run_json_mla(case, mla_runs):
+    check_planner_equals_run(case, mla_runs)
+
+
+def check_planner_equals_run(case, runs):
     cfg = _config(*case)
     try:
         supported(cfg)

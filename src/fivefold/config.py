@@ -45,12 +45,16 @@ __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfi
 # 16384, vocab 128256), low enough that a typo (or a crafted file) cannot make a loop over the layers or
 # a shape computation run for hours before anything is allocated.
 MODEL_LIMITS = {"vocab": 2**31, "hidden": 2**20, "layers": 2**16, "heads": 2**14, "kv_heads": 2**14, "ffn": 2**24,
-                "max_seq": 2**30, "experts": 2**16, "moe_ffn": 2**24, "shared_experts": 2**10, "dense_layers": 2**16}
+                "max_seq": 2**30, "experts": 2**16, "moe_ffn": 2**24, "shared_experts": 2**10, "dense_layers": 2**16,
+                "q_lora_rank": 2**20, "kv_lora_rank": 2**20, "qk_nope_dim": 2**14, "qk_rope_dim": 2**14,
+                "v_head_dim": 2**14}
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
 
 
 @dataclass
 class ModelConfig:
-    """A Llama-style decoder. MoE fields are used when `experts > 0` (model/moe.py explains each)."""
+    """A Llama-style decoder. MoE fields are used when `experts > 0` (model/moe.py explains each), MLA
+    fields when `kv_lora_rank > 0` (multi-head latent attention, model/latent_attention.py)."""
 
     vocab: int = 256
     hidden: int = 128
@@ -79,10 +83,48 @@ class ModelConfig:
     shared_expert_gate: bool = False   # Qwen2-MoE: shared output times sigmoid(Linear(h, 1))
     bias_update_rate: float = 0.001    # sigmoid_bias: expert-bias step per update (DeepSeek-V3's gamma)
     qkv_bias: bool = False        # Qwen2 / Qwen2-MoE: biases on the q, k, v projections
+    routed_scaling_factor: float = 1.0   # routed experts' weights times this (DeepSeek-V3: 2.5)
+    # Multi-head latent attention (DeepSeek-V2/V3): kv_lora_rank > 0 turns it on (0: GQA)
+    q_lora_rank: int = 0          # query latent width (0: a plain q projection, as DeepSeek-V2-Lite)
+    kv_lora_rank: int = 0         # key/value latent width
+    qk_nope_dim: int = 0          # per-head query/key dims without RoPE
+    qk_rope_dim: int = 0          # per-head query/key dims with RoPE (the key's one shared by all heads)
+    v_head_dim: int = 0           # per-head value dim
+    rope_interleave: bool = True  # MLA: RoPE dims in interleaved pairs (DeepSeek's layout; false: rotate-half)
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head width of queries and keys (MLA: nope + rope)."""
+        return self.qk_nope_dim + self.qk_rope_dim if self.mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Per-head width of values and of the attention output."""
+        return self.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims RoPE rotates per head (MLA: the rope part only)."""
+        return self.qk_rope_dim if self.mla else self.head_dim
+
+    def attention_params(self) -> int:
+        h = self.hidden
+        if self.mla:
+            n, r = self.heads, self.q_lora_rank
+            q = h * r + r + r * n * self.qk_head_dim if r else h * n * self.qk_head_dim
+            kv = h * (self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank \
+                + self.kv_lora_rank * n * (self.qk_nope_dim + self.v_head_dim)
+            return q + kv + n * self.v_head_dim * h
+        kv = self.kv_heads * self.head_dim
+        return h * h + 2 * h * kv + h * h + ((h + 2 * kv) if self.qkv_bias else 0)
 
     @property
     def expert_ffn(self) -> int:
@@ -96,14 +138,30 @@ class ModelConfig:
         """Parameters of the model as built (each tied weight counted once; the sigmoid router's expert
         bias is a buffer, not a parameter)."""
         h, v, m = self.hidden, self.vocab, self.expert_ffn
-        kv = self.kv_heads * self.head_dim
-        attn = h * h + 2 * h * kv + h * h + ((h + 2 * kv) if self.qkv_bias else 0)
+        attn = self.attention_params()
         dense = attn + 3 * h * self.ffn + 2 * h
         moe = (attn + 2 * h + self.experts * h + self.experts * 3 * h * m + 3 * h * self.shared_experts * m
                + (h if self.shared_expert_gate else 0))
         n_moe = sum(self.is_moe_layer(i) for i in range(self.layers))
         embed = v * h * (1 if self.tie_embeddings else 2)
         return (self.layers - n_moe) * dense + n_moe * moe + embed + h
+
+    def validate_mla(self) -> None:
+        """Latent attention: positive rope/nope/value dims, an even rope part (RoPE rotates pairs), one K/V
+        head per query head (the up-projection makes per-head K and V), no q/k/v biases."""
+        for name in ("qk_nope_dim", "qk_rope_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} must be >= 1 with latent attention (model.kv_lora_rank "
+                                  f"{self.kv_lora_rank}); DeepSeek-V3: qk_nope_dim 128, qk_rope_dim 64, v_head_dim 128")
+        if self.qk_rope_dim % 2:
+            raise ConfigError(f"model.qk_rope_dim ({self.qk_rope_dim}) must be even (RoPE rotates pairs); "
+                              f"valid: {self.qk_rope_dim - 1} or {self.qk_rope_dim + 1}")
+        if self.kv_heads != self.heads:
+            raise ConfigError(f"model.kv_heads ({self.kv_heads}) must equal model.heads ({self.heads}) with latent "
+                              f"attention (every head gets its own up-projected K and V); valid kv_heads: {self.heads}")
+        if self.qkv_bias:
+            raise ConfigError("model.qkv_bias is not supported with latent attention (model.kv_lora_rank > 0); "
+                              "valid: qkv_bias false")
 
     def validate(self) -> None:
         _check_choices(self, "model")
@@ -112,7 +170,17 @@ class ModelConfig:
             rules.check_count(f"model.{name}", getattr(self, name), 1, MODEL_LIMITS[name])
         for name in ("experts", "moe_ffn", "shared_experts", "dense_layers"):
             rules.check_count(f"model.{name}", getattr(self, name), 0, MODEL_LIMITS[name])
-        rules.check_attention(self.hidden, self.heads, self.kv_heads)
+        for name in MLA_FIELDS:
+            rules.check_count(f"model.{name}", getattr(self, name), 0, MODEL_LIMITS[name])
+        if self.mla:
+            self.validate_mla()
+        else:
+            if any(getattr(self, name) for name in MLA_FIELDS):
+                set_ = ", ".join(f"{n}={getattr(self, n)}" for n in MLA_FIELDS if getattr(self, n))
+                raise ConfigError(f"model.{set_.split('=')[0]} is a latent-attention (MLA) size but model.kv_lora_rank "
+                                  f"is 0 (MLA off); valid: kv_lora_rank >= 1, or {set_} set to 0")
+            rules.check_attention(self.hidden, self.heads, self.kv_heads)
+        _check_above_zero("model.routed_scaling_factor", self.routed_scaling_factor, "1, DeepSeek-V3: 2.5")
         _check_unit("model.dropout", self.dropout, "0: off")
         for name, typical in (("rope_theta", "10000 or 500000"), ("norm_eps", "1e-5 or 1e-6"), ("init_std", "0.02")):
             _check_above_zero(f"model.{name}", getattr(self, name), typical)

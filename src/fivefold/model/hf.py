@@ -1,4 +1,4 @@
-"""Import and export Hugging Face Llama, Mistral, Qwen2, Mixtral and Qwen2-MoE weights.
+"""Import and export Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE and DeepSeek-V3 weights.
 
 `from_hf(m)` takes a `transformers` LlamaForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM (an
 object, or a folder saved with `save_pretrained`) and returns our `Transformer` with the same weights;
@@ -19,6 +19,11 @@ What maps (ours <- theirs):
   moe_intermediate_size: shared_experts = the ratio) behind its sigmoid gate (shared_expert_gate);
   ffn = intermediate_size (the dense layers). Dense layers (mlp_only_layers, decoder_sparse_step) must be
   the first N layers (dense_layers = N; the default, all sparse, is N = 0).
+- DeepSeek-V3: latent attention (model/latent_attention.py: q_a_proj, q_a_layernorm, q_b_proj or q_proj,
+  kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; rope_interleave as given); dense_layers
+  first_k_dense_replace; router sigmoid_bias (its e_score_correction_bias buffer is our expert_bias),
+  group-limited by n_group / topk_group, weights renormalised (norm_topk_prob must be true) and times
+  routed_scaling_factor; n_shared_experts ungated shared experts ("mlp.shared_experts.*").
 Refused everywhere: biases on the output projection or the MLP (attention_bias, mlp_bias), other RoPE
 scalings, activations other than SiLU.
 Hugging Face computes its load-balance loss over the whole batch and with f_e = count/tokens (k times
@@ -65,9 +70,27 @@ SHARED_GATE_NAMES = {"mlp.shared_gate.weight": "mlp.shared_expert_gate.weight"}
 # Hugging Face's packed tensor -> our tensors, concatenated along dim 1
 PACKED_NAMES = {"mlp.experts.gate_up_proj": ("mlp.experts.w_gate", "mlp.experts.w_up")}
 LAYER_NAMES = {**ATTN_NAMES, **DENSE_NAMES}   # a dense (Llama) layer
+# DeepSeek-V3: latent attention (model/latent_attention.py), shared experts named "shared_experts"
+MLA_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.kv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn.kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+}
+MLA_Q_LORA_NAMES = {
+    "attn.q_a.weight": "self_attn.q_a_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn.q_b.weight": "self_attn.q_b_proj.weight",
+}
+MLA_Q_NAMES = {"attn.q_proj.weight": "self_attn.q_proj.weight"}
+DEEPSEEK_SHARED_NAMES = {k: v.replace("shared_expert.", "shared_experts.") for k, v in SHARED_NAMES.items()}
+# buffers that map one to one (training state, not parameters): the sigmoid router's expert bias
+BUFFER_NAMES = {"mlp.expert_bias": "mlp.gate.e_score_correction_bias"}
 
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-           "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+           "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def rope_theta_of(hf_cfg) -> float:
@@ -113,6 +136,8 @@ def config_from_hf(hf_cfg) -> ModelConfig:
     if any(getattr(hf_cfg, name, False) for name in ("attention_bias", "mlp_bias")):
         raise ValueError(f"{kind} models with output-projection or MLP biases (attention_bias/mlp_bias) are not "
                          f"supported: fivefold's biases are Qwen2's, on q, k and v only")
+    if kind == "deepseek_v3":
+        return _deepseek_v3_config(hf_cfg)
     cfg = _common(hf_cfg)
     cfg["max_seq"] = _window_limit(hf_cfg, kind, cfg["max_seq"])
     if kind == "qwen2":
@@ -140,6 +165,62 @@ def config_from_hf(hf_cfg) -> ModelConfig:
     return out
 
 
+def _deepseek_v3_config(hf_cfg) -> ModelConfig:
+    """DeepSeek-V3: latent attention, first_k_dense_replace dense layers, then MoE layers of n_routed_experts
+    behind the sigmoid router with its score-correction bias, group-limited (n_group, topk_group), weights
+    renormalised and times routed_scaling_factor, plus n_shared_experts ungated shared experts. Refused:
+    yarn (or any) RoPE scaling, norm_topk_prob false, attention biases, multi-token prediction is ignored
+    (transformers builds no MTP layer)."""
+    if getattr(hf_cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"only SwiGLU (hidden_act silu) MLPs are supported, got {hf_cfg.hidden_act}")
+    if getattr(hf_cfg, "attention_bias", False):
+        raise ValueError("DeepSeek-V3 with attention_bias is not supported (fivefold's latent attention has no biases)")
+    if not hf_cfg.norm_topk_prob:
+        raise ValueError("DeepSeek-V3 with norm_topk_prob false is not supported: the sigmoid_bias router "
+                         "renormalises its top-k weights")
+    layers, dense = hf_cfg.num_hidden_layers, hf_cfg.first_k_dense_replace or 0
+    moe = dense < layers and hf_cfg.n_routed_experts
+    groups = hf_cfg.n_group or 0
+    cfg = dict(vocab=hf_cfg.vocab_size, hidden=hf_cfg.hidden_size, layers=layers, heads=hf_cfg.num_attention_heads,
+               kv_heads=hf_cfg.num_attention_heads, ffn=hf_cfg.intermediate_size, rope_theta=rope_theta_of(hf_cfg),
+               norm_eps=hf_cfg.rms_norm_eps, tie_embeddings=bool(getattr(hf_cfg, "tie_word_embeddings", False)),
+               max_seq=hf_cfg.max_position_embeddings, init_std=getattr(hf_cfg, "initializer_range", 0.02),
+               q_lora_rank=hf_cfg.q_lora_rank or 0, kv_lora_rank=hf_cfg.kv_lora_rank,
+               qk_nope_dim=hf_cfg.qk_nope_head_dim, qk_rope_dim=hf_cfg.qk_rope_head_dim, v_head_dim=hf_cfg.v_head_dim,
+               rope_interleave=bool(hf_cfg.rope_interleave))
+    if moe:
+        cfg.update(experts=hf_cfg.n_routed_experts, top_k=hf_cfg.num_experts_per_tok,
+                   moe_ffn=hf_cfg.moe_intermediate_size, shared_experts=hf_cfg.n_shared_experts or 0,
+                   dense_layers=dense, router="sigmoid_bias", router_groups=groups if groups > 1 else 0,
+                   router_group_limit=hf_cfg.topk_group if groups > 1 else 0,
+                   routed_scaling_factor=float(hf_cfg.routed_scaling_factor))
+    out = ModelConfig(**cfg)
+    out.validate()
+    return out
+
+
+def _deepseek_v3_hf(cfg: ModelConfig, common: dict):
+    import transformers
+
+    if not cfg.mla:
+        raise ValueError("DeepSeek-V3 has latent attention: this model has none (model.kv_lora_rank 0)")
+    if cfg.experts and (cfg.router != "sigmoid_bias" or cfg.shared_expert_gate):
+        raise ValueError("DeepSeek-V3 routes by sigmoid_bias and does not gate its shared experts")
+    if cfg.experts and cfg.router_groups and cfg.router_groups <= 1:
+        raise ValueError("DeepSeek-V3's group-limited routing needs router_groups > 1")
+    common = {k: v for k, v in common.items() if k != "num_key_value_heads"}
+    moe = dict(n_routed_experts=cfg.experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.expert_ffn,
+               n_shared_experts=cfg.shared_experts, first_k_dense_replace=cfg.dense_layers,
+               n_group=cfg.router_groups or 1, topk_group=cfg.router_group_limit or 1,
+               routed_scaling_factor=cfg.routed_scaling_factor) if cfg.experts else \
+        dict(n_routed_experts=1, first_k_dense_replace=cfg.layers, n_group=1, topk_group=1)
+    return transformers.DeepseekV3Config(
+        intermediate_size=cfg.ffn, num_key_value_heads=cfg.heads, q_lora_rank=cfg.q_lora_rank or None,
+        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_dim, qk_rope_head_dim=cfg.qk_rope_dim,
+        v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave, norm_topk_prob=True, attention_bias=False,
+        **moe, **common)
+
+
 def _window_limit(hf_cfg, kind: str, max_seq: int) -> int:
     """max_seq under a sliding window: the window when it is shorter (up to it, attention is full causal).
     Mistral and Mixtral name a window by `sliding_window`; Qwen2 and Qwen2-MoE only with use_sliding_window."""
@@ -152,6 +233,8 @@ def _window_limit(hf_cfg, kind: str, max_seq: int) -> int:
 def hf_family(cfg: ModelConfig) -> str:
     """The transformers family that holds this model exactly: llama (dense); mixtral (softmax_topk_norm,
     no shared expert, no dense layers); qwen2_moe (softmax routers, shared experts behind a gate)."""
+    if cfg.mla:
+        return "deepseek_v3"
     if not cfg.experts:
         return "qwen2" if cfg.qkv_bias else "llama"
     if cfg.router == "sigmoid_bias" or cfg.router_groups:
@@ -173,6 +256,13 @@ def config_to_hf(cfg: ModelConfig, family: str | None = None):
                   num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, rope_theta=cfg.rope_theta,
                   rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
                   max_position_embeddings=cfg.max_seq, initializer_range=cfg.init_std, attention_dropout=0.0)
+    if family == "deepseek_v3":
+        return _deepseek_v3_hf(cfg, common)
+    if cfg.mla:
+        raise ValueError(f"{family} has no latent attention (model.kv_lora_rank > 0): export as deepseek_v3")
+    if cfg.routed_scaling_factor != 1.0:
+        raise ValueError(f"{family} does not scale its routed weights (model.routed_scaling_factor "
+                         f"{cfg.routed_scaling_factor}): export as deepseek_v3")
     dense = family in ("llama", "mistral", "qwen2")
     if dense and cfg.experts:
         raise ValueError(f"{family} is a dense family; this model has {cfg.experts} experts")
@@ -213,16 +303,28 @@ def name_map(cfg: ModelConfig) -> dict[str, str]:
     if not cfg.tie_embeddings:
         out["head.weight"] = "lm_head.weight"
     for i in range(cfg.layers):
-        names = {**ATTN_NAMES, **(QKV_BIAS_NAMES if cfg.qkv_bias else {})}
+        if cfg.mla:
+            names = {**MLA_NAMES, **(MLA_Q_LORA_NAMES if cfg.q_lora_rank else MLA_Q_NAMES)}
+        else:
+            names = {**ATTN_NAMES, **(QKV_BIAS_NAMES if cfg.qkv_bias else {})}
         if cfg.is_moe_layer(i):
             names.update(MOE_NAMES)
-            names.update(SHARED_NAMES if cfg.shared_experts else {})
+            names.update((DEEPSEEK_SHARED_NAMES if cfg.mla else SHARED_NAMES) if cfg.shared_experts else {})
             names.update(SHARED_GATE_NAMES if cfg.shared_expert_gate else {})
         else:
             names.update(DENSE_NAMES)
         for ours, theirs in names.items():
             out[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
     return out
+
+
+def buffer_map(cfg: ModelConfig) -> dict[str, str]:
+    """Our buffer name -> the Hugging Face name (the sigmoid router's expert bias, DeepSeek-V3's
+    e_score_correction_bias)."""
+    if cfg.router != "sigmoid_bias":
+        return {}
+    return {f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for i in range(cfg.layers) if cfg.is_moe_layer(i)
+            for ours, theirs in BUFFER_NAMES.items()}
 
 
 def packed_map(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -233,7 +335,7 @@ def packed_map(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
 
 def _check_covered(theirs: dict, cfg: ModelConfig) -> None:
     """Every Hugging Face tensor is one we map (a new layout or an unsupported feature fails loudly)."""
-    mapped = set(name_map(cfg).values()) | set(packed_map(cfg))
+    mapped = set(name_map(cfg).values()) | set(packed_map(cfg)) | set(buffer_map(cfg).values())
     missing = sorted(mapped - set(theirs))
     extra = sorted(n for n in set(theirs) - mapped if not (n == "lm_head.weight" and cfg.tie_embeddings))
     if missing or extra:
@@ -260,6 +362,9 @@ def from_hf(hf_model) -> Transformer:
         for name, ours in packed_map(cfg).items():
             for mine, part in zip(ours, theirs[name].chunk(len(ours), dim=1)):
                 params[mine].copy_(part)
+        buffers = dict(model.named_buffers())
+        for ours, name in buffer_map(cfg).items():
+            buffers[ours].copy_(theirs[name])
     return model.to(next(hf_model.parameters()).dtype)
 
 
@@ -276,4 +381,7 @@ def to_hf(model: Transformer, family: str | None = None):
             theirs[name].copy_(params[ours])
         for name, ours in packed_map(model.cfg).items():
             theirs[name].copy_(torch.cat([params[o] for o in ours], dim=1))
+        mine, their_buffers = dict(model.named_buffers()), dict(hf.named_buffers())
+        for ours, name in buffer_map(model.cfg).items():
+            their_buffers[name].copy_(mine[ours])
     return hf.to(next(model.parameters()).dtype)

@@ -14,6 +14,8 @@ Routers (`ModelConfig.router`, all computed in fp32 — fp64 for fp64 models —
     sigmoid_bias       p = sigmoid(logits); the top_k of p + expert_bias; weights = the selected p (without
                        the bias) renormalised (DeepSeek-V3). No auxiliary loss: `update_bias` balances.
 
+Every router's weights are then multiplied by `routed_scaling_factor` (1 but for DeepSeek-V3: 2.5).
+
 Group-limited routing (router_groups G > 0, router_group_limit M): the experts form G consecutive groups of
 E/G; a group's score is the sum of its top-2 selection scores (p, or p + bias; its top-1 when a group has
 one expert); a token may choose only among the experts of its M best groups.
@@ -189,6 +191,7 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.capacity_factor
         self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
         self.bias_update_rate = cfg.bias_update_rate
+        self.routed_scale = cfg.routed_scaling_factor
         self.aux = aux if aux is not None else AuxLosses()
         self.router = nn.Linear(h, e, bias=False, device=device)
         self.experts = Experts(e, h, m, device)
@@ -214,6 +217,8 @@ class MoE(nn.Module):
         logits_te = F.linear(x_bsh.reshape(b * s, h).to(rdtype), self.router.weight.to(rdtype))
         experts_tk, weights_tk, scores_te = route(logits_te, self.kind, self.top_k, self.expert_bias,
                                                   self.groups, self.group_limit)
+        if self.routed_scale != 1.0:   # DeepSeek-V3's routed_scaling_factor
+            weights_tk = weights_tk * self.routed_scale
         return experts_tk, weights_tk.to(x_bsh.dtype), scores_te, logits_te
 
     def capacity(self, s: int) -> int:

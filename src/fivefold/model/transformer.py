@@ -131,6 +131,8 @@ def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0,
     `documents_bS` (b, s): the document id of each token, queries and keys being the same tokens
     (model/documents.py); a query then sees only keys of its own document (block-diagonal, causal
     inside each block), through an explicit mask."""
+    if v_bksd.shape[-1] != q_bnsd.shape[-1] and q_bnsd.device.type == "cpu":
+        return narrow_value_attention(q_bnsd, k_bksd, v_bksd, causal, past, documents_bS)
     n, k = q_bnsd.shape[1], k_bksd.shape[1]
     gqa = n != k and q_bnsd.device.type == "cpu"   # the CPU's fused kernel reads the k kv heads itself
     if n != k and not gqa:
@@ -147,6 +149,62 @@ def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0,
         mask_st = torch.arange(past, past + s, device=q_bnsd.device)[:, None] >= torch.arange(t, device=q_bnsd.device)
         return sdpa(q_bnsd, k_bksd, v_bksd, attn_mask=mask_st)
     return sdpa(q_bnsd, k_bksd, v_bksd, is_causal=causal)
+
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _pad_to(x: torch.Tensor, d: int) -> torch.Tensor:
+    return x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))
+
+
+class _NarrowValueAttention(torch.autograd.Function):
+    """Causal (or full) attention with values of another head dim than queries and keys (latent attention:
+    v_head_dim 128, q/k 192) through the CPU's fused flash kernel, which takes one head dim: the narrower
+    side is zero-padded for the kernel only (zero value columns give zero output columns; zero q/k columns
+    add nothing to the scores, whose scale stays 1/sqrt(q's dim)) and the results cut back. Like the
+    kernel for equal dims it saves q, k, v, the output (unpadded) and the fp32 log-sum-exp, so a
+    narrow-value layer stores what the planner counts, not the (s, s) scores of SDPA's math fallback."""
+
+    @staticmethod
+    def forward(ctx, q_bnsd, k_bnsd, v_bnsd, causal: bool):
+        d, dv = q_bnsd.shape[-1], v_bnsd.shape[-1]
+        wide, scale = max(d, dv), d ** -0.5
+        o_bnsw, lse_bns = _FLASH(_pad_to(q_bnsd, wide), _pad_to(k_bnsd, wide), _pad_to(v_bnsd, wide), 0.0, causal,
+                                 scale=scale)
+        o_bnsd = o_bnsw[..., :dv].contiguous()
+        v_bnsd = v_bnsd.contiguous()   # a view of the up-projection's output would keep all of it alive
+        ctx.save_for_backward(q_bnsd, k_bnsd, v_bnsd, o_bnsd, lse_bns)
+        ctx.causal, ctx.scale, ctx.wide = causal, scale, wide
+        return o_bnsd
+
+    @staticmethod
+    def backward(ctx, do_bnsd):
+        q_bnsd, k_bnsd, v_bnsd, o_bnsd, lse_bns = ctx.saved_tensors
+        w = ctx.wide
+        dq, dk, dv = _FLASH_BACKWARD(_pad_to(do_bnsd.contiguous(), w), _pad_to(q_bnsd, w), _pad_to(k_bnsd, w),
+                                     _pad_to(v_bnsd, w), _pad_to(o_bnsd, w), lse_bns, 0.0, ctx.causal,
+                                     scale=ctx.scale)
+        d, dvd = q_bnsd.shape[-1], v_bnsd.shape[-1]
+        return dq[..., :d], dk[..., :d], dv[..., :dvd], None
+
+
+def narrow_value_attention(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0,
+                           documents_bS: torch.Tensor | None = None) -> torch.Tensor:
+    """`attention_core` on the CPU when v's head dim differs from q's: training's causal attention through
+    `_NarrowValueAttention`; a KV cache or document mask through SDPA with v zero-padded to q's dim
+    (the output cut back)."""
+    n, k = q_bnsd.shape[1], k_bksd.shape[1]
+    if n != k:
+        k_bksd, v_bksd = k_bksd.repeat_interleave(n // k, dim=1), v_bksd.repeat_interleave(n // k, dim=1)
+    if past == 0 and documents_bS is None and _FLASH is not None:
+        return _NarrowValueAttention.apply(q_bnsd, k_bksd, v_bksd, causal)
+    d, dv = q_bnsd.shape[-1], v_bksd.shape[-1]
+    wide = max(d, dv)
+    o_bnsw = attention_core(_pad_to(q_bnsd, wide) * (wide / d) ** 0.5, _pad_to(k_bksd, wide), _pad_to(v_bksd, wide),
+                            causal, past, documents_bS)
+    return o_bnsw[..., :dv]
 
 
 class LayerKV:
@@ -290,16 +348,17 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Layer `index` of the model: attention, then the MLP — the mixture of experts (model/moe.py) for
+    """Layer `index` of the model: attention (grouped-query, or latent: model/latent_attention.py), then the MLP — the mixture of experts (model/moe.py) for
     layers index >= cfg.dense_layers of an MoE model (experts > 0), else the dense SwiGLU."""
 
     def __init__(self, cfg: ModelConfig, aux: AuxLosses | None = None, index: int = 0, device=None):
         super().__init__()
-        from .moe import MoE   # moe.py builds on this file's SwiGLU and AuxLosses
+        from .latent_attention import LatentAttention   # both build on this file's parts
+        from .moe import MoE
 
         self.aux = aux if aux is not None else AuxLosses()   # where this block's auxiliary losses go
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device)
-        self.attn = Attention(cfg, device)
+        self.attn = Attention(cfg, device) if not cfg.mla else LatentAttention(cfg, device)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device)
         self.mlp = MoE(cfg, self.aux, device) if cfg.is_moe_layer(index) else SwiGLU(cfg.hidden, cfg.ffn, device)
         self.drop = Dropout(cfg.dropout)  # on each branch before the residual add (0: off)
@@ -352,7 +411,7 @@ class Transformer(nn.Module):
             p.copy_(init_box(self.cfg, seed, name, full, (0,) * len(full), full))
 
     def rope(self, positions, device=None, offset: int = 0):
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, device, offset, self.embed.weight.dtype)
+        return rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta, device, offset, self.embed.weight.dtype)
 
     def forward(self, tokens_bs: torch.Tensor, positions_s: torch.Tensor | None = None,
                 cache: KVCache | None = None, documents: Documents | None = None) -> torch.Tensor:

@@ -164,12 +164,17 @@ class DataParallelOptimizer:
     each replicated gradient is counted by rank 0 of its reduce group and the norm goes over the world."""
 
     def __init__(self, model: nn.Module, groups: Mapping[str, Group], make_optimizer, bucket_mb: float = 25.0,
-                 master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None):
+                 master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
+                 only_dp: bool | None = None):
+        """`only_dp`: whether every parameter of the whole model (not only this rank's) is reduced over dp
+        (the layout's fact: cp = ep = 1), so that every rank all-reduces the norm over the same group even
+        where its own stage holds no expert (DeepSeek-V3's dense first layers); None: from this rank's."""
         self.model = model
         self.params = unique_params(model)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.reducer = DataParallel(model, groups, bucket_mb, grad_dtype=grad_dtype or master_dtype)
-        only_dp = set(by_group(self.params, "reduce")) <= {"dp"}
+        if only_dp is None:
+            only_dp = set(by_group(self.params, "reduce")) <= {"dp"}
         self.norm_group = groups[rules.grad_norm_group(0, only_dp)]
         self._norm_params = [p for p in self.params if counted(p) and
                              (only_dp or self.reducer.bucket_of[p].group.rank == 0)]

@@ -188,7 +188,7 @@ class ExpertParallelism(ShardedState):
         return model
 
 
-def moe_step_stats(model: nn.Module, group, layers: int, values: bool = True) -> dict:
+def moe_step_stats(model: nn.Module, group, layers: int, values: bool = True, n_experts: int | None = None) -> dict:
     """The step's routing statistics over every MoE layer and rank, then each layer's balancing update.
 
     Each MoE layer of this rank contributes its (E + 1,) step counts (tokens per expert, dropped) at its
@@ -197,14 +197,17 @@ def moe_step_stats(model: nn.Module, group, layers: int, values: bool = True) ->
     min / max / mean over layers and experts, dropped, imbalance = max / mean) and hands each layer its
     global counts (`update_bias`: DeepSeek-V3's auxiliary-loss-free balancing; a no-op for other routers).
     dropped_fraction: dropped assignments over all the step's assignments (kept + dropped).
-    Empty when the model has no MoE layer."""
+    Empty when the model has no MoE layer. `n_experts` (the model config's) lets a pipeline stage that
+    holds no MoE layer (DeepSeek-V3's dense first layers) still join the world's all-reduce, which every
+    other rank waits in; without it the experts are read from this rank's MoE layers."""
     from ..model.moe import MoE
 
     mine = [(int(name.split(".")[1]), m) for name, m in model.named_modules()
             if isinstance(m, MoE) and name.startswith("layers.")]
-    if not any(isinstance(m, MoE) for m in model.modules()):
-        return {}
-    n_experts = next(m for m in model.modules() if isinstance(m, MoE)).n_experts
+    if n_experts is None:
+        if not any(isinstance(m, MoE) for m in model.modules()):
+            return {}
+        n_experts = next(m for m in model.modules() if isinstance(m, MoE)).n_experts
     table = torch.zeros(layers, n_experts + 1, dtype=torch.float64,
                         device=next(model.parameters()).device)
     for i, moe in mine:

@@ -30,7 +30,8 @@ the second; for a later rank (i' > i) only its late chunk sees the block, but se
 rank does 1 diagonal + (r-1) half blocks: the same causal work, half of the non-causal work.
 
 Communication per call, per rank, all under dim "cp", each message one packed K/V tensor
-(2, b, kh, s, d) of 2·b·kh·s·d·itemsize bytes (K and V travel together; GQA kv heads are expanded only
+(b, kh, s, d + dv) of b·kh·s·(d + dv)·itemsize bytes (K and V travel together, concatenated along the
+head dim, so values may be narrower than keys, as latent attention's are; GQA kv heads are expanded only
 inside the local compute, never before sending):
   forward   r-1 sends + r-1 receives (no hop after the last step);
   backward  the same r-1 K/V hops again (recomputation), plus r-1 hops of a dK/dV accumulator: rank i
@@ -201,15 +202,23 @@ def _expand(x_bksd: torch.Tensor, g: int, dtype) -> torch.Tensor:
     return x_bksd.repeat_interleave(g, dim=1) if g > 1 else x_bksd
 
 
+def _pad_to(x: torch.Tensor, d: int) -> torch.Tensor:
+    """x zero-padded along its last dim to d (the fused kernel takes one head dim for q, k and v; zero
+    value columns give zero output columns, which are cut off again)."""
+    return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
+
+
 def _attend_tiles(q_bnsd, k_bnsd, v_bnsd, tiles, scale, m_bkgs, l_bkgs, acc_bkgsd) -> None:
     """Merge each tile's fused attention (output o_t and log-sum-exp lse_t) into the online softmax:
-    the tile adds exp(lse_t - m) to l and o_t·exp(lse_t - m) to the accumulator."""
+    the tile adds exp(lse_t - m) to l and o_t·exp(lse_t - m) to the accumulator. Values narrower than
+    q/k (latent attention) are zero-padded for the kernel only."""
     b, kh, g = m_bkgs.shape[0], m_bkgs.shape[1], m_bkgs.shape[2]
+    d, dv = q_bnsd.shape[-1], v_bnsd.shape[-1]
     for rows, cols, causal in tiles:
         o_bnsd, lse_bns = _FLASH(q_bnsd[:, :, rows].contiguous(), k_bnsd[:, :, cols].contiguous(),
-                                 v_bnsd[:, :, cols].contiguous(), 0.0, causal, scale=scale)
+                                 _pad_to(v_bnsd[:, :, cols].contiguous(), d), 0.0, causal, scale=scale)
         n_rows = o_bnsd.shape[2]
-        o_bkgsd = o_bnsd.reshape(b, kh, g, n_rows, -1)
+        o_bkgsd = o_bnsd[..., :dv].reshape(b, kh, g, n_rows, -1)
         lse_bkgs = lse_bns.reshape(b, kh, g, n_rows)
         m, l, acc = m_bkgs[..., rows], l_bkgs[..., rows], acc_bkgsd[..., rows, :]
         m_new = torch.maximum(m, lse_bkgs)
@@ -224,18 +233,19 @@ def _grad_tiles(do_bnsd, q_bnsd, k_bnsd, v_bnsd, o_bnsd, lse_bns, tiles, scale, 
     """Each tile's share of (dq, dk, dv) from the fused backward, given the merged output and
     log-sum-exp; dk and dv summed over each kv head's query heads."""
     b, n, s, d = q_bnsd.shape
+    dv_dim = v_bnsd.shape[-1]
     dq_bnsd = torch.zeros_like(q_bnsd)
     dk_bksd = torch.zeros(b, kh, k_bnsd.shape[2], d, dtype=q_bnsd.dtype, device=q_bnsd.device)
-    dv_bksd = torch.zeros_like(dk_bksd)
+    dv_bksd = torch.zeros(b, kh, k_bnsd.shape[2], dv_dim, dtype=q_bnsd.dtype, device=q_bnsd.device)
     for rows, cols, causal in tiles:
-        dq, dk, dv = _FLASH_BACKWARD(do_bnsd[:, :, rows].contiguous(), q_bnsd[:, :, rows].contiguous(),
-                                     k_bnsd[:, :, cols].contiguous(), v_bnsd[:, :, cols].contiguous(),
-                                     o_bnsd[:, :, rows].contiguous(), lse_bns[:, :, rows].contiguous(),
+        dq, dk, dv = _FLASH_BACKWARD(_pad_to(do_bnsd[:, :, rows].contiguous(), d), q_bnsd[:, :, rows].contiguous(),
+                                     k_bnsd[:, :, cols].contiguous(), _pad_to(v_bnsd[:, :, cols].contiguous(), d),
+                                     _pad_to(o_bnsd[:, :, rows].contiguous(), d), lse_bns[:, :, rows].contiguous(),
                                      0.0, causal, scale=scale)
         t = dk.shape[2]
         dq_bnsd[:, :, rows] += dq
         dk_bksd[:, :, cols] += dk.reshape(b, kh, n // kh, t, d).sum(2)
-        dv_bksd[:, :, cols] += dv.reshape(b, kh, n // kh, t, d).sum(2)
+        dv_bksd[:, :, cols] += dv[..., :dv_dim].reshape(b, kh, n // kh, t, dv_dim).sum(2)
     return dq_bnsd, dk_bksd, dv_bksd
 
 
@@ -252,8 +262,16 @@ def _grouped(x_bnsd: torch.Tensor, kh: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _pack(k_bksd: torch.Tensor, v_bksd: torch.Tensor) -> torch.Tensor:
-    """K and V as one contiguous message (2, b, kh, s, d)."""
-    return torch.stack([k_bksd, v_bksd])
+    """K and V as one contiguous message (b, kh, s, d + dv): K's d dims, then V's."""
+    return torch.cat([k_bksd, v_bksd], dim=-1)
+
+
+def _k(kv_bksl: torch.Tensor, d: int) -> torch.Tensor:
+    return kv_bksl[..., :d]
+
+
+def _v(kv_bksl: torch.Tensor, d: int) -> torch.Tensor:
+    return kv_bksl[..., d:]
 
 
 def _kv_buffers(k_bksd: torch.Tensor, v_bksd: torch.Tensor, r: int) -> list[torch.Tensor]:
@@ -301,26 +319,26 @@ def _ring_forward(q_bnsd, k_bksd, v_bksd, pos_rs, host_rs, group: Group, causal:
     q_bkgsd = _grouped(q_bnsd, kh, cdt)
     m_bkgs = torch.full(q_bkgsd.shape[:-1], float("-inf"), dtype=cdt, device=q_bnsd.device)
     l_bkgs = torch.zeros_like(m_bkgs)
-    acc_bkgsd = torch.zeros_like(q_bkgsd)
+    acc_bkgsd = torch.zeros(q_bkgsd.shape[:-1] + (v_bksd.shape[-1],), dtype=cdt, device=q_bnsd.device)
     kv_bufs = _kv_buffers(k_bksd, v_bksd, r)
     for j in range(r):
-        kv_2bksd, src = kv_bufs[j % 2], (i - j) % r
-        handle = _hop(group, [kv_2bksd], [kv_bufs[(j + 1) % 2]]) if j < r - 1 else None
+        kv_bksl, src = kv_bufs[j % 2], (i - j) % r
+        handle = _hop(group, [kv_bksl], [kv_bufs[(j + 1) % 2]]) if j < r - 1 else None
         tiles, win, visible = _block_plan(host_rs, pos_rs, ids_brs, i, src, causal, q_bnsd.device)
         if tiles:
             g = n // kh
-            _attend_tiles(q_bnsd.to(cdt), _expand(kv_2bksd[0], g, cdt), _expand(kv_2bksd[1], g, cdt), tiles, scale,
-                          m_bkgs, l_bkgs, acc_bkgsd)
+            _attend_tiles(q_bnsd.to(cdt), _expand(_k(kv_bksl, d), g, cdt), _expand(_v(kv_bksl, d), g, cdt), tiles,
+                          scale, m_bkgs, l_bkgs, acc_bkgsd)
         elif win is not None:
             rows, cols = win.rows, win.cols
-            _attend_block(q_bkgsd[..., rows, :], kv_2bksd[0][:, :, cols].to(cdt), kv_2bksd[1][:, :, cols].to(cdt),
-                          visible, scale,
+            _attend_block(q_bkgsd[..., rows, :], _k(kv_bksl, d)[:, :, cols].to(cdt),
+                          _v(kv_bksl, d)[:, :, cols].to(cdt), visible, scale,
                           m_bkgs[..., rows], l_bkgs[..., rows], acc_bkgsd[..., rows, :])
         _wait(handle)
     seen_bkgs = l_bkgs > 0                                  # rows with no visible key: o = 0, lse = -inf
     o_bkgsd = acc_bkgsd / torch.where(seen_bkgs, l_bkgs, torch.ones_like(l_bkgs))[..., None]
     lse_bkgs = m_bkgs + torch.log(l_bkgs)
-    return o_bkgsd.reshape(b, n, s, d).to(q_bnsd.dtype), lse_bkgs.reshape(b, n, s)
+    return o_bkgsd.reshape(b, n, s, -1).to(q_bnsd.dtype), lse_bkgs.reshape(b, n, s)
 
 
 def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, host_rs, group: Group,
@@ -337,41 +355,41 @@ def _ring_backward(do_bnsd, q_bnsd, k_bksd, v_bksd, o_bnsd, lse_bns, pos_rs, hos
     dkv_in = torch.empty_like(kv_bufs[0]) if r > 2 else None   # accumulator from rank i-1 (input dtype)
     dkv_out = dkv_own = None
     for j in range(r):
-        kv_2bksd, src = kv_bufs[j % 2], (i - j) % r
-        send, recv = ([kv_2bksd], [kv_bufs[(j + 1) % 2]]) if j < r - 1 else ([], [])
+        kv_bksl, src = kv_bufs[j % 2], (i - j) % r
+        send, recv = ([kv_bksl], [kv_bufs[(j + 1) % 2]]) if j < r - 1 else ([], [])
         if j >= 2:                                      # pass on the accumulator of step j-1
             send, recv = send + [dkv_out], recv + [dkv_in]
         handle = _hop(group, send, recv)
-        dkv_2bksd = torch.zeros(kv_2bksd.shape, dtype=cdt, device=kv_2bksd.device)   # this step's partial
+        dkv_bksl = torch.zeros(kv_bksl.shape, dtype=cdt, device=kv_bksl.device)   # this step's partial
         tiles, win, visible = _block_plan(host_rs, pos_rs, ids_brs, i, src, causal, q_bnsd.device)
         if tiles:
             g = n // kh
-            dq, dk, dv = _grad_tiles(do_bnsd.to(cdt), q_bnsd.to(cdt), _expand(kv_2bksd[0], g, cdt),
-                                     _expand(kv_2bksd[1], g, cdt), o_bnsd.to(cdt), lse_bns, tiles, scale, kh)
+            dq, dk, dv = _grad_tiles(do_bnsd.to(cdt), q_bnsd.to(cdt), _expand(_k(kv_bksl, d), g, cdt),
+                                     _expand(_v(kv_bksl, d), g, cdt), o_bnsd.to(cdt), lse_bns, tiles, scale, kh)
             dq_bkgsd += dq.reshape(dq_bkgsd.shape)
-            dkv_2bksd[0] += dk
-            dkv_2bksd[1] += dv
+            _k(dkv_bksl, d).add_(dk)
+            _v(dkv_bksl, d).add_(dv)
         elif win is not None:
             rows, cols = win.rows, win.cols
-            dq, dk, dv = _grad_block(q_bkgsd[..., rows, :], kv_2bksd[0][:, :, cols].to(cdt),
-                                     kv_2bksd[1][:, :, cols].to(cdt), do_bkgsd[..., rows, :],
+            dq, dk, dv = _grad_block(q_bkgsd[..., rows, :], _k(kv_bksl, d)[:, :, cols].to(cdt),
+                                     _v(kv_bksl, d)[:, :, cols].to(cdt), do_bkgsd[..., rows, :],
                                      lse_bkgs[..., rows], delta_bkgs[..., rows], visible, scale)
             dq_bkgsd[..., rows, :] += dq
-            dkv_2bksd[0][:, :, cols] += dk
-            dkv_2bksd[1][:, :, cols] += dv
+            _k(dkv_bksl, d)[:, :, cols] += dk
+            _v(dkv_bksl, d)[:, :, cols] += dv
         _wait(handle)
         if j == 0:
-            dkv_own = dkv_2bksd
+            dkv_own = dkv_bksl
         else:
             if j >= 2:
-                dkv_2bksd += dkv_in
-            dkv_out = dkv_2bksd.to(k_bksd.dtype)
+                dkv_bksl += dkv_in
+            dkv_out = dkv_bksl.to(k_bksd.dtype)
     if r > 1:                                           # the last accumulator reaches its block's owner
         dkv_last = torch.empty_like(kv_bufs[0])
         _wait(_hop(group, [dkv_out], [dkv_last]))
         dkv_own += dkv_last
     dq_bnsd = dq_bkgsd.reshape(b, n, s, d).to(q_bnsd.dtype)
-    return dq_bnsd, dkv_own[0].to(k_bksd.dtype), dkv_own[1].to(v_bksd.dtype)
+    return dq_bnsd, _k(dkv_own, d).to(k_bksd.dtype), _v(dkv_own, d).to(v_bksd.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -396,19 +414,19 @@ def ring_attention(q_bnsd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Ten
                    host_positions_rs: np.ndarray | None = None) -> torch.Tensor:
     """Exact (causal) attention of this rank's queries against the keys/values of every rank of `group`.
 
-    q (b, n, s, d); k, v (b, kh, s, d) with kh dividing n (query head h uses kv head h // (n/kh));
+    q (b, n, s, d); k (b, kh, s, d), v (b, kh, s, dv) with kh dividing n (query head h uses kv head h // (n/kh));
     positions_rs (r, s) int64: row j = the position ids of rank j's tokens (row group.rank = ours).
     documents_brs (b, r, s) int64, optional: the document id of every ring rank's tokens (computed by
     each rank from the whole rows, never sent): a query then sees only keys of its own document.
     host_positions_rs: the same positions as host data, from which the blocks are planned (default
     positions_rs's values; a dry run's fake positions have none, so context.py passes them).
-    Returns o (b, n, s, d) in q's dtype; differentiable in q, k and v. Scale 1/sqrt(d).
+    Returns o (b, n, s, dv) in q's dtype; differentiable in q, k and v. Scale 1/sqrt(d).
     """
     b, n, s, d = q_bnsd.shape
     kh = k_bksd.shape[1]
-    if k_bksd.shape != (b, kh, s, d) or v_bksd.shape != k_bksd.shape:
-        raise ValueError(f"k and v must be (b, kh, s, d) = ({b}, kh, {s}, {d}); got {tuple(k_bksd.shape)} "
-                         f"and {tuple(v_bksd.shape)}")
+    if k_bksd.shape != (b, kh, s, d) or v_bksd.shape[:3] != k_bksd.shape[:3]:
+        raise ValueError(f"k must be (b, kh, s, d) = ({b}, kh, {s}, {d}) and v (b, kh, s, dv); got "
+                         f"{tuple(k_bksd.shape)} and {tuple(v_bksd.shape)}")
     if n % kh:
         raise ValueError(f"kv heads ({kh}) must divide query heads ({n})")
     if tuple(positions_rs.shape) != (group.size, s):

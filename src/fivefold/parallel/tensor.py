@@ -53,6 +53,7 @@ from .. import comm, rules
 from ..comm import Group
 from ..comm.autograd import (GatherRows, ScatterRows, copy_to_tensor_region, gather_sequence,
                              reduce_from_tensor_region, reduce_scatter_sequence, sum_across)
+from ..model.latent_attention import LatentAttention
 from ..model.moe import MoE
 from ..model.transformer import Dropout, Transformer
 from ..shapes import padded_vocab
@@ -74,6 +75,28 @@ class ParallelInput(nn.Module):
         if self.sequence_parallel:
             return gather_sequence(x_bsh, self.group)
         return copy_to_tensor_region(x_bsh, self.group)
+
+
+class ParallelLatents(nn.Module):
+    """Where latent attention enters the tensor-parallel region (model/latent_attention.py): its latents
+    (c_q, c_kv, k_pe: q_lora_rank + kv_lora_rank + qk_rope_dim wide, far narrower than hidden) joined into
+    one tensor, then f (copy; all-reduce backward) or, under sequence parallelism, the all-gather along
+    the sequence (reduce-scatter backward), as Megatron-Core's MLA does; split again after. One
+    collective per layer and direction, whatever the number of latents."""
+
+    def __init__(self, group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, c_q_bsr, c_kv_bsr, k_pe_bsd):
+        parts = [t for t in (c_q_bsr, c_kv_bsr, k_pe_bsd) if t is not None]
+        joined_bsl = torch.cat(parts, dim=-1)
+        if self.sequence_parallel:
+            joined_bsl = gather_sequence(joined_bsl, self.group)
+        else:
+            joined_bsl = copy_to_tensor_region(joined_bsl, self.group)
+        out = list(joined_bsl.split([t.shape[-1] for t in parts], dim=-1))
+        return (out.pop(0) if c_q_bsr is not None else None, *out)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -235,7 +258,7 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
     kv_replicas = rules.kv_replicas(n, cfg.kv_heads)
     if 1 < kv_replicas < n and kv_group is None:
         raise ValueError(f"tp={n} > kv_heads={cfg.kv_heads}: pass kv_group (ParallelMesh's 'tp_kv')")
-    sp, d = sequence_parallel, cfg.head_dim
+    sp = sequence_parallel
 
     def column(linear: nn.Linear, shard: Shard, partial: str | None = None, enter=None) -> ColumnParallelLinear:
         bias = None if linear.bias is None else _shard(linear.bias, shard, group, partial)
@@ -253,12 +276,11 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
         if isinstance(mlp, MoE):
             replicated_moe(mlp, group, sp)
             mlp = None
-        attn.enter = ParallelInput(group, sp)
-        attn.wq = column(attn.wq, Shard("tp", 0, cfg.heads * d))
-        kv = Shard("tp", 0, cfg.kv_heads * d, kv_replicas)
-        kv_partial = "tp_kv" if 1 < kv_replicas < n else ("tp" if kv_replicas == n > 1 else None)
-        attn.wk, attn.wv = column(attn.wk, kv, kv_partial), column(attn.wv, kv, kv_partial)
-        attn.wo = row(attn.wo, cfg.heads * d)
+        if isinstance(attn, LatentAttention):
+            latent_attention(attn, cfg, group, sp, column, row, replicated)
+            attn = None
+        if attn is not None:
+            gqa_attention(attn, cfg, group, sp, column, row, kv_replicas, n)
         if mlp is not None:
             mlp.enter = ParallelInput(group, sp)
             mlp.gate = column(mlp.gate, Shard("tp", 0, cfg.ffn))
@@ -279,6 +301,39 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
         if isinstance(m, Dropout):
             m.generator = generator
     return vocab_start
+
+
+def gqa_attention(attn, cfg, group: Group, sp: bool, column, row, kv_replicas: int, n: int) -> None:
+    """Grouped-query attention: x enters once (f, or the SP all-gather), wq/wk/wv column-parallel by heads
+    (K/V replicated over tp/kv_heads ranks when tp > kv_heads), wo row-parallel."""
+    d = cfg.head_dim
+    attn.enter = ParallelInput(group, sp)
+    attn.wq = column(attn.wq, Shard("tp", 0, cfg.heads * d))
+    kv = Shard("tp", 0, cfg.kv_heads * d, kv_replicas)
+    kv_partial = "tp_kv" if 1 < kv_replicas < n else ("tp" if kv_replicas == n > 1 else None)
+    attn.wk, attn.wv = column(attn.wk, kv, kv_partial), column(attn.wv, kv, kv_partial)
+    attn.wo = row(attn.wo, cfg.heads * d)
+
+
+def latent_attention(attn: LatentAttention, cfg, group: Group, sp: bool, column, row, replicated) -> None:
+    """Latent attention (Megatron-Core's MLA split): the down-projections q_a, kv_a and the latent norms
+    whole on every rank, run on this rank's tokens (the sequence shard under SP; their gradients then
+    partial, summed over tp like the SP norms'); the latents enter the region (`ParallelLatents`); q_b
+    (or q_proj, whose input x enters by `ParallelInput`) and kv_b column-parallel by heads; wo
+    row-parallel."""
+    n_qk, n_kv = cfg.heads * cfg.qk_head_dim, cfg.heads * (cfg.qk_nope_dim + cfg.v_head_dim)
+    if attn.q_lora:
+        replicated(attn.q_a.weight)
+        replicated(attn.q_norm.weight)
+        attn.q_b = column(attn.q_b, Shard("tp", 0, n_qk))
+    else:
+        attn.enter = ParallelInput(group, sp)
+        attn.q_proj = column(attn.q_proj, Shard("tp", 0, n_qk))
+    replicated(attn.kv_a.weight)
+    replicated(attn.kv_norm.weight)
+    attn.kv_b = column(attn.kv_b, Shard("tp", 0, n_kv))
+    attn.wo = row(attn.wo, cfg.heads * cfg.v_head_dim)
+    attn.enter_latent = ParallelLatents(group, sp)
 
 
 def replicated_moe(moe: MoE, group: Group, sequence_parallel: bool) -> None:

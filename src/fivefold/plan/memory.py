@@ -146,13 +146,14 @@ def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, 
     """(dense, expert) parameters of layer i on one rank: matrices split tp ways (K/V by min(tp, kv)
     heads, replicated beyond), norms and row-parallel biases replicated; an MoE layer's router, shared and
     routed experts stay whole on the tp ranks (EP x TP group-wise dispatch, parallel/tensor.py), routed
-    experts split ep ways. MLA is approximated: every projection split tp ways."""
+    experts split ep ways. MLA: its down-projections and latent norms whole on every tp rank, the
+    up-projections and output projection split (parallel/tensor.py `latent_attention`)."""
     h = model.hidden
     norms = 2 * model._norm(h)
     row_bias = h if model.linear_bias else 0
     attn = model.attention_params()
     if model.mla:
-        attn_rank = attn // tp
+        attn_rank = _attn_rank(model, tp)
     else:
         kv = 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias)
         attn_rank = (attn - kv - row_bias) // tp + kv // min(tp, model.kv_heads) + row_bias
@@ -199,7 +200,7 @@ def _param_table(model: PlanModel, layout: Layout) -> tuple:
 def exact_tensors(model: PlanModel) -> bool:
     """Whether `layer_tensors` lists every layer's tensors one by one (our runtime's blocks: Llama, with
     q/k/v biases, and its MoE layers), none lumped per sub-block."""
-    return not (model.mla or model.linear_bias or model.mlp != "swiglu" or model.router_bias)
+    return not (model.linear_bias or model.mlp != "swiglu" or model.router_bias)
 
 
 def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int, bool, str]]:
@@ -221,13 +222,16 @@ def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int,
         moe = "moe" if model.is_moe_layer(i) and tp > 1 else ""   # whole on every tp rank, partial grads
         out = [(norm, False, "norm"), (attn, False, ""), (norm, False, "norm"), (mlp, False, moe)]
         return out + ([(expert, True, moe)] if expert else [])
-    kv_width = model.kv_heads * model.head_dim // min(tp, model.kv_heads)
-    q_width = model.heads * model.head_dim // tp
-    bias = model.qkv_bias
-    out = [(norm, False, "norm"), (q_width * h, False, "")] + ([(q_width, False, "")] if bias else [])
-    for _ in range(2):   # wk, wv
-        out += [(kv_width * h, False, "kv")] + ([(kv_width, False, "kv")] if bias else [])
-    out += [(q_width * h, False, ""), (norm, False, "norm")]
+    if model.mla:   # attn_norm, latent attention's tensors, mlp_norm
+        out = [(norm, False, "norm")] + [(e, False, tag) for e, tag in model.mla_tensors(tp)] + [(norm, False, "norm")]
+    else:
+        kv_width = model.kv_heads * model.head_dim // min(tp, model.kv_heads)
+        q_width = model.heads * model.head_dim // tp
+        bias = model.qkv_bias
+        out = [(norm, False, "norm"), (q_width * h, False, "")] + ([(q_width, False, "")] if bias else [])
+        for _ in range(2):   # wk, wv
+            out += [(kv_width * h, False, "kv")] + ([(kv_width, False, "kv")] if bias else [])
+        out += [(q_width * h, False, ""), (norm, False, "norm")]
     if not model.is_moe_layer(i):
         f = model.ffn * h // tp
         return out + [(f, False, ""), (f, False, ""), (f, False, "")]
@@ -248,7 +252,8 @@ def _attn_rank(model: PlanModel, tp: int) -> int:
     row_bias = h if model.linear_bias else 0
     attn = model.attention_params()
     if model.mla:
-        return attn // tp
+        rep = model.mla_replicated_params()
+        return (attn - rep) // tp + rep
     kv = 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias)
     return (attn - kv - row_bias) // tp + kv // min(tp, model.kv_heads) + row_bias
 

@@ -21,9 +21,11 @@ per-expert score-correction bias is counted, as the checkpoint stores it, though
 runtime keep it as a buffer). Any other family, activation or variant the shapes here cannot express is
 refused, naming the supported ones.
 
-Approximations (stated where they are used): MLA's activations are modelled as multi-head attention
-with the up-projected q/k/v widths (the compressed latents are small and ignored); MoE expert
-activations assume balanced routing.
+Approximations (stated where they are used): MLA's activations are the up-projected per-head Q, K, V
+plus the latents (plan/memory.py `layer_acts`); MoE expert activations assume balanced routing. MLA's
+parameters per tp rank, ZeRO units and tp messages are the runtime's (model/latent_attention.py,
+parallel/tensor.py): down-projections and latent norms whole on every tp rank, the latents entering the
+tensor-parallel region.
 """
 from __future__ import annotations
 
@@ -147,6 +149,29 @@ class PlanModel:
         return (self._linear(h, h, self.qkv_bias) + 2 * self._linear(h, kv, self.qkv_bias)
                 + self._linear(h, h))
 
+    def mla_replicated_params(self) -> int:
+        """Latent attention's parameters whole on every tensor-parallel rank: the down-projections q_a
+        and kv_a and the latent norms (model/latent_attention.py, parallel/tensor.py); 0 without MLA."""
+        if not self.mla:
+            return 0
+        q = self._linear(self.hidden, self.q_lora_rank) + self.q_lora_rank if self.q_lora_rank else 0
+        return q + self._linear(self.hidden, self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank
+
+    def mla_tensors(self, tp: int) -> list[tuple[int, str]]:
+        """(elements on one tp rank, tag) of latent attention's tensors in the runtime's registration order
+        (q_a, q_norm, q_b, or q_proj; kv_a, kv_norm, kv_b, wo): "norm" for the tp-replicated ones."""
+        h, n, r = self.hidden, self.heads, self.q_lora_rank
+        q = [(h * r, "norm"), (r, "norm"), (r * n * self.qk_head_dim // tp, "")] if r else \
+            [(h * n * self.qk_head_dim // tp, "")]
+        return q + [(h * (self.kv_lora_rank + self.qk_rope_dim), "norm"), (self.kv_lora_rank, "norm"),
+                    (self.kv_lora_rank * n * (self.qk_nope_dim + self.v_head_dim) // tp, ""),
+                    (n * self.v_head_dim * h // tp, "")]
+
+    def mla_latent_width(self) -> int:
+        """Width of the latents latent attention enters the tensor-parallel region with: c_q (when there is
+        a q latent), c_kv and k_pe."""
+        return self.q_lora_rank + self.kv_lora_rank + self.qk_rope_dim
+
     def mlp_params(self, width: int) -> int:
         h = self.hidden
         if self.mlp == "gelu":
@@ -264,12 +289,14 @@ PRESETS: dict[str, PlanModel] = {
 
 
 def from_model_config(cfg: ModelConfig, name: str = "custom") -> PlanModel:
-    """The planner's view of our own runtime model (Llama-style; MoE fields carried over)."""
+    """The planner's view of our own runtime model (Llama-style; MoE and latent-attention fields carried over)."""
     return PlanModel(name=name, vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
                      kv_heads=cfg.kv_heads, ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, max_seq=cfg.max_seq,
                      experts=cfg.experts, top_k=cfg.top_k if cfg.experts else 1,
                      moe_ffn=cfg.moe_ffn or cfg.ffn, shared_experts=cfg.shared_experts,
-                     dense_layers=cfg.dense_layers, qkv_bias=cfg.qkv_bias, shared_expert_gate=cfg.shared_expert_gate)
+                     dense_layers=cfg.dense_layers, qkv_bias=cfg.qkv_bias, shared_expert_gate=cfg.shared_expert_gate,
+                     q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_dim=cfg.qk_nope_dim,
+                     qk_rope_dim=cfg.qk_rope_dim, v_head_dim=cfg.v_head_dim)
 
 
 # -- Hugging Face config.json ---------------------------------------------------------------------

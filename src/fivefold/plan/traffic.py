@@ -9,11 +9,13 @@ embedding gradients between the first and last pipeline stage).
 Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation element, per layer:
 
 - TP (Shoeybi et al. 2019): 2 all-reduces of T·h·e forward (after attention and MLP; g) and 2 backward
-  (before them; f). Vocab-parallel embedding: 1 all-reduce forward; LM head input: 1 backward; vocab-parallel
+  (before them; f). Latent attention (MLA) enters on its latents instead (Megatron-Core's MLA): its f is
+  an all-reduce of T·(q_lora + kv_lora + rope)·e (and, without a q latent, one of x for q_proj). Vocab-parallel embedding: 1 all-reduce forward; LM head input: 1 backward; vocab-parallel
   cross-entropy: an all-reduce of T fp32 maxima, then one of 2T (sum of exponentials, target logit)
   (fp64 for an fp64 model).
 - SP (Korthikanti et al. 2022): each all-reduce becomes an all-gather and a reduce-scatter of the same
-  tensor, forward and backward (same bytes); the embedding's g a reduce-scatter forward and an
+  tensor, forward and backward (same bytes; MLA: of its latents, whose down-projection and latent-norm
+  weights then get partial gradients, summed over tp with the norms'); the embedding's g a reduce-scatter forward and an
   all-gather backward, the head input's f an all-gather forward and a reduce-scatter backward.
 - Partial gradients of tp-replicated weights, summed once per step after the dp reduction: under SP the
   norm weights (each tp rank saw only its tokens), all-reduced over tp; when tp > kv_heads the K/V
@@ -174,13 +176,20 @@ def _tp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers
     act = T * h * e
     fwd_passes = 2 if L.recompute == "full" else 1
     regions = 2 * n_layers - moe                       # attention and dense MLP; an MoE layer has none
-    per_layer_fwd = regions * fwd_passes * m           # one g per region per micro-batch (and recompute)
-    per_layer_bwd = regions * m                        # one f
-    if L.seq_parallel:
-        f.add("tp", "all_gather", "tp", t, act, per_layer_fwd + per_layer_bwd)
-        f.add("tp", "reduce_scatter", "tp", t, act, per_layer_fwd + per_layer_bwd)
+    # latent attention with a q latent enters on its latents, not on x (parallel/tensor.py): its region's
+    # f (or SP all-gather) carries T·(q_lora + kv_lora + rope) elements; without a q latent x enters too
+    # (for q_proj) and the latents c_kv, k_pe beside it
+    latent = n_layers if model.mla else 0
+    entries = regions - (latent if model.q_lora_rank else 0)   # f / SP all-gathers of x
+    lat = T * model.mla_latent_width() * e
+    if L.seq_parallel:  # g: reduce-scatter forward, all-gather backward; f: all-gather forward, reduce-scatter back
+        f.add("tp", "all_gather", "tp", t, act, (regions + entries * fwd_passes) * m)
+        f.add("tp", "reduce_scatter", "tp", t, act, (regions * fwd_passes + entries) * m)
+        f.add("tp", "all_gather", "tp", t, lat, latent * fwd_passes * m)
+        f.add("tp", "reduce_scatter", "tp", t, lat, latent * m)
     else:
-        f.add("tp", "all_reduce", "tp", t, act, per_layer_fwd + per_layer_bwd)
+        f.add("tp", "all_reduce", "tp", t, act, (regions * fwd_passes + entries) * m)
+        f.add("tp", "all_reduce", "tp", t, lat, latent * m)
         if moe:  # EP x TP: each rank's sequences' outputs all-gathered (and the input gradient, backward)
             f.add("tp", "all_gather", "tp", t, act, (fwd_passes + 1) * m * moe)
     if first:  # vocab-parallel embedding: g forward (SP: reduce-scatter forward, all-gather backward)
@@ -239,7 +248,8 @@ def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition
     if sp:
         per = {False: 2 * model._norm(h) + (2 * h if model.linear_bias else 0),
                True: 2 * model._norm(h) + (h if model.linear_bias else 0)}
-        out["norm"] = sum(per[model.is_moe_layer(i)] for i in rng) + (model._norm(h) if stage == pp - 1 else 0)
+        out["norm"] = sum(per[model.is_moe_layer(i)] + model.mla_replicated_params() for i in rng) + \
+            (model._norm(h) if stage == pp - 1 else 0)
     if model_kv_replicas(model, tp) > 1:
         out["kv"] = len(rng) * 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias) // model.kv_heads
     return tuple(out.items())
@@ -297,7 +307,8 @@ def _cp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers
     if u > 1 and ulysses:
         q = T * model.q_width / L.tp * e
         o = T * model.attn_out_width / L.tp * e
-        for msg in (q, kv / 2, kv / 2, o):  # q, k, v forward in; output back (and their gradients)
+        k = kv * model.kv_width / (model.kv_width + model.v_width)   # K's share (MLA: its head dim is wider)
+        for msg in (q, k, kv - k, o):  # q, k, v forward in; output back (and their gradients)
             f.add("cp", "all_to_all", "cp", u, msg, (fwd_passes + backward) * m * n_layers)
     if r > 1 and ring:  # after Ulysses a ring rank's block holds u times the tokens and 1/u of the heads: same bytes
         sends = (r - 1) * m * n_layers * (fwd_passes + 2 * backward)   # K,V forward; K,V and dK,dV backward

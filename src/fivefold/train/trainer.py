@@ -180,7 +180,8 @@ class Trainer:
             return AdamW(params, decay, (t.beta1, t.beta2), t.eps, t.weight_decay)
 
         if not p.zero:
-            return DataParallelOptimizer(self.model, self.mesh, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype)
+            return DataParallelOptimizer(self.model, self.mesh, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype,
+                                         only_dp=p.cp == 1 and p.ep == 1)   # as plan.traffic
         if p.dp == 1 and not self.quiet:
             print(f"note: ZeRO-{p.zero} with dp=1 shards over a single rank and saves no memory", file=sys.stderr)
         scheduled = any(getattr(d, "schedules_backward", False) for d in self.dims)
@@ -234,8 +235,8 @@ class Trainer:
         else:
             self.skip(step, loss, norm)
         self.engine.zero_grad()
-        routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers, not self.dry) \
-            if self.cfg.model.experts else {}
+        routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers, not self.dry,
+                                 self.cfg.model.experts) if self.cfg.model.experts else {}
         self.stop, peak = self.agree_stop(self.peak_memory())
         self.step_count = step + 1
         seconds = time.perf_counter() - t0

@@ -80,7 +80,7 @@ class Stage(nn.Module):
         self.last = partition.chunks - 1
         self.hidden = model.cfg.hidden
         self.aux = model.aux   # the auxiliary-loss channel of this stage's blocks
-        self.rope_args = (model.cfg.head_dim, model.cfg.rope_theta)
+        self.rope_args = (model.cfg.rope_dim, model.cfg.rope_theta)
         self.seq_split = 1   # Megatron sequence parallelism: boundary activations are sequence shards
         self.tie = model.cfg.tie_embeddings and partition.pp > 1
         if 0 in self.chunks:

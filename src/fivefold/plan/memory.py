@@ -54,6 +54,7 @@ from functools import lru_cache
 from .. import rules
 from ..parallel.pipeline.partition import partition_layers
 from ..parallel.pipeline.schedules import interleaved_table, interleaved_warmup
+from ..rules import GPIPE, INTERLEAVED
 from ..shapes import bucket_ranges, padded, padded_vocab, segments, shard_size
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
@@ -99,9 +100,9 @@ def in_flight(schedule: str, pp: int, stage: int, m: int, vpp: int = 1, group: i
     per group (0: p), as the schedule simulator counts them (schedules.interleaved_warmup)."""
     if pp == 1:
         return 1.0
-    if schedule == "gpipe":
+    if schedule == GPIPE:
         return float(m)
-    if schedule == "interleaved" and vpp > 1:
+    if schedule == INTERLEAVED and vpp > 1:
         return interleaved_warmup(pp, stage, m, vpp, group) / vpp
     return float(min(pp - stage, m))  # 1f1b, zero-bubble (ZB-H1 keeps 1F1B's peak)
 
@@ -554,7 +555,7 @@ def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: i
     first stage, final norm, head and fp32 logits on the last; full recompute keeps each layer's input
     plus one layer's working set."""
     L = layout
-    return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.effective_schedule,
+    return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.schedule,
                               L.micro_batch, L.recompute, L.partition, stage, L.microbatch_group,
                               L.recompute_norm_mla)
 
@@ -568,12 +569,12 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
     e, h = work.act_bytes, model.hidden
     n_layers = len(layout_layers(model, L)[stage])
     m = microbatches(L, work)
-    flight = in_flight(L.effective_schedule, L.pp, stage, m, L.vpp, L.microbatch_group)
+    flight = in_flight(L.schedule, L.pp, stage, m, L.vpp, L.microbatch_group)
     split = L.tp if L.seq_parallel else 1
     with_scores = not work.flash and L.recompute == "none"
     total_pt, max_pt = _stage_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp,
                                         L.partition, L.recompute_norm_mla and L.recompute != "full")[stage]
-    if L.effective_schedule == "interleaved" and L.vpp > 1:   # chunks may differ: walk the schedule
+    if L.interleaved:   # chunks may differ: walk the schedule
         chunks = _chunk_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp, L.partition,
                                   L.recompute_norm_mla and L.recompute != "full", L.recompute == "full")[stage]
         return interleaved_peak(L.pp, stage, m, L.vpp, L.microbatch_group, chunks) * T + (max_pt * T if

@@ -336,7 +336,7 @@ def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int
 
 
 def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
-    p, v = L.pp, L.vpp if L.effective_schedule == "interleaved" else 1
+    p, v = L.pp, L.vpp   # vpp > 1: interleaved chunks (rules.check_schedule)
     if p == 1:
         return
     act = T * model.hidden * w.act_bytes / (L.tp if L.seq_parallel else 1)
@@ -470,7 +470,7 @@ def eval_stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: in
     if L.cp > 1:
         _cp_layer_flows(f, model, L, work, len(rng), m, T, backward=False)
     if L.pp > 1:
-        v = L.vpp if L.effective_schedule == "interleaved" else 1
+        v = L.vpp
         act = T * model.hidden * work.act_bytes / (L.tp if L.seq_parallel else 1)
         f.add("pp", "send", "pp", L.pp, act, m * v - (m if stage == L.pp - 1 else 0))
         f.add("pp", "recv", "pp", L.pp, act, m * v - (m if stage == 0 else 0))

@@ -53,6 +53,8 @@ from functools import lru_cache
 
 from .. import rules
 from ..parallel.pipeline.partition import partition_layers
+from ..parallel.zero_order import (MAX_INFLIGHT, backward_prefetch, backward_slots, forward_prefetch,
+                                   frees_after_forward)
 from ..parallel.pipeline.schedules import interleaved_table, interleaved_warmup
 from ..rules import GPIPE, INTERLEAVED
 from ..shapes import bucket_ranges, padded, padded_vocab, segments, shard_size
@@ -620,13 +622,13 @@ class Memory:
 
 
 # -- ZeRO's buffers during a step ---------------------------------------------------------------------
-MAX_INFLIGHT = 2   # parallel/zero.py: reduce-scatters in flight before the oldest is folded into its shard
+# MAX_INFLIGHT and the gather/free order are the runtime's (parallel/zero_order.py), not mirrored here
 
 
 class BufferTimeline:
     """Bytes alive while a step is replayed, and their peak. A reduce-scatter in flight holds its unit's
     full gradient and a shard-sized result until it is folded in, which happens to the oldest once more
-    than MAX_INFLIGHT are in flight (parallel/zero.py, `_reduce`)."""
+    than MAX_INFLIGHT are in flight (parallel/zero_order.py; zero.py `_reduce`)."""
 
     def __init__(self):
         self.live = self.peak = 0
@@ -693,25 +695,27 @@ def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int) -> i
             u = slots[k][j]
             t.reduce(g * padded(*u), g * shard_size(*u), free(k, j))
 
+    def gather_with(k: int, ahead: int | None) -> None:
+        gather(k)
+        if ahead is not None:
+            gather(ahead)
+
+    def free_slot(k: int) -> None:
+        if frees_after_forward(k, reshard, pipeline=False):
+            t.drop(sum(free(k, j) for j in range(len(slots[k]))))
+
     last = len(slots) - 1
     for _ in range(micro):
-        gather(0)
-        for k in range(1, last + 1):
-            gather(k)
-            if k < last:
-                gather(k + 1)
-            if reshard:
-                t.drop(sum(free(k, j) for j in range(len(slots[k]))))
-        if reshard:
-            t.drop(sum(free(0, j) for j in range(len(slots[0]))))
-        gather(0)
-        t.add(sum(g * padded(*u) for u in slots[0]))
-        for k in range(last, 0, -1):
-            gather(k)
-            if k > 1:
-                gather(k - 1)
+        for k in range(last + 1):                       # the root's hooks wrap the blocks'
+            gather_with(k, forward_prefetch(k, last, pipeline=False))
+            if k:
+                free_slot(k)
+        free_slot(0)
+        for k in backward_slots(len(slots)):
+            gather_with(k, backward_prefetch(k, len(slots), pipeline=False))
             t.add(sum(g * padded(*u) for u in slots[k]))
-            reduce_slot(k)
+            if k:
+                reduce_slot(k)
         reduce_slot(0)
     return t.peak
 
@@ -752,12 +756,12 @@ def _replay_each_microbatch(slots: tuple, w: int, g: int, held: bool) -> int:
     """Peak bytes of ZeRO-2/3 reducing every micro-batch under a pipeline (`reduce_each_microbatch`): the
     root gathered all step (ZeRO-3, w > 0), one block gathered, a held root's full gradient for the whole
     step (a tied copy, reduced once), the block whose gradient is filling and the two reductions still in
-    flight behind it (each a full gradient and its shard; parallel/zero.py MAX_INFLIGHT)."""
+    flight behind it (each a full gradient and its shard; parallel/zero_order.py MAX_INFLIGHT)."""
     root = sum(padded(*u) for u in slots[0])
     units = [sum(padded(*u) for u in s) for s in slots[1:]] + ([] if held else [root])
     shards = [sum(shard_size(*u) for u in s) for s in slots[1:]] + ([] if held else [sum(shard_size(*u) for u in slots[0])])
     big = max(units, default=0)
-    flight = sorted((u + k for u, k in zip(units, shards)), reverse=True)[:2]
+    flight = sorted((u + k for u, k in zip(units, shards)), reverse=True)[:MAX_INFLIGHT]
     return w * (root + big) + g * (root if held else 0) + g * big + g * sum(flight)
 
 

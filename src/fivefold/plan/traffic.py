@@ -725,7 +725,8 @@ def _add_weighted(out: dict, key: tuple, fl: Flow, weight: int) -> None:
 
 
 # -- rank order -------------------------------------------------------------------------------------------
-MESH_DIM = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "embed": "pp", "dp": "dp", "edp": "dp"}
+# ledger dim -> the order field its groups vary along (embed: pp, edp: the expert grid's dp), from the specs
+MESH_DIM = {name: grid.GROUP_SPECS[name].dims[0] for name in ("tp", "cp", "ep", "pp", "embed", "dp", "edp")}
 FIELD_ORDER = ("tp", "cp", "ep", "pp", "dp")   # practice (Llama-3 §3.3.2; DESIGN): heaviest innermost
 
 

@@ -10,7 +10,7 @@ from .partition import Partition, partition_layers
 from .spec import Schedule
 from .schedules import (B, COMM, COMPUTE, F, I, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, W, Action, Block,
                         DeadlockError, ScheduleError, Simulation, add_communication, build_schedule,
-                        check_schedule, closed_form_bubble, compute_only, gpipe, input_messages,
+                        check_actions, closed_form_bubble, compute_only, gpipe, input_messages,
                         interleaved_1f1b, message_key, one_f_one_b, simulate, simulate_schedule, steps,
                         timeline_stats, zero_bubble_h1)
 from .timeline import write_comparison, write_timeline
@@ -20,7 +20,7 @@ __all__ = [
     "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "COMPUTE", "COMM", "SCHEDULES",
     "Action", "Block", "Simulation", "DeadlockError", "ScheduleError",
     "build_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "add_communication",
-    "check_schedule", "compute_only", "steps", "message_key", "input_messages",
+    "check_actions", "compute_only", "steps", "message_key", "input_messages",
     "simulate", "simulate_schedule", "timeline_stats", "closed_form_bubble",
     "write_timeline", "write_comparison",
 ]

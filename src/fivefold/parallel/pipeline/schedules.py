@@ -55,7 +55,7 @@ execute, both proven by the simulator to finish for every generated schedule:
   sends that finish only when received (rendezvous, NCCL-like). Simplest, never deadlocks, but loses
   most of interleaving's gain because early receives are waited for early.
 
-Per ordered pair of ranks, sends and receives appear in the same order (`check_schedule` checks), so
+Per ordered pair of ranks, sends and receives appear in the same order (`check_actions` checks), so
 FIFO matching (NCCL ignores tags) pairs the right tensors; with gloo a tag per message also works.
 Matching: SEND_F(mb, c) <-> RECV_F(mb, c+1) and SEND_B(mb, c) <-> RECV_B(mb, c-1); `message_key(a)` is
 the same tuple on both sides. The receiving rank keeps received tensors by message key until used.
@@ -370,8 +370,9 @@ def compute_only(actions_per_rank: list[list[Action]]) -> list[list[Action]]:
     return [[a for a in actions if not a.is_comm] for actions in actions_per_rank]
 
 
-def check_schedule(actions_per_rank: list[list[Action]], microbatches: int, vpp: int = 1) -> None:
-    """Raise ScheduleError unless the lists keep the contract: every (micro-batch, chunk) has exactly one F
+def check_actions(actions_per_rank: list[list[Action]], microbatches: int, vpp: int = 1) -> None:
+    """Raise ScheduleError unless the action lists keep the contract (the rules of a schedule's fields are
+    `rules.check_schedule`): every (micro-batch, chunk) has exactly one F
     and either one B or one I and one W, all on rank chunk % pp, in dependency order there (F, then B or
     I, then W); with pp > 1 every tensor crossing ranks has one send, after its producer, and one receive
     on the named peer, before its consumer; per ordered pair of ranks, sends and receives appear in the

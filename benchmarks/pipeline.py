@@ -165,10 +165,11 @@ def bench_rank(rank, world, impl, schedule, vpp, layers, steps, batch, seq, micr
     return {"times": times, "rss_mb": peak_rss_mb(), "timeline": rows}
 
 
-def bubbles(rows, schedule, pp, microbatches, vpp) -> dict:
+def bubbles(rows, schedule, pp, microbatches, vpp, layers) -> dict:
+    from fivefold.parallel.pipeline import Schedule
     from fivefold.parallel.pipeline.runtime import report
 
-    info = report(rows, schedule, pp, microbatches, vpp)
+    info = report(rows, Schedule.build(schedule, pp, vpp, microbatches, 0, layers))
     return {"measured": info["measured"]["bubble"], "sim_unit": info["simulated_unit_costs"]["bubble"],
             "sim_measured": info["simulated_measured_costs"]["bubble"]}
 
@@ -202,7 +203,7 @@ def main():
                     continue
                 med = max(statistics.median(r["times"]) for r in per_rank)
                 row = {"median_s": med, "rss": max(r["rss_mb"] for r in per_rank),
-                       **bubbles(per_rank[0]["timeline"], schedule, pp, a.microbatches, vpp)}
+                       **bubbles(per_rank[0]["timeline"], schedule, pp, a.microbatches, vpp, layers)}
                 if "median_s" not in best.get(impl, {}) or med < best[impl]["median_s"]:
                     best[impl] = row
         name = f"pp{pp} {schedule}" + (f" v{vpp}" if vpp > 1 else "") + f" L{layers}"

@@ -7,7 +7,7 @@ import pytest
 from fivefold.cli import add_train_args, main
 from fivefold.plan.cli import add_plan_args
 from fivefold.plan.layout import GradDtype
-from fivefold.rules import CpMode, Device, Dtype, Recompute, Schedule, SpMode, ZeroStage, choices
+from fivefold.rules import CpMode, Device, Dtype, Recompute, ScheduleKind, SpMode, ZeroStage, choices
 
 
 def _choices(add) -> dict:
@@ -19,11 +19,11 @@ def _choices(add) -> dict:
 def test_choices_are_the_literals():
     train = _choices(add_train_args)
     assert train == {"zero": choices(ZeroStage), "sp_mode": choices(SpMode), "cp_mode": choices(CpMode),
-                     "schedule": choices(Schedule), "recompute": choices(Recompute), "dtype": choices(Dtype),
+                     "schedule": choices(ScheduleKind), "recompute": choices(Recompute), "dtype": choices(Dtype),
                      "device": choices(Device)}
     plan = _choices(add_plan_args)
     assert {k: plan[k] for k in ("sp_mode", "cp_mode", "schedule", "recompute", "dtype", "grad_dtype")} == {
-        "sp_mode": choices(SpMode), "cp_mode": choices(CpMode), "schedule": choices(Schedule),
+        "sp_mode": choices(SpMode), "cp_mode": choices(CpMode), "schedule": choices(ScheduleKind),
         "recompute": choices(Recompute), "dtype": choices(Dtype), "grad_dtype": choices(GradDtype)}
 
 

@@ -1,7 +1,8 @@
 import pytest
 
 from fivefold.config import ParallelConfig
-from fivefold.mesh import GROUP_SPECS, ParallelMesh, coords, grid_sizes, rank_groups
+from fivefold.grid import Widths
+from fivefold.mesh import GROUP_SPECS, ParallelMesh, coords, grid_sizes, rank_groups, spec_groups
 
 LAYOUTS = [
     dict(tp=2, dp=4, pp=2, ep=2),
@@ -10,7 +11,9 @@ LAYOUTS = [
     dict(dp=8),
     dict(tp=2, cp=2, dp=2, pp=2, ep=2, order="tp-dp-cp-ep-pp"),
     dict(pp=4, dp=2, order="pp-dp-tp-cp-ep"),
+    dict(tp=4, cp=4, pp=4, order="cp-tp-ep-dp-pp"),
 ]
+WIDTHS = Widths(ulysses=2, kv_replicas=2)   # hybrid CP's Ulysses runs, K/V heads on two tp ranks each
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -19,15 +22,17 @@ def test_groups_partition_world(layout):
     dense, expert = grid_sizes(p)
     order = p.order.split("-")
     world = set(range(p.world_size))
-    for name, (grid, dims) in GROUP_SPECS.items():
-        sizes = dense if grid == "dense" else expert
-        groups = rank_groups(sizes, order, dims)
+    for name, spec in GROUP_SPECS.items():
+        sizes = dense if spec.grid == "dense" else expert
+        groups = spec_groups(p, name, order, WIDTHS)
         flat = [r for g in groups for r in g]
         assert sorted(flat) == sorted(world), name            # a partition: every rank once
         size = 1
-        for d in dims:
+        for d in spec.dims:
             size *= sizes[d]
-        assert all(len(g) == size for g in groups), name        # the right size
+        if not spec.split:
+            assert all(len(g) == size for g in groups), name    # the right size
+            assert groups == rank_groups(sizes, order, spec.dims), name
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -73,11 +78,13 @@ def test_planner_places_the_groups_the_mesh_makes(layout):
     from fivefold.grid import group_block, group_size
 
     p = ParallelConfig(**layout)
+    widths = Widths(ulysses=2 if p.cp % 2 == 0 else 1, kv_replicas=2 if p.tp > 2 else 1)
     for rank in (0, p.world_size - 1):
-        mesh = ParallelMesh(p, rank=rank)
-        for name in GROUP_SPECS:
+        mesh = ParallelMesh(p, rank=rank, ulysses=widths.ulysses, kv_replicas=widths.kv_replicas)
+        assert set(mesh.groups) == {n for n, s in GROUP_SPECS.items() if s.exists(p, widths)}
+        for name in mesh.groups:
             g = mesh[name].ranks
-            block = group_block(p, name, p.order)
-            assert len(g) == group_size(p, name), name
+            block = group_block(p, name, p.order, widths)
+            assert len(g) == group_size(p, name, widths) or (name == "embed" and len(g) == 1), name
             assert len({r // block for r in g}) == 1 and len(g) <= block, (name, g, block)
     assert mesh["world"].ranks == list(range(p.world_size))

@@ -10,7 +10,7 @@ import pytest
 
 from fivefold.config import ConfigError
 from fivefold.parallel.pipeline import (B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, DeadlockError,
-                                        ScheduleError, build_schedule, check_schedule, closed_form_bubble,
+                                        ScheduleError, build_schedule, check_actions, closed_form_bubble,
                                         compute_only, input_messages, message_key, simulate, simulate_schedule,
                                         steps, timeline_stats)
 from fivefold.parallel.pipeline.schedules import interleaved_table, interleaved_warmup
@@ -33,7 +33,7 @@ def all_cases():
 @pytest.mark.parametrize("name, p, m, v", all_cases())
 def test_every_schedule_is_well_formed_and_finishes(name, p, m, v):
     actions = build_schedule(name, p, m, v)
-    check_schedule(actions, m, v)  # one F and one B (or I+W) per (mb, chunk) on rank chunk % p; messages match
+    check_actions(actions, m, v)  # one F and one B (or I+W) per (mb, chunk) on rank chunk % p; messages match
     for blocking in (False, True):  # overlap and strict rendezvous both complete
         sim = simulate_schedule(name, p, m, v, blocking=blocking)
         assert len(sim.timeline) == p
@@ -227,7 +227,7 @@ def test_contract_violations_are_reported():
     actions = build_schedule("1f1b", 2, 2)
     no_recv = [actions[0], [a for a in actions[1] if a.kind != RECV_F]]
     with pytest.raises(ScheduleError):
-        check_schedule(no_recv, 2)
+        check_actions(no_recv, 2)
     with pytest.raises(ScheduleError, match="comes before the receive"):
         late = list(actions[1])
         late.remove(Action(RECV_F, 0, 1, 0))
@@ -235,10 +235,10 @@ def test_contract_violations_are_reported():
         simulate([actions[0], late])
     wrong_rank = [actions[0] + [Action(W, 0, 1)], actions[1]]
     with pytest.raises(ScheduleError, match="belongs on rank 1"):
-        check_schedule(wrong_rank, 2)
+        check_actions(wrong_rank, 2)
     duplicate = [actions[0] + [Action(F, 0, 0)], actions[1]]
     with pytest.raises(ScheduleError, match="appears twice"):
-        check_schedule(duplicate, 2)
+        check_actions(duplicate, 2)
 
 
 def test_timeline_stats_on_a_measured_timeline():
@@ -264,7 +264,7 @@ def test_micro_batch_groups_are_valid_and_keep_the_bubble(p, m, v, n):
     in both execution modes; without communication the bubble is Megatron's (p-1)/(v·m+p-1) for every N,
     and rank s keeps min(2(p-s-1) + (v-1)·N + 1, m·v) chunks alive."""
     actions = build_schedule("interleaved", p, m, v, microbatch_group=n)
-    check_schedule(actions, m, v)
+    check_actions(actions, m, v)
     for blocking in (False, True):
         sim = simulate_schedule("interleaved", p, m, v, blocking=blocking, microbatch_group=n)
     sim = simulate_schedule("interleaved", p, m, v, microbatch_group=n)
@@ -281,7 +281,7 @@ def test_micro_batch_group_order():
     rank0 = [a for a in build_schedule("interleaved", 2, 4, 2, microbatch_group=4, communication=False)[0] if a.kind == F]
     assert [(a.microbatch, a.chunk) for a in rank0] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 2), (1, 2), (2, 2), (3, 2)]
     # a group lets m be any count with a last group >= p: m = 6 on p = 4 with N = 6 (one group)
-    check_schedule(build_schedule("interleaved", 4, 6, 2, microbatch_group=6), 6, 2)
+    check_actions(build_schedule("interleaved", 4, 6, 2, microbatch_group=6), 6, 2)
 
 
 def test_larger_groups_trade_memory_for_slack():

@@ -178,8 +178,8 @@ def llama3_estimate(gpus, tp, cp, pp, dp, seq, gb, reduce_each_microbatch=True):
     # FSDP reduce-scatters one transformer block at a time: buckets of one layer's fp32 gradients (the
     # planner charges each call its latency, as the runtime makes one call per bucket)
     block_mb = layer_rank_params(model, 0, tp, 1)[0] * 4 / 2**20
-    layout = Layout(tp=tp, cp=cp, pp=pp, dp=dp, zero=2, sp_mode="megatron", vpp=4, partition="llama3",
-                    order="tp-cp-ep-pp-dp", bucket_mb=block_mb, reduce_each_microbatch=reduce_each_microbatch)
+    layout = Layout(tp=tp, cp=cp, pp=pp, dp=dp, zero=2, sp_mode="megatron", vpp=4, schedule="interleaved",
+                    partition="llama3", order="tp-cp-ep-pp-dp", bucket_mb=block_mb, reduce_each_microbatch=reduce_each_microbatch)
     return estimate(model, layout, Workload(seq=seq, global_batch=gb), TOPOLOGIES["llama3"], gpus)
 
 

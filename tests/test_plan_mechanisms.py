@@ -88,11 +88,12 @@ def test_drain_hides_later_stages_reduction():
 def test_interleaved_chunks_finish_along_the_last_backward_chain():
     """Closed form: global chunk q = c·p + s finishes q·(B/v + send) before the end; its first forward
     starts q·(F/v + send) after the start. The simulator agrees for uniform stages."""
+    from fivefold.parallel.pipeline import build_schedule
     from fivefold.plan.time import _simulate
 
     p, v, m = 4, 2, 8
     cost_f, cost_b = {s: 1.0 for s in range(p)}, {s: 2.0 for s in range(p)}
-    sim = _simulate("interleaved", p, m, v, [1.0] * p, [2.0] * p, 0.0)
+    sim = _simulate(build_schedule("interleaved", p, m, v), p, m, v, [1.0] * p, [2.0] * p, 0.0)
     for s in range(p):
         closed = chunk_ready(None, "interleaved", p, v, s, sim.makespan, cost_b, 0.0)
         assert closed == [(sim.makespan - (c * p + s) * 1.0, 1.0) for c in reversed(range(v))]
@@ -117,8 +118,8 @@ def test_llama3_405b_reduction_hides_in_the_drain():
     stage hides in the drain behind it; launched after the schedule it is stage 0's whole reduction."""
     model = PRESETS["llama3-405b"]
     block_mb = layer_rank_params(model, 0, 8, 1)[0] * 4 / 2**20
-    lay = Layout(tp=8, pp=16, dp=128, zero=2, sp_mode="megatron", vpp=4, partition="llama3",
-                 order="tp-cp-ep-pp-dp", bucket_mb=block_mb)
+    lay = Layout(tp=8, pp=16, dp=128, zero=2, sp_mode="megatron", vpp=4, schedule="interleaved",
+                 partition="llama3", order="tp-cp-ep-pp-dp", bucket_mb=block_mb)
     w = Workload(seq=8192, global_batch=2048)
     topo = TOPOLOGIES["llama3"]
     prod = estimate(model, lay, w, topo, 16384)

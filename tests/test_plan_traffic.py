@@ -1,4 +1,6 @@
 """Traffic per dimension and collective, from comm/volume.py; tiers, rank order, placement warnings."""
+from dataclasses import replace
+
 import pytest
 
 from fivefold.comm import volume
@@ -16,7 +18,15 @@ FP32 = Workload(seq=1024, global_batch=64, dtype="fp32")
 
 
 def rows(model, layout, work, stage=0):
-    return {(f.dim, f.op): f for f in stage_flows(model, layout, work, stage)}
+    """(dim, op) -> the stage's row; rows of one (dim, op) over several groups (tp and its tp_kv
+    sub-groups, the loss over dp_cp and pp) summed, as the ledger records them."""
+    out = {}
+    for f in stage_flows(model, layout, work, stage):
+        g = out.get((f.dim, f.op))
+        out[(f.dim, f.op)] = f if g is None else replace(g, calls=g.calls + f.calls,
+                                                         message_bytes=g.message_bytes + f.message_bytes,
+                                                         bytes_sent=g.bytes_sent + f.bytes_sent)
+    return out
 
 
 def dp_bytes(model, zero, work=FP32, n=8, mb=8):

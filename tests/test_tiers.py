@@ -105,28 +105,58 @@ def test_ranks_per_node_must_divide_the_world():
 
 
 POW2 = [dict(tp=2, pp=2, dp=2), dict(tp=4, dp=2, pp=2), dict(tp=2, cp=2, dp=2, ep=2, pp=2), dict(dp=4, ep=4, tp=2),
-        dict(cp=4, dp=2, ep=2, pp=2)]
+        dict(cp=4, dp=2, ep=2, pp=2), dict(cp=4, dp=2, cp_mode="hybrid", ulysses=2), dict(tp=4, pp=4),
+        dict(tp=2, cp=4, cp_mode="hybrid", ulysses=2, pp=2)]
+
+
+def widths_of(p: ParallelConfig) -> grid.Widths:
+    """The sub-groups' facts, as the trainer passes them: hybrid CP's Ulysses degree, and (tp = 4 here)
+    K/V heads held by two tp ranks each (kv_heads = 2)."""
+    return grid.Widths(ulysses=p.ulysses if p.cp_mode == "hybrid" else 1, kv_replicas=2 if p.tp == 4 else 1)
 ORDERS = ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "dp-pp-cp-ep-tp", "pp-dp-tp-cp-ep", "cp-tp-ep-dp-pp"]
 
 
 @pytest.mark.parametrize("degrees", POW2, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_every_rank_groups_cross_the_tier_the_planner_places_them_on(degrees):
     """For nodes and degrees that nest (powers of two), the tier each rank's group crosses (mesh) is the
-    tier the planner places that group's dimension on (the innermost tier holding its block)."""
+    tier the planner places that group on (the innermost tier holding its block), for every group the
+    mesh makes: embed, cp_ulysses, cp_ring and tp_kv included."""
     for order in ORDERS:
         p = ParallelConfig(**degrees, order=order)
-        world = p.world_size
+        world, widths = p.world_size, widths_of(p)
         for k in (2, 4, 8):
             if k > world:
                 continue
             p.ranks_per_node = k
             topo = node_topology(k)
             for rank in range(world):
-                mesh = ParallelMesh(p, rank)
+                mesh = ParallelMesh(p, rank, ulysses=widths.ulysses, kv_replicas=widths.kv_replicas)
+                assert set(mesh.groups) <= set(grid.GROUP_SPECS)
                 for name, tier in mesh.tiers().items():
-                    if name in grid.GROUP_SPECS:
-                        want = topo.tier_of(grid.group_block(p, name, order), world).name
-                        assert tier == want, (order, k, rank, name)
+                    want = topo.tier_of(grid.group_block(p, name, order, widths), world).name
+                    assert tier == want, (order, k, rank, name)
+
+
+def test_hybrid_cp_places_the_ulysses_all_to_all_inside_a_node():
+    """cp = 4, ulysses = 2, nodes of 2, cp innermost: Ulysses runs over ranks [0, 1] (one node), the ring
+    over [0, 2] (two nodes). The planner used to place the all-to-all on the whole cp group ("inter")."""
+    cfg = tiny_config(cp=4, dp=1, cp_mode="hybrid", ulysses=2, ranks_per_node=2)
+    mesh = ParallelMesh(cfg.parallel, 0, ulysses=2)
+    assert (mesh["cp_ulysses"].ranks, mesh["cp_ulysses"].tier) == ([0, 1], "intra")
+    assert (mesh["cp_ring"].ranks, mesh["cp_ring"].tier) == ([0, 2], "inter")
+    rows = planned(cfg)
+    assert {t for (d, o, t) in rows if (d, o) == ("cp", "all_to_all")} == {"intra"}
+    assert {t for (d, o, t) in rows if (d, o) in (("cp", "send"), ("cp", "recv"))} == {"inter"}
+
+
+def test_kv_replica_sums_land_on_the_tp_kv_groups_tier():
+    """tp = 4 over nodes of 2 with kv_heads = 2: the tp group spans both nodes, each K/V head's two tp
+    ranks share one, so their partial K/V gradient sum stays inside it."""
+    cfg = tiny_config(tp=4, dp=1, ranks_per_node=2, order="tp-cp-ep-dp-pp")
+    mesh = ParallelMesh(cfg.parallel, 0, kv_replicas=2)
+    assert (mesh["tp"].tier, mesh["tp_kv"].ranks, mesh["tp_kv"].tier) == ("inter", [0, 1], "intra")
+    tiers = {t for (d, o, t), r in planned(cfg).items() if (d, o) == ("tp", "all_reduce")}
+    assert tiers == {"intra", "inter"}
 
 
 def test_ledger_rows_by_tier_and_comm_json(tmp_path):

@@ -242,8 +242,9 @@ def pipeline_action_overhead(per_rank_steps: list[list[list[tuple]]], world: int
     measured duration and `send_s` per transfer (the planner's own p2p cost for the message), over the
     actions per rank; the median over steps, at least 0."""
     from .parallel.pipeline.schedules import build_schedule, simulate
+    from .rules import ONE_F_ONE_B
 
-    actions = build_schedule("1f1b", world, PIPELINE_MICROBATCHES, 1)
+    actions = build_schedule(ONE_F_ONE_B, world, PIPELINE_MICROBATCHES, 1)
     per_rank_actions = sum(1 for a in actions[0] if not a.is_comm)
     excess = []
     for k in range(len(per_rank_steps[0])):

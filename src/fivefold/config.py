@@ -34,8 +34,8 @@ from typing import Any, Literal
 
 from . import rules
 from .grid import DEFAULT_ORDER, parse_order
-from .rules import (ConfigError, CpMode, Device, Dtype, Offload, Recompute, RouterKind, Schedule, SpMode,
-                    ZeroStage, check_choice, choices, divisors, nearest)
+from .rules import (ONE_F_ONE_B, ConfigError, CpMode, Device, Dtype, Offload, Recompute, RouterKind, ScheduleKind,
+                    SpMode, ZeroStage, check_choice, choices, divisors, nearest)
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "apply_overrides",
            "divisors", "field_type", "load_config", "nearest"]
@@ -218,7 +218,8 @@ class ParallelConfig:
     fp8_dispatch: bool = False           # MoE: send the expert-parallel dispatch in float8 e4m3 (+ a scale a row)
     order: str = DEFAULT_ORDER
     microbatches: int = 1                # micro-batches per step (a count; the planner's micro_batch is a size)
-    schedule: Schedule = "1f1b"
+    schedule: ScheduleKind = ONE_F_ONE_B  # pipeline schedule; with vpp, microbatches, microbatch_group and partition
+                                         # one value (parallel/pipeline/spec.py `Schedule.of`; rules.check_schedule)
     vpp: int = 1
     microbatch_group: int = 0            # interleaved: micro-batches per group N, pp <= N <= microbatches (0: pp)
     bucket_mb: float = 25.0
@@ -343,9 +344,7 @@ class Config:
         rules.check_tensor_parallel(p.tp, m.heads, m.kv_heads, ffn)
         rules.check_sequence_parallel(p.sp_mode, p.tp, t.seq_len)
         rules.check_partition(m.layers, p.pp, p.vpp, p.partition)
-        rules.check_microbatches(p.schedule, p.pp, p.microbatches)
-        if p.microbatch_group and p.schedule == "interleaved":
-            rules.check_microbatch_group(p.pp, p.microbatches, p.microbatch_group)
+        rules.check_schedule(p.schedule, p.pp, p.vpp, p.microbatches, p.microbatch_group)
         rules.check_reduce_each_microbatch(p.reduce_each_microbatch, p.zero)
         rules.check_context_parallel(p.cp_mode, p.cp, p.tp, m.heads, t.seq_len, p.ulysses)
         rules.check_expert_parallel(p.ep, p.dp, p.cp, m.experts)

@@ -9,9 +9,13 @@ so on. Two grids share one order string (as in Megatron-Core):
   across ``ep`` ranks carved out of the data/context-parallel ranks, each shard replicated ``edp`` times
   (the expert grid stores edp under the name "dp").
 
-`GROUP_SPECS` names every group by (grid, dimensions it spans). `fivefold.mesh.ParallelMesh` makes the
-process groups from these lists; the planner places the same groups on network tiers. See mesh.py for a
-worked example (16 ranks, rank 5's groups).
+`GROUP_SPECS` names every group the mesh makes by a `GroupSpec`: its grid, the dimensions it spans, the
+ledger dim its Group records under, and how it is cut from those groups (whole; runs of `width`
+consecutive ranks; every `width`-th rank; the first and last rank), with `width` and whether it exists
+at all taken from facts passed as arguments (`Widths`: the Ulysses degree, the K/V replicas of tensor
+parallelism). `spec_groups` lists a spec's rank lists: `fivefold.mesh.ParallelMesh` makes its process
+groups from them and nothing else, and the planner places the same groups on network tiers
+(`group_block`). See mesh.py for a worked example (16 ranks, rank 5's groups).
 
 Nodes: with `ranks_per_node` = K > 0 node i holds the consecutive ranks iK .. iK+K-1 (how torchrun numbers
 the ranks of its agents); 0 means unknown, taken as one node. `tier_of_ranks(ranks, K)` names the tier a
@@ -20,7 +24,8 @@ group crosses: "intra" when all its ranks share a node, "inter" when it spans no
 from __future__ import annotations
 
 import itertools
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Protocol
 
 from .rules import ConfigError, Dim, check_expert_grid, choices
 
@@ -28,18 +33,55 @@ DIMS: tuple[str, ...] = choices(Dim)
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"   # Megatron-Core's default: the heaviest traffic innermost, pp outermost
 TIERS = ("intra", "inter")         # inside one node, between nodes (the ledger's network tiers)
 
-# name -> (grid, dims varied). "world" is every rank.
-GROUP_SPECS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "tp": ("dense", ("tp",)),
-    "cp": ("dense", ("cp",)),
-    "dp": ("dense", ("dp",)),
-    "pp": ("dense", ("pp",)),
-    "dp_cp": ("dense", ("dp", "cp")),
-    "tp_cp": ("dense", ("tp", "cp")),
-    "mp": ("dense", ("tp", "cp", "pp")),
-    "ep": ("expert", ("ep",)),
-    "edp": ("expert", ("dp",)),
-    "world": ("dense", DIMS),
+class Widths(NamedTuple):
+    """Facts of other dimensions that cut sub-groups: the Ulysses degree of context parallelism
+    (`rules.cp_degrees`) and the ranks holding one K/V head under tensor parallelism (`rules.kv_replicas`)."""
+    ulysses: int = 1
+    kv_replicas: int = 1
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One kind of group: every group that varies along `dims` on `grid` (others fixed), cut by `split`:
+    "" whole; "runs": runs of `width` consecutive members; "strided": members `width` apart (j, j + width,
+    ...); "ends": the first and last member (the others alone). `dim`: the ledger dim a call on it records
+    under by default (the Group's name). `made(degrees, widths)`: whether the mesh makes it at all.
+    `shares`: a group with the ranks of one already made reuses its process group."""
+    grid: str
+    dims: tuple[str, ...]
+    dim: str
+    split: str = ""
+    width: str = ""
+    made: Callable | None = None
+    shares: bool = False
+
+    def exists(self, p: "Degrees", widths: Widths = Widths()) -> bool:
+        return self.made is None or self.made(p, widths)
+
+
+# name -> spec. "world" is every rank; "dp_cp" carries data parallelism's gradients (dim "dp"); the
+# sub-groups of cp and tp record under their dimension.
+GROUP_SPECS: dict[str, GroupSpec] = {
+    "tp": GroupSpec("dense", ("tp",), "tp"),
+    "cp": GroupSpec("dense", ("cp",), "cp"),
+    "dp": GroupSpec("dense", ("dp",), "dp"),
+    "pp": GroupSpec("dense", ("pp",), "pp"),
+    "dp_cp": GroupSpec("dense", ("dp", "cp"), "dp"),
+    "tp_cp": GroupSpec("dense", ("tp", "cp"), "tp_cp"),
+    "mp": GroupSpec("dense", ("tp", "cp", "pp"), "mp"),
+    "ep": GroupSpec("expert", ("ep",), "ep"),
+    "edp": GroupSpec("expert", ("dp",), "edp"),
+    "world": GroupSpec("dense", DIMS, "world"),
+    # tied embeddings: the first and last stage of each pp group (pp <= 2: the pp group itself)
+    "embed": GroupSpec("dense", ("pp",), "embed", split="ends", shares=True),
+    # hybrid CP: Ulysses over runs of `ulysses` consecutive cp ranks, the ring over the ranks at one
+    # position of those runs (pure Ulysses: a ring of one; pure ring: runs of one)
+    "cp_ulysses": GroupSpec("dense", ("cp",), "cp", split="runs", width="ulysses", made=lambda p, w: p.cp > 1),
+    "cp_ring": GroupSpec("dense", ("cp",), "cp", split="strided", width="ulysses", made=lambda p, w: p.cp > 1),
+    # K/V heads replicated over kv_replicas consecutive tp ranks (tp > kv_heads), which sum their
+    # partial K/V weight gradients
+    "tp_kv": GroupSpec("dense", ("tp",), "tp", split="runs", width="kv_replicas",
+                       made=lambda p, w: 1 < w.kv_replicas < p.tp),
 }
 
 
@@ -101,25 +143,51 @@ def rank_groups(sizes: dict[str, int], order: list[str], dims: tuple[str, ...]) 
 def group_sizes(p: Degrees, name: str) -> dict[str, int]:
     """The grid sizes a named group lives on."""
     dense, expert = grid_sizes(p)
-    return dense if GROUP_SPECS[name][0] == "dense" else expert
+    return dense if GROUP_SPECS[name].grid == "dense" else expert
 
 
-def group_size(p: Degrees, name: str) -> int:
-    """Ranks in one group called `name` (a key of GROUP_SPECS)."""
-    sizes, n = group_sizes(p, name), 1
-    for d in GROUP_SPECS[name][1]:
+def spec_groups(p: Degrees, name: str, order: str | list[str], widths: Widths = Widths()) -> list[list[int]]:
+    """Every group of spec `name`, each a list of global ranks in order: the whole groups of its
+    dimensions, cut by the spec's split. Together they hold every rank once."""
+    spec = GROUP_SPECS[name]
+    dims = parse_order(order) if isinstance(order, str) else order
+    whole = rank_groups(group_sizes(p, name), dims, spec.dims)
+    w = getattr(widths, spec.width) if spec.width else 1
+    if spec.split == "runs":
+        return [g[i:i + w] for g in whole for i in range(0, len(g), w)]
+    if spec.split == "strided":
+        return [g[j::w] for g in whole for j in range(min(w, len(g)))]
+    if spec.split == "ends":
+        return [g if len(g) <= 2 else [g[0], g[-1]] for g in whole] + [[r] for g in whole for r in g[1:-1]]
+    return whole
+
+
+def group_size(p: Degrees, name: str, widths: Widths = Widths()) -> int:
+    """Ranks in one group called `name` (a key of GROUP_SPECS; "embed": its two ends)."""
+    spec, sizes, n = GROUP_SPECS[name], group_sizes(p, name), 1
+    for d in spec.dims:
         n *= sizes[d]
-    return n
+    w = getattr(widths, spec.width) if spec.width else 1
+    if spec.split == "runs":
+        return min(w, n)
+    if spec.split == "strided":
+        return n // w
+    return min(n, 2) if spec.split == "ends" else n
 
 
-def group_block(p: Degrees, name: str, order: str) -> int:
+def group_block(p: Degrees, name: str, order: str, widths: Widths = Widths()) -> int:
     """Span of consecutive ranks that holds one group whole: the stride of its outermost dimension of
-    size > 1 times that size (1 for a group of one rank)."""
-    sizes, dims = group_sizes(p, name), GROUP_SPECS[name][1]
+    size > 1 times that size (1 for a group of one rank); a run of `width` members: its dimension's
+    stride times width. Strided members and the two ends span their dimension's whole block."""
+    spec, sizes = GROUP_SPECS[name], group_sizes(p, name)
+    if group_size(p, name, widths) <= 1:
+        return 1
     stride, block = 1, 1
     for d in parse_order(order):
-        if d in dims and sizes[d] > 1:
+        if d in spec.dims and sizes[d] > 1:
             block = stride * sizes[d]
+            if spec.split == "runs":
+                block = stride * getattr(widths, spec.width)
         stride *= sizes[d]
     return block
 

@@ -49,18 +49,18 @@ import torch.distributed as dist
 
 from .comm import CommLedger, Group
 from .config import ParallelConfig
-from .grid import GROUP_SPECS, coords, grid_sizes, parse_order, rank_groups, strides, tier_of_ranks
+from .grid import GROUP_SPECS, Widths, coords, grid_sizes, parse_order, rank_groups, spec_groups, strides, tier_of_ranks
 from .rules import check_world_size
 
-__all__ = ["GROUP_SPECS", "ParallelMesh", "coords", "grid_sizes", "rank_groups", "strides"]
+__all__ = ["GROUP_SPECS", "ParallelMesh", "coords", "grid_sizes", "rank_groups", "spec_groups", "strides"]
 
 
 @dataclass
 class ParallelMesh:
     """Every group a rank needs, built from a ParallelConfig.
 
-    `groups` maps a name (tp, cp, dp, pp, dp_cp, tp_cp, mp, ep, edp, embed, world) to this rank's `Group`.
-    With `kv_replicas` > 1 (tp > kv_heads: `rules.kv_replicas`) and smaller than tp, "tp_kv" is also
+    `groups` maps a name (tp, cp, dp, pp, dp_cp, tp_cp, mp, ep, edp, embed, world) to this rank's `Group`,
+    each made from its spec (`grid.GROUP_SPECS`, `grid.spec_groups`) and nothing else. With `kv_replicas` > 1 (tp > kv_heads: `rules.kv_replicas`) and smaller than tp, "tp_kv" is also
     made: each run of kv_replicas consecutive tp ranks that hold the same K/V head, which sum their
     partial K/V weight gradients (recorded under "tp": it is tensor parallelism's traffic). With
     cp > 1 it also makes "cp_ulysses" (runs of `ulysses` consecutive cp ranks: the all-to-all's inner
@@ -91,51 +91,31 @@ class ParallelMesh:
         distributed = dist.is_available() and dist.is_initialized() and self.world_size > 1
         if distributed:
             check_world_size(dist.get_world_size(), p.tp, p.cp, p.dp, p.pp)
-        for name, (grid, dims) in GROUP_SPECS.items():
-            sizes = self.dense if grid == "dense" else self.expert
-            self.groups[name] = self._make(name, rank_groups(sizes, self.order, dims), distributed)
-        self.groups["embed"] = self._make_embed(distributed)
-        self.groups["dp_cp"].name = "dp"
-        if p.cp > 1:
-            u = self.ulysses
-            runs, rings = [], []
-            for ranks in rank_groups(self.dense, self.order, ("cp",)):
-                runs += [ranks[i:i + u] for i in range(0, len(ranks), u)]
-                rings += [ranks[j::u] for j in range(u)]
-            self.groups["cp_ulysses"] = self._make("cp", runs, distributed)
-            self.groups["cp_ring"] = self._make("cp", rings, distributed)
-        if 1 < self.kv_replicas < p.tp:
-            runs = [ranks[i:i + self.kv_replicas] for ranks in rank_groups(self.dense, self.order, ("tp",))
-                    for i in range(0, len(ranks), self.kv_replicas)]
-            self.groups["tp_kv"] = self._make("tp", runs, distributed)
+        widths = Widths(ulysses=self.ulysses, kv_replicas=self.kv_replicas)
+        made: dict[tuple[int, ...], object] = {}   # rank list -> process group, for specs that share
+        for name, spec in GROUP_SPECS.items():
+            if not spec.exists(p, widths):
+                continue
+            lists = spec_groups(p, name, self.order, widths)
+            pgs = [self._process_group(g, distributed, made if spec.shares else {}) for g in lists]
+            if not spec.shares:
+                made.update(zip(map(tuple, lists), pgs))
+            self.groups[name] = self._mine(spec.dim, lists, pgs)
 
-    def _make(self, name: str, all_groups: list[list[int]], distributed: bool) -> Group:
-        mine = None
-        for ranks in all_groups:
-            pg = None
-            if distributed and len(ranks) > 1:
-                if len(ranks) == self.world_size:
-                    pg = dist.group.WORLD
-                else:
-                    pg = dist.new_group(ranks)  # every rank must create every group, in the same order
-            if self.rank in ranks:
-                mine = Group(name, ranks, ranks.index(self.rank), pg, self.ledger, self.tier(ranks))
-        assert mine is not None
-        return mine
+    def _process_group(self, ranks: list[int], distributed: bool, shared: dict):
+        """The process group of one rank list: none for a single rank or without torch.distributed, the
+        world's for every rank, one a shared spec already has, else a new one (every rank must create
+        every group, in the same order)."""
+        if not distributed or len(ranks) == 1:
+            return None
+        if tuple(ranks) in shared:
+            return shared[tuple(ranks)]
+        return dist.group.WORLD if len(ranks) == self.world_size else dist.new_group(ranks)
 
-    def _make_embed(self, distributed: bool) -> Group:
-        """The first and last stage of each pipeline group (tied embeddings). With pp = 2 that is the pp
-        group itself, so its process group is reused."""
-        pp = self.groups["pp"]
-        if pp.size <= 2:
-            return Group("embed", pp.ranks, pp.rank, pp.pg, self.ledger, pp.tier)
-        mine = Group("embed", [self.rank], 0, None, self.ledger)
-        for g in rank_groups(self.dense, self.order, ("pp",)):
-            ends = [g[0], g[-1]]
-            pg = dist.new_group(ends) if distributed else None  # every rank creates every group, in order
-            if self.rank in ends:
-                mine = Group("embed", ends, ends.index(self.rank), pg, self.ledger, self.tier(ends))
-        return mine
+    def _mine(self, name: str, lists: list[list[int]], pgs: list) -> Group:
+        """This rank's Group among one spec's rank lists, recording under `name` on its tier."""
+        ranks, pg = next((g, pg) for g, pg in zip(lists, pgs) if self.rank in g)
+        return Group(name, ranks, ranks.index(self.rank), pg, self.ledger, self.tier(ranks))
 
     def tier(self, ranks: list[int]) -> str:
         """The tier a group of global ranks crosses: "intra" (one node) or "inter"."""

@@ -5,7 +5,7 @@ line naming the rule and the nearest valid values when it does not. `Config.vali
 runtime and the planner (`plan/layout.py:check`) call these same functions, so a layout the planner
 accepts is one the runtime runs, with the same message when it is not.
 
-The choices a field can take are `Literal` types (`ZeroStage`, `SpMode`, `CpMode`, `Schedule`,
+The choices a field can take are `Literal` types (`ZeroStage`, `SpMode`, `CpMode`, `ScheduleKind`,
 `Recompute`, `PartitionKind`, `Dtype`, `Device`, `Dim`, `RouterKind`, `Offload`); `choices(T)` lists them, for argparse and for
 `check_choice`.
 """
@@ -17,7 +17,7 @@ from typing import Literal, get_args
 ZeroStage = Literal[0, 1, 2, 3]
 SpMode = Literal["none", "megatron"]                  # Megatron sequence parallelism inside tp
 CpMode = Literal["ulysses", "ring", "hybrid"]         # how context parallelism splits attention
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
+ScheduleKind = Literal["gpipe", "1f1b", "interleaved", "zb"]   # pipeline schedules (parallel/pipeline/schedules.py)
 Recompute = Literal["none", "selective", "full"]      # activation checkpointing
 PartitionKind = Literal["even", "llama3"]             # named layer splits; a list "3,5,5,3" is the third kind
 Dtype = Literal["fp32", "bf16", "fp64"]               # fp64 for exactness checks
@@ -25,6 +25,9 @@ Device = Literal["auto", "cpu", "cuda"]
 Dim = Literal["tp", "cp", "ep", "dp", "pp"]           # the grid's dimensions
 RouterKind = Literal["softmax_topk_norm", "softmax_topk", "sigmoid_bias"]   # Mixtral, Qwen2-MoE, DeepSeek-V3
 Offload = Literal["none", "cpu", "nvme"]             # where ZeRO's optimizer state lives (parallel/offload.py)
+
+# The schedule names, from the Literal: code compares against these, never against a spelt-out string.
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB = get_args(ScheduleKind)
 
 
 class ConfigError(ValueError):
@@ -362,24 +365,6 @@ def check_partition(layers: int, pp: int, vpp: int, partition: str) -> None:
     check_counts(parse_counts(partition), layers, pp, vpp)
 
 
-def check_microbatch_group(pp: int, microbatches: int, group: int) -> int:
-    """The interleaved schedule's micro-batches per group N (0: pp), checked: Megatron-Core's rule
-    p <= N <= m, and the last group (m % N micro-batches) empty or at least p long. A group shorter than
-    p leaves a rank waiting for its first micro-batch to come round the ranks (dependency bubbles), and
-    with the 1F1B warm-up below it can deadlock. Returns N."""
-    if type(group) is not int or group < 0:
-        raise ConfigError(f"microbatch_group must be an integer >= 0 (0: pp = {pp}), got {group!r}")
-    n = group or pp
-    valid = [k for k in range(pp, microbatches + 1) if microbatches % k == 0 or microbatches % k >= pp]
-    if not pp <= n <= microbatches:
-        raise ConfigError(f"microbatch_group {n} must lie between pp ({pp}, depth-first) and microbatches "
-                          f"({microbatches}, breadth-first); valid: {valid or 'none (microbatches < pp)'}")
-    if 0 < microbatches % n < pp:
-        raise ConfigError(f"microbatch_group {n} leaves a last group of {microbatches} % {n} = {microbatches % n} "
-                          f"micro-batches, fewer than pp ({pp}); valid: {valid}")
-    return n
-
-
 # Memory traffic of the runtime's eager optimizer step (train/optim.py), per element this rank owns, in
 # accesses of one master-precision element: AdamW's decay 2, lerp 3, mul 2, addcmul 4, sqrt 2, divide 2,
 # add eps 2, addcdiv 4. The global gradient norm reads each owned gradient once and writes and reads its
@@ -420,11 +405,60 @@ def check_offload(offload: str, zero: int, offload_dir: str = "") -> None:
                           "(a folder on a fast local disk); valid: offload_dir=PATH, or offload='cpu' or 'none'")
 
 
-def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:
-    """1F1B-like schedules keep pp micro-batches in flight to fill the pipeline; GPipe runs any number."""
-    if pp > 1 and schedule != "gpipe" and microbatches < pp:
-        raise ConfigError(f"schedule {schedule} needs microbatches >= pp ({pp}), got {microbatches}; "
-                          f"valid: microbatches >= {pp}, or schedule gpipe")
+# -- pipeline schedule ---------------------------------------------------------------------------------
+def check_schedule(kind: str, pp: int, vpp: int, microbatches: int, group: int = 0) -> None:
+    """Every rule a run's (or a plan's) pipeline schedule obeys, one line naming the broken one:
+    `check_schedule_lists` (the action lists exist), plus: vpp > 1 interleaves chunks over pp > 1 ranks,
+    and 1F1B-like schedules (all but GPipe) keep pp micro-batches in flight to fill the pipeline."""
+    check_schedule_lists(kind, pp, vpp, microbatches, group)
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"vpp > 1 interleaves model chunks over the pipeline ranks: it needs pp > 1, got pp = 1 "
+                          f"and vpp = {vpp}; valid: vpp = 1 at pp = 1")
+    if pp > 1 and kind != GPIPE and microbatches < pp:
+        raise ConfigError(f"schedule {kind} needs microbatches >= pp ({pp}), got {microbatches}; "
+                          f"valid: microbatches >= {pp}, or schedule {GPIPE}")
+
+
+def check_schedule_lists(kind: str, pp: int, vpp: int, microbatches: int, group: int = 0) -> None:
+    """The rules without which schedule `kind` has no action lists (what the simulator accepts, for
+    any pp and micro-batch count): a known kind; vpp > 1 only with the interleaved schedule; a
+    micro-batch group only there; the interleaved schedule's micro-batches divisible by pp, or a
+    group N that `check_microbatch_group` accepts."""
+    check_choice("schedule", kind, ScheduleKind)
+    if type(group) is not int or group < 0:
+        raise ConfigError(f"microbatch_group must be an integer >= 0 (0: pp = {pp}), got {group!r}")
+    if vpp != 1 and kind != INTERLEAVED:
+        raise ConfigError(f"vpp > 1 needs the interleaved schedule; schedule {kind!r} takes vpp = 1, got vpp = {vpp}; "
+                          f"valid: schedule {INTERLEAVED}, or vpp = 1")
+    if group and not (kind == INTERLEAVED and vpp > 1):
+        raise ConfigError(f"microbatch_group applies to the interleaved schedule with vpp > 1 (schedule {kind!r}, "
+                          f"vpp {vpp}); got microbatch_group = {group!r}, valid: 0")
+    if kind != INTERLEAVED or vpp == 1:
+        return
+    if not group and microbatches % pp:
+        lower = microbatches // pp * pp
+        valid = [n for n in (lower, lower + pp) if n > 0]
+        raise ConfigError(f"the interleaved schedule needs microbatches divisible by pp: {microbatches} % {pp} "
+                          f"!= 0; use microbatches in {valid}, or a microbatch_group")
+    check_microbatch_group(pp, microbatches, group)
+
+
+def check_microbatch_group(pp: int, microbatches: int, group: int) -> int:
+    """The interleaved schedule's micro-batches per group N (0: pp), checked: Megatron-Core's rule
+    p <= N <= m, and the last group (m % N micro-batches) empty or at least p long. A group shorter than
+    p leaves a rank waiting for its first micro-batch to come round the ranks (dependency bubbles), and
+    with the 1F1B warm-up below it can deadlock. Returns N."""
+    if type(group) is not int or group < 0:
+        raise ConfigError(f"microbatch_group must be an integer >= 0 (0: pp = {pp}), got {group!r}")
+    n = group or pp
+    valid = [k for k in range(pp, microbatches + 1) if microbatches % k == 0 or microbatches % k >= pp]
+    if not pp <= n <= microbatches:
+        raise ConfigError(f"microbatch_group {n} must lie between pp ({pp}, depth-first) and microbatches "
+                          f"({microbatches}, breadth-first); valid: {valid or 'none (microbatches < pp)'}")
+    if 0 < microbatches % n < pp:
+        raise ConfigError(f"microbatch_group {n} leaves a last group of {microbatches} % {n} = {microbatches % n} "
+                          f"micro-batches, fewer than pp ({pp}); valid: {valid}")
+    return n
 
 
 # -- batch and world -----------------------------------------------------------------------------------
@@ -472,10 +506,10 @@ def check_runtime_support(parallel, train, model=None) -> None:
         raise ConfigError(f"MoE under tensor parallelism gives each tp rank 1/tp of a micro-batch's sequences: "
                           f"global_batch / (dp*microbatches) = {sequences} must divide by tp ({p.tp}); "
                           f"valid global_batch: multiples of {p.dp * p.microbatches * p.tp}, or sp_mode megatron")
-    if p.pp > 1 and p.schedule == "zb" and p.tp > 1 and p.sp_mode == "megatron":
+    if p.pp > 1 and p.schedule == ZB and p.tp > 1 and p.sp_mode == "megatron":
         raise ConfigError("the zb schedule with Megatron sequence parallelism is not supported (its weight-gradient "
                           "pass would repeat the reduce-scatter's backward all-gather); use 1f1b or sp_mode none")
-    if p.pp > 1 and p.zero == 3 and p.schedule == "zb":
+    if p.pp > 1 and p.zero == 3 and p.schedule == ZB:
         raise ConfigError("the zb schedule with ZeRO-3 is not supported (its weight-gradient pass runs outside the "
                           "block whose parameters ZeRO-3 gathers); use 1f1b or interleaved, or zero <= 2")
     if p.pp > 1 and p.zero == 3 and not p.reshard_after_forward:

@@ -108,14 +108,13 @@ class PipelineParallelism:
     schedules_backward = True  # micro-batch backwards spread over the step: engines reduce once, at its end
 
     def __init__(self, mesh, cfg: Config):
-        from .pipeline import build_schedule, partition_layers
+        from .pipeline import Schedule
 
-        p = cfg.parallel
         self.mesh, self.cfg = mesh, cfg
-        self.partition = partition_layers(cfg.model.layers, p.pp, p.vpp, p.partition)
+        self.schedule = Schedule.of(cfg)            # one value: the lists, the report and pipeline.json
+        self.partition = self.schedule.partition
         self.rank = mesh.coords["pp"]
-        self.actions = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp,
-                                      microbatch_group=p.microbatch_group)[self.rank]
+        self.actions = self.schedule.actions()[self.rank]
 
     def apply(self, model: nn.Module) -> nn.Module:
         from .pipeline.runtime import Stage, stage_names
@@ -176,9 +175,8 @@ class PipelineParallelism:
 
         timelines = gather_objects([tuple(b) for b in self.runtime.timeline])
         if rank == 0:
-            p = self.cfg.parallel
             rows = [timelines[r] for r in self.mesh["pp"].ranks]
-            write_report(out, report(rows, p.schedule, p.pp, p.microbatches, p.vpp))
+            write_report(out, report(rows, self.schedule))
 
 
 def direct_forward_backward(model: nn.Module, loss_sum: LossSum, engine: Engine, micro_batches: list,

@@ -63,10 +63,7 @@ from ..shapes import padded, segments
 from .data import bucketize
 from .engine import backward_order, counted, held, nbytes, reduce_partitions, unique_params
 from .offload import offloaded_state
-
-# Reduce-scatters in flight before the oldest is waited for and folded into its shard: enough to
-# overlap one with the next unit's backward, few enough to bound the temporary buffers.
-MAX_INFLIGHT = 2
+from .zero_order import MAX_INFLIGHT, backward_prefetch, forward_prefetch, frees_after_forward
 
 
 class Unit:
@@ -618,21 +615,22 @@ class Zero3(ShardedOptimizer):
             self._free(slot)
 
     def _install_hooks(self) -> None:
-        prefetch = not self.pipeline   # under a pipeline the next module to run depends on the schedule
+        """The gather/free order of zero_order.py (which the planner replays)."""
         last = len(self.slots) - 1
 
         def pre_forward(idx):
             def hook(module, args):
                 self._gather(idx)
-                if prefetch and idx < last and torch.is_grad_enabled():
-                    self._gather_async(idx + 1)  # prefetch the next block
+                ahead = forward_prefetch(idx, last, self.pipeline)
+                if ahead is not None and torch.is_grad_enabled():
+                    self._gather_async(ahead)
             return hook
 
         def post_forward(idx):
             def hook(module, args, output):
                 if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
                     output.register_hook(lambda grad, idx=idx: self._pre_backward(idx) or grad)
-                if self.reshard_after_forward and not (self.pipeline and idx == 0):
+                if frees_after_forward(idx, self.reshard_after_forward, self.pipeline):
                     self._free(idx)  # the root's hook fires after the whole forward
                 return output
             return hook
@@ -649,11 +647,9 @@ class Zero3(ShardedOptimizer):
             for u in self.slots[idx]:
                 u.seen = set()   # this backward's gradients: free the unit once all have arrived
             return
-        prev = idx - 1 if idx > 1 else None   # blocks run backward from last to first; root already held
-        if idx == 0:
-            prev = len(self.slots) - 1 if len(self.slots) > 1 else None
-        if prev is not None:
-            self._gather_async(prev)
+        ahead = backward_prefetch(idx, len(self.slots), self.pipeline)
+        if ahead is not None:
+            self._gather_async(ahead)
 
 
 def Zero(model: nn.Module, groups: Mapping[str, Group], stage: int, make_optimizer, bucket_mb: float = 25.0,

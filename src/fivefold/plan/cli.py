@@ -20,8 +20,8 @@ from pathlib import Path
 from ..config import load_config
 from ..flags import MICRO_BATCH_SIZE_HELP, add_renamed
 from ..grid import DEFAULT_ORDER
-from ..rules import (ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute, Schedule, SpMode, check_count,
-                     check_real, choices)
+from ..rules import (INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute,
+                     ScheduleKind, SpMode, check_count, check_real, choices)
 from .estimate import estimate
 from .layout import GradDtype, Layout, ReduceDtype, Workload, from_config
 from .models import PRESETS, PlanModel, from_model_config, load_model
@@ -53,7 +53,7 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                     + " (default: searched, or 1 for one layout)")
     add_renamed(ap)   # --micro-batch: one line naming --micro-batch-size
     ap.add_argument("--recompute", choices=choices(Recompute))
-    ap.add_argument("--schedule", choices=choices(Schedule), default=None)
+    ap.add_argument("--schedule", choices=choices(ScheduleKind), default=None)
     ap.add_argument("--order", help=f"rank order, innermost first (default {DEFAULT_ORDER})")
     ap.add_argument("--partition", help=f"layers to pipeline stages: {' | '.join(choices(PartitionKind))} | "
                                         f"counts like 3,5,5,3 (default even)")
@@ -331,7 +331,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                      partition=partition, sp_mode=sp_mode,
                      cp_mode=args.cp_mode or layout.cp_mode, ulysses=args.ulysses or layout.ulysses,
                      reshard_after_forward=layout.reshard_after_forward, **mechanism_options(args, layout),
-                     schedule=args.schedule or ("interleaved" if (fixed["vpp"] or 1) > 1 else layout.schedule))
+                     schedule=args.schedule or (INTERLEAVED if (fixed["vpp"] or 1) > 1 else layout.schedule))
         est = estimate(model, lay, work, topo, args.gpus)
         if args.json:
             print(to_json(est.to_dict()))
@@ -345,7 +345,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError("searching needs --gpus (or give every degree: --tp --pp --cp --dp)")
     fixed.update(sp_mode=args.sp_mode, cp_mode=args.cp_mode)
     res = search(model, work, topo, gpus, fixed, top=args.top, order=order, partition=partition,
-                 schedule=args.schedule or "1f1b")
+                 schedule=args.schedule or ONE_F_ONE_B)
     if not args.order:   # the search chose the order: no warning about the planner's own default
         for e in res.best:
             e.warnings = [w for w in e.warnings if not w.startswith("order ")]

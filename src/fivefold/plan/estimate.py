@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .layout import Layout, Workload, check, microbatches
+from ..parallel.pipeline.spec import Schedule
+from .layout import Layout, Workload, check, microbatches, schedule_of
 from .memory import Memory, candidate_stages, memory, optimizer_bytes_per_param
 from .models import PlanModel
 from .time import StepTime, step_time
@@ -40,6 +41,11 @@ class Estimate:
     order: str                        # recommended
     placement: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The pipeline schedule planned: the value the runtime runs and pipeline.json records."""
+        return schedule_of(self.model, self.layout, self.work)
 
     @property
     def mfu_attention_full(self) -> float:
@@ -88,6 +94,7 @@ class Estimate:
                       "active_params": self.model.active_params()},
             "topology": self.topo.name, "gpus": self.layout.gpus,
             "layout": {**self.layout.to_dict(), "microbatches": microbatches(self.layout, self.work)},
+            "schedule": self.schedule.to_dict(),
             "workload": {f: getattr(self.work, f) for f in self.work.__dataclass_fields__},
             "memory": self.memory.to_dict(), "memory_limit": self.topo.accelerator.memory, "fits": self.fits,
             "device_fits": self.device_fits, "offload": self.offload(),

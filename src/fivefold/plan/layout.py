@@ -16,7 +16,8 @@ all-to-alls overlap another micro-batch's compute, DualPipe-style), `Workload.re
 gradients are reduced in), `Workload.moe_route_nodes` (node-limited routing: each token to at most M
 nodes), `Workload.fp8_gemm` (linear-layer GEMMs at the FP8 peak), `Workload.fp8_act_cache` (inputs
 of the linear layers cached in FP8 for the backward), `Layout.microbatch_group` (the interleaved
-schedule's micro-batches per group N, p..m; 0: p), `Layout.recompute_norm_mla` (norms' outputs and MLA
+schedule's micro-batches per group N, p..m; 0: p; with schedule, vpp and partition it is the runtime's
+`Schedule` value, `schedule_of`), `Layout.recompute_norm_mla` (norms' outputs and MLA
 up-projections recomputed in the backward, DeepSeek-V3) and `Layout.offload` (ZeRO's optimizer state and
 step in host memory or on disk; docs/plan.md, "Offload").
 
@@ -32,8 +33,8 @@ from typing import Literal
 from .. import rules
 from ..config import Config
 from ..grid import DEFAULT_ORDER, parse_order
-from ..rules import ConfigError, CpMode, Offload, Recompute, Schedule, SpMode, ZeroStage
-from ..parallel.pipeline.schedules import check_group
+from ..rules import INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Offload, Recompute, ScheduleKind, SpMode, ZeroStage
+from ..parallel.pipeline.spec import Schedule
 from .models import PlanModel, cached_hash
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8, "fp8": 1}
@@ -54,7 +55,7 @@ class Layout:
     ulysses: int = 0               # hybrid: Ulysses degree of the inner ranks (0: the largest possible)
     vpp: int = 1
     micro_batch: int = 1           # sequences per micro-batch per data-parallel rank (a size, not a count)
-    schedule: Schedule = "1f1b"
+    schedule: ScheduleKind = ONE_F_ONE_B   # with vpp, microbatch_group, partition: `schedule_of` (rules.check_schedule)
     recompute: Recompute = "none"
     order: str = DEFAULT_ORDER
     partition: str = "even"        # layers to stages, as parallel.partition: even | llama3 | counts "3,5,5,3"
@@ -126,7 +127,7 @@ class Layout:
     def to_dict(self) -> dict:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep, "zero": self.zero,
                 "sp_mode": self.sp_mode, "cp_mode": self.cp_mode, "vpp": self.vpp, "micro_batch": self.micro_batch,
-                "schedule": self.effective_schedule, "recompute": self.recompute, "order": self.order,
+                "schedule": self.schedule, "recompute": self.recompute, "order": self.order,
                 "partition": self.partition, "bucket_mb": self.bucket_mb,
                 "reshard_after_forward": self.reshard_after_forward,
                 "overlap_grad_reduce": self.overlap_grad_reduce, "overlap_param_gather": self.overlap_param_gather,
@@ -135,10 +136,9 @@ class Layout:
                 "offload": self.offload}
 
     @property
-    def effective_schedule(self) -> str:
-        if self.vpp > 1 and self.schedule in ("1f1b", "interleaved"):
-            return "interleaved"
-        return "1f1b" if self.schedule == "interleaved" and self.vpp == 1 else self.schedule
+    def interleaved(self) -> bool:
+        """Chunks interleaved over the ranks (`Schedule.interleaved`; vpp > 1 needs it: rules.check_schedule)."""
+        return self.schedule == INTERLEAVED and self.vpp > 1
 
 
 @dataclass(frozen=True)
@@ -211,6 +211,12 @@ def microbatches(layout: Layout, work: Workload) -> int:
     return work.global_batch // (layout.dp * layout.micro_batch)
 
 
+def schedule_of(model: PlanModel, layout: Layout, work: Workload) -> Schedule:
+    """The pipeline `Schedule` the layout runs: the value `Schedule.of(cfg)` gives the runtime."""
+    return Schedule.build(layout.schedule, layout.pp, layout.vpp, microbatches(layout, work),
+                          layout.microbatch_group, model.layers, layout.partition)
+
+
 def from_config(cfg: Config) -> tuple[Layout, Workload]:
     """The layout and workload of a runtime `Config`. Attention is flash-like, as the runtime runs it:
     SDPA takes its fused kernels on the CPU (`_scaled_dot_product_flash_attention_for_cpu`, with or
@@ -256,7 +262,7 @@ def check(model: PlanModel, layout: Layout, work: Workload, gpus: int | None = N
         rules.check_positive(name, getattr(L, name))
     if gpus is not None:
         rules.check_world_size(gpus, L.tp, L.cp, L.dp, L.pp)
-    for name, kind in (("zero", ZeroStage), ("sp_mode", SpMode), ("cp_mode", CpMode), ("schedule", Schedule),
+    for name, kind in (("zero", ZeroStage), ("sp_mode", SpMode), ("cp_mode", CpMode), ("schedule", ScheduleKind),
                        ("recompute", Recompute)):
         rules.check_choice(name, getattr(L, name), kind)
     parse_order(L.order)
@@ -266,7 +272,7 @@ def check(model: PlanModel, layout: Layout, work: Workload, gpus: int | None = N
     rules.check_context_parallel(L.cp_mode, L.cp, L.tp, model.heads, work.seq, L.ulysses)
     rules.check_expert_parallel(L.ep, L.dp, L.cp, model.experts)
     rules.check_global_batch(work.global_batch, L.dp, L.micro_batch, what="micro_batch")
-    rules.check_microbatches(L.effective_schedule, L.pp, microbatches(L, work))
+    rules.check_schedule(L.schedule, L.pp, L.vpp, microbatches(L, work), L.microbatch_group)
     check_mechanisms(model, L, work)
 
 
@@ -282,20 +288,7 @@ def check_mechanisms(model: PlanModel, layout: Layout, work: Workload) -> None:
         raise ConfigError(f"moe_route_nodes must be an integer >= 0 (0: routing not node-limited), got {r!r}")
     if r and not model.moe:
         raise ConfigError(f"moe_route_nodes={r} limits expert routing, but {model.name} has no experts")
-    check_microbatch_group(layout, work)
     rules.check_reduce_each_microbatch(layout.reduce_each_microbatch, layout.zero)
     rules.check_choice("offload", layout.offload, Offload)
     # the planner writes no files: the offload_dir rule is the run's (Config.validate), not the plan's
     rules.check_offload(layout.offload, layout.zero, offload_dir="(planned)")
-
-
-def check_microbatch_group(layout: Layout, work: Workload) -> None:
-    """`microbatch_group` N: 0 (= pp), or, for the interleaved schedule with vpp > 1, pp <= N <= m with a last
-    group (m % N) empty or at least pp long (schedules.check_group, Megatron-Core's rule)."""
-    n = layout.microbatch_group
-    if n == 0 and type(n) is int:
-        return
-    if type(n) is int and n > 0 and layout.effective_schedule != "interleaved":
-        raise ConfigError(f"microbatch_group applies to the interleaved schedule with vpp > 1 (schedule "
-                          f"{layout.effective_schedule}, vpp {layout.vpp}); got {n}, use 0")
-    check_group(layout.pp, microbatches(layout, work), n)

@@ -53,7 +53,10 @@ from functools import lru_cache
 
 from .. import rules
 from ..parallel.pipeline.partition import partition_layers
+from ..parallel.zero_order import (MAX_INFLIGHT, backward_prefetch, backward_slots, forward_prefetch,
+                                   frees_after_forward)
 from ..parallel.pipeline.schedules import interleaved_table, interleaved_warmup
+from ..rules import GPIPE, INTERLEAVED
 from ..shapes import bucket_ranges, padded, padded_vocab, segments, shard_size
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
@@ -99,9 +102,9 @@ def in_flight(schedule: str, pp: int, stage: int, m: int, vpp: int = 1, group: i
     per group (0: p), as the schedule simulator counts them (schedules.interleaved_warmup)."""
     if pp == 1:
         return 1.0
-    if schedule == "gpipe":
+    if schedule == GPIPE:
         return float(m)
-    if schedule == "interleaved" and vpp > 1:
+    if schedule == INTERLEAVED and vpp > 1:
         return interleaved_warmup(pp, stage, m, vpp, group) / vpp
     return float(min(pp - stage, m))  # 1f1b, zero-bubble (ZB-H1 keeps 1F1B's peak)
 
@@ -559,7 +562,7 @@ def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: i
     first stage, final norm, head and fp32 logits on the last; full recompute keeps each layer's input
     plus one layer's working set."""
     L = layout
-    return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.effective_schedule,
+    return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.schedule,
                               L.micro_batch, L.recompute, L.partition, stage, L.microbatch_group,
                               L.recompute_norm_mla)
 
@@ -573,12 +576,12 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
     e, h = work.act_bytes, model.hidden
     n_layers = len(layout_layers(model, L)[stage])
     m = microbatches(L, work)
-    flight = in_flight(L.effective_schedule, L.pp, stage, m, L.vpp, L.microbatch_group)
+    flight = in_flight(L.schedule, L.pp, stage, m, L.vpp, L.microbatch_group)
     split = L.tp if L.seq_parallel else 1
     with_scores = not work.flash and L.recompute == "none"
     total_pt, max_pt = _stage_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp,
                                         L.partition, L.recompute_norm_mla and L.recompute != "full")[stage]
-    if L.effective_schedule == "interleaved" and L.vpp > 1:   # chunks may differ: walk the schedule
+    if L.interleaved:   # chunks may differ: walk the schedule
         chunks = _chunk_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp, L.partition,
                                   L.recompute_norm_mla and L.recompute != "full", L.recompute == "full")[stage]
         return interleaved_peak(L.pp, stage, m, L.vpp, L.microbatch_group, chunks) * T + (max_pt * T if
@@ -624,13 +627,13 @@ class Memory:
 
 
 # -- ZeRO's buffers during a step ---------------------------------------------------------------------
-MAX_INFLIGHT = 2   # parallel/zero.py: reduce-scatters in flight before the oldest is folded into its shard
+# MAX_INFLIGHT and the gather/free order are the runtime's (parallel/zero_order.py), not mirrored here
 
 
 class BufferTimeline:
     """Bytes alive while a step is replayed, and their peak. A reduce-scatter in flight holds its unit's
     full gradient and a shard-sized result until it is folded in, which happens to the oldest once more
-    than MAX_INFLIGHT are in flight (parallel/zero.py, `_reduce`)."""
+    than MAX_INFLIGHT are in flight (parallel/zero_order.py; zero.py `_reduce`)."""
 
     def __init__(self):
         self.live = self.peak = 0
@@ -697,25 +700,27 @@ def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int) -> i
             u = slots[k][j]
             t.reduce(g * padded(*u), g * shard_size(*u), free(k, j))
 
+    def gather_with(k: int, ahead: int | None) -> None:
+        gather(k)
+        if ahead is not None:
+            gather(ahead)
+
+    def free_slot(k: int) -> None:
+        if frees_after_forward(k, reshard, pipeline=False):
+            t.drop(sum(free(k, j) for j in range(len(slots[k]))))
+
     last = len(slots) - 1
     for _ in range(micro):
-        gather(0)
-        for k in range(1, last + 1):
-            gather(k)
-            if k < last:
-                gather(k + 1)
-            if reshard:
-                t.drop(sum(free(k, j) for j in range(len(slots[k]))))
-        if reshard:
-            t.drop(sum(free(0, j) for j in range(len(slots[0]))))
-        gather(0)
-        t.add(sum(g * padded(*u) for u in slots[0]))
-        for k in range(last, 0, -1):
-            gather(k)
-            if k > 1:
-                gather(k - 1)
+        for k in range(last + 1):                       # the root's hooks wrap the blocks'
+            gather_with(k, forward_prefetch(k, last, pipeline=False))
+            if k:
+                free_slot(k)
+        free_slot(0)
+        for k in backward_slots(len(slots)):
+            gather_with(k, backward_prefetch(k, len(slots), pipeline=False))
             t.add(sum(g * padded(*u) for u in slots[k]))
-            reduce_slot(k)
+            if k:
+                reduce_slot(k)
         reduce_slot(0)
     return t.peak
 
@@ -756,12 +761,12 @@ def _replay_each_microbatch(slots: tuple, w: int, g: int, held: bool) -> int:
     """Peak bytes of ZeRO-2/3 reducing every micro-batch under a pipeline (`reduce_each_microbatch`): the
     root gathered all step (ZeRO-3, w > 0), one block gathered, a held root's full gradient for the whole
     step (a tied copy, reduced once), the block whose gradient is filling and the two reductions still in
-    flight behind it (each a full gradient and its shard; parallel/zero.py MAX_INFLIGHT)."""
+    flight behind it (each a full gradient and its shard; parallel/zero_order.py MAX_INFLIGHT)."""
     root = sum(padded(*u) for u in slots[0])
     units = [sum(padded(*u) for u in s) for s in slots[1:]] + ([] if held else [root])
     shards = [sum(shard_size(*u) for u in s) for s in slots[1:]] + ([] if held else [sum(shard_size(*u) for u in slots[0])])
     big = max(units, default=0)
-    flight = sorted((u + k for u, k in zip(units, shards)), reverse=True)[:2]
+    flight = sorted((u + k for u, k in zip(units, shards)), reverse=True)[:MAX_INFLIGHT]
     return w * (root + big) + g * (root if held else 0) + g * big + g * sum(flight)
 
 

@@ -75,7 +75,7 @@ def estimate_text(est: Estimate) -> str:
         f"model {m.name}: {m.num_params() / 1e9:.2f} B parameters ({m.active_params() / 1e9:.2f} B active)",
         f"cluster {est.topo.name}: {L.gpus} x {est.topo.accelerator.name}, tiers "
         + ", ".join(f"{x.name}({x.size or 'all'})" for x in est.topo.tiers),
-        f"layout {L.short()}  schedule {L.effective_schedule}  microbatches {microbatches(L, est.work)}  "
+        f"layout {L.short()}  schedule {L.schedule}  microbatches {microbatches(L, est.work)}  "
         f"seq {est.work.seq}  global batch {est.work.global_batch}  {est.work.dtype}",
         "",
         f"memory per rank (GiB; limit {gib(est.topo.accelerator.memory)}), most loaded: stage "
@@ -136,7 +136,7 @@ def summary_text(est: Estimate) -> str:
         line_mem += f"; host {gib(o['host'])} GiB of {gib(o['host_limit'])} GiB (offload {est.layout.offload})"
     tiers = est.to_dict()["bytes_per_tier"]
     return "\n".join([
-        f"best layout: {est.layout.short()}  schedule {est.layout.effective_schedule}  microbatches "
+        f"best layout: {est.layout.short()}  schedule {est.layout.schedule}  microbatches "
         f"{microbatches(est.layout, est.work)}",
         line_mem,
         f"step {t.step_time_s:.3f} s   {mfu_text(est)}   (assumed: {efficiency_text(est)})   "

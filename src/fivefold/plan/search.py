@@ -44,7 +44,7 @@ import time as _time
 from dataclasses import dataclass, field
 
 from ..grid import DEFAULT_ORDER
-from ..rules import ConfigError, Recompute, choices, cp_degrees, divisors
+from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB, ConfigError, Recompute, choices, cp_degrees, divisors
 from .estimate import Estimate, estimate, owned_elements
 from .layout import Layout, Workload, check, valid_tp
 from .memory import Memory, candidate_stages, stage_layers, stage_memory, time_stages
@@ -191,8 +191,7 @@ class _Bound:
         self.tp: dict = {}       # one micro-batch's tp seconds: per dense layer, MoE layer, embedding, head
         self.cp: dict = {}       # per layer: Ulysses, plus ring sends beyond the attention
         self.ep: dict = {}       # per MoE layer: expert all-to-alls
-        self.sched = {v: Layout(pp=2, vpp=v, schedule="interleaved" if v > 1 else schedule).effective_schedule
-                      for v in POWERS}
+        self.sched = {v: INTERLEAVED if v > 1 else schedule for v in POWERS}   # vpp > 1 needs interleaved
 
     def _stage_rows(self, pp: int, v: int):
         key = (pp, v)
@@ -267,10 +266,10 @@ class _Bound:
                         for n, moe, fst, lst, f in rows)
                 if pp == 1:
                     t = m * c
-                elif self.sched[v] == "zb":
+                elif self.sched[v] == ZB:
                     t = m * c + (pp - 1) * min(f * tokens for *_, f in rows)
                 else:
-                    t = c * (m + (pp - 1) / (v if self.sched[v] == "interleaved" else 1))
+                    t = c * (m + (pp - 1) / (v if self.sched[v] == INTERLEAVED else 1))
                 table[v, b] = t * self.SLACK
         return min(table.values()), table
 
@@ -302,7 +301,7 @@ def _fast_time(model, layout, work, topo, mem) -> float:
 
 
 def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict | None = None,
-           top: int = 5, order: str = DEFAULT_ORDER, partition: str = "even", schedule: str = "1f1b",
+           top: int = 5, order: str = DEFAULT_ORDER, partition: str = "even", schedule: str = ONE_F_ONE_B,
            bound: bool = True) -> Result:
     """All layouts for `gpus` GPUs with the `fixed` choices (keys of SEARCHED) held, ranks in `order`,
     layers split by `partition` (even or llama3; counts only with pp fixed); see module doc. With `bound`,
@@ -404,7 +403,7 @@ def _structure(model, work, topo, gpus, res: Result, limit: float, recomputes: l
     (vpp, micro-batch), the layouts of pairs whose bound exceeds the best's limit are not timed."""
     mbs, vpps, zeros, base = sp.mbs, sp.vpps, sp.zeros, sp.base
     for vi, v in enumerate(vpps):
-        kw = dict(base, vpp=v, schedule="interleaved" if v > 1 else schedule)
+        kw = dict(base, vpp=v, schedule=INTERLEAVED if v > 1 else schedule)
         for i, mb in enumerate(mbs):
             status = []
             for z in zeros:
@@ -505,4 +504,4 @@ def _reject_all(res: Result, rejected: list, base: dict, pairs: list, zeros: lis
             for rc in recomputes:
                 res.considered += 1
                 rejected.append((Layout(zero=z, vpp=v, micro_batch=mb, recompute=rc,
-                                        schedule="interleaved" if v > 1 else schedule, **base), why))
+                                        schedule=INTERLEAVED if v > 1 else schedule, **base), why))

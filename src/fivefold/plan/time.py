@@ -55,9 +55,9 @@ from functools import lru_cache
 
 from .. import rules
 from ..parallel.pipeline import schedules as _schedules
-from ..rules import ConfigError
+from ..rules import INTERLEAVED, ZB
 from .gemm import linear_seconds
-from .layout import Layout, Workload, microbatches
+from .layout import Layout, Workload, microbatches, schedule_of
 from .memory import layout_layers, stage_layers
 from .models import PlanModel
 from .topology import Topology
@@ -160,20 +160,18 @@ def closed_form_bubble(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0
     (p-1)(F+I-W) / (m(F+B) + (p-1)(F+I-W))."""
     if p == 1:
         return 0.0
-    if schedule == "zb":
+    if schedule == ZB:
         idle = (p - 1) * f
         return idle / (m * (f + b) + idle)
-    return (p - 1) / ((v if schedule == "interleaved" else 1) * m + p - 1)
+    return (p - 1) / ((v if schedule == INTERLEAVED else 1) * m + p - 1)
 
 
-def _simulate(schedule: str, p: int, m: int, v: int, cost_f: list[float], cost_b: list[float],
-              comm: float, group: int = 0) -> _schedules.Simulation | None:
+def _simulate(actions: list, p: int, m: int, v: int, cost_f: list[float], cost_b: list[float],
+              comm: float) -> _schedules.Simulation | None:
+    """Simulate a schedule's action lists (None when too long: the closed forms) with per-stage costs."""
     if p == 1 or 2 * p * m * v > SIMULATE_MAX_ACTIONS:
         return None
-    try:
-        actions = _schedules.build_schedule(schedule, p, m, v, microbatch_group=group)
-    except ConfigError:  # e.g. interleaved with m % p != 0: the closed form
-        return None
+    actions = actions() if callable(actions) else actions
     chunks = p * v
     f = [cost_f[c % p] / v for c in range(chunks)]
     b = [cost_b[c % p] / v for c in range(chunks)]
@@ -185,7 +183,7 @@ def simulate_pipeline(schedule: str, p: int, m: int, v: int, cost_f: list[float]
                       comm: float) -> tuple[float, float] | None:
     """(makespan, bubble) from the schedule simulator with per-stage costs, or None when the schedule is
     too long to simulate or does not apply to (p, m, v)."""
-    sim = _simulate(schedule, p, m, v, cost_f, cost_b, comm)
+    sim = _simulate(lambda: _schedules.build_schedule(schedule, p, m, v), p, m, v, cost_f, cost_b, comm)
     return None if sim is None else (float(sim.makespan), float(sim.bubble))
 
 
@@ -217,8 +215,8 @@ def chunk_ready(sim: _schedules.Simulation | None, schedule: str, p: int, v: int
                 last[blk.chunk] = (blk.end, blk.end - blk.start)
         return sorted(last.values())
     b = cost_b.get(stage, max(cost_b.values()))
-    if schedule == "zb" or p == 1:
-        return [(end, b / 2 if schedule == "zb" else b)]
+    if schedule == ZB or p == 1:
+        return [(end, b / 2 if schedule == ZB else b)]
     return sorted((end - t, b / v) for t in _chain(p, v, stage, cost_b, t_send))
 
 
@@ -513,20 +511,21 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         comm_mb = sum(secs.values()) / m + ep + max(0.0, ring / m - 3 * t_attn)
         # the runtime's host time per compute action (calibrated; 0 on datasheet accelerators): one F
         # and one B (or I and W) per chunk and micro-batch
-        action = acc.action_overhead * (L.vpp if L.effective_schedule == "interleaved" else 1) if L.pp > 1 else 0.0
+        action = acc.action_overhead * L.vpp if L.pp > 1 else 0.0   # vpp > 1: interleaved (rules.check_schedule)
         cost_f[j] = t_f + comm_mb / 2 + action
-        cost_b[j] = t_b + comm_mb / 2 + action * (2 if L.effective_schedule == "zb" else 1)
+        cost_b[j] = t_b + comm_mb / 2 + action * (2 if L.schedule == ZB else 1)
         compute_f[j], compute_b[j] = t_f, t_b
         layer_comm[j] = comm_mb
     first = flows_by_stage[min(flows_by_stage)]
     send = [f for f in first if f.dim == "pp" and f.op == "send"] if L.pp > 1 else []
     t_send = send[0].seconds / send[0].calls if send else 0.0
     slow = max(flows_by_stage, key=lambda j: cost_f[j] + cost_b[j])
-    schedule, v = L.effective_schedule, (L.vpp if L.effective_schedule == "interleaved" else 1)
+    pipeline = schedule_of(model, L, work)   # the runtime's Schedule value (parallel/pipeline/spec.py)
+    schedule, v = pipeline.kind, pipeline.vpp
     sim = None
     if simulate and len(flows_by_stage) == L.pp:
-        sim = _simulate(schedule, L.pp, m, v, [cost_f[j] for j in range(L.pp)],
-                        [cost_b[j] for j in range(L.pp)], t_send, L.microbatch_group)
+        sim = _simulate(pipeline.actions, L.pp, m, v, [cost_f[j] for j in range(L.pp)],
+                        [cost_b[j] for j in range(L.pp)], t_send)
     if sim is not None:
         out.pipeline_s, out.bubble = float(sim.makespan), float(sim.bubble)
         out.bubble_source = "simulator"

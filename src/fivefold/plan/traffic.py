@@ -96,6 +96,8 @@ class Flow:
                                # `place`): "routed" before placement, then "inter" (one rank per node,
                                # between nodes) and "intra" (inside each node, on the innermost tier)
     route: tuple = ()          # "routed": (max nodes per token, rows per token) for `place` to split
+    width: int = 0             # a sub-group's run length (its spec's `width`: the Ulysses degree for
+                               # cp_ulysses / cp_ring, kv_replicas for tp_kv), which places it (`place`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,7 +111,7 @@ class Flows:
         self.rows: dict[tuple, Flow] = {}
 
     def add(self, dim: str, op: str, group: str, n: int, message_bytes: float, calls: float = 1,
-            part: str = "", route: tuple = ()) -> None:
+            part: str = "", route: tuple = (), width: int = 0) -> None:
         if n <= 1 or calls <= 0 or message_bytes <= 0:
             return
         key = (dim, op, part) if part else (dim, op)
@@ -118,7 +120,7 @@ class Flows:
             key = (dim, op, part, group)               # summed over dp·cp and over pp): a row of its own,
             row = self.rows.get(key)                   # placed on that group's tier
         if row is None:
-            row = self.rows[key] = Flow(dim, op, group, n, part=part, route=route)
+            row = self.rows[key] = Flow(dim, op, group, n, part=part, route=route, width=width)
         row.calls += int(calls)
         row.message_bytes += calls * message_bytes
         row.bytes_sent += calls * VOLUME[op](message_bytes, n)
@@ -277,9 +279,8 @@ def _tp_sync_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: in
         owned = {tag: count / n_zero for tag, count in parts.items()}
     full = owned.get("norm", 0) + owned.get("moe", 0) + (owned.get("kv", 0) if r == L.tp else 0)
     f.add("tp", "all_reduce", "tp", L.tp, full * w.grad_bytes, 1)
-    if 1 < r < L.tp:  # recorded under "tp" too (the mesh's "tp_kv" group): its bytes use n = r; the row keeps
-        # the tp group's n and tier, which contain this subgroup's
-        f.add("tp", "all_reduce", "tp", r, owned.get("kv", 0) * w.grad_bytes, 1)
+    if 1 < r < L.tp:  # recorded under "tp" too, over the mesh's "tp_kv" groups: a row of its own, on their tier
+        f.add("tp", "all_reduce", "tp_kv", r, owned.get("kv", 0) * w.grad_bytes, 1, width=r)
 
 
 def _cp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
@@ -309,11 +310,11 @@ def _cp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers
         o = T * model.attn_out_width / L.tp * e
         k = kv * model.kv_width / (model.kv_width + model.v_width)   # K's share (MLA: its head dim is wider)
         for msg in (q, k, kv - k, o):  # q, k, v forward in; output back (and their gradients)
-            f.add("cp", "all_to_all", "cp", u, msg, (fwd_passes + backward) * m * n_layers)
+            f.add("cp", "all_to_all", "cp_ulysses", u, msg, (fwd_passes + backward) * m * n_layers, width=u)
     if r > 1 and ring:  # after Ulysses a ring rank's block holds u times the tokens and 1/u of the heads: same bytes
         sends = (r - 1) * m * n_layers * (fwd_passes + 2 * backward)   # K,V forward; K,V and dK,dV backward
-        f.add("cp", "send", "cp", r, kv, sends)
-        f.add("cp", "recv", "cp", r, kv, sends)
+        f.add("cp", "send", "cp_ring", r, kv, sends, width=u)
+        f.add("cp", "recv", "cp_ring", r, kv, sends, width=u)
 
 
 def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
@@ -347,7 +348,7 @@ def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int
 
 
 def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
-    p, v = L.pp, L.vpp if L.effective_schedule == "interleaved" else 1
+    p, v = L.pp, L.vpp   # vpp > 1: interleaved chunks (rules.check_schedule)
     if p == 1:
         return
     act = T * model.hidden * w.act_bytes / (L.tp if L.seq_parallel else 1)
@@ -359,7 +360,7 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     f.add("pp", "recv", "pp", p, act, fwd_recvs + bwd_recvs)
     if model.tie_embeddings and stage in (0, p - 1):
         emb = padded_vocab(model.vocab, L.tp) // L.tp * model.hidden
-        f.add("embed", "all_reduce", "pp", 2, emb * w.grad_bytes, 1)
+        f.add("embed", "all_reduce", "embed", 2, emb * w.grad_bytes, 1)
 
 
 def zero3_gathers(L: Layout, m: int, root: bool) -> int:
@@ -481,7 +482,7 @@ def eval_stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: in
     if L.cp > 1:
         _cp_layer_flows(f, model, L, work, len(rng), m, T, backward=False)
     if L.pp > 1:
-        v = L.vpp if L.effective_schedule == "interleaved" else 1
+        v = L.vpp
         act = T * model.hidden * work.act_bytes / (L.tp if L.seq_parallel else 1)
         f.add("pp", "send", "pp", L.pp, act, m * v - (m if stage == L.pp - 1 else 0))
         f.add("pp", "recv", "pp", L.pp, act, m * v - (m if stage == 0 else 0))
@@ -596,16 +597,19 @@ def ring_flows(model: PlanModel, layout: Layout, work: Workload, n_layers: int, 
 
 
 # -- where the groups land ----------------------------------------------------------------------------
-def group_block(layout: Layout, group: str, order: str | None = None) -> int:
-    """Span of consecutive ranks that holds one group whole (`fivefold.grid.group_block`)."""
+def group_block(layout: Layout, group: str, order: str | None = None, width: int = 0) -> int:
+    """Span of consecutive ranks that holds one group whole (`fivefold.grid.group_block`, from the spec the
+    mesh builds the group from); `width`: a sub-group's run length (`Flow.width`)."""
     L = layout
-    return group_block_of(L.tp, L.pp, L.dp, L.cp, L.ep, group, order or L.order)
+    return group_block_of(L.tp, L.pp, L.dp, L.cp, L.ep, group, order or L.order, width)
 
 
 @lru_cache(maxsize=65536)
-def group_block_of(tp: int, pp: int, dp: int, cp: int, ep: int, group: str, order: str) -> int:
+def group_block_of(tp: int, pp: int, dp: int, cp: int, ep: int, group: str, order: str, width: int = 0) -> int:
     """`group_block` from the degrees (cached)."""
-    return grid.group_block(Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), group, order)
+    spec = grid.GROUP_SPECS[group]
+    widths = grid.Widths(**{spec.width: width}) if spec.width and width else grid.Widths()
+    return grid.group_block(Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), group, order, widths)
 
 
 def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None = None) -> list[Flow]:
@@ -623,10 +627,10 @@ def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None =
             continue
         parts = split_routed(fl, layout, topo, order) if fl.part == "routed" else [fl]
         for p in parts:
-            if p.group not in tiers:
-                block = group_block(layout, p.group, order)
-                tiers[p.group] = (block, topo.tier_index(block, world))
-            block, i = tiers[p.group]
+            if (p.group, p.width) not in tiers:
+                block = group_block(layout, p.group, order, p.width)
+                tiers[(p.group, p.width)] = (block, topo.tier_index(block, world))
+            block, i = tiers[(p.group, p.width)]
             if p.part == "intra":
                 i, block = 0, topo.tiers[0].size or block
             tier = topo.tiers[i]
@@ -732,7 +736,8 @@ def _add_weighted(out: dict, key: tuple, fl: Flow, weight: int) -> None:
 
 
 # -- rank order -------------------------------------------------------------------------------------------
-MESH_DIM = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "embed": "pp", "dp": "dp", "edp": "dp"}
+# ledger dim -> the order field its groups vary along (embed: pp, edp: the expert grid's dp), from the specs
+MESH_DIM = {name: grid.GROUP_SPECS[name].dims[0] for name in ("tp", "cp", "ep", "pp", "embed", "dp", "edp")}
 FIELD_ORDER = ("tp", "cp", "ep", "pp", "dp")   # practice (Llama-3 §3.3.2; DESIGN): heaviest innermost
 
 

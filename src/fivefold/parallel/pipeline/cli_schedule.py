@@ -10,17 +10,21 @@ from __future__ import annotations
 import argparse
 import json
 
+from ...rules import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZB
 from .schedules import SCHEDULES, Simulation, closed_form_bubble, simulate_schedule
+from .spec import title
 
-FORMULAS = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(v*m+p-1)",
-            "zb": "(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))"}
+FORMULAS = {GPIPE: "(p-1)/(m+p-1)", ONE_F_ONE_B: "(p-1)/(m+p-1)", INTERLEAVED: "(p-1)/(v*m+p-1)",
+            ZB: "(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))"}
 
 
 def add_schedule_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
     ap.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    ap.add_argument("--schedule", choices=SCHEDULES, default=ONE_F_ONE_B)
     ap.add_argument("--vpp", type=int, default=1, help="virtual stages per rank (interleaved only)")
+    ap.add_argument("--microbatch-group", dest="microbatch_group", type=int, default=0,
+                    help="interleaved: micro-batches per group N, pp..microbatches (0: pp)")
     ap.add_argument("--cost-f", dest="cost_f", type=float, default=1.0, help="forward time of one stage (1)")
     ap.add_argument("--cost-b", dest="cost_b", type=float, default=2.0, help="backward time of one stage (2)")
     ap.add_argument("--cost-i", dest="cost_i", type=float, default=1.0, help="input-grad backward, zb (1)")
@@ -37,9 +41,10 @@ def summary(args: argparse.Namespace, sim: Simulation) -> dict:
     if args.comm == 0:
         closed = closed_form_bubble(args.schedule, args.pp, args.microbatches, args.vpp, args.cost_f, args.cost_b,
                                     args.cost_i, args.cost_w)
-    costs = ({"F": args.cost_f, "I": args.cost_i, "W": args.cost_w} if args.schedule == "zb"
+    costs = ({"F": args.cost_f, "I": args.cost_i, "W": args.cost_w} if args.schedule == ZB
              else {"F": args.cost_f, "B": args.cost_b})
     return {"schedule": args.schedule, "pp": args.pp, "microbatches": args.microbatches, "vpp": args.vpp,
+            "microbatch_group": args.microbatch_group,
             "costs": costs, "comm": args.comm, "blocking": args.blocking, "makespan": sim.makespan,
             "bubble": sim.bubble, "closed_form_bubble": closed, "formula": FORMULAS[args.schedule],
             "ranks": [{"rank": r, "busy": sim.busy[r], "idle": sim.makespan - sim.busy[r],
@@ -64,13 +69,12 @@ def print_table(info: dict) -> None:
 
 def cmd_schedule(args: argparse.Namespace) -> int:
     sim = simulate_schedule(args.schedule, args.pp, args.microbatches, args.vpp, args.cost_f, args.cost_b,
-                            args.cost_i, args.cost_w, args.comm, args.blocking)
+                            args.cost_i, args.cost_w, args.comm, args.blocking, args.microbatch_group)
     info = summary(args, sim)
     if args.out:
         from .timeline import write_timeline
-        vpp = f" vpp={args.vpp}" if args.schedule == "interleaved" else ""
-        title = f"{args.schedule} pp={args.pp} m={args.microbatches}{vpp}"
-        info["out"] = str(write_timeline(args.out, sim.timeline, title, "cost units"))
+        heading = title(args.schedule, args.pp, args.microbatches, args.vpp, args.microbatch_group)
+        info["out"] = str(write_timeline(args.out, sim.timeline, heading, "cost units"))
     if args.json:
         print(json.dumps(info))
     else:

@@ -58,8 +58,9 @@ from ...model.documents import documents_of
 from ...model.transformer import rope_cos_sin
 from ..placement import full_shape, place, placement_of
 from .partition import Partition
-from .schedules import (B, F, I, SEND_B, SEND_F, W, Action, Block, build_schedule, input_messages,
-                        message_key, simulate, simulate_schedule, steps, timeline_stats)
+from .schedules import (B, F, I, SEND_B, SEND_F, W, Action, Block, input_messages, message_key, simulate, steps,
+                        timeline_stats)
+from .spec import Schedule
 
 RECOMPUTE = ("none", "full", "selective")
 
@@ -498,20 +499,20 @@ def mean_costs(timeline: list[list[Block]]) -> dict[tuple[str, int], float]:
     return {k: v[0] / v[1] for k, v in sums.items()}
 
 
-def report(timeline: list[list], schedule: str, pp: int, microbatches: int, vpp: int = 1) -> dict:
+def report(timeline: list[list], schedule: Schedule) -> dict:
     """Measured timeline (per pp rank, seconds from the first start) beside two simulations of the same
-    action lists: with the measured mean cost of each (kind, chunk) — what the schedule would give with
-    free, instant communication — and with the unit costs F=1, B=2, I=W=1."""
+    schedule's action lists (the run's `Schedule`, micro-batch group included): with the measured mean
+    cost of each (kind, chunk) — what the schedule would give with free, instant communication — and
+    with the unit costs F=1, B=2, I=W=1. The schedule's fields lead the dict (`Schedule.to_dict`)."""
     timeline = [[Block(*b) for b in row] for row in timeline]
     t0 = min(b.start for row in timeline for b in row)
     measured = [[Block(b.kind, b.microbatch, b.chunk, b.start - t0, b.end - t0) for b in row] for row in timeline]
     costs = mean_costs(measured)
     cost = {k: (lambda a, k=k: costs[(k, a.chunk)]) for k in "FBIW"}
-    actions = build_schedule(schedule, pp, microbatches, vpp)
-    sim = simulate(actions, cost["F"], cost["B"], cost["I"], cost["W"])
-    unit = simulate_schedule(schedule, pp, microbatches, vpp)
+    sim = simulate(schedule.actions(), cost["F"], cost["B"], cost["I"], cost["W"])
+    unit = schedule.simulate()
     stats = timeline_stats(measured)
-    return {"schedule": schedule, "pp": pp, "vpp": vpp, "microbatches": microbatches,
+    return {**schedule.to_dict(),
             "measured": {"bubble": stats["bubble"], "makespan": stats["makespan"], "busy": stats["busy"],
                          "peak_in_flight": stats["peak_in_flight"],
                          "timeline": [[list(b) for b in row] for row in measured]},
@@ -529,8 +530,6 @@ def write_report(out: str | Path, info: dict, drawing: str = "pipeline.svg") -> 
 
     out = Path(out)
     (out / "pipeline.json").write_text(json.dumps(info))
-    vpp = f" vpp={info['vpp']}" if info["schedule"] == "interleaved" else ""
-    title = f"{info['schedule']} pp={info['pp']} m={info['microbatches']}{vpp}"
     return write_comparison(out / drawing, info["measured"]["timeline"],
-                            info["simulated_measured_costs"]["timeline"], title)
+                            info["simulated_measured_costs"]["timeline"], Schedule.from_dict(info).title())
 

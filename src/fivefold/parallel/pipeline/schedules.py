@@ -55,7 +55,7 @@ execute, both proven by the simulator to finish for every generated schedule:
   sends that finish only when received (rendezvous, NCCL-like). Simplest, never deadlocks, but loses
   most of interleaving's gain because early receives are waited for early.
 
-Per ordered pair of ranks, sends and receives appear in the same order (`check_schedule` checks), so
+Per ordered pair of ranks, sends and receives appear in the same order (`check_actions` checks), so
 FIFO matching (NCCL ignores tags) pairs the right tensors; with gloo a tag per message also works.
 Matching: SEND_F(mb, c) <-> RECV_F(mb, c+1) and SEND_B(mb, c) <-> RECV_B(mb, c-1); `message_key(a)` is
 the same tuple on both sides. The receiving rank keeps received tensors by message key until used.
@@ -66,14 +66,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple, Sequence, Union
 
-from fivefold.config import ConfigError
-from fivefold.rules import check_microbatch_group as check_group   # noqa: F401 - the rule lives in rules.py
+from fivefold.rules import (GPIPE, INTERLEAVED, ONE_F_ONE_B, ZB, ConfigError, ScheduleKind, check_schedule_lists,
+                            choices)
 
 F, B, I, W = "F", "B", "I", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE = (F, B, I, W)
 COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULES: tuple[str, ...] = choices(ScheduleKind)
 
 
 class ScheduleError(ValueError):
@@ -187,20 +187,14 @@ def interleaved_step(k: int, pp: int, vpp: int, forward: bool, group: int = 0,
 
 def interleaved_order(pp: int, microbatches: int, vpp: int, group: int = 0) -> list[list[Action]]:
     """Megatron interleaved 1F1B: (pp-r-1)*2 + (vpp-1)*N warm-up forwards on rank r, then one forward one
-    backward, then cooldown backwards; N = `group` micro-batches per group (0: pp; see `check_group`).
+    backward, then cooldown backwards; N = `group` micro-batches per group (0: pp; see
+    `rules.check_microbatch_group`).
     With N = pp it needs microbatches % pp == 0. vpp == 1 is plain 1F1B (and takes no group)."""
     check_args(pp, microbatches, vpp)
+    check_schedule_lists(INTERLEAVED, pp, vpp, microbatches, group)
     if vpp == 1:
-        if group:
-            raise ConfigError(f"microbatch_group applies to the interleaved schedule with vpp > 1; got vpp = 1 "
-                              f"and microbatch_group = {group} (use 0)")
         return one_f_one_b_order(pp, microbatches)
-    if not group and microbatches % pp:
-        lower = microbatches // pp * pp
-        valid = [n for n in (lower, lower + pp) if n > 0]
-        raise ConfigError(f"the interleaved schedule needs microbatches divisible by pp: {microbatches} % {pp} "
-                          f"!= 0; use microbatches in {valid}")
-    n = check_group(pp, microbatches, group)
+    n = group or pp
     table = interleaved_table(microbatches, vpp, n)
     total = microbatches * vpp
     lists = []
@@ -295,20 +289,17 @@ def add_communication(orders: list[list[Action]], chunks: int | None = None) -> 
 
 def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1,
                    communication: bool = True, microbatch_group: int = 0) -> list[list[Action]]:
-    """Each rank's action list for schedule `name` (gpipe, 1f1b, interleaved, zb). `microbatch_group`:
-    the interleaved schedule's micro-batches per group N (0: pp; see `check_group`)."""
-    if name not in SCHEDULES:
-        raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
-    if vpp != 1 and name != "interleaved":
-        raise ConfigError(f"vpp > 1 needs the interleaved schedule; schedule {name!r} takes vpp = 1, got {vpp}")
-    if microbatch_group and name != "interleaved":
-        raise ConfigError(f"microbatch_group applies to the interleaved schedule; schedule {name!r} takes "
-                          f"microbatch_group = 0, got {microbatch_group}")
-    if name == "gpipe":
+    """Each rank's action list for schedule `name` (`rules.ScheduleKind`). `microbatch_group`: the
+    interleaved schedule's micro-batches per group N (0: pp). The rules are `rules.check_schedule_lists`
+    (any pp and micro-batch count; a run's further rules are `rules.check_schedule`); a `Schedule` value
+    builds its lists with `Schedule.actions()`."""
+    check_args(pp, microbatches, vpp)
+    check_schedule_lists(name, pp, vpp, microbatches, microbatch_group)
+    if name == GPIPE:
         orders = gpipe_order(pp, microbatches)
-    elif name == "1f1b":
+    elif name == ONE_F_ONE_B:
         orders = one_f_one_b_order(pp, microbatches)
-    elif name == "zb":
+    elif name == ZB:
         orders = zb_h1_order(pp, microbatches)
     else:
         orders = interleaved_order(pp, microbatches, vpp, microbatch_group)
@@ -326,19 +317,19 @@ def forward_only(pp: int, microbatches: int, vpp: int = 1) -> list[list[Action]]
 
 
 def gpipe(pp: int, microbatches: int) -> list[list[Action]]:
-    return build_schedule("gpipe", pp, microbatches)
+    return build_schedule(GPIPE, pp, microbatches)
 
 
 def one_f_one_b(pp: int, microbatches: int) -> list[list[Action]]:
-    return build_schedule("1f1b", pp, microbatches)
+    return build_schedule(ONE_F_ONE_B, pp, microbatches)
 
 
 def interleaved_1f1b(pp: int, microbatches: int, vpp: int, microbatch_group: int = 0) -> list[list[Action]]:
-    return build_schedule("interleaved", pp, microbatches, vpp, microbatch_group=microbatch_group)
+    return build_schedule(INTERLEAVED, pp, microbatches, vpp, microbatch_group=microbatch_group)
 
 
 def zero_bubble_h1(pp: int, microbatches: int) -> list[list[Action]]:
-    return build_schedule("zb", pp, microbatches)
+    return build_schedule(ZB, pp, microbatches)
 
 
 def steps(actions: Sequence[Action]) -> Iterator[Action | list[Action]]:
@@ -379,8 +370,9 @@ def compute_only(actions_per_rank: list[list[Action]]) -> list[list[Action]]:
     return [[a for a in actions if not a.is_comm] for actions in actions_per_rank]
 
 
-def check_schedule(actions_per_rank: list[list[Action]], microbatches: int, vpp: int = 1) -> None:
-    """Raise ScheduleError unless the lists keep the contract: every (micro-batch, chunk) has exactly one F
+def check_actions(actions_per_rank: list[list[Action]], microbatches: int, vpp: int = 1) -> None:
+    """Raise ScheduleError unless the action lists keep the contract (the rules of a schedule's fields are
+    `rules.check_schedule`): every (micro-batch, chunk) has exactly one F
     and either one B or one I and one W, all on rank chunk % pp, in dependency order there (F, then B or
     I, then W); with pp > 1 every tensor crossing ranks has one send, after its producer, and one receive
     on the named peer, before its consumer; per ordered pair of ranks, sends and receives appear in the
@@ -711,7 +703,7 @@ def simulate_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, cost_
     divided by vpp for the interleaved chunks; `comm` is per transfer and is not divided. For the
     planner: one call, plain numbers, no torch."""
     actions = build_schedule(name, pp, microbatches, vpp, microbatch_group=microbatch_group)
-    v = vpp if name == "interleaved" else 1
+    v = vpp if name == INTERLEAVED else 1
     return simulate(actions, cost_f / v, cost_b / v, cost_i / v, cost_w / v, comm, blocking)
 
 
@@ -722,10 +714,10 @@ def closed_form_bubble(name: str, pp: int, microbatches: int, vpp: int = 1, cost
     (p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W)), which holds when m >= p and W <= min(F, I) (else None:
     a heavier W lands on the critical path). The simulator reproduces each exactly."""
     p, m = pp, microbatches
-    if name == "zb":
+    if name == ZB:
         idle = (p - 1) * (cost_f + cost_i - cost_w)
         if m < p or cost_w > min(cost_f, cost_i):
             return None
         return idle / (m * (cost_f + cost_i + cost_w) + idle)
-    v = vpp if name == "interleaved" else 1
+    v = vpp if name == INTERLEAVED else 1
     return (p - 1) / (v * m + p - 1)

@@ -1,0 +1,23 @@
+"""ZeRO's order of events is stated once (parallel/zero_order.py): the runtime runs it and the planner
+replays it, neither keeps its own copy."""
+from fivefold.parallel import zero_order
+from fivefold.parallel.zero_order import backward_prefetch, backward_slots, forward_prefetch, frees_after_forward
+from fivefold.plan import memory
+
+
+def test_the_order_outside_and_under_a_pipeline():
+    assert [forward_prefetch(k, 3, pipeline=False) for k in range(4)] == [1, 2, 3, None]
+    assert [forward_prefetch(k, 3, pipeline=True) for k in range(4)] == [None] * 4
+    assert backward_slots(4) == [0, 3, 2, 1]                       # the head's gradients come first
+    assert [backward_prefetch(k, 4, pipeline=False) for k in backward_slots(4)] == [3, 2, 1, None]
+    assert backward_prefetch(0, 1, pipeline=False) is None          # a root alone
+    assert frees_after_forward(0, True, pipeline=False) and not frees_after_forward(0, True, pipeline=True)
+    assert frees_after_forward(2, True, pipeline=True) and not frees_after_forward(2, False, pipeline=False)
+
+
+def test_planner_and_runtime_share_it():
+    import fivefold.parallel.zero as zero
+
+    assert memory.MAX_INFLIGHT is zero_order.MAX_INFLIGHT is zero.MAX_INFLIGHT
+    for name in ("forward_prefetch", "backward_prefetch", "frees_after_forward"):
+        assert getattr(zero, name) is getattr(zero_order, name) is getattr(memory, name)

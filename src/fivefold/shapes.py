@@ -58,6 +58,13 @@ def segments(numels: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def windows(total: float, chunk: int) -> list[tuple[float, int]]:
+    """A flat sequence of `total` elements cut into consecutive windows of at most `chunk`: [(elements
+    per window, windows)], the full windows then the rest (`total` may be a planner's mean, fractional)."""
+    full, rest = int(total // chunk), total - chunk * int(total // chunk)
+    return [(n, k) for n, k in ((chunk, full), (rest, 1)) if n > 0 and k > 0]
+
+
 @dataclass(frozen=True)
 class Box:
     """The part of a single-process tensor a piece holds: `shape` is the full tensor's."""

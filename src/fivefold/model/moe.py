@@ -46,7 +46,7 @@ from torch import nn
 
 from .. import rules
 from ..config import ModelConfig
-from .transformer import AuxLosses, SwiGLU
+from .transformer import AuxLosses, SwiGLU, silu_mul
 
 
 class Experts(nn.Module):
@@ -76,7 +76,7 @@ class Experts(nn.Module):
         gates, ups, downs = self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0)
         outs = []
         for x_nh, w_gate, w_up, w_down in zip(x_mh.split(counts), gates, ups, downs):
-            a_nf = F.silu(F.linear(x_nh, w_gate)) * F.linear(x_nh, w_up)
+            a_nf = silu_mul(F.linear(x_nh, w_gate), F.linear(x_nh, w_up))   # keeps gate and up, not silu's output
             outs.append(F.linear(a_nf, w_down))
         return torch.cat(outs)
 

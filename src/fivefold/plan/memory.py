@@ -33,8 +33,9 @@ only the activation function's inputs (its output recomputed); `Layout.recompute
 the norms' outputs and MLA's up-projections, so MLA stores its latents instead of per-head Q, K, V
 (DeepSeek-AI 2024, §3.3.3, §3.4). `layer_acts` lists the tensors.
 
-Buffers: the larger of the backward's (`zero_buffers` plus the norm backward's fp32 working set,
-`norm_backward_scratch`) and the optimizer step's scratch (`step_scratch`: one bounded pass of
+Buffers: the larger of the backward's (`zero_buffers` plus the backward's working set beyond what it
+saved: gradients, receive buffers, a norm's, an MLP's or the loss's temporaries, `backward_scratch`) and
+the optimizer step's scratch (`step_scratch`: one bounded pass of
 rules.STEP_CHUNK elements). `zero_buffers` is what ZeRO-2/3 hold during a step beyond the states between steps. ZeRO-3's
 gathered units (the root unit of embedding, final norm and head included), gradient buffers and
 reduce-scatters in flight are replayed in the runtime's order (parallel/zero.py), so the peak is the
@@ -477,13 +478,16 @@ def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1, recompute_
     mlp_norm_input = 0 if model.parallel_residual else e * h        # parallel: the block input, kept above
     acts.replicated += mlp_norm_input + drop * h                    # MLP norm input; dropout mask
     if not light:
-        acts.replicated += (e if moe else c) * h                    # MLP input (router input: dtype)
+        if moe:   # under tp each rank routes and dispatches its own 1/t of the tokens (replicated_moe)
+            acts.sharded += max(4, e) * h                           # the router's input, its fp32 copy
+        else:
+            acts.replicated += c * h                                # MLP input
     n_act = 1 if model.mlp == "gelu" else 2                         # GeLU input, or SwiGLU's gate and up
     if not moe:
         acts.sharded += (n_act * e + c) * model.ffn                 # activation inputs; down-projection input
         return acts
     k = model.top_k * (work.capacity_factor or 1.0)   # dropless (0): planned as perfectly balanced
-    acts.replicated += 2 * 4 * model.experts + k * c * h            # router logits+probs, expert inputs
+    acts.sharded += 2 * 4 * model.experts + k * c * h               # router logits+probs, expert inputs
     per_expert = n_act * 1 if fp8 else (n_act + 1) * e              # FP8: activation output recomputed
     acts.sharded += (k + model.shared_experts) * per_expert * model.moe_ffn
     return acts
@@ -867,15 +871,51 @@ def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) 
     return {where: {**d, "total": sum(d.values())} for where, d in (("host", host), ("disk", disk))}
 
 
-def norm_backward_scratch(model: PlanModel, layout: Layout, work: Workload) -> float:
-    """The largest working set of a layer's backward beyond its saved activations: the RMSNorm backward
-    (model/transformer.py `_RMSNorm`) holds, for one micro-batch's tokens on the rank (/t with sequence
-    parallelism), beside the gradient it receives (activation bytes), the fp32 input gradient and one
-    fp32 product, plus the input's fp32 copy when the activations are not fp32: e + 8 or e + 12 bytes per
-    element of hidden."""
+def pipeline_receives(layout: Layout, stage: int) -> int:
+    """Receive buffers of one micro-batch's boundary alive beside a backward on `stage` (not saved
+    activations): the output gradient the backward consumes (every stage but the last) and the next
+    forward's input, posted ahead (every stage but the first); with interleaving every rank has both."""
+    if layout.pp == 1:
+        return 0
+    if layout.interleaved:
+        return 2
+    return (stage > 0) + (stage < layout.pp - 1)
+
+
+def mlp_width_per_token(model: PlanModel, work: Workload, tp: int) -> float:
+    """The widest SwiGLU a token passes through on one rank, in hidden units per token of the micro-batch:
+    a dense layer's ffn, a shared expert's, or the routed experts' (top_k · capacity rows per token)."""
+    widths = [model.ffn] if not model.moe or model.dense_layers else []
+    if model.moe:
+        k = model.top_k * (work.capacity_factor or 1.0)   # dropless (0): planned as perfectly balanced
+        widths += [model.shared_experts * model.moe_ffn, k * model.moe_ffn]
+    return max(widths) / tp
+
+
+def backward_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """The largest working set of a micro-batch's backward beyond its saved activations, on one rank of
+    `stage`. Always alive: the residual stream's gradient and the pipeline's receive buffers
+    (`pipeline_receives`), one hidden-wide tensor each (/t with sequence parallelism). Then the largest
+    of three moments (model/transformer.py, parallel/tensor.py):
+    - the RMSNorm backward (`_RMSNorm`): its incoming gradient, the fp32 input gradient and one fp32
+      product, and the input's fp32 copy unless activations are fp32 (e + 8 or e + 12 bytes per element);
+    - the SwiGLU backward (`_SiluMul`): its incoming gradient and three temporaries, ffn-wide
+      (`mlp_width_per_token`);
+    - on the last stage, the loss's backward: the logits and two fp32 vocab-wide tensors (the upcast and
+      the softmax gradient) per token, in place of the layers' (the residual gradient is not made yet).
+    With ZeRO-2/3 `zero_buffers` comes on top (`stage_memory`)."""
+    e, T = work.act_bytes, rank_tokens(layout, work)
     split = layout.tp if layout.seq_parallel else 1
-    per = work.act_bytes + 8 + (4 if work.act_bytes != 4 else 0)
-    return per * rank_tokens(layout, work) * model.hidden / split
+    hidden = e * T * model.hidden / split
+    receives = pipeline_receives(layout, stage) * hidden
+    fp32 = 8 + (4 if e != 4 else 0)
+    norm = hidden + fp32 * T * model.hidden / split
+    mlp = 4 * e * T * mlp_width_per_token(model, work, layout.tp)
+    layers = receives + hidden + max(norm, mlp)
+    if stage < layout.pp - 1:
+        return layers
+    vocab = padded_vocab(model.vocab, layout.tp) / layout.tp
+    return max(layers, receives + (e + 8) * T * vocab)
 
 
 def step_scratch(owned: float, work: Workload) -> float:
@@ -907,7 +947,7 @@ def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     row.update(offload_memory(model, layout, work, stage))
     row["activations"] = stage_activations(model, layout, work, stage)
     owned = (row["optimizer"] + row["offloaded"]) / optimizer_bytes_per_param(work)
-    backward = zero_buffers(model, layout, work, stage) + norm_backward_scratch(model, layout, work)
+    backward = zero_buffers(model, layout, work, stage) + backward_scratch(model, layout, work, stage)
     row["buffers"] = max(backward, step_scratch(owned, work))
     row["total"] = sum(row[c] for c in COMPONENTS)
     row["stage"] = stage

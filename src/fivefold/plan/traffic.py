@@ -21,7 +21,8 @@ Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation eleme
   norm weights (each tp rank saw only its tokens), all-reduced over tp; when tp > kv_heads the K/V
   weights, all-reduced over the tp/kv_heads ranks sharing a head (over all of tp when kv_heads = 1,
   together with the norms). Message: the owned gradients in the gradient dtype (ZeRO: the rank's shard
-  segments of them, so it differs by dp rank; see `_tp_sync_flows`).
+  segments of them, so it differs by dp rank; see `_tp_sync_flows`), in windows of rules.STEP_CHUNK
+  elements (`shapes.windows`: one call per window).
 - Full recompute re-runs the forward, and with it the forward collectives of TP/SP/CP/EP.
 - Ulysses (Jacobs et al. 2023): 4 all-to-alls forward (q, k, v; output) and 4 backward, each of the
   rank's local tensor. Ring attention (Liu et al. 2023): cp-1 sends of the local K,V block forward,
@@ -61,8 +62,8 @@ from functools import lru_cache
 
 from .. import grid
 from ..comm import volume
-from ..rules import cp_degrees, grad_norm_group, kv_replicas, moe_capacity
-from ..shapes import padded_vocab, shard_size
+from ..rules import STEP_CHUNK, cp_degrees, grad_norm_group, kv_replicas, moe_capacity
+from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
 from .memory import (block_units, exact_tensors, held_root, layout_layers, offload_units, owned_tagged,
                      params_on_disk, root_tensors, stage_params, unit_sums, unit_tensors, zero_units)
@@ -278,9 +279,11 @@ def _tp_sync_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: in
     else:
         owned = {tag: count / n_zero for tag, count in parts.items()}
     full = owned.get("norm", 0) + owned.get("moe", 0) + (owned.get("kv", 0) if r == L.tp else 0)
-    f.add("tp", "all_reduce", "tp", L.tp, full * w.grad_bytes, 1)
+    for n, calls in windows(full, STEP_CHUNK):   # window by window (parallel/engine.py all_reduce_windows)
+        f.add("tp", "all_reduce", "tp", L.tp, n * w.grad_bytes, calls)
     if 1 < r < L.tp:  # recorded under "tp" too, over the mesh's "tp_kv" groups: a row of its own, on their tier
-        f.add("tp", "all_reduce", "tp_kv", r, owned.get("kv", 0) * w.grad_bytes, 1, width=r)
+        for n, calls in windows(owned.get("kv", 0), STEP_CHUNK):
+            f.add("tp", "all_reduce", "tp_kv", r, n * w.grad_bytes, calls, width=r)
 
 
 def _cp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:

@@ -308,7 +308,7 @@ class PipelineRuntime:
                 recvs.append((torch.empty(self.shape, dtype=self.dtype, device=self.device), a.peer))
                 keys.append(message_key(a))
         handle = comm.send_recv(sends, recvs, self.group, async_op=True, dim="pp")
-        self.sending = [(h, t) for h, t in self.sending if not release_sent(h, t)]
+        self.release_completed()
         self.sending += [(h, t) for h, (t, _) in zip(handle.parts[:len(sends)], sends)]
         for key, h, (buf, _) in zip(keys, handle.parts[len(sends):], recvs):
             self.inbox[key] = (buf, h)
@@ -318,8 +318,15 @@ class PipelineRuntime:
         handle.wait()
         return buf
 
+    def release_completed(self) -> None:
+        """Give back the bytes of every send seen complete (`release_sent`). Done at each post and
+        before each compute, so a forward output whose send completed during the last compute is not
+        alive beside the next backward's working set (it was, until the next post: one b·s·h tensor)."""
+        self.sending = [(h, t) for h, t in self.sending if not release_sent(h, t)]
+
     def compute(self, a: Action) -> None:
         """Wait for the inputs a compute action needs, run it, and time it."""
+        self.release_completed()
         got = {key: self.receive(key) for key in input_messages(a, self.pp, self.chunks)}
         start = time.perf_counter()
         final = self.sync is not None and (a.kind, a.microbatch, a.chunk) in self.finals

@@ -173,7 +173,9 @@ class _NarrowValueAttention(torch.autograd.Function):
         wide, scale = max(d, dv), d ** -0.5
         o_bnsw, lse_bns = _FLASH(_pad_to(q_bnsd, wide), _pad_to(k_bnsd, wide), _pad_to(v_bnsd, wide), 0.0, causal,
                                  scale=scale)
-        o_bnsd = o_bnsw[..., :dv].contiguous()
+        # laid out (b, s, n, d) in memory, as the kernel's own output: the o-projection's input (the
+        # heads side by side per token) is then a view of it, not a second saved copy
+        o_bnsd = o_bnsw[..., :dv].transpose(1, 2).contiguous().transpose(1, 2)
         v_bnsd = v_bnsd.contiguous()   # a view of the up-projection's output would keep all of it alive
         ctx.save_for_backward(q_bnsd, k_bnsd, v_bnsd, o_bnsd, lse_bns)
         ctx.causal, ctx.scale, ctx.wide = causal, scale, wide

@@ -34,8 +34,9 @@ the norms' outputs and MLA's up-projections, so MLA stores its latents instead o
 (DeepSeek-AI 2024, §3.3.3, §3.4). `layer_acts` lists the tensors.
 
 Buffers: the larger of the backward's (`zero_buffers` plus the backward's working set beyond what it
-saved: gradients, receive buffers, a norm's, an MLP's or the loss's temporaries, `backward_scratch`) and
-the optimizer step's scratch (`step_scratch`: one bounded pass of
+saved: gradients, receive buffers, a norm's or an MLP's temporaries, `backward_scratch`), the loss's
+backward on the last stage (`loss_scratch` beside `zero_at_loss`), the embedding's and the head's
+(`edge_scratch` beside `zero_at_edge`) and the optimizer step's scratch (`step_scratch`: one bounded pass of
 rules.STEP_CHUNK elements). `zero_buffers` is what ZeRO-2/3 hold during a step beyond the states between steps. ZeRO-3's
 gathered units (the root unit of embedding, final norm and head included), gradient buffers and
 reduce-scatters in flight are replayed in the runtime's order (parallel/zero.py), so the peak is the
@@ -817,6 +818,32 @@ def zero_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     return float(dense + expert) * work.grad_bytes
 
 
+def zero_at_loss(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """ZeRO's buffers while the loss's backward runs. ZeRO-3 outside a pipeline: the root unit gathered
+    (its gradient buffer comes with the head's backward, after the loss's) and, from the second
+    micro-batch on, the previous one's last two reductions in flight (the root's and the first block's);
+    elsewhere the step's peak (`zero_buffers`: under a pipeline the gradients accumulate all step)."""
+    if layout.zero != 3 or layout.pp > 1:
+        return zero_buffers(model, layout, work, stage)
+    slots = zero3_slots(model, _buffer_key(layout), stage)
+    w, g = work.param_bytes, work.grad_bytes
+    out = sum(w * padded(*u) for u in slots[0])
+    if microbatches(layout, work) > 1:
+        out += sum(g * (padded(*u) + shard_size(*u)) for k in (0, 1)[:len(slots)] for u in slots[k])
+    return float(out)
+
+
+def zero_at_edge(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """ZeRO's buffers while the embedding's (or head's) gradient is made: ZeRO-3 outside a pipeline holds
+    no gathered block then (the step's peak has two), elsewhere the step's peak (`zero_buffers`)."""
+    peak = zero_buffers(model, layout, work, stage)
+    if layout.zero != 3 or layout.pp > 1:
+        return peak
+    blocks = sorted((sum(padded(*u) for u in slot) for slot in zero3_slots(model, _buffer_key(layout), stage)[1:]),
+                    reverse=True)
+    return peak - work.param_bytes * sum(blocks[:2])
+
+
 def _buffer_key(layout: Layout) -> Layout:
     """The layout fields ZeRO-3's buffers depend on (a smaller cache key)."""
     L = layout
@@ -896,14 +923,16 @@ def backward_scratch(model: PlanModel, layout: Layout, work: Workload, stage: in
     """The largest working set of a micro-batch's backward beyond its saved activations, on one rank of
     `stage`. Always alive: the residual stream's gradient and the pipeline's receive buffers
     (`pipeline_receives`), one hidden-wide tensor each (/t with sequence parallelism). Then the largest
-    of three moments (model/transformer.py, parallel/tensor.py):
+    of these moments (model/transformer.py, model/moe.py, parallel/tensor.py):
     - the RMSNorm backward (`_RMSNorm`): its incoming gradient, the fp32 input gradient and one fp32
       product, and the input's fp32 copy unless activations are fp32 (e + 8 or e + 12 bytes per element);
     - the SwiGLU backward (`_SiluMul`): its incoming gradient and three temporaries, ffn-wide
       (`mlp_width_per_token`);
-    - on the last stage, the loss's backward: the logits and two fp32 vocab-wide tensors (the upcast and
-      the softmax gradient) per token, in place of the layers' (the residual gradient is not made yet).
-    With ZeRO-2/3 `zero_buffers` comes on top (`stage_memory`)."""
+    - an MoE layer's backward: three dispatch-sized buffers (top_k · capacity rows of hidden per token:
+      the combine's gradient, the experts' input gradients and their concatenation);
+    - a layer weight's whole gradient before it is accumulated (`largest_layer_weight`).
+    With ZeRO-2/3 `zero_buffers` comes on top (`stage_memory`); the embedding's and head's backward are
+    `edge_scratch`, the loss's `loss_scratch`: moments of their own, with ZeRO's buffers of that moment."""
     e, T = work.act_bytes, rank_tokens(layout, work)
     split = layout.tp if layout.seq_parallel else 1
     hidden = e * T * model.hidden / split
@@ -911,11 +940,42 @@ def backward_scratch(model: PlanModel, layout: Layout, work: Workload, stage: in
     fp32 = 8 + (4 if e != 4 else 0)
     norm = hidden + fp32 * T * model.hidden / split
     mlp = 4 * e * T * mlp_width_per_token(model, work, layout.tp)
-    layers = receives + hidden + max(norm, mlp)
+    dispatch = 3 * e * T * model.top_k * (work.capacity_factor or 1.0) * model.hidden / layout.tp if model.moe else 0.0
+    weight_grad = work.param_bytes * largest_layer_weight(model, layout)
+    return receives + hidden + max(norm, mlp, dispatch, weight_grad)
+
+
+def largest_layer_weight(model: PlanModel, layout: Layout) -> float:
+    """Elements of a layer's largest weight on one rank: autograd makes its gradient whole, in the
+    weights' dtype, before the engine adds it to the gradient buffer (a matrix, or a stacked experts'
+    weight, whose gradient the experts' unbind stacks)."""
+    tp, h = layout.tp, model.hidden
+    out = [h * model.ffn / tp, h * model.q_width / tp]
+    if model.moe:
+        out.append(h * model.moe_ffn * model.experts / layout.ep)
+    return max(out)
+
+
+def edge_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """The embedding's backward on the first stage, the head's on the last (0 elsewhere): the table's
+    dense gradient, whole in the weights' dtype (vocab/t x hidden), beside the residual gradient and the
+    posted receives."""
+    if stage not in (0, layout.pp - 1):
+        return 0.0
+    hidden = work.act_bytes * rank_tokens(layout, work) * model.hidden / (layout.tp if layout.seq_parallel else 1)
+    table = work.param_bytes * model.hidden * padded_vocab(model.vocab, layout.tp) / layout.tp
+    return (pipeline_receives(layout, stage) + 1) * hidden + table
+
+
+def loss_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """The loss's backward on the last stage (0 elsewhere): the logits and two fp32 vocab-wide tensors
+    (the upcast and the softmax gradient) per token, beside the posted receives; the layers' working set
+    (`backward_scratch`) comes later, and so do most of ZeRO's buffers (`zero_at_loss`)."""
     if stage < layout.pp - 1:
-        return layers
+        return 0.0
     vocab = padded_vocab(model.vocab, layout.tp) / layout.tp
-    return max(layers, receives + (e + 8) * T * vocab)
+    hidden = work.act_bytes * rank_tokens(layout, work) * model.hidden / (layout.tp if layout.seq_parallel else 1)
+    return pipeline_receives(layout, stage) * hidden + (work.act_bytes + 8) * rank_tokens(layout, work) * vocab
 
 
 def step_scratch(owned: float, work: Workload) -> float:
@@ -948,7 +1008,11 @@ def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     row["activations"] = stage_activations(model, layout, work, stage)
     owned = (row["optimizer"] + row["offloaded"]) / optimizer_bytes_per_param(work)
     backward = zero_buffers(model, layout, work, stage) + backward_scratch(model, layout, work, stage)
-    row["buffers"] = max(backward, step_scratch(owned, work))
+    loss = zero_at_loss(model, layout, work, stage) + loss_scratch(model, layout, work, stage) if \
+        stage == layout.pp - 1 else 0.0
+    edge = zero_at_edge(model, layout, work, stage) + edge_scratch(model, layout, work, stage) if \
+        stage in (0, layout.pp - 1) else 0.0
+    row["buffers"] = max(backward, loss, edge, step_scratch(owned, work))
     row["total"] = sum(row[c] for c in COMPONENTS)
     row["stage"] = stage
     row["layers"] = len(layout_layers(model, layout)[stage])

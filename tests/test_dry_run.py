@@ -1,7 +1,7 @@
 """`fivefold train --dry-run` runs the real Trainer at real size under fake tensors and a fake process
 group: model-state bytes per rank equal the planner's exactly, and every ledger row equals the
 planner's per-rank prediction (Llama-3 8B on 8 ranks, tp8 and ZeRO-3 dp8; Mixtral 8x7B ep8 x tp2 in
-capacity mode; DeepSeek-V3's pp16 x ep64, two stages of 2,048 ranks; Llama-3 405B's tp8 x pp16 x
+capacity mode, and ep8 dropless, routed as balanced; DeepSeek-V3's pp16 x ep64, two stages of 2,048 ranks; Llama-3 405B's tp8 x pp16 x
 dp128 layout, one stage of 16,384 ranks), and the activation, buffer and total peaks are within 10% of
 the planner's (the README's "Will it fit?" table has every figure)."""
 import json
@@ -29,6 +29,9 @@ CASES = {
     # once it listed an MoE layer's tensors one by one: each is larger than a bucket at this size)
     "mixtral-8x7b-ep8-tp2": ["--model", "mixtral-8x7b", "--tp", "2", "--ep", "8", "--dp", "8", "--seq-len", "4096",
                              "--global-batch", "16", "--set", "model.capacity_factor=1.25", "--steps", "1"],
+    # dropless: routed as perfectly balanced (the planner's assumption), through the counts exchange
+    "mixtral-8x7b-ep8-dropless": ["--model", "mixtral-8x7b", "--ep", "8", "--dp", "8", "--seq-len", "1024",
+                                  "--global-batch", "8", "--steps", "1"],
     # DeepSeek-V3's layout (pp16 x ep64 on 2048 ranks): the dense first stage and a MoE stage
     "deepseek-v3-pp16-ep64": ["--model", "deepseek-v3", "--pp", "16", "--dp", "128", "--ep", "64", "--microbatches", "16",
                               "--seq-len", "4096", "--global-batch", "2048", "--set", "model.capacity_factor=1.0",
@@ -64,7 +67,7 @@ def test_a_layout_that_does_not_fit_is_refused_naming_the_rank(tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["--model", "nowhere-7b"], "nowhere-7b"),
-    (["--model", "mixtral-8x7b", "--ep", "8", "--dp", "8"], "needs capacity mode"),
+    (["--model", "llama3-8b", "--init-hf", "/nonexistent"], "--init-hf"),
     (["--ranks", "x"], "--ranks takes stages, all or a list"),
     (["--tp", "3"], "tp"),
 ])

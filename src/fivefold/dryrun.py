@@ -25,9 +25,11 @@ Measured per rank, by kind (the planner's names):
                                the peaks (on the last stage the loss's peak and the layers' do not meet)
 and the ledger's rows per (dim, op, tier), next to the planner's prediction for the rank's stage
 (`cli.planned_memory`, `plan.traffic`). Values are never read: loss, norm and the stop flag read as 0
-(the step's collectives all run). Dropless MoE routing has no counts without values: a dry run refuses
-it; in capacity mode every MoE layer dispatches by shape (parallel/expert.py `ShapeDispatch`: the same
-(E, B, C) buffers through the same all-to-alls and expert matmuls, filled from no index).
+(the step's collectives all run). Every MoE layer dispatches by shape (parallel/expert.py
+`ShapeDispatch`): in capacity mode the same (E, B, C) buffers through the same all-to-alls and expert
+matmuls, filled from no index (exact); dropless routing, whose counts are values fake tensors do not
+have, as perfectly balanced (each expert t·k/E rows of every rank: what the planner plans), through the
+dropless path's counts exchange and uneven all-to-alls.
 """
 from __future__ import annotations
 
@@ -163,10 +165,6 @@ def model_of_preset(name: str):
 
 def check_dry_run(cfg: Config) -> None:
     """What a dry run cannot run yet, in one line (before anything is built)."""
-    if cfg.model.experts and not cfg.model.capacity_factor > 0:
-        raise ConfigError("--dry-run of an MoE model needs capacity mode (--set model.capacity_factor=1.25, say): "
-                          "dropless routing sizes its all-to-alls by the routed values, which fake tensors do not "
-                          "have; capacity mode's buffers are shapes")
     if cfg.train.init_hf:
         raise ConfigError("--dry-run takes the model's shape only: drop --init-hf (use --set model.* or --config)")
 

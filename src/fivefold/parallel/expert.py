@@ -106,10 +106,11 @@ class AllToAllDispatch:
 
 
 class ShapeDispatch(AllToAllDispatch):
-    """A dry run's capacity-mode dispatch (fivefold/dryrun.py): the (E, B, C) buffers of `padded`, of the
+    """A dry run's dispatch (fivefold/dryrun.py). Capacity mode: the (E, B, C) buffers of `padded`, of the
     same sizes, through the same all-to-alls (forward, and in backward through autograd) and the same
-    expert matmuls — but filled from no index, since fake tensors have no routed values. Its bytes,
-    shapes and graph are `padded`'s; its values are none. With `group` None (ep = 1) only the experts run."""
+    expert matmuls — but filled from no index, since fake tensors have no routed values; its bytes,
+    shapes and graph are `padded`'s. Dropless: routed as perfectly balanced (`balanced`), since the
+    real counts are values. With `group` None (ep = 1) only the experts run."""
 
     def __init__(self, group, n_experts: int, fp8: bool = False):
         self.group, self.n_experts = group, n_experts
@@ -119,7 +120,7 @@ class ShapeDispatch(AllToAllDispatch):
 
     def __call__(self, x_th, experts_tk, weights_tk, experts, capacity=None) -> torch.Tensor:
         if capacity is None:
-            raise ValueError("a dry run routes MoE tokens only in capacity mode (model.capacity_factor > 0)")
+            return self.balanced(x_th, experts_tk, weights_tk, experts)
         seq, cap = capacity
         t, h = x_th.shape
         b, ep = t // seq, self.n_experts // self.local
@@ -133,6 +134,34 @@ class ShapeDispatch(AllToAllDispatch):
         if self.group is not None:
             y = all_to_all_rows(y, self.group, [rows] * ep, [rows] * ep)
         return torch.zeros_like(x_th, dtype=y.dtype) + y.mean(0, keepdim=True)
+
+
+    def balanced(self, x_th, experts_tk, weights_tk, experts) -> torch.Tensor:
+        """Dropless routing as if perfectly balanced (what the planner plans): this rank's t·k assignments
+        spread evenly over the E experts (`balanced_counts`), every rank alike, through the dropless
+        path's exchanges: the counts all-to-all (its values unread), then the uneven all-to-alls of the
+        routed rows, forward and back, and the experts on their rows."""
+        t, h = x_th.shape
+        counts = balanced_counts(t * experts_tk.shape[1], self.n_experts)
+        ep = self.n_experts // self.local
+        me = self.group.rank if self.group is not None else 0
+        mine = counts[me * self.local:(me + 1) * self.local]          # rows each source sends my experts
+        send = [sum(counts[j * self.local:(j + 1) * self.local]) for j in range(ep)]
+        recv = [sum(mine)] * ep
+        rows = x_th.new_zeros(sum(counts), h) + x_th.mean(0, keepdim=True) * weights_tk.mean()
+        if self.group is not None:
+            self.exchange_counts(torch.zeros(self.n_experts, dtype=torch.long, device=x_th.device))
+            rows = self.send_rows(rows, self.group, send, recv)        # grouped by source, then local expert
+        y = experts(rows, [ep * c for c in mine])                      # (row order: shapes only)
+        if self.group is not None:
+            y = all_to_all_rows(y, self.group, recv, send)
+        return torch.zeros_like(x_th, dtype=y.dtype) + y.mean(0, keepdim=True)
+
+
+def balanced_counts(assignments: int, experts: int) -> list[int]:
+    """`assignments` spread over `experts` as evenly as integers allow (the first ones take the rest)."""
+    q, r = divmod(assignments, experts)
+    return [q + (e < r) for e in range(experts)]
 
 
 def shape_only_dispatch(model: nn.Module, group=None, fp8: bool = False) -> None:

@@ -946,13 +946,14 @@ def backward_scratch(model: PlanModel, layout: Layout, work: Workload, stage: in
 
 
 def largest_layer_weight(model: PlanModel, layout: Layout) -> float:
-    """Elements of a layer's largest weight on one rank: autograd makes its gradient whole, in the
-    weights' dtype, before the engine adds it to the gradient buffer (a matrix, or a stacked experts'
-    weight, whose gradient the experts' unbind stacks)."""
+    """Elements of a layer's largest weight gradient on one rank before the engine adds it to the
+    gradient buffer: autograd makes it whole, in the weights' dtype (a matrix); the routed experts'
+    three weights each come per expert, then the experts' unbind stacks them, so at the stack of the
+    last one its E/ep experts' three matrices and the stacked result are alive (4 · E/ep · f · h)."""
     tp, h = layout.tp, model.hidden
     out = [h * model.ffn / tp, h * model.q_width / tp]
     if model.moe:
-        out.append(h * model.moe_ffn * model.experts / layout.ep)
+        out.append(4 * h * model.moe_ffn * model.experts / layout.ep)
     return max(out)
 
 

@@ -637,7 +637,7 @@ def add_eval_args(ap: argparse.ArgumentParser) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """`fivefold eval` (evaluate.py): every rule checked here, then the ranks evaluate."""
+    """`fivefold eval` (tools/evaluate.py): every rule checked here, then the ranks evaluate."""
     from .config import Config
     from .tools.evaluate import eval_config, eval_rank, is_hf_folder, run_config
     from .train.data import check_data, check_eval_data

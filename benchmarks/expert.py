@@ -144,7 +144,7 @@ def deepspeed_ep(model, rank, world, mcfg):
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
     from deepspeed.utils import logger as ds_logger
 
-    from fivefold.model.transformer import SwiGLU
+    from fivefold.model.layers import SwiGLU
 
     ds_logger.setLevel("WARNING")
     deepspeed.init_distributed(dist_backend="gloo")   # wraps torch's group; first call JIT-builds a shm op

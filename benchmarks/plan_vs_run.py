@@ -20,7 +20,7 @@ Measured per step (slowest rank, then the median over steps and over `--rounds` 
 Printed per layout: predicted and measured step, ratio predicted / measured (goal 0.8-1.25), predicted and
 measured bubble (goal within 10 points), then both breakdowns. The machine is shared: before every spawn
 the script waits for a 1-minute load average below `--max-load`, and a spawn during which other processes
-took CPU (`calibrate.ForeignLoad`, from /proc/stat) is repeated, up to `--tries` times. Calibrated
+took CPU (`tools.calibrate.ForeignLoad`, from /proc/stat) is repeated, up to `--tries` times. Calibrated
 topologies and results.json go to `--out`.
 
     OMP_NUM_THREADS=1 python benchmarks/plan_vs_run.py [--steps 8] [--rounds 2] [--topology local2.toml]
@@ -183,7 +183,7 @@ def wait_quiet(max_load: float, limit_s: float = 900) -> float:
 def quiet_round(cfg: Config, world: int, warmup: int, max_load: float, tries: int) -> dict:
     """One fresh spawn, repeated (up to `tries` times) while other processes took CPU during it: the
     least disturbed is kept, with its foreign load in cores."""
-    from fivefold.calibrate import QUIET_CORES, ForeignLoad
+    from fivefold.tools.calibrate import QUIET_CORES, ForeignLoad
     from fivefold.train.launch import run_ranks
 
     best = None
@@ -235,7 +235,7 @@ def predict(cfg: Config, topo) -> dict:
 # -- topology ---------------------------------------------------------------------------------------
 def topologies(files: list[str], worlds: set[int], quick: bool, out: Path, max_load: float) -> dict:
     """world size -> Topology: from --topology files (their loopback tier's size), else calibrated now."""
-    from fivefold.calibrate import calibrate, summary_line, to_toml
+    from fivefold.tools.calibrate import calibrate, summary_line, to_toml
     from fivefold.plan.topology import load_topology
 
     topos = {}

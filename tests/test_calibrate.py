@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from fivefold.calibrate import cmd_calibrate, fit_alpha_beta
+from fivefold.tools.calibrate import cmd_calibrate, fit_alpha_beta
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import from_config
 from fivefold.plan.models import from_model_config

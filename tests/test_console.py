@@ -96,7 +96,7 @@ def test_scalars_carry_the_console_figures():
 
 
 def test_report_summary_has_speed_memory_and_moe(tmp_path):
-    from fivefold.report import panels, read_run, summary
+    from fivefold.tools.report import panels, read_run, summary
 
     run = tmp_path / "moe"
     run.mkdir()

@@ -154,7 +154,7 @@ def test_eval_command_loads_any_layout_and_hf_folders(tmp_path):
 
 def test_eval_scalars_and_report_summary(tmp_path):
     """TensorBoard gets eval_loss / eval_ppl on the steps that evaluated; the report's table the last ones."""
-    from fivefold.report import read_run, summary
+    from fivefold.tools.report import read_run, summary
     from fivefold.train.scalars import step_scalars
 
     step = {"step": 0, "loss": 5.0, "grad_norm": 1.0, "lr": 1e-3, "tokens": 256, "seconds": 0.5}

@@ -112,7 +112,7 @@ def test_offload_on_a_cpu_device_is_no_pcie_traffic(tmp_path):
     """A calibrated CPU topology (no pcie_gbps: host = device) names offload's copies what they are, in
     the plan, the train console's ledger table and the report; a GPU's plan still says PCIe."""
     from fivefold.comm.ledger import CommLedger
-    from fivefold.report import Run, summary
+    from fivefold.tools.report import Run, summary
 
     cpu = tmp_path / "cpu.toml"
     cpu.write_text('[accelerator]\nname = "cpu"\nmemory_gib = 64\npeak_tflops = { fp32 = 0.1 }\n'

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fivefold import cli
-from fivefold.generate import Sampling, load_run, next_token, sample
+from fivefold.tools.generate import Sampling, load_run, next_token, sample
 from fivefold.model.transformer import KVCache
 from fivefold.tokenizer import load_tokenizer, save_to_run
 from fivefold.train import checkpoint

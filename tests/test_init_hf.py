@@ -141,7 +141,7 @@ def test_cli_refuses_a_folder_missing_a_tensor_before_any_rank_starts(tmp_path):
 
 def test_export_hf_of_a_4_rank_run_writes_shards_from_pretrained_loads(tmp_path):
     """...and the folder's tokenizer became the run's (copied into the run, then into the export)."""
-    from fivefold.hf_export import byte_level_tokenizer
+    from fivefold.tools.hf_export import byte_level_tokenizer
 
     folder, out, dest = tmp_path / "m", tmp_path / "run", tmp_path / "hf"
     hf_folder(folder, "mixtral")

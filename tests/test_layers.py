@@ -1,5 +1,6 @@
 """DESIGN.md's import arrows hold: `lint-imports` checks the contracts in pyproject.toml
-([tool.importlinter]: the layers, a torch-free planner, nothing imports the CLI)."""
+([tool.importlinter]: the floors cli -> tools -> train | plan -> parallel -> ..., a torch-free planner, nothing
+below imports tools/ or the CLI, parallel/ draws nothing and parses no arguments, moe.py never imports transformer.py)."""
 import subprocess
 import sys
 from pathlib import Path

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.model import Transformer
 from fivefold.model.moe import Experts, LocalDispatch, MoE, limit_to_groups, load_balance_loss, route, within_capacity
-from fivefold.model.transformer import AuxLosses, SwiGLU
+from fivefold.model.layers import AuxLosses, SwiGLU
 
 
 def cfg_of(**kw) -> ModelConfig:

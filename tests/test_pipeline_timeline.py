@@ -6,8 +6,9 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from fivefold.config import ConfigError
-from fivefold.parallel.pipeline import simulate_schedule, write_comparison, write_timeline
-from fivefold.parallel.pipeline.cli_schedule import add_schedule_args, cmd_schedule
+from fivefold.parallel.pipeline import simulate_schedule
+from fivefold.train.timeline import write_comparison, write_timeline
+from fivefold.tools.schedule import add_schedule_args, cmd_schedule
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -281,7 +281,7 @@ def test_two_torchrun_agents_record_the_same_bytes_per_tier(tmp_path, emulated):
 def test_report_shows_bytes_per_tier(tmp_path):
     """`fivefold report` adds a column per tier and hatches the inter-node part of each bar."""
     pytest.importorskip("matplotlib")
-    from fivefold.report import read_run, summary, write_report
+    from fivefold.tools.report import read_run, summary, write_report
 
     led = CommLedger(0, 1)
     led.record("tp", "all_reduce", 4096, 4096, tier="intra")

@@ -589,7 +589,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.hf is not None:   # `export RUN --hf DIR` or `export RUN DIR --hf`
         if (args.hf is True) == (args.dest is None):
             raise ConfigError("export --hf takes one folder: fivefold export RUN --hf DIR")
-        from .hf_export import export_hf_folder
+        from .tools.hf_export import export_hf_folder
 
         if not args.max_shard_mb > 0:
             raise ConfigError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
@@ -623,7 +623,7 @@ def exported_summary(path: Path) -> str:
 
 
 def add_eval_args(ap: argparse.ArgumentParser) -> None:
-    from .evaluate import EVAL_FLAGS
+    from .tools.evaluate import EVAL_FLAGS
 
     ap.add_argument("source", help="a run folder (its newest checkpoint), a checkpoints/step-N folder, or a "
                     "Hugging Face model folder (config.json + safetensors)")
@@ -637,9 +637,9 @@ def add_eval_args(ap: argparse.ArgumentParser) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """`fivefold eval` (evaluate.py): every rule checked here, then the ranks evaluate."""
+    """`fivefold eval` (tools/evaluate.py): every rule checked here, then the ranks evaluate."""
     from .config import Config
-    from .evaluate import eval_config, eval_rank, is_hf_folder, run_config
+    from .tools.evaluate import eval_config, eval_rank, is_hf_folder, run_config
     from .train.data import check_data, check_eval_data
     from .train.launch import resolve_device, run_ranks
     from .train.trainer import supported
@@ -706,14 +706,14 @@ def main(argv: list[str] | None = None) -> int:
     add_generate_args(sub.add_parser("generate", help="sample text from a run's checkpoint (or a Hugging Face folder)"))
     add_eval_args(sub.add_parser("eval", help="a run's checkpoint's (or a Hugging Face folder's) loss and "
                                  "perplexity on data, under any layout"))
-    from .report import add_report_args, cmd_report
+    from .tools.report import add_report_args, cmd_report
     add_report_args(sub.add_parser("report", help="draw runs' loss, grad norm, tokens/s, lr, traffic, pipeline"))
     from .train.tokenize import add_tokenize_args, cmd_tokenize
     add_tokenize_args(sub.add_parser("tokenize", help="tokenize text / JSONL / Parquet / datasets folders into "
                                      "a token file for training"))
-    from .calibrate import add_calibrate_args, cmd_calibrate
+    from .tools.calibrate import add_calibrate_args, cmd_calibrate
     add_calibrate_args(sub.add_parser("calibrate", help="measure this machine and write a topology TOML for plan"))
-    from .parallel.pipeline.cli_schedule import add_schedule_args, cmd_schedule
+    from .tools.schedule import add_schedule_args, cmd_schedule
     add_schedule_args(sub.add_parser("schedule", help="simulate and draw a pipeline schedule"))
     from .plan.cli import add_plan_args, cmd_plan
     add_plan_args(sub.add_parser("plan", help="estimate memory, traffic and step time of a layout, or search"))
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "export":
             return cmd_export(args)
         if args.cmd == "generate":
-            from .generate import cmd_generate
+            from .tools.generate import cmd_generate
             return cmd_generate(args)
         if args.cmd == "report":
             return cmd_report(args)

@@ -46,7 +46,7 @@ from torch import nn
 
 from .. import rules
 from ..config import ModelConfig
-from .transformer import AuxLosses, SwiGLU, silu_mul
+from .layers import AuxLosses, SwiGLU, silu_mul
 
 
 class Experts(nn.Module):

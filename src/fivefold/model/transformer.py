@@ -21,6 +21,8 @@ from torch import nn
 from ..config import ModelConfig
 from .documents import Documents, document_mask
 from .init import init_box, materialize
+from .layers import AuxLosses, SwiGLU
+from .moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -81,31 +83,6 @@ def rope_cos_sin(positions, head_dim: int, theta: float, device=None, offset: in
     freqs_sd2 = torch.outer(pos, inv_freq) if pos.dim() == 1 else pos[..., None] * inv_freq
     emb_sd = torch.cat((freqs_sd2, freqs_sd2), dim=-1)
     return emb_sd.cos().to(dtype), emb_sd.sin().to(dtype)
-
-
-class _SiluMul(torch.autograd.Function):
-    """silu(gate) · up, storing gate and up only (silu's output is recomputed in the backward, as
-    Megatron's fused SwiGLU does): eager autograd also keeps silu(gate), a fourth ffn-wide tensor."""
-
-    @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, dy):
-        """The same arithmetic as autograd's, in place where it can be: beside dy at most three
-        ffn-wide tensors are alive (the planner's `mlp_backward_scratch`), not six."""
-        gate, up = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
-        d_up = dy * (gate * sig)                                            # silu(gate) = gate · σ(gate)
-        slope = torch.rsub(sig, 1).mul_(gate).add_(1).mul_(sig)            # silu's derivative σ(1 + g(1 - σ))
-        del sig
-        return (dy * up).mul_(slope), d_up
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return _SiluMul.apply(gate, up)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -261,47 +238,6 @@ class Dropout(nn.Module):
         return x * keep.to(x.dtype) / (1.0 - self.p)
 
 
-class AttachAuxLoss(torch.autograd.Function):
-    """x -> x; when x's gradient comes back, `loss` receives the gradient 1 (so it is trained)."""
-
-    @staticmethod
-    def forward(ctx, x, loss):
-        ctx.save_for_backward(loss)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad_x):
-        (loss,) = ctx.saved_tensors
-        return grad_x, torch.ones_like(loss)
-
-
-class AuxLosses:
-    """The model's one channel for auxiliary losses (MoE load balance, router z-loss).
-
-    A module that computes such a loss passes the activation it rides on through `add(x, loss)`: the
-    forward returns x unchanged, and the backward that reaches x also gives `loss` the gradient 1. The
-    loss is thus trained by the backward that already runs through its block: the single-process
-    backward, or the pipeline runtime's backward of whichever stage holds the block, with nothing but the
-    activation crossing a stage boundary (Megatron-Core's MoEAuxLossAutoScaler does the same). A module
-    scales its loss itself, like the main loss (a share of the global batch). Values are recorded,
-    detached, only by a forward that builds a graph, so a forward re-run for recomputation counts once;
-    `take()` returns their sum and clears them."""
-
-    def __init__(self):
-        self.values: list[torch.Tensor] = []
-
-    def add(self, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return x
-        self.values.append(loss.detach())
-        return AttachAuxLoss.apply(x, loss)
-
-    def take(self) -> float:
-        total = float(sum(v.double().sum() for v in self.values)) if self.values else 0.0
-        self.values = []
-        return total
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
@@ -336,27 +272,13 @@ class Attention(nn.Module):
         return self.wo(o_bnsd.transpose(1, 2).reshape(b, s, -1))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ffn: int, device=None):
-        super().__init__()
-        self.enter = nn.Identity()  # tensor parallelism puts its input op here (f, or the SP all-gather)
-        self.gate = nn.Linear(hidden, ffn, bias=False, device=device)
-        self.up = nn.Linear(hidden, ffn, bias=False, device=device)
-        self.down = nn.Linear(ffn, hidden, bias=False, device=device)
-
-    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
-        x_bsh = self.enter(x_bsh)
-        return self.down(silu_mul(self.gate(x_bsh), self.up(x_bsh)))
-
-
 class Block(nn.Module):
     """Layer `index` of the model: attention (grouped-query, or latent: model/latent_attention.py), then the MLP — the mixture of experts (model/moe.py) for
     layers index >= cfg.dense_layers of an MoE model (experts > 0), else the dense SwiGLU."""
 
     def __init__(self, cfg: ModelConfig, aux: AuxLosses | None = None, index: int = 0, device=None):
         super().__init__()
-        from .latent_attention import LatentAttention   # both build on this file's parts
-        from .moe import MoE
+        from .latent_attention import LatentAttention   # it builds on this file's parts
 
         self.aux = aux if aux is not None else AuxLosses()   # where this block's auxiliary losses go
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device)

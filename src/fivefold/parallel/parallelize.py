@@ -168,15 +168,19 @@ class PipelineParallelism:
             names["head.weight"] = "embed.weight"
         return {k: ({n: v[src] for n, src in names.items()} if isinstance(v, dict) else v) for k, v in state.items()}
 
-    def write(self, out: Path, gather_objects, rank: int) -> None:
-        """OUT/pipeline.json and OUT/pipeline.svg: the last step's measured timeline of the pp ranks of
-        rank 0's group beside the simulated one (call on every rank: gathers the timelines)."""
+    def write(self, out: Path, gather_objects, rank: int, draw=None) -> None:
+        """OUT/pipeline.json: the last step's measured timeline of the pp ranks of rank 0's group beside
+        the simulated one (call on every rank: gathers the timelines); then `draw(out, info)`, when
+        given, draws it (the trainer passes train/timeline.py's `draw_pipeline`: OUT/pipeline.svg)."""
         from .pipeline.runtime import report, write_report
 
         timelines = gather_objects([tuple(b) for b in self.runtime.timeline])
         if rank == 0:
             rows = [timelines[r] for r in self.mesh["pp"].ranks]
-            write_report(out, report(rows, self.schedule))
+            info = report(rows, self.schedule)
+            write_report(out, info)
+            if draw is not None:
+                draw(out, info)
 
 
 def direct_forward_backward(model: nn.Module, loss_sum: LossSum, engine: Engine, micro_batches: list,

@@ -83,6 +83,7 @@ from .optim import AdamW, clip_, global_grad_norm, lr_at
 from .progress import Progress
 from .scalars import ScalarLog
 from .speed import Speed
+from .timeline import draw_pipeline
 from .wandb_log import WandbLog
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -478,7 +479,7 @@ class Trainer:
         if history:
             for d in self.dims:
                 if hasattr(d, "write"):
-                    d.write(out, gather_objects, self.rank)
+                    d.write(out, gather_objects, self.rank, draw=draw_pipeline)
         total = self.ledger.gather()
         evals = self.ledger.part("eval").gather() if self.evaluations else None
         self.all_state_bytes = gather_objects(self.model_state_bytes())

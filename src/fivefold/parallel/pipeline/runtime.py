@@ -37,7 +37,7 @@ the RNG states, so dropout masks repeat) and re-runs the forward at B or I; "sel
 but the attention core (softmax(QKᵀ)V), which torch.utils.checkpoint recomputes in backward.
 
 Measurement: every compute action is timed (`timeline`: kind, micro-batch, chunk, start, end), so a run
-can draw what happened beside what the simulator predicts (`write_report`).
+can set what happened beside what the simulator predicts (`report`, `write_report`: OUT/pipeline.json).
 """
 from __future__ import annotations
 
@@ -530,13 +530,10 @@ def report(timeline: list[list], schedule: Schedule) -> dict:
                                      "timeline": [[list(b) for b in row] for row in unit.timeline]}}
 
 
-def write_report(out: str | Path, info: dict, drawing: str = "pipeline.svg") -> Path:
-    """OUT/pipeline.json (measured and simulated data) and OUT/pipeline.svg (or .png): the measured
-    timeline above the simulated one (measured costs)."""
-    from .timeline import write_comparison
-
-    out = Path(out)
-    (out / "pipeline.json").write_text(json.dumps(info))
-    return write_comparison(out / drawing, info["measured"]["timeline"],
-                            info["simulated_measured_costs"]["timeline"], Schedule.from_dict(info).title())
+def write_report(out: str | Path, info: dict) -> Path:
+    """OUT/pipeline.json: the measured and simulated data (its drawing, OUT/pipeline.svg, is the
+    trainer's: train/timeline.py `draw_pipeline`; the runtime draws nothing)."""
+    path = Path(out) / "pipeline.json"
+    path.write_text(json.dumps(info))
+    return path
 

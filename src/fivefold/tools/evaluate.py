@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .config import Config, ConfigError, ParallelConfig, apply_overrides, parse_sets
+from ..config import Config, ConfigError, ParallelConfig, apply_overrides, parse_sets
 
 # eval's flags: the layout and the shape of its windows (dotted config keys, typed like train's flags)
 EVAL_FLAGS = {
@@ -31,7 +31,7 @@ EVAL_FLAGS = {
 
 def is_hf_folder(source: Path) -> bool:
     """A Hugging Face folder: config.json and no fivefold checkpoint in or under it."""
-    from .train import rundir
+    from ..train import rundir
 
     return ((source / "config.json").is_file() and not (source / rundir.INDEX).is_file()
             and rundir.newest_checkpoint(source) is None)
@@ -41,8 +41,8 @@ def run_config(source: Path) -> tuple[Config, str]:
     """(config, checkpoint) of a run folder or checkpoint folder: the checkpoint's config (verified
     against its bytes) with the run's own tokenizer copy and --eos / --bos."""
     from .generate import find_checkpoint, run_of
-    from .tokenizer import read_specials, run_tokenizer_file
-    from .train.verify import verify
+    from ..tokenizer import read_specials, run_tokenizer_file
+    from ..train.verify import verify
 
     ckpt = find_checkpoint(source)
     cfg = Config.from_dict(verify(ckpt)["config"])
@@ -74,7 +74,7 @@ def eval_config(cfg: Config, args: argparse.Namespace) -> Config:
 
 def eval_rank(rank: int, world_size: int, cfg_dict: dict, ckpt: str | None) -> dict:
     """One rank: build the model in the layout, load the checkpoint (or the Hugging Face weights), evaluate."""
-    from .train.trainer import Trainer
+    from ..train.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(cfg_dict), rank, world_size, quiet=True)
     if ckpt:

@@ -145,7 +145,7 @@ def _attention_step(batch: int, heads: int, kv_heads: int, seq: int, head_dim: i
     """Forward + backward of the model's attention core (causal), and its FLOPs."""
     import torch
 
-    from .model.transformer import attention_core
+    from ..model.transformer import attention_core
 
     q = torch.randn(batch, heads, seq, head_dim, requires_grad=True)
     k = torch.randn(batch, kv_heads, seq, head_dim, requires_grad=True)
@@ -199,8 +199,8 @@ def _tiny_layer_step():
     autograd, allocation)."""
     import torch
 
-    from .config import ModelConfig
-    from .model import Transformer
+    from ..config import ModelConfig
+    from ..model import Transformer
 
     model = Transformer(ModelConfig(vocab=16, hidden=64, layers=1, heads=4, kv_heads=2, ffn=176, max_seq=16), seed=0)
     block, cos_sin = model.layers[0], model.rope(16)
@@ -219,8 +219,8 @@ def _measure_pipeline(rank: int, world: int, quick: bool) -> list[list[tuple]]:
     pipeline runtime (`Trainer` with pp = N): what the runtime spends per action beyond its compute."""
     import numpy as np
 
-    from .config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from .train.trainer import Trainer
+    from ..config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from ..train.trainer import Trainer
 
     m, steps = PIPELINE_MICROBATCHES, 3 if quick else PIPELINE_STEPS
     seq = PIPELINE_MODEL["max_seq"]
@@ -241,8 +241,8 @@ def pipeline_action_overhead(per_rank_steps: list[list[list[tuple]]], world: int
     makespan minus the makespan the schedule simulator gives for the same action list with each action's
     measured duration and `send_s` per transfer (the planner's own p2p cost for the message), over the
     actions per rank; the median over steps, at least 0."""
-    from .parallel.pipeline.schedules import build_schedule, simulate
-    from .rules import ONE_F_ONE_B
+    from ..parallel.pipeline.schedules import build_schedule, simulate
+    from ..rules import ONE_F_ONE_B
 
     actions = build_schedule(ONE_F_ONE_B, world, PIPELINE_MICROBATCHES, 1)
     per_rank_actions = sum(1 for a in actions[0] if not a.is_comm)
@@ -263,7 +263,7 @@ def _collective_call(op: str, size: int, group):
     (what comm/volume.py calls S)."""
     import torch
 
-    from . import comm
+    from .. import comm
 
     n, r = group.size, group.rank
     elems = max(n, size // 4 // n * n)
@@ -357,7 +357,7 @@ def _measure_overlap(sizes: Sizes, group, barrier) -> dict:
     with the compute it should hide behind."""
     import torch
 
-    from . import comm
+    from .. import comm
 
     burst, t = _burst(0.012), torch.ones(OVERLAP_BYTES // 4)
 
@@ -380,9 +380,9 @@ def _rank(rank: int, world: int, quick: bool) -> dict:
     """One rank's raw measurements (runs inside `run_ranks`)."""
     import torch.distributed as dist
 
-    from .comm import CommLedger
-    from .config import ParallelConfig
-    from .mesh import ParallelMesh
+    from ..comm import CommLedger
+    from ..config import ParallelConfig
+    from ..mesh import ParallelMesh
 
     sizes = QUICK if quick else FULL
     group = ParallelMesh(ParallelConfig(dp=world), rank, CommLedger(rank, world))["dp"]
@@ -477,8 +477,8 @@ def _compute_summary(per_rank: list[dict]) -> dict:
 def _comm_summary(per_rank: list[dict], world: int, regime: int) -> dict:
     """Per op: [(message bytes, hops, bytes_sent, seconds)] of one regime (1: back to back, 2: after
     compute); seconds: per repetition the slowest rank, then the median over repetitions."""
-    from .comm import volume
-    from .plan.topology import collective_latency
+    from ..comm import volume
+    from ..plan.topology import collective_latency
 
     out = {}
     for op, rows in per_rank[0]["comm"].items():
@@ -559,8 +559,8 @@ def calibrate(nproc: int, quick: bool, attempts: int | None = None) -> dict:
     """Measure this machine with `nproc` local gloo ranks running together (see the module doc). On a
     shared machine, up to `attempts` calibrations (default 1 quick, 3 full) run until one is undisturbed
     (`ForeignLoad` below QUIET_CORES); the least disturbed is kept, its foreign load recorded."""
-    from .config import ConfigError
-    from .train.launch import run_ranks
+    from ..config import ConfigError
+    from ..train.launch import run_ranks
 
     if nproc < 2:
         raise ConfigError(f"calibrate needs at least 2 ranks to measure collectives; got --nproc {nproc}")

@@ -27,11 +27,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from .config import ConfigError
-from .rules import install_hint
+from ..config import ConfigError
+from ..rules import install_hint
 from .generate import find_checkpoint, run_of
-from .tokenizer import HFTokenizer, load_tokenizer, missing_eos, read_specials, run_tokenizer_file
-from .train import checkpoint, rundir
+from ..tokenizer import HFTokenizer, load_tokenizer, missing_eos, read_specials, run_tokenizer_file
+from ..train import checkpoint, rundir
 
 
 def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None = None,

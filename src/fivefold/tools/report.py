@@ -30,9 +30,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .comm.ledger import CommLedger, fmt_bytes
-from .config import ConfigError
-from .rules import install_hint
+from ..comm.ledger import CommLedger, fmt_bytes
+from ..config import ConfigError
+from ..rules import install_hint
 
 FORMATS = ("png", "svg")
 # (metric, axis title) of the four panels of metrics.*
@@ -332,7 +332,7 @@ def plot_comm(runs: list[Run], path: Path) -> Path:
 
 def plot_pipeline(run: Run, path: Path) -> Path:
     """The run's measured pipeline timeline above the simulated one (the drawing the run wrote itself)."""
-    from .parallel.pipeline.timeline import write_comparison
+    from ..train.timeline import write_comparison
 
     info = run.pipeline
     try:

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError
-from .rules import install_hint
-from .model.transformer import KVCache, Transformer
-from .train import checkpoint, rundir
+from ..config import ConfigError
+from ..rules import install_hint
+from ..model.transformer import KVCache, Transformer
+from ..train import checkpoint, rundir
 
 
 @dataclass
@@ -105,7 +105,7 @@ def for_inference(model: Transformer, device: str = "auto") -> Transformer:
 def load_run(run: str | Path, step: str | Path | None = None, device: str = "auto"):
     """(model, tokenizer) of a run folder: its newest checkpoint (or `step`) in one process, and the
     tokenizer the run trained with (byte-level when it used none)."""
-    from .tokenizer import run_tokenizer
+    from ..tokenizer import run_tokenizer
 
     ckpt = find_checkpoint(run, step)
     return for_inference(checkpoint.to_model(ckpt), device), run_tokenizer(run_of(ckpt))
@@ -115,8 +115,8 @@ def load_hf(folder: str | Path, device: str = "auto"):
     """(model, tokenizer) of a Hugging Face folder (Llama, Mixtral or Qwen2-MoE: model/hf.py): the weights
     through transformers and `from_hf`; the tokenizer from its tokenizer.json (or the tokenizer.tiktoken
     `fivefold export --hf` copies), else byte-level when the vocabulary has 256 entries."""
-    from .model.hf import from_hf
-    from .tokenizer import load_tokenizer, run_tokenizer_file
+    from ..model.hf import from_hf
+    from ..tokenizer import load_tokenizer, run_tokenizer_file
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():

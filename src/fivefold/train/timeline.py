@@ -4,7 +4,8 @@ A timeline is a list per rank of (kind, microbatch, chunk, start, end) — `Simu
 simulator, or what a training run measured (same structure, seconds). `write_timeline(path, ...)` writes
 SVG (hand-written, no dependency) or PNG (needs matplotlib: `pip install -e '.[plot]'`), chosen by the
 file suffix. `write_comparison` puts a measured and a simulated timeline in two panels, one above the
-other, each on its own time axis, for holding the runtime against the model.
+other, each on its own time axis, for holding the runtime against the model; `draw_pipeline` draws a
+training run's OUT/pipeline.svg from its pipeline report (the trainer calls it; parallel/ draws nothing).
 
 Colours: F blue, B orange, I (input-gradient backward) red, W (weight-gradient backward) green; with
 vpp > 1 a rank's later chunks are drawn lighter. Each block is labelled with its micro-batch number.
@@ -17,8 +18,9 @@ from pathlib import Path
 from typing import Sequence
 from xml.sax.saxutils import escape
 
-from ...rules import install_hint
-from .schedules import Block, timeline_stats
+from ..rules import install_hint
+from ..parallel.pipeline.schedules import Block, timeline_stats
+from ..parallel.pipeline.spec import Schedule
 
 COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B"}
 NAMES = {"F": "forward", "B": "backward", "I": "input-grad backward", "W": "weight-grad backward"}
@@ -200,3 +202,10 @@ def write_comparison(path: str | Path, measured: Sequence[Sequence[Sequence]],
     prefix = f"{title}: " if title else ""
     return write_panels(path, [Panel(measured, f"{prefix}measured", "seconds"),
                                Panel(simulated, f"{prefix}simulated", "cost units")])
+
+
+def draw_pipeline(out: str | Path, info: dict, drawing: str = "pipeline.svg") -> Path:
+    """OUT/pipeline.svg (or .png) of a run's pipeline report (`parallel.pipeline.runtime.report`, the
+    dict OUT/pipeline.json holds): the measured timeline above the simulated one (measured costs)."""
+    return write_comparison(Path(out) / drawing, info["measured"]["timeline"],
+                            info["simulated_measured_costs"]["timeline"], Schedule.from_dict(info).title())

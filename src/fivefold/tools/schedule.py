@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from ...rules import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZB
-from .schedules import SCHEDULES, Simulation, closed_form_bubble, simulate_schedule
-from .spec import title
+from ..rules import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZB
+from ..parallel.pipeline.schedules import SCHEDULES, Simulation, closed_form_bubble, simulate_schedule
+from ..parallel.pipeline.spec import title
 
 FORMULAS = {GPIPE: "(p-1)/(m+p-1)", ONE_F_ONE_B: "(p-1)/(m+p-1)", INTERLEAVED: "(p-1)/(v*m+p-1)",
             ZB: "(p-1)(F+I-W)/(m(F+I+W)+(p-1)(F+I-W))"}
@@ -72,7 +72,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
                             args.cost_i, args.cost_w, args.comm, args.blocking, args.microbatch_group)
     info = summary(args, sim)
     if args.out:
-        from .timeline import write_timeline
+        from ..train.timeline import write_timeline
         heading = title(args.schedule, args.pp, args.microbatches, args.vpp, args.microbatch_group)
         info["out"] = str(write_timeline(args.out, sim.timeline, heading, "cost units"))
     if args.json:

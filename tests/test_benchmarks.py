@@ -12,6 +12,24 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if p.name != "common.py")
 TIMEOUT_S = 600   # a hang, not a budget: a smoke run takes seconds to a minute on 2 shared cores
+# The smoke runs are spread over SHARDS test files (test_benchmarks.py and test_benchmarks_smoke_N.py), so
+# that pytest-xdist (`--dist loadfile`, whole files per worker) runs them side by side instead of one
+# worker running them all at the suite's end. Rough relative costs place them (longest first, each to the
+# lightest shard); a script not listed counts as 30.
+SHARDS = 3
+COST = {"context.py": 95, "pipeline.py": 56, "zero.py": 54, "plan_vs_run.py": 52, "expert.py": 50, "tensor.py": 49,
+        "ddp.py": 45, "checkpoint.py": 37, "offload.py": 23, "moe_balance_hf.py": 16, "startup.py": 15,
+        "moe_balance.py": 15, "dry_run.py": 14, "gpu.py": 5, "plan_search.py": 3}
+
+
+def shard_scripts(shard: int) -> list[str]:
+    """The scripts of one shard (0..SHARDS-1); together the shards hold every script once."""
+    loads, out = [0] * SHARDS, [[] for _ in range(SHARDS)]
+    for script in sorted(SCRIPTS, key=lambda name: (-COST.get(name, 30), name)):
+        i = loads.index(min(loads))
+        loads[i] += COST.get(script, 30)
+        out[i].append(script)
+    return sorted(out[shard])
 
 
 def smoke(script: str, *extra: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -38,13 +56,24 @@ def test_every_benchmark_is_smoke_tested():
         assert "parse_options(" in (BENCHMARKS / script).read_text(), f"{script} takes no --smoke"
 
 
-@pytest.mark.ranks
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_benchmark_runs_one_step(script, tmp_path):
+def test_the_shards_hold_every_script_once():
+    held = [s for i in range(SHARDS) for s in shard_scripts(i)]
+    assert sorted(held) == SCRIPTS
+    here = Path(__file__).parent
+    assert all((here / f"test_benchmarks_smoke_{i}.py").is_file() for i in range(1, SHARDS))
+
+
+def run_one_step(script: str, tmp_path: Path) -> None:
     r = smoke(script, *extra_options(script, tmp_path), cwd=tmp_path)
     assert r.returncode == 0, f"benchmarks/{script} --smoke exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     assert r.stdout.strip(), f"benchmarks/{script} --smoke printed nothing"
     assert "failed" not in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("script", shard_scripts(0))
+def test_benchmark_runs_one_step(script, tmp_path):
+    run_one_step(script, tmp_path)
 
 
 @pytest.mark.ranks

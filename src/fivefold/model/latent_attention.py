@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .transformer import LayerKV, RMSNorm, apply_rope, attention_core
+from .transformer import LayerKV, RMSNorm, apply_rope, attend, attention_core
 
 LATENT_NORM_EPS = 1e-6   # Hugging Face's DeepseekV3RMSNorm default, used by q_a_layernorm and kv_a_layernorm
 
@@ -98,12 +98,4 @@ class LatentAttention(nn.Module):
     def forward(self, x_bsh: torch.Tensor, cos_sd, sin_sd, kv: LayerKV | None = None,
                 documents_bS: torch.Tensor | None = None) -> torch.Tensor:
         q_bnsd, k_bnsd, v_bnsd = self.qkv(x_bsh, cos_sd, sin_sd)
-        b, s = q_bnsd.shape[0], q_bnsd.shape[2]
-        if kv is None and documents_bS is not None:
-            o_bnsd = self.core(q_bnsd, k_bnsd, v_bnsd, documents_bS=documents_bS)
-        elif kv is None:
-            o_bnsd = self.core(q_bnsd, k_bnsd, v_bnsd)
-        else:   # the cached tokens' keys and values first
-            k_bntd, v_bntd, past = kv.extend(k_bnsd, v_bnsd)
-            o_bnsd = attention_core(q_bnsd, k_bntd, v_bntd, past=past)
-        return self.wo(o_bnsd.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(attend(self.core, q_bnsd, k_bnsd, v_bnsd, kv, documents_bS))

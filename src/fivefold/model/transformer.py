@@ -262,14 +262,23 @@ class Attention(nn.Module):
         k_bksd = self.wk(x_bsh).view(b, s, -1, d).transpose(1, 2)
         v_bksd = self.wv(x_bsh).view(b, s, -1, d).transpose(1, 2)
         q_bnsd, k_bksd = apply_rope(q_bnsd, cos_sd, sin_sd), apply_rope(k_bksd, cos_sd, sin_sd)
-        if kv is None and documents_bS is not None:
-            o_bnsd = self.core(q_bnsd, k_bksd, v_bksd, documents_bS=documents_bS)
-        elif kv is None:
-            o_bnsd = self.core(q_bnsd, k_bksd, v_bksd)
-        else:   # the cached tokens' keys and values first
-            k_bktd, v_bktd, past = kv.extend(k_bksd, v_bksd)
-            o_bnsd = attention_core(q_bnsd, k_bktd, v_bktd, past=past)
-        return self.wo(o_bnsd.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(attend(self.core, q_bnsd, k_bksd, v_bksd, kv, documents_bS))
+
+
+def attend(core, q_bnsd, k_bksd, v_bksd, kv: LayerKV | None = None, documents_bS: torch.Tensor | None = None):
+    """The attention of one layer's heads, (b, s, heads · v's head dim) with the heads side by side per
+    token (the o-projection's input): `core` in training (the layer's own: context parallelism and
+    selective recompute swap it), with the document mask when there is one; with a KV cache the cached
+    tokens' keys and values first, through `attention_core`."""
+    b, s = q_bnsd.shape[0], q_bnsd.shape[2]
+    if kv is None and documents_bS is not None:
+        o_bnsd = core(q_bnsd, k_bksd, v_bksd, documents_bS=documents_bS)
+    elif kv is None:
+        o_bnsd = core(q_bnsd, k_bksd, v_bksd)
+    else:
+        k_bktd, v_bktd, past = kv.extend(k_bksd, v_bksd)
+        o_bnsd = attention_core(q_bnsd, k_bktd, v_bktd, past=past)
+    return o_bnsd.transpose(1, 2).reshape(b, s, -1)
 
 
 class Block(nn.Module):

@@ -403,14 +403,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .comm import CommLedger
-    from .train import rundir
-    from .train.data import check_data, check_eval_data
-    from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, last_stop_signal,
-                               leave_torchrun, resolve_device, run_ranks, torchrun_env, torchrun_ranks_per_node)
-    from .train.scalars import require_tensorboard
-    from .train.wandb_log import require_wandb
-    from .train.trainer import supported, train_rank
+    from .train.torchrun_env import torchrun_env, torchrun_ranks_per_node
 
     if args.dry_run:
         return cmd_dry_run(args)
@@ -420,7 +413,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         nodes_from_torchrun(cfg, torchrun_ranks_per_node(), env[0] == 0)
     out = cfg.train.out
     world = env[1] if env else (args.nproc or cfg.parallel.world_size)
-    cfg.validate(world)
+    cfg.validate(world)          # the config's own rules first: no torch is imported for a bad one
+    from .comm import CommLedger
+    from .train import rundir
+    from .train.data import check_data, check_eval_data
+    from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, last_stop_signal,
+                               leave_torchrun, resolve_device, run_ranks)
+    from .train.scalars import require_tensorboard
+    from .train.wandb_log import require_wandb
+    from .train.trainer import supported, train_rank
+
     require_tensorboard(cfg.train.tensorboard)
     require_wandb(cfg.train.wandb)
     supported(cfg)                                                   # before any rank starts: what the runtime

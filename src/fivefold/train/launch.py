@@ -65,6 +65,7 @@ import torch.multiprocessing as mp
 from ..config import ConfigError
 from .malloc import return_freed_memory
 from .signals import sigint_ignored
+from .torchrun_env import torchrun_env, torchrun_ranks_per_node  # noqa: F401 - part of launch's interface
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STARTUP_S = 60.0     # a rank may take max(timeout_s, this) to start and join the group
@@ -456,20 +457,6 @@ def run_ranks(fn, nproc: int, args: tuple = (), timeout_s: float = 300) -> list:
                 for p in procs:
                     if p.pid is not None:
                         p.join(timeout=10)
-
-
-def torchrun_env() -> tuple[int, int] | None:
-    """(rank, world_size) when started by torchrun, else None. Read only by the launcher."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
-
-
-def torchrun_ranks_per_node() -> int | None:
-    """Ranks on this node when started by torchrun (its LOCAL_WORLD_SIZE: --nproc-per-node), else None.
-    Read only by the launcher, which passes it on as parallel.ranks_per_node."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(value) if torchrun_env() is not None and value.isdigit() else None
 
 
 def init_torchrun(timeout_s: float = 1800, device: str = "auto") -> tuple[int, int]:

@@ -1,9 +1,10 @@
 """`fivefold train --dry-run` runs the real Trainer at real size under fake tensors and a fake process
-group: model-state bytes per rank equal the planner's exactly, and every ledger row equals the
-planner's per-rank prediction (Llama-3 8B on 8 ranks, tp8 and ZeRO-3 dp8; Mixtral 8x7B ep8 x tp2 in
-capacity mode, and ep8 dropless, routed as balanced; DeepSeek-V3's pp16 x ep64, two stages of 2,048 ranks; Llama-3 405B's tp8 x pp16 x
-dp128 layout, one stage of 16,384 ranks), and the activation, buffer and total peaks are within 10% of
-the planner's (the README's "Will it fit?" table has every figure)."""
+group: model-state bytes per rank equal the planner's exactly, every ledger row equals the planner's
+per-rank prediction, and the activation, buffer and total peaks are within 10% of the planner's (the
+README's "Will it fit?" has every figure). Layouts: Llama-3 8B on 8 ranks, tp8 and ZeRO-3 dp8; Mixtral
+8x7B ep8 x tp2 in capacity mode, and ep8 dropless (routed as balanced); DeepSeek-V3's pp16 x ep64, two
+stages of 2,048 ranks; Llama-3 405B's tp8 x pp16 x dp128 and dp64, one stage each, and tp8 x cp16 x pp16
+at seq 131,072."""
 import json
 import os
 import subprocess
@@ -36,6 +37,15 @@ CASES = {
     "deepseek-v3-pp16-ep64": ["--model", "deepseek-v3", "--pp", "16", "--dp", "128", "--ep", "64", "--microbatches", "16",
                               "--seq-len", "4096", "--global-batch", "2048", "--set", "model.capacity_factor=1.0",
                               "--ranks", "0,128", "--steps", "1"],
+    # long context: 131,072-token sequences under cp16 (ring attention), stage 0 of 16,384 ranks; two
+    # micro-batches under GPipe keep it to a minute (the published 16 under 1F1B run in benchmarks/)
+    "llama3-405b-tp8-cp16-pp16": ["--model", "llama3-405b", "--tp", "8", "--cp", "16", "--pp", "16", "--dp", "8",
+                                  "--microbatches", "2", "--schedule", "gpipe", "--seq-len", "131072",
+                                  "--global-batch", "16", "--set", "model.max_seq=131072", "--ranks", "0",
+                                  "--steps", "1"],
+    "llama3-405b-tp8-pp16-dp64": ["--model", "llama3-405b", "--tp", "8", "--pp", "16", "--dp", "64",
+                                  "--microbatches", "16", "--seq-len", "8192", "--global-batch", "1024",
+                                  "--ranks", "0", "--steps", "1"],
     "llama3-405b-tp8-pp16-dp128": ["--model", "llama3-405b", "--tp", "8", "--pp", "16", "--dp", "128",
                                    "--microbatches", "16", "--seq-len", "8192", "--global-batch", "2048",
                                    "--ranks", "0", "--steps", "1"],

@@ -326,11 +326,13 @@ def test_norm_and_mla_up_projection_recompute_stores_the_latents():
     m, e = DSV3, 2
     for i in (0, m.dense_layers):
         plain, light = layer_acts(m, i, w), layer_acts(m, i, w, recompute_norm_mla=True)
+        moe = m.is_moe_layer(i)   # an MoE layer's input is its router's fp32 copy, per tp rank's tokens
         assert plain.replicated - light.replicated == (
-            2 * e * m.hidden                                      # QKV and MLP inputs (norm outputs)
+            e * m.hidden + (0 if moe else e * m.hidden)           # QKV and MLP inputs (norm outputs)
             + 2 * e * (m.q_lora_rank + m.kv_lora_rank)            # latents as norm inputs and up-proj inputs
             - e * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim))   # latents and k_pe kept
-        assert plain.sharded - light.sharded == e * (m.q_width + m.kv_width + m.v_width)
+        assert plain.sharded - light.sharded == e * (m.q_width + m.kv_width + m.v_width) + \
+            (max(4, e) * m.hidden if moe else 0)
     # a model without MLA only drops the norm outputs
     d = layer_acts(LLAMA8, 0, w).replicated - layer_acts(LLAMA8, 0, w, recompute_norm_mla=True).replicated
     assert d == 2 * e * LLAMA8.hidden

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from ..parallel.pipeline.spec import Schedule
 from .layout import Layout, Workload, check, microbatches, schedule_of
-from .memory import Memory, candidate_stages, memory, optimizer_bytes_per_param
+from .memory import Memory, memory
+from .units import candidate_stages, optimizer_bytes_per_param
 from .models import PlanModel
 from .time import StepTime, step_time
 from .topology import GiB, Topology

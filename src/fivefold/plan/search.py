@@ -47,7 +47,8 @@ from ..grid import DEFAULT_ORDER
 from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB, ConfigError, Recompute, choices, cp_degrees, divisors
 from .estimate import Estimate, estimate, owned_elements
 from .layout import Layout, Workload, check, valid_tp
-from .memory import Memory, candidate_stages, stage_layers, stage_memory, time_stages
+from .memory import Memory, stage_memory
+from .units import candidate_stages, stage_layers, time_stages
 from .models import PlanModel
 from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology

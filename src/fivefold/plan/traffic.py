@@ -65,8 +65,9 @@ from ..comm import volume
 from ..rules import STEP_CHUNK, cp_degrees, grad_norm_group, kv_replicas, moe_capacity
 from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
-from .memory import (block_units, exact_tensors, held_root, layout_layers, offload_units, owned_tagged,
-                     params_on_disk, root_tensors, stage_params, unit_sums, unit_tensors, zero_units)
+from .buffers import offload_units, params_on_disk
+from .units import (block_units, exact_tensors, held_root, layout_layers, owned_tagged, root_tensors, stage_params,
+                    unit_sums, unit_tensors, zero_units)
 from .models import PlanModel
 from .topology import Topology, collective_latency, group_bandwidth
 

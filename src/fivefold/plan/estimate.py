@@ -60,7 +60,7 @@ class Estimate:
 
     @property
     def host_fits(self) -> bool:
-        """With offload, host bytes per GPU (`memory.offload_memory`) fit its share of the host's RAM."""
+        """With offload, host bytes per GPU (`buffers.offload_memory`) fit its share of the host's RAM."""
         return self.memory.host <= self.topo.accelerator.host_memory
 
     @property

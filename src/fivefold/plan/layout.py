@@ -164,7 +164,7 @@ class Workload:
                                    # many nodes, sent once per node then forwarded over NVLink (0: off)
     fp8_gemm: bool = False         # linear-layer GEMMs (forward, dgrad, wgrad) at the accelerator's FP8 peak;
                                    # attention, embedding and LM head stay in dtype (DeepSeek-V3 §3.3)
-    fp8_act_cache: bool = False    # linear-layer inputs cached in FP8 for the backward (memory.py applies it)
+    fp8_act_cache: bool = False    # linear-layer inputs cached in FP8 for the backward (activations.py applies it)
     fused_optimizer: bool = True   # the optimizer reads and writes each state once (False: the runtime's eager
                                    # AdamW and grad norm, rules.EAGER_ADAMW_ACCESSES passes)
     document_length: float = 0.0   # train.document_mask: attention stays inside each packed document of this

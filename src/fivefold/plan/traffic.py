@@ -547,9 +547,9 @@ def eval_all_ranks(model: PlanModel, layout: Layout, work: Workload, batches: in
 def _offload_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int = 1,
                    root: int = 0) -> None:
     """Offload copies of one rank of `stage` in one step (parallel/offload.py): once per ZeRO unit
-    (`memory.offload_units`, shard k elements), "d2h" of the reduced gradient shard (k·g bytes) and "h2d"
+    (`buffers.offload_units`, shard k elements), "d2h" of the reduced gradient shard (k·g bytes) and "h2d"
     of the updated parameter shard (k·w); with nvme also "nvme_read" and "nvme_write" of the master,
-    exp_avg and exp_avg_sq (3·k·mb each way). ZeRO-3 nvme (`memory.params_on_disk`): no h2d after the
+    exp_avg and exp_avg_sq (3·k·mb each way). ZeRO-3 nvme (`buffers.params_on_disk`): no h2d after the
     step but an "nvme_write" of k·w, and before each of the unit's all-gathers (`zero3_gathers`; the
     first `root` units are the root) an "nvme_read" and an "h2d" of k·w."""
     if L.offload == "none":

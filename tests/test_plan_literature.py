@@ -5,8 +5,9 @@ import pytest
 
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import Layout, Workload
-from fivefold.plan.memory import (interleaved_penalty, in_flight, korthikanti, layer_acts, layer_rank_params, memory,
-                                  zero_states)
+from fivefold.plan.activations import in_flight, interleaved_penalty, korthikanti, layer_acts
+from fivefold.plan.memory import memory
+from fivefold.plan.units import layer_rank_params, zero_states
 from fivefold.plan.models import PRESETS
 from fivefold.plan.time import closed_form_bubble, simulate_pipeline
 from fivefold.plan.topology import TOPOLOGIES, GiB, topology_from_dict
@@ -43,7 +44,7 @@ def test_zero_paper_table_1(key):
 
 def test_zero_paper_bf16_and_fp32_bytes_per_parameter():
     # ZeRO §3.1: mixed precision keeps 2 + 2 + 12 = 16 bytes per parameter; our fp32 runs 4 + 4 + 8.
-    from fivefold.plan.memory import optimizer_bytes_per_param
+    from fivefold.plan.units import optimizer_bytes_per_param
     assert optimizer_bytes_per_param(Workload(dtype="bf16")) == 12
     assert optimizer_bytes_per_param(Workload(dtype="fp32")) == 8
     assert Workload(dtype="bf16", grad_dtype="param").grad_bytes == 2

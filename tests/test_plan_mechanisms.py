@@ -11,7 +11,9 @@ from fivefold.comm import volume
 from fivefold.config import ConfigError
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import Layout, Workload, check, from_config, microbatches
-from fivefold.plan.memory import layer_acts, layer_rank_params, stage_activations, stage_memory
+from fivefold.plan.activations import layer_acts, stage_activations
+from fivefold.plan.memory import stage_memory
+from fivefold.plan.units import layer_rank_params
 from fivefold.plan.models import PRESETS
 from fivefold.plan.time import (chunk_first_use, chunk_ready, ep_exposed, gather_delay, reduction_end,
                                 stage_flops, stage_grad_exposed)

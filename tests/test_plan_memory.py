@@ -3,8 +3,10 @@ import pytest
 
 from fivefold.config import ConfigError
 from fivefold.plan.layout import Layout, Workload, check
-from fivefold.plan.memory import (layer_acts, memory, model_states, stage_layers, stage_params,
-                                  stage_activations, zero_buffers)
+from fivefold.plan.activations import layer_acts, stage_activations
+from fivefold.plan.buffers import zero_buffers
+from fivefold.plan.memory import memory
+from fivefold.plan.units import model_states, stage_layers, stage_params
 
 
 def counts(layers, pp, vpp=1, partition="even"):
@@ -288,7 +290,7 @@ def test_uneven_chunks_are_walked_in_the_runtimes_order():
     is the maximum, over the rank's own action list (`build_schedule`), of the activations held: each F
     adds its chunk's, each B frees them. Equal chunks give in_flight x the stage."""
     from fivefold.parallel.pipeline.schedules import B, F, build_schedule
-    from fivefold.plan.memory import in_flight, interleaved_peak
+    from fivefold.plan.activations import in_flight, interleaved_peak
 
     p, v = 4, 3
     for m, group in ((8, 0), (12, 0), (8, 8), (10, 5)):
@@ -320,7 +322,7 @@ def test_latent_attention_tensors_are_the_runtimes(tp, q_lora):
     runtime's tp split (down-projections and latent norms whole on every rank, tagged "norm"), so ZeRO
     units and partial-gradient sets are exact."""
     from fivefold.model import Transformer
-    from fivefold.plan.memory import exact_tensors, layer_tensors
+    from fivefold.plan.units import exact_tensors, layer_tensors
     from fivefold.plan.models import from_model_config
 
     from .helpers import tiny_config

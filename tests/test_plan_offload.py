@@ -10,7 +10,8 @@ from fivefold.cli import main
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import Layout, Workload, from_config
-from fivefold.plan.memory import offload_bytes, stage_memory
+from fivefold.plan.buffers import offload_bytes
+from fivefold.plan.memory import stage_memory
 from fivefold.plan.models import PRESETS, from_model_config
 from fivefold.plan.search import search
 from fivefold.plan.time import host_step_seconds, offload_exposed, stage_offload_exposed, stage_param_reads

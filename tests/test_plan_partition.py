@@ -7,7 +7,8 @@ import pytest
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.parallel.pipeline.partition import partition_layers
 from fivefold.plan.layout import Layout, Workload
-from fivefold.plan.memory import layout_layers, memory
+from fivefold.plan.memory import memory
+from fivefold.plan.units import layout_layers
 from fivefold.plan.models import from_model_config
 from fivefold.rules import check_partition
 

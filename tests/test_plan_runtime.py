@@ -16,7 +16,8 @@ import pytest
 
 from fivefold.config import Config, ConfigError
 from fivefold.plan.layout import from_config
-from fivefold.plan.memory import offload_bytes, stage_memory
+from fivefold.plan.buffers import offload_bytes
+from fivefold.plan.memory import stage_memory
 from fivefold.plan.models import from_model_config
 from fivefold.plan.traffic import all_ranks
 from fivefold.train.trainer import supported, train_rank

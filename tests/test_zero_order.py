@@ -2,7 +2,7 @@
 replays it, neither keeps its own copy."""
 from fivefold.parallel import zero_order
 from fivefold.parallel.zero_order import backward_prefetch, backward_slots, forward_prefetch, frees_after_forward
-from fivefold.plan import memory
+from fivefold.plan import buffers
 
 
 def test_the_order_outside_and_under_a_pipeline():
@@ -18,6 +18,6 @@ def test_the_order_outside_and_under_a_pipeline():
 def test_planner_and_runtime_share_it():
     import fivefold.parallel.zero as zero
 
-    assert memory.MAX_INFLIGHT is zero_order.MAX_INFLIGHT is zero.MAX_INFLIGHT
+    assert buffers.MAX_INFLIGHT is zero_order.MAX_INFLIGHT is zero.MAX_INFLIGHT
     for name in ("forward_prefetch", "backward_prefetch", "frees_after_forward"):
-        assert getattr(zero, name) is getattr(zero_order, name) is getattr(memory, name)
+        assert getattr(zero, name) is getattr(zero_order, name) is getattr(buffers, name)

@@ -376,7 +376,7 @@ EAGER_GRAD_NORM_BYTES = 16
 # Elements per pass of the optimizer step (train/optim.py: one multi-tensor AdamW call, one slice of the
 # gradient norm; larger tensors are cut into flat slices). What the step holds beyond the states is
 # bounded by it: AdamW's fp32 denominators (+ an fp32 copy of low-precision gradients) of one call, or
-# the norm's fp64 copy of one slice (plan/memory.py `step_scratch`).
+# the norm's fp64 copy of one slice (plan/buffers.py `step_scratch`).
 STEP_CHUNK = 1 << 22
 
 

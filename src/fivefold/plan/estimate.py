@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from ..parallel.pipeline.spec import Schedule
 from .layout import Layout, Workload, check, microbatches, schedule_of
-from .memory import Memory, candidate_stages, memory, optimizer_bytes_per_param
+from .memory import Memory, memory
+from .units import candidate_stages, optimizer_bytes_per_param
 from .models import PlanModel
 from .time import StepTime, step_time
 from .topology import GiB, Topology
@@ -59,7 +60,7 @@ class Estimate:
 
     @property
     def host_fits(self) -> bool:
-        """With offload, host bytes per GPU (`memory.offload_memory`) fit its share of the host's RAM."""
+        """With offload, host bytes per GPU (`buffers.offload_memory`) fit its share of the host's RAM."""
         return self.memory.host <= self.topo.accelerator.host_memory
 
     @property

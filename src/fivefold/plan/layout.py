@@ -6,7 +6,11 @@ name differs in kind: the runtime counts `microbatches` per step, the planner ch
 sequences in one micro-batch of one data-parallel rank; `microbatches(layout, work)` is the count,
 global_batch / (dp · micro_batch). `Workload` holds what does not depend on the layout: sequence length,
 global batch (in sequences), dtypes, flash attention, FP8 dispatch, capacity factor. `from_config(cfg)`
-builds both from a runtime `Config`, so the planner and a real run describe the same thing.
+builds both from a runtime `Config`, so the planner and a real run describe the same thing: the layout
+from one table, `LAYOUT_SOURCES`, giving each `Layout` field its source (a `ParallelConfig` or
+`TrainConfig` field copied, a value computed from some, or the planner's own choice), with
+`PARALLEL_ELSEWHERE` placing the `ParallelConfig` fields no layout field is made from
+(tests/test_plan_layout_fields.py keeps both whole as either class gains a field).
 
 Mechanism options (docs/plan.md, "Mechanisms"): `Layout.overlap_grad_reduce` (a stage's bucketed
 gradient reduction starts during each chunk's last backward, as Megatron-Core and FSDP do; False: when
@@ -26,9 +30,9 @@ valid values; the rules are `fivefold.rules`', the ones `Config.validate` applie
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Callable, Literal
 
 from .. import rules
 from ..config import Config
@@ -160,7 +164,7 @@ class Workload:
                                    # many nodes, sent once per node then forwarded over NVLink (0: off)
     fp8_gemm: bool = False         # linear-layer GEMMs (forward, dgrad, wgrad) at the accelerator's FP8 peak;
                                    # attention, embedding and LM head stay in dtype (DeepSeek-V3 §3.3)
-    fp8_act_cache: bool = False    # linear-layer inputs cached in FP8 for the backward (memory.py applies it)
+    fp8_act_cache: bool = False    # linear-layer inputs cached in FP8 for the backward (activations.py applies it)
     fused_optimizer: bool = True   # the optimizer reads and writes each state once (False: the runtime's eager
                                    # AdamW and grad norm, rules.EAGER_ADAMW_ACCESSES passes)
     document_length: float = 0.0   # train.document_mask: attention stays inside each packed document of this
@@ -217,25 +221,71 @@ def schedule_of(model: PlanModel, layout: Layout, work: Workload) -> Schedule:
                           layout.microbatch_group, model.layers, layout.partition)
 
 
+# -- where each field comes from ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    """Where `from_config` takes one `Layout` field from. `reads` names config fields ("parallel.tp",
+    "train.recompute"); `make` computes the value from them, in that order (None: the one field read is
+    copied). With no reads, `make` gives the value the runtime always runs (`why` says so); with neither,
+    the field is the planner's own choice, which a runtime config leaves at its default (`why`)."""
+
+    reads: tuple[str, ...] = ()
+    make: Callable[..., Any] | None = None
+    why: str = ""
+
+    @property
+    def planner_only(self) -> bool:
+        return not self.reads and self.make is None
+
+    def value(self, cfg: Config) -> Any:
+        args = [getattr(getattr(cfg, part), name) for part, _, name in (key.partition(".") for key in self.reads)]
+        return self.make(*args) if self.make is not None else args[0]
+
+
+def _copy(key: str) -> Source:
+    return Source((key,))
+
+
+# Every `Layout` field and its source; tests/test_plan_layout_fields.py fails when a field of `Layout` has
+# no row here, or a `ParallelConfig` field is neither read here nor placed in PARALLEL_ELSEWHERE.
+LAYOUT_SOURCES: dict[str, Source] = {
+    **{name: _copy(f"parallel.{name}") for name in (
+        "tp", "pp", "dp", "cp", "ep", "zero", "sp_mode", "cp_mode", "ulysses", "vpp", "schedule", "order",
+        "partition", "bucket_mb", "reshard_after_forward", "reduce_each_microbatch", "microbatch_group",
+        "offload")},
+    "micro_batch": Source(("train.global_batch", "parallel.dp", "parallel.microbatches"),
+                          lambda batch, dp, count: batch // (dp * count),
+                          "the runtime counts micro-batches; the planner sizes one: global_batch / (dp · count)"),
+    "recompute": _copy("train.recompute"),
+    "overlap_grad_reduce": Source(("parallel.pp", "parallel.overlap_grad_reduce"), lambda pp, on: pp == 1 or on,
+                                  "a chunk's buckets reduced after its last backward (pp = 1: the one backward)"),
+    "overlap_param_gather": Source(make=lambda: False, why="the runtime gathers ZeRO-1/2's updated parameters "
+                                                           "at the step's end"),
+    "ep_overlap": Source(why="DualPipe-style all-to-all overlap: a mechanism the planner weighs, not the runtime"),
+    "recompute_norm_mla": Source(why="DeepSeek-V3's norm/MLA recompute: planned, the runtime recomputes by "
+                                     "train.recompute only"),
+}
+
+# `ParallelConfig` fields no `Layout` field is made from, and where each goes instead.
+PARALLEL_ELSEWHERE: dict[str, str] = {
+    "fp8_dispatch": "Workload.fp8_dispatch: how the dispatched tokens are encoded, not where ranks sit",
+    "offload_dir": "the run's folder for offload = nvme; the planner writes no files",
+    "ranks_per_node": "the machine's shape: plan.topology's nodes and tiers, not the layout",
+}
+
+
 def from_config(cfg: Config) -> tuple[Layout, Workload]:
-    """The layout and workload of a runtime `Config`. Attention is flash-like, as the runtime runs it:
-    SDPA takes its fused kernels on the CPU (`_scaled_dot_product_flash_attention_for_cpu`, with or
-    without a mask) and on CUDA (flash or memory-efficient), and ring attention saves only q, k, v, o and
-    the log-sum-exp, so no s x s scores are stored (`Workload.flash`).
-    The micro-batch size is global_batch / (dp · microbatches), exact for a config that validates."""
+    """The layout and workload of a runtime `Config`: the layout field by field from LAYOUT_SOURCES.
+    Attention is flash-like, as the runtime runs it: SDPA takes its fused kernels on the CPU
+    (`_scaled_dot_product_flash_attention_for_cpu`, with or without a mask) and on CUDA (flash or
+    memory-efficient), and ring attention saves only q, k, v, o and the log-sum-exp, so no s x s scores
+    are stored (`Workload.flash`). The micro-batch size is global_batch / (dp · microbatches), exact for a
+    config that validates."""
     p, t = cfg.parallel, cfg.train
     rules.check_global_batch(t.global_batch, p.dp, p.microbatches)
-    layout = Layout(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, zero=p.zero, sp_mode=p.sp_mode,
-                    cp_mode=p.cp_mode, ulysses=p.ulysses, vpp=p.vpp, micro_batch=t.global_batch // (p.dp * p.microbatches), schedule=p.schedule,
-                    microbatch_group=p.microbatch_group,
-                    recompute=t.recompute, order=p.order, partition=p.partition, bucket_mb=p.bucket_mb,
-                    reshard_after_forward=p.reshard_after_forward, reduce_each_microbatch=p.reduce_each_microbatch,
-                    offload=getattr(p, "offload", "none"))
+    layout = Layout(**{name: src.value(cfg) for name, src in LAYOUT_SOURCES.items() if not src.planner_only})
     # the runtime reduces in the accumulation dtype: fp32 main grads, or the weights' dtype without them
     full = t.main_grads_fp32 or t.dtype in ("fp32", "fp64")
-    # the runtime reduces a chunk's buckets after its last backward (pp == 1: the one backward) unless
-    # parallel.overlap_grad_reduce is off; ZeRO-1/2 gather after the step
-    layout = replace(layout, overlap_grad_reduce=p.pp == 1 or p.overlap_grad_reduce, overlap_param_gather=False)
     work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=True,
                     capacity_factor=cfg.model.capacity_factor,   # 0: dropless (balanced routing assumed)
                     fp8_dispatch=cfg.parallel.fp8_dispatch, grad_dtype="fp32" if t.main_grads_fp32 else "param",

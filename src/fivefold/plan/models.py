@@ -22,7 +22,7 @@ runtime keep it as a buffer). Any other family, activation or variant the shapes
 refused, naming the supported ones.
 
 Approximations (stated where they are used): MLA's activations are the up-projected per-head Q, K, V
-plus the latents (plan/memory.py `layer_acts`); MoE expert activations assume balanced routing. MLA's
+plus the latents (plan/activations.py `layer_acts`); MoE expert activations assume balanced routing. MLA's
 parameters per tp rank, ZeRO units and tp messages are the runtime's (model/latent_attention.py,
 parallel/tensor.py): down-projections and latent norms whole on every tp rank, the latents entering the
 tensor-parallel region.

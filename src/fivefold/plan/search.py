@@ -14,7 +14,7 @@ size), and the degrees that divide them come from `rules.divisors` (prime factor
 Prunings, none of which drops a layout that could rank first: recompute is tried none → selective →
 full and the first that fits is kept (more recompute only adds time); once a ZeRO stage fits without
 recompute, higher stages are skipped (they only add traffic); and only the stages that can be the most
-loaded (`memory.candidate_stages`) or the slowest (`memory.time_stages`) are evaluated, with the
+loaded (`units.candidate_stages`) or the slowest (`units.time_stages`) are evaluated, with the
 closed-form bubble.
 
 Branch and bound (`bound=True`, the default): every structure (tp, pp, cp, cp mode, ep, dp) gets a lower
@@ -47,7 +47,8 @@ from ..grid import DEFAULT_ORDER
 from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB, ConfigError, Recompute, choices, cp_degrees, divisors
 from .estimate import Estimate, estimate, owned_elements
 from .layout import Layout, Workload, check, valid_tp
-from .memory import Memory, candidate_stages, stage_layers, stage_memory, time_stages
+from .memory import Memory, stage_memory
+from .units import candidate_stages, stage_layers, time_stages
 from .models import PlanModel
 from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology

@@ -58,7 +58,7 @@ from ..parallel.pipeline import schedules as _schedules
 from ..rules import INTERLEAVED, ZB
 from .gemm import linear_seconds
 from .layout import Layout, Workload, microbatches, schedule_of
-from .memory import layout_layers, stage_layers
+from .units import layout_layers, stage_layers
 from .models import PlanModel
 from .topology import Topology
 from .traffic import KIND, Flow

@@ -65,8 +65,9 @@ from ..comm import volume
 from ..rules import STEP_CHUNK, cp_degrees, grad_norm_group, kv_replicas, moe_capacity
 from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
-from .memory import (block_units, exact_tensors, held_root, layout_layers, offload_units, owned_tagged,
-                     params_on_disk, root_tensors, stage_params, unit_sums, unit_tensors, zero_units)
+from .buffers import offload_units, params_on_disk
+from .units import (block_units, exact_tensors, held_root, layout_layers, owned_tagged, root_tensors, stage_params,
+                    unit_sums, unit_tensors, zero_units)
 from .models import PlanModel
 from .topology import Topology, collective_latency, group_bandwidth
 
@@ -546,9 +547,9 @@ def eval_all_ranks(model: PlanModel, layout: Layout, work: Workload, batches: in
 def _offload_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int = 1,
                    root: int = 0) -> None:
     """Offload copies of one rank of `stage` in one step (parallel/offload.py): once per ZeRO unit
-    (`memory.offload_units`, shard k elements), "d2h" of the reduced gradient shard (k·g bytes) and "h2d"
+    (`buffers.offload_units`, shard k elements), "d2h" of the reduced gradient shard (k·g bytes) and "h2d"
     of the updated parameter shard (k·w); with nvme also "nvme_read" and "nvme_write" of the master,
-    exp_avg and exp_avg_sq (3·k·mb each way). ZeRO-3 nvme (`memory.params_on_disk`): no h2d after the
+    exp_avg and exp_avg_sq (3·k·mb each way). ZeRO-3 nvme (`buffers.params_on_disk`): no h2d after the
     step but an "nvme_write" of k·w, and before each of the unit's all-gathers (`zero3_gathers`; the
     first `root` units are the root) an "nvme_read" and an "h2d" of k·w."""
     if L.offload == "none":

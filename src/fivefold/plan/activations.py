@@ -1,0 +1,267 @@
+"""Activations a rank stores: per layer, per stage, and at the pipeline schedule's peak.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", §4): per layer, for s·b tokens, GPT-3 style (GeLU, dropout, 16-bit):
+
+    no parallelism           s·b·h·(34 + 5·a·s/h)
+    tensor parallel t        s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    + sequence parallel      s·b·h/t·(34 + 5·a·s/h)
+    selective recompute      the 5·a·s/h term goes (so does it with flash attention)
+    full recompute           2·s·b·h per layer (/t with sequence parallel)
+
+`layer_activation_bytes` derives these constants from the layer's tensors instead of hard-coding 34, so
+Llama-style layers (SwiGLU, GQA, RMSNorm, no dropout) and MoE layers get their own; on the GPT-3 shape it
+reproduces the table exactly (tests/test_plan_literature.py). Context parallelism (ring or Ulysses)
+divides the tokens a rank holds by cp. Pipeline schedules multiply by the micro-batches in flight:
+GPipe m; 1F1B min(p - j, m) on stage j (p on the first); interleaved (Narayanan et al. 2021) holds
+min(2(p-j-1) + (v-1)·N + 1, m·v) chunks of L_j/v layers with N micro-batches per group
+(`Layout.microbatch_group`, N = p by default: p·(1 + (p-1)/(p·v)) stage-activations on the first stage).
+
+Mechanisms that change what a layer stores (docs/plan.md, "Mechanisms"): `Workload.fp8_act_cache` caches
+the inputs of the FP8 linear layers at 1 byte, the attention output at 1.5 (E5M6) and, in MoE experts,
+only the activation function's inputs (its output recomputed); `Layout.recompute_norm_mla` recomputes
+the norms' outputs and MLA's up-projections, so MLA stores its latents instead of per-head Q, K, V
+(DeepSeek-AI 2024, §3.3.3, §3.4). `layer_acts` lists the tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..parallel.pipeline.partition import partition_layers
+from ..parallel.pipeline.schedules import interleaved_table, interleaved_warmup
+from ..rules import GPIPE, INTERLEAVED
+from ..shapes import padded_vocab
+from .layout import Layout, Workload, microbatches
+from .models import PlanModel
+from .units import layout_layers, stage_layers
+
+
+# -- micro-batches in flight -------------------------------------------------------------------------
+def in_flight(schedule: str, pp: int, stage: int, m: int, vpp: int = 1, group: int = 0) -> float:
+    """Micro-batches whose activations stage `stage` holds at its peak, in units of the whole stage.
+    Interleaved: min(2(p-s-1) + (v-1)·N + 1, m·v) chunks of 1/v of the stage, N = `group` micro-batches
+    per group (0: p), as the schedule simulator counts them (schedules.interleaved_warmup)."""
+    if pp == 1:
+        return 1.0
+    if schedule == GPIPE:
+        return float(m)
+    if schedule == INTERLEAVED and vpp > 1:
+        return interleaved_warmup(pp, stage, m, vpp, group) / vpp
+    return float(min(pp - stage, m))  # 1f1b, zero-bubble (ZB-H1 keeps 1F1B's peak)
+
+
+def interleaved_peak(pp: int, stage: int, m: int, vpp: int, group: int, weights: tuple[float, ...]) -> float:
+    """Peak of the stored activations of rank `stage` under the interleaved schedule when its local chunks
+    hold different amounts (`weights[c]` per micro-batch: Llama 3's first chunk holds only the embedding,
+    its last only the head): the rank's forwards and backwards walked in the runtime's order
+    (`schedules.interleaved_table`: the warm-up forwards, then one backward and one forward at a time),
+    the held sum's maximum. With equal weights this is `in_flight` x the stage's activations."""
+    n = group or pp
+    table = interleaved_table(m, vpp, n)
+    f = interleaved_warmup(pp, stage, m, vpp, group)
+    held = sum(weights[c] for _, c in table[:f])
+    peak = held
+    for k in range(len(table)):
+        held -= weights[vpp - 1 - table[k][1]]
+        if f < len(table):
+            held += weights[table[f][1]]
+            f += 1
+            peak = max(peak, held)
+    return peak
+
+
+def interleaved_penalty(pp: int, vpp: int) -> float:
+    """First-stage activation factor of the interleaved schedule over 1F1B: 1 + (p-1)/(p·v)."""
+    return 1 + (pp - 1) / (pp * vpp)
+
+
+# -- activations --------------------------------------------------------------------------------------
+@dataclass
+class LayerActs:
+    """Bytes per token of one layer's stored activations, split by how tensor parallelism divides them."""
+
+    replicated: float = 0.0   # held whole by every tp rank (divided by t only with sequence parallel)
+    sharded: float = 0.0      # split t ways (heads, ffn)
+    scores: float = 0.0       # the s·a terms (softmax, dropout): split t ways; gone with flash/selective
+
+    def per_rank(self, tp: int, sp: bool, with_scores: bool) -> float:
+        rep = self.replicated / tp if sp else self.replicated
+        return rep + self.sharded / tp + (self.scores / tp if with_scores else 0.0)
+
+
+def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1, recompute_norm_mla: bool = False) -> LayerActs:
+    """Korthikanti et al. 2022 §4.1, term by term, per token of one layer (bytes).
+
+    Attention: norm input, QKV input (replicated); Q, K, V, output-projection input (sharded); softmax
+    output (+ dropout mask and output) per key (scores); dropout mask after the projection. MLP: norm
+    input, first-linear input, dropout mask (replicated); GeLU input and output, or SwiGLU's gate, up and
+    product (sharded). MoE: router input and fp32 logits/probabilities (replicated), per routed copy
+    (top_k · capacity) the expert input (replicated) and SwiGLU internals (sharded), shared experts'
+    internals (sharded). K/V with fewer kv heads than tp are replicated per head group. A parallel
+    block (GPT-NeoX's use_parallel_residual) normalises the block input for the MLP too: that input is
+    stored once. MLA (DeepSeek): the latents c_q (q_lora_rank) and c_kv (kv_lora_rank) as their norms'
+    inputs and as the up-projections' inputs, and the up-projected per-head Q, K, V the attention reads.
+
+    `work.fp8_act_cache` (DeepSeek-V3 §3.3.3): what only FP8 linear layers read is cached at 1 byte for
+    their weight gradients (QKV input, dense MLP input, the up-projections' and down projections' inputs,
+    the dispatched expert inputs); the attention output, which the attention's backward reads too, at
+    1.5 bytes (E5M6); MoE experts (routed and shared) cache their activation function's inputs in FP8 and
+    recompute its output (the down projection's input) in the backward. What higher-precision operators
+    read stays in the activation dtype: norm inputs, Q, K, V, the MoE layer's MLP input (the router's).
+    `recompute_norm_mla` (DeepSeek-V3 §3.4): the norms' outputs (QKV and MLP inputs) and MLA's
+    up-projections are recomputed in the backward, so a layer keeps the norms' inputs and MLA only its
+    latents c_q, c_kv and the shared RoPE key k_pe (q_lora_rank + kv_lora_rank + qk_rope_dim), not Q, K, V.
+    """
+    e, h = work.act_bytes, model.hidden
+    fp8 = work.fp8_act_cache
+    c = 1 if fp8 else e                     # input of an FP8 linear layer, cached for its weight gradient
+    light = recompute_norm_mla
+    drop = 1 if model.dropout else 0
+    kv_split = min(tp, model.kv_heads) if not model.mla else tp
+    acts = LayerActs()
+    acts.replicated += e * h + drop * h                             # norm input; dropout mask
+    if not light:
+        acts.replicated += c * h                                    # QKV input (the norm's output)
+    if model.mla:
+        q_lat, kv_lat = model.q_lora_rank, model.kv_lora_rank
+        if light:                                                   # latents; up-projections recomputed
+            acts.replicated += e * (q_lat + kv_lat + model.qk_rope_dim)
+        else:                                                       # latents (norm inputs, up-proj inputs)
+            acts.replicated += (e + c) * (q_lat + kv_lat)
+            acts.sharded += e * (model.kv_width + model.v_width) * tp / kv_split   # per-head K, V
+        if not (light and q_lat):                                   # Q (no q latent: a plain projection)
+            acts.sharded += e * model.q_width
+    else:
+        acts.sharded += e * model.q_width                           # Q
+        acts.sharded += e * (model.kv_width + model.v_width) * tp / kv_split  # K, V
+    acts.sharded += (1.5 if fp8 else e) * model.attn_out_width      # attention output = o-projection input
+    acts.scores += model.heads * work.seq * (e + drop * (1 + e))    # softmax out (+ dropout mask, output)
+    if work.flash:
+        acts.sharded += 4 * model.heads                             # fp32 log-sum-exp per head
+    moe = model.is_moe_layer(i)
+    mlp_norm_input = 0 if model.parallel_residual else e * h        # parallel: the block input, kept above
+    acts.replicated += mlp_norm_input + drop * h                    # MLP norm input; dropout mask
+    if not light:
+        if moe:   # under tp each rank routes and dispatches its own 1/t of the tokens (replicated_moe)
+            acts.sharded += max(4, e) * h                           # the router's input, its fp32 copy
+        else:
+            acts.replicated += c * h                                # MLP input
+    n_act = 1 if model.mlp == "gelu" else 2                         # GeLU input, or SwiGLU's gate and up
+    if not moe:
+        acts.sharded += (n_act * e + c) * model.ffn                 # activation inputs; down-projection input
+        return acts
+    k = model.top_k * (work.capacity_factor or 1.0)   # dropless (0): planned as perfectly balanced
+    acts.sharded += 2 * 4 * model.experts + k * c * h               # router logits+probs, expert inputs
+    per_expert = n_act * 1 if fp8 else (n_act + 1) * e              # FP8: activation output recomputed
+    acts.sharded += (k + model.shared_experts) * per_expert * model.moe_ffn
+    return acts
+
+
+def layer_activation_bytes(model: PlanModel, i: int, layout: Layout, work: Workload, tokens: float) -> float:
+    """Stored activation bytes of layer i for `tokens` tokens on one rank (without recompute storage)."""
+    a = layer_acts(model, i, work, layout.tp, layout.recompute_norm_mla)
+    with_scores = not work.flash and layout.recompute == "none"
+    return tokens * a.per_rank(layout.tp, layout.seq_parallel, with_scores)
+
+
+def korthikanti(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none") -> float:
+    """The paper's closed forms (bytes per layer), for checking `layer_acts` against (§4.2, Table 2)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    s2 = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return s * b * h / t * (34 + s2)
+    return s * b * h * (10 + 24 / t + s2 / t)
+
+
+def rank_tokens(layout: Layout, work: Workload) -> float:
+    """Tokens of one micro-batch held by one rank (context parallel splits the sequence)."""
+    return layout.micro_batch * work.seq / layout.cp
+
+
+@lru_cache(maxsize=16384)
+def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_scores: bool, pp: int, vpp: int,
+                     partition: str, light: bool = False) -> tuple:
+    """Per stage: (sum, max) over its layers of stored activation bytes per token on one rank."""
+    per_layer = {}
+    rows = []
+    for rng in stage_layers(model.layers, pp, vpp, partition):
+        vals = []
+        for i in rng:
+            key = model.is_moe_layer(i)
+            if key not in per_layer:
+                per_layer[key] = layer_acts(model, i, work, tp, light).per_rank(tp, sp, with_scores)
+            vals.append(per_layer[key])
+        rows.append((sum(vals), max(vals, default=0.0)))
+    return tuple(rows)
+
+
+@lru_cache(maxsize=16384)
+def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_scores: bool, pp: int, vpp: int,
+                     partition: str, light: bool, full: bool) -> tuple:
+    """Per stage, per local chunk: stored activation bytes per token on one rank for one micro-batch (its
+    layers' `layer_acts`, or under full recompute each layer's input; the embedding's output on global
+    chunk 0, the final norm's and head's inputs and the fp32 logits on the last)."""
+    part = partition_layers(model.layers, pp, vpp, partition)
+    e, h = work.act_bytes, model.hidden
+    split = tp if sp else 1
+    vocab = padded_vocab(model.vocab, tp) / tp
+    rows = []
+    for s in range(pp):
+        row = []
+        for c in range(vpp):
+            q = c * pp + s
+            layers = part.layers_of(q)
+            if full:
+                w = len(layers) * e * h / split
+            else:
+                w = sum(layer_acts(model, i, work, tp, light).per_rank(tp, sp, with_scores) for i in layers)
+            if q == 0:
+                w += e * h / split
+            if q == pp * vpp - 1:
+                w += 2 * e * h / split + (e + 4) * vocab
+            row.append(w)
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """Peak activation bytes of one rank of `stage`: layers × micro-batches in flight, embedding on the
+    first stage, final norm, head and fp32 logits on the last; full recompute keeps each layer's input
+    plus one layer's working set."""
+    L = layout
+    return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.schedule,
+                              L.micro_batch, L.recompute, L.partition, stage, L.microbatch_group,
+                              L.recompute_norm_mla)
+
+
+@lru_cache(maxsize=65536)
+def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micro_batch, recompute, partition, stage,
+                       group=0, light=False):
+    L = Layout(tp=tp, sp_mode=sp_mode, cp=cp, pp=pp, dp=dp, vpp=vpp, schedule=schedule, micro_batch=micro_batch,
+               recompute=recompute, partition=partition, microbatch_group=group, recompute_norm_mla=light)
+    T = rank_tokens(L, work)
+    e, h = work.act_bytes, model.hidden
+    n_layers = len(layout_layers(model, L)[stage])
+    m = microbatches(L, work)
+    flight = in_flight(L.schedule, L.pp, stage, m, L.vpp, L.microbatch_group)
+    split = L.tp if L.seq_parallel else 1
+    with_scores = not work.flash and L.recompute == "none"
+    total_pt, max_pt = _stage_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp,
+                                        L.partition, L.recompute_norm_mla and L.recompute != "full")[stage]
+    if L.interleaved:   # chunks may differ: walk the schedule
+        chunks = _chunk_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp, L.partition,
+                                  L.recompute_norm_mla and L.recompute != "full", L.recompute == "full")[stage]
+        return interleaved_peak(L.pp, stage, m, L.vpp, L.microbatch_group, chunks) * T + (max_pt * T if
+                                                                                        L.recompute == "full" else 0.0)
+    if L.recompute == "full":
+        total = flight * n_layers * T * e * h / split + max_pt * T
+    else:
+        total = flight * total_pt * T
+    if stage == 0:
+        total += flight * T * e * h / split                     # embedding output
+    if stage == L.pp - 1:
+        vocab = padded_vocab(model.vocab, L.tp) / L.tp
+        total += flight * T * (2 * e * h / split + (e + 4) * vocab)  # norm and head input; logits (+fp32)
+    return total

@@ -1,0 +1,395 @@
+"""What a step holds beyond the model states and the saved activations: ZeRO's buffers, the backward's,
+the loss's, the edges' and the optimizer step's scratch; and what offload moves off the device.
+
+Buffers: the larger of the backward's (`zero_buffers` plus the backward's working set beyond what it
+saved: gradients, receive buffers, a norm's or an MLP's temporaries, `backward_scratch`), the loss's
+backward on the last stage (`loss_scratch` beside `zero_at_loss`), the embedding's and the head's
+(`edge_scratch` beside `zero_at_edge`) and the optimizer step's scratch (`step_scratch`: one bounded pass of
+rules.STEP_CHUNK elements). `zero_buffers` is what ZeRO-2/3 hold during a step beyond the states between steps. ZeRO-3's
+gathered units (the root unit of embedding, final norm and head included), gradient buffers and
+reduce-scatters in flight are replayed in the runtime's order (parallel/zero.py), so the peak is the
+runtime's to the byte (tests/test_plan_memory.py measures it from the runtime's tensors).
+
+Offload (`Layout.offload`, docs/plan.md "Offload"): the optimizer state leaves the device (`offloaded`)
+for host memory or a file (`offload_bytes`, the runtime's parallel/offload.py to the byte); the device's
+total no longer counts it, the row's `host` and `disk` do. ZeRO-3 with nvme (`params_on_disk`) moves the
+parameter shards to the file too: the device's `weights` are 0 (`offloaded_params`: what left), and only
+the gathered units `zero_buffers` replays hold parameters on the device.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .. import rules
+from ..parallel.zero_order import (MAX_INFLIGHT, backward_prefetch, backward_slots, forward_prefetch,
+                                   frees_after_forward)
+from ..shapes import padded, padded_vocab, shard_size
+from .activations import rank_tokens
+from .layout import Layout, Workload, microbatches
+from .models import PlanModel
+from .units import held_root, layer_rank_params, layout_layers, root_tensors, stage_params, zero_units
+
+
+# -- ZeRO's buffers during a step ---------------------------------------------------------------------
+# MAX_INFLIGHT and the gather/free order are the runtime's (parallel/zero_order.py), not mirrored here
+
+
+class BufferTimeline:
+    """Bytes alive while a step is replayed, and their peak. A reduce-scatter in flight holds its unit's
+    full gradient and a shard-sized result until it is folded in, which happens to the oldest once more
+    than MAX_INFLIGHT are in flight (parallel/zero_order.py; zero.py `_reduce`)."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self.inflight: list[int] = []
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def drop(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def reduce(self, grad: int, result: int, freed: int = 0) -> None:
+        """Launch one unit's reduce-scatter (its `grad` bytes already alive): the result buffer appears,
+        the unit's gathered parameters (`freed` bytes) go, then the oldest reductions are folded in."""
+        self.add(result)
+        self.inflight.append(grad + result)
+        self.drop(freed)
+        while len(self.inflight) > MAX_INFLIGHT:
+            self.drop(self.inflight.pop(0))
+
+
+def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """ZeRO-3's gather slots on one rank of `stage` (parallel/zero.py, `Zero3.make_units`): the root
+    (every parameter outside the blocks: embedding on the first stage, final norm and untied head on the
+    last), then each block, each slot's units as (elements, group size): dense over dp·cp, routed experts
+    over dp·cp/ep. Every unit is a flat buffer padded to a multiple of its group size."""
+    L = layout
+    n_dense, n_expert = L.dp * L.cp, L.edp
+    root = sum(n for n, _ in root_tensors(model, L.tp, L.pp, stage))
+    slots = [((root, n_dense),) if root else ()]
+    for i in layout_layers(model, L)[stage]:
+        dense, expert = layer_rank_params(model, i, L.tp, L.ep)
+        slots.append(tuple(u for u in ((dense, n_dense), (expert, n_expert)) if u[0]))
+    return tuple(slots)
+
+
+def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int) -> int:
+    """Peak bytes of ZeRO-3 outside a pipeline, replaying `micro` micro-batches as Zero3 runs them.
+
+    Forward: the root is gathered for the whole forward (its hook wraps the model), each block is
+    gathered with the next one prefetched, and freed after its forward (reshard_after_forward; else
+    kept). Backward: the root again (the head's and final norm's gradients come first, the embedding's
+    last, so the root's gradient lives through the whole backward), each block gathered with the one
+    before it prefetched; a block's gradient buffer fills, is reduce-scattered and the block freed.
+    Reductions of the last micro-batch stay in flight into the next."""
+    t = BufferTimeline()
+    held: set = set()
+
+    def gather(k: int) -> None:
+        for j, u in enumerate(slots[k]):
+            if (k, j) not in held:
+                held.add((k, j))
+                t.add(w * padded(*u))
+
+    def free(k: int, j: int) -> int:
+        if (k, j) not in held:
+            return 0
+        held.discard((k, j))
+        return w * padded(*slots[k][j])
+
+    def reduce_slot(k: int) -> None:
+        for j in reversed(range(len(slots[k]))):        # routed experts finish before the dense part
+            u = slots[k][j]
+            t.reduce(g * padded(*u), g * shard_size(*u), free(k, j))
+
+    def gather_with(k: int, ahead: int | None) -> None:
+        gather(k)
+        if ahead is not None:
+            gather(ahead)
+
+    def free_slot(k: int) -> None:
+        if frees_after_forward(k, reshard, pipeline=False):
+            t.drop(sum(free(k, j) for j in range(len(slots[k]))))
+
+    last = len(slots) - 1
+    for _ in range(micro):
+        for k in range(last + 1):                       # the root's hooks wrap the blocks'
+            gather_with(k, forward_prefetch(k, last, pipeline=False))
+            if k:
+                free_slot(k)
+        free_slot(0)
+        for k in backward_slots(len(slots)):
+            gather_with(k, backward_prefetch(k, len(slots), pipeline=False))
+            t.add(sum(g * padded(*u) for u in slots[k]))
+            if k:
+                reduce_slot(k)
+        reduce_slot(0)
+    return t.peak
+
+
+def _replay_pipeline(slots: tuple, w: int, g: int, micro: int, head_first: bool) -> int:
+    """Peak bytes of ZeRO-3 under a pipeline: the root stays gathered for the step, one block at a time
+    is gathered (no prefetch: the next module depends on the schedule), every unit's full gradient
+    accumulates over the micro-batches, and `end_backward` reduce-scatters the units in order (root, then
+    the blocks) once the step's last backward is done."""
+    t = BufferTimeline()
+    t.add(sum(w * padded(*u) for u in slots[0]))
+    grads = [sum(g * padded(*u) for u in s) for s in slots]
+    alive: set = set()
+
+    def grad(k: int) -> None:
+        if k not in alive:
+            alive.add(k)
+            t.add(grads[k])
+
+    if micro > 1:                      # an earlier backward allocated every unit's gradient
+        for k in range(len(slots)):
+            grad(k)
+    if head_first:                     # final norm and head: the first gradients of the backward
+        grad(0)
+    for k in range(len(slots) - 1, 0, -1):
+        block = sum(w * padded(*u) for u in slots[k])
+        t.add(block)
+        grad(k)
+        t.drop(block)
+    grad(0)
+    for s in slots:
+        for u in s:
+            t.reduce(g * padded(*u), g * shard_size(*u))
+    return t.peak
+
+
+def _replay_each_microbatch(slots: tuple, w: int, g: int, held: bool) -> int:
+    """Peak bytes of ZeRO-2/3 reducing every micro-batch under a pipeline (`reduce_each_microbatch`): the
+    root gathered all step (ZeRO-3, w > 0), one block gathered, a held root's full gradient for the whole
+    step (a tied copy, reduced once), the block whose gradient is filling and the two reductions still in
+    flight behind it (each a full gradient and its shard; parallel/zero_order.py MAX_INFLIGHT)."""
+    root = sum(padded(*u) for u in slots[0])
+    units = [sum(padded(*u) for u in s) for s in slots[1:]] + ([] if held else [root])
+    shards = [sum(shard_size(*u) for u in s) for s in slots[1:]] + ([] if held else [sum(shard_size(*u) for u in slots[0])])
+    big = max(units, default=0)
+    flight = sorted((u + k for u, k in zip(units, shards)), reverse=True)[:MAX_INFLIGHT]
+    return w * (root + big) + g * (root if held else 0) + g * big + g * sum(flight)
+
+
+@lru_cache(maxsize=16384)
+def _zero3_buffers(model: PlanModel, layout: Layout, stage: int, w: int, g: int, micro: int) -> int:
+    slots = zero3_slots(model, layout, stage)
+    if layout.pp > 1 and layout.reduce_each_microbatch:
+        return _replay_each_microbatch(slots, w if layout.zero >= 3 else 0, g, held_root(model, layout, stage))
+    if layout.pp > 1:
+        return _replay_pipeline(slots, w, g, micro, head_first=stage == layout.pp - 1)
+    return _replay_direct(slots, w, g, layout.reshard_after_forward, micro)
+
+
+def zero_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """What ZeRO-2/3 hold beyond the model states between steps, at their peak during a step.
+
+    ZeRO-3 (parallel/zero.py, `Zero3`) is replayed event by event on its padded units (`zero3_slots`):
+    gathered parameters (w bytes each), full gradient buffers and reduce-scatters in flight (g bytes;
+    each keeps its unit's full gradient and a shard-sized result until folded). The root unit (embedding,
+    final norm, head) counts in full: outside a pipeline it is gathered for the whole forward and the
+    whole backward, and its gradient buffer lives through the whole backward (its first gradients, the
+    head's, come first; its last, the embedding's, last). With root R, uniform blocks B (elements per
+    rank), shards r = R/n, b = B/n, reshard_after_forward, at least two blocks and two micro-batches the
+    peak is at the first block reduction of a micro-batch:
+
+        w·(R + 2B) + g·R + g·(R + r) + 2·g·(B + b)
+
+    (root and two blocks gathered, the root's new gradient, the previous micro-batch's root reduction
+    and two blocks' reductions in flight). Under a pipeline the root stays gathered all step, one block
+    is gathered at a time and the stage's full gradient G accumulates, reduced at the step's end in
+    unit order: about w·(R + B) + g·G plus up to three shard results. Micro-batches after the second
+    repeat the second's peak, so at most two are replayed. ZeRO-2 under a pipeline accumulates the
+    stage's full gradient (g·G); ZeRO-2's transient buckets outside a pipeline are not counted. With
+    `reduce_each_microbatch` under a pipeline (ZeRO-2 or 3) see `_replay_each_microbatch`: about
+    w·(R + B) (ZeRO-3) + g·R (a tied root) + g·B + 2·g·(B + b), no full gradient."""
+    if layout.zero < 2:
+        return 0.0
+    if layout.zero == 3 or (layout.pp > 1 and layout.reduce_each_microbatch):
+        micro = min(microbatches(layout, work), 2)
+        return float(_zero3_buffers(model, _buffer_key(layout), stage, work.param_bytes, work.grad_bytes, micro))
+    if layout.pp == 1:
+        return 0.0
+    dense, expert = stage_params(model, layout, stage)
+    return float(dense + expert) * work.grad_bytes
+
+
+def zero_at_loss(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """ZeRO's buffers while the loss's backward runs. ZeRO-3 outside a pipeline: the root unit gathered
+    (its gradient buffer comes with the head's backward, after the loss's) and, from the second
+    micro-batch on, the previous one's last two reductions in flight (the root's and the first block's);
+    elsewhere the step's peak (`zero_buffers`: under a pipeline the gradients accumulate all step)."""
+    if layout.zero != 3 or layout.pp > 1:
+        return zero_buffers(model, layout, work, stage)
+    slots = zero3_slots(model, _buffer_key(layout), stage)
+    w, g = work.param_bytes, work.grad_bytes
+    out = sum(w * padded(*u) for u in slots[0])
+    if microbatches(layout, work) > 1:
+        out += sum(g * (padded(*u) + shard_size(*u)) for k in (0, 1)[:len(slots)] for u in slots[k])
+    return float(out)
+
+
+def zero_at_edge(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """ZeRO's buffers while the embedding's (or head's) gradient is made: ZeRO-3 outside a pipeline holds
+    no gathered block then (the step's peak has two), elsewhere the step's peak (`zero_buffers`)."""
+    peak = zero_buffers(model, layout, work, stage)
+    if layout.zero != 3 or layout.pp > 1:
+        return peak
+    blocks = sorted((sum(padded(*u) for u in slot) for slot in zero3_slots(model, _buffer_key(layout), stage)[1:]),
+                    reverse=True)
+    return peak - work.param_bytes * sum(blocks[:2])
+
+
+def _buffer_key(layout: Layout) -> Layout:
+    """The layout fields ZeRO-3's buffers depend on (a smaller cache key)."""
+    L = layout
+    return Layout(tp=L.tp, pp=L.pp, dp=L.dp, cp=L.cp, ep=L.ep, zero=L.zero, vpp=L.vpp, partition=L.partition,
+                  reshard_after_forward=L.reshard_after_forward, reduce_each_microbatch=L.reduce_each_microbatch)
+
+
+# -- offload: optimizer state in host memory or on disk ----------------------------------------------------
+def offload_units(model: PlanModel, layout: Layout, work: Workload, stage: int) -> tuple[tuple[int, int], ...]:
+    """(elements, group size n) of every ZeRO unit one rank of `stage` holds: the units the runtime's ZeRO
+    engine builds and the offload engine copies one by one (dense over dp·cp, routed experts over
+    dp·cp/ep; `zero_units`), with a group of one rank too (ZeRO at dp = 1 still makes its units)."""
+    L = layout
+    _, expert = stage_params(model, L, stage)
+    units = [(u, L.dp * L.cp) for u in zero_units(model, L, work.grad_bytes, stage)]
+    if expert:
+        units += [(u, L.edp) for u in zero_units(model, L, work.grad_bytes, stage, True)]
+    return tuple(units)
+
+
+def params_on_disk(layout: Layout) -> bool:
+    """ZeRO-Infinity's parameter offload: ZeRO-3 with nvme keeps the parameter shards in the file between
+    uses (parallel/zero.py `params_on_disk`), read before each all-gather."""
+    return layout.offload == "nvme" and layout.zero == 3
+
+
+def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
+    """What rank 0 of `stage` keeps off the device under `layout.offload`, as the runtime's offloaded state
+    reports it (parallel/offload.py, `bytes()`): {"host": {params, grads, optimizer, total}, "disk": {...}}.
+    Per unit of shard k elements (padded), mb / g / w bytes per master / gradient / parameter element,
+    s = w when the parameters are not in the master dtype (their staging copy for the copy up), else 0:
+
+        cpu   host  Σ (3·mb + g + s)·k        master, exp_avg, exp_avg_sq, the reduced gradient shard, staging
+        nvme  disk  Σ 3·mb·k                  master, exp_avg, exp_avg_sq in one file
+              host  2·(3·mb + g + s)·k_max    two slots of the largest unit: the one updated, the one read ahead
+        ZeRO-3 nvme, in addition (`params_on_disk`):
+              disk  params Σ w·k              the parameter shards
+              host  params w·k_max            the buffer a shard passes through on its way to an all-gather
+    The device keeps ZeRO's weights (none with ZeRO-3 nvme) and gradients and no optimizer state."""
+    none = {"params": 0, "grads": 0, "optimizer": 0, "total": 0}
+    if layout.offload == "none":
+        return {"host": dict(none), "disk": dict(none)}
+    mb, g = work.master_bytes, work.grad_bytes
+    s = work.param_bytes if work.param_bytes != mb else 0
+    shards = [shard_size(u, n) for u, n in offload_units(model, layout, work, stage)]
+    k = sum(shards) if layout.offload == "cpu" else 2 * max(shards, default=0)
+    on_disk = params_on_disk(layout)
+    w = work.param_bytes
+    host = {"params": s * k + (w * max(shards, default=0) if on_disk else 0), "grads": g * k, "optimizer": 3 * mb * k}
+    disk = {"params": w * sum(shards) if on_disk else 0, "grads": 0,
+            "optimizer": 3 * mb * sum(shards) if layout.offload == "nvme" else 0}
+    return {where: {**d, "total": sum(d.values())} for where, d in (("host", host), ("disk", disk))}
+
+
+# -- scratch: the backward's, the loss's, the edges' and the step's working sets --------------------
+def pipeline_receives(layout: Layout, stage: int) -> int:
+    """Receive buffers of one micro-batch's boundary alive beside a backward on `stage` (not saved
+    activations): the output gradient the backward consumes (every stage but the last) and the next
+    forward's input, posted ahead (every stage but the first); with interleaving every rank has both."""
+    if layout.pp == 1:
+        return 0
+    if layout.interleaved:
+        return 2
+    return (stage > 0) + (stage < layout.pp - 1)
+
+
+def mlp_width_per_token(model: PlanModel, work: Workload, tp: int) -> float:
+    """The widest SwiGLU a token passes through on one rank, in hidden units per token of the micro-batch:
+    a dense layer's ffn, a shared expert's, or the routed experts' (top_k · capacity rows per token)."""
+    widths = [model.ffn] if not model.moe or model.dense_layers else []
+    if model.moe:
+        k = model.top_k * (work.capacity_factor or 1.0)   # dropless (0): planned as perfectly balanced
+        widths += [model.shared_experts * model.moe_ffn, k * model.moe_ffn]
+    return max(widths) / tp
+
+
+def backward_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """The largest working set of a micro-batch's backward beyond its saved activations, on one rank of
+    `stage`. Always alive: the residual stream's gradient and the pipeline's receive buffers
+    (`pipeline_receives`), one hidden-wide tensor each (/t with sequence parallelism). Then the largest
+    of these moments (model/transformer.py, model/moe.py, parallel/tensor.py):
+    - the RMSNorm backward (`_RMSNorm`): its incoming gradient, the fp32 input gradient and one fp32
+      product, and the input's fp32 copy unless activations are fp32 (e + 8 or e + 12 bytes per element);
+    - the SwiGLU backward (`_SiluMul`): its incoming gradient and three temporaries, ffn-wide
+      (`mlp_width_per_token`);
+    - an MoE layer's backward: three dispatch-sized buffers (top_k · capacity rows of hidden per token:
+      the combine's gradient, the experts' input gradients and their concatenation);
+    - a layer weight's whole gradient before it is accumulated (`largest_layer_weight`).
+    With ZeRO-2/3 `zero_buffers` comes on top (`stage_memory`); the embedding's and head's backward are
+    `edge_scratch`, the loss's `loss_scratch`: moments of their own, with ZeRO's buffers of that moment."""
+    e, T = work.act_bytes, rank_tokens(layout, work)
+    split = layout.tp if layout.seq_parallel else 1
+    hidden = e * T * model.hidden / split
+    receives = pipeline_receives(layout, stage) * hidden
+    fp32 = 8 + (4 if e != 4 else 0)
+    norm = hidden + fp32 * T * model.hidden / split
+    mlp = 4 * e * T * mlp_width_per_token(model, work, layout.tp)
+    dispatch = 3 * e * T * model.top_k * (work.capacity_factor or 1.0) * model.hidden / layout.tp if model.moe else 0.0
+    weight_grad = work.param_bytes * largest_layer_weight(model, layout)
+    return receives + hidden + max(norm, mlp, dispatch, weight_grad)
+
+
+def largest_layer_weight(model: PlanModel, layout: Layout) -> float:
+    """Elements of a layer's largest weight gradient on one rank before the engine adds it to the
+    gradient buffer: autograd makes it whole, in the weights' dtype (a matrix); the routed experts'
+    three weights each come per expert, then the experts' unbind stacks them, so at the stack of the
+    last one its E/ep experts' three matrices and the stacked result are alive (4 · E/ep · f · h)."""
+    tp, h = layout.tp, model.hidden
+    out = [h * model.ffn / tp, h * model.q_width / tp]
+    if model.moe:
+        out.append(4 * h * model.moe_ffn * model.experts / layout.ep)
+    return max(out)
+
+
+def edge_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """The embedding's backward on the first stage, the head's on the last (0 elsewhere): the table's
+    dense gradient, whole in the weights' dtype (vocab/t x hidden), beside the residual gradient and the
+    posted receives."""
+    if stage not in (0, layout.pp - 1):
+        return 0.0
+    hidden = work.act_bytes * rank_tokens(layout, work) * model.hidden / (layout.tp if layout.seq_parallel else 1)
+    table = work.param_bytes * model.hidden * padded_vocab(model.vocab, layout.tp) / layout.tp
+    return (pipeline_receives(layout, stage) + 1) * hidden + table
+
+
+def loss_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """The loss's backward on the last stage (0 elsewhere): the logits and two fp32 vocab-wide tensors
+    (the upcast and the softmax gradient) per token, beside the posted receives; the layers' working set
+    (`backward_scratch`) comes later, and so do most of ZeRO's buffers (`zero_at_loss`)."""
+    if stage < layout.pp - 1:
+        return 0.0
+    vocab = padded_vocab(model.vocab, layout.tp) / layout.tp
+    hidden = work.act_bytes * rank_tokens(layout, work) * model.hidden / (layout.tp if layout.seq_parallel else 1)
+    return pipeline_receives(layout, stage) * hidden + (work.act_bytes + 8) * rank_tokens(layout, work) * vocab
+
+
+def step_scratch(owned: float, work: Workload) -> float:
+    """What the optimizer step holds beyond the states, per rank updating `owned` elements: one pass of
+    rules.STEP_CHUNK elements (train/optim.py) at a time, the gradient norm's fp64 copy (8 bytes) or
+    AdamW's denominators and low-precision gradients' upcast copies (master bytes each). The step runs
+    after the backward has freed its activations and ZeRO's buffers, so a stage's buffers are the larger
+    of the two (`stage_memory`), not their sum."""
+    upcast = work.master_bytes if work.grad_bytes != work.master_bytes else 0
+    return max(8, work.master_bytes + upcast) * min(rules.STEP_CHUNK, owned)
+
+
+def offload_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
+    """{"host": bytes, "disk": bytes} per GPU of `stage` (`offload_bytes`' totals)."""
+    out = offload_bytes(model, layout, work, stage)
+    return {"host": float(out["host"]["total"]), "disk": float(out["disk"]["total"])}

@@ -1,0 +1,334 @@
+"""What a rank holds: its layers, its parameters, ZeRO's units and shards, the model states they make.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", §3 and Table 1): per parameter `w` bytes of weights,
+`g` of gradients and `k` of optimizer state (Adam m and v in fp32: 8; plus an fp32 master copy when
+weights are 16-bit: 12, the paper's K). With n data-parallel ranks:
+
+    ZeRO-0  (w + g + k)·Φ        ZeRO-1  (w + g)·Φ + k·Φ/n
+    ZeRO-2  w·Φ + (g + k)·Φ/n    ZeRO-3  (w + g + k)·Φ/n
+
+Shards are padded so they are even: Φ/n is ceil(Φ/n). Dense parameters are sharded over dp·cp,
+routed experts over the expert-data-parallel group dp·cp/ep.
+
+A pipeline rank's layers are the runtime's split (`stage_layers`); `candidate_stages` and `time_stages`
+name the stages that can be the most loaded or the slowest. `layer_tensors` and `root_tensors` list a
+rank's tensors in registration order, `zero_units` packs them into the flat buffers ZeRO shards (as
+parallel/zero.py), and `unit_states` / `model_states` turn the units into bytes.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .. import rules
+from ..parallel.pipeline.partition import partition_layers
+from ..shapes import bucket_ranges, padded, padded_vocab, segments, shard_size
+from .layout import Layout, Workload
+from .models import PlanModel
+
+
+# -- pipeline partition ------------------------------------------------------------------------------
+@lru_cache(maxsize=4096)
+def stage_layers(layers: int, pp: int, vpp: int = 1, partition: str = "even") -> tuple[tuple[int, ...], ...]:
+    """Per pipeline rank, the layers it holds (all its virtual stages, in model order). This is the
+    runtime's split, `fivefold.parallel.pipeline.partition` (even, Llama-3 or user counts over pp·vpp
+    chunks, chunk c on rank c % pp), so every planned stage is the one that runs."""
+    part = partition_layers(layers, pp, vpp, partition)
+    return tuple(tuple(part.layers_of_rank(r)) for r in range(pp))
+
+
+def layout_layers(model: PlanModel, layout: Layout) -> tuple[tuple[int, ...], ...]:
+    """`stage_layers` of a model under a layout."""
+    return stage_layers(model.layers, layout.pp, layout.vpp, layout.partition)
+
+
+@lru_cache(maxsize=4096)
+def candidate_stages(model: PlanModel, pp: int, vpp: int = 1, partition: str = "even") -> tuple[int, ...]:
+    """Stages that can be the most loaded: memory falls with the stage index within a run of stages of
+    equal layer count and kind (fewer micro-batches in flight), so only the first stage of each run, and
+    the first and last (embedding, head), need checking."""
+    ranks = stage_layers(model.layers, pp, vpp, partition)
+    out = {0, pp - 1}
+    for j in range(1, pp):
+        if len(ranks[j]) != len(ranks[j - 1]):
+            out.add(j)
+    if model.moe and model.dense_layers:
+        for j, rng in enumerate(ranks):
+            if model.dense_layers in rng or model.dense_layers - 1 in rng:
+                out.update({j, min(j + 1, pp - 1)})
+    return tuple(sorted(out))
+
+
+@lru_cache(maxsize=4096)
+def time_stages(model: PlanModel, pp: int, vpp: int = 1, partition: str = "even") -> tuple[int, ...]:
+    """Stages that can be the slowest: the first with the most layers, and the last (head and loss),
+    which alone suffices when it has as many layers (it computes the head; the first only looks up
+    the embedding)."""
+    counts = [len(r) for r in stage_layers(model.layers, pp, vpp, partition)]
+    most = counts.index(max(counts))
+    return (pp - 1,) if counts[most] == counts[-1] and not model.moe else tuple(sorted({most, pp - 1}))
+
+
+# -- parameters a rank holds -------------------------------------------------------------------------
+def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) parameters of layer i on one rank: matrices split tp ways (K/V by min(tp, kv)
+    heads, replicated beyond), norms and row-parallel biases replicated; an MoE layer's router, shared and
+    routed experts stay whole on the tp ranks (EP x TP group-wise dispatch, parallel/tensor.py), routed
+    experts split ep ways. MLA: its down-projections and latent norms whole on every tp rank, the
+    up-projections and output projection split (parallel/tensor.py `latent_attention`)."""
+    h = model.hidden
+    norms = 2 * model._norm(h)
+    row_bias = h if model.linear_bias else 0
+    attn = model.attention_params()
+    if model.mla:
+        attn_rank = _attn_rank(model, tp)
+    else:
+        kv = 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias)
+        attn_rank = (attn - kv - row_bias) // tp + kv // min(tp, model.kv_heads) + row_bias
+    if not model.is_moe_layer(i):
+        mlp = model.mlp_params(model.ffn)
+        return attn_rank + norms + (mlp - row_bias) // tp + row_bias, 0
+    shared = model.shared_experts * model.expert_params()
+    experts = (model.experts // ep) * model.expert_params()
+    return attn_rank + norms + model.router_params() + shared, experts
+
+
+@lru_cache(maxsize=4096)
+def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int) -> tuple:
+    """Per stage: (dense, expert, largest layer) parameters on one rank."""
+    rows = []
+    vocab_rank = padded_vocab(model.vocab, tp) // tp * model.hidden
+    for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
+        dense = expert = biggest = 0
+        for i in rng:
+            d, e = layer_rank_params(model, i, tp, ep)
+            dense, expert, biggest = dense + d, expert + e, max(biggest, d + e)
+        if j == 0:
+            dense += vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0)
+        if j == pp - 1:
+            dense += model._norm(model.hidden)
+            if not model.tie_embeddings or pp > 1:
+                dense += vocab_rank
+        rows.append((dense, expert, biggest))
+    return tuple(rows)
+
+
+def stage_params(model: PlanModel, layout: Layout, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters held by one rank of `stage` (tied embeddings: once when pp = 1, a copy
+    on the last stage when pp > 1, as Megatron does)."""
+    dense, expert, _ = _param_table(model, layout)[stage]
+    return dense, expert
+
+
+def _param_table(model: PlanModel, layout: Layout) -> tuple:
+    L = layout
+    return _stage_param_table(model, L.tp, L.pp, L.vpp, L.partition, L.ep)
+
+
+def exact_tensors(model: PlanModel) -> bool:
+    """Whether `layer_tensors` lists every layer's tensors one by one (our runtime's blocks: Llama, with
+    q/k/v biases, and its MoE layers), none lumped per sub-block."""
+    return not (model.linear_bias or model.mlp != "swiglu" or model.router_bias)
+
+
+def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int, bool, str]]:
+    """(elements on one rank, is routed expert, tag) of layer i's tensors in registration order. Exact
+    for our runtime's blocks (attn_norm, wq[, bias], wk[, bias], wv[, bias], wo, mlp_norm, then gate, up,
+    down, or an MoE layer's router, experts' w_gate, w_up, w_down, shared gate, up, down and shared gate;
+    see `exact_tensors`): at real sizes a tensor is larger than a bucket, so the bucket count is the
+    tensor count (the dry run found a lumped MoE layer two buckets short). Other variants are lumped
+    per sub-block, which only moves ZeRO bucket boundaries. Tags: "norm" (replicated over tp), "kv" (K/V
+    weights and biases, replicated over tp/kv_heads ranks when tp > kv_heads), "moe" (an MoE layer's
+    weights under tp: whole on every tp rank, partial gradients), "" otherwise; a lump holding K/V is
+    tagged ""."""
+    h = model.hidden
+    dense, expert = layer_rank_params(model, i, tp, ep)
+    norm = model._norm(h)
+    if not exact_tensors(model):
+        attn = _attn_rank(model, tp)
+        mlp = dense - 2 * norm - attn     # dense MLP, or router + shared experts
+        moe = "moe" if model.is_moe_layer(i) and tp > 1 else ""   # whole on every tp rank, partial grads
+        out = [(norm, False, "norm"), (attn, False, ""), (norm, False, "norm"), (mlp, False, moe)]
+        return out + ([(expert, True, moe)] if expert else [])
+    if model.mla:   # attn_norm, latent attention's tensors, mlp_norm
+        out = [(norm, False, "norm")] + [(e, False, tag) for e, tag in model.mla_tensors(tp)] + [(norm, False, "norm")]
+    else:
+        kv_width = model.kv_heads * model.head_dim // min(tp, model.kv_heads)
+        q_width = model.heads * model.head_dim // tp
+        bias = model.qkv_bias
+        out = [(norm, False, "norm"), (q_width * h, False, "")] + ([(q_width, False, "")] if bias else [])
+        for _ in range(2):   # wk, wv
+            out += [(kv_width * h, False, "kv")] + ([(kv_width, False, "kv")] if bias else [])
+        out += [(q_width * h, False, ""), (norm, False, "norm")]
+    if not model.is_moe_layer(i):
+        f = model.ffn * h // tp
+        return out + [(f, False, ""), (f, False, ""), (f, False, "")]
+    moe = "moe" if tp > 1 else ""
+    per_expert = (model.experts // ep) * model.moe_ffn * h
+    shared = model.shared_experts * model.moe_ffn * h
+    out += [(model.experts * h, False, moe)] + [(per_expert, True, moe)] * 3
+    if model.shared_experts:
+        out += [(shared, False, moe)] * 3
+    if model.shared_expert_gate:
+        out += [(h, False, moe)]
+    return out
+
+
+def _attn_rank(model: PlanModel, tp: int) -> int:
+    """Attention parameters of one rank (as in layer_rank_params)."""
+    h = model.hidden
+    row_bias = h if model.linear_bias else 0
+    attn = model.attention_params()
+    if model.mla:
+        rep = model.mla_replicated_params()
+        return (attn - rep) // tp + rep
+    kv = 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias)
+    return (attn - kv - row_bias) // tp + kv // min(tp, model.kv_heads) + row_bias
+
+
+def root_tensors(model: PlanModel, tp: int, pp: int, stage: int) -> list[tuple[int, str]]:
+    """(elements on one rank, tag) of the embedding (first stage), final norm ("norm") and untied head
+    (last stage), in registration order; tags as in `layer_tensors`."""
+    vocab_rank = padded_vocab(model.vocab, tp) // tp * model.hidden
+    out = []
+    if stage == 0:
+        out.append((vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0), ""))
+    if stage == pp - 1:
+        out.append((model._norm(model.hidden), "norm"))
+        if not model.tie_embeddings or pp > 1:
+            out.append((vocab_rank, ""))
+    return out
+
+
+def zero_units(model: PlanModel, layout: Layout, grad_bytes: int, stage: int, expert: bool = False) -> tuple[int, ...]:
+    """Sizes of the flat buffers ZeRO shards, each padded to a multiple of n (parallel/zero.py): one per
+    transformer block plus a root unit (embedding, norm, head) for ZeRO-3; buckets of at most bucket_mb
+    MiB in backward order for ZeRO-1/2 (and, with zero = 0, DDP's all-reduce buckets, parallel/data.py).
+    `expert` selects the routed-expert parameters instead."""
+    L = layout
+    return _zero_units(model, L.tp, L.pp, L.vpp, L.partition, L.ep, block_units(L), L.bucket_mb, grad_bytes, stage,
+                       expert)
+
+
+def block_units(layout: Layout) -> bool:
+    """ZeRO units are blocks plus a root unit (ZeRO-3; ZeRO-2 reducing every micro-batch under pp)."""
+    return rules.block_units(layout.zero, layout.pp, layout.reduce_each_microbatch)
+
+
+def held_root(model: PlanModel, layout: Layout, stage: int) -> bool:
+    """Whether `stage`'s root unit holds a tied copy of the embedding (first and last stage, pp > 1):
+    such a unit is reduced once per step, after the copies' gradients are summed (parallel/engine.py)."""
+    return model.tie_embeddings and layout.pp > 1 and stage in (0, layout.pp - 1)
+
+
+@lru_cache(maxsize=8192)
+def _zero_units(*key) -> tuple[int, ...]:
+    return tuple(sum(n for n, _ in u) for u in _unit_tensors(*key))
+
+
+def unit_tensors(model: PlanModel, layout: Layout, grad_bytes: int, stage: int,
+                 expert: bool = False) -> tuple[tuple[tuple[int, str], ...], ...]:
+    """`zero_units` tensor by tensor: per unit, its tensors' (elements, tag) in flat-buffer order."""
+    L = layout
+    return _unit_tensors(model, L.tp, L.pp, L.vpp, L.partition, L.ep, block_units(L), L.bucket_mb, grad_bytes, stage,
+                         expert)
+
+
+@lru_cache(maxsize=8192)
+def _layer_tensors_tagged(model: PlanModel, moe: bool, tp: int, ep: int, expert: bool) -> tuple[tuple[int, str], ...]:
+    i = model.dense_layers if moe else 0
+    return tuple((n, tag) for n, ex, tag in layer_tensors(model, i, tp, ep) if ex == expert)
+
+
+@lru_cache(maxsize=8192)
+def _unit_tensors(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int, blocks: bool,
+                  bucket_mb: float, grad_bytes: int, stage: int, expert: bool) -> tuple:
+    rng = stage_layers(model.layers, pp, vpp, partition)[stage]
+    per_layer = [_layer_tensors_tagged(model, model.is_moe_layer(i), tp, ep, expert) for i in rng]
+    root = [] if expert else root_tensors(model, tp, pp, stage)
+    if blocks:
+        units = ([tuple(root)] if root else []) + [t for t in per_layer]
+        return tuple(u for u in units if sum(n for n, _ in u))
+    first = root[:1] if stage == 0 else []
+    rest = root[len(first):]
+    # backward order (parallel/engine.py backward_order): reverse registration, the tied head copy last
+    tied = rest[-1:] if model.tie_embeddings and pp > 1 and stage == pp - 1 and rest else []
+    order = list(reversed(first + [t for ts in per_layer for t in ts] + rest[:len(rest) - len(tied)])) + tied
+    buckets = bucket_ranges([n for n, _ in order], int(bucket_mb * 2**20), grad_bytes)  # bucket_mb is MiB
+    return tuple(tuple(order[i] for i in b) for b in buckets)
+
+
+def owned_tagged(units: tuple, n: int, rank: int) -> dict[str, int]:
+    """Elements per tag that group rank `rank` owns of ZeRO units sharded over n ranks (rank r owns
+    elements [r·k, (r+1)·k) of each unit padded to a multiple of n, k = padded/n)."""
+    out: dict[str, int] = {}
+    for u in units:
+        k = shard_size(sum(e for e, _ in u), n)
+        for i, _, length in segments([e for e, _ in u], rank * k, (rank + 1) * k):
+            out[u[i][1]] = out.get(u[i][1], 0) + length
+    return out
+
+
+@lru_cache(maxsize=65536)
+def unit_sums(units: tuple[int, ...], n: int) -> tuple[int, int, int]:
+    """(padded elements, shard elements k, real elements owned by rank 0) summed over units."""
+    total = k = owned = 0
+    for u in units:
+        ku = shard_size(u, n)
+        total, k, owned = total + ku * n, k + ku, owned + min(ku, u)
+    return total, k, owned
+
+
+def optimizer_bytes_per_param(work: Workload) -> int:
+    """Adam m and v in the master dtype, plus a master copy when weights are lower precision."""
+    return 2 * work.master_bytes + (work.master_bytes if work.param_bytes != work.master_bytes else 0)
+
+
+def zero_states(params: int, n: int, zero: int, w: int, g: int, k: int) -> dict:
+    """Bytes of weights, gradients and optimizer state per rank for `params` parameters sharded over n
+    ranks by ZeRO stage `zero` (Rajbhandari et al. 2020, §5.1 / Table 1)."""
+    sh = shard_size(params, n)
+    return {"weights": w * (sh if zero >= 3 else params),
+            "grads": g * (sh if zero >= 2 else params),
+            "optimizer": k * (sh if zero >= 1 else params)}
+
+
+def unit_states(units: tuple[int, ...], n: int, zero: int, work: Workload, rank: int = 0) -> dict:
+    """Model-state bytes of group rank `rank` for ZeRO units (flat buffers padded to a multiple of n;
+    rank r owns elements [r·k, (r+1)·k)): stage 1/2 keep the padded parameters, stage 1 the padded
+    gradients too, stage 2/3 a gradient shard of k; Adam m, v over the real elements owned, the
+    master copy (when weights are 16-bit) over the whole shard k."""
+    w, g, mb = work.param_bytes, work.grad_bytes, work.master_bytes
+    if rank == 0:
+        total, k, owned = unit_sums(units, n)
+    else:
+        total, k = sum(padded(u, n) for u in units), sum(shard_size(u, n) for u in units)
+        owned = sum(max(0, min(shard_size(u, n), u - rank * shard_size(u, n))) for u in units)
+    master = k * mb if work.param_bytes != mb else 0
+    return {"weights": w * (k if zero >= 3 else total), "grads": g * (total if zero == 1 else k),
+            "optimizer": 2 * mb * owned + master}
+
+
+def model_states(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
+    """Model-state bytes of rank 0 of `stage` (the fullest shard): dense part over dp·cp, experts over
+    dp·cp/ep. Without ZeRO, the ZeRO paper's (w + g + k)·Φ; with it, per padded unit (`unit_states`)."""
+    L = layout
+    return dict(_model_states(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.zero, L.bucket_mb, L.dp * L.cp, L.edp,
+                              work, stage, L.reduce_each_microbatch))
+
+
+@lru_cache(maxsize=65536)
+def _model_states(model, tp, pp, vpp, partition, ep, zero, bucket_mb, n_dense, n_expert, work, stage,
+                  each: bool = False) -> tuple:
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, partition=partition, ep=ep, zero=zero, bucket_mb=bucket_mb, dp=n_dense,
+                    reduce_each_microbatch=each)
+    dense, expert = stage_params(model, layout, stage)
+    w, g, k = work.param_bytes, work.grad_bytes, optimizer_bytes_per_param(work)
+    groups = [(dense, n_dense, False)] + ([(expert, n_expert, True)] if expert else [])
+    out = {"weights": 0, "grads": 0, "optimizer": 0}
+    for count, n, is_expert in groups:
+        if zero == 0 or n == 1:
+            part = zero_states(count, 1, 0, w, g, k)
+        else:
+            part = unit_states(zero_units(model, layout, g, stage, is_expert), n, zero, work)
+        out = {c: out[c] + part[c] for c in out}
+    return tuple(out.items())

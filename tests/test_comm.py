@@ -79,3 +79,29 @@ def test_ledger_bytes_match_formula():
         assert r[("dp", "all_to_all")]["bytes_sent"] == volume.all_to_all(2 * n * 4, n)
         assert r[("ep", "all_to_all")]["bytes_sent"] == uneven_bytes - kept
         assert r[("pp", "send")]["bytes_sent"] == 20 and r[("pp", "recv")]["bytes_sent"] == 0
+
+
+def _windows(rank, world):
+    """parallel/engine.py all_reduce_windows with a 5-element window over tensors of 3, 7 and 4 elements
+    (windows cross the tensors' edges), against one whole all-reduce of the same values."""
+    from fivefold.parallel.engine import all_reduce_windows
+
+    mesh = ParallelMesh(ParallelConfig(tp=world), rank)
+    g = torch.Generator().manual_seed(rank)
+    tensors = [torch.randn(3, generator=g), torch.randn(7, generator=g).view(7, 1), torch.randn(2, 2, generator=g)]
+    whole = torch.cat([t.reshape(-1) for t in tensors])
+    comm.all_reduce(whole, mesh["tp"], dim="check")
+    all_reduce_windows(tensors, mesh["tp"], chunk=5)
+    return whole, torch.cat([t.reshape(-1) for t in tensors]), mesh.ledger.rows()
+
+
+@pytest.mark.ranks
+def test_windowed_all_reduce_equals_one_all_reduce_and_counts_each_window():
+    from fivefold.shapes import windows
+
+    for whole, windowed, rows in ranks(_windows, 2):
+        assert torch.equal(whole, windowed)
+        r = {(x["dim"], x["op"]): x for x in rows}[("tp", "all_reduce")]
+        assert r["calls"] == sum(k for _, k in windows(14, 5)) == 3
+        assert r["message_bytes"] == 14 * 4
+        assert r["bytes_sent"] == 2 * volume.all_reduce(5 * 4, 2) + volume.all_reduce(4 * 4, 2)

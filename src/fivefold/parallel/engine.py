@@ -23,6 +23,7 @@ reduce them with whatever got no gradient. Held parameters come last in the back
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Mapping, Protocol
 
 import torch
@@ -100,7 +101,7 @@ def all_reduce_windows(tensors: list[torch.Tensor], group: Group, chunk: int = r
     (`shapes.windows`, which the planner counts): the scratch is one window, not the whole set (the
     experts of Mixtral 8x7B under ep8 x tp2 are 5.6G elements per rank: 21 GiB as one flat copy)."""
     numels = [t.numel() for t in tensors]
-    starts = [sum(numels[:i]) for i in range(len(numels))]
+    starts = [0, *accumulate(numels)][:-1]
     lo = 0
     for size, count in windows(sum(numels), chunk):
         for _ in range(count):

@@ -151,7 +151,7 @@ def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1, recompute_
     if not moe:
         acts.sharded += (n_act * e + c) * model.ffn                 # activation inputs; down-projection input
         return acts
-    k = model.top_k * (work.capacity_factor or 1.0)   # dropless (0): planned as perfectly balanced
+    k = routed_per_token(model, work)
     acts.sharded += 2 * 4 * model.experts + k * c * h               # router logits+probs, expert inputs
     per_expert = n_act * 1 if fp8 else (n_act + 1) * e              # FP8: activation output recomputed
     acts.sharded += (k + model.shared_experts) * per_expert * model.moe_ffn
@@ -173,6 +173,18 @@ def korthikanti(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, re
     if sp:
         return s * b * h / t * (34 + s2)
     return s * b * h * (10 + 24 / t + s2 / t)
+
+
+def routed_per_token(model: PlanModel, work: Workload) -> float:
+    """Expert rows per token of an MoE layer: top_k times the capacity factor (its zero-padded buffers);
+    dropless routing (capacity 0) is planned as perfectly balanced, top_k rows."""
+    return model.top_k * (work.capacity_factor or 1.0)
+
+
+def hidden_tensor_bytes(model: PlanModel, layout: Layout, work: Workload) -> float:
+    """One hidden-wide tensor of a micro-batch on one rank (/t with sequence parallelism): a stage's
+    boundary activation or gradient, the residual stream's gradient."""
+    return work.act_bytes * rank_tokens(layout, work) * model.hidden / (layout.tp if layout.seq_parallel else 1)
 
 
 def rank_tokens(layout: Layout, work: Workload) -> float:

@@ -24,7 +24,7 @@ from .. import rules
 from ..parallel.zero_order import (MAX_INFLIGHT, backward_prefetch, backward_slots, forward_prefetch,
                                    frees_after_forward)
 from ..shapes import padded, padded_vocab, shard_size
-from .activations import rank_tokens
+from .activations import hidden_tensor_bytes, rank_tokens, routed_per_token
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
 from .units import held_root, layer_rank_params, layout_layers, root_tensors, stage_params, zero_units
@@ -314,8 +314,7 @@ def mlp_width_per_token(model: PlanModel, work: Workload, tp: int) -> float:
     a dense layer's ffn, a shared expert's, or the routed experts' (top_k · capacity rows per token)."""
     widths = [model.ffn] if not model.moe or model.dense_layers else []
     if model.moe:
-        k = model.top_k * (work.capacity_factor or 1.0)   # dropless (0): planned as perfectly balanced
-        widths += [model.shared_experts * model.moe_ffn, k * model.moe_ffn]
+        widths += [model.shared_experts * model.moe_ffn, routed_per_token(model, work) * model.moe_ffn]
     return max(widths) / tp
 
 
@@ -334,13 +333,12 @@ def backward_scratch(model: PlanModel, layout: Layout, work: Workload, stage: in
     With ZeRO-2/3 `zero_buffers` comes on top (`stage_memory`); the embedding's and head's backward are
     `edge_scratch`, the loss's `loss_scratch`: moments of their own, with ZeRO's buffers of that moment."""
     e, T = work.act_bytes, rank_tokens(layout, work)
-    split = layout.tp if layout.seq_parallel else 1
-    hidden = e * T * model.hidden / split
+    hidden = hidden_tensor_bytes(model, layout, work)
     receives = pipeline_receives(layout, stage) * hidden
     fp32 = 8 + (4 if e != 4 else 0)
-    norm = hidden + fp32 * T * model.hidden / split
+    norm = hidden * (1 + fp32 / e)                 # its incoming gradient and the fp32 set
     mlp = 4 * e * T * mlp_width_per_token(model, work, layout.tp)
-    dispatch = 3 * e * T * model.top_k * (work.capacity_factor or 1.0) * model.hidden / layout.tp if model.moe else 0.0
+    dispatch = 3 * e * T * routed_per_token(model, work) * model.hidden / layout.tp if model.moe else 0.0
     weight_grad = work.param_bytes * largest_layer_weight(model, layout)
     return receives + hidden + max(norm, mlp, dispatch, weight_grad)
 
@@ -363,7 +361,7 @@ def edge_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     posted receives."""
     if stage not in (0, layout.pp - 1):
         return 0.0
-    hidden = work.act_bytes * rank_tokens(layout, work) * model.hidden / (layout.tp if layout.seq_parallel else 1)
+    hidden = hidden_tensor_bytes(model, layout, work)
     table = work.param_bytes * model.hidden * padded_vocab(model.vocab, layout.tp) / layout.tp
     return (pipeline_receives(layout, stage) + 1) * hidden + table
 
@@ -375,7 +373,7 @@ def loss_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     if stage < layout.pp - 1:
         return 0.0
     vocab = padded_vocab(model.vocab, layout.tp) / layout.tp
-    hidden = work.act_bytes * rank_tokens(layout, work) * model.hidden / (layout.tp if layout.seq_parallel else 1)
+    hidden = hidden_tensor_bytes(model, layout, work)
     return pipeline_receives(layout, stage) * hidden + (work.act_bytes + 8) * rank_tokens(layout, work) * vocab
 
 

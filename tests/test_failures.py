@@ -52,10 +52,19 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def rank_pids(pid: int, marker: str = "spawn_main") -> list[int]:
-    """The rank processes under a launcher (not multiprocessing's resource tracker)."""
-    return [c for c in children(pid) if marker in Path(f"/proc/{c}/cmdline").read_text()
-            and "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()]
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text()
+
+
+def rank_pids(pid: int, marker: str) -> list[int]:
+    """The rank processes torchrun's agent `pid` started (not multiprocessing's resource tracker)."""
+    return [c for c in children(pid) if marker in cmdline(c) and "resource_tracker" not in cmdline(c)]
+
+
+def local_rank_pids(pid: int) -> list[int]:
+    """The ranks of a `--nproc` launcher, in rank order: the children of its fork server (launch.py)."""
+    servers = [c for c in children(pid) if "multiprocessing.forkserver" in cmdline(c)]
+    return sorted(r for server in servers for r in children(server))
 
 
 def finish(p: subprocess.Popen, timeout=90) -> tuple[int, str]:
@@ -96,7 +105,7 @@ def test_a_killed_rank_is_named_and_the_periodic_checkpoint_is_complete(tmp_path
     p = start("train", "--nproc", "2", *LONG, "--set", "train.checkpoint_every=2", "--out", str(out))
     try:
         wait_for(lambda: newest_step(out) >= 4, what="a periodic checkpoint")
-        os.kill(rank_pids(p.pid)[1], signal.SIGKILL)
+        os.kill(local_rank_pids(p.pid)[1], signal.SIGKILL)
         code, err = finish(p)
     finally:
         p.kill()

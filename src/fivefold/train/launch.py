@@ -1,6 +1,6 @@
 """Start ranks: N local gloo processes, or one rank of a `torchrun` job.
 
-`run_ranks(fn, nproc, args, timeout_s)` spawns fresh processes (one intra-op thread each), joins them
+`run_ranks(fn, nproc, args, timeout_s)` starts fresh processes (one intra-op thread each), joins them
 into a gloo process group and runs `fn(rank, world_size, *args)` in each; it returns every rank's
 result, in rank order. No process outlives the call. The CLI's `--nproc` and the tests use it.
 
@@ -10,11 +10,17 @@ loopback interface. torch 2.13 gives no API for gloo's device through `init_proc
 `pg_options` are ignored for gloo), so each rank sets GLOO_SOCKET_IFNAME to the loopback interface
 ("lo", or "lo0") in its own environment before it joins; a local run opens no socket outside 127.0.0.1/::1.
 
-Ranks die with their parent. Each rank first asks the kernel for SIGKILL when its parent dies (Linux:
-prctl PR_SET_PDEATHSIG, which fires when the thread that called `run_ranks` ends, and that thread waits
-in the call; elsewhere a thread that checks the parent pid every second) and quits at once if its parent
-is already gone. A `kill -9` of the launcher leaves no rank behind. Torchrun ranks call
-`die_with_parent()` too (their parent is torchrun's agent).
+Where ranks come from. A fork server (`rank_context`): a fresh interpreter the launcher starts once, which
+imports torch and the trainer and then forks each rank, so a rank starts in a tenth of a second instead
+of importing torch again (two CPU-seconds each). The server is not a fork of the launcher: ranks inherit
+no thread or state from the caller, only the server's clean import.
+
+Ranks die with their launcher. Each rank first asks the kernel for SIGKILL when its parent (the fork
+server) dies (Linux: prctl PR_SET_PDEATHSIG; elsewhere a thread that checks the parent pid every second)
+and a daemon thread waits on a pidfd of the launcher and ends the rank when the launcher ends; a rank
+quits at once if either is already gone. A `kill -9` of the launcher leaves no rank behind (and the server
+exits once no rank holds its pipe). Torchrun ranks call `die_with_parent()` (their parent is torchrun's
+agent).
 
 Stopping. `install_stop_handlers()` makes SIGTERM and SIGINT record their name instead of ending the
 process; `stop_requested()` returns it (or None). Every local rank installs them before `fn` runs and
@@ -49,6 +55,7 @@ import ctypes
 import io
 import os
 import queue as queue_mod
+import select
 import signal
 import socket
 import sys
@@ -189,6 +196,38 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os._exit(1)
 
 
+def die_with_launcher(launcher_pid: int) -> None:
+    """A local rank's parent is the fork server (rank_context), which lives as long as any rank does, so a
+    rank also ends itself when the launcher ends: a daemon thread waits on a pidfd of the launcher (Linux;
+    elsewhere it checks the pid every second) and exits the process when it is gone."""
+    die_with_parent()
+    try:
+        fd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:   # gone before we asked: nobody will collect a result
+        os._exit(1)
+    except (AttributeError, OSError):
+        fd = None
+
+    def watch():
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _alive(launcher_pid):
+                time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, name="fivefold-launcher-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def _dumps(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -199,11 +238,11 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=True)   # results are tensors and plain data: no code
 
 
-def _worker(rank, world_size, store_path, fn, args, results, timeout_s, parent_pid, waits=None):
+def _worker(rank, world_size, store_path, fn, args, results, timeout_s, launcher_pid, waits=None):
     """One rank: messages to the parent are (rank, kind, payload), kind in started|progress|ok|error.
     `waits[rank]` is 1 while the rank is blocked in a collective (comm.waits.watch_waits)."""
     global _progress
-    die_with_parent(parent_pid)
+    die_with_launcher(launcher_pid)
     install_stop_handlers()
     one_thread()
     return_freed_memory()
@@ -429,13 +468,27 @@ def _catching_stops(handler):
 
 
 
+PRELOAD = ("torch", "fivefold.train.trainer")   # what the fork server imports once, for every rank
+
+
+def rank_context():
+    """Where ranks come from: a fork server, a fresh interpreter started once per launcher (not a fork of
+    the launcher: no inherited threads or state) that imports torch and the trainer once (`PRELOAD`, about
+    two CPU-seconds) and forks each rank from that clean state, instead of each rank importing them again.
+    Each rank dies with the server and with the launcher (`die_with_launcher`); the server ends once the
+    launcher and every rank have."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 def run_ranks(fn, nproc: int, args: tuple = (), timeout_s: float = 300) -> list:
     """Run fn(rank, nproc, *args) on nproc fresh gloo ranks; return the results in rank order. timeout_s:
     the longest a rank may go without a heartbeat or result (module docstring)."""
     global _last_stop
     _last_stop = None
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the children before torch loads
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="fivefold-ranks-") as tmp:
         store_path = os.path.join(tmp, "store")

@@ -248,6 +248,11 @@ class PlanModel:
         per_layer = 2.0 * seq * self.heads * (self.qk_head_dim + self.v_dim_per_head)
         return self.layers * per_layer * (0.5 if causal else 1.0)
 
+    def blocks_attention_flops_per_token(self, seq: int, causal: bool = True) -> float:
+        """`attention_flops_per_token` over every block a token passes: the layers and the MTP modules'."""
+        attn = self.attention_flops_per_token(seq, causal)
+        return attn + attn * self.mtp_depth / self.layers if self.mtp_depth else attn
+
     def elementwise_per_token(self, i: int) -> tuple[float, float]:
         """Elements read and written per token by layer i's element-wise work, forward + backward (norms,
         RoPE, the activation function and gating, residual adds, softmax statistics, the repeat of K/V
@@ -266,9 +271,8 @@ class PlanModel:
         """Model FLOPs per token for forward + backward: 6·N_matmul + 3·attention (Kaplan et al. 2020;
         Narayanan et al. 2021, eq. 1 without recomputation), the MTP modules' included (their block, their
         projection and the head's extra pass: 6 per weight; their attention as one more layer's)."""
-        attn = self.attention_flops_per_token(seq, causal)
-        mtp = 6.0 * (self.mtp_active_weights() + self.mtp_head_weights) + 3.0 * attn * self.mtp_depth / self.layers
-        return 6.0 * self.matmul_params_per_token() + 3.0 * attn + mtp
+        mtp = 6.0 * (self.mtp_active_weights() + self.mtp_head_weights)
+        return 6.0 * self.matmul_params_per_token() + 3.0 * self.blocks_attention_flops_per_token(seq, causal) + mtp
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

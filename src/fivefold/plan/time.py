@@ -9,7 +9,9 @@ forward (full), the attention core's forward (selective), or MLA's up-projection
 `light_recompute_flops`), which count for hardware FLOPs but not for MFU. Kernels reach `efficiency` ×
 the accelerator's peak for the dtype; with `fp8_gemm` the linear layers' GEMMs (forward, dgrad, wgrad)
 run at `efficiency` × the FP8 peak while attention and the LM head
-stay in dtype (DeepSeek-V3 §3.3). MFU and HFU are always against the dtype's peak.
+stay in dtype (DeepSeek-V3 §3.3). MFU and HFU are always against the dtype's peak. GEMMs by shape:
+plan/gemm.py. A model's multi-token-prediction modules (DeepSeek-V3 §2.2, `PlanModel.mtp_depth`) run on
+the last stage: one more block, the 2h -> h projection and the head's second pass (`mtp_here`).
 
 Communication: a collective takes bytes_sent / (tier bandwidth / oversubscription) + latency hops
 (see topology.collective_latency) on the slowest tier its group crosses. What overlaps, and what not
@@ -26,7 +28,8 @@ Communication: a collective takes bytes_sent / (tier bandwidth / oversubscriptio
   become final one by one during its last backward (Megatron-Core, FSDP); without it all at the end of
   the stage's schedule (the runtime under a pipeline). What ends after the whole pipeline has drained is
   exposed: stage s's last backward ends before stage 0's by the drain, and its reduction hides there
-  (`reduction_end`, `chunk_ready`). ZeRO-2 without a pipeline, and ZeRO-2/3 under one with
+  (`reduction_end`, `chunk_ready`); the part that runs beside the last backward slows it
+  (`beside_backward`, `interfered`). ZeRO-2 without a pipeline, and ZeRO-2/3 under one with
   `reduce_each_microbatch`, reduce-scatter every micro-batch behind its own backward. ZeRO-1/2's parameter all-gather after the step: bucket by bucket behind each chunk's
   first forward of the next step (`overlap_param_gather`; `gather_delay`), or exposed. ZeRO-3 gathers
   are prefetched behind the previous unit without a pipeline and exposed under one (not prefetched).
@@ -77,8 +80,8 @@ def stage_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) ->
 
 
 def mtp_here(model: PlanModel, layout: Layout, stage: int) -> int:
-    """MTP modules on `stage`: all of them on the last (DeepSeek-V3 §3.2.1 puts them beside the output
-    head, whose weights they share), none elsewhere."""
+    """MTP modules on `stage`: all of them on the last, with the output head whose weights they share
+    (DeepSeek-V3 §3.2.3 keeps embedding, head and MTP on one pipeline rank), none elsewhere."""
     return model.mtp_depth if stage == layout.pp - 1 else 0
 
 
@@ -595,7 +598,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     model_flops = model.flops_per_token(work.attention_span, work.causal) * work.tokens
     full = acc.peak(work.dtype) * L.gpus * out.step_time_s
     out.mfu = model_flops / full
-    hw = {"none": 0.0, "selective": model.attention_flops_per_token(work.attention_span, work.causal),
+    hw = {"none": 0.0, "selective": model.blocks_attention_flops_per_token(work.attention_span, work.causal),
           "full": model.flops_per_token(work.attention_span, work.causal) / 3}[L.recompute]  # recomputed forward
     hw += 2.0 * _light_weights(model, L) * (model.layers + model.mtp_depth)
     out.hfu = (model_flops + hw * work.tokens) / full

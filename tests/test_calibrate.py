@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from fivefold.tools.calibrate import cmd_calibrate, fit_alpha_beta, gemm_curve
+from fivefold.tools.calibrate import cmd_calibrate, fit_alpha_beta, gemm_curve, layer_overhead_beyond_gemms
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import from_config
 from fivefold.plan.models import from_model_config
@@ -122,6 +122,13 @@ def test_gemm_curve_by_hand():
     disturbed = rows[:2] + [(rows[2][0], rows[2][1], 5 * rows[2][2])] + rows[3:]
     assert gemm_curve(disturbed, floor) == pytest.approx(rate, rel=1e-12)
     assert gemm_curve(rows, 0.0) < rate                      # without the floor: the flat, lower rate
+
+
+def test_layer_overhead_leaves_the_gemm_floors_to_the_curve():
+    """The tiny Block's time holds its GEMMs' floors, which the planner charges by shape: the planner counts
+    4 GEMMs in a dense layer (fused QKV, output, gate+up, down), 3 kernels each, so 1 ms less 12 x 10 us."""
+    assert layer_overhead_beyond_gemms(1e-3, 10e-6) == pytest.approx(0.88e-3)
+    assert layer_overhead_beyond_gemms(1e-4, 10e-6) == 0.0           # never negative
 
 
 def test_refuses_to_overwrite(tmp_path, capsys):

@@ -57,7 +57,9 @@ figures are then the median over repetitions and over ranks; collectives as in 2
    one rank's memory against the accelerator's.
 5. Overlap (the tier's `overlap`): the share of an asynchronous 4 MiB all-reduce that hides behind a
    ~12 ms compute burst on the same rank. The planner hides only this share of what its schedule says
-   gradient reductions and ZeRO gathers hide behind compute (1.0, all of it, on datasheet tiers).
+   gradient reductions and ZeRO gathers hide behind compute (1.0, all of it, on datasheet tiers). Read
+   as interference (docs/plan.md, "Overlap is not free": the pair takes max(c, t + f·c)) it is 1 − f, f
+   the share of the compute rate the collective takes; the TOML's comments give f.
 6. Pipeline actions (`action_overhead_us`): N ranks run a real 1F1B step of a small model (pp = N, the
    Trainer and pipeline runtime `fivefold train` uses) and the measured makespan is set against the
    schedule simulator's for the same actions with their measured durations and the send fit per

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from fivefold.tools.calibrate import cmd_calibrate, fit_alpha_beta
+from fivefold.tools.calibrate import cmd_calibrate, fit_alpha_beta, gemm_curve, layer_overhead_beyond_gemms
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import from_config
 from fivefold.plan.models import from_model_config
@@ -45,6 +45,8 @@ def test_writes_a_topology_load_topology_reads(calibrated):
     assert acc.action_overhead >= 0 and "action_overhead_us" in text   # from a real 1F1B step
     assert {op for op, _, _ in tier.ops} >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"}
     assert all(lat >= 0 and bw > 0 for _, lat, bw in tier.ops) and 0 <= tier.overlap <= 1
+    # the local GEMM curve (plan/gemm.py): the fitted rate is the fp32 peak, the fitted floor per kernel
+    assert "gemm_kernel_us" in text and acc.gemm_kernel is not None and acc.gemm_kernel >= 0
 
 
 @pytest.mark.parametrize("parallel", [dict(dp=2, microbatches=2), dict(pp=2, microbatches=4),
@@ -92,6 +94,41 @@ def test_each_measured_term_moves_the_prediction(calibrated):
     slow_ar = step(t=dataclasses.replace(tier, ops=tuple((op, lat * 10, bw) if op == "all_reduce" else (op, lat, bw)
                                                         for op, lat, bw in tier.ops)))
     assert slow_ar.step_time_s > base.step_time_s
+
+
+@pytest.mark.ranks
+def test_calibrated_gemms_go_by_shape(calibrated):
+    """The calibrated curve makes the planner charge each GEMM its fitted time (`--gemm shape`, the
+    default): a floor per kernel on top of the flat figure (`--gemm flat`: every GEMM at the peak alone)."""
+    cfg = tiny_config(dp=2, microbatches=2)
+    layout, work = from_config(cfg)
+    work = dataclasses.replace(work, efficiency=1.0)
+    model, topo = from_model_config(cfg.model), load_topology(str(calibrated))
+    shaped = estimate(model, layout, work, topo).time.compute_s
+    flat = estimate(model, layout, dataclasses.replace(work, gemm="flat"), topo).time.compute_s
+    assert shaped > flat if topo.accelerator.gemm_kernel > 0 else shaped >= flat
+
+
+def test_gemm_curve_by_hand():
+    """F.linear forward + backward is three GEMMs of 2·T·k·n / rate + floor each (plan/gemm.py): with the
+    floor measured apart, each shape gives FLOPs / (time − 3·floor), and the median over shapes is the
+    rate. (256, 256, 704) at 20 GFLOP/s and 30 us a kernel: 3 x (92.27 MFLOP / 20 GFLOP/s + 30 us) =
+    3 x 4.644 ms; a shape disturbed by a neighbour does not move the median."""
+    rate, floor = 20e9, 30e-6
+    shapes = [(t, k, n) for t in (256, 1024) for k, n in ((256, 256), (256, 704), (512, 1408))]
+    rows = [([t, k, n], 6.0 * t * k * n, 3 * (2.0 * t * k * n / rate + floor)) for t, k, n in shapes]
+    assert rows[1][2] / 3 == pytest.approx(4.6437e-3, rel=1e-4)
+    assert gemm_curve(rows, floor) == pytest.approx(rate, rel=1e-12)
+    disturbed = rows[:2] + [(rows[2][0], rows[2][1], 5 * rows[2][2])] + rows[3:]
+    assert gemm_curve(disturbed, floor) == pytest.approx(rate, rel=1e-12)
+    assert gemm_curve(rows, 0.0) < rate                      # without the floor: the flat, lower rate
+
+
+def test_layer_overhead_leaves_the_gemm_floors_to_the_curve():
+    """The tiny Block's time holds its GEMMs' floors, which the planner charges by shape: the planner counts
+    4 GEMMs in a dense layer (fused QKV, output, gate+up, down), 3 kernels each, so 1 ms less 12 x 10 us."""
+    assert layer_overhead_beyond_gemms(1e-3, 10e-6) == pytest.approx(0.88e-3)
+    assert layer_overhead_beyond_gemms(1e-4, 10e-6) == 0.0           # never negative
 
 
 def test_refuses_to_overwrite(tmp_path, capsys):

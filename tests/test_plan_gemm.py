@@ -49,7 +49,8 @@ def test_small_models_and_thin_tensor_parallel_gemms_are_slower():
 
 
 def test_calibrated_accelerators_keep_their_measured_rates():
-    """A custom accelerator without gemm_kernel_us (what `fivefold calibrate` writes: achieved rates) plans flat."""
+    """A custom accelerator without gemm_kernel_us (a peak that is an achieved rate) plans flat; `fivefold
+    calibrate` writes the floor it fitted (tests/test_calibrate.py)."""
     cpu = topology_from_dict({"accelerator": {"name": "cpu", "memory_gb": 64, "hbm_gbps": 20,
                                               "peak_tflops": {"fp32": 0.1}},
                               "tier": [{"name": "intra", "size": 8, "bandwidth_gbps": 5}]})

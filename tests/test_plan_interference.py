@@ -8,7 +8,7 @@ import pytest
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.models import PRESETS
-from fivefold.plan.time import _grad_exposed, ep_exposed, interfered
+from fivefold.plan.time import _grad_exposed, beside_backward, ep_exposed, interfered
 from fivefold.plan.topology import ACCELERATORS, TOPOLOGIES
 from fivefold.plan.traffic import Flow
 
@@ -53,6 +53,25 @@ def test_step_time_grows_where_collectives_overlap():
     lay = Layout(dp=8, zero=3)     # one node: NVLink gathers hide behind compute
     paid, ideal = estimate(m, lay, w, topo).time, estimate(m, lay, w, free).time
     assert paid.grad_comm_s > ideal.grad_comm_s and paid.step_time_s > ideal.step_time_s
-    # DDP's reduction once per step is not charged (hidden in the last backward, no prefetch to slow)
-    ddp = Layout(tp=2, pp=2, dp=2, zero=1, sp_mode="megatron")
-    assert estimate(m, ddp, w, topo).time.step_time_s == estimate(m, ddp, w, free).time.step_time_s
+    # DDP's reduction once per step: the part beside the last backward slows it; the drain's part is free
+    ddp = Layout(dp=8, zero=0)
+    paid, ideal = estimate(m, ddp, w, topo).time, estimate(m, ddp, w, free).time
+    assert paid.grad_comm_s > ideal.grad_comm_s and paid.step_time_s > ideal.step_time_s
+
+
+def test_once_per_step_reduction_pays_for_what_runs_beside_the_backward():
+    """8 buckets of 0.05 s become final every 0.25 s during a 2 s backward ending at t = 3: seven run
+    before t (0.35 s beside compute), the last from 3.0 to 3.05. Free overlap exposes 0.05 s; with the
+    share, compute beside the 0.35 s loses share x 0.35 = 0.053 s, which now shows instead."""
+    assert beside_backward([(3.0, 2.0, 0.4, 8)]) == pytest.approx(0.35)
+    assert beside_backward([(3.0, 0.0, 0.4, 8)]) == pytest.approx(0.0, abs=1e-12)        # all final at the end: nothing beside compute
+    flows = [Flow("dp", "all_reduce", "dp_cp", 8, calls=8, seconds=0.4)]
+    lay, m = Layout(dp=8, zero=0), 2
+    free, _ = _grad_exposed(flows, lay, m, 3.0, [(3.0, 2.0)], [(0.0, 1.0)], 1.0, 2.0)
+    paid, _ = _grad_exposed(flows, lay, m, 3.0, [(3.0, 2.0)], [(0.0, 1.0)], 1.0, 2.0, share=SHARE)
+    assert free == pytest.approx(0.05)
+    assert paid == pytest.approx(0.35 * SHARE) and paid == pytest.approx(0.0530303, rel=1e-5)
+    # buckets all at the end of the schedule (overlap_grad_reduce off): exposed whole, nothing more charged
+    off, _ = _grad_exposed(flows, replace(lay, overlap_grad_reduce=False), m, 3.0, [(3.0, 2.0)], [(0.0, 1.0)],
+                           1.0, 2.0, share=SHARE)
+    assert off == pytest.approx(0.4)

@@ -355,7 +355,7 @@ def test_light_recompute_costs_the_up_projections_forward():
     b = estimate(DSV3, plain, DSV3_WORK, H800, 2048)
     m = DSV3
     up = m.q_lora_rank * m.heads * m.qk_head_dim + m.kv_lora_rank * m.heads * (m.qk_nope_dim + m.v_head_dim)
-    extra = 2 * up * m.layers * DSV3_WORK.tokens          # FLOPs per step over all GPUs
+    extra = 2 * up * (m.layers + m.mtp_depth) * DSV3_WORK.tokens   # FLOPs per step over all GPUs (MTP's block too)
     assert a.time.step_time_s > b.time.step_time_s
     assert a.time.hfu * a.time.step_time_s - a.time.mfu * a.time.step_time_s == pytest.approx(
         extra / (H800.accelerator.peak(DSV3_WORK.dtype) * 2048), rel=1e-9)
@@ -363,3 +363,36 @@ def test_light_recompute_costs_the_up_projections_forward():
     assert estimate(LLAMA8, Layout(dp=8, recompute_norm_mla=True), Workload(seq=1024, global_batch=8),
                     TOPOLOGIES["dgx-h100"], 8).time.compute_s == pytest.approx(
         estimate(LLAMA8, Layout(dp=8), Workload(seq=1024, global_batch=8), TOPOLOGIES["dgx-h100"], 8).time.compute_s)
+
+
+# -- multi-token prediction -------------------------------------------------------------------------------
+def test_deepseek_v3_mtp_module_is_counted_on_the_last_stage():
+    """DeepSeek-V3 §2.2 (D = 1): an MTP module is one more block (an MoE layer), a projection M of
+    [norm(h); norm(emb)] (2h -> h) and the shared head's second pass. Its own parameters, with the copies
+    of embedding and head the released checkpoint stores, bring 671B to the published 685B; per token it
+    adds 6 FLOPs per weight of block, M and head, and one layer's attention; the last stage computes it."""
+    m, h = DSV3, DSV3.hidden
+    block = m.layer_params(m.layers)                        # index 61: an MoE layer
+    assert m.is_moe_layer(m.layers) and block == m.layer_params(m.layers - 1)
+    assert m.mtp_params() == block + 2 * h * h + 3 * h
+    assert m.num_params() + m.mtp_params() + 2 * m.vocab * h == pytest.approx(685e9, rel=1e-3)
+    plain = replace(m, mtp_depth=0)
+    active = m.layer_params(m.layers, m.top_k) + 2 * h * h
+    attn = m.attention_flops_per_token(4096) / m.layers
+    assert m.flops_per_token(4096) - plain.flops_per_token(4096) == pytest.approx(
+        6 * (active + m.vocab * h) + 3 * attn, rel=1e-12)
+    w = Workload(seq=4096, global_batch=64)
+    lay = Layout(pp=4, dp=2, ep=2, micro_batch=1)
+    tokens = 4096
+    for j in range(4):
+        with_mtp, without = stage_flops(m, lay, w, j), stage_flops(plain, lay, w, j)
+        if j < 3:
+            assert with_mtp == without
+        else:
+            assert with_mtp[0] - without[0] == pytest.approx(tokens * 2 * active, rel=1e-12)
+            assert with_mtp[1] - without[1] == pytest.approx(tokens * attn, rel=1e-12)
+            assert with_mtp[2] == 2 * without[2]             # the head's second pass
+    # the layout's step grows (its last stage is the slowest), a model without MTP is unchanged
+    e, e0 = estimate(m, DSV3_LAYOUT, DSV3_WORK, H800, 2048), estimate(plain, DSV3_LAYOUT, DSV3_WORK, H800, 2048)
+    assert e.time.step_time_s > e0.time.step_time_s
+    assert LLAMA8.mtp_depth == 0 and LLAMA8.mtp_params() == 0

@@ -119,8 +119,8 @@ MFU_CONVENTIONS = {
 def mfu_attention_full(model: PlanModel, work: Workload, mfu: float) -> float:
     """`mfu` (attention halved when causal) restated with the attention FLOPs not halved."""
     counted = model.flops_per_token(work.attention_span, work.causal)
-    extra = 3.0 * (model.attention_flops_per_token(work.attention_span, causal=False)
-                   - model.attention_flops_per_token(work.attention_span, work.causal))
+    extra = 3.0 * (model.blocks_attention_flops_per_token(work.attention_span, causal=False)
+                   - model.blocks_attention_flops_per_token(work.attention_span, work.causal))
     return mfu * (counted + extra) / counted
 
 

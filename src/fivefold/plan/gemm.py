@@ -12,8 +12,10 @@ take the forward's time each. `gemm_factor` is the ratio of this time to the fla
 summed over a layer's GEMMs: >= 1, near 1 for large GEMMs, larger for small models, thin tensor-parallel
 slices and few tokens per expert. The FLOPs themselves stay the model's (`PlanModel.flops_per_token`).
 
-Flat (`Workload.gemm = "flat"`, or an accelerator without `gemm_kernel`: a custom or calibrated one,
-whose peaks `fivefold calibrate` measured as achieved rates) keeps the factor at 1.
+Flat (`Workload.gemm = "flat"`, or an accelerator without `gemm_kernel`: a custom one whose peak is an
+achieved rate) keeps the factor at 1: every GEMM at efficiency × peak. Both take `efficiency`; `gemm`
+says which model it enters. `fivefold calibrate` measures the local curve: it fits this model's rate
+(written as the peak) and floor (`gemm_kernel_us`) to F.linear's forward + backward at a grid of shapes.
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ DeepSeek's multi-head latent attention (MLA). It answers three questions for the
 Parameter counts equal the published totals (tests/test_plan_models.py): Llama-3 8B/70B/405B
 (Dubey et al. 2024, Table 3 shapes; exact totals of the released checkpoints), GPT-3 175B
 (Brown et al. 2020, Table 2.1), Mixtral 8x7B (Jiang et al. 2024, 46.7B total / 12.9B active),
-DeepSeek-V3 (DeepSeek-AI 2024, 671B total / 37B active, without the 14B multi-token-prediction module).
+DeepSeek-V3 (DeepSeek-AI 2024, 671B total / 37B active, without the 14B multi-token-prediction module,
+which `mtp_depth` = 1 describes apart: `mtp_params`, and its FLOPs in `flops_per_token`).
 
 Hugging Face `config.json` files are read by family (`model_type`): the gated-MLP decoders (Llama,
 Mistral, Qwen2, Mixtral, Qwen2-MoE, DeepSeek-V2/V3) and the GELU ones, GPT-NeoX (Pythia: MLP of width
@@ -83,6 +84,10 @@ class PlanModel:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
+    # multi-token prediction (DeepSeek-V3 §2.2): `mtp_depth` modules after the last layer, each an MoE (or
+    # dense) block of the model's own shape, a projection of [norm(h); norm(embedding)] (2h -> h) and the
+    # shared LM head once more; embedding and head are the main model's (not counted again)
+    mtp_depth: int = 0
 
     def __hash__(self) -> int:     # a cache key everywhere: hash the fields once
         return cached_hash(self)
@@ -204,6 +209,29 @@ class PlanModel:
         """Total parameters, tied weights once."""
         return self.embed_params + sum(self.layer_params(i) for i in range(self.layers)) + self.head_params
 
+    def mtp_params(self) -> int:
+        """Parameters of the multi-token-prediction modules beyond the shared embedding and head (DeepSeek-V3
+        §2.2): per depth one block (layer index `layers`: an MoE layer where the model has them), the
+        projection M (2h x h) and three norms (the previous depth's hidden, the embedding, the shared
+        head's input)."""
+        h = self.hidden
+        per = self.layer_params(self.layers) + self._linear(2 * h, h) + 3 * self._norm(h)
+        return self.mtp_depth * per
+
+    def mtp_active_weights(self) -> int:
+        """Weights one token multiplies in the MTP modules' block and projection (routed: top_k experts),
+        the shared head's pass aside (`mtp_head_weights`)."""
+        if not self.mtp_depth:
+            return 0
+        i = self.layers
+        block = self.layer_params(i, self.top_k if self.is_moe_layer(i) else None)
+        return self.mtp_depth * (block + self._linear(2 * self.hidden, self.hidden))
+
+    @property
+    def mtp_head_weights(self) -> int:
+        """Weights of the shared LM head's extra passes, one per MTP depth."""
+        return self.mtp_depth * self.vocab * self.hidden
+
     def active_params(self) -> int:
         """Parameters one token uses (routed experts: top_k of them)."""
         return (self.embed_params + self.head_params
@@ -219,6 +247,11 @@ class PlanModel:
         App. B: 2·s·(d_qk + d_v) per head per layer, halved for a causal mask)."""
         per_layer = 2.0 * seq * self.heads * (self.qk_head_dim + self.v_dim_per_head)
         return self.layers * per_layer * (0.5 if causal else 1.0)
+
+    def blocks_attention_flops_per_token(self, seq: int, causal: bool = True) -> float:
+        """`attention_flops_per_token` over every block a token passes: the layers and the MTP modules'."""
+        attn = self.attention_flops_per_token(seq, causal)
+        return attn + attn * self.mtp_depth / self.layers if self.mtp_depth else attn
 
     def elementwise_per_token(self, i: int) -> tuple[float, float]:
         """Elements read and written per token by layer i's element-wise work, forward + backward (norms,
@@ -236,8 +269,10 @@ class PlanModel:
 
     def flops_per_token(self, seq: int, causal: bool = True) -> float:
         """Model FLOPs per token for forward + backward: 6·N_matmul + 3·attention (Kaplan et al. 2020;
-        Narayanan et al. 2021, eq. 1 without recomputation)."""
-        return 6.0 * self.matmul_params_per_token() + 3.0 * self.attention_flops_per_token(seq, causal)
+        Narayanan et al. 2021, eq. 1 without recomputation), the MTP modules' included (their block, their
+        projection and the head's extra pass: 6 per weight; their attention as one more layer's)."""
+        mtp = 6.0 * (self.mtp_active_weights() + self.mtp_head_weights)
+        return 6.0 * self.matmul_params_per_token() + 3.0 * self.blocks_attention_flops_per_token(seq, causal) + mtp
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -280,11 +315,13 @@ PRESETS: dict[str, PlanModel] = {
                               ffn=14336, max_seq=32768, experts=8, top_k=2, moe_ffn=14336),
     # DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §4.2: 61 layers, hidden 7168, MLA (128 heads,
     # q rank 1536, kv rank 512, 128+64 qk dims, 128 v dims), first 3 layers dense (ffn 18432), then
-    # 1 shared + 256 routed experts of width 2048, top-8, a score-correction bias per expert.
+    # 1 shared + 256 routed experts of width 2048, top-8, a score-correction bias per expert; §2.2 and
+    # §4.2: one multi-token-prediction module (D = 1), its block an MoE layer (the released checkpoint's
+    # layer 61).
     "deepseek-v3": PlanModel(name="deepseek-v3", vocab=129280, hidden=7168, layers=61, heads=128, kv_heads=128,
                              ffn=18432, max_seq=4096, experts=256, top_k=8, moe_ffn=2048, shared_experts=1,
                              dense_layers=3, router_bias=True, q_lora_rank=1536, kv_lora_rank=512,
-                             qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128),
+                             qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, mtp_depth=1),
 }
 
 

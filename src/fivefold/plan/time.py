@@ -9,7 +9,9 @@ forward (full), the attention core's forward (selective), or MLA's up-projection
 `light_recompute_flops`), which count for hardware FLOPs but not for MFU. Kernels reach `efficiency` ×
 the accelerator's peak for the dtype; with `fp8_gemm` the linear layers' GEMMs (forward, dgrad, wgrad)
 run at `efficiency` × the FP8 peak while attention and the LM head
-stay in dtype (DeepSeek-V3 §3.3). MFU and HFU are always against the dtype's peak.
+stay in dtype (DeepSeek-V3 §3.3). MFU and HFU are always against the dtype's peak. GEMMs by shape:
+plan/gemm.py. A model's multi-token-prediction modules (DeepSeek-V3 §2.2, `PlanModel.mtp_depth`) run on
+the last stage: one more block, the 2h -> h projection and the head's second pass (`mtp_here`).
 
 Communication: a collective takes bytes_sent / (tier bandwidth / oversubscription) + latency hops
 (see topology.collective_latency) on the slowest tier its group crosses. What overlaps, and what not
@@ -26,7 +28,8 @@ Communication: a collective takes bytes_sent / (tier bandwidth / oversubscriptio
   become final one by one during its last backward (Megatron-Core, FSDP); without it all at the end of
   the stage's schedule (the runtime under a pipeline). What ends after the whole pipeline has drained is
   exposed: stage s's last backward ends before stage 0's by the drain, and its reduction hides there
-  (`reduction_end`, `chunk_ready`). ZeRO-2 without a pipeline, and ZeRO-2/3 under one with
+  (`reduction_end`, `chunk_ready`); the part that runs beside the last backward slows it
+  (`beside_backward`, `interfered`). ZeRO-2 without a pipeline, and ZeRO-2/3 under one with
   `reduce_each_microbatch`, reduce-scatter every micro-batch behind its own backward. ZeRO-1/2's parameter all-gather after the step: bucket by bucket behind each chunk's
   first forward of the next step (`overlap_param_gather`; `gather_delay`), or exposed. ZeRO-3 gathers
   are prefetched behind the previous unit without a pipeline and exposed under one (not prefetched).
@@ -70,10 +73,21 @@ SIMULATE_MAX_ACTIONS = 4096   # 2·p·m·v compute actions; longer schedules use
 def stage_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) -> tuple[float, float, float]:
     """(linear layers, attention core, LM head) forward FLOPs of one micro-batch on one rank of `stage`."""
     tokens = layout.micro_batch * work.seq / (layout.tp * layout.cp)
-    n_layers = len(layout_layers(model, layout)[stage])
+    n_layers = stage_blocks(model, layout, stage)
     attn = model.attention_flops_per_token(work.attention_span, work.causal) / model.layers
     body, head = _stage_active_weights(model, layout.pp, layout.vpp, layout.partition)[stage]
     return tokens * 2.0 * body, tokens * attn * n_layers, tokens * 2.0 * head
+
+
+def mtp_here(model: PlanModel, layout: Layout, stage: int) -> int:
+    """MTP modules on `stage`: all of them on the last, with the output head whose weights they share
+    (DeepSeek-V3 §3.2.3 keeps embedding, head and MTP on one pipeline rank), none elsewhere."""
+    return model.mtp_depth if stage == layout.pp - 1 else 0
+
+
+def stage_blocks(model: PlanModel, layout: Layout, stage: int) -> int:
+    """Transformer blocks one rank of `stage` runs: its layers and the MTP modules' blocks."""
+    return len(layout_layers(model, layout)[stage]) + mtp_here(model, layout, stage)
 
 
 def elementwise_seconds(model: PlanModel, layout: Layout, work: Workload, acc, stage: int) -> float:
@@ -87,7 +101,7 @@ def elementwise_seconds(model: PlanModel, layout: Layout, work: Workload, acc, s
     tokens = layout.micro_batch * work.seq / layout.cp
     sp = layout.sp_mode == "megatron"
     elements = 0.0
-    layers = layout_layers(model, layout)[stage]
+    layers = list(layout_layers(model, layout)[stage]) + [model.layers] * mtp_here(model, layout, stage)
     for i in layers:
         whole, split = model.elementwise_per_token(i)
         elements += tokens * (whole / (layout.tp if sp else 1) + split / layout.tp)
@@ -99,6 +113,7 @@ def stage_gemm_seconds(model: PlanModel, layout: Layout, work: Workload, acc, st
     flat, or by shape with the MoE layers' GEMMs apart from the dense ones)."""
     lin, _, head = stage_flops(model, layout, work, stage)
     n_moe = sum(1 for i in layout_layers(model, layout)[stage] if model.is_moe_layer(i))
+    n_moe += mtp_here(model, layout, stage) if model.is_moe_layer(model.layers) else 0   # MTP blocks
     tokens = layout.micro_batch * work.seq / (layout.tp * layout.cp)
     moe = tokens * 2.0 * model.layer_params(model.dense_layers, model.top_k) * n_moe if n_moe else 0.0
     return linear_seconds(model, work, acc, layout.micro_batch * work.seq / layout.cp, layout.tp, layout.ep,
@@ -111,7 +126,7 @@ def light_recompute_flops(model: PlanModel, layout: Layout, work: Workload, stag
     heads·(d_nope + d_v)), 2 FLOPs per weight per token; the norms' element-wise work is not counted.
     Nothing under full recompute, which repeats the whole forward anyway."""
     tokens = layout.micro_batch * work.seq / (layout.tp * layout.cp)
-    return tokens * 2.0 * _light_weights(model, layout) * len(layout_layers(model, layout)[stage])
+    return tokens * 2.0 * _light_weights(model, layout) * stage_blocks(model, layout, stage)
 
 
 def _light_weights(model: PlanModel, layout: Layout) -> int:
@@ -131,11 +146,13 @@ def stage_forward_flops(model: PlanModel, layout: Layout, work: Workload, stage:
 @lru_cache(maxsize=4096)
 def _stage_active_weights(model: PlanModel, pp: int, vpp: int, partition: str) -> tuple:
     """Per stage, (layer weights, LM-head weights) one token multiplies by (top_k routed experts; the head
-    on the last stage)."""
+    on the last stage, with the MTP modules' blocks, projections and extra head passes)."""
     out = []
     for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
         w = sum(model.layer_params(i, model.top_k if model.is_moe_layer(i) else None) for i in rng)
-        out.append((w, model.vocab * model.hidden if j == pp - 1 else 0))
+        last = j == pp - 1
+        out.append((w + (model.mtp_active_weights() if last else 0),
+                    model.vocab * model.hidden + model.mtp_head_weights if last else 0))
     return tuple(out)
 
 
@@ -309,7 +326,8 @@ def _grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: 
     stage, each launching its share of the reduce-scatters, which run one at a time on their own stream
     through the rest of the schedule. The collectives hidden behind compute (ZeRO-3's prefetched gathers and
     reductions, the per-micro-batch reduce-scatters) cost `share` of their time in slower compute at least
-    (`interfered`); the once-per-step reduction hides in the drain, where compute is idle, and is not charged."""
+    (`interfered`); the once-per-step reduction, the part of it that runs beside the last backwards
+    (`beside_backward`), not what runs in the drain, where the stage is idle."""
     L = layout
     rs, calls, ag, ag_calls = grad_totals(flows)
     if L.zero == 3:
@@ -331,7 +349,21 @@ def _grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: 
         ready = [(max(t for t, _ in ready), 0.0)]
     k = len(ready)
     groups = [(t, d, rs / k, calls / k) for t, d in ready]
-    return max(0.0, reduction_end(float("-inf"), groups) - end), gather
+    late = max(0.0, reduction_end(float("-inf"), groups) - end)
+    return interfered(late, beside_backward(groups), share), gather
+
+
+def beside_backward(groups: list[tuple[float, float, float, float]]) -> float:
+    """Seconds of a bucket stream (`reduction_end`'s groups, chained) that run before their backward ends,
+    beside its compute: each group's R less what runs after its t. From t on every bucket of the group
+    is final, so the stream is busy from t to the group's end E without a gap: R - (E - t)⁺, in [0, R]."""
+    free, inside = float("-inf"), 0.0
+    for t, d, r_sum, u in groups:
+        if r_sum <= 0:
+            continue
+        free = reduction_end(free, [(t, d, r_sum, u)])
+        inside += min(r_sum, max(0.0, r_sum - max(0.0, free - t)))
+    return inside
 
 
 def grad_overlap(flows: list[Flow], topo: Topology) -> float:
@@ -566,8 +598,8 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     model_flops = model.flops_per_token(work.attention_span, work.causal) * work.tokens
     full = acc.peak(work.dtype) * L.gpus * out.step_time_s
     out.mfu = model_flops / full
-    hw = {"none": 0.0, "selective": model.attention_flops_per_token(work.attention_span, work.causal),
+    hw = {"none": 0.0, "selective": model.blocks_attention_flops_per_token(work.attention_span, work.causal),
           "full": model.flops_per_token(work.attention_span, work.causal) / 3}[L.recompute]  # recomputed forward
-    hw += 2.0 * _light_weights(model, L) * model.layers
+    hw += 2.0 * _light_weights(model, L) * (model.layers + model.mtp_depth)
     out.hfu = (model_flops + hw * work.tokens) / full
     return out

@@ -13,11 +13,16 @@ of calls (about 30 ms of compute; see 2 for collectives), because a step pays th
 than cores a rank computes in scheduler slices, and a gloo call here is bimodal. Compute
 figures are then the median over repetitions and over ranks; collectives as in 2.
 
-1. Compute (`peak_tflops`). Forward + backward of `F.linear` (the op of every `nn.Linear` in the model):
-   6·T·k·n FLOPs, the forward GEMM and the two backward ones, at transformer shapes (T tokens × k in ×
-   n out: hidden², hidden × ffn, ffn × hidden, hidden × kv width). The peak of a dtype is the median
-   over the grid's shapes of its FLOP/s (one shape disturbed by a neighbour's burst does not move it):
-   fp32, bf16 (CPU bf16 may be faster or slower than fp32), fp64. The attention core
+1. Compute (`peak_tflops`, `gemm_kernel_us`). Forward + backward of `F.linear` (the op of every
+   `nn.Linear` in the model): 6·T·k·n FLOPs, the forward GEMM and the two backward ones, at transformer
+   shapes (T tokens × k in × n out: hidden², hidden × ffn, ffn × hidden, hidden × kv width). The local
+   GEMM curve is the planner's own model (plan/gemm.py: per GEMM 2·T·k·n / rate + a per-kernel floor,
+   the roofline's memory term aside, these shapes being compute bound): the floor (`gemm_kernel_us`) is
+   one forward F.linear at 8 × 8 × 8 outside autograd (GEMM_FLOOR_SHAPE: arithmetic negligible, the time
+   is what every kernel pays: dispatch, allocation), and the rate of a dtype
+   (`peak_tflops`) the median over the grid's shapes of FLOPs / (time − 3 · floor) (`gemm_curve`; one
+   shape disturbed by a neighbour's burst does not move it): fp32, bf16 (CPU bf16 may be faster or slower
+   than fp32), fp64. The plain median rate (the flat figure) is a comment. The attention core
    (`model.transformer.attention_core`: causal SDPA, K/V heads repeated) forward + backward, FLOPs counted
    as the planner counts them (forward 2·s·heads·(d_qk + d_v)/2 per token, backward twice that), is
    written beside it: `attention_tflops` (median; the planner charges attention FLOPs at it) and
@@ -44,14 +49,17 @@ figures are then the median over repetitions and over ranks; collectives as in 2
    and the time of one eager op on 8 floats (`op_overhead_us`: the floor every op pays, however small
    its tensors) and of the model's own Block forward + backward on 16 tokens of width 64
    (`layer_overhead_us`: the fixed cost of a layer per micro-batch, dispatch, autograd and allocation of
-   its ~170 ops). The planner charges `layer_overhead_us` per layer per micro-batch, and, as the TOML's
+   its ~170 ops, less the floors of the GEMMs the planner charges apart, `layer_overhead_beyond_gemms`).
+   The planner charges `layer_overhead_us` per layer per micro-batch, and, as the TOML's
    `elementwise = 1` says, each layer's element-wise traffic (`PlanModel.elementwise_per_token`) at
    `hbm_gbps`: eager PyTorch runs norms, RoPE, SiLU and residual adds as separate memory-bound ops.
 4. Memory (`memory_gib`). The machine's RAM divided by N: the ranks share it, and the planner checks
    one rank's memory against the accelerator's.
 5. Overlap (the tier's `overlap`): the share of an asynchronous 4 MiB all-reduce that hides behind a
    ~12 ms compute burst on the same rank. The planner hides only this share of what its schedule says
-   gradient reductions and ZeRO gathers hide behind compute (1.0, all of it, on datasheet tiers).
+   gradient reductions and ZeRO gathers hide behind compute (1.0, all of it, on datasheet tiers). Read
+   as interference (docs/plan.md, "Overlap is not free": the pair takes max(c, t + f·c)) it is 1 − f, f
+   the share of the compute rate the collective takes; the TOML's comments give f.
 6. Pipeline actions (`action_overhead_us`): N ranks run a real 1F1B step of a small model (pp = N, the
    Trainer and pipeline runtime `fivefold train` uses) and the measured makespan is set against the
    schedule simulator's for the same actions with their measured durations and the send fit per
@@ -98,6 +106,8 @@ FULL = Sizes(
     messages=tuple(4 * KiB * 4**i for i in range(7)),     # 4 KiB ... 16 MiB
     compute_reps=7, comm_reps=7, memory_mib=64)
 
+GEMM_FLOOR_SHAPE = (8, 8, 8)    # F.linear whose arithmetic is negligible: what every GEMM kernel pays
+
 QUICK = Sizes(
     gemm=((256, 256, 256), (256, 256, 704)),
     gemm_other=((256, 256, 256),),
@@ -135,6 +145,20 @@ def _linear_step(tokens: int, k: int, n: int, dtype):
     return (lambda: F.linear(x, w).backward(dy)), 6.0 * tokens * k * n
 
 
+def _tiny_gemm(tokens: int, k: int, n: int):
+    """One forward F.linear outside autograd: at 8 x 8 x 8 its arithmetic is negligible, so its time is
+    the floor one GEMM kernel pays (dispatch, allocation; a GPU's launch and tail)."""
+    import torch
+    import torch.nn.functional as F
+
+    x, w = torch.randn(tokens, k), torch.randn(n, k)
+
+    def gemm():
+        with torch.no_grad():
+            F.linear(x, w)
+    return gemm
+
+
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
     """Forward + backward FLOPs of causal attention, the planner's convention (models.py): forward
     2·s·heads·(d_qk + d_v) per token, halved for the causal mask; backward twice the forward."""
@@ -168,6 +192,8 @@ def _measure_compute(sizes: Sizes, barrier) -> dict:
             barrier()
             rows.append((list(shape), flops, _timed(step, sizes.compute_reps)))
         out["gemm"][name] = rows
+    barrier()
+    out["gemm_floor_s"] = _timed(_tiny_gemm(*GEMM_FLOOR_SHAPE), sizes.compute_reps)
     for shape in sizes.attention:
         step, flops = _attention_step(*shape)
         barrier()
@@ -193,6 +219,23 @@ def _measure_memory(sizes: Sizes, barrier) -> dict:
     return {"bytes": 4 * n, "add_s": add, "copy_s": copy, "op_s": op, "layer_s": layer}
 
 
+TINY_LAYER = dict(vocab=16, hidden=64, layers=1, heads=4, kv_heads=2, ffn=176, max_seq=16)
+
+
+def layer_overhead_beyond_gemms(layer_s: float, floor: float) -> float:
+    """`layer_overhead_us` as the planner charges it beside the GEMM floors: the tiny Block's measured
+    forward + backward less the floors of the GEMMs the planner counts in such a layer (plan/gemm.py
+    `layer_gemms`, three kernels each: forward, dgrad, wgrad), which it charges apart; at least 0. So the
+    planner's time for the tiny Block, layer overhead plus GEMM floors, is the measured time."""
+    from ..config import ModelConfig
+    from ..plan.gemm import layer_gemms
+    from ..plan.models import from_model_config
+
+    cfg = ModelConfig(**TINY_LAYER)
+    kernels = 3 * len(layer_gemms(from_model_config(cfg), False, float(cfg.max_seq), 1, 1))
+    return max(0.0, layer_s - kernels * floor)
+
+
 def _tiny_layer_step():
     """Forward + backward of the model's own transformer Block on 16 tokens of width 64: its arithmetic is
     negligible, so the time is what every layer pays per micro-batch whatever its size (op dispatch,
@@ -202,7 +245,7 @@ def _tiny_layer_step():
     from ..config import ModelConfig
     from ..model import Transformer
 
-    model = Transformer(ModelConfig(vocab=16, hidden=64, layers=1, heads=4, kv_heads=2, ffn=176, max_seq=16), seed=0)
+    model = Transformer(ModelConfig(**TINY_LAYER), seed=0)
     block, cos_sin = model.layers[0], model.rope(16)
     x = torch.randn(1, 16, 64, requires_grad=True)
     return lambda: block(x, *cos_sin).sum().backward()
@@ -452,6 +495,15 @@ def _rate(rows: list[tuple[list, float, float]]) -> float:
     return statistics.median(f / t for _, f, t in rows)
 
 
+def gemm_curve(rows: list[tuple[list, float, float]], floor: float) -> float:
+    """The rate (FLOP/s) of the planner's GEMM model (plan/gemm.py) given the per-kernel `floor`, from rows
+    of ((T, k, n), FLOPs, seconds) of F.linear forward + backward: three GEMMs of the forward's time
+    each, t = 3·(2·T·k·n / rate + floor), so each shape gives FLOPs / (t − 3·floor); the median over the
+    shapes (the plain median rate where the floor takes a whole time, a disturbed measurement)."""
+    rates = [f / (t - 3 * floor) for _, f, t in rows if t > 3 * floor]
+    return statistics.median(rates) if rates else _rate(rows)
+
+
 def _over_ranks(per_rank: list[dict], path, index: int) -> float:
     """Median over ranks of the seconds at per_rank[r][path...][index][2]."""
     vals = []
@@ -538,14 +590,17 @@ def summarize(per_rank: list[dict], nproc: int, quick: bool) -> dict:
     message = PIPELINE_MODEL["hidden"] * PIPELINE_MODEL["max_seq"] * 4
     action = pipeline_action_overhead([r["pipeline"] for r in per_rank], nproc,
                                       send_latency + message / send_bandwidth)
+    floor = statistics.median(r["compute"]["gemm_floor_s"] for r in per_rank)
     return {
         "nproc": nproc, "quick": quick, "host": platform.node(), "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
-        "peak_flops": {d: _rate(compute[d]) for d in ("fp32", "bf16", "fp64")},
+        "peak_flops": {d: gemm_curve(compute[d], floor) for d in ("fp32", "bf16", "fp64")},
+        "median_flops": {d: _rate(compute[d]) for d in ("fp32", "bf16", "fp64")}, "gemm_kernel": floor,
         "attention_flops": _rate(compute["attention"]),
         "compute": compute,
         "memory_bandwidth": 3 * mem["bytes"] / add, "copy_bandwidth": 2 * mem["bytes"] / copy,
-        "memory_test_bytes": mem["bytes"], "op_overhead": op, "layer_overhead": layer, "action_overhead": action,
+        "memory_test_bytes": mem["bytes"], "op_overhead": op, "layer_s": layer,
+        "layer_overhead": layer_overhead_beyond_gemms(layer, floor), "action_overhead": action,
         "ram_bytes": ram, "memory_per_rank": ram / nproc,
         "overlap": overlap, "latency": alpha, "bandwidth": bandwidth, "per_op_fit": fits["in_step"]["per_op"],
         "fits": fits, "comm": comm,
@@ -584,10 +639,23 @@ def _g(x: float) -> str:
 
 def _comment_lines(cal: dict) -> list[str]:
     """What was measured: sizes and raw medians, one comment line each."""
-    lines = ["# GEMM, F.linear forward+backward (6·T·k·n FLOPs), median seconds -> GFLOP/s per rank:"]
+    from ..plan.gemm import gemm_seconds
+
+    floor, hbm = cal["gemm_kernel"], cal["memory_bandwidth"]
+    tiny = "x".join(map(str, GEMM_FLOOR_SHAPE))
+    lines = ["# GEMM, F.linear forward+backward (6·T·k·n FLOPs), median seconds -> GFLOP/s per rank; the curve",
+             "# (plan/gemm.py): 3 x (2·T·k·n / peak + gemm_kernel_us), the floor one forward F.linear at "
+             f"{tiny} ({floor * 1e6:.1f} us),",
+             "# the peak the median of FLOPs / (time - 3 x floor); fit: the planner's time for the shape, memory",
+             "# term at hbm_gbps included:"]
     for dtype in ("fp32", "bf16", "fp64"):
+        rate, nbytes = cal["peak_flops"][dtype], {"fp32": 4, "bf16": 2, "fp64": 8}[dtype]
         for (t, k, n), flops, s in cal["compute"][dtype]:
-            lines.append(f"#   {dtype} T={t} k={k} n={n}: {s * 1e3:.3f} ms, {flops / s / 1e9:.1f} GFLOP/s")
+            fit = 3 * gemm_seconds(t, n, k, rate, hbm, nbytes, floor)   # the planner's time, roofline included
+            lines.append(f"#   {dtype} T={t} k={k} n={n}: {s * 1e3:.3f} ms, {flops / s / 1e9:.1f} GFLOP/s "
+                         f"(fit {fit * 1e3:.3f} ms, {fit / s:.2f}x)")
+    med = ", ".join(f"{d} {v / 1e9:.1f}" for d, v in cal["median_flops"].items())
+    lines.append(f"#   median rate over the shapes (a record; the flat figure): {med} GFLOP/s")
     lines.append("# attention core (causal SDPA, GQA), forward+backward, planner FLOPs -> GFLOP/s per rank:")
     for (b, h, kv, s_, d), flops, s in cal["compute"]["attention"]:
         lines.append(f"#   b={b} heads={h} kv={kv} seq={s_} d={d}: {s * 1e3:.3f} ms, {flops / s / 1e9:.1f} GFLOP/s")
@@ -598,7 +666,9 @@ def _comment_lines(cal: dict) -> list[str]:
     lines.append("# op_overhead_us (a record; the planner reads layer_overhead_us): an in-place add of 8 floats, the cost of one "
                  f"eager op call: {cal['op_overhead'] * 1e6:.2f} us")
     lines.append("# layer_overhead_us: forward + backward of the model's Block on 16 "
-                 f"tokens of width 64, the fixed cost of a layer per micro-batch: {cal['layer_overhead'] * 1e6:.0f} us")
+                 f"tokens of width 64, the fixed cost of a layer per micro-batch: {cal['layer_s'] * 1e6:.0f} us, less "
+                 "its GEMMs' floors (charged apart):")
+    lines.append(f"#   {cal['layer_overhead'] * 1e6:.0f} us")
     lines.append(f"# action_overhead_us: a real 1F1B step (pp = {cal['nproc']}, {PIPELINE_MICROBATCHES} micro-batches) "
                  "took this much longer per compute action than the schedule simulator says with the measured "
                  f"durations and the send fit: {cal['action_overhead'] * 1e6:.0f} us")
@@ -631,6 +701,9 @@ def _comment_lines(cal: dict) -> list[str]:
                  f"takes {ov['comm_s'] * 1e3:.2f} ms after a {ov['burst_s'] * 1e3:.1f} ms compute burst; issued async")
     lines.append(f"#   before the burst and waited after, burst + all_reduce take {ov['overlapped_s'] * 1e3:.2f} ms: "
                  f"{100 * ov['hidden']:.0f}% of the all_reduce hidden")
+    lines.append(f"#   as interference (docs/plan.md, \"Overlap is not free\": the pair takes max(c, t + f·c)): compute "
+                 f"beside the collective loses f = 1 - hidden = {1 - ov['hidden']:.2f} of its rate; charged through "
+                 "overlap, so the accelerator has no sms")
     return lines
 
 
@@ -656,7 +729,8 @@ def to_toml(cal: dict) -> str:
         f"# Measured with {n} local gloo ranks at once, one intra-op thread each (as `fivefold train --nproc {n}`).",
         "# The peaks are ACHIEVED rates, not datasheet peaks: plan with --efficiency 1.0 against this topology,",
         f"# and only for {n} ranks on this machine (ranks share the cores: other counts need their own calibration).",
-        "# peak_tflops: median over the GEMM grid below of F.linear forward+backward FLOP/s;",
+        "# peak_tflops, gemm_kernel_us: the GEMM curve of F.linear forward+backward over the grid below",
+        "# (the planner's GEMMs by shape; --gemm flat charges every GEMM at peak_tflops alone);",
         "# attention_tflops: the attention core's rate, planner FLOP convention (by_seq: a record per length);",
         "# elementwise = 1, layer_overhead_us: eager PyTorch pays the layers' element-wise traffic at hbm_gbps",
         "# and a fixed cost per layer per micro-batch (plan/time.py elementwise_seconds).",
@@ -671,6 +745,7 @@ def to_toml(cal: dict) -> str:
         "[accelerator]",
         f'name = "{name}"',
         f"peak_tflops = {{ {peaks} }}",
+        f"gemm_kernel_us = {_g(cal['gemm_kernel'] * 1e6)}",
         f"attention_tflops = {{ fp32 = {_g(cal['attention_flops'] / 1e12)} }}",
         f"attention_tflops_by_seq = {{ {_by_seq(cal)} }}",
         f"memory_gib = {_g(cal['memory_per_rank'] / GiB)}",

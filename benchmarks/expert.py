@@ -14,7 +14,7 @@ batch rows of the same global batch; each rank holds 4 of the 8 experts of every
 forward + backward + optimizer step. Both sides are the same fivefold Transformer (attention, norms,
 embeddings identical), and differ only in each layer's MoE block:
 - ours: `MoE` with `ExpertParallelism(mesh, cfg).apply(model)` (ParallelConfig(dp=2, ep=2)), its
-  all-to-all dispatcher `AllToAllDispatch`;
+  all-to-all dispatcher `AllToAllDispatch` (given by parallelize's `configure_moe`);
 - DeepSpeed 0.19.8: `deepspeed.moe.layer.MoE(hidden, SwiGLU(hidden, 512), num_experts=8, ep_size=2, k=2,
   use_rts=False, top2_2nd_expert_sampling=False)` after `set_deepspeed_parallelism()` (no engine), its
   gate (fp32, like ours) and experts loaded with the same weights (global expert r·4 + j is rank r's

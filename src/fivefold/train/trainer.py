@@ -66,10 +66,10 @@ from ..mesh import ParallelMesh
 from ..model import Transformer, loss_sum
 from ..model.documents import Documents, document_positions
 from ..model.init import InitSource, cast_meta, materialize
+from ..model.moe import MoE
 from ..model.transformer import Block
 from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
-from ..model.moe import MoE
 from ..parallel.expert import moe_step_stats
 from ..parallel.placement import placement_of
 from ..parallel.parallelize import (checkpoint_aliases, gather_state, loss_function, parallelize, positions_of,

@@ -128,6 +128,25 @@ def test_hooks_chain_in_the_documented_order():
     assert (fb(), fo()) == ("fb", "fo")
 
 
+def test_engines_subclass_the_engine_base():
+    """The trainer calls every engine method directly: DDP and ZeRO subclass `Engine` (an ABC: a missing
+    method fails when the engine is made); only ZeRO-3 has gathered parameters to release."""
+    from fivefold.parallel.data import DataParallelOptimizer
+    from fivefold.parallel.engine import Engine
+    from fivefold.parallel.zero import ShardedOptimizer, Zero3
+
+    assert issubclass(DataParallelOptimizer, Engine) and issubclass(ShardedOptimizer, Engine)
+    assert DataParallelOptimizer.release_params is Engine.release_params
+    assert Zero3.release_params is not Engine.release_params
+
+    class Partial(Engine):
+        def set_sync(self, enabled):
+            pass
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial()
+
+
 def _attribute_names_on(var: str, tree: ast.AST) -> set[str]:
     return {n.attr for n in ast.walk(tree)
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == var}

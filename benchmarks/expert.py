@@ -14,7 +14,7 @@ batch rows of the same global batch; each rank holds 4 of the 8 experts of every
 forward + backward + optimizer step. Both sides are the same fivefold Transformer (attention, norms,
 embeddings identical), and differ only in each layer's MoE block:
 - ours: `MoE` with `ExpertParallelism(mesh, cfg).apply(model)` (ParallelConfig(dp=2, ep=2)), its
-  all-to-all dispatcher `AllToAllDispatch`;
+  all-to-all dispatcher `AllToAllDispatch` (given by parallelize's `configure_moe`);
 - DeepSpeed 0.19.8: `deepspeed.moe.layer.MoE(hidden, SwiGLU(hidden, 512), num_experts=8, ep_size=2, k=2,
   use_rts=False, top2_2nd_expert_sampling=False)` after `set_deepspeed_parallelism()` (no engine), its
   gate (fp32, like ours) and experts loaded with the same weights (global expert r·4 + j is rank r's
@@ -88,14 +88,14 @@ def peer_rank(rank, world, impl, steps, batch, seq, layers, cf, profile=False):
     mcfg = moe_model(seq, layers, cf if mode == "cap" else 0.0)
     model = Transformer(mcfg, seed=0)
     for m in model.modules():
-        if isinstance(m, MoE):
-            m.global_sequences = world * batch   # the trainer's scaling: aux loss = coef x mean over sequences
+        if isinstance(m, MoE):   # the trainer's scaling: aux loss = coef x mean over sequences
+            m.configure(global_sequences=world * batch)
     gen = torch.Generator().manual_seed(0)       # one global batch; rank r keeps rows r·batch ...
     x = torch.randint(0, mcfg.vocab, (world * batch, seq), generator=gen)
     y = torch.roll(x, -1, 1)
     x, y = x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch]
     make = ours_ep if impl.startswith("ours") else deepspeed_ep
-    reduce_grads, counter = make(model, rank, world, mcfg)
+    reduce_grads, counter = make(model, rank, world, mcfg, world * batch)
     params = list(model.parameters())
     dense = [p for n, p in model.named_parameters() if ".experts." not in n]
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=False)
@@ -117,23 +117,25 @@ def peer_rank(rank, world, impl, steps, batch, seq, layers, cf, profile=False):
     return {"times": times, "rss_mb": peak_rss_mb(), **first, "base_rss_mb": base_rss}
 
 
-def ours_ep(model, rank, world, mcfg):
+def ours_ep(model, rank, world, mcfg, sequences):
     from fivefold import comm
     from fivefold.comm import CommLedger
     from fivefold.config import Config, ParallelConfig, TrainConfig
     from fivefold.mesh import ParallelMesh
     from fivefold.parallel.expert import ExpertParallelism
+    from fivefold.parallel.parallelize import configure_moe
 
     cfg = Config(model=mcfg, parallel=ParallelConfig(dp=world, ep=world),
-                 train=TrainConfig(seq_len=mcfg.max_seq, global_batch=world)).validate(world)
+                 train=TrainConfig(seq_len=mcfg.max_seq, global_batch=sequences)).validate(world)
     ledger = CommLedger(rank, world)
     mesh = ParallelMesh(cfg.parallel, rank, ledger)
     ExpertParallelism(mesh, cfg).apply(model)
+    configure_moe(model, mesh, cfg)   # the all-to-all dispatcher, the step's totals (as parallelize does)
 
     return lambda flat: comm.all_reduce(flat, mesh["dp"]), LedgerCount(ledger)
 
 
-def deepspeed_ep(model, rank, world, mcfg):
+def deepspeed_ep(model, rank, world, mcfg, sequences):
     import torch
     import torch.distributed as tdist
     from torch import nn

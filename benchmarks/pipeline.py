@@ -55,12 +55,12 @@ def ours(rank, world, cfg, schedule, vpp, batch, seq, microbatches):
                         CommLedger(rank, world))
     part = partition_layers(cfg.layers, world, vpp)
     stage = Stage(Transformer(cfg, seed=0), part, rank)
-    runtime = PipelineRuntime(stage, build_schedule(schedule, world, microbatches, vpp)[rank], mesh["pp"], loss_sum)
+    runtime = PipelineRuntime(stage, build_schedule(schedule, world, microbatches, vpp)[rank], mesh["pp"])
     opt = torch.optim.AdamW(stage.parameters(), lr=1e-4, foreach=True)
     _, y, mbs = data(cfg, batch, seq, microbatches)
 
     def step():
-        runtime.run(mbs, y.numel())
+        runtime.run(mbs, y.numel(), loss_sum)
         if stage.tied is not None:
             comm.all_reduce(stage.tied.grad, mesh["embed"], dim="embed")
         opt.step()

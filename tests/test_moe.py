@@ -162,7 +162,7 @@ def test_expert_without_tokens_forward_and_backward():
 
 def test_aux_and_z_loss_by_hand():
     m = moe_of(aux_loss_coef=0.1, z_loss_coef=0.01)
-    m.global_sequences, m.global_tokens = 4, 40
+    m.configure(global_sequences=4, global_tokens=40)
     x = torch.randn(2, 3, 16)
     m(x)
     (value,) = m.aux.values

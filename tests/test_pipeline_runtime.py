@@ -433,13 +433,13 @@ def one_stage(schedule: str, recompute: str = "none", m: int = 4):
     c.model.tie_embeddings = False   # on one stage a tied weight would have two modules
     model = Transformer(c.model, seed=3)
     stage = Stage(model, partition_layers(2, 1), 0)
-    runtime = PipelineRuntime(stage, build_schedule(schedule, 1, m)[0], Group.single("pp"), loss_sum, recompute)
+    runtime = PipelineRuntime(stage, build_schedule(schedule, 1, m)[0], Group.single("pp"), recompute)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, c.model.vocab, (8, 32), generator=gen)
     y = torch.roll(x, -1, 1)
     live = LiveSaved()
     with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
-        loss = runtime.run(list(zip(x.chunk(m), y.chunk(m))), y.numel())
+        loss = runtime.run(list(zip(x.chunk(m), y.chunk(m))), y.numel(), loss_sum)
     grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
     return float(loss), grads, live.peak, runtime
 
@@ -471,9 +471,9 @@ def test_weight_gradient_waits_for_w():
     stage = Stage(Transformer(c.model, seed=3), partition_layers(2, 1), 0)
     actions = build_schedule("zb", 1, 1)[0]
     assert [a.kind for a in actions] == ["F", "I", "W"]
-    runtime = PipelineRuntime(stage, actions[:2], Group.single("pp"), loss_sum)
+    runtime = PipelineRuntime(stage, actions[:2], Group.single("pp"))
     x = torch.randint(0, c.model.vocab, (2, 16))
-    runtime.begin([(x, torch.roll(x, -1, 1))], x.numel(), None)   # the state a step starts from
+    runtime.begin([(x, torch.roll(x, -1, 1))], x.numel(), loss_sum, None)   # the state a step starts from
     runtime.timeline = []
     for a in actions:
         runtime.compute(a)

@@ -496,7 +496,7 @@ def check_runtime_support(parallel, train, model=None) -> None:
     `parallel`, `train`, `model`: a ParallelConfig, TrainConfig and ModelConfig (read by attribute)."""
     p, t = parallel, train
     experts = getattr(model, "experts", 0)
-    split = p.cp > 1 or (p.tp > 1 and p.sp_mode == "megatron")
+    split = moe_sequence_group(p.tp, p.sp_mode, p.cp) is not None
     if experts and split and model.capacity_factor > 0:
         raise ConfigError("MoE capacity mode needs whole sequences on a rank (capacity groups are sequences), which "
                           "cp and sequence parallelism split; use capacity_factor = 0 (dropless), or cp = 1 and "
@@ -536,6 +536,32 @@ def moe_capacity(capacity_factor: float, seq: int, top_k: int, experts: int) -> 
     if capacity_factor <= 0:
         return 0
     return -(-int(round(capacity_factor * seq * top_k * 1_000_000)) // (experts * 1_000_000))
+
+
+def moe_splits_rows(tp: int, sp_mode: str) -> bool:
+    """Under tensor parallelism without sequence parallelism a MoE layer's input is replicated over tp:
+    each tp rank routes its 1/tp of the micro-batch's whole sequences (parallel/tensor.py moe_rows:
+    scatter the rows in, all-gather the outputs back). With Megatron SP it already holds 1/tp of every
+    sequence's tokens."""
+    return tp > 1 and sp_mode != "megatron"
+
+
+def moe_sequence_group(tp: int, sp_mode: str, cp: int) -> str | None:
+    """The mesh group over whose ranks each sequence's tokens are spread when a MoE layer routes them,
+    so its per-sequence balance statistics are summed over it (model/moe.py load_balance_loss):
+    "tp_cp" under Megatron SP with cp, "tp" under SP alone, "cp" under cp alone (also with tp but no SP,
+    whose ranks route whole sequences: `moe_splits_rows`), None when every rank holds whole sequences.
+    The runtime configures the MoE layers by it (parallel/parallelize.py configure_moe) and the planner
+    counts its all-reduces by it (plan/traffic.py)."""
+    sp = tp > 1 and sp_mode == "megatron"
+    if sp:
+        return "tp_cp" if cp > 1 else "tp"
+    return "cp" if cp > 1 else None
+
+
+def moe_sequence_parts(tp: int, sp_mode: str, cp: int) -> int:
+    """How many ranks hold parts of one sequence in a MoE layer: the size of `moe_sequence_group`."""
+    return {None: 1, "tp": tp, "cp": cp, "tp_cp": tp * cp}[moe_sequence_group(tp, sp_mode, cp)]
 
 
 def check_moe_routing(experts: int, top_k: int, router_groups: int = 0, router_group_limit: int = 0) -> None:

@@ -32,7 +32,7 @@ pipeline and expert parallel layouts reproduce one process exactly:
 - load-balance loss (softmax routers): per sequence E·Σ_e f_e·P_e, where f_e is the fraction of the
   sequence's s·k assignments the router chose for e (before capacity drops) and P_e the mean of p_e over the
   sequence's tokens. It is summed over the micro-batch's sequences and scaled by aux_loss_coef /
-  `global_sequences` (the trainer sets the sequences per optimizer step; default 1), so a step's total is
+  `global_sequences` (the sequences per optimizer step, given by `configure`; default 1), so a step's total is
   aux_loss_coef times the mean over its sequences.
 - z-loss: z_loss_coef · Σ_tokens logsumexp(logits)² / `global_tokens` (tokens per step; default 1).
 
@@ -177,11 +177,15 @@ class MoE(nn.Module):
     is in `state_dict`: it is training state, like a norm's running statistics), is never a parameter, and
     stays fp32 (fp64 in fp64 models) when the module is cast: its small updates would vanish in bf16.
 
-    `dispatcher` is LocalDispatch(); expert parallelism swaps in its all-to-all one. `global_sequences` and
-    `global_tokens` scale the auxiliary losses (module docstring). Context parallelism sets
-    `sum_sequence_parts` and `sequence_parts` so the per-sequence balance statistics cover whole sequences. After each forward `last_stats` holds
-    "tokens_per_expert" ((E,) int64: assignments each expert ran, after drops) and "dropped" (a 0-dim
-    int64 tensor: assignments dropped by capacity), detached, for metrics."""
+    What the parallel dimensions and the run decide is told in one call, `configure(...)` (made by
+    parallel/parallelize.py configure_moe once every dimension is applied): the dispatcher (LocalDispatch
+    by default; expert parallelism's all-to-all one), the row split under tensor parallelism (`enter`,
+    `leave`), the sum of a per-sequence statistic over the ranks holding parts of each sequence and their
+    number (`sum_sequence_parts`, `sequence_parts`: sequence and context parallelism), and the step's
+    `global_sequences` and `global_tokens`, which scale the auxiliary losses (module docstring). After each
+    forward `last_stats` holds "tokens_per_expert" ((E,) int64: assignments each expert ran, after drops)
+    and "dropped" (a 0-dim int64 tensor: assignments dropped by capacity), detached, for metrics; the
+    step's sum of them is taken once with `take_step_stats()`."""
 
     def __init__(self, cfg: ModelConfig, aux: AuxLosses | None = None, device=None):
         super().__init__()
@@ -198,15 +202,28 @@ class MoE(nn.Module):
         self.shared = SwiGLU(h, cfg.shared_experts * m, device) if cfg.shared_experts else None
         self.shared_gate = nn.Linear(h, 1, bias=False, device=device) if cfg.shared_expert_gate else None
         self.register_buffer("expert_bias", torch.zeros(e, device=device) if cfg.router == "sigmoid_bias" else None)
-        self.dispatcher = LocalDispatch()
-        self.enter = nn.Identity()   # tensor parallelism: take this rank's sequences ... (parallel/tensor.py)
-        self.leave = nn.Identity()   # ... and all-gather the outputs again
-        self.global_sequences = 1
-        self.global_tokens = 1
-        self.sum_sequence_parts = None   # context parallelism: sums a per-sequence statistic over its ranks
-        self.sequence_parts = 1          # ... and how many ranks hold parts of each sequence
+        self.configure()
         self.last_stats: dict[str, torch.Tensor] = {}
         self.step_stats: torch.Tensor | None = None   # (E + 1,): tokens per expert and dropped, this step
+
+    def configure(self, *, dispatcher=None, rows: tuple[nn.Module, nn.Module] | None = None,
+                  sum_sequence_parts=None, sequence_parts: int = 1, global_sequences: int = 1,
+                  global_tokens: int = 1) -> None:
+        """Everything the parallel dimensions and the run tell this layer, in one call (the defaults:
+        one process). `dispatcher`: how routed rows reach the experts (None: LocalDispatch). `rows`:
+        (enter, leave) modules around the layer (tensor parallelism without SP: take this rank's
+        sequences, all-gather the outputs again; None: identity). `sum_sequence_parts`: sums a
+        per-sequence statistic over the `sequence_parts` ranks holding parts of each sequence (None when
+        every rank holds whole sequences). `global_sequences`, `global_tokens`: the step's totals."""
+        self.dispatcher = dispatcher if dispatcher is not None else LocalDispatch()
+        self.enter, self.leave = rows if rows is not None else (nn.Identity(), nn.Identity())
+        self.sum_sequence_parts, self.sequence_parts = sum_sequence_parts, sequence_parts
+        self.global_sequences, self.global_tokens = global_sequences, global_tokens
+
+    def take_step_stats(self) -> torch.Tensor | None:
+        """The step's (E + 1,) counts so far (tokens per expert, dropped), or None; starts afresh."""
+        stats, self.step_stats = self.step_stats, None
+        return stats
 
     def route(self, x_bsh: torch.Tensor):
         """(experts_tk, weights_tk, scores_te, logits_te): the router's choices for the b·s tokens (row

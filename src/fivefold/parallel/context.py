@@ -33,7 +33,6 @@ global-token mean, is summed over dp × cp.
 """
 from __future__ import annotations
 
-from functools import partial
 from math import lcm
 
 import numpy as np
@@ -41,8 +40,9 @@ import torch
 from torch import nn
 
 from .. import rules
-from ..comm.autograd import heads_to_seq, seq_to_heads, sum_across
+from ..comm.autograd import heads_to_seq, seq_to_heads
 from ..model.transformer import attention_core
+from .dimension import Dimension
 from .placement import place
 from .ring import ring_attention, zigzag_host
 
@@ -99,8 +99,8 @@ class ContextAttention(nn.Module):
         return x_bksd if kv % u == 0 else x_bksd.repeat_interleave(lcm(kv, u) // kv, dim=1)
 
 
-class ContextParallelism:
-    """The context-parallel dimension (parallelize.py's protocol): swaps every attention core, slices
+class ContextParallelism(Dimension):
+    """The context-parallel dimension (the contract: dimension.py): swaps every attention core, slices
     each micro-batch to this rank's tokens and gives their position ids, and sums dense gradients over
     dp × cp."""
 
@@ -119,11 +119,7 @@ class ContextParallelism:
             block.attn.core = ContextAttention(self.mesh["cp_ulysses"], self.mesh["cp_ring"], self.ring_host_rs)
         for param in model.parameters():
             place(param, reduce="dp_cp")
-        for m in model.modules():   # MoE balance statistics are per whole sequence: sum the cp parts
-            if hasattr(m, "sum_sequence_parts"):   # (and the tp parts, when sequence parallelism split them)
-                parts = self.mesh["tp_cp"] if m.sequence_parts > 1 else self.mesh["cp"]
-                m.sum_sequence_parts, m.sequence_parts = partial(sum_across, group=parts), parts.size
-        return model
+        return model   # MoE layers sum their per-sequence statistics over cp (parallelize.configure_moe)
 
     def shard_batch(self, *tensors_bs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's tokens of every sequence, of each (b, S) tensor given: tokens, their next-token

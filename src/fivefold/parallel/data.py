@@ -35,7 +35,7 @@ from torch import nn
 from .. import comm, rules
 from ..comm import Group
 from ..shapes import bucket_ranges
-from .engine import backward_order, counted, held, nbytes, reduce_partitions, unique_params
+from .engine import Engine, backward_order, counted, held, nbytes, reduce_partitions, unique_params
 from .placement import by_group
 
 __all__ = ["Bucket", "DataParallel", "DataParallelOptimizer", "bucketize", "unique_params"]
@@ -155,7 +155,7 @@ class DataParallel:
         self._hooks = []
 
 
-class DataParallelOptimizer:
+class DataParallelOptimizer(Engine):
     """Plain data parallelism with its optimizer: every rank holds full parameters, gradients (in
     `DataParallel`'s buckets) and optimizer state. Implements the engine protocol (engine.py).
 

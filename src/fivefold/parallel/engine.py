@@ -24,7 +24,8 @@ reduce them with whatever got no gradient. Held parameters come last in the back
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Mapping, Protocol
+from abc import ABC, abstractmethod
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -35,24 +36,46 @@ from ..shapes import segments, windows
 from .placement import by_group, placement_of
 
 
-class Engine(Protocol):
+class Engine(ABC):
+    """What the trainer asks of a gradient engine: DDP (data.py DataParallelOptimizer) and ZeRO (zero.py
+    ShardedOptimizer) subclass it, so a missing method fails when the engine is made and the trainer
+    calls every one directly. `release_params` has a default (nothing to free)."""
+
     params: list[nn.Parameter]
     norm_group: Group
 
+    @abstractmethod
     def set_sync(self, enabled: bool) -> None: ...
+    @abstractmethod
     def end_backward(self) -> None: ...
+    @abstractmethod
     def finish(self) -> None: ...
+    @abstractmethod
     def local_grad(self, p: nn.Parameter) -> torch.Tensor: ...
+    @abstractmethod
     def owned_grads(self, params: list[nn.Parameter] | None = None) -> list[torch.Tensor]: ...
+    @abstractmethod
     def norm_grads(self) -> list[torch.Tensor]: ...
+    @abstractmethod
     def step(self, lr: float) -> None: ...
+    @abstractmethod
     def zero_grad(self) -> None: ...
+    @abstractmethod
     def state_bytes(self) -> dict: ...
+    @abstractmethod
     def full_state(self) -> dict: ...
+    @abstractmethod
     def load_full_state(self, state: dict) -> None: ...
+    @abstractmethod
     def local_state(self) -> tuple[list, int]: ...
+    @abstractmethod
     def load_local_state(self, read_into, opt_t: int) -> None: ...
+    @abstractmethod
     def remove(self) -> None: ...
+
+    def release_params(self) -> None:
+        """Free what forwards outside a step gathered (an evaluation's: ZeRO-3's parameters); an engine
+        that holds its parameters whole has nothing to free."""
 
 
 def unique_params(module: nn.Module) -> list[nn.Parameter]:

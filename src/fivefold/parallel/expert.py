@@ -37,7 +37,8 @@ from torch import nn
 
 from .. import comm
 from ..comm.autograd import all_to_all_rows, fp8_all_to_all_rows
-from .placement import Shard, ShardedState, add_shard, place, placement_of
+from .dimension import ShardedState
+from .placement import Shard, add_shard, place, placement_of
 
 
 class AllToAllDispatch:
@@ -164,13 +165,13 @@ def balanced_counts(assignments: int, experts: int) -> list[int]:
     return [q + (e < r) for e in range(experts)]
 
 
-def shape_only_dispatch(model: nn.Module, group=None, fp8: bool = False) -> None:
-    """A dry run: every MoE layer of `model` dispatches by shapes only (`ShapeDispatch`), over `group`
-    (the ep group; None when ep = 1)."""
-    from ..model.moe import MoE
-
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        moe.dispatcher = ShapeDispatch(group, moe.n_experts, fp8)
+def dispatcher(group, n_experts: int, fp8: bool = False, dry: bool = False):
+    """A MoE layer's dispatcher: the all-to-all one over the ep `group`, or None (the layer's local one)
+    when `group` is None (ep = 1); a dry run's dispatches by shapes only (`ShapeDispatch`), over `group`
+    or none."""
+    if dry:
+        return ShapeDispatch(group, n_experts, fp8)
+    return None if group is None else AllToAllDispatch(group, n_experts, fp8)
 
 
 def regroup(counts_rl: torch.Tensor) -> torch.Tensor:
@@ -190,13 +191,15 @@ def regroup(counts_rl: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertParallelism(ShardedState):
-    """The expert-parallel dimension (parallelize.py's protocol): keeps this rank's E/ep experts of every
-    MoE layer (placement: an "ep" Shard, gradients over "edp") and swaps in the all-to-all dispatcher."""
+    """The expert-parallel dimension (the contract: dimension.py): keeps this rank's E/ep experts of every
+    MoE layer (placement: an "ep" Shard, gradients over "edp"); the layers get the all-to-all dispatcher
+    from parallelize.configure_moe (`dispatcher`)."""
 
     name = "ep"
 
     def __init__(self, mesh, cfg):
         self.mesh, self.group = mesh, mesh["ep"]
+        self.shards = {}
         self.n_experts = cfg.model.experts
         self.fp8 = cfg.parallel.fp8_dispatch
 
@@ -212,7 +215,6 @@ class ExpertParallelism(ShardedState):
                 mine.placement = placement_of(full)
                 add_shard(mine, Shard("ep", 0, self.n_experts))
                 setattr(moe.experts, name, place(mine, reduce="edp"))
-            moe.dispatcher = AllToAllDispatch(self.group, self.n_experts, self.fp8)
         self.shards = {name: placement_of(p).shard("ep") for name, p in model.named_parameters(remove_duplicate=False)}
         return model
 
@@ -240,9 +242,9 @@ def moe_step_stats(model: nn.Module, group, layers: int, values: bool = True, n_
     table = torch.zeros(layers, n_experts + 1, dtype=torch.float64,
                         device=next(model.parameters()).device)
     for i, moe in mine:
-        if moe.step_stats is not None:
-            table[i] = moe.step_stats.to(table.dtype)
-        moe.step_stats = None
+        stats = moe.take_step_stats()
+        if stats is not None:
+            table[i] = stats.to(table.dtype)
     comm.all_reduce(table, group, dim="moe_stats")
     for i, moe in mine:
         moe.update_bias(table[i, :n_experts])

@@ -7,23 +7,11 @@ then the gradient engine (DDP or ZeRO, data.py / zero.py) wraps whatever paramet
 partitioned by each parameter's `placement.reduce` group. Each dimension shards what it owns in place
 and writes the parameters' placements (placement.py); the trainer never names a dimension.
 
-A dimension (`Parallelism`) may provide, all optional but `name` and `apply`:
-
-    apply(model) -> model          shard or cut the model; return what this rank runs
-    loss(loss_sum) -> loss_sum     wrap the token-loss function (tp: vocab-parallel cross-entropy)
-    shard_batch(*t_bs) -> t_bs     the tokens of each sequence this rank holds, of each (b, S) tensor
-                                   (tokens, targets, document positions; cp: its slice)
-    positions                      their position ids (cp: zig-zag, not contiguous)
-    forward_backward(...)          run the step's forward and backward itself (pp: the schedule)
-    forward_only(...)              run an evaluation's forwards itself, no gradient (pp: F/SEND_F/RECV_F)
-    schedules_backward: bool       its backwards interleave with other micro-batches' forwards, so the
-                                   engine accumulates the step's gradients and reduces them once (pp)
-    loss_group: str                a group whose ranks each hold part of the loss, summed for reporting
-    gather_state / split_state     a full single-process state from this rank's pieces, and back
-                                   (Trainer.full_state; checkpoints need neither: train/checkpoint.py
-                                   writes each rank's pieces where the placements put them)
-    checkpoint_aliases             {local name: checkpoint name} of copies (pp: tied head -> embed)
-    write(out, gather_objects, rank)  files it reports after a run (pp: the timeline)
+Each dimension is a `Dimension` (dimension.py: the contract, its hooks and their defaults); this file
+and the trainer call the hooks directly. After every dimension applied, `configure_moe` tells each MoE
+layer, in one `MoE.configure` call, what they decided: the dispatcher (ep), the row split (tp without SP)
+and the group its per-sequence statistics are summed over (rules.moe_sequence_group: tp under Megatron
+SP, cp, tp × cp, or none), and the step's totals.
 
 State flows out through the dimensions in the order they were applied (each widens the state by
 gathering its own pieces: tp gathers the tp pieces of this stage's tensors, then pp gathers the stages)
@@ -31,33 +19,32 @@ and back in the reverse order. Context parallelism (context.py) swaps each atten
 Ulysses / ring / hybrid one, writes `reduce="dp_cp"` on the dense parameters, slices each micro-batch
 along the sequence and hands the model its position ids. Expert parallelism (expert.py) comes after it:
 it keeps this rank's experts of every MoE layer, writes `reduce="edp"` plus an "ep" `Shard` on their
-weights and swaps in the all-to-all dispatcher; the MoE load-balance loss goes through `model.aux`.
+weights, and its all-to-all dispatcher reaches the layers through `configure_moe`; the MoE
+load-balance loss goes through `model.aux`.
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 from torch import nn
 
-from .. import comm
+from .. import comm, rules
 from ..config import Config
 from ..model.documents import documents_of
+from ..model.moe import MoE
+from .dimension import Dimension
 from .engine import Engine, sum_tied_grads
 
 LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class Parallelism(Protocol):
-    name: str
-
-    def apply(self, model: nn.Module) -> nn.Module: ...
-
-
-def parallelize(model: nn.Module, mesh, cfg: Config) -> tuple[nn.Module, list]:
-    """Apply every dimension with degree > 1, in the order tp → cp → ep → pp; return the module this rank
-    runs and the applied dimension objects."""
+def parallelize(model: nn.Module, mesh, cfg: Config, dry: bool = False) -> tuple[nn.Module, list[Dimension]]:
+    """Apply every dimension with degree > 1, in the order tp → cp → ep → pp, then configure the MoE
+    layers (`configure_moe`; `dry`: a dry run's shape-only dispatch); return the module this rank runs
+    and the applied dimension objects."""
     from .context import ContextParallelism
     from .expert import ExpertParallelism
     from .tensor import TensorParallelism
@@ -74,31 +61,76 @@ def parallelize(model: nn.Module, mesh, cfg: Config) -> tuple[nn.Module, list]:
         dims.append(PipelineParallelism(mesh, cfg))
     for d in dims:
         model = d.apply(model)
+    configure_moe(model, mesh, cfg, dry)
     return model, dims
 
 
-def loss_function(dims: list, loss_sum: LossSum) -> LossSum:
+def configure_moe(model: nn.Module, mesh, cfg: Config, dry: bool = False) -> None:
+    """One `MoE.configure` call per MoE layer of `model` (this rank's, after every dimension applied),
+    with what the dimensions decided, each from one rule: the rows split over tp without SP
+    (rules.moe_splits_rows), the group whose ranks hold parts of each sequence
+    (rules.moe_sequence_group), the all-to-all dispatcher over ep (a dry run's shape-only one), and the
+    step's sequences and tokens, which scale the auxiliary losses. `mesh`: anything that names groups."""
+    from ..comm.autograd import sum_across
+    from .expert import dispatcher
+    from .tensor import moe_rows
+
+    p, t = cfg.parallel, cfg.train
+    group = rules.moe_sequence_group(p.tp, p.sp_mode, p.cp)
+    parts = None if group is None else mesh[group]
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.configure(dispatcher=dispatcher(mesh["ep"] if p.ep > 1 else None, moe.n_experts, p.fp8_dispatch, dry),
+                      rows=moe_rows(mesh["tp"]) if rules.moe_splits_rows(p.tp, p.sp_mode) else None,
+                      sum_sequence_parts=None if parts is None else partial(sum_across, group=parts),
+                      sequence_parts=rules.moe_sequence_parts(p.tp, p.sp_mode, p.cp),
+                      global_sequences=t.global_batch, global_tokens=t.global_batch * t.seq_len)
+
+
+def loss_function(dims: list[Dimension], loss_sum: LossSum) -> LossSum:
+    """The token-loss function, wrapped by each dimension in applied order (tp: vocab-parallel)."""
     for d in dims:
-        if hasattr(d, "loss"):
-            loss_sum = d.loss(loss_sum)
+        loss_sum = d.loss(loss_sum)
     return loss_sum
 
 
-def gather_state(dims: list, state: dict) -> dict:
+def step_functions(dims: list[Dimension]) -> tuple[Callable, Callable]:
+    """(forward_backward, forward_only) of a step: the first dimension's that runs them itself (pp), else
+    the direct ones."""
+    fb = next((d.forward_backward for d in dims if d.forward_backward is not None), direct_forward_backward)
+    fo = next((d.forward_only for d in dims if d.forward_only is not None), direct_forward)
+    return fb, fo
+
+
+def positions_of(dims: list[Dimension]) -> torch.Tensor | None:
+    """The position ids of this rank's tokens, when a dimension makes them not contiguous (cp), else None."""
+    return next((d.positions for d in dims if d.positions is not None), None)
+
+
+def shard_batch(dims: list[Dimension], *tensors_bs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """This rank's tokens of each (b, S) tensor, every dimension taking its part in applied order."""
     for d in dims:
-        if hasattr(d, "gather_state"):
-            state = d.gather_state(state)
+        tensors_bs = d.shard_batch(*tensors_bs)
+    return tensors_bs
+
+
+def gather_state(dims: list[Dimension], state: dict) -> dict:
+    for d in dims:
+        state = d.gather_state(state)
     return state
 
 
-def split_state(dims: list, state: dict) -> dict:
+def split_state(dims: list[Dimension], state: dict) -> dict:
     for d in reversed(dims):
-        if hasattr(d, "split_state"):
-            state = d.split_state(state)
+        state = d.split_state(state)
     return state
 
 
-class PipelineParallelism:
+def checkpoint_aliases(dims: list[Dimension]) -> dict[str, str]:
+    """{local name: checkpoint name} of every dimension's copies."""
+    return {k: v for d in dims for k, v in d.checkpoint_aliases.items()}
+
+
+class PipelineParallelism(Dimension):
     """The pipeline dimension (pipeline/runtime.py): cuts the (tp-sharded) model to this rank's stage,
     runs the step's forward and backward by the schedule's action list, sums tied embedding copies,
     and gathers the stages' states into one."""
@@ -122,13 +154,12 @@ class PipelineParallelism:
         self.names = stage_names(model, self.partition)   # (name, piece shape) per stage, before the cut
         from .pipeline.runtime import PipelineRuntime
 
-        self.stage = Stage(model, self.partition, self.rank)
+        p = self.cfg.parallel
+        self.stage = Stage(model, self.partition, self.rank, seq_split=p.tp if p.sp_mode == "megatron" else 1)
         # the last stage's copy of a tied embedding is the embedding in a checkpoint
         self.checkpoint_aliases = {"head.weight": "embed.weight"} if self.stage.tied_copy is not None else {}
-        p = self.cfg.parallel
-        self.stage.seq_split = p.tp if p.sp_mode == "megatron" else 1
         dtype = next(self.stage.parameters()).dtype
-        self.runtime = PipelineRuntime(self.stage, self.actions, self.mesh["pp"], None, self.cfg.train.recompute, dtype)
+        self.runtime = PipelineRuntime(self.stage, self.actions, self.mesh["pp"], self.cfg.train.recompute, dtype)
         return self.stage
 
     def forward_backward(self, model: nn.Module, loss_sum: LossSum, engine: Engine, micro_batches: list,
@@ -136,10 +167,9 @@ class PipelineParallelism:
         """Every micro-batch's forward and backward by the schedule, gradients accumulating locally and
         each chunk's reduced after its last backward (`parallel.overlap_grad_reduce`; engine.py); then the
         tied copies' gradients are summed (dim "embed") and the engine reduces what is left."""
-        self.runtime.loss_fn = loss_sum
-        self.runtime.sync = engine.set_sync if self.cfg.parallel.overlap_grad_reduce else None
+        sync = engine.set_sync if self.cfg.parallel.overlap_grad_reduce else None
         engine.set_sync(False)
-        loss_local = self.runtime.run(micro_batches, n_tokens, positions)
+        loss_local = self.runtime.run(micro_batches, n_tokens, loss_sum, positions, sync=sync)
         sum_tied_grads(engine, self.mesh)
         engine.set_sync(True)
         engine.end_backward()
@@ -149,18 +179,17 @@ class PipelineParallelism:
                      positions=None) -> torch.Tensor:
         """An evaluation: every micro-batch's forward through the stages (the forward-only action list),
         no gradient; this rank's share of the loss (nonzero on the last stage)."""
-        self.runtime.loss_fn = loss_sum
-        return self.runtime.run_forward(micro_batches, n_tokens, positions)
+        return self.runtime.run_forward(micro_batches, n_tokens, loss_sum, positions)
 
     def gather_state(self, state: dict) -> dict:
         from .pipeline.runtime import gather_stages
 
-        return gather_stages(self.stage_state(state, with_copy=False), self.names, self.mesh["pp"])
+        return gather_stages(self._stage_state(state, with_copy=False), self.names, self.mesh["pp"])
 
     def split_state(self, state: dict) -> dict:
-        return self.stage_state(state, with_copy=True)
+        return self._stage_state(state, with_copy=True)
 
-    def stage_state(self, state: dict, with_copy: bool) -> dict:
+    def _stage_state(self, state: dict, with_copy: bool) -> dict:
         """This stage's entries of a full state; with_copy adds the tied head copy (= the embedding),
         without it the copy is dropped (the checkpoint holds the embedding once)."""
         names = {n: n for n, _ in self.names[self.rank]}
@@ -213,5 +242,5 @@ def sum_loss(loss_local: torch.Tensor, mesh, dims: list) -> None:
     and tokens) and over the groups of the dimensions that split it further (pp: only the last stage)."""
     comm.all_reduce(loss_local, mesh["dp_cp"], dim="loss")
     for d in dims:
-        if getattr(d, "loss_group", None):
+        if d.loss_group is not None:
             comm.all_reduce(loss_local, mesh[d.loss_group], dim="loss")

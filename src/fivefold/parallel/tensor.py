@@ -43,8 +43,6 @@ also gathers full tensors for checkpoints (dim "checkpoint") and slices them bac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,12 +50,13 @@ from torch import nn
 from .. import comm, rules
 from ..comm import Group
 from ..comm.autograd import (GatherRows, ScatterRows, copy_to_tensor_region, gather_sequence,
-                             reduce_from_tensor_region, reduce_scatter_sequence, sum_across)
+                             reduce_from_tensor_region, reduce_scatter_sequence)
 from ..model.latent_attention import LatentAttention
 from ..model.moe import MoE
 from ..model.transformer import Dropout, Transformer
 from ..shapes import padded_vocab
-from .placement import Shard, ShardedState, add_shard, place, placement_of
+from .dimension import ShardedState
+from .placement import Shard, add_shard, place, placement_of
 
 
 # -- layers -------------------------------------------------------------------------------------
@@ -210,7 +209,7 @@ def vocab_parallel_loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor, 
 # -- sharding a model ---------------------------------------------------------------------------
 
 class TensorParallelism(ShardedState):
-    """The tensor-parallel dimension (parallelize.py's protocol): shards a model in place (`apply`),
+    """The tensor-parallel dimension (the contract: dimension.py): shards a model in place (`apply`),
     gives the vocab-parallel loss, gathers full states and splits them back (`ShardedState`). The partial
     gradients of replicated parameters are summed by the trainer from their placements ("tp", "tp_kv")."""
 
@@ -344,15 +343,19 @@ def replicated_moe(moe: MoE, group: Group, sequence_parallel: bool) -> None:
     the outputs are all-gathered back inside tp (GatherRows: forward b·s·h·(n-1)/n bytes, and the same
     for the input gradient in backward). With sequence parallelism the input is already this rank's
     1/n of every sequence; the per-sequence balance statistics are then summed over tp (and cp).
-    Every weight's gradient is partial (its rank saw its own tokens): summed over tp once a step."""
+    Every weight's gradient is partial (its rank saw its own tokens): summed over tp once a step.
+    Here only the weights are placed; the layer learns the row split (`moe_rows`) and the sequence
+    group from parallelize.configure_moe's one `MoE.configure` call (rules.moe_splits_rows,
+    rules.moe_sequence_group)."""
     for p in moe.parameters():
         add_shard(p, Shard("tp", None, replicas=group.size))
         place(p, partial="tp", counted=group.rank == 0)
-    if not sequence_parallel:
-        moe.enter = _Rows(ScatterRows, group)
-        moe.leave = _Rows(GatherRows, group)
-    else:
-        moe.sum_sequence_parts, moe.sequence_parts = partial(sum_across, group=group), group.size
+
+
+def moe_rows(group: Group) -> tuple[nn.Module, nn.Module]:
+    """(enter, leave) of a MoE layer whose input is replicated over tp (no SP): take this rank's 1/n of
+    the micro-batch's sequences (ScatterRows), all-gather the outputs back inside tp (GatherRows)."""
+    return _Rows(ScatterRows, group), _Rows(GatherRows, group)
 
 
 class _Rows(nn.Module):

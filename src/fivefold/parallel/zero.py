@@ -61,7 +61,7 @@ from ..comm import Group
 from ..model.init import is_placeholder
 from ..shapes import padded, segments
 from .data import bucketize
-from .engine import backward_order, counted, held, nbytes, reduce_partitions, unique_params
+from .engine import Engine, backward_order, counted, held, nbytes, reduce_partitions, unique_params
 from .offload import offloaded_state
 from .zero_order import MAX_INFLIGHT, backward_prefetch, forward_prefetch, frees_after_forward
 
@@ -116,7 +116,7 @@ class Unit:
         return self.grad[self.offsets[i]:self.offsets[i] + self.shapes[i].numel()].view(self.shapes[i])
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(Engine):
     """What every ZeRO stage shares: units per reduce group, gradient shards, the reduce-scatter of
     gradients, AdamW on this rank's shards, state gathering. Subclasses decide where parameters live
     (`Zero12`: full flat buffers; `Zero3`: shards only). Implements the engine protocol (engine.py)."""

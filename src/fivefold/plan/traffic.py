@@ -62,7 +62,8 @@ from functools import lru_cache
 
 from .. import grid
 from ..comm import volume
-from ..rules import STEP_CHUNK, cp_degrees, grad_norm_group, kv_replicas, moe_capacity
+from ..rules import (STEP_CHUNK, cp_degrees, grad_norm_group, kv_replicas, moe_capacity, moe_sequence_group,
+                     moe_sequence_parts, moe_splits_rows)
 from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
 from .buffers import offload_units, params_on_disk
@@ -214,16 +215,16 @@ def _tp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers
 
 def _moe_sequence_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int, m: int, passes: int) -> None:
     """When SP or cp splits sequences, each MoE layer sums its per-sequence balance statistics (counts,
-    score sums: b × E in the router's fp32) over the ranks holding a sequence's parts: 2 all-reduces
-    forward (per forward pass), 1 backward (model/moe.py load_balance_loss, comm/autograd.py sum_across)."""
-    sp = L.seq_parallel
-    if not moe or model.router_bias or not (sp or L.cp > 1):
+    score sums: b × E in the router's fp32) over the ranks holding a sequence's parts (the group of
+    rules.moe_sequence_group, as the runtime's MoE.configure): 2 all-reduces forward (per forward pass), 1
+    backward (model/moe.py load_balance_loss, comm/autograd.py sum_across)."""
+    group = moe_sequence_group(L.tp, L.sp_mode, L.cp)
+    if not moe or model.router_bias or group is None:
         return
-    dim, group = ("tp_cp", "tp_cp") if sp and L.cp > 1 else (("tp", "tp") if sp else ("cp", "cp"))
-    n = (L.tp if sp else 1) * L.cp
-    sequences = L.micro_batch if sp else L.micro_batch // L.tp   # without SP a tp rank routes 1/tp of them
+    n = moe_sequence_parts(L.tp, L.sp_mode, L.cp)
+    sequences = L.micro_batch // L.tp if moe_splits_rows(L.tp, L.sp_mode) else L.micro_batch   # a tp rank's
     msg = sequences * model.experts * w.master_bytes
-    f.add(dim, "all_reduce", group, n, msg, (2 * passes + 1) * m * moe)
+    f.add(group, "all_reduce", group, n, msg, (2 * passes + 1) * m * moe)
 
 
 def model_kv_replicas(model: PlanModel, tp: int) -> int:

@@ -66,13 +66,14 @@ from ..mesh import ParallelMesh
 from ..model import Transformer, loss_sum
 from ..model.documents import Documents, document_positions
 from ..model.init import InitSource, cast_meta, materialize
+from ..model.moe import MoE
 from ..model.transformer import Block
 from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
-from ..parallel.expert import moe_step_stats, shape_only_dispatch
+from ..parallel.expert import moe_step_stats
 from ..parallel.placement import placement_of
-from ..parallel.parallelize import (direct_forward, direct_forward_backward, gather_state, loss_function, parallelize,
-                                    split_state, sum_loss)
+from ..parallel.parallelize import (checkpoint_aliases, gather_state, loss_function, parallelize, positions_of,
+                                    shard_batch, split_state, step_functions, sum_loss)
 from ..parallel.zero import Zero
 from . import checkpoint, rundir
 from .activations import ActivationMeter
@@ -135,21 +136,19 @@ class Trainer:
         # until this rank materialises what it holds (model/init.py; DESIGN.md's data flow)
         meta = cast_meta(Transformer(cfg.model, device="meta"), self.dtype)
         self.n_params = sum(q.numel() for q in unique_params(meta))
-        self.model, self.dims = parallelize(meta, self.mesh, cfg)
+        # (a dry run's fake tensors route no values: its MoE layers dispatch capacity-mode buffers by shape)
+        self.model, self.dims = parallelize(meta, self.mesh, cfg, dry=dry and bool(cfg.model.experts))
         # DDP holds its pieces whole; ZeRO keeps them in its own flat buffers or shards, so its
         # parameters start as placeholders and never exist at their full size here
         materialize(self.model, self.device, whole=not p.zero)
-        if dry and cfg.model.experts:   # fake tensors route no values: capacity-mode buffers by shape only
-            shape_only_dispatch(self.model, self.mesh["ep"] if p.ep > 1 else None, p.fp8_dispatch)
         if t.compile:
             compile_blocks(self.model)
         self.loss_sum = loss_function(self.dims, loss_sum)
-        self.forward_backward = next((d.forward_backward for d in self.dims if hasattr(d, "forward_backward")),
-                                     direct_forward_backward)
+        self.forward_backward, self.forward_only = step_functions(self.dims)   # pp: its schedule, else direct
         self.params = unique_params(self.model)
         # checkpoint layout: recorded before the engine exists (ZeRO-3 frees the parameters' storage)
         self.layout = self.checkpoint_layout()
-        positions = next((d.positions for d in self.dims if hasattr(d, "positions")), None)
+        positions = positions_of(self.dims)
         self.positions = None if positions is None else positions.to(self.device)   # (cp: not contiguous)
         self.engine = self.make_engine()
         self.source = weight_source(cfg)   # the seeded init, or a Hugging Face folder (--init-hf)
@@ -157,9 +156,6 @@ class Trainer:
         if fill:   # fill=False: a checkpoint will be restored (run), so the init is not drawn only to be replaced
             self.fill_from_source()
         self.activations = ActivationMeter()
-        for m in self.model.modules():   # layers that normalise by the step's totals (MoE aux losses)
-            if hasattr(m, "global_sequences"):
-                m.global_sequences, m.global_tokens = t.global_batch, t.global_batch * t.seq_len
         # --dry-run (train/dryrun.py): fake tensors hold no values, so batches are token-less stand-ins and
         # scalars read back from the step (loss, norm, stop flag) are 0
         self.dry = dry
@@ -185,7 +181,7 @@ class Trainer:
                                          only_dp=p.cp == 1 and p.ep == 1)   # as plan.traffic
         if p.dp == 1 and not self.quiet:
             print(f"note: ZeRO-{p.zero} with dp=1 shards over a single rank and saves no memory", file=sys.stderr)
-        scheduled = any(getattr(d, "schedules_backward", False) for d in self.dims)
+        scheduled = any(d.schedules_backward for d in self.dims)
         return Zero(self.model, self.mesh, p.zero, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype,
                     p.reshard_after_forward, pipeline=scheduled, reduce_each_microbatch=p.reduce_each_microbatch,
                     offload=p.offload, offload_dir=p.offload_dir)   # offload: parallel/offload.py
@@ -202,9 +198,7 @@ class Trainer:
         if self.cfg.train.document_mask:
             ids_bS = batches.local_documents(step, self.mesh.coords["dp"], p.dp)
             tensors_bs += (document_positions(ids_bS),)
-        for d in self.dims:
-            if hasattr(d, "shard_batch"):
-                tensors_bs = d.shard_batch(*tensors_bs)
+        tensors_bs = shard_batch(self.dims, *tensors_bs)
         x_bs, y_bs = tensors_bs[0].to(self.device), tensors_bs[1].to(self.device)
         m = p.microbatches
         if not self.cfg.train.document_mask:
@@ -268,7 +262,7 @@ class Trainer:
         "eval" section (comm.json "eval"), apart from the training steps'. Call on every rank."""
         batches = self.eval_batches
         n_tokens = batches.total_tokens()
-        forward = next((d.forward_only for d in self.dims if hasattr(d, "forward_only")), direct_forward)
+        forward = self.forward_only
         was_training = self.model.training
         self.model.eval()
         with self.ledger.section("eval"), torch.no_grad():
@@ -277,14 +271,13 @@ class Trainer:
                 loss_local += forward(self.model, self.loss_sum, self.micro_batches(b, batches), n_tokens,
                                       self.positions)
                 heartbeat(self.step_count - 1 if self.step_count else None)   # progress, not a hang (watchdog)
-            if hasattr(self.engine, "release_params"):   # ZeRO-3: free what the forwards gathered
-                self.engine.release_params()
+            self.engine.release_params()   # ZeRO-3: free what the forwards gathered
             sum_loss(loss_local, self.mesh, self.dims)
         self.model.train(was_training)
         self.model.aux.take()   # an evaluation trains nothing: no auxiliary loss, no routing statistics
         for m in self.model.modules():
-            if getattr(m, "step_stats", None) is not None:
-                m.step_stats = None
+            if isinstance(m, MoE):
+                m.take_step_stats()
         self.evaluations += 1
         loss = float(loss_local)
         return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_tokens": n_tokens}
@@ -336,7 +329,7 @@ class Trainer:
         """Local parameter name -> (its single-process name, local shape, the box of the full tensor
         this rank's piece holds, whether it is a copy). A copy (a dimension's `checkpoint_aliases`: the
         last stage's tied head) is read from its original and never written."""
-        aliases = {k: v for d in self.dims for k, v in getattr(d, "checkpoint_aliases", {}).items()}
+        aliases = checkpoint_aliases(self.dims)
         return {name: (aliases.get(name, name), tuple(p.shape), box_of(p.shape, placement_of(p), self.mesh),
                        name in aliases)
                 for name, p in self.model.named_parameters()}
@@ -478,8 +471,7 @@ class Trainer:
         wandb.close()
         if history:
             for d in self.dims:
-                if hasattr(d, "write"):
-                    d.write(out, gather_objects, self.rank, draw=draw_pipeline)
+                d.write(out, gather_objects, self.rank, draw=draw_pipeline)
         total = self.ledger.gather()
         evals = self.ledger.part("eval").gather() if self.evaluations else None
         self.all_state_bytes = gather_objects(self.model_state_bytes())

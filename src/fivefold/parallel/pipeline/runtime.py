@@ -72,9 +72,10 @@ class Stage(nn.Module):
     """The chunks of `model` that pipeline rank `rank` holds (chunk c on rank c % pp), with the
     single-process parameter names: `embed` (chunk 0), `layers.<i>` for its layers, `norm` and `head`
     (last chunk). With tied embeddings and pp > 1 the head weight is a separate copy of the embedding
-    (`tied_copy`); on the first stage `tied` is the embedding itself."""
+    (`tied_copy`); on the first stage `tied` is the embedding itself. `seq_split`: Megatron sequence
+    parallelism's tp degree (boundary activations are sequence shards: s/tp tokens), else 1."""
 
-    def __init__(self, model: nn.Module, partition: Partition, rank: int):
+    def __init__(self, model: nn.Module, partition: Partition, rank: int, seq_split: int = 1):
         super().__init__()
         self.partition, self.rank = partition, rank
         self.chunks = partition.chunks_of(rank)
@@ -82,7 +83,7 @@ class Stage(nn.Module):
         self.hidden = model.cfg.hidden
         self.aux = model.aux   # the auxiliary-loss channel of this stage's blocks
         self.rope_args = (model.cfg.rope_dim, model.cfg.rope_theta)
-        self.seq_split = 1   # Megatron sequence parallelism: boundary activations are sequence shards
+        self.seq_split = seq_split
         self.tie = model.cfg.tie_embeddings and partition.pp > 1
         if 0 in self.chunks:
             self.embed = model.embed
@@ -211,20 +212,21 @@ def release_sent(handle, sent: torch.Tensor) -> bool:
 class PipelineRuntime:
     """Executes `actions` (this rank's list from `build_schedule`) on `stage` over the pipeline `group`.
 
-    `loss_fn(logits, targets)` returns the sum of token losses; `recompute` is none | full | selective.
-    After `run`, `timeline` lists this rank's compute blocks (kind, micro-batch, chunk, start, end) in
-    seconds of `time.perf_counter` (one clock per host)."""
+    `recompute` is none | full | selective. Each pass (`run`, `run_forward`) is given its loss function
+    `loss_fn(logits, targets)` (the sum of token losses) and `run` the engine's `sync` (set_sync, or None:
+    never sync): the step's state is arguments, not attributes set from outside. After `run`,
+    `timeline` lists this rank's compute blocks (kind, micro-batch, chunk, start, end) in seconds of
+    `time.perf_counter` (one clock per host)."""
 
-    def __init__(self, stage: Stage, actions: list[Action], group: Group, loss_fn: Callable,
-                 recompute: str = "none", dtype: torch.dtype = torch.float32):
+    def __init__(self, stage: Stage, actions: list[Action], group: Group, recompute: str = "none",
+                 dtype: torch.dtype = torch.float32):
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-        self.stage, self.actions, self.group, self.loss_fn = stage, actions, group, loss_fn
+        self.stage, self.actions, self.group = stage, actions, group
         self.recompute, self.dtype = recompute, dtype
         self.pp, self.chunks = stage.partition.pp, stage.partition.chunks
         self.split = any(a.kind in (I, W) for a in actions)
         self.timeline: list[Block] = []
-        self.sync: Callable[[bool], None] | None = None   # the engine's set_sync; None: never sync
         self.finals = final_weight_actions(actions)
         self._ops: list | None = None
         if recompute == "selective":
@@ -233,15 +235,16 @@ class PipelineRuntime:
             self._install_recording()
 
     # -- one step ------------------------------------------------------------------------------
-    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int,
-            positions: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int, loss_fn: Callable,
+            positions: torch.Tensor | None = None, sync: Callable[[bool], None] | None = None) -> torch.Tensor:
         """Run every action for the step's micro-batches [(tokens, targets)], whose tokens sit at
         `positions` (position ids, default 0..s-1), or [(tokens, targets, Documents)] with packed
         documents (model/documents.py: each micro-batch's positions and document ids, which stay on the
         rank: every stage reads them from its own copy of the micro-batch, so nothing more crosses a
         stage boundary); return this rank's share of the loss (nonzero on the last stage only) as a
-        float64 tensor of one element."""
-        self.begin(micro_batches, n_tokens, positions)
+        float64 tensor of one element. `loss_fn(logits, targets)`: the sum of token losses; `sync`: the
+        engine's set_sync, called around each chunk's last weight-gradient action (None: never)."""
+        self.begin(micro_batches, n_tokens, loss_fn, positions, sync)
         self.timeline = []
         for item in steps(self.actions):
             if isinstance(item, list):
@@ -254,9 +257,10 @@ class PipelineRuntime:
         self.sending = []
         return self.loss
 
-    def begin(self, micro_batches: list, n_tokens: int, positions: torch.Tensor | None) -> None:
+    def begin(self, micro_batches: list, n_tokens: int, loss_fn: Callable, positions: torch.Tensor | None,
+              sync: Callable[[bool], None] | None = None) -> None:
         """The state one pass over the micro-batches starts from (no message, no saved forward)."""
-        self.mbs, self.n_tokens = micro_batches, n_tokens
+        self.mbs, self.n_tokens, self.loss_fn, self.sync = micro_batches, n_tokens, loss_fn, sync
         self.device = micro_batches[0][0].device
         b, s = micro_batches[0][0].shape
         self.shape = self.stage.boundary_shape(b, s)
@@ -272,14 +276,14 @@ class PipelineRuntime:
         self.loss = torch.zeros(1, dtype=torch.float64, device=micro_batches[0][0].device)
 
     @torch.no_grad()
-    def run_forward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int,
+    def run_forward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int, loss_fn: Callable,
                     positions: torch.Tensor | None = None) -> torch.Tensor:
         """An evaluation's pass: the forward-only action list (`schedules.forward_only`: F, SEND_F, RECV_F)
         without autograd, keeping nothing for a backward and leaving `timeline` (the last training step's)
         alone; returns this rank's share of the loss (nonzero on the last stage only), as `run` does."""
         from .schedules import forward_only
 
-        self.begin(micro_batches, n_tokens, positions)
+        self.begin(micro_batches, n_tokens, loss_fn, positions)
         actions = forward_only(self.pp, len(micro_batches), self.chunks // self.pp)[self.stage.rank]
         for item in steps(actions):
             if isinstance(item, list):

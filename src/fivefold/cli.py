@@ -743,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"fivefold: config error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:   # the reader left (`fivefold plan ... | head`): no traceback, nothing more to write
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # Python's own advice (signal docs)
+        return 1
     except Exception as e:  # a failing rank: its traceback is in the message
         if is_rank_failure(e):
             print(f"fivefold: {e}", file=sys.stderr)

@@ -230,6 +230,21 @@ def test_a_plot_into_a_missing_folder_is_refused_before_the_search(tmp_path, cap
 
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "abc"], "argument --gpus: invalid int value: 'abc'"),
+    (["--accelerator", "tpu"], "argument --accelerator: invalid choice: 'tpu' (choose from 'h100', "),
+    (["--gpus"], "argument --gpus: expected one argument"),
+])
+def test_argparses_own_errors_are_one_line(argv, message, capsys):
+    """argparse printed its 25-line usage before the error (flags.OneLineParser)."""
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.splitlines() == [f"fivefold plan: error: {message}"
+                                                      + err.split(message, 1)[1].rstrip()], err
+    assert err.rstrip().endswith("; see fivefold plan --help")
+
+
 def test_a_plot_that_is_a_folder_is_refused(tmp_path, capsys):
     """It was saved as FOLDER.png, and the line on stderr named the folder."""
     line = one_line_error(["--gpus", "8", "--plot", str(tmp_path)], capsys)

@@ -93,7 +93,7 @@ def estimate_text(est: Estimate, summary: bool = True, faster: Estimate | None =
         f"{t.layer_comm_s:.3f}, bubble {t.bubble:.1%} from the {t.bubble_source}) + grads {t.grad_comm_s:.3f} "
         f"+ step collectives {t.step_comm_s:.3f} + optimizer {t.optimizer_s:.3f}"
         + (f" + offload {t.offload_s:.3f}" if L.offload != "none" else ""),
-        f"{t.tokens_per_s:,.0f} tokens/s   {mfu_text(est)}   HFU {t.hfu:.1%}   (assumed: {efficiency_text(est)})",
+        f"{t.tokens_per_s:,.0f} tokens/s   HFU {t.hfu:.1%}   {mfu_text(est)}",
         "",
         f"rank order {L.order} (innermost first): " + ", ".join(f"{g} on {tier}" for g, tier in est.placement.items()),
     ]
@@ -111,11 +111,13 @@ def faster_order_text(est: Estimate, faster: Estimate) -> str:
 
 
 def mfu_text(est: Estimate) -> str:
-    """MFU with its convention; where the conventions differ (causal attention) both."""
+    """MFU with the compute efficiency it assumed right beside it, then its convention: where the
+    conventions differ (causal attention) the other one too."""
     mfu, full = est.time.mfu, est.mfu_attention_full
+    text = f"MFU {mfu:.1%} (assumed: {efficiency_text(est)})"
     if full == mfu:
-        return f"MFU {mfu:.1%}"
-    return f"MFU {mfu:.1%} (causal attention FLOPs halved; {full:.1%} not halved, 6N + 12LHQT)"
+        return text
+    return text + f", causal attention FLOPs halved; {full:.1%} not halved (6N + 12LHQT)"
 
 
 def _flows_stage(est: Estimate) -> int:
@@ -150,8 +152,7 @@ def summary_text(est: Estimate, head: str = "best layout", faster: Estimate | No
         f"{head}: {est.layout.short()}  schedule {est.layout.schedule}  microbatches "
         f"{microbatches(est.layout, est.work)}  order {est.layout.order}",
         line_mem,
-        f"step {t.step_time_s:.3f} s   {mfu_text(est)}   (assumed: {efficiency_text(est)})   "
-        f"{t.tokens_per_s:,.0f} tokens/s",
+        f"step {t.step_time_s:.3f} s   {t.tokens_per_s:,.0f} tokens/s   {mfu_text(est)}",
         "traffic per rank per step: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in tiers.items()),
     ]
     return "\n".join(lines + ([faster_order_text(est, faster)] if faster else []))

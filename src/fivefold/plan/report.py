@@ -194,7 +194,7 @@ def search_text(res: Result, top: int = 10, examples: int = 3, verbose: bool = F
 
 def search_offload_text(res: Result) -> str:
     """What the search tried with offload, which it does only when no layout fits the device."""
-    tried = ", ".join(f"{mode} for {n} structures" for mode, n in res.offload.items() if mode != "fit")
+    tried = ", ".join(f"{mode} for {n} structure{'s' * (n != 1)}" for mode, n in res.offload.items() if mode != "fit")
     return (f"offload: no layout fits the device with its optimizer state, so the search tried the state off the "
             f"device ({tried}; nvme only where cpu fit nowhere): {res.offload.get('fit', 0)} layouts fit")
 
@@ -262,7 +262,8 @@ def plot(est: Estimate, path: str | Path) -> Path:
         vals = [s[c] / GiB for s in stages]
         ax1.bar(xs, vals, bottom=bottom, label=c)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax1.axhline(est.topo.accelerator.memory / GiB, color="k", linestyle="--", linewidth=1, label="GPU memory")
+    ax1.axhline(est.topo.accelerator.memory / GiB, color="k", linestyle="--", linewidth=1,
+                label=f"device memory, {gib(est.topo.accelerator.memory)} GiB")
     ax1.set_xlabel("pipeline stage")
     ax1.set_ylabel("GiB per rank")
     ax1.set_title(f"{est.model.name}: memory per rank")

@@ -93,6 +93,10 @@ BAD_OPTIONS = [
     (["--vpp", "0"], "--vpp must be between 1 and"),
     (["--ulysses", "0"], "--ulysses must be between 1 and"),
     (["--top", "0"], r"--top must be >= 1, got 0; valid: 1, 2, 3, ..."),
+    (["--bucket-mb", "0"], r"--bucket-mb must be a finite number > 0 \(MiB of gradients per reduction bucket\)"),
+    (["--bucket-mb", "nan"], r"--bucket-mb must be a finite number > 0 .*got nan"),
+    (["--moe-route-nodes", "-1"], r"--moe-route-nodes must be between 0 and 1048576, got -1"),
+    (["--microbatch-group", "-1"], r"--microbatch-group must be between 0 and"),
     (["--zero", "4"], r"--zero must be between 0 and 3, got 4; valid: 0, 1, 2, 3"),
     (["--zero", "-1"], "--zero must be between 0 and 3"),
     (["--efficiency", "0"], r"--efficiency must be a finite number > 0 and <= 1 .*valid: \(0, 1\]"),
@@ -304,6 +308,11 @@ def test_a_missing_topology_file_or_a_folder_is_refused(spec, message, tmp_path,
     (["--tp", "4", "--gpus", "6"], r"--gpus 6 must divide by the given degrees tp = 4; valid --gpus: \[4, 8, 12\]"),
     (["--pp", "40", "--gpus", "40"], r"model.layers \(32\) must be >= pp\*vpp = 40\*1 = 40"),
     (["--pp", "8", "--vpp", "8", "--gpus", "64"], r"valid: pp <= 4 at vpp=8, or vpp <= 4 at pp=8"),
+    (["--pp", "1", "--vpp", "2", "--gpus", "8"], r"vpp > 1 interleaves model chunks .*valid: vpp = 1 at pp = 1"),
+    (["--pp", "2", "--partition", "1,2", "--gpus", "8"], r"\[1, 2\] sums to 3, the model has 32 layers"),
+    (["--global-batch", "1", "--micro-batch-size", "2", "--gpus", "8"],
+     r"global_batch \(1\) must divide by dp\*micro_batch = 1\*2 = 2; valid global batches: \[2, 4\]"),
+    (["--moe-route-nodes", "2", "--gpus", "8"], r"moe_route_nodes=2 limits expert routing, but llama3-8b has no experts"),
 ])
 def test_a_fixed_degree_no_layout_can_take_is_refused(argv, message, capsys, monkeypatch):
     """It searched and answered "no layout fits; rejected, by reason: rule 84" (exit 1), or --ep on a dense
@@ -315,6 +324,28 @@ def test_a_fixed_degree_no_layout_can_take_is_refused(argv, message, capsys, mon
     assert main(["plan", *model, *argv]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+@pytest.mark.parametrize("flag", [["--ep-overlap"], ["--bucket-mb", "1"], ["--no-overlap-grad-reduce"],
+                                  ["--overlap-param-gather"], ["--ulysses", "2"], ["--microbatch-group", "8"],
+                                  ["--recompute-norm-mla"], ["--reduce-each-microbatch"]])
+def test_a_mechanism_of_one_layout_is_refused_in_a_search(flag, capsys, monkeypatch):
+    """A search keeps Layout's mechanism defaults: these flags changed nothing in it (the same best layout
+    and step with and without --ep-overlap), silently."""
+    import fivefold.plan.cli as plan_cli
+
+    monkeypatch.setattr(plan_cli, "search", lambda *a, **k: pytest.fail("searched"))
+    line = one_line_error(["--gpus", "8", *flag], capsys)
+    assert f"{flag[0]} sets a mechanism of one layout, which a search does not vary" in line
+    assert "give every degree (--tp --pp --cp --dp, and --ep for a MoE model)" in line
+
+
+def test_a_mechanism_of_one_layout_changes_that_layout(capsys):
+    """The same flag, with every degree given, is planned: expert all-to-alls behind other compute."""
+    argv = ["--model", "mixtral-8x7b", "--tp", "1", "--pp", "4", "--dp", "16", "--ep", "8", "--json"]
+    plain, overlapped = (json.loads(run(argv + extra, capsys)[1]) for extra in ([], ["--ep-overlap"]))
+    assert overlapped["layout"]["ep_overlap"] and not plain["layout"]["ep_overlap"]
+    assert overlapped["step_time_s"] < plain["step_time_s"]
 
 
 def test_a_search_where_nothing_fits_shows_why(capsys):

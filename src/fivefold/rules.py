@@ -430,12 +430,17 @@ def check_schedule(kind: str, pp: int, vpp: int, microbatches: int, group: int =
     `check_schedule_lists` (the action lists exist), plus: vpp > 1 interleaves chunks over pp > 1 ranks,
     and 1F1B-like schedules (all but GPipe) keep pp micro-batches in flight to fill the pipeline."""
     check_schedule_lists(kind, pp, vpp, microbatches, group)
-    if vpp > 1 and pp == 1:
-        raise ConfigError(f"vpp > 1 interleaves model chunks over the pipeline ranks: it needs pp > 1, got pp = 1 "
-                          f"and vpp = {vpp}; valid: vpp = 1 at pp = 1")
+    check_virtual_stages(pp, vpp)
     if pp > 1 and kind != GPIPE and microbatches < pp:
         raise ConfigError(f"schedule {kind} needs microbatches >= pp ({pp}), got {microbatches}; "
                           f"valid: microbatches >= {pp}, or schedule {GPIPE}")
+
+
+def check_virtual_stages(pp: int, vpp: int) -> None:
+    """vpp > 1 interleaves model chunks over pp > 1 pipeline ranks."""
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"vpp > 1 interleaves model chunks over the pipeline ranks: it needs pp > 1, got pp = 1 "
+                          f"and vpp = {vpp}; valid: vpp = 1 at pp = 1")
 
 
 def check_schedule_lists(kind: str, pp: int, vpp: int, microbatches: int, group: int = 0) -> None:

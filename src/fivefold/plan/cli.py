@@ -24,7 +24,7 @@ from ..grid import DEFAULT_ORDER
 from ..rules import (INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute,
                      ScheduleKind, SpMode, check_count, check_real, choices)
 from .estimate import estimate
-from .layout import GradDtype, Layout, ReduceDtype, Workload, from_config, mlp_widths
+from .layout import GradDtype, Layout, ReduceDtype, Workload, check_route_nodes, from_config, mlp_widths
 from .models import PRESETS, PlanModel, from_model_config, load_model
 from .report import estimate_text, plot, search_dict, search_text, to_json
 from .search import MAX_GPUS, TIE, search
@@ -129,6 +129,11 @@ def check_args(args: argparse.Namespace) -> None:
         if value is not None:
             check_count(_flag(name), value, 1, MAX_SIZE if name in SIZES else MAX_GPUS)
     check_count("--top", args.top, 1)
+    for name in ("moe_route_nodes", "microbatch_group"):
+        if getattr(args, name) is not None:
+            check_count(_flag(name), getattr(args, name), 0, MAX_GPUS if name == "moe_route_nodes" else MAX_SIZE)
+    if args.bucket_mb is not None:
+        check_real("--bucket-mb", args.bucket_mb, 0, meaning=" (MiB of gradients per reduction bucket)")
     if args.zero is not None:
         check_count("--zero", args.zero, 0, 3)
     check_real("--efficiency", args.efficiency, 0, 1, meaning=" (the fraction of peak FLOP/s kernels reach)")
@@ -303,7 +308,8 @@ def mechanism_options(args, layout: Layout) -> dict:
     return out
 
 
-def check_fixed(model: PlanModel, fixed: dict, gpus: int | None, work: Workload, sp_mode: str | None) -> None:
+def check_fixed(model: PlanModel, fixed: dict, gpus: int | None, work: Workload, sp_mode: str | None,
+                partition: str) -> None:
     """The degrees the user fixed, each against the model's rules (rules.py, as every layout is checked), and
     their product against --gpus, before a search: a search in which every layout breaks one rule answered
     "no layout fits; rejected, by reason: rule 84", and --ep 2 on a dense model failed inside the search
@@ -316,6 +322,14 @@ def check_fixed(model: PlanModel, fixed: dict, gpus: int | None, work: Workload,
         rules.check_pipeline_layers(model.layers, pp or 1, vpp or 1)
     if ep is not None:
         rules.check_experts(ep, model.experts)
+    if pp is not None and vpp is not None:
+        rules.check_virtual_stages(pp, vpp)
+    if pp is not None and partition not in choices(PartitionKind):
+        counts = len(rules.parse_counts(partition)) if any(c.isdigit() for c in partition) else pp
+        rules.check_partition(model.layers, pp, vpp or max(1, counts // pp), partition)
+    if fixed["micro_batch"] is not None:
+        rules.check_global_batch(work.global_batch, fixed["dp"] or 1, fixed["micro_batch"], what="micro_batch")
+    check_route_nodes(model, work)
     given = {d: fixed[d] for d in ("tp", "pp", "cp", "dp") if fixed[d] is not None}
     product = 1
     for v in given.values():
@@ -359,10 +373,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_real("--capacity-factor", args.capacity_factor, 0, model.experts / model.top_k, low_open=False,
                    meaning=f" (the top is experts/top_k = {model.experts}/{model.top_k}: every expert takes every "
                            f"token; 0: dropless)")
-    check_fixed(model, fixed, args.gpus, work, args.sp_mode)
-    full = _complete(fixed, args.gpus, model) and not args.search
     order = args.order or layout.order
     partition = args.partition or ("llama3" if args.uneven else layout.partition)
+    check_fixed(model, fixed, args.gpus, work, args.sp_mode, partition)
+    full = _complete(fixed, args.gpus, model) and not args.search
     if full:
         sp_mode = args.sp_mode or ("megatron" if fixed["tp"] > 1 and not args.config else layout.sp_mode)
         lay = Layout(tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=fixed["cp"], ep=fixed["ep"] or 1,
@@ -383,6 +397,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     gpus = args.gpus
     if not gpus:
         raise ConfigError("searching needs --gpus (or give every degree: --tp --pp --cp --dp)")
+    check_searchable(args)
     fixed.update(sp_mode=args.sp_mode, cp_mode=args.cp_mode)
     res = search(model, work, topo, gpus, fixed, top=args.top, order=order, partition=partition,
                  schedule=args.schedule or ONE_F_ONE_B)
@@ -396,6 +411,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if res.best:
         write_plot(res.best[0], args.plot)
     return 0 if res.best else 1
+
+
+ONE_LAYOUT = ("ulysses", "bucket_mb", "overlap_grad_reduce", "overlap_param_gather", "microbatch_group", "ep_overlap",
+              "recompute_norm_mla", "reduce_each_microbatch")   # Layout fields a search holds at their defaults
+
+
+def check_searchable(args: argparse.Namespace) -> None:
+    """A search builds its layouts with Layout's mechanism defaults (its bound assumes ep_overlap off; it tries
+    both gradient reductions itself), so the mechanism flags of ONE_LAYOUT apply only to one layout: given to a
+    search they were silently ignored, the plan the same with or without them. Refused, naming the flag."""
+    for name in ONE_LAYOUT:
+        value = getattr(args, name)
+        if value is not None and value is not False or (value is False and name.startswith("overlap_")):
+            flag = ("--no-" if value is False else "--") + name.replace("_", "-")
+            raise ConfigError(f"{flag} sets a mechanism of one layout, which a search does not vary (it keeps "
+                              f"Layout's defaults); give every degree (--tp --pp --cp --dp, and --ep for a MoE "
+                              f"model) to estimate that layout with it, or leave {flag} out to search")
 
 
 def planners_order(args: argparse.Namespace) -> bool:

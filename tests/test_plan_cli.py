@@ -348,11 +348,22 @@ def test_a_mechanism_of_one_layout_changes_that_layout(capsys):
     assert overlapped["step_time_s"] < plain["step_time_s"]
 
 
-def test_a_search_where_nothing_fits_shows_why(capsys):
-    """The rejection examples are what to act on when no layout fits, so they show without --verbose."""
+def test_a_search_where_nothing_fits_shows_the_layouts_closest_to_fitting(capsys):
+    """When no layout fits, the rejections are what to act on, so they show without --verbose: the leanest
+    first (it showed the first three tried, tp1 pp1, at 3093 GiB, while tp8 needed 854)."""
     rc, out = run(["--model", "llama3-405b", "--gpus", "8", "--offload", "none"], capsys)
-    assert rc == 1 and "no layout fits" in out
-    assert re.search(r"^  tp\d+ pp\d+ .*: memory", out, re.M), out
+    assert rc == 1 and "no layout fits" in out and "closest to fitting:" in out
+    shown = [float(g) for g in re.findall(r"^  tp\d+ .*needs ([\d.]+) GiB > 80 GiB$", out, re.M)]
+    assert len(shown) == 3 and shown == sorted(shown), out
+    from fivefold.plan.layout import Workload
+    from fivefold.plan.report import _needs
+    from fivefold.plan.search import search
+    from fivefold.plan.topology import TOPOLOGIES
+
+    res = search(PRESETS["llama3-405b"], Workload(seq=4096, global_batch=1024), TOPOLOGIES["dgx-h100"], 8,
+                 {"offload": "none"}, top=10)
+    needs = [n for n in (_needs(why) for _, why in res.rejected) if n is not None]   # some reject a whole structure
+    assert shown[0] == min(needs) < 3093
 
 
 def test_the_planners_own_order_is_no_warning(capsys):

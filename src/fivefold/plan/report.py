@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import re
+from math import inf
 from pathlib import Path
 
 from ..comm.ledger import fmt_bytes
@@ -182,7 +184,10 @@ def search_text(res: Result, top: int = 10, examples: int = 3, verbose: bool = F
         lines.append("no layout fits")
     lines.append("rejected, by reason: " + ", ".join(f"{k} {v}" for k, v in res.reasons().items()))
     seen: dict[str, int] = {}
-    for lay, why in res.rejected if verbose or not res.best else ():
+    if not res.best:   # what to act on: the layouts that came closest to fitting
+        lines.append("closest to fitting:" if any(_needs(w) for _, w in res.rejected) else "examples:")
+    for lay, why in (res.rejected if res.best else sorted(res.rejected, key=lambda r: _needs(r[1]) or inf)) \
+            if verbose or not res.best else ():
         key = why.split(":")[0]
         if seen.get(key, 0) < examples:
             seen[key] = seen.get(key, 0) + 1
@@ -190,6 +195,12 @@ def search_text(res: Result, top: int = 10, examples: int = 3, verbose: bool = F
     if res.best:
         lines += ["", "best layout in full:", estimate_text(res.best[0], summary=False)]
     return "\n".join(lines)
+
+
+def _needs(why: str) -> float | None:
+    """The GiB a memory rejection says its most loaded stage needs (search's "stage j needs X GiB > L GiB")."""
+    found = re.search(r"needs ([\d.]+) GiB", why)
+    return float(found.group(1)) if found else None
 
 
 def search_offload_text(res: Result) -> str:

@@ -169,6 +169,14 @@ def test_a_sequence_beyond_the_models_positions_is_refused(layout, capsys):
     assert "must be <= max_seq = 8192; valid: 1..8192 (fivefold has no RoPE scaling: a longer context needs" in line
 
 
+def test_a_configs_sequence_beyond_another_models_positions_is_refused(tmp_path, capsys):
+    """--model replaces a --config's model; the config's train.seq_len is then held to the new model's limit."""
+    f = tmp_path / "run.toml"
+    f.write_text("[model]\nmax_seq = 9000\n[train]\nseq_len = 9000\n")
+    line = one_line_error(["--config", str(f)], capsys)   # one_line_error gives --model llama3-8b
+    assert f"train.seq_len of --config {f} (9000) is beyond the position limit of model llama3-8b" in line
+
+
 def test_a_json_config_is_refused(tmp_path, capsys):
     f = tmp_path / "config.json"
     f.write_text('{"hidden_size": 4096}')

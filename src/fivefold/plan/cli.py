@@ -267,11 +267,11 @@ def training_config(path: str):
     return cfg
 
 
-def check_seq(work: Workload, model: PlanModel, given: bool) -> None:
+def check_seq(work: Workload, model: PlanModel, source: str) -> None:
     """The sequence fits the model's positions (rules.check_seq_len, as Config.validate checks a run's):
-    nothing else bounded the planner, which planned a billion tokens at 120% MFU."""
-    rules.check_seq_len(work.seq, model.max_seq, "--seq" if given else "the sequence length", f"model {model.name}",
-                        "max_seq")
+    nothing else bounded the planner, which planned a billion tokens at 120% MFU. `source` names where the
+    length came from (--seq, a --config's train.seq_len)."""
+    rules.check_seq_len(work.seq, model.max_seq, source, f"model {model.name}", "max_seq")
 
 
 def check_plot(path: str | None) -> None:
@@ -368,7 +368,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_plot(args.plot)
     topo = _topology(args)
     model, layout, work, fixed = _base(args)
-    check_seq(work, model, given=args.seq is not None)
+    check_seq(work, model, "--seq" if args.seq else f"train.seq_len of --config {args.config}" if args.config
+              else "the sequence length")
     if model.moe:   # beyond experts/top_k every expert already takes every token of a sequence
         check_real("--capacity-factor", args.capacity_factor, 0, model.experts / model.top_k, low_open=False,
                    meaning=f" (the top is experts/top_k = {model.experts}/{model.top_k}: every expert takes every "

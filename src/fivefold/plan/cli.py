@@ -423,8 +423,8 @@ def check_searchable(args: argparse.Namespace) -> None:
     both gradient reductions itself), so the mechanism flags of ONE_LAYOUT apply only to one layout: given to a
     search they were silently ignored, the plan the same with or without them. Refused, naming the flag."""
     for name in ONE_LAYOUT:
-        value = getattr(args, name)
-        if value is not None and value is not False or (value is False and name.startswith("overlap_")):
+        value = getattr(args, name)   # store_true flags are False when not given; --[no-]overlap-* are None
+        if value is not None and (value is not False or name.startswith("overlap_")):
             flag = ("--no-" if value is False else "--") + name.replace("_", "-")
             raise ConfigError(f"{flag} sets a mechanism of one layout, which a search does not vary (it keeps "
                               f"Layout's defaults); give every degree (--tp --pp --cp --dp, and --ep for a MoE "

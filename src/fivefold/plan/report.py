@@ -163,8 +163,8 @@ def summary_text(est: Estimate, head: str = "best layout", faster: Estimate | No
 def search_text(res: Result, top: int = 10, examples: int = 3, verbose: bool = False,
                 faster: Estimate | None = None) -> str:
     """The best layout's summary first, then the ranking and the rejections; the branch and bound's proof
-    ("bound: ...") and rejection examples only with `verbose` (the examples always when nothing fits: they
-    are then what to act on); the best layout in full at the end. `faster`: the best layout in the order
+    ("bound: ...") and rejection examples only with `verbose` (when nothing fits always, those closest to
+    fitting first: they are then what to act on); the best layout in full at the end. `faster`: the best layout in the order
     the planner recommends, where that is faster than the order searched."""
     rows = []
     for i, e in enumerate(res.best[:top]):
@@ -183,18 +183,27 @@ def search_text(res: Result, top: int = 10, examples: int = 3, verbose: bool = F
     else:
         lines.append("no layout fits")
     lines.append("rejected, by reason: " + ", ".join(f"{k} {v}" for k, v in res.reasons().items()))
-    seen: dict[str, int] = {}
     if not res.best:   # what to act on: the layouts that came closest to fitting
         lines.append("closest to fitting:" if any(_needs(w) for _, w in res.rejected) else "examples:")
-    for lay, why in (res.rejected if res.best else sorted(res.rejected, key=lambda r: _needs(r[1]) or inf)) \
-            if verbose or not res.best else ():
-        key = why.split(":")[0]
-        if seen.get(key, 0) < examples:
-            seen[key] = seen.get(key, 0) + 1
-            lines.append(f"  {lay.short()}: {why}")
+    if verbose or not res.best:
+        lines += rejection_examples(res, examples)
     if res.best:
         lines += ["", "best layout in full:", estimate_text(res.best[0], summary=False)]
     return "\n".join(lines)
+
+
+def rejection_examples(res: Result, examples: int = 3) -> list[str]:
+    """Up to `examples` rejected layouts per reason, in the order tried; when nothing fits, the ones that need
+    the least memory first (the closest to fitting)."""
+    rejected = res.rejected if res.best else sorted(res.rejected, key=lambda r: _needs(r[1]) or inf)
+    seen: dict[str, int] = {}
+    out = []
+    for lay, why in rejected:
+        key = why.split(":")[0]
+        if seen.get(key, 0) < examples:
+            seen[key] = seen.get(key, 0) + 1
+            out.append(f"  {lay.short()}: {why}")
+    return out
 
 
 def _needs(why: str) -> float | None:

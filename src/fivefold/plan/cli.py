@@ -33,8 +33,8 @@ from .traffic import COPY_TIERS, placement
 
 
 def add_plan_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", help=f"preset ({', '.join(PRESETS)}), a Hugging Face config.json, or a fivefold "
-                                    f".toml (default llama3-8b)")
+    ap.add_argument("--model", help=f"preset ({', '.join(PRESETS)}), a Hugging Face config.json (or its checkpoint "
+                                    f"folder), or a fivefold .toml (default llama3-8b)")
     ap.add_argument("--config", help="a fivefold training TOML: its model, layout and batch are the defaults")
     ap.add_argument("--gpus", type=int, help="GPU count (default: the product of the given degrees)")
     ap.add_argument("--topology", default="dgx-h100",
@@ -48,7 +48,8 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cp-mode", dest="cp_mode", choices=choices(CpMode),
                     help="context parallelism: Ulysses all-to-all, ring attention, or both (default: search them)")
     ap.add_argument("--ulysses", type=int, help="hybrid cp: Ulysses degree of the inner ranks (default the largest)")
-    ap.add_argument("--seq", type=int, help="sequence length (default min(model max, 4096))")
+    ap.add_argument("--seq", type=int, help="sequence length, at most the model's position limit max_seq (a "
+                                            "config.json's max_position_embeddings; default min(max_seq, 4096))")
     ap.add_argument("--global-batch", dest="global_batch", type=int, help="sequences per step (default 1024)")
     ap.add_argument("--micro-batch-size", dest="micro_batch", type=int, help=MICRO_BATCH_SIZE_HELP.split(" (")[0]
                     + " (default: searched, or 1 for one layout)")

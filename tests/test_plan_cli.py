@@ -287,6 +287,14 @@ def test_a_missing_model_file_is_named_as_missing(tmp_path, capsys):
         assert f"model {tmp_path / name}: no such file; give a preset (llama3-8b" in line
 
 
+def test_a_model_toml_without_a_model_table_is_refused(tmp_path, capsys):
+    """It planned the defaults, a tiny test model, at 0.02 GiB a device."""
+    f = tmp_path / "run.toml"
+    f.write_text("[parallel]\ndp = 2\n")
+    line = one_line_error(["--model", str(f), "--tp", "1", "--pp", "1", "--dp", "1"], capsys)
+    assert f"model {f}: the TOML has no [model] table (hidden, layers, heads, ...)" in line
+
+
 def test_a_model_folder_is_read_by_its_config_json(tmp_path, capsys):
     """A Hugging Face checkpoint's folder (what `train --init-hf` takes) is its config.json; a folder without
     one is one line."""

@@ -501,8 +501,12 @@ def load_model(spec: str | ModelConfig | PlanModel) -> PlanModel:
     if path.suffix == ".json" and path.is_file():
         return read_hf_config(path)
     if path.suffix == ".toml" and path.is_file():
-        from ..config import load_config
-        cfg = load_config(path).model
+        from ..config import Config, read_toml
+        tables = read_toml(path)
+        cfg = Config.from_dict(tables).model   # unknown tables and keys first
+        if "model" not in tables:   # the defaults are a tiny test model: planned silently, it answered 0.02 GiB
+            raise ConfigError(f"model {spec}: the TOML has no [model] table (hidden, layers, heads, ...); give one, "
+                              f"or a preset ({', '.join(PRESETS)})")
         cfg.validate()
         return from_model_config(cfg, name=path.stem)
     if path.is_dir():

@@ -11,6 +11,7 @@ import pytest
 from fivefold.config import ConfigError
 from fivefold.cli import main
 from fivefold.plan.cli import add_plan_args, cmd_plan
+from fivefold.plan.models import PRESETS
 
 
 def run(argv, capsys):
@@ -92,6 +93,10 @@ BAD_OPTIONS = [
     (["--vpp", "0"], "--vpp must be between 1 and"),
     (["--ulysses", "0"], "--ulysses must be between 1 and"),
     (["--top", "0"], r"--top must be >= 1, got 0; valid: 1, 2, 3, ..."),
+    (["--bucket-mb", "0"], r"--bucket-mb must be a finite number > 0 \(MiB of gradients per reduction bucket\)"),
+    (["--bucket-mb", "nan"], r"--bucket-mb must be a finite number > 0 .*got nan"),
+    (["--moe-route-nodes", "-1"], r"--moe-route-nodes must be between 0 and 1048576, got -1"),
+    (["--microbatch-group", "-1"], r"--microbatch-group must be between 0 and"),
     (["--zero", "4"], r"--zero must be between 0 and 3, got 4; valid: 0, 1, 2, 3"),
     (["--zero", "-1"], "--zero must be between 0 and 3"),
     (["--efficiency", "0"], r"--efficiency must be a finite number > 0 and <= 1 .*valid: \(0, 1\]"),
@@ -160,8 +165,16 @@ def test_a_huge_gpu_count_answers_at_once(capsys, monkeypatch):
 def test_a_sequence_beyond_the_models_positions_is_refused(layout, capsys):
     """A billion tokens was searched, or estimated at 120% MFU; llama3-8b has 8192 positions."""
     line = one_line_error(["--seq", str(10**9), *layout], capsys)
-    assert "--seq 1000000000 is beyond the position limit of model llama3-8b" in line
-    assert "must be <= max_seq = 8192; valid: 1..8192" in line
+    assert "--seq (1000000000) is beyond the position limit of model llama3-8b" in line
+    assert "must be <= max_seq = 8192; valid: 1..8192 (fivefold has no RoPE scaling: a longer context needs" in line
+
+
+def test_a_configs_sequence_beyond_another_models_positions_is_refused(tmp_path, capsys):
+    """--model replaces a --config's model; the config's train.seq_len is then held to the new model's limit."""
+    f = tmp_path / "run.toml"
+    f.write_text("[model]\nmax_seq = 9000\n[train]\nseq_len = 9000\n")
+    line = one_line_error(["--config", str(f)], capsys)   # one_line_error gives --model llama3-8b
+    assert f"train.seq_len of --config {f} (9000) is beyond the position limit of model llama3-8b" in line
 
 
 def test_a_json_config_is_refused(tmp_path, capsys):
@@ -226,6 +239,180 @@ def test_a_plot_into_a_missing_folder_is_refused_before_the_search(tmp_path, cap
     png = tmp_path / "no" / "such" / "plan.png"
     line = one_line_error(["--gpus", "8", "--plot", str(png)], capsys)
     assert f"--plot {png}: the folder {png.parent} does not exist" in line
+
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "abc"], "argument --gpus: invalid int value: 'abc'"),
+    (["--accelerator", "tpu"], "argument --accelerator: invalid choice: 'tpu' (choose from 'h100', "),
+    (["--gpus"], "argument --gpus: expected one argument"),
+])
+def test_argparses_own_errors_are_one_line(argv, message, capsys):
+    """argparse printed its 25-line usage before the error (flags.OneLineParser)."""
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.splitlines() == [f"fivefold plan: error: {message}"
+                                                      + err.split(message, 1)[1].rstrip()], err
+    assert err.rstrip().endswith("; see fivefold plan --help")
+
+
+def test_a_plot_that_is_a_folder_is_refused(tmp_path, capsys):
+    """It was saved as FOLDER.png, and the line on stderr named the folder."""
+    line = one_line_error(["--gpus", "8", "--plot", str(tmp_path)], capsys)
+    assert f"--plot {tmp_path} is a folder; give a file name in it, e.g. --plot {tmp_path / 'plan.png'}" in line
+
+
+@pytest.mark.parametrize("name", ["plan.xyz", "plan"])
+def test_a_plot_of_an_unknown_type_is_refused_before_the_search(name, tmp_path, capsys, monkeypatch):
+    """matplotlib raised its ValueError after the search (a traceback); a bare name was saved as NAME.png."""
+    pytest.importorskip("matplotlib")
+    import fivefold.plan.cli as plan_cli
+
+    monkeypatch.setattr(plan_cli, "search", lambda *a, **k: pytest.fail("searched first"))
+    line = one_line_error(["--gpus", "8", "--plot", str(tmp_path / name)], capsys)
+    assert "the file type is the suffix, one of " in line and "png" in line and "svg" in line
+
+
+def test_a_plot_is_written_in_the_type_its_suffix_names(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    svg = tmp_path / "plan.svg"
+    assert main(["plan", "--model", "llama3-8b", "--tp", "8", "--pp", "1", "--dp", "1", "--plot", str(svg)]) == 0
+    assert svg.read_text().lstrip().startswith("<?xml") and f"plot: {svg}" in capsys.readouterr().err
+
+
+def test_a_missing_model_file_is_named_as_missing(tmp_path, capsys):
+    for name in ("config.json", "model.toml"):
+        line = one_line_error(["--model", str(tmp_path / name)], capsys)
+        assert f"model {tmp_path / name}: no such file; give a preset (llama3-8b" in line
+
+
+def test_a_model_toml_without_a_model_table_is_refused(tmp_path, capsys):
+    """It planned the defaults, a tiny test model, at 0.02 GiB a device."""
+    f = tmp_path / "run.toml"
+    f.write_text("[parallel]\ndp = 2\n")
+    line = one_line_error(["--model", str(f), "--tp", "1", "--pp", "1", "--dp", "1"], capsys)
+    assert f"model {f}: the TOML has no [model] table (hidden, layers, heads, ...)" in line
+
+
+def test_a_model_folder_is_read_by_its_config_json(tmp_path, capsys):
+    """A Hugging Face checkpoint's folder (what `train --init-hf` takes) is its config.json; a folder without
+    one is one line."""
+    assert "a folder without config.json" in one_line_error(["--model", str(tmp_path)], capsys)
+    (tmp_path / "config.json").write_text(json.dumps({**HF_LLAMA, "num_attention_heads": 0}))
+    assert "config.json: num_attention_heads must be >= 1, got 0" in one_line_error(["--model", str(tmp_path)], capsys)
+    (tmp_path / "config.json").write_text(json.dumps(HF_LLAMA))
+    assert main(["plan", "--model", str(tmp_path), "--tp", "8", "--pp", "1", "--dp", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["params"] == PRESETS["llama3-8b"].num_params()
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("nowhere.toml", "topology nowhere.toml: no such file; give a preset (dgx-h100, llama3), nodes:K or a .toml"),
+    ("{tmp}", "topology {tmp}: a folder; give a preset"),
+])
+def test_a_missing_topology_file_or_a_folder_is_refused(spec, message, tmp_path, capsys):
+    line = one_line_error(["--gpus", "8", "--topology", spec.format(tmp=tmp_path)], capsys)
+    assert message.format(tmp=tmp_path) in line
+
+
+@pytest.mark.parametrize("argv,message", [   # a fixed degree no layout can take: refused before the search
+    (["--tp", "3", "--gpus", "6"], r"heads \(32\) must divide by tp \(3\): each tp rank computes whole heads; "
+                                   r"valid tp: \[1, 2, 4\]"),
+    (["--ep", "2", "--gpus", "8"], r"ep \(2\) needs a mixture-of-experts model .*this model is dense: valid ep: \[1\]"),
+    (["--model", "mixtral-8x7b", "--ep", "3", "--gpus", "6"], r"experts \(8\) must divide by ep \(3\); valid ep: "
+                                                              r"\[1, 2, 4\]"),
+    (["--tp", "4", "--gpus", "6"], r"--gpus 6 must divide by the given degrees tp = 4; valid --gpus: \[4, 8, 12\]"),
+    (["--pp", "40", "--gpus", "40"], r"model.layers \(32\) must be >= pp\*vpp = 40\*1 = 40"),
+    (["--pp", "8", "--vpp", "8", "--gpus", "64"], r"valid: pp <= 4 at vpp=8, or vpp <= 4 at pp=8"),
+    (["--pp", "1", "--vpp", "2", "--gpus", "8"], r"vpp > 1 interleaves model chunks .*valid: vpp = 1 at pp = 1"),
+    (["--pp", "2", "--partition", "1,2", "--gpus", "8"], r"\[1, 2\] sums to 3, the model has 32 layers"),
+    (["--global-batch", "1", "--micro-batch-size", "2", "--gpus", "8"],
+     r"global_batch \(1\) must divide by dp\*micro_batch = 1\*2 = 2; valid global batches: \[2, 4\]"),
+    (["--moe-route-nodes", "2", "--gpus", "8"], r"moe_route_nodes=2 limits expert routing, but llama3-8b has no experts"),
+])
+def test_a_fixed_degree_no_layout_can_take_is_refused(argv, message, capsys, monkeypatch):
+    """It searched and answered "no layout fits; rejected, by reason: rule 84" (exit 1), or --ep on a dense
+    model failed inside the search naming a dp*cp nobody gave."""
+    import fivefold.plan.cli as plan_cli
+
+    monkeypatch.setattr(plan_cli, "search", lambda *a, **k: pytest.fail("searched first"))
+    model = [] if "--model" in argv else ["--model", "llama3-8b"]
+    assert main(["plan", *model, *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+@pytest.mark.parametrize("flag", [["--ep-overlap"], ["--bucket-mb", "1"], ["--no-overlap-grad-reduce"],
+                                  ["--overlap-param-gather"], ["--ulysses", "2"], ["--microbatch-group", "8"],
+                                  ["--recompute-norm-mla"], ["--reduce-each-microbatch"]])
+def test_a_mechanism_of_one_layout_is_refused_in_a_search(flag, capsys, monkeypatch):
+    """A search keeps Layout's mechanism defaults: these flags changed nothing in it (the same best layout
+    and step with and without --ep-overlap), silently."""
+    import fivefold.plan.cli as plan_cli
+
+    monkeypatch.setattr(plan_cli, "search", lambda *a, **k: pytest.fail("searched"))
+    line = one_line_error(["--gpus", "8", *flag], capsys)
+    assert f"{flag[0]} sets a mechanism of one layout, which a search does not vary" in line
+    assert "give every degree (--tp --pp --cp --dp, and --ep for a MoE model)" in line
+
+
+def test_a_mechanism_of_one_layout_changes_that_layout(capsys):
+    """The same flag, with every degree given, is planned: expert all-to-alls behind other compute."""
+    argv = ["--model", "mixtral-8x7b", "--tp", "1", "--pp", "4", "--dp", "16", "--ep", "8", "--json"]
+    plain, overlapped = (json.loads(run(argv + extra, capsys)[1]) for extra in ([], ["--ep-overlap"]))
+    assert overlapped["layout"]["ep_overlap"] and not plain["layout"]["ep_overlap"]
+    assert overlapped["step_time_s"] < plain["step_time_s"]
+
+
+def test_a_search_where_nothing_fits_shows_the_layouts_closest_to_fitting(capsys):
+    """When no layout fits, the rejections are what to act on, so they show without --verbose: the leanest
+    first (it showed the first three tried, tp1 pp1, at 3093 GiB, while tp8 needed 854)."""
+    rc, out = run(["--model", "llama3-405b", "--gpus", "8", "--offload", "none"], capsys)
+    assert rc == 1 and "no layout fits" in out and "closest to fitting:" in out
+    shown = [float(g) for g in re.findall(r"^  tp\d+ .*needs ([\d.]+) GiB > 80 GiB$", out, re.M)]
+    assert len(shown) == 3 and shown == sorted(shown), out
+    from fivefold.plan.layout import Workload
+    from fivefold.plan.report import _needs
+    from fivefold.plan.search import search
+    from fivefold.plan.topology import TOPOLOGIES
+
+    res = search(PRESETS["llama3-405b"], Workload(seq=4096, global_batch=1024), TOPOLOGIES["dgx-h100"], 8,
+                 {"offload": "none"}, top=10)
+    needs = [n for n in (_needs(why) for _, why in res.rejected) if n is not None]   # some reject a whole structure
+    assert shown[0] == min(needs) < 3093
+
+
+def test_the_planners_own_order_is_no_warning(capsys):
+    """Issue 26 item 5: the order nobody chose is the planner's default; it warned about it. The user's own
+    order still gets the warning, as a --config's does (the runtime runs that order)."""
+    argv = ["--model", "llama3-70b", "--tp", "8", "--pp", "8", "--dp", "8", "--zero", "1"]
+    rc, out = run(argv, capsys)
+    assert rc == 0 and "warning: order" not in out
+    assert "rank order tp-cp-ep-dp-pp (innermost first): tp on nvlink, pp on spine, dp on leaf" in out
+    rc, out = run(argv + ["--order", "tp-cp-ep-dp-pp"], capsys)
+    assert "warning: order tp-cp-ep-dp-pp places groups on other tiers than the recommended tp-cp-ep-pp-dp" in out
+    rc, out = run(argv + ["--json"], capsys)
+    assert not [w for w in json.loads(out)["warnings"] if w.startswith("order ")]
+
+
+def test_a_faster_order_is_named_with_its_step_time(tmp_path, capsys):
+    """Where the recommended order beats the planner's default by more than a tie, the summary names the flag
+    and the step time of that order's own estimate. Two GPUs a node and a 5 GB/s network: the default order
+    puts pp's sends across it, the recommended one dp's reduction, which hides behind the backward."""
+    f = tmp_path / "t.toml"
+    f.write_text(TOPOLOGY.format(**dict(GOOD, size=2)).replace("bandwidth_gbps = 50", "bandwidth_gbps = 5"))
+    argv = ["--model", "llama3-8b", "--tp", "1", "--pp", "2", "--dp", "2", "--zero", "1", "--topology", str(f)]
+    _, out = run(argv, capsys)
+    _, alt = run(argv + ["--order", "tp-cp-ep-pp-dp", "--json"], capsys)
+    alt = json.loads(alt)["step_time_s"]
+    first = out.splitlines()[:5]
+    assert first[0].endswith("order tp-cp-ep-dp-pp") and f"step {alt:.3f} s" not in first[2]
+    assert first[4].startswith(f"faster with --order tp-cp-ep-pp-dp: step {alt:.3f} s, MFU ")
+    assert first[4].endswith("(pp on nvlink instead of net, dp on net instead of nvlink)")
+    _, doc = run(argv + ["--json"], capsys)
+    assert json.loads(doc)["faster_order"]["step_time_s"] == alt
+    _, bigger = run(argv + ["--global-batch", "4096"], capsys)   # pp's share of the step shrinks: no gain
+    assert "faster with" not in bigger
 
 
 TOPOLOGY = """name = "t"
@@ -314,6 +501,18 @@ def test_plan_runs_without_torch_and_its_errors_do_not_mention_it(tmp_path_facto
     broken.write_text("[[tier]\n")
     bad = plan_without_torch("--model", "llama3-8b", "--gpus", "16", "--topology", str(broken))
     assert bad.returncode == 2 and "cannot read it" in bad.stderr and "torch" not in bad.stderr
+
+
+@pytest.mark.ranks
+def test_a_reader_that_leaves_gets_no_traceback(tmp_path):
+    """`fivefold plan ... | head`: the pipe's reader is gone before the plan is written (closed here before the
+    child has imported anything); it was a BrokenPipeError traceback."""
+    p = subprocess.Popen([sys.executable, "-c", "import sys; from fivefold.cli import main; sys.exit(main())", "plan",
+                          "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 1 and err == "", err
 
 
 def test_the_error_handler_tells_rank_failures_without_importing_them():

@@ -210,7 +210,8 @@ def test_mfu_is_given_under_both_attention_conventions():
     assert (d["mfu"], d["mfu_attention_full"]) == (e.time.mfu, e.mfu_attention_full)
     assert "halved" in d["mfu_convention"]["mfu"] and "12LHQT" in d["mfu_convention"]["mfu_attention_full"]
     text = estimate_text(e)
-    assert f"MFU {e.time.mfu:.1%} (causal attention FLOPs halved; {e.mfu_attention_full:.1%} not halved" in text
+    assert (f"MFU {e.time.mfu:.1%} (assumed: GEMMs by shape, at most 60% of peak), causal attention FLOPs halved; "
+            f"{e.mfu_attention_full:.1%} not halved (6N + 12LHQT)") in text
     # bidirectional attention: one convention, one number
     bi = estimate(m, Layout(tp=8, dp=1), Workload(seq=s, global_batch=8, causal=False), TOPOLOGIES["dgx-h100"])
     assert bi.mfu_attention_full == bi.time.mfu and "not halved" not in estimate_text(bi)

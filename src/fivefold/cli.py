@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from .config import ConfigError, field_type, load_config, parse_sets, write_run_config
-from .flags import MICRO_BATCH_SIZE_HELP, MICROBATCHES_HELP, add_renamed
+from .flags import MICRO_BATCH_SIZE_HELP, MICROBATCHES_HELP, OneLineParser, add_renamed
 from .rules import PartitionKind, choices
 
 # flag -> dotted config key; each flag's type and choices come from the field's declared type
@@ -701,8 +701,8 @@ def quiet_third_party_bars() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     quiet_third_party_bars()
-    ap = argparse.ArgumentParser(prog="fivefold", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = OneLineParser(prog="fivefold", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
     add_train_args(sub.add_parser("train", help="train a model (embedded default when no config)"))
     add_export_args(sub.add_parser("export", help="write a checkpoint's whole weights to one safetensors file"))
     add_generate_args(sub.add_parser("generate", help="sample text from a run's checkpoint (or a Hugging Face folder)"))
@@ -743,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"fivefold: config error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:   # the reader left (`fivefold plan ... | head`): no traceback, nothing more to write
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # Python's own advice (signal docs)
+        return 1
     except Exception as e:  # a failing rank: its traceback is in the message
         if is_rank_failure(e):
             print(f"fivefold: {e}", file=sys.stderr)

@@ -336,9 +336,7 @@ class Config:
         m.validate()
         p.validate(world_size)
         t.validate()
-        if t.seq_len > m.max_seq:
-            raise ConfigError(f"train.seq_len ({t.seq_len}) must be <= model.max_seq ({m.max_seq}); "
-                              f"raise model.max_seq or use seq_len {m.max_seq}")
+        rules.check_seq_len(t.seq_len, m.max_seq)
         rules.check_global_batch(t.global_batch, p.dp, p.microbatches)
         ffn = {"ffn": m.ffn} if not m.experts else {"ffn": m.ffn, "moe_ffn": m.moe_ffn or m.ffn}
         rules.check_tensor_parallel(p.tp, m.heads, m.kv_heads, ffn)

@@ -9,7 +9,7 @@ One name, one meaning, in every command:
                            global_batch / (dp x B))
 
 The old `--micro-batch` (plan: a size, easily read as train's count) is a one-line error naming the new
-flag, exit 2, as is every renamed flag in RENAMED.
+flag, exit 2, as is every renamed flag in RENAMED, and every error argparse itself finds (`OneLineParser`).
 """
 from __future__ import annotations
 
@@ -18,6 +18,15 @@ import argparse
 MICROBATCHES_HELP = "micro-batches per step on each data-parallel rank: a count"
 MICRO_BATCH_SIZE_HELP = "sequences per micro-batch: a size (train: sets microbatches = global_batch / (dp x B))"
 RENAMED = {"--micro-batch": "--micro-batch-size B (sequences per micro-batch); the count is --microbatches M (train, eval)"}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (a value of the wrong type, an unknown choice, a missing argument) in one line
+    naming the flag and the valid values, exit 2, as every other bad input; argparse printed its whole usage
+    first (for `fivefold plan`, 25 lines)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 class Renamed(argparse.Action):

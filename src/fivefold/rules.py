@@ -221,6 +221,19 @@ def check_attention(hidden: int, heads: int, kv_heads: int) -> None:
                           f"valid kv_heads: {nearest(kv_heads, divisors(heads))}")
 
 
+def check_seq_len(seq_len: int, max_seq: int, what: str = "train.seq_len", whose: str = "the model",
+                  limit: str = "model.max_seq") -> None:
+    """A sequence fits the model's positions: seq_len <= max_seq (ModelConfig.max_seq; a Hugging Face
+    config.json's max_position_embeddings, or n_positions). Past it rotary or learned positions were never
+    trained. fivefold has no RoPE scaling: a longer context is a model whose max_seq covers it (a fivefold
+    TOML's model.max_seq, or a config.json whose max_position_embeddings a RoPE-scaled checkpoint such as
+    Llama 3.1's already raised)."""
+    if seq_len > max_seq:
+        raise ConfigError(f"{what} ({seq_len}) is beyond the position limit of {whose}: it must be <= {limit} = "
+                          f"{max_seq}; valid: 1..{max_seq} (fivefold has no RoPE scaling: a longer context needs a "
+                          f"model whose max_seq, or config.json max_position_embeddings, covers it)")
+
+
 # -- tensor parallel -----------------------------------------------------------------------------------
 def kv_replicas(tp: int, kv_heads: int) -> int:
     """Consecutive tp ranks that hold the same K/V head: tp/kv_heads when tp > kv_heads, else 1."""
@@ -306,11 +319,17 @@ def check_expert_parallel(ep: int, dp: int, cp: int, experts: int) -> None:
     """`check_expert_grid`, and each ep rank holds experts/ep whole experts; ep > 1 needs a
     mixture-of-experts model."""
     check_expert_grid(ep, dp, cp)
+    check_experts(ep, experts, dp * cp)
+
+
+def check_experts(ep: int, experts: int, ranks: int = 0) -> None:
+    """ep > 1 needs a mixture-of-experts model, and each ep rank holds experts/ep whole experts (the valid ep
+    also divide `ranks`, dp*cp, when it is known)."""
     if ep > 1 and experts == 0:
         raise ConfigError(f"ep ({ep}) needs a mixture-of-experts model (experts > 0); this model is dense: valid ep: [1]")
     if experts and experts % ep:
         raise ConfigError(f"experts ({experts}) must divide by ep ({ep}); valid ep: "
-                          f"{nearest(ep, [d for d in divisors(experts) if (dp * cp) % d == 0])}")
+                          f"{nearest(ep, [d for d in divisors(experts) if not ranks or ranks % d == 0])}")
 
 
 # -- pipeline ------------------------------------------------------------------------------------------
@@ -411,12 +430,17 @@ def check_schedule(kind: str, pp: int, vpp: int, microbatches: int, group: int =
     `check_schedule_lists` (the action lists exist), plus: vpp > 1 interleaves chunks over pp > 1 ranks,
     and 1F1B-like schedules (all but GPipe) keep pp micro-batches in flight to fill the pipeline."""
     check_schedule_lists(kind, pp, vpp, microbatches, group)
-    if vpp > 1 and pp == 1:
-        raise ConfigError(f"vpp > 1 interleaves model chunks over the pipeline ranks: it needs pp > 1, got pp = 1 "
-                          f"and vpp = {vpp}; valid: vpp = 1 at pp = 1")
+    check_virtual_stages(pp, vpp)
     if pp > 1 and kind != GPIPE and microbatches < pp:
         raise ConfigError(f"schedule {kind} needs microbatches >= pp ({pp}), got {microbatches}; "
                           f"valid: microbatches >= {pp}, or schedule {GPIPE}")
+
+
+def check_virtual_stages(pp: int, vpp: int) -> None:
+    """vpp > 1 interleaves model chunks over pp > 1 pipeline ranks."""
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"vpp > 1 interleaves model chunks over the pipeline ranks: it needs pp > 1, got pp = 1 "
+                          f"and vpp = {vpp}; valid: vpp = 1 at pp = 1")
 
 
 def check_schedule_lists(kind: str, pp: int, vpp: int, microbatches: int, group: int = 0) -> None:

@@ -19,21 +19,22 @@ from pathlib import Path
 
 from ..config import load_config
 from ..flags import MICRO_BATCH_SIZE_HELP, add_renamed
+from .. import rules
 from ..grid import DEFAULT_ORDER
 from ..rules import (INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute,
                      ScheduleKind, SpMode, check_count, check_real, choices)
 from .estimate import estimate
-from .layout import GradDtype, Layout, ReduceDtype, Workload, from_config
+from .layout import GradDtype, Layout, ReduceDtype, Workload, check_route_nodes, from_config, mlp_widths
 from .models import PRESETS, PlanModel, from_model_config, load_model
 from .report import estimate_text, plot, search_dict, search_text, to_json
-from .search import MAX_GPUS, search
+from .search import MAX_GPUS, TIE, search
 from .topology import ACCELERATORS, GB, TOPOLOGIES, GiB, Topology, load_topology
-from .traffic import COPY_TIERS
+from .traffic import COPY_TIERS, placement
 
 
 def add_plan_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", help=f"preset ({', '.join(PRESETS)}), a Hugging Face config.json, or a fivefold "
-                                    f".toml (default llama3-8b)")
+    ap.add_argument("--model", help=f"preset ({', '.join(PRESETS)}), a Hugging Face config.json (or its checkpoint "
+                                    f"folder), or a fivefold .toml (default llama3-8b)")
     ap.add_argument("--config", help="a fivefold training TOML: its model, layout and batch are the defaults")
     ap.add_argument("--gpus", type=int, help="GPU count (default: the product of the given degrees)")
     ap.add_argument("--topology", default="dgx-h100",
@@ -47,7 +48,8 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cp-mode", dest="cp_mode", choices=choices(CpMode),
                     help="context parallelism: Ulysses all-to-all, ring attention, or both (default: search them)")
     ap.add_argument("--ulysses", type=int, help="hybrid cp: Ulysses degree of the inner ranks (default the largest)")
-    ap.add_argument("--seq", type=int, help="sequence length (default min(model max, 4096))")
+    ap.add_argument("--seq", type=int, help="sequence length, at most the model's position limit max_seq (a "
+                                            "config.json's max_position_embeddings; default min(max_seq, 4096))")
     ap.add_argument("--global-batch", dest="global_batch", type=int, help="sequences per step (default 1024)")
     ap.add_argument("--micro-batch-size", dest="micro_batch", type=int, help=MICRO_BATCH_SIZE_HELP.split(" (")[0]
                     + " (default: searched, or 1 for one layout)")
@@ -105,7 +107,8 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--verbose", action="store_true",
                     help="searching: also what the branch and bound skipped and why (bound: ...), and rejection examples")
-    ap.add_argument("--plot", help="write a PNG of memory per component and bytes per tier")
+    ap.add_argument("--plot", help="write a plot of memory per component and bytes per tier, both in GiB; the suffix "
+                                   "is the file type (.png, .svg, .pdf, ...)")
 
 
 DEGREES = ("tp", "pp", "dp", "cp", "ep", "vpp", "ulysses")   # each at most MAX_GPUS
@@ -127,6 +130,11 @@ def check_args(args: argparse.Namespace) -> None:
         if value is not None:
             check_count(_flag(name), value, 1, MAX_SIZE if name in SIZES else MAX_GPUS)
     check_count("--top", args.top, 1)
+    for name in ("moe_route_nodes", "microbatch_group"):
+        if getattr(args, name) is not None:
+            check_count(_flag(name), getattr(args, name), 0, MAX_GPUS if name == "moe_route_nodes" else MAX_SIZE)
+    if args.bucket_mb is not None:
+        check_real("--bucket-mb", args.bucket_mb, 0, meaning=" (MiB of gradients per reduction bucket)")
     if args.zero is not None:
         check_count("--zero", args.zero, 0, 3)
     check_real("--efficiency", args.efficiency, 0, 1, meaning=" (the fraction of peak FLOP/s kernels reach)")
@@ -260,20 +268,33 @@ def training_config(path: str):
     return cfg
 
 
-def check_seq(work: Workload, model: PlanModel, given: bool) -> None:
-    """The sequence fits the model's positions: seq <= max_seq (past it rotary or learned positions are
-    untrained, and nothing bounded the planner: a billion tokens planned at 120% MFU)."""
-    if work.seq > model.max_seq:
-        what = f"--seq {work.seq}" if given else f"the sequence length {work.seq}"
-        raise ConfigError(f"{what} is beyond the position limit of model {model.name}: it must be <= max_seq = "
-                          f"{model.max_seq}; valid: 1..{model.max_seq}")
+def check_seq(work: Workload, model: PlanModel, source: str) -> None:
+    """The sequence fits the model's positions (rules.check_seq_len, as Config.validate checks a run's):
+    nothing else bounded the planner, which planned a billion tokens at 120% MFU. `source` names where the
+    length came from (--seq, a --config's train.seq_len)."""
+    rules.check_seq_len(work.seq, model.max_seq, source, f"model {model.name}", "max_seq")
 
 
 def check_plot(path: str | None) -> None:
-    """--plot goes into a folder that exists (checked before the search, not after it)."""
-    if path and not Path(path).resolve().parent.is_dir():
-        raise ConfigError(f"--plot {path}: the folder {Path(path).resolve().parent} does not exist; create it or "
+    """--plot names a file, in a folder that exists, of a format matplotlib writes, with matplotlib installed:
+    checked before the search, not after it (a folder or a bare name was saved as NAME.png, an unknown
+    suffix was a traceback)."""
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--plot {path} is a folder; give a file name in it, e.g. --plot {p / 'plan.png'}")
+    if not p.resolve().parent.is_dir():
+        raise ConfigError(f"--plot {path}: the folder {p.resolve().parent} does not exist; create it or "
                           f"give a path in an existing folder")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ConfigError(f"--plot needs matplotlib; {rules.install_hint('plot')}") from None
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if p.suffix.lower().lstrip(".") not in formats:
+        raise ConfigError(f"--plot {path}: the file type is the suffix, one of {', '.join(formats)}; got "
+                          f"{p.suffix or 'none'}")
 
 
 def mechanism_options(args, layout: Layout) -> dict:
@@ -286,6 +307,39 @@ def mechanism_options(args, layout: Layout) -> dict:
     out["recompute_norm_mla"] = args.recompute_norm_mla or layout.recompute_norm_mla
     out["reduce_each_microbatch"] = args.reduce_each_microbatch or layout.reduce_each_microbatch
     return out
+
+
+def check_fixed(model: PlanModel, fixed: dict, gpus: int | None, work: Workload, sp_mode: str | None,
+                partition: str) -> None:
+    """The degrees the user fixed, each against the model's rules (rules.py, as every layout is checked), and
+    their product against --gpus, before a search: a search in which every layout breaks one rule answered
+    "no layout fits; rejected, by reason: rule 84", and --ep 2 on a dense model failed inside the search
+    naming a dp*cp the user never gave."""
+    tp, pp, vpp, ep = fixed["tp"], fixed["pp"], fixed["vpp"], fixed["ep"]
+    if tp is not None:
+        rules.check_tensor_parallel(tp, model.heads, None if model.mla else model.kv_heads, mlp_widths(model))
+        rules.check_sequence_parallel(sp_mode or "none", tp, work.seq)
+    if pp is not None or vpp is not None:
+        rules.check_pipeline_layers(model.layers, pp or 1, vpp or 1)
+    if ep is not None:
+        rules.check_experts(ep, model.experts)
+    if pp is not None and vpp is not None:
+        rules.check_virtual_stages(pp, vpp)
+    if pp is not None and partition not in choices(PartitionKind):
+        counts = len(rules.parse_counts(partition)) if any(c.isdigit() for c in partition) else pp
+        rules.check_partition(model.layers, pp, vpp or max(1, counts // pp), partition)
+    if fixed["micro_batch"] is not None:
+        rules.check_global_batch(work.global_batch, fixed["dp"] or 1, fixed["micro_batch"], what="micro_batch")
+    check_route_nodes(model, work)
+    given = {d: fixed[d] for d in ("tp", "pp", "cp", "dp") if fixed[d] is not None}
+    product = 1
+    for v in given.values():
+        product *= v
+    if gpus and gpus % product:
+        names = "*".join(given)
+        near = [product * k for k in range(max(1, gpus // product - 1), gpus // product + 3)]
+        raise ConfigError(f"--gpus {gpus} must divide by the given degrees {names} = {product}; valid --gpus: "
+                          f"{rules.nearest(gpus, near)}")
 
 
 def _complete(fixed: dict, gpus: int | None, model: PlanModel) -> bool:
@@ -315,14 +369,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_plot(args.plot)
     topo = _topology(args)
     model, layout, work, fixed = _base(args)
-    check_seq(work, model, given=args.seq is not None)
+    check_seq(work, model, "--seq" if args.seq else f"train.seq_len of --config {args.config}" if args.config
+              else "the sequence length")
     if model.moe:   # beyond experts/top_k every expert already takes every token of a sequence
         check_real("--capacity-factor", args.capacity_factor, 0, model.experts / model.top_k, low_open=False,
                    meaning=f" (the top is experts/top_k = {model.experts}/{model.top_k}: every expert takes every "
                            f"token; 0: dropless)")
-    full = _complete(fixed, args.gpus, model) and not args.search
     order = args.order or layout.order
     partition = args.partition or ("llama3" if args.uneven else layout.partition)
+    check_fixed(model, fixed, args.gpus, work, args.sp_mode, partition)
+    full = _complete(fixed, args.gpus, model) and not args.search
     if full:
         sp_mode = args.sp_mode or ("megatron" if fixed["tp"] > 1 and not args.config else layout.sp_mode)
         lay = Layout(tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=fixed["cp"], ep=fixed["ep"] or 1,
@@ -333,26 +389,87 @@ def cmd_plan(args: argparse.Namespace) -> int:
                      reshard_after_forward=layout.reshard_after_forward, **mechanism_options(args, layout),
                      schedule=args.schedule or (INTERLEAVED if (fixed["vpp"] or 1) > 1 else layout.schedule))
         est = estimate(model, lay, work, topo, args.gpus)
+        faster = faster_order(est, model, work, topo, args)
         if args.json:
-            print(to_json(est.to_dict()))
+            print(to_json(with_faster(est.to_dict(), faster)))
         else:
-            print(estimate_text(est))
-        if args.plot:
-            print(f"plot: {plot(est, args.plot)}", file=sys.stderr)
+            print(estimate_text(est, faster=faster))
+        write_plot(est, args.plot)
         return 0
     gpus = args.gpus
     if not gpus:
         raise ConfigError("searching needs --gpus (or give every degree: --tp --pp --cp --dp)")
+    check_searchable(args)
     fixed.update(sp_mode=args.sp_mode, cp_mode=args.cp_mode)
     res = search(model, work, topo, gpus, fixed, top=args.top, order=order, partition=partition,
                  schedule=args.schedule or ONE_F_ONE_B)
-    if not args.order:   # the search chose the order: no warning about the planner's own default
-        for e in res.best:
-            e.warnings = [w for w in e.warnings if not w.startswith("order ")]
+    for e in res.best:
+        own_order(e, args)
+    faster = faster_order(res.best[0], model, work, topo, args) if res.best else None
     if args.json:
-        print(to_json(search_dict(res)))
+        print(to_json(with_faster(search_dict(res), faster)))
     else:
-        print(search_text(res, args.top, verbose=args.verbose))
-    if args.plot and res.best:
-        print(f"plot: {plot(res.best[0], args.plot)}", file=sys.stderr)
+        print(search_text(res, args.top, verbose=args.verbose, faster=faster))
+    if res.best:
+        write_plot(res.best[0], args.plot)
     return 0 if res.best else 1
+
+
+ONE_LAYOUT = ("ulysses", "bucket_mb", "overlap_grad_reduce", "overlap_param_gather", "microbatch_group", "ep_overlap",
+              "recompute_norm_mla", "reduce_each_microbatch")   # Layout fields a search holds at their defaults
+
+
+def check_searchable(args: argparse.Namespace) -> None:
+    """A search builds its layouts with Layout's mechanism defaults (its bound assumes ep_overlap off; it tries
+    both gradient reductions itself), so the mechanism flags of ONE_LAYOUT apply only to one layout: given to a
+    search they were silently ignored, the plan the same with or without them. Refused, naming the flag."""
+    for name in ONE_LAYOUT:
+        value = getattr(args, name)   # store_true flags are False when not given; --[no-]overlap-* are None
+        if value is not None and (value is not False or name.startswith("overlap_")):
+            flag = ("--no-" if value is False else "--") + name.replace("_", "-")
+            raise ConfigError(f"{flag} sets a mechanism of one layout, which a search does not vary (it keeps "
+                              f"Layout's defaults); give every degree (--tp --pp --cp --dp, and --ep for a MoE "
+                              f"model) to estimate that layout with it, or leave {flag} out to search")
+
+
+def planners_order(args: argparse.Namespace) -> bool:
+    """The rank order is the planner's own default: neither --order nor a --config (whose order, given or
+    not, is the one the runtime will run) chose it."""
+    return not args.order and not args.config
+
+
+def own_order(est, args: argparse.Namespace) -> None:
+    """No warning about an order nobody chose: the planner's default is not the user's mistake (where another
+    order is faster, `faster_order` says so, with its step time)."""
+    if planners_order(args):
+        est.warnings = [w for w in est.warnings if not w.startswith("order ")]
+
+
+def faster_order(est, model: PlanModel, work: Workload, topo: Topology, args: argparse.Namespace):
+    """With the planner's default order: the same layout in the recommended order (traffic.recommend_order)
+    where that puts some group on another tier and is faster by more than the search's tie (search.TIE); else
+    None."""
+    own_order(est, args)
+    rec = est.order
+    if not planners_order(args) or rec == est.layout.order or placement(est.layout, topo, rec) == est.placement:
+        return None
+    alt = estimate(model, replace(est.layout, order=rec), work, topo, args.gpus)
+    return alt if alt.time.step_time_s * (1 + TIE) < est.time.step_time_s else None
+
+
+def with_faster(d: dict, faster) -> dict:
+    """The JSON's "faster_order": the recommended order's step time and MFU where it beats the default's."""
+    if faster is not None:
+        d["faster_order"] = {"order": faster.layout.order, "step_time_s": faster.time.step_time_s,
+                             "mfu": faster.time.mfu, "placement": faster.placement}
+    return d
+
+
+def write_plot(est, path: str | None) -> None:
+    """--plot: the file (its folder and type were checked before any work), its path on stderr."""
+    if not path:
+        return
+    try:
+        print(f"plot: {plot(est, path)}", file=sys.stderr)
+    except OSError as e:
+        raise ConfigError(f"--plot {path}: cannot write it ({e.strerror or e}); give a path you may write") from None

@@ -326,6 +326,15 @@ def check(model: PlanModel, layout: Layout, work: Workload, gpus: int | None = N
     check_mechanisms(model, L, work)
 
 
+def check_route_nodes(model: PlanModel, work: Workload) -> None:
+    """Node-limited routing (`moe_route_nodes`): an integer >= 0, and only for a model with experts."""
+    r = work.moe_route_nodes
+    if type(r) is not int or r < 0:
+        raise ConfigError(f"moe_route_nodes must be an integer >= 0 (0: routing not node-limited), got {r!r}")
+    if r and not model.moe:
+        raise ConfigError(f"moe_route_nodes={r} limits expert routing, but {model.name} has no experts")
+
+
 def check_mechanisms(model: PlanModel, layout: Layout, work: Workload) -> None:
     """The mechanism options (docs/plan.md "Mechanisms") take values that mean something."""
     rules.check_choice("reduce_dtype", work.reduce_dtype, ReduceDtype)
@@ -333,11 +342,7 @@ def check_mechanisms(model: PlanModel, layout: Layout, work: Workload) -> None:
                       (layout, "recompute_norm_mla"), (layout, "reduce_each_microbatch"), (work, "fp8_gemm"), (work, "fp8_act_cache")):
         if type(getattr(obj, name)) is not bool:
             raise ConfigError(f"{name} must be true or false, got {getattr(obj, name)!r}")
-    r = work.moe_route_nodes
-    if type(r) is not int or r < 0:
-        raise ConfigError(f"moe_route_nodes must be an integer >= 0 (0: routing not node-limited), got {r!r}")
-    if r and not model.moe:
-        raise ConfigError(f"moe_route_nodes={r} limits expert routing, but {model.name} has no experts")
+    check_route_nodes(model, work)
     rules.check_reduce_each_microbatch(layout.reduce_each_microbatch, layout.zero)
     rules.check_choice("offload", layout.offload, Offload)
     # the planner writes no files: the offload_dir rule is the run's (Config.validate), not the plan's

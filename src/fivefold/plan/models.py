@@ -533,15 +533,27 @@ def load_model(spec: str | ModelConfig | PlanModel) -> PlanModel:
     if key in PRESETS:
         return PRESETS[key]
     path = Path(spec)
-    if path.suffix == ".json" and path.exists():
+    if path.is_dir() and (path / "config.json").is_file():   # a Hugging Face checkpoint folder, as --init-hf takes
+        path = path / "config.json"
+    if path.suffix == ".json" and path.is_file():
         return read_hf_config(path)
-    if path.suffix == ".toml" and path.exists():
-        from ..config import load_config
-        cfg = load_config(path).model
+    if path.suffix == ".toml" and path.is_file():
+        from ..config import Config, read_toml
+        tables = read_toml(path)
+        cfg = Config.from_dict(tables).model   # unknown tables and keys first
+        if "model" not in tables:   # the defaults are a tiny test model: planned silently, it answered 0.02 GiB
+            raise ConfigError(f"model {spec}: the TOML has no [model] table (hidden, layers, heads, ...); give one, "
+                              f"or a preset ({', '.join(PRESETS)})")
         cfg.validate()
         return from_model_config(cfg, name=path.stem)
+    if path.is_dir():
+        raise ConfigError(f"model {spec}: a folder without config.json; give a preset ({', '.join(PRESETS)}), a "
+                          f"Hugging Face config.json (or its folder) or a fivefold .toml")
+    if path.suffix in (".json", ".toml") or len(path.parts) > 1:
+        raise ConfigError(f"model {spec}: no such file; give a preset ({', '.join(PRESETS)}), a Hugging Face "
+                          f"config.json (or its folder) or a fivefold .toml")
     raise ConfigError(f"unknown model {spec!r}; known models: {', '.join(PRESETS)} "
-                      f"(or a path to a Hugging Face config.json or a fivefold .toml)")
+                      f"(or a path to a Hugging Face config.json, its folder, or a fivefold .toml)")
 
 
 def read_json(path: Path) -> dict:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import re
+from math import inf
 from pathlib import Path
 
 from ..comm.ledger import fmt_bytes
@@ -67,11 +69,13 @@ def traffic_table(est: Estimate) -> str:
     return _table(["dim", "op", "group", "calls", "message", "sent/rank", "tier", "seconds"], rows, "llrrrrlr")
 
 
-def estimate_text(est: Estimate) -> str:
-    """The whole estimate of one layout as text."""
+def estimate_text(est: Estimate, summary: bool = True, faster: Estimate | None = None) -> str:
+    """The whole estimate of one layout as text: what to act on first (`summary_text`, unless `summary` is
+    False: a search printed it already), then the model, the memory and traffic tables and the step's parts."""
     m, L, t, d = est.model, est.layout, est.time, est.to_dict()
     offload = [offload_text(est)] if L.offload != "none" else []
-    lines = [
+    lines = [summary_text(est, "layout", faster), ""] if summary else []
+    lines += [
         f"model {m.name}: {m.num_params() / 1e9:.2f} B parameters ({m.active_params() / 1e9:.2f} B active)",
         f"cluster {est.topo.name}: {L.gpus} x {est.topo.accelerator.name}, tiers "
         + ", ".join(f"{x.name}({x.size or 'all'})" for x in est.topo.tiers),
@@ -91,21 +95,31 @@ def estimate_text(est: Estimate) -> str:
         f"{t.layer_comm_s:.3f}, bubble {t.bubble:.1%} from the {t.bubble_source}) + grads {t.grad_comm_s:.3f} "
         f"+ step collectives {t.step_comm_s:.3f} + optimizer {t.optimizer_s:.3f}"
         + (f" + offload {t.offload_s:.3f}" if L.offload != "none" else ""),
-        f"{t.tokens_per_s:,.0f} tokens/s   {mfu_text(est)}   HFU {t.hfu:.1%}   (assumed: {efficiency_text(est)})",
+        f"{t.tokens_per_s:,.0f} tokens/s   HFU {t.hfu:.1%}   {mfu_text(est)}",
         "",
-        f"recommended order {est.order} (innermost first); this layout's order {L.order}: "
-        + ", ".join(f"{g} on {tier}" for g, tier in est.placement.items()),
+        f"rank order {L.order} (innermost first): " + ", ".join(f"{g} on {tier}" for g, tier in est.placement.items()),
     ]
     lines += [f"warning: {w}" for w in est.warnings]
     return "\n".join(lines)
 
 
+def faster_order_text(est: Estimate, faster: Estimate) -> str:
+    """The order the planner recommends (blocking traffic innermost, dp outermost), where it is faster than the
+    planner's default one: the flag, its step time and the groups it moves."""
+    moved = ", ".join(f"{g} on {faster.placement[g]} instead of {tier}" for g, tier in est.placement.items()
+                      if faster.placement.get(g, tier) != tier)
+    return (f"faster with --order {faster.layout.order}: step {faster.time.step_time_s:.3f} s, MFU "
+            f"{faster.time.mfu:.1%} ({moved})")
+
+
 def mfu_text(est: Estimate) -> str:
-    """MFU with its convention; where the conventions differ (causal attention) both."""
+    """MFU with the compute efficiency it assumed right beside it, then its convention: where the
+    conventions differ (causal attention) the other one too."""
     mfu, full = est.time.mfu, est.mfu_attention_full
+    text = f"MFU {mfu:.1%} (assumed: {efficiency_text(est)})"
     if full == mfu:
-        return f"MFU {mfu:.1%}"
-    return f"MFU {mfu:.1%} (causal attention FLOPs halved; {full:.1%} not halved, 6N + 12LHQT)"
+        return text
+    return text + f", causal attention FLOPs halved; {full:.1%} not halved (6N + 12LHQT)"
 
 
 def _flows_stage(est: Estimate) -> int:
@@ -124,9 +138,10 @@ def efficiency_text(est: Estimate) -> str:
     return f"every kernel at {eff:.0%} of peak"
 
 
-def summary_text(est: Estimate) -> str:
-    """What a person acts on, first: the layout, memory per device against the limit, step time, MFU with
-    the assumed efficiency beside it, and the bytes a rank sends per step on each tier."""
+def summary_text(est: Estimate, head: str = "best layout", faster: Estimate | None = None) -> str:
+    """What a person acts on, first: the layout and its rank order, memory per device against the limit, step
+    time, MFU with the assumed efficiency beside it, and the bytes a rank sends per step on each tier; then,
+    where the planner's default order is not the fastest, the order that is (`faster_order_text`)."""
     t, mem, acc = est.time, est.memory.most_loaded, est.topo.accelerator
     fits = "fits" if mem["total"] <= acc.memory else "does NOT fit"
     line_mem = (f"memory per device: {gib(mem['total'])} GiB of {gib(acc.memory)} GiB ({fits}; most loaded: stage "
@@ -135,48 +150,71 @@ def summary_text(est: Estimate) -> str:
         o = est.offload()
         line_mem += f"; host {gib(o['host'])} GiB of {gib(o['host_limit'])} GiB (offload {est.layout.offload})"
     tiers = est.to_dict()["bytes_per_tier"]
-    return "\n".join([
-        f"best layout: {est.layout.short()}  schedule {est.layout.schedule}  microbatches "
-        f"{microbatches(est.layout, est.work)}",
+    lines = [
+        f"{head}: {est.layout.short()}  schedule {est.layout.schedule}  microbatches "
+        f"{microbatches(est.layout, est.work)}  order {est.layout.order}",
         line_mem,
-        f"step {t.step_time_s:.3f} s   {mfu_text(est)}   (assumed: {efficiency_text(est)})   "
-        f"{t.tokens_per_s:,.0f} tokens/s",
+        f"step {t.step_time_s:.3f} s   {t.tokens_per_s:,.0f} tokens/s   {mfu_text(est)}",
         "traffic per rank per step: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in tiers.items()),
-    ])
+    ]
+    return "\n".join(lines + ([faster_order_text(est, faster)] if faster else []))
 
 
-def search_text(res: Result, top: int = 10, examples: int = 3, verbose: bool = False) -> str:
+def search_text(res: Result, top: int = 10, examples: int = 3, verbose: bool = False,
+                faster: Estimate | None = None) -> str:
     """The best layout's summary first, then the ranking and the rejections; the branch and bound's proof
-    ("bound: ...") and rejection examples only with `verbose`; the best layout in full at the end."""
+    ("bound: ...") and rejection examples only with `verbose` (when nothing fits always, those closest to
+    fitting first: they are then what to act on); the best layout in full at the end. `faster`: the best layout in the order
+    the planner recommends, where that is faster than the order searched."""
     rows = []
     for i, e in enumerate(res.best[:top]):
         rows.append([i + 1, e.layout.short(), f"{e.time.step_time_s:.3f}", f"{e.time.mfu:.1%}", f"{e.time.bubble:.1%}",
-                     gib(e.memory.most_loaded["total"]), e.order])
-    lines = [summary_text(res.best[0]), ""] if res.best else []
-    lines.append(f"searched {res.considered} layouts in {res.seconds:.2f} s: {res.fit} fit, {len(res.rejected)} rejected")
+                     gib(e.memory.most_loaded["total"])])
+    lines = [summary_text(res.best[0], faster=faster), ""] if res.best else []
+    order = f" (rank order {res.best[0].layout.order})" if res.best else ""
+    lines.append(f"searched {res.considered} layouts{order} in {res.seconds:.2f} s: {res.fit} fit, "
+                 f"{len(res.rejected)} rejected")
     if verbose and (res.skipped_layouts or res.untimed):
         lines.append(bound_text(res))
     if res.offload:
         lines.append(search_offload_text(res))
     if rows:
-        lines.append(_table(["#", "layout", "step s", "MFU", "bubble", "GiB", "order"], rows, "rlrrrrl"))
+        lines.append(_table(["#", "layout", "step s", "MFU", "bubble", "GiB"], rows, "rlrrrr"))
     else:
         lines.append("no layout fits")
     lines.append("rejected, by reason: " + ", ".join(f"{k} {v}" for k, v in res.reasons().items()))
+    if not res.best:   # what to act on: the layouts that came closest to fitting
+        lines.append("closest to fitting:" if any(_needs(w) for _, w in res.rejected) else "examples:")
+    if verbose or not res.best:
+        lines += rejection_examples(res, examples)
+    if res.best:
+        lines += ["", "best layout in full:", estimate_text(res.best[0], summary=False)]
+    return "\n".join(lines)
+
+
+def rejection_examples(res: Result, examples: int = 3) -> list[str]:
+    """Up to `examples` rejected layouts per reason, in the order tried; when nothing fits, the ones that need
+    the least memory first (the closest to fitting)."""
+    rejected = res.rejected if res.best else sorted(res.rejected, key=lambda r: _needs(r[1]) or inf)
     seen: dict[str, int] = {}
-    for lay, why in res.rejected if verbose else ():
+    out = []
+    for lay, why in rejected:
         key = why.split(":")[0]
         if seen.get(key, 0) < examples:
             seen[key] = seen.get(key, 0) + 1
-            lines.append(f"  {lay.short()}: {why}")
-    if res.best:
-        lines += ["", "best layout in full:", estimate_text(res.best[0])]
-    return "\n".join(lines)
+            out.append(f"  {lay.short()}: {why}")
+    return out
+
+
+def _needs(why: str) -> float | None:
+    """The GiB a memory rejection says its most loaded stage needs (search's "stage j needs X GiB > L GiB")."""
+    found = re.search(r"needs ([\d.]+) GiB", why)
+    return float(found.group(1)) if found else None
 
 
 def search_offload_text(res: Result) -> str:
     """What the search tried with offload, which it does only when no layout fits the device."""
-    tried = ", ".join(f"{mode} for {n} structures" for mode, n in res.offload.items() if mode != "fit")
+    tried = ", ".join(f"{mode} for {n} structure{'s' * (n != 1)}" for mode, n in res.offload.items() if mode != "fit")
     return (f"offload: no layout fits the device with its optimizer state, so the search tried the state off the "
             f"device ({tried}; nvme only where cpu fit nowhere): {res.offload.get('fit', 0)} layouts fit")
 
@@ -230,7 +268,8 @@ def to_json(d: dict) -> str:
 
 
 def plot(est: Estimate, path: str | Path) -> Path:
-    """Two panels: memory per component per stage (stacked, GiB) and bytes per rank per tier."""
+    """Two panels, both in GiB (2**30 bytes, as the text output counts memory and traffic): memory per component
+    per stage (stacked) and bytes per rank per tier. The file type is the path's suffix (png, svg, pdf, ...)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -243,7 +282,8 @@ def plot(est: Estimate, path: str | Path) -> Path:
         vals = [s[c] / GiB for s in stages]
         ax1.bar(xs, vals, bottom=bottom, label=c)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax1.axhline(est.topo.accelerator.memory / GiB, color="k", linestyle="--", linewidth=1, label="GPU memory")
+    ax1.axhline(est.topo.accelerator.memory / GiB, color="k", linestyle="--", linewidth=1,
+                label=f"device memory, {gib(est.topo.accelerator.memory)} GiB")
     ax1.set_xlabel("pipeline stage")
     ax1.set_ylabel("GiB per rank")
     ax1.set_title(f"{est.model.name}: memory per rank")

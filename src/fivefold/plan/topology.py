@@ -303,9 +303,12 @@ def load_topology(spec: str | Topology) -> Topology:
     if kind == "nodes" and k.isdigit() and int(k) > 0:
         return node_topology(int(k))
     path = Path(spec)
-    if path.suffix == ".toml" and path.exists():
+    if path.suffix == ".toml" and path.is_file():
         with open(path, "rb") as f:
             return topology_from_dict(tomllib.load(f), name=path.stem)
+    if path.suffix == ".toml" or len(path.parts) > 1:
+        what = "a folder" if path.is_dir() else "no such file"
+        raise ConfigError(f"topology {spec}: {what}; give a preset ({', '.join(TOPOLOGIES)}), nodes:K or a .toml file")
     raise ConfigError(f"unknown topology {spec!r}; known topologies: {', '.join(TOPOLOGIES)} (or nodes:K, or a .toml file)")
 
 

@@ -505,8 +505,6 @@ def test_config_rules_for_pipeline():
         Trainer(cfg(pp=2, dp=1, zero=3, schedule="zb", microbatches=2), 0, 2)
     with pytest.raises(ConfigError, match="reshard_after_forward = true"):
         Trainer(cfg(pp=2, dp=1, zero=3, microbatches=2, reshard_after_forward=False), 0, 2)
-    with pytest.raises(ConfigError, match="needs pp > 1"):
-        Trainer(cfg(recompute="full"), 0, 1)
     with pytest.raises(ConfigError, match="train.recompute must be one of"):
         cfg(recompute="some").validate()
     odd = cfg(pp=2, schedule="interleaved", vpp=2, microbatches=3, layers=4)

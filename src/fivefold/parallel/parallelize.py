@@ -74,6 +74,9 @@ def parallelize(model: nn.Module, mesh, cfg: Config) -> tuple[nn.Module, list]:
         dims.append(PipelineParallelism(mesh, cfg))
     for d in dims:
         model = d.apply(model)
+    if p.pp == 1:   # the pipeline runtime recomputes its own stages (recompute.py names both)
+        from .recompute import apply_recompute
+        apply_recompute(model, t.recompute)
     return model, dims
 
 

@@ -241,7 +241,7 @@ def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
 def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
     """Peak activation bytes of one rank of `stage`: layers × micro-batches in flight, embedding on the
     first stage, final norm, head and fp32 logits on the last; full recompute keeps each layer's input
-    plus one layer's working set."""
+    plus one layer's working set (`full_recompute_peak`)."""
     L = layout
     return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.schedule,
                               L.micro_batch, L.recompute, L.partition, stage, L.microbatch_group,
@@ -267,13 +267,22 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
                                   L.recompute_norm_mla and L.recompute != "full", L.recompute == "full")[stage]
         return interleaved_peak(L.pp, stage, m, L.vpp, L.microbatch_group, chunks) * T + (max_pt * T if
                                                                                         L.recompute == "full" else 0.0)
+    vocab = padded_vocab(model.vocab, L.tp) / L.tp
+    head = T * (2 * e * h / split + (e + 4) * vocab) if stage == L.pp - 1 else 0.0  # norm, head input; logits
     if L.recompute == "full":
-        total = flight * n_layers * T * e * h / split + max_pt * T
-    else:
-        total = flight * total_pt * T
+        return full_recompute_peak(flight, n_layers, T * e * h / split, max_pt * T, head)
+    total = flight * total_pt * T
     if stage == 0:
         total += flight * T * e * h / split                     # embedding output
-    if stage == L.pp - 1:
-        vocab = padded_vocab(model.vocab, L.tp) / L.tp
-        total += flight * T * (2 * e * h / split + (e + 4) * vocab)  # norm and head input; logits (+fp32)
-    return total
+    return total + flight * head
+
+
+def full_recompute_peak(flight: float, n_layers: int, layer_input: float, layer_peak: float, head: float) -> float:
+    """Full recompute, one layer per checkpoint (parallel/recompute.py): every micro-batch in flight keeps
+    each layer's input (the first layer's is the embedding's output) and, on the last stage, the head's
+    tensors (norm and head inputs, logits). The micro-batch in backward has freed its head's tensors
+    before its last layer is re-run, and the re-run layer's working set holds its kept input once: the
+    peak is the inputs, the other micro-batches' heads and the larger of the head and one layer's working
+    set beyond its input."""
+    extra = layer_peak - layer_input if n_layers else 0.0
+    return flight * n_layers * layer_input + (flight - 1) * head + max(extra, head)

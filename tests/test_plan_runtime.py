@@ -36,6 +36,9 @@ LAYOUTS = [
     (dict(tp=2, dp=1, microbatches=2), "fp32"),                            # f/g all-reduces, vocab-parallel CE
     (dict(tp=2, dp=1, sp_mode="megatron", microbatches=2), "fp32"),        # all-gather / reduce-scatter
     (dict(tp=2, dp=1, sp_mode="megatron", microbatches=2), "bf16", dict(vocab=259)),  # bf16 acts, padded vocab
+    (dict(dp=2, zero=3, microbatches=2, recompute="full"), "fp32"),        # re-run inside the gathered backward
+    (dict(tp=2, dp=1, sp_mode="megatron", microbatches=2, recompute="full"), "fp32"),  # SP collectives twice
+    (dict(cp=2, dp=1, cp_mode="ulysses", microbatches=2, recompute="selective"), "fp32"),  # all-to-alls kept
     (dict(pp=2, dp=1, microbatches=2), "fp32"),                            # sends, tied embedding, loss
     (dict(pp=2, dp=1, microbatches=2, partition="llama3"), "fp32", dict(layers=5)),  # split (3, 2), not (2, 3)
     # 4 ranks
@@ -91,7 +94,10 @@ MLA_LAYOUTS = [
 
 
 def _config(par: dict, dtype: str, model: dict | None = None) -> Config:
+    par = dict(par)
+    recompute = par.pop("recompute", "none")   # a train field, listed with the layout
     cfg = tiny_config(**par)
+    cfg.train.recompute = recompute
     for k, v in (model or {}).items():
         setattr(cfg.model, k, v)
     cfg.train.dtype = dtype

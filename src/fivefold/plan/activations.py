@@ -7,7 +7,8 @@ Models", §4): per layer, for s·b tokens, GPT-3 style (GeLU, dropout, 16-bit):
     tensor parallel t        s·b·h·(10 + 24/t + 5·a·s/(h·t))
     + sequence parallel      s·b·h/t·(34 + 5·a·s/h)
     selective recompute      the 5·a·s/h term goes (so does it with flash attention)
-    full recompute           2·s·b·h per layer (/t with sequence parallel)
+    full recompute           2·s·b·h per layer (/t with sequence parallel), plus one layer's working
+                             set or the head's tensors, whichever is larger (`full_recompute_peak`)
 
 `layer_activation_bytes` derives these constants from the layer's tensors instead of hard-coding 34, so
 Llama-style layers (SwiGLU, GQA, RMSNorm, no dropout) and MoE layers get their own; on the GPT-3 shape it

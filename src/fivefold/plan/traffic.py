@@ -371,8 +371,9 @@ def zero3_gathers(L: Layout, m: int, root: bool) -> int:
     """All-gathers of one ZeRO-3 unit per step on one rank (parallel/zero.py `Zero3`), whatever the group
     size (a group of one "gathers" too, a copy the ledger does not record): without a pipeline before each
     micro-batch's forward and again before its backward (once with reshard_after_forward off), the root
-    unit included; under one, a block before every forward and backward it runs (and the recomputed
-    forward, full recompute), the root unit once for the step."""
+    unit included (full recompute adds none: parallel/recompute.py re-runs a block inside its backward,
+    after its pre-backward gather); under one, a block before every forward and backward it runs (and the
+    recomputed forward, full recompute, which re-runs the whole chunk), the root unit once for the step."""
     if L.pp > 1:
         return 1 if root else (3 if L.recompute == "full" else 2) * m
     return (2 if L.reshard_after_forward else 1) * m

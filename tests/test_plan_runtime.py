@@ -53,6 +53,7 @@ LAYOUTS = [
     (dict(pp=2, dp=2, zero=2, schedule="interleaved", vpp=2, microbatches=2, bucket_mb=0.05), "fp32",
      dict(layers=4)),                                                      # ZeRO-2 under pp: reduced once per step
     (dict(pp=2, dp=2, zero=3, microbatches=2), "bf16"),                    # ZeRO-3 under pp: 2m gathers per block
+    (dict(pp=2, dp=2, zero=3, microbatches=2, recompute="full"), "fp32"),  # ... with full recompute too
     (dict(pp=2, dp=2, zero=2, reduce_each_microbatch=True, schedule="interleaved", vpp=2, microbatches=2), "fp32",
      dict(layers=4)),                                                      # a reduce-scatter per micro-batch and block
     (dict(pp=2, dp=2, zero=3, reduce_each_microbatch=True, microbatches=2), "bf16",
@@ -63,6 +64,7 @@ LAYOUTS = [
     (dict(pp=2, dp=1, zero=3, offload="nvme", offload_dir="{tmp}", microbatches=2), "fp32"),  # root read once a step
     (dict(pp=2, dp=2, zero=3, microbatches=2, partition="llama3"), "fp32", dict(layers=5)),  # root once per step
     (dict(dp=2, ep=2), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # EP padded buffers
+    (dict(dp=2, ep=2, recompute="full"), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # a2a x2
     (dict(dp=2, ep=2, fp8_dispatch=True), "bf16", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # fp8
     (dict(cp=2, dp=1), "fp32"),                                            # ring: K,V sends, dK,dV back
     (dict(cp=2, dp=1, cp_mode="ulysses", microbatches=2), "bf16"),         # 4 all-to-alls each way per layer

@@ -13,16 +13,16 @@ Modes (`train.recompute`), for any layout:
 * "selective": every attention core (`Attention.core`, `LatentAttention.core`; under context parallelism
   only the local attention `inner` of the Ulysses/ring core, whose all-to-alls and ring sends are kept)
   keeps only its inputs q, k, v and recomputes its output, softmax statistics and scores in the backward.
-* "full", pp = 1 (`set_full_recompute`, applied by `parallelize`): each transformer block keeps only its
-  input, as Megatron-LM's full/uniform recompute with one layer per checkpoint, which is what the planner
-  counts (plan/activations.py: each layer's input, 2·s·b·h in 16 bits, plus one layer's working set while
-  it is recomputed). The block's forward hooks (ZeRO-3's gather) stay outside the checkpoint: the block
-  is re-run inside its own backward, after ZeRO-3's pre-backward gather, so no extra all-gather
-  (plan/traffic.py `zero3_gathers`: 2m per block at pp = 1, with or without recompute).
-* "full", pp > 1: the pipeline runtime (pipeline/runtime.py) runs a chunk's F without autograd, keeps
-  only the chunk's input and `rng_state`, and re-runs the whole chunk at its B or I, so zero bubble's
-  split backward (I, then W) sees the recomputed graph like an ordinary one; the re-run forward goes
-  through the blocks' hooks again (ZeRO-3 gathers each block a third time per micro-batch).
+* "full" (`set_full_recompute`; `parallelize` applies it at pp = 1, the pipeline runtime to its stage):
+  each transformer block keeps only its input, as Megatron-LM's full/uniform recompute with one layer per
+  checkpoint, which is what the planner counts (plan/activations.py `full_recompute_peak`: each layer's
+  input, 2·s·b·h in 16 bits, plus one layer's working set while it is re-run). The block's forward hooks
+  (ZeRO-3's gather) stay outside the checkpoint: the block is re-run inside its own backward, after
+  ZeRO-3's pre-backward gather, so no extra all-gather (plan/traffic.py `zero3_gathers`: 2m per block).
+* "full" under the zero bubble schedule (zb, pp > 1): its split backward (I, then W) needs an ordinary
+  graph of the weight-holding modules, so the pipeline runtime runs a chunk's F without autograd, keeps
+  only the chunk's input and `rng_state`, and re-runs the whole chunk at I (chunk granularity: the
+  planner's per-layer count is then an estimate; ZeRO-3 does not run under zb).
 
 Exactness: a checkpoint records the random streams a forward may draw from (`rng_state`: torch's CPU
 and CUDA default generators and our dropout generators) and restores them for the re-run, then puts
@@ -41,6 +41,8 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..model.transformer import Block
 
 RECOMPUTE = ("none", "full", "selective")
 
@@ -143,11 +145,11 @@ def set_selective_recompute(module: nn.Module) -> None:
 
 
 # -- full: every transformer block ---------------------------------------------------------------------
-def set_full_recompute(blocks: nn.ModuleList) -> None:
-    """Checkpoint each block of `blocks` (one layer per checkpoint): its forward keeps only its inputs.
-    The block's module hooks run outside (ZeRO-3's gather, tensor parallel's none), so they fire once per
-    forward, as without recompute."""
-    for block in blocks:
+def set_full_recompute(module: nn.Module) -> None:
+    """Checkpoint each transformer block in `module` (one layer per checkpoint): its forward keeps only its
+    inputs. The block's module hooks run outside (ZeRO-3's gather), so they fire once per forward, as
+    without recompute."""
+    for block in (m for m in module.modules() if isinstance(m, Block)):
         forward = block.forward
         if getattr(forward, "recomputes", False):
             continue
@@ -159,10 +161,10 @@ def set_full_recompute(blocks: nn.ModuleList) -> None:
 
 
 def apply_recompute(model: nn.Module, mode: str) -> None:
-    """`train.recompute` on a whole model (pp = 1; the pipeline runtime does it for its stages)."""
+    """`train.recompute` on a model or a pipeline stage."""
     if mode not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {mode!r}")
     if mode == "selective":
         set_selective_recompute(model)
     elif mode == "full":
-        set_full_recompute(model.layers)
+        set_full_recompute(model)

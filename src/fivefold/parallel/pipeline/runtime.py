@@ -32,11 +32,11 @@ actions into one batch, posted with one `comm.send_recv` (batch_isend_irecv, led
   exactly the weight half of the module's backward (dW = dYᵀX for a linear) with the same kernels, and
   the accumulation fires the same gradient hooks as B. Nothing is recomputed.
 
-Activation checkpointing (`recompute`; the code lives in parallel/recompute.py): "full" runs F without
-autograd, keeps only the chunk input (and the RNG states, `recompute.rng_state`, so dropout masks repeat)
-and re-runs the whole chunk at B or I; "selective" keeps everything but the attention core
-(softmax(QKᵀ)V), which `recompute.set_selective_recompute` checkpoints. At pp = 1 `parallelize`
-applies recompute.py itself (full: one checkpoint per block).
+Activation checkpointing (`recompute`; the code lives in parallel/recompute.py, which names both
+granularities): "selective" checkpoints the attention core (softmax(QKᵀ)V); "full" checkpoints each block
+of the stage, as at pp = 1, except under zero bubble, whose split backward needs the weight-holding
+modules' outputs of an ordinary graph: there F runs without autograd, keeps only the chunk input (and
+the RNG states, `recompute.rng_state`, so dropout masks repeat) and re-runs the whole chunk at I.
 
 Measurement: every compute action is timed (`timeline`: kind, micro-batch, chunk, start, end), so a run
 can set what happened beside what the simulator predicts (`report`, `write_report`: OUT/pipeline.json).
@@ -58,7 +58,7 @@ from ...comm import Group
 from ...model.documents import documents_of
 from ...model.transformer import rope_cos_sin
 from ..placement import full_shape, place, placement_of
-from ..recompute import RECOMPUTE, rng_state, set_rng_state, set_selective_recompute
+from ..recompute import RECOMPUTE, apply_recompute, rng_state, set_rng_state
 from .partition import Partition
 from .schedules import (B, F, I, SEND_B, SEND_F, W, Action, Block, input_messages, message_key, simulate, steps,
                         timeline_stats)
@@ -204,8 +204,8 @@ class PipelineRuntime:
         self.sync: Callable[[bool], None] | None = None   # the engine's set_sync; None: never sync
         self.finals = final_weight_actions(actions)
         self._ops: list | None = None
-        if recompute == "selective":
-            set_selective_recompute(stage)
+        self.chunk_recompute = recompute == "full" and self.split   # zb: whole chunks (recompute.py)
+        apply_recompute(stage, "none" if self.chunk_recompute else recompute)
         if self.split:
             self._install_recording()
 
@@ -325,7 +325,7 @@ class PipelineRuntime:
     def forward(self, a: Action, got: dict) -> None:
         mb, c = a.microbatch, a.chunk
         x = self.mbs[mb][0] if c == 0 else got[("F", mb, c - 1)].requires_grad_()
-        full = self.recompute == "full"
+        full = self.chunk_recompute
         rng = rng_state(self.stage, self.device) if full else None
         with torch.no_grad() if full else nullcontext(), self.recording(self.split and not full) as ops:
             out = self.run_chunk(c, mb, x)

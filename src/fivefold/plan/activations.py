@@ -233,7 +233,7 @@ def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
             if q == 0:
                 w += e * h / split
             if q == pp * vpp - 1:
-                w += 2 * e * h / split + (e + 4) * vocab
+                w += head_acts(e, h, split, vocab)
             row.append(w)
         rows.append(tuple(row))
     return tuple(rows)
@@ -269,13 +269,20 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
         return interleaved_peak(L.pp, stage, m, L.vpp, L.microbatch_group, chunks) * T + (max_pt * T if
                                                                                         L.recompute == "full" else 0.0)
     vocab = padded_vocab(model.vocab, L.tp) / L.tp
-    head = T * (2 * e * h / split + (e + 4) * vocab) if stage == L.pp - 1 else 0.0  # norm, head input; logits
+    head = T * head_acts(e, h, split, vocab) if stage == L.pp - 1 else 0.0
     if L.recompute == "full":
         return full_recompute_peak(flight, n_layers, T * e * h / split, max_pt * T, head)
     total = flight * total_pt * T
     if stage == 0:
         total += flight * T * e * h / split                     # embedding output
     return total + flight * head
+
+
+def head_acts(e: float, h: int, split: int, vocab: float) -> float:
+    """Bytes per token the last stage's head keeps: the final norm's and the head's inputs, and the loss's
+    fp32 (fp64 for fp64 models) log-probabilities of the rank's vocabulary slice (vocab-parallel: its
+    probabilities); the 16-bit logits themselves are not kept (their cast's backward needs nothing)."""
+    return 2 * e * h / split + max(4, e) * vocab
 
 
 def full_recompute_peak(flight: float, n_layers: int, layer_input: float, layer_peak: float, head: float) -> float:

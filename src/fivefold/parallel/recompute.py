@@ -11,8 +11,9 @@ and the planner counts them (plan/traffic.py: forward passes x2 under full recom
 Modes (`train.recompute`), for any layout:
 
 * "selective": every attention core (`Attention.core`, `LatentAttention.core`; under context parallelism
-  only the local attention `inner` of the Ulysses/ring core, whose all-to-alls and ring sends are kept)
-  keeps only its inputs q, k, v and recomputes its output, softmax statistics and scores in the backward.
+  only the local attention `inner` of the Ulysses core, whose all-to-alls are kept; ring attention keeps
+  only q, k, v, its output and log-sum-exp already) keeps only its inputs q, k, v and recomputes its
+  output, softmax statistics and scores in the backward.
 * "full" (`set_full_recompute`; `parallelize` applies it at pp = 1, the pipeline runtime to its stage):
   each transformer block keeps only its input, as Megatron-LM's full/uniform recompute with one layer per
   checkpoint, which is what the planner counts (plan/activations.py `full_recompute_peak`: each layer's

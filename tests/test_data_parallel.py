@@ -21,7 +21,7 @@ def run_steps(rank, world, cfg_dict, steps=3):
         per_step.append(tr.ledger.since(snap).rows())
     n_params = tr.n_params
     return {"losses": losses, "grad_norms": norms, "state": tr.full_state()["model"], "ledger": per_step, "params": n_params,
-            "state_bytes": tr.model_state_bytes()}
+            "state_bytes": tr.model_state_bytes(), "activations": tr.activations.peak}
 
 
 def run_many(rank, world, cfg_dicts, steps=3):

@@ -1,7 +1,8 @@
 """`fivefold train --dry-run` runs the real Trainer at real size under fake tensors and a fake process
 group: model-state bytes per rank equal the planner's exactly, every ledger row equals the planner's
 per-rank prediction, and the activation, buffer and total peaks are within 10% of the planner's (the
-README's "Will it fit?" has every figure). Layouts: Llama-3 8B on 8 ranks, tp8 and ZeRO-3 dp8; Mixtral
+README's "Will it fit?" has every figure). Layouts: Llama-3 8B on 8 ranks, tp8 and ZeRO-3 dp8 (also with
+full recompute); Mixtral
 8x7B ep8 x tp2 in capacity mode, and ep8 dropless (routed as balanced); DeepSeek-V3's pp16 x ep64, two
 stages of 2,048 ranks; Llama-3 405B's tp8 x pp16 x dp128 and dp64, one stage each, and tp8 x cp16 x pp16
 at seq 131,072."""
@@ -26,6 +27,9 @@ CASES = {
     "llama3-8b-tp8": ["--model", "llama3-8b", "--tp", "8", "--seq-len", "2048", "--global-batch", "1", "--steps", "1"],
     "llama3-8b-zero3-dp8": ["--model", "llama3-8b", "--dp", "8", "--zero", "3", "--seq-len", "1024",
                             "--global-batch", "8", "--steps", "1"],
+    # full recompute at pp = 1 (parallel/recompute.py): the blocks' inputs and the head's fp32 log-probs
+    "llama3-8b-zero3-dp8-full": ["--model", "llama3-8b", "--dp", "8", "--zero", "3", "--seq-len", "1024",
+                                 "--global-batch", "8", "--steps", "1", "--recompute", "full"],
     # capacity mode: every MoE layer's (E, B, C) buffers by shape (the planner's bucket count matched only
     # once it listed an MoE layer's tensors one by one: each is larger than a bucket at this size)
     "mixtral-8x7b-ep8-tp2": ["--model", "mixtral-8x7b", "--tp", "2", "--ep", "8", "--dp", "8", "--seq-len", "4096",

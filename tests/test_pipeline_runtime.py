@@ -287,11 +287,12 @@ def test_p2p_bytes_match_the_formula(name, two, four, eight):
 def test_zero_under_pipeline_reduces_once_per_step(name, two, four):
     """Under a pipeline ZeRO-2/3 reduce-scatter each unit once per step (gradients accumulate unsharded
     over the micro-batches, as ZeRO-1); ZeRO-3 all-gathers each block before every forward and backward
-    it runs (once more for the recomputed forward under full recompute) and the root unit once."""
+    it runs and the root unit once (under full recompute too: a block is re-run inside its backward,
+    after its pre-backward gather)."""
     c = case_config(name)
     p = c.parallel
     results = {2: two, 4: four}[CASES[name][0]][name]
-    per_use = 3 if c.train.recompute == "full" else 2
+    per_use = 2
     for rank, r in enumerate(results):
         blocks = len(partition_layers(c.model.layers, p.pp, p.vpp).layers_of_rank(stage_of(c, rank)))
         for rows in r["ledger"]:
@@ -305,6 +306,19 @@ def test_zero_under_pipeline_reduces_once_per_step(name, two, four):
                 assert got["all_gather"] == per_use * p.microbatches * blocks + 1
             else:
                 assert got["all_gather"] == units                   # the parameters, after the step
+
+
+@pytest.mark.ranks
+def test_full_recompute_keeps_what_the_planner_plans(two):
+    """Under a pipeline full recompute checkpoints each block too (parallel/recompute.py): every stage's
+    ActivationMeter peak is within 10% of the planner's activations (the dry run's tolerance)."""
+    from fivefold.cli import planned_memory
+
+    c = case_config("pp2_1f1b_full")
+    planned = planned_memory(c)["stages"]
+    for rank, r in enumerate(two["pp2_1f1b_full"]):
+        want = planned[stage_of(c, rank)]["activations"]
+        assert abs(r["activations"] / want - 1) <= 0.10, (rank, r["activations"], want)
 
 
 @pytest.mark.parametrize("name", list(OVERLAP_CASES))
@@ -457,8 +471,9 @@ def test_split_backward_and_recompute_give_the_same_gradients():
 
 
 def test_recompute_keeps_fewer_activations():
-    """GPipe keeps every micro-batch's activations: full recompute keeps only chunk inputs (and the
-    activations of the one chunk being recomputed), selective drops the attention core's."""
+    """GPipe keeps every micro-batch's activations: full recompute keeps only block inputs and the head's
+    tensors (and the activations of the one block being recomputed), selective drops the attention
+    core's."""
     peaks = {r: one_stage("gpipe", r)[2] for r in ("none", "selective", "full")}
     assert peaks["full"] < peaks["selective"] < peaks["none"]
     assert peaks["full"] < peaks["none"] / 2
@@ -505,8 +520,6 @@ def test_config_rules_for_pipeline():
         Trainer(cfg(pp=2, dp=1, zero=3, schedule="zb", microbatches=2), 0, 2)
     with pytest.raises(ConfigError, match="reshard_after_forward = true"):
         Trainer(cfg(pp=2, dp=1, zero=3, microbatches=2, reshard_after_forward=False), 0, 2)
-    with pytest.raises(ConfigError, match="needs pp > 1"):
-        Trainer(cfg(recompute="full"), 0, 1)
     with pytest.raises(ConfigError, match="train.recompute must be one of"):
         cfg(recompute="some").validate()
     odd = cfg(pp=2, schedule="interleaved", vpp=2, microbatches=3, layers=4)

@@ -106,13 +106,14 @@ def test_interleaved_micro_batch_group_holds_what_the_simulator_holds():
 
 def test_full_recompute_keeps_layer_inputs():
     """Korthikanti §4.3: full recompute stores each layer's input (2sbh, /t with SP) plus, while one
-    layer is recomputed, that layer's activations."""
+    layer is recomputed, that layer's activations beyond its input (already kept); the embedding's
+    output is the first layer's input (parallel/recompute.py keeps it once)."""
     w, T, h = Workload(seq=4096, global_batch=1), 4096, LLAMA8.hidden
     none = stage_activations(LLAMA8, Layout(tp=8, pp=2, sp_mode="megatron"), w, 0)
     full = stage_activations(LLAMA8, Layout(tp=8, pp=2, sp_mode="megatron", recompute="full"), w, 0)
     emb = T * 2 * h / 8
     one_layer = (none - emb) / 16
-    assert full == pytest.approx(16 * T * 2 * h / 8 + one_layer + emb)
+    assert full == pytest.approx(16 * T * 2 * h / 8 + one_layer - emb)   # emb: one layer input
 
 
 def test_bad_layouts_name_the_rule_and_nearest_values():

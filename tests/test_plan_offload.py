@@ -120,11 +120,11 @@ def test_traffic_rows_are_the_contract_by_hand():
 def test_zero3_nvme_under_a_pipeline_by_hand():
     """pp = 2, dp = 1, 2 micro-batches: stage 0 holds the root (embedding) and block 0, stage 1 the root
     (final norm and the tied head's copy) and block 1, each a whole unit (a group of one). Under a
-    pipeline the root is gathered once a step, a block before each forward and backward (2·2), and with
-    full recompute before the recomputed forward too (3·2)."""
+    pipeline the root is gathered once a step, a block before each forward and backward (2·2), with full
+    recompute too (the block is re-run inside its backward, after its pre-backward gather)."""
     work = Workload(seq=32, global_batch=2, dtype="fp32")
     roots = (256 * 64, 64 + 256 * 64)
-    for recompute, per_use in (("none", 4), ("full", 6)):
+    for recompute, per_use in (("none", 4), ("full", 4)):
         lay = Layout(pp=2, dp=1, zero=3, offload="nvme", recompute=recompute)
         for stage, root in enumerate(roots):
             rows = _offload_rows(lay, work, stage)

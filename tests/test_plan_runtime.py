@@ -36,6 +36,9 @@ LAYOUTS = [
     (dict(tp=2, dp=1, microbatches=2), "fp32"),                            # f/g all-reduces, vocab-parallel CE
     (dict(tp=2, dp=1, sp_mode="megatron", microbatches=2), "fp32"),        # all-gather / reduce-scatter
     (dict(tp=2, dp=1, sp_mode="megatron", microbatches=2), "bf16", dict(vocab=259)),  # bf16 acts, padded vocab
+    (dict(dp=2, zero=3, microbatches=2, recompute="full"), "fp32"),        # re-run inside the gathered backward
+    (dict(tp=2, dp=1, sp_mode="megatron", microbatches=2, recompute="full"), "fp32"),  # SP collectives twice
+    (dict(cp=2, dp=1, cp_mode="ulysses", microbatches=2, recompute="selective"), "fp32"),  # all-to-alls kept
     (dict(pp=2, dp=1, microbatches=2), "fp32"),                            # sends, tied embedding, loss
     (dict(pp=2, dp=1, microbatches=2, partition="llama3"), "fp32", dict(layers=5)),  # split (3, 2), not (2, 3)
     # 4 ranks
@@ -50,6 +53,7 @@ LAYOUTS = [
     (dict(pp=2, dp=2, zero=2, schedule="interleaved", vpp=2, microbatches=2, bucket_mb=0.05), "fp32",
      dict(layers=4)),                                                      # ZeRO-2 under pp: reduced once per step
     (dict(pp=2, dp=2, zero=3, microbatches=2), "bf16"),                    # ZeRO-3 under pp: 2m gathers per block
+    (dict(pp=2, dp=2, zero=3, microbatches=2, recompute="full"), "fp32"),  # ... with full recompute too
     (dict(pp=2, dp=2, zero=2, reduce_each_microbatch=True, schedule="interleaved", vpp=2, microbatches=2), "fp32",
      dict(layers=4)),                                                      # a reduce-scatter per micro-batch and block
     (dict(pp=2, dp=2, zero=3, reduce_each_microbatch=True, microbatches=2), "bf16",
@@ -60,6 +64,7 @@ LAYOUTS = [
     (dict(pp=2, dp=1, zero=3, offload="nvme", offload_dir="{tmp}", microbatches=2), "fp32"),  # root read once a step
     (dict(pp=2, dp=2, zero=3, microbatches=2, partition="llama3"), "fp32", dict(layers=5)),  # root once per step
     (dict(dp=2, ep=2), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # EP padded buffers
+    (dict(dp=2, ep=2, recompute="full"), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # a2a x2
     (dict(dp=2, ep=2, fp8_dispatch=True), "bf16", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # fp8
     (dict(cp=2, dp=1), "fp32"),                                            # ring: K,V sends, dK,dV back
     (dict(cp=2, dp=1, cp_mode="ulysses", microbatches=2), "bf16"),         # 4 all-to-alls each way per layer
@@ -91,7 +96,10 @@ MLA_LAYOUTS = [
 
 
 def _config(par: dict, dtype: str, model: dict | None = None) -> Config:
+    par = dict(par)
+    recompute = par.pop("recompute", "none")   # a train field, listed with the layout
     cfg = tiny_config(**par)
+    cfg.train.recompute = recompute
     for k, v in (model or {}).items():
         setattr(cfg.model, k, v)
     cfg.train.dtype = dtype

@@ -12,15 +12,29 @@ from .test_data_parallel import reference, run_many
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.ranks
 def test_zero_equals_single_process(world):
-    """Stages 1, 2, 3, with gradient accumulation (2 micro-batches) and clipping (max norm 0.5) on."""
+    """Stages 1, 2, 3, with gradient accumulation (2 micro-batches) and clipping (max norm 0.5) on. On 2
+    ranks also ZeRO-3 with full recompute (parallel/recompute.py, one checkpoint per block): bit for bit
+    the run without, with the same all-gathers (each block is re-run inside its backward, after its
+    pre-backward gather)."""
     ref = reference(tiny_config())
     assert ref["grad_norms"][0] > 0.5  # clipping is active
     cfgs = [tiny_config(dp=world, zero=stage, microbatches=2, bucket_mb=0.05).to_dict() for stage in (1, 2, 3)]
+    if world == 2:
+        full = tiny_config(dp=world, zero=3, microbatches=2)
+        full.train.recompute = "full"
+        cfgs.append(full.to_dict())
     for rank_out in ranks(run_many, world, cfgs):
         for stage, r in zip((1, 2, 3), rank_out):
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0,
                                        msg=lambda m: f"stage {stage}: {m}")
             assert_states_close(r["state"], ref["state"], **TOL["fp32"])
+        if world == 2:
+            plain, recomputed = rank_out[2], rank_out[3]
+            assert recomputed["losses"] == plain["losses"] and recomputed["grad_norms"] == plain["grad_norms"]
+            assert all(torch.equal(recomputed["state"][n], t) for n, t in plain["state"].items())
+            def counts(run):
+                return [[(x["dim"], x["op"], x["calls"], x["bytes_sent"]) for x in rows] for rows in run["ledger"]]
+            assert counts(recomputed) == counts(plain)
 
 
 @pytest.mark.ranks

@@ -60,7 +60,7 @@ HELP = {
     "cp_mode": "context parallelism: Ulysses all-to-all, ring attention, or both (hybrid)",
     "order": "rank order, innermost first",
     "partition": f"layers to pipeline stages: {' | '.join(choices(PartitionKind))} | counts like 3,5,5,3",
-    "recompute": "activation checkpointing (pp)",
+    "recompute": "activation checkpointing, any layout (full: each block, each chunk under pp; selective: attention)",
     "out": "run folder (metrics.jsonl, comm.json, run.json, checkpoints/); never written over without "
            "--resume or --overwrite",
     "data": "text files, or token files (fivefold tokenize's, .u16/.bin, .u32, .npy)",

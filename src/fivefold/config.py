@@ -277,7 +277,7 @@ class TrainConfig:
     keep_checkpoints: int = 2             # newest complete checkpoints kept on disk
     skip_nonfinite: bool = True           # skip an optimizer step whose loss or gradient norm is NaN/inf
     max_skips: int = 5                    # ... and stop the run after this many consecutive skipped steps
-    recompute: Recompute = "none"         # activation checkpointing (full: each pipeline chunk; selective: attention core)
+    recompute: Recompute = "none"         # any layout: parallel/recompute.py (full: each block, or chunk under pp)
     device: Device = "auto"               # auto: CUDA when available, else CPU
     compile: bool = False                 # torch.compile each transformer block in place (after parallelize)
     tensorboard: bool = False             # rank 0 also writes the console line's scalars to OUT/tensorboard/

@@ -540,9 +540,6 @@ def check_runtime_support(parallel, train, model=None) -> None:
         raise ConfigError("ZeRO-3 with pp > 1 needs parallel.reshard_after_forward = true (a block kept gathered "
                           "across the schedule's interleaved micro-batches would send a schedule-dependent number of "
                           "all-gathers); set it to true")
-    if p.pp == 1 and t.recompute != "none":
-        raise ConfigError(f"train.recompute = {t.recompute!r} is done by the pipeline runtime, so it needs pp > 1 "
-                          f"(got pp = 1); use recompute = 'none'")
 
 
 def grad_norm_group(zero: int, only_dp: bool = True) -> str:

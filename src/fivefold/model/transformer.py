@@ -248,7 +248,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias, device=device)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias, device=device)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False, device=device)
-        self.core = attention_core  # selective recompute swaps in a checkpointed version (pipeline runtime)
+        self.core = attention_core  # selective recompute swaps in a checkpointed version (parallel/recompute.py)
 
     def forward(self, x_bsh: torch.Tensor, cos_sd, sin_sd, kv: LayerKV | None = None,
                 documents_bS: torch.Tensor | None = None) -> torch.Tensor:

@@ -62,6 +62,9 @@ def parallelize(model: nn.Module, mesh, cfg: Config, dry: bool = False) -> tuple
     for d in dims:
         model = d.apply(model)
     configure_moe(model, mesh, cfg, dry)
+    if p.pp == 1:   # the pipeline runtime recomputes its own stages (recompute.py names both)
+        from .recompute import apply_recompute
+        apply_recompute(model, t.recompute)
     return model, dims
 
 

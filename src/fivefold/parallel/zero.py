@@ -36,7 +36,8 @@ lives only during the backward phase, not between steps): as soon as the last ba
 belongs to has run (engine.py; overlapped with the rest of the schedule), or at the step's end when the
 unit holds a tied copy or `overlap_grad_reduce` is off.
 Stage 3 then gathers a block before each forward and each backward it runs (2m all-gathers per block
-per step, 3m with full recompute), frees it after, and keeps the root unit gathered for the step.
+per step; full recompute re-runs a block after its pre-backward gather: parallel/recompute.py), frees it
+after, and keeps the root unit gathered for the step.
 
 The optimizer (train/optim.py's AdamW) updates this rank's shard through per-parameter views, so the
 arithmetic on every element is the single-process arithmetic.

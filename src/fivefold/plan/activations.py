@@ -7,7 +7,8 @@ Models", §4): per layer, for s·b tokens, GPT-3 style (GeLU, dropout, 16-bit):
     tensor parallel t        s·b·h·(10 + 24/t + 5·a·s/(h·t))
     + sequence parallel      s·b·h/t·(34 + 5·a·s/h)
     selective recompute      the 5·a·s/h term goes (so does it with flash attention)
-    full recompute           2·s·b·h per layer (/t with sequence parallel)
+    full recompute           2·s·b·h per layer (/t with sequence parallel), plus one layer's working
+                             set or the head's tensors, whichever is larger (`full_recompute_peak`)
 
 `layer_activation_bytes` derives these constants from the layer's tensors instead of hard-coding 34, so
 Llama-style layers (SwiGLU, GQA, RMSNorm, no dropout) and MoE layers get their own; on the GPT-3 shape it
@@ -232,7 +233,7 @@ def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
             if q == 0:
                 w += e * h / split
             if q == pp * vpp - 1:
-                w += 2 * e * h / split + (e + 4) * vocab
+                w += head_acts(e, h, split, vocab)
             row.append(w)
         rows.append(tuple(row))
     return tuple(rows)
@@ -241,7 +242,7 @@ def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
 def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
     """Peak activation bytes of one rank of `stage`: layers × micro-batches in flight, embedding on the
     first stage, final norm, head and fp32 logits on the last; full recompute keeps each layer's input
-    plus one layer's working set."""
+    plus one layer's working set (`full_recompute_peak`)."""
     L = layout
     return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.schedule,
                               L.micro_batch, L.recompute, L.partition, stage, L.microbatch_group,
@@ -267,13 +268,29 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
                                   L.recompute_norm_mla and L.recompute != "full", L.recompute == "full")[stage]
         return interleaved_peak(L.pp, stage, m, L.vpp, L.microbatch_group, chunks) * T + (max_pt * T if
                                                                                         L.recompute == "full" else 0.0)
+    vocab = padded_vocab(model.vocab, L.tp) / L.tp
+    head = T * head_acts(e, h, split, vocab) if stage == L.pp - 1 else 0.0
     if L.recompute == "full":
-        total = flight * n_layers * T * e * h / split + max_pt * T
-    else:
-        total = flight * total_pt * T
+        return full_recompute_peak(flight, n_layers, T * e * h / split, max_pt * T, head)
+    total = flight * total_pt * T
     if stage == 0:
         total += flight * T * e * h / split                     # embedding output
-    if stage == L.pp - 1:
-        vocab = padded_vocab(model.vocab, L.tp) / L.tp
-        total += flight * T * (2 * e * h / split + (e + 4) * vocab)  # norm and head input; logits (+fp32)
-    return total
+    return total + flight * head
+
+
+def head_acts(e: float, h: int, split: int, vocab: float) -> float:
+    """Bytes per token the last stage's head keeps: the final norm's and the head's inputs, and the loss's
+    fp32 (fp64 for fp64 models) log-probabilities of the rank's vocabulary slice (vocab-parallel: its
+    probabilities); the 16-bit logits themselves are not kept (their cast's backward needs nothing)."""
+    return 2 * e * h / split + max(4, e) * vocab
+
+
+def full_recompute_peak(flight: float, n_layers: int, layer_input: float, layer_peak: float, head: float) -> float:
+    """Full recompute, one layer per checkpoint (parallel/recompute.py): every micro-batch in flight keeps
+    each layer's input (the first layer's is the embedding's output) and, on the last stage, the head's
+    tensors (norm and head inputs, logits). The micro-batch in backward has freed its head's tensors
+    before its last layer is re-run, and the re-run layer's working set holds its kept input once: the
+    peak is the inputs, the other micro-batches' heads and the larger of the head and one layer's working
+    set beyond its input."""
+    extra = layer_peak - layer_input if n_layers else 0.0
+    return flight * n_layers * layer_input + (flight - 1) * head + max(extra, head)

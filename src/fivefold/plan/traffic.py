@@ -372,10 +372,11 @@ def zero3_gathers(L: Layout, m: int, root: bool) -> int:
     """All-gathers of one ZeRO-3 unit per step on one rank (parallel/zero.py `Zero3`), whatever the group
     size (a group of one "gathers" too, a copy the ledger does not record): without a pipeline before each
     micro-batch's forward and again before its backward (once with reshard_after_forward off), the root
-    unit included; under one, a block before every forward and backward it runs (and the recomputed
-    forward, full recompute), the root unit once for the step."""
+    unit included; under one, a block before every forward and backward it runs, the root unit once for
+    the step. Full recompute adds none: parallel/recompute.py re-runs a block inside its backward, after
+    its pre-backward gather (the chunk-level recompute of zb does not run with ZeRO-3)."""
     if L.pp > 1:
-        return 1 if root else (3 if L.recompute == "full" else 2) * m
+        return 1 if root else 2 * m
     return (2 if L.reshard_after_forward else 1) * m
 
 
@@ -416,8 +417,8 @@ def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, 
         f.add_total(dim, "reduce_scatter", group, n, m * padded * r, m * u)
         f.add_total(dim, "all_gather", group, n, padded * w.param_bytes, u)
     elif L.pp > 1:
-        # under a pipeline: each block gathered before every forward and backward it runs (and the
-        # recomputed forward), the root unit once for the step; each unit reduce-scattered once
+        # under a pipeline: each block gathered before every forward and backward it runs, the root
+        # unit once for the step; each unit reduce-scattered once
         per_use = zero3_gathers(L, m, False)
         root_padded = unit_sums(units[:root], n)[0] if root else 0
         gathers = root + per_use * (u - root)

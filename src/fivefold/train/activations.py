@@ -24,7 +24,9 @@ class _Held:
         self.tensor, self.meter, self.key = tensor, meter, key
 
     def __del__(self):
-        self.meter.release(self.key)
+        meter = getattr(self, "meter", None)   # torch.compile may copy a handle without __init__
+        if meter is not None:
+            meter.release(self.key)
 
 
 class ActivationMeter:

@@ -32,9 +32,11 @@ actions into one batch, posted with one `comm.send_recv` (batch_isend_irecv, led
   exactly the weight half of the module's backward (dW = dYᵀX for a linear) with the same kernels, and
   the accumulation fires the same gradient hooks as B. Nothing is recomputed.
 
-Activation checkpointing (`recompute`): "full" runs F without autograd, keeps only the chunk input (and
-the RNG states, so dropout masks repeat) and re-runs the forward at B or I; "selective" keeps everything
-but the attention core (softmax(QKᵀ)V), which torch.utils.checkpoint recomputes in backward.
+Activation checkpointing (`recompute`; the code lives in parallel/recompute.py, which names both
+granularities): "selective" checkpoints the attention core (softmax(QKᵀ)V); "full" checkpoints each block
+of the stage, as at pp = 1, except under zero bubble, whose split backward needs the weight-holding
+modules' outputs of an ordinary graph: there F runs without autograd, keeps only the chunk input (and
+the RNG states, `recompute.rng_state`, so dropout masks repeat) and re-runs the whole chunk at I.
 
 Measurement: every compute action is timed (`timeline`: kind, micro-batch, chunk, start, end), so a run
 can set what happened beside what the simulator predicts (`report`, `write_report`: OUT/pipeline.json).
@@ -50,20 +52,17 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ... import comm
 from ...comm import Group
 from ...model.documents import documents_of
 from ...model.transformer import rope_cos_sin
 from ..placement import full_shape, place, placement_of
+from ..recompute import RECOMPUTE, apply_recompute, rng_state, set_rng_state
 from .partition import Partition
 from .schedules import (B, F, I, SEND_B, SEND_F, W, Action, Block, input_messages, message_key, simulate, steps,
                         timeline_stats)
 from .spec import Schedule
-
-RECOMPUTE = ("none", "full", "selective")
-
 
 # -------------------------------------------------------------------------------------------------------
 # Stages: the part of the model one rank holds
@@ -151,28 +150,6 @@ def stage_names(model: nn.Module, partition: Partition) -> list[list[tuple[str, 
     return out
 
 
-def checkpointed(core: Callable) -> Callable:
-    """Selective recompute (Korthikanti et al. 2022): keep no activation inside the attention core; it
-    is recomputed from q, k, v in backward."""
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return core(*args, **kwargs)
-        return checkpoint(core, *args, use_reentrant=False, **kwargs)
-    run.recomputes = True
-    return run
-
-
-def set_selective_recompute(module: nn.Module) -> None:
-    """Swap every attention core in `module` for its checkpointed version. A context-parallel core
-    (parallel/context.py) keeps its communication: only its local attention (`inner`) is recomputed."""
-    for m in module.modules():
-        core = getattr(m, "core", None)
-        owner, name = (core, "inner") if hasattr(core, "inner") else (m, "core")
-        inner = getattr(owner, name, None)
-        if callable(inner) and not isinstance(inner, nn.Module) and not getattr(inner, "recomputes", False):
-            setattr(owner, name, checkpointed(inner))
-
-
 # -------------------------------------------------------------------------------------------------------
 # Running the actions
 
@@ -229,8 +206,8 @@ class PipelineRuntime:
         self.timeline: list[Block] = []
         self.finals = final_weight_actions(actions)
         self._ops: list | None = None
-        if recompute == "selective":
-            set_selective_recompute(stage)
+        self.chunk_recompute = recompute == "full" and self.split   # zb: whole chunks (recompute.py)
+        apply_recompute(stage, "none" if self.chunk_recompute else recompute)
         if self.split:
             self._install_recording()
 
@@ -352,8 +329,8 @@ class PipelineRuntime:
     def forward(self, a: Action, got: dict) -> None:
         mb, c = a.microbatch, a.chunk
         x = self.mbs[mb][0] if c == 0 else got[("F", mb, c - 1)].requires_grad_()
-        full = self.recompute == "full"
-        rng = self.rng_state() if full else None
+        full = self.chunk_recompute
+        rng = rng_state(self.stage, self.device) if full else None
         with torch.no_grad() if full else nullcontext(), self.recording(self.split and not full) as ops:
             out = self.run_chunk(c, mb, x)
         if c == self.last:
@@ -409,11 +386,11 @@ class PipelineRuntime:
         if saved.out is not None:
             return saved.x, saved.out, saved.ops
         x = saved.x.detach().requires_grad_() if torch.is_floating_point(saved.x) else saved.x
-        now = self.rng_state()
-        self.set_rng_state(saved.rng)
+        now = rng_state(self.stage, self.device)
+        set_rng_state(self.stage, self.device, saved.rng)
         with torch.enable_grad(), self.recording(record) as ops:
             out = self.run_chunk(c, mb, x)
-        self.set_rng_state(now)
+        set_rng_state(self.stage, self.device, now)
         return x, out, ops
 
     # -- helpers -------------------------------------------------------------------------------
@@ -449,22 +426,6 @@ class PipelineRuntime:
             yield self._ops
         finally:
             self._ops = old
-
-    def _generators(self) -> list[torch.Generator]:
-        return [m.generator for m in self.stage.modules() if isinstance(getattr(m, "generator", None), torch.Generator)]
-
-    def rng_state(self) -> tuple:
-        """Every stream a forward may draw from: the CPU default, the CUDA default (on CUDA runs), and
-        the dropout generators."""
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return torch.get_rng_state(), cuda, [g.get_state() for g in self._generators()]
-
-    def set_rng_state(self, state: tuple) -> None:
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], self.device)
-        for g, s in zip(self._generators(), state[2]):
-            g.set_state(s)
 
 
 # -------------------------------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ def run_steps(rank, world, cfg_dict, steps=3):
     out = {"losses": losses, "rows": rows, "bytes": tr.model_state_bytes(), "n_params": tr.n_params,
            "shards": [u.shard_size for u in e.units],
            "widths": (width(e.grad_dtype), width(e.param_dtype), width(e.master_dtype)),
-           "params_on_disk": getattr(e, "params_on_disk", False),
-           "gathers": [zero3_gathers(e, u, tr.cfg.parallel.microbatches) for u in e.units] if e.stage == 3 else []}
+           "params_on_disk": e.state.holds_params,
+           "gathers": [zero3_gathers(e, u, tr.cfg.parallel.microbatches) for u in e.units] if e.stage.number == 3 else []}
     state = tr.full_state()
     out["state"] = {s: state[s] for s in SECTIONS}
     out["opt_t"] = state["opt_t"]
@@ -66,7 +66,7 @@ def zero3_gathers(engine, unit, m: int) -> int:
     forward and backward (once without resharding); under one a block per use, the root once."""
     if engine.pipeline:
         return 1 if unit.name == "root" else 2 * m
-    return (2 if engine.reshard_after_forward else 1) * m
+    return (2 if engine.stage.reshard_after_forward else 1) * m
 
 
 def contract(r, mode: str) -> dict:

@@ -26,7 +26,7 @@ only its own shard [lo, hi) of every unit (zero.py).
   the checkpoint, which is what a resume reads) and its name is removed as soon as it is open, so no
   other run can open it and the kernel frees it when the process ends, however it ends (a crash
   leaves nothing behind; `df` shows the space while the run lives, `ls` does not).
-- "nvme" with ZeRO-3 (`params_on_disk`, ZeRO-Infinity's parameter offload): the device keeps no
+- "nvme" with ZeRO-3 (`params_on_disk`: the store `holds_params`, ZeRO-Infinity's parameter offload): the device keeps no
   parameter shard between uses either. Before each all-gather of unit u (every gather the engine makes:
   forward, backward, prefetches, pipeline uses) `read_params` reads the shard from the file into a host
   buffer of the largest shard (nvme_read) and copies it up (h2d) into the shard's own slot of the
@@ -99,16 +99,19 @@ def _sizes(params: int = 0, grads: int = 0, optimizer: int = 0) -> dict:
 
 
 class OffloadedState:
-    """The optimizer state of a ZeRO engine's units off the device, and the step that updates it.
+    """The optimizer state of a ZeRO engine's units off the device, and the step that updates it (a
+    `StateStore`, zero_state.py).
 
     `units`: the engine's units (shard_size, segments); `decay[j]`: per segment of unit j, whether it
-    decays; `params[j]`: the device parameter shard of unit j, which also initialises the master."""
+    decays; `params[j]`: the device parameter shard of unit j, which also initialises the master;
+    `optimizer`: the AdamW whose arithmetic (`advance`, `update`) and step count the store uses."""
 
     mode = ""
+    holds_params = False
 
     def __init__(self, units: list, decay: list[list[bool]], params: list[torch.Tensor], master_dtype: torch.dtype,
-                 grad_dtype: torch.dtype, ledger: CommLedger | None):
-        self.units, self.decay, self.ledger = units, decay, ledger
+                 grad_dtype: torch.dtype, ledger: CommLedger | None, optimizer):
+        self.units, self.decay, self.ledger, self.optimizer = units, decay, ledger, optimizer
         self.master_dtype, self.grad_dtype = master_dtype, grad_dtype
         self.param_dtype = params[0].dtype if params else master_dtype
         self.device = params[0].device if params else torch.device("cpu")
@@ -116,14 +119,14 @@ class OffloadedState:
         self.convert = self.param_dtype != self.master_dtype   # bf16 parameters: converted on the host
 
     # -- the step ----------------------------------------------------------------------------------
-    def step(self, optimizer, grads: list[torch.Tensor], params: list[torch.Tensor], lr: float) -> None:
+    def step(self, grads: list[torch.Tensor], params: list[torch.Tensor], lr: float) -> None:
         """AdamW on every unit: grads[j] (device, reduced and clipped) in, params[j] (device) updated."""
         raise NotImplementedError
 
-    def _update(self, optimizer, j: int, master, exp_avg, exp_avg_sq, grad, lr: float) -> None:
+    def _update(self, j: int, master, exp_avg, exp_avg_sq, grad, lr: float) -> None:
         """AdamW on unit j's segments: the same tensors, lengths and order as without offload."""
         for (_, a, n), decay in zip(self.units[j].segments, self.decay[j]):
-            optimizer.update(master[a:a + n], grad[a:a + n], exp_avg[a:a + n], exp_avg_sq[a:a + n], decay, lr)
+            self.optimizer.update(master[a:a + n], grad[a:a + n], exp_avg[a:a + n], exp_avg_sq[a:a + n], decay, lr)
 
     def _to_params(self, master: torch.Tensor, staging: torch.Tensor | None) -> torch.Tensor:
         """The host tensor the updated parameter shard is copied from (in the parameters' dtype)."""
@@ -138,8 +141,13 @@ class OffloadedState:
         """Replace unit j's state (a checkpoint load)."""
         raise NotImplementedError
 
+    def read_params(self, j: int, dst: torch.Tensor) -> None:
+        """With `holds_params`: unit j's parameter shard into dst (device)."""
+        raise RuntimeError(f"offload {self.mode!r} keeps no parameter shards")
+
     def bytes(self) -> dict:
-        """{"host": {params, grads, optimizer, total}, "disk": {...}}: bytes this rank keeps off the device."""
+        """{"optimizer": 0 (on the device), "host": {params, grads, optimizer, total}, "disk": {...}}: bytes
+        this rank keeps off the device."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -153,8 +161,8 @@ class HostState(OffloadedState):
     mode = "cpu"
 
     @torch.no_grad()
-    def __init__(self, units, decay, params, master_dtype, grad_dtype, ledger):
-        super().__init__(units, decay, params, master_dtype, grad_dtype, ledger)
+    def __init__(self, units, decay, params, master_dtype, grad_dtype, ledger, optimizer):
+        super().__init__(units, decay, params, master_dtype, grad_dtype, ledger, optimizer)
         pin = self.cuda
         self.master = [_host(u.shard_size, master_dtype, pin) for u in units]
         for m, p in zip(self.master, params):
@@ -169,8 +177,8 @@ class HostState(OffloadedState):
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     @torch.no_grad()
-    def step(self, optimizer, grads, params, lr):
-        optimizer.advance()
+    def step(self, grads, params, lr):
+        self.optimizer.advance()
         ready = []
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))   # the reduced, clipped shards
@@ -181,7 +189,7 @@ class HostState(OffloadedState):
         for j in range(len(self.units)):
             if ready[j] is not None:
                 ready[j].synchronize()
-            self._update(optimizer, j, self.master[j], self.exp_avg[j], self.exp_avg_sq[j], self.grads[j], lr)
+            self._update(j, self.master[j], self.exp_avg[j], self.exp_avg_sq[j], self.grads[j], lr)
             src = self._to_params(self.master[j], self.staging[j] if self.convert else None)
             with self._on_side():   # overlaps the next unit's update
                 transfer.copy(params[j], src, self.ledger, "h2d", non_blocking=self.cuda)
@@ -198,7 +206,8 @@ class HostState(OffloadedState):
                 dst.copy_(src)
 
     def bytes(self) -> dict:
-        return {"host": _sizes(_nbytes(self.staging or []), _nbytes(self.grads),
+        return {"optimizer": 0,
+                "host": _sizes(_nbytes(self.staging or []), _nbytes(self.grads),
                                _nbytes(self.master + self.exp_avg + self.exp_avg_sq)),
                 "disk": _sizes()}
 
@@ -221,10 +230,10 @@ class DiskState(OffloadedState):
     mode = "nvme"
 
     @torch.no_grad()
-    def __init__(self, units, decay, params, master_dtype, grad_dtype, ledger, folder: str | Path, rank: int,
-                 params_on_disk: bool = False):
-        super().__init__(units, decay, params, master_dtype, grad_dtype, ledger)
-        self.params_on_disk = params_on_disk
+    def __init__(self, units, decay, params, master_dtype, grad_dtype, ledger, optimizer, folder: str | Path,
+                 rank: int, params_on_disk: bool = False):
+        super().__init__(units, decay, params, master_dtype, grad_dtype, ledger, optimizer)
+        self.holds_params = params_on_disk
         pin = self.cuda
         self.dir = Path(folder).expanduser() / f"rank-{rank:05d}"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -280,8 +289,8 @@ class DiskState(OffloadedState):
         transfer.copy(dst, buf, self.ledger, "h2d")
 
     @torch.no_grad()
-    def step(self, optimizer, grads, params, lr):
-        optimizer.advance()
+    def step(self, grads, params, lr):
+        self.optimizer.advance()
         units, futures = self.units, []
         reads = {}
 
@@ -299,9 +308,9 @@ class DiskState(OffloadedState):
                 reads.pop(j).result()
                 slot = self._slot(k, s)
                 master, exp_avg, exp_avg_sq = slot[:s], slot[s:2 * s], slot[2 * s:]
-                self._update(optimizer, j, master, exp_avg, exp_avg_sq, grad, lr)
+                self._update(j, master, exp_avg, exp_avg_sq, grad, lr)
                 src = self._to_params(master, self.staging[k][:s] if self.convert else None)
-                if self.params_on_disk:   # to the file, behind (src's slot is reused only after it)
+                if self.holds_params:   # to the file, behind (src's slot is reused only after it)
                     futures.append(self.io.submit(self._write_params, j, src))
                 else:
                     transfer.copy(params[j], src, self.ledger, "h2d")
@@ -323,25 +332,14 @@ class DiskState(OffloadedState):
     def put(self, j, master, exp_avg, exp_avg_sq):
         buf = torch.cat([t.reshape(-1).to("cpu", self.master_dtype) for t in (master, exp_avg, exp_avg_sq)])
         self._write(j, buf, "checkpoint")
-        if self.params_on_disk:   # the parameters are the master in their dtype (as after a step)
+        if self.holds_params:   # the parameters are the master in their dtype (as after a step)
             self._write_params(j, buf[:self.units[j].shard_size].to(self.param_dtype), "checkpoint")
 
     def bytes(self) -> dict:
-        host_params = _nbytes(self.staging or []) + (_nbytes([self.gather_buf]) if self.params_on_disk else 0)
-        return {"host": _sizes(host_params, _nbytes(self.grad_slots), _nbytes(self.slots)),
+        host_params = _nbytes(self.staging or []) + (_nbytes([self.gather_buf]) if self.holds_params else 0)
+        return {"optimizer": 0, "host": _sizes(host_params, _nbytes(self.grad_slots), _nbytes(self.slots)),
                 "disk": _sizes(params=self.param_file_bytes, optimizer=self.file_bytes - self.param_file_bytes)}
 
     def close(self) -> None:
         self._finalizer()
 
-
-def offloaded_state(mode: str, units: list, decay: list[list[bool]], params: list[torch.Tensor],
-                    master_dtype: torch.dtype, grad_dtype: torch.dtype, ledger: CommLedger | None,
-                    folder: str = "", rank: int = 0, params_on_disk: bool = False) -> OffloadedState:
-    """The state of `units` offloaded to host memory ("cpu") or to files in `folder` ("nvme"; with
-    `params_on_disk`, ZeRO-3's parameter shards too)."""
-    if mode == "cpu":
-        return HostState(units, decay, params, master_dtype, grad_dtype, ledger)
-    if mode == "nvme":
-        return DiskState(units, decay, params, master_dtype, grad_dtype, ledger, folder, rank, params_on_disk)
-    raise ValueError(f"offload must be one of {MODES} (or 'none'), got {mode!r}")

@@ -61,7 +61,7 @@ class BufferTimeline:
 
 
 def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """ZeRO-3's gather slots on one rank of `stage` (parallel/zero.py, `Zero3.make_units`): the root
+    """ZeRO-3's gather slots on one rank of `stage` (parallel/zero_unit.py `block_slots`): the root
     (every parameter outside the blocks: embedding on the first stage, final norm and untied head on the
     last), then each block, each slot's units as (elements, group size): dense over dp·cp, routed experts
     over dp·cp/ep. Every unit is a flat buffer padded to a multiple of its group size."""
@@ -76,7 +76,7 @@ def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tup
 
 
 def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int) -> int:
-    """Peak bytes of ZeRO-3 outside a pipeline, replaying `micro` micro-batches as Zero3 runs them.
+    """Peak bytes of ZeRO-3 outside a pipeline, replaying `micro` micro-batches as `Stage3` runs them.
 
     Forward: the root is gathered for the whole forward (its hook wraps the model), each block is
     gathered with the next one prefetched, and freed after its forward (reshard_after_forward; else
@@ -187,7 +187,7 @@ def _zero3_buffers(model: PlanModel, layout: Layout, stage: int, w: int, g: int,
 def zero_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
     """What ZeRO-2/3 hold beyond the model states between steps, at their peak during a step.
 
-    ZeRO-3 (parallel/zero.py, `Zero3`) is replayed event by event on its padded units (`zero3_slots`):
+    ZeRO-3 (parallel/zero_stage.py, `Stage3`) is replayed event by event on its padded units (`zero3_slots`):
     gathered parameters (w bytes each), full gradient buffers and reduce-scatters in flight (g bytes;
     each keeps its unit's full gradient and a shard-sized result until folded). The root unit (embedding,
     final norm, head) counts in full: outside a pipeline it is gathered for the whole forward and the
@@ -265,13 +265,13 @@ def offload_units(model: PlanModel, layout: Layout, work: Workload, stage: int) 
 
 def params_on_disk(layout: Layout) -> bool:
     """ZeRO-Infinity's parameter offload: ZeRO-3 with nvme keeps the parameter shards in the file between
-    uses (parallel/zero.py `params_on_disk`), read before each all-gather."""
+    uses (the state store `holds_params`: parallel/zero_state.py), read before each all-gather."""
     return layout.offload == "nvme" and layout.zero == 3
 
 
 def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
     """What rank 0 of `stage` keeps off the device under `layout.offload`, as the runtime's offloaded state
-    reports it (parallel/offload.py, `bytes()`): {"host": {params, grads, optimizer, total}, "disk": {...}}.
+    reports it (parallel/offload.py, `bytes()`): {"optimizer": 0, "host": {params, grads, optimizer, total}, "disk": {...}}.
     Per unit of shard k elements (padded), mb / g / w bytes per master / gradient / parameter element,
     s = w when the parameters are not in the master dtype (their staging copy for the copy up), else 0:
 

@@ -369,7 +369,7 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
 
 
 def zero3_gathers(L: Layout, m: int, root: bool) -> int:
-    """All-gathers of one ZeRO-3 unit per step on one rank (parallel/zero.py `Zero3`), whatever the group
+    """All-gathers of one ZeRO-3 unit per step on one rank (parallel/zero_stage.py `Stage3`), whatever the group
     size (a group of one "gathers" too, a copy the ledger does not record): without a pipeline before each
     micro-batch's forward and again before its backward (once with reshard_after_forward off), the root
     unit included; under one, a block before every forward and backward it runs (and the recomputed

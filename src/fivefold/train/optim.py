@@ -46,6 +46,13 @@ class AdamW:
         self.t = 0
         self.foreach = foreach is not False
 
+    def hold(self, params: list[torch.Tensor], decay: list[bool], exp_avg: list[torch.Tensor],
+             exp_avg_sq: list[torch.Tensor]) -> "AdamW":
+        """Update `params` with moments kept in the caller's tensors (shaped like `params`: views of a ZeRO
+        engine's padded moment shards, parallel/zero_state.py) instead of moments of its own."""
+        self.params, self.decay, self.exp_avg, self.exp_avg_sq = params, decay, exp_avg, exp_avg_sq
+        return self
+
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], lr: float) -> None:
         self.advance()

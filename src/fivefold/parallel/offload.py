@@ -141,6 +141,10 @@ class OffloadedState:
         """Replace unit j's state (a checkpoint load)."""
         raise NotImplementedError
 
+    def load_into(self, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host tensors to read unit j's loaded state into before `put` (`StateStore.load_into`)."""
+        return self.state(j)
+
     def read_params(self, j: int, dst: torch.Tensor) -> None:
         """With `holds_params`: unit j's parameter shard into dst (device)."""
         raise RuntimeError(f"offload {self.mode!r} keeps no parameter shards")
@@ -326,6 +330,11 @@ class DiskState(OffloadedState):
         s = self.units[j].shard_size
         buf = torch.empty(3 * s, dtype=self.master_dtype)
         self._read(j, buf, "checkpoint")
+        return buf[:s], buf[s:2 * s], buf[2 * s:]
+
+    def load_into(self, j):
+        s = self.units[j].shard_size
+        buf = torch.zeros(3 * s, dtype=self.master_dtype)   # not read: a load replaces all of it
         return buf[:s], buf[s:2 * s], buf[2 * s:]
 
     @torch.no_grad()

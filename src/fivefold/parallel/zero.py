@@ -304,10 +304,10 @@ class ZeroEngine(Engine):
     @torch.no_grad()
     def load_local_state(self, read_into, opt_t: int) -> None:
         """The inverse of `local_state`: read_into(dst, name, offset, section) fills the 1-D tensor dst
-        with elements offset.. of this rank's piece of `name`. Each unit's state is built on the host,
-        then handed to the store (and to the parameter shard)."""
+        with elements offset.. of this rank's piece of `name`. Each unit's state is read straight into the
+        store's tensors (on disk: into a host buffer), then handed to the store and the parameter shard."""
         for j, u in enumerate(self.units):
-            state = [torch.zeros(u.shard_size, dtype=self.master_dtype, device="cpu") for _ in range(3)]
+            state = self.state.load_into(j)
             for i, a, n in u.segments:
                 name, start = u.names[i], u.lo + a - u.offsets[i]
                 for t, section in zip(state, ("model", "exp_avg", "exp_avg_sq")):

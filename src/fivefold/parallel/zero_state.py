@@ -42,6 +42,11 @@ class StateStore(Protocol):
         """Replace unit j's state (a checkpoint load); with `holds_params` its parameter shard too."""
         ...
 
+    def load_into(self, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tensors to read unit j's loaded state into before `put`: the store's own where it keeps them in
+        memory (nothing beyond the state is allocated), else a host buffer."""
+        ...
+
     def read_params(self, j: int, dst: torch.Tensor) -> None:
         """Only when `holds_params`: unit j's parameter shard into dst (device)."""
         ...
@@ -91,6 +96,9 @@ class DeviceState:
         for dst, src in zip(self.state(j), (master, exp_avg, exp_avg_sq)):
             if dst is not src:
                 dst.copy_(src)
+
+    def load_into(self, j):
+        return self.state(j)
 
     def read_params(self, j, dst):
         raise RuntimeError("the device state keeps no parameter shards")

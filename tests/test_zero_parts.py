@@ -104,3 +104,30 @@ def test_engine_is_composed_of_its_parts(stage, offload, tmp_path):
     assert (e.stage.param_shards == []) == on_disk
     tr.step(0)
     e.remove()
+
+
+@pytest.mark.parametrize("mode", ("none", "cpu", "nvme"))
+def test_streamed_gradient_shards_accumulate_like_the_device_ones(mode, tmp_path):
+    """The store's gradient shards: on the device, or (offload, streaming) in host memory where each reduced
+    shard lands by a recorded d2h and is added; two micro-batches' shards sum to the same bits."""
+    from fivefold.comm.ledger import CommLedger
+
+    us, ledger = units(), CommLedger()
+    decay = [[True] * len(u.segments) for u in us]
+    params = [torch.zeros(u.shard_size) for u in us]
+    store = state_store(mode, us, decay, params, torch.float32, torch.float32, adamw, ledger, str(tmp_path), 0,
+                        streams_grads=mode != "none")
+    assert store.streams_grads == (mode != "none")
+    shards = store.grad_shards()
+    gen = torch.Generator().manual_seed(5)
+    parts = [[torch.randn(u.shard_size, generator=gen) for u in us] for _ in range(2)]
+    for mb in parts:
+        for j, t in enumerate(mb):
+            store.add_grad(j, t)
+    store.settle()
+    for j, shard in enumerate(shards):
+        assert torch.equal(shard, torch.zeros(us[j].shard_size).add_(parts[0][j]).add_(parts[1][j]))
+    rows = {r["op"]: (r["calls"], r["message_bytes"]) for r in ledger.rows() if r["dim"] == "offload"}
+    k = sum(u.shard_size for u in us)
+    assert rows == ({} if mode == "none" else {"d2h": (2 * len(us), 2 * 4 * k)})
+    store.close()

@@ -16,6 +16,16 @@ only its own shard [lo, hi) of every unit (zero.py).
   updated parameter shard (converted to the parameters' dtype on the host) goes host -> device. On CUDA
   every gradient copy is issued at once on a side stream and the host waits only for the unit it
   updates next, and each unit's parameter copy runs while the host updates the next unit.
+- Gradients streamed to the host (ZeRO-2 and 3, both modes; Ren et al. 2021, §4.1; `streams_grads`):
+  the reduced gradient shards never stay on the device. When the engine folds a unit's reduce-scatter
+  in (parallel/zero.py `_fold`, at most MAX_INFLIGHT behind the backward) `add_grad` copies the shard
+  down (d2h; on CUDA on the side stream, behind the reduce-scatter) into one of LANDING host buffers of
+  the largest shard, then adds it to the unit's host gradient shard, where the micro-batches accumulate
+  (as DeepSpeed accumulates into the CPU partition), and the unit's device gradient and result are
+  freed. On the CPU the add follows the copy at once; on CUDA it waits until the landing buffer is
+  needed again or the engine's `finish` (`settle`). The step then starts with the gradients in host
+  memory (no d2h at the step); the norm and clipping run on those host shards. ZeRO-1 keeps its whole
+  gradient on the device and copies the shard down at the step as above.
 - "nvme" (`DiskState`): the master shard and the moments of every unit live in one file per rank in
   OFFLOAD_DIR/rank-RRRRR/ (unit j at a fixed offset, [master | exp_avg | exp_avg_sq], and with ZeRO-3
   its parameter shard after them: [... | param]), read with
@@ -41,7 +51,7 @@ master element):
 
 | op         | calls | message (= bytes sent)           | mode        |
 |------------|-------|----------------------------------|-------------|
-| d2h        | 1     | k_u · g   (reduced gradient)     | cpu, nvme   |
+| d2h        | c_u   | k_u · g   (reduced gradient)     | cpu, nvme: ZeRO-1 once at the step; ZeRO-2/3 after each of the unit's c_u reduce-scatters (m per step outside a pipeline, 1 under one) |
 | h2d        | 1     | k_u · w   (updated parameters)   | cpu, nvme (not ZeRO-3 nvme) |
 | nvme_read  | 1     | 3 k_u · m (master, m, v)         | nvme        |
 | nvme_write | 1     | 3 k_u · m                        | nvme        |
@@ -56,8 +66,8 @@ with full recompute; the root unit under a pipeline once a step), instead of the
 | h2d        | G_u   | k_u · w                          | into the gathered buffer's slot    |
 | nvme_write | 1     | k_u · w   (updated parameters)   | after the step, written behind     |
 
-Summed over units: (g + w)·Φ/n over PCIe and 2·3m·Φ/n to and from disk (Φ/n: this rank's padded
-shards); ZeRO-3 nvme: (g + G·w)·Φ/n over PCIe and (6m + (G + 1)·w)·Φ/n to and from disk (G gathers a
+Summed over units: (c·g + w)·Φ/n over PCIe and 2·3m·Φ/n to and from disk (Φ/n: this rank's padded
+shards; c the copies of each gradient shard); ZeRO-3 nvme: (c·g + G·w)·Φ/n over PCIe and (6m + (G + 1)·w)·Φ/n to and from disk (G gathers a
 unit). A skipped (non-finite) step moves nothing in the step; the gathers still read. In nvme mode a
 checkpoint's save or load reads or writes the file once per unit, recorded as nvme_read / nvme_write
 under dim "checkpoint" (a load with parameters on disk also writes each parameter shard, a second
@@ -81,6 +91,7 @@ import torch
 
 from ..comm import transfer
 from ..comm.ledger import CommLedger
+from .zero_reduce import LANDING
 
 MODES = ("cpu", "nvme")
 SLOTS = 2   # disk mode: units whose state is in host memory at once (the one updated, the one read ahead)
@@ -110,13 +121,61 @@ class OffloadedState:
     holds_params = False
 
     def __init__(self, units: list, decay: list[list[bool]], params: list[torch.Tensor], master_dtype: torch.dtype,
-                 grad_dtype: torch.dtype, ledger: CommLedger | None, optimizer):
+                 grad_dtype: torch.dtype, ledger: CommLedger | None, optimizer, streams_grads: bool = False):
         self.units, self.decay, self.ledger, self.optimizer = units, decay, ledger, optimizer
         self.master_dtype, self.grad_dtype = master_dtype, grad_dtype
         self.param_dtype = params[0].dtype if params else master_dtype
         self.device = params[0].device if params else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.convert = self.param_dtype != self.master_dtype   # bf16 parameters: converted on the host
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.streams_grads = streams_grads
+        pin = self.cuda
+        # streaming: every unit's gradient shard accumulates in host memory; a reduced shard lands in one of
+        # LANDING host buffers of the largest shard first (the copy may still run when the next one comes)
+        self.grads = [_host(u.shard_size, grad_dtype, pin) for u in units] if streams_grads else []
+        largest = max((u.shard_size for u in units), default=0)
+        self.landing = [_host(largest, grad_dtype, pin) for _ in range(LANDING)] if streams_grads else []
+        self._pending: list = []   # (unit, landing buffer, device shard, copy done) not yet added
+        self._turn = 0
+
+    def _on_side(self):
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    # -- gradients streamed to the host during the backward (ZeRO-Offload) -----------------------------
+    def grad_shards(self) -> list[torch.Tensor]:
+        """Streaming: the host shards the reduced gradients accumulate in (the engine's `grad_shards`)."""
+        return self.grads
+
+    @torch.no_grad()
+    def add_grad(self, j: int, reduced: torch.Tensor) -> None:
+        """Streaming: unit j's reduced gradient shard (device) to host memory, d2h into a landing buffer
+        (on CUDA on the side stream, behind the reduce-scatter), then added to the host shard; the device's
+        bucket and result can go. On the CPU the add follows at once; on CUDA when the landing buffer is
+        needed again or at `settle`."""
+        if len(self._pending) == len(self.landing):
+            self._settle_oldest()
+        buf = self.landing[self._turn % len(self.landing)][:reduced.numel()]
+        self._turn += 1
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on_side():
+            transfer.copy(buf, reduced, self.ledger, "d2h", non_blocking=self.cuda)
+            done = self.stream.record_event() if self.cuda else None
+        self._pending.append((j, buf, reduced, done))   # `reduced` lives until its copy has landed
+        if not self.cuda:
+            self._settle_oldest()
+
+    def _settle_oldest(self) -> None:
+        j, buf, _, done = self._pending.pop(0)
+        if done is not None:
+            done.synchronize()
+        self.grads[j].add_(buf)
+
+    def settle(self) -> None:
+        """Every streamed gradient added to its host shard (the engine's `finish`)."""
+        while self._pending:
+            self._settle_oldest()
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, grads: list[torch.Tensor], params: list[torch.Tensor], lr: float) -> None:
@@ -160,36 +219,36 @@ class OffloadedState:
 
 class HostState(OffloadedState):
     """offload = "cpu": ZeRO-Offload. Every unit's master and moments in (pinned) host memory, plus a host
-    copy of its reduced gradient shard and, for low-precision parameters, a staging shard."""
+    copy of its reduced gradient shard (streamed in during the backward, or copied at the step for ZeRO-1)
+    and, for low-precision parameters, a staging shard."""
 
     mode = "cpu"
 
     @torch.no_grad()
-    def __init__(self, units, decay, params, master_dtype, grad_dtype, ledger, optimizer):
-        super().__init__(units, decay, params, master_dtype, grad_dtype, ledger, optimizer)
+    def __init__(self, units, decay, params, master_dtype, grad_dtype, ledger, optimizer, streams_grads=False):
+        super().__init__(units, decay, params, master_dtype, grad_dtype, ledger, optimizer, streams_grads)
         pin = self.cuda
         self.master = [_host(u.shard_size, master_dtype, pin) for u in units]
         for m, p in zip(self.master, params):
             m.copy_(p)   # setup: the master starts as the parameters (upcast)
         self.exp_avg = [_host(u.shard_size, master_dtype, False) for u in units]
         self.exp_avg_sq = [_host(u.shard_size, master_dtype, False) for u in units]
-        self.grads = [_host(u.shard_size, grad_dtype, pin) for u in units]
+        if not streams_grads:   # ZeRO-1: the reduced shards are slices of the device's whole gradient
+            self.grads = [_host(u.shard_size, grad_dtype, pin) for u in units]
         self.staging = [_host(u.shard_size, self.param_dtype, pin) for u in units] if self.convert else None
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-
-    def _on_side(self):
-        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     @torch.no_grad()
     def step(self, grads, params, lr):
         self.optimizer.advance()
-        ready = []
+        ready = [None] * len(self.units)   # streamed: the (clipped) gradients are in host memory already
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))   # the reduced, clipped shards
-        with self._on_side():   # every gradient copy at once: the host waits only for the unit it needs
-            for host, dev in zip(self.grads, grads):
-                transfer.copy(host, dev, self.ledger, "d2h", non_blocking=self.cuda)
-                ready.append(self.stream.record_event() if self.cuda else None)
+        if not self.streams_grads:
+            ready = []
+            with self._on_side():   # every gradient copy at once: the host waits only for the unit it needs
+                for host, dev in zip(self.grads, grads):
+                    transfer.copy(host, dev, self.ledger, "d2h", non_blocking=self.cuda)
+                    ready.append(self.stream.record_event() if self.cuda else None)
         for j in range(len(self.units)):
             if ready[j] is not None:
                 ready[j].synchronize()
@@ -211,7 +270,7 @@ class HostState(OffloadedState):
 
     def bytes(self) -> dict:
         return {"optimizer": 0,
-                "host": _sizes(_nbytes(self.staging or []), _nbytes(self.grads),
+                "host": _sizes(_nbytes(self.staging or []), _nbytes(self.grads + self.landing),
                                _nbytes(self.master + self.exp_avg + self.exp_avg_sq)),
                 "disk": _sizes()}
 
@@ -235,8 +294,8 @@ class DiskState(OffloadedState):
 
     @torch.no_grad()
     def __init__(self, units, decay, params, master_dtype, grad_dtype, ledger, optimizer, folder: str | Path,
-                 rank: int, params_on_disk: bool = False):
-        super().__init__(units, decay, params, master_dtype, grad_dtype, ledger, optimizer)
+                 rank: int, params_on_disk: bool = False, streams_grads: bool = False):
+        super().__init__(units, decay, params, master_dtype, grad_dtype, ledger, optimizer, streams_grads)
         self.holds_params = params_on_disk
         pin = self.cuda
         self.dir = Path(folder).expanduser() / f"rank-{rank:05d}"
@@ -256,7 +315,8 @@ class DiskState(OffloadedState):
         self.param_file_bytes = sum(u.shard_size for u in units) * pitem if params_on_disk else 0
         largest = max((u.shard_size for u in units), default=0)
         self.slots = [_host(3 * largest, master_dtype, pin) for _ in range(SLOTS)]
-        self.grad_slots = [_host(largest, grad_dtype, pin) for _ in range(SLOTS)]
+        # ZeRO-1: the unit's gradient copied down at the step into one of two slots; streamed: self.grads
+        self.grad_slots = [] if streams_grads else [_host(largest, grad_dtype, pin) for _ in range(SLOTS)]
         self.staging = [_host(largest, self.param_dtype, pin) for _ in range(SLOTS)] if self.convert else None
         # params on disk: the host buffer a parameter shard passes through on its way to an all-gather
         self.gather_buf = _host(largest, self.param_dtype, pin) if params_on_disk else None
@@ -307,8 +367,11 @@ class DiskState(OffloadedState):
                 read_ahead(j)
             for j, u in enumerate(units):
                 k, s = j % SLOTS, u.shard_size
-                grad = self.grad_slots[k][:s]
-                transfer.copy(grad, grads[j], self.ledger, "d2h")
+                if self.streams_grads:
+                    grad = self.grads[j]
+                else:
+                    grad = self.grad_slots[k][:s]
+                    transfer.copy(grad, grads[j], self.ledger, "d2h")
                 reads.pop(j).result()
                 slot = self._slot(k, s)
                 master, exp_avg, exp_avg_sq = slot[:s], slot[s:2 * s], slot[2 * s:]
@@ -346,7 +409,8 @@ class DiskState(OffloadedState):
 
     def bytes(self) -> dict:
         host_params = _nbytes(self.staging or []) + (_nbytes([self.gather_buf]) if self.holds_params else 0)
-        return {"optimizer": 0, "host": _sizes(host_params, _nbytes(self.grad_slots), _nbytes(self.slots)),
+        return {"optimizer": 0, "host": _sizes(host_params, _nbytes(self.grad_slots + self.grads + self.landing),
+                                               _nbytes(self.slots)),
                 "disk": _sizes(params=self.param_file_bytes, optimizer=self.file_bytes - self.param_file_bytes)}
 
     def close(self) -> None:

@@ -57,7 +57,10 @@ arithmetic on every element is the single-process arithmetic.
 Offload (`offload="cpu" | "nvme"`, parallel/offload.py: ZeRO-Offload, ZeRO-Infinity): the masters and
 moments of this rank's shards live in host memory or in files instead, and the step runs there unit by
 unit (gradient shard device -> host, AdamW, parameter shard host -> device); the device keeps the
-parameters and gradients. ZeRO-3 with "nvme" (the store `holds_params`, ZeRO-Infinity) keeps the
+parameters; with stages 2 and 3 the gradients too leave it during the backward (`streams_grads`): each
+folded reduce-scatter's shard is copied to the host and added there, the unit's buffers freed, so the
+device holds only the buckets in flight (`grad_buffer_peak`, which plan/buffers.py predicts). ZeRO-1
+keeps its whole gradient on the device. ZeRO-3 with "nvme" (the store `holds_params`, ZeRO-Infinity) keeps the
 parameter shards in the file too: the stage's `param_shards` is empty, each all-gather first reads its
 unit's shard from disk into the shard's own slot of the gathered buffer (and gathers in place), and the
 step writes the updated shards to disk.
@@ -73,7 +76,7 @@ from .. import comm, rules
 from ..comm import Group
 from .engine import Engine, counted, held, nbytes, unique_params
 from .zero_order import MAX_INFLIGHT
-from .zero_reduce import ReducePolicy, reduce_policy
+from .zero_reduce import ReducePolicy, reduce_policy, streams_grads
 from .zero_stage import Stage3, ZeroStage
 from .zero_state import StateStore, state_store
 from .zero_unit import Unit, block_slots, bucket_units, modules_to_gather
@@ -115,15 +118,18 @@ class ZeroEngine(Engine):
                                            self.policy.keeps_full_grads, reshard_after_forward)
         else:
             self.stage = ZeroStage(stage, self.units, self.param_dtype, self.device)
-        # stage 1 keeps full gradients; its shard is its slice of them (the reduced values copied in)
-        self.grad_shards = [torch.zeros(u.shard_size, dtype=self.grad_dtype, device=self.device)
-                            if self.stage.shards_grads else self._unit_grad(u)[u.lo:u.hi] for u in self.units]
         decay = [[len(u.shapes[i]) >= 2 for i, _, _ in u.segments] for u in self.units]
         world = self.norm_group
+        # ZeRO-Offload streams the gradients of the stages that shard them (2, 3) to the host in the backward
         self.state: StateStore = state_store(offload, self.units, decay, self.stage.param_shards, master_dtype,
                                              self.grad_dtype, make_optimizer, world.ledger, offload_dir,
-                                             world.global_rank(world.rank), offload == "nvme" and stage == 3)
+                                             world.global_rank(world.rank), offload == "nvme" and stage == 3,
+                                             streams_grads=streams_grads(stage, offload))
         self.stage.use(self.state)
+        self.grad_buffer_bytes = self.grad_buffer_peak = 0   # device: units' full gradients, results in flight
+        # stage 1 keeps full gradients; its shard is its slice of them (the reduced values copied in)
+        self.grad_shards = self.state.grad_shards() if self.stage.shards_grads else \
+            [self._unit_grad(u)[u.lo:u.hi] for u in self.units]
         self.optimizer = self.state.optimizer
         for p in self.unit_of:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -133,7 +139,14 @@ class ZeroEngine(Engine):
     def _unit_grad(self, u: Unit) -> torch.Tensor:
         if u.grad is None:
             u.grad = torch.zeros(u.padded, dtype=self.grad_dtype, device=self.device)
+            self._count(u.grad.numel())
         return u.grad
+
+    def _count(self, numel: int) -> None:
+        """Device gradient buffers beyond the shards: + when made, - when freed (`grad_buffer_peak`, which
+        the planner's buffers predict: plan/buffers.py)."""
+        self.grad_buffer_bytes += numel * self.grad_dtype.itemsize
+        self.grad_buffer_peak = max(self.grad_buffer_peak, self.grad_buffer_bytes)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         u = self.unit_of[p]
@@ -149,6 +162,7 @@ class ZeroEngine(Engine):
     def _reduce(self, u: Unit) -> None:
         """Reduce-scatter a complete unit's gradients over its group; fold the result in later."""
         tmp = torch.empty(u.shard_size, dtype=self.grad_dtype, device=self.device)
+        self._count(tmp.numel())
         handle = comm.reduce_scatter(tmp, u.grad, u.group, async_op=True)
         self._inflight.append((u, handle, tmp, u.grad))
         if self.stage.shards_grads:
@@ -160,10 +174,12 @@ class ZeroEngine(Engine):
             self._fold(self._inflight.pop(0))
 
     def _fold(self, item) -> None:
-        u, handle, tmp, _ = item
+        u, handle, tmp, grad = item
         handle.wait()
-        if self.stage.shards_grads:   # reduced every micro-batch (or once), summed into the shard
-            self.grad_shards[u.pos].add_(tmp)
+        self._count(-tmp.numel())
+        if self.stage.shards_grads:   # reduced every micro-batch (or once), summed into the shard (offload:
+            self.state.add_grad(u.pos, tmp)   # streamed to the host); the unit's full gradient goes
+            self._count(-grad.numel())
         else:                         # stage 1: reduced once per step, into the slice that held the local sum
             self.grad_shards[u.pos].copy_(tmp)
 
@@ -189,6 +205,7 @@ class ZeroEngine(Engine):
             raise RuntimeError("a unit holds gradients never reduced: call end_backward() after each backward")
         while self._inflight:
             self._fold(self._inflight.pop(0))
+        self.state.settle()
         self.stage.finish()
 
     def owned_grads(self, params: list[nn.Parameter] | None = None) -> list[torch.Tensor]:
@@ -225,6 +242,8 @@ class ZeroEngine(Engine):
             u.pending = set(u.params)
             u.seen = set()
             if self.stage.shards_grads:
+                if u.grad is not None:   # a unit whose gradient was never reduced
+                    self._count(-u.grad.numel())
                 u.grad = None
             else:
                 self._unit_grad(u).zero_()
@@ -248,7 +267,8 @@ class ZeroEngine(Engine):
         params = self.stage.param_bytes()
         # stage 1 holds full gradients (its shards are slices of them); the others hold shards
         full = nbytes(u.grad for u in self.units if u.grad is not None)
-        grads = nbytes(self.grad_shards) + full if self.stage.shards_grads else full
+        shards = 0 if self.state.streams_grads else nbytes(self.grad_shards)   # streamed: in host memory
+        grads = shards + full if self.stage.shards_grads else full
         off_device = self.state.bytes()
         opt = off_device.pop("optimizer")
         return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt, **off_device}

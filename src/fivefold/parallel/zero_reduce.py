@@ -62,3 +62,16 @@ def reduce_policy(stage: int, pipeline: bool, reduce_each_microbatch: bool) -> R
     if stage == 1 or (pipeline and not reduce_each_microbatch):
         return OncePerStep()
     return EachMicrobatch(pipeline)
+
+
+# ZeRO-Offload's streamed gradients (parallel/offload.py): host buffers of the largest shard a reduced shard
+# lands in (d2h) before it is added to its host shard; on CUDA the copy of one may still run when the next
+# comes. The planner counts them in host memory (plan/buffers.py `offload_bytes`).
+LANDING = 2
+
+
+def streams_grads(stage: int, offload: str) -> bool:
+    """Whether the reduced gradient shards go to host memory during the backward (ZeRO-Offload, Ren et al.
+    2021): offloaded ("cpu", "nvme") stages that shard gradients (2, 3). ZeRO-1 keeps the whole gradient
+    on the device anyway; its shards are copied down at the step."""
+    return offload != "none" and stage >= 2

@@ -28,6 +28,20 @@ from .offload import DiskState, HostState
 class StateStore(Protocol):
     optimizer: object    # train/optim.py's AdamW: its hyperparameters and step count (and with DeviceState the update itself)
     holds_params: bool   # the store keeps the parameter shards too (ZeRO-3 nvme): read them with read_params
+    streams_grads: bool  # the reduced gradient shards go to host memory during the backward (offload, ZeRO-2/3)
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        """Stages 2 and 3: the per-unit shards the reduced gradients accumulate in (device, or host when
+        `streams_grads`), zero."""
+        ...
+
+    def add_grad(self, j: int, reduced: torch.Tensor) -> None:
+        """Add a reduced shard of unit j (device) to its gradient shard (streaming: d2h, then on the host)."""
+        ...
+
+    def settle(self) -> None:
+        """Every `add_grad` done (a streamed copy may still be in flight until then)."""
+        ...
 
     def step(self, grads: list[torch.Tensor], params: list[torch.Tensor], lr: float) -> None:
         """AdamW on every unit: grads[j] (device, reduced and clipped shard) in, params[j] (device parameter
@@ -64,10 +78,13 @@ class DeviceState:
     is also its master when the dtypes agree (else the master starts as its upcast copy)."""
 
     holds_params = False
+    streams_grads = False
 
     def __init__(self, units: list, decay: list[list[bool]], params: list[torch.Tensor], master_dtype: torch.dtype,
-                 make_optimizer):
-        self.units = units
+                 grad_dtype: torch.dtype, make_optimizer):
+        self.units, self.grad_dtype = units, grad_dtype
+        self.device = params[0].device if params else torch.device("cpu")
+        self._grads: list[torch.Tensor] = []
         param_dtype = params[0].dtype if params else master_dtype
         self.masters = [p if master_dtype == param_dtype else p.to(master_dtype) for p in params]
         self.exp_avg = [torch.zeros_like(m) for m in self.masters]
@@ -76,6 +93,16 @@ class DeviceState:
         self.optimizer = make_optimizer([], []).hold(
             self._segments(self.masters), [d for ds in decay for d in ds],
             self._segments(self.exp_avg), self._segments(self.exp_avg_sq))
+
+    def grad_shards(self):
+        self._grads = [torch.zeros(u.shard_size, dtype=self.grad_dtype, device=self.device) for u in self.units]
+        return self._grads
+
+    def add_grad(self, j, reduced):
+        self._grads[j].add_(reduced)
+
+    def settle(self) -> None:
+        pass
 
     def _segments(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """Views of every parameter's segment in every unit's shard, in unit order (what AdamW updates)."""
@@ -113,15 +140,17 @@ class DeviceState:
 
 def state_store(mode: str, units: list, decay: list[list[bool]], params: list[torch.Tensor], master_dtype: torch.dtype,
                 grad_dtype: torch.dtype, make_optimizer, ledger: CommLedger | None, folder: str = "", rank: int = 0,
-                params_on_disk: bool = False) -> StateStore:
+                params_on_disk: bool = False, streams_grads: bool = False) -> StateStore:
     """The state of `units` on the device ("none"), in host memory ("cpu") or in files in `folder` ("nvme";
-    with `params_on_disk`, ZeRO-3's parameter shards too). `make_optimizer(params, decay)` gives the AdamW."""
+    with `params_on_disk`, ZeRO-3's parameter shards too; with `streams_grads`, offloaded stores take the
+    reduced gradient shards into host memory during the backward). `make_optimizer(params, decay)` gives
+    the AdamW."""
     if mode == "none":
-        return DeviceState(units, decay, params, master_dtype, make_optimizer)
+        return DeviceState(units, decay, params, master_dtype, grad_dtype, make_optimizer)
     optimizer = make_optimizer([], [])   # its hyperparameters and step count; the state lives in the store
     if mode == "cpu":
-        return HostState(units, decay, params, master_dtype, grad_dtype, ledger, optimizer)
+        return HostState(units, decay, params, master_dtype, grad_dtype, ledger, optimizer, streams_grads)
     if mode == "nvme":
         return DiskState(units, decay, params, master_dtype, grad_dtype, ledger, optimizer, folder, rank,
-                         params_on_disk)
+                         params_on_disk, streams_grads)
     raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {mode!r}")

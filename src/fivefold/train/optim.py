@@ -173,6 +173,8 @@ def global_grad_norm(owned: list[torch.Tensor], group: Group | None = None, devi
             sq += torch.dot(x, x)
             del x   # before the next slice's copy exists
     if group is not None and group.size > 1:
+        if device is not None and sq.device != torch.device(device):
+            sq = sq.to(device)   # gradients streamed to host memory (offload): the collective runs on the device
         comm.all_reduce(sq, group, dim="grad_norm")
     return value(sq.sqrt())
 

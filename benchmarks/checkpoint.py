@@ -147,7 +147,7 @@ def ours(cfg, rank, world):
     engine = trainer.engine
 
     def snapshot():
-        return [t.clone() for t in (*engine.master_shards, *engine.optimizer.exp_avg)]
+        return [t.clone() for t in (*engine.state.masters, *engine.optimizer.exp_avg)]
 
     return trainer.step, lambda out, n: trainer.save(out, n), trainer.restore, snapshot
 

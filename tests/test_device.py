@@ -50,8 +50,9 @@ HOST_BY_DESIGN = {
                                      # the token shares, host indices into the host batch (moved for the model)
     ("parallel/offload.py", "*"),    # the offload store's host memory
 }
-# engine attributes not walked: the offload store (host state by design), the model (walked by itself)
-NOT_WALKED = {"store", "model", "mesh", "groups"}
+# engine attributes not walked: the state store (offloaded: host state by design; on the device its tensors are
+# the parameter shards and moments, walked through the optimizer), the model (walked by itself)
+NOT_WALKED = {"state", "model", "mesh", "groups"}
 
 
 class FactorySpy(TorchFunctionMode):

@@ -130,14 +130,17 @@ def test_hooks_chain_in_the_documented_order():
 
 def test_engines_subclass_the_engine_base():
     """The trainer calls every engine method directly: DDP and ZeRO subclass `Engine` (an ABC: a missing
-    method fails when the engine is made); only ZeRO-3 has gathered parameters to release."""
+    method fails when the engine is made); only ZeRO-3 has gathered parameters to release (its stage's
+    `release`: the ZeRO engine is one class composed of a stage, parallel/zero_stage.py)."""
     from fivefold.parallel.data import DataParallelOptimizer
     from fivefold.parallel.engine import Engine
-    from fivefold.parallel.zero import ShardedOptimizer, Zero3
+    from fivefold.parallel.zero import ZeroEngine
+    from fivefold.parallel.zero_stage import Stage3, ZeroStage
 
-    assert issubclass(DataParallelOptimizer, Engine) and issubclass(ShardedOptimizer, Engine)
+    assert issubclass(DataParallelOptimizer, Engine) and issubclass(ZeroEngine, Engine)
     assert DataParallelOptimizer.release_params is Engine.release_params
-    assert Zero3.release_params is not Engine.release_params
+    assert ZeroEngine.release_params is not Engine.release_params
+    assert Stage3.release is not ZeroStage.release
 
     class Partial(Engine):
         def set_sync(self, enabled):

@@ -1,7 +1,8 @@
 """ZeRO-Offload (host memory) and disk offload reproduce the run without offload bit for bit, move
 exactly the ledger's bytes, take optimizer state and masters off the device (with ZeRO-3 on disk the
-parameter shards too), save and resume across modes, and in disk mode keep resident memory below the
-optimizer state's size."""
+parameter shards too; with ZeRO-2/3 the gradients, streamed to the host bucket by bucket during the
+backward), save and resume across modes, and in disk mode keep resident memory below the optimizer
+state's size."""
 import json
 from pathlib import Path
 
@@ -42,8 +43,10 @@ def run_steps(rank, world, cfg_dict, steps=3):
     out = {"losses": losses, "rows": rows, "bytes": tr.model_state_bytes(), "n_params": tr.n_params,
            "shards": [u.shard_size for u in e.units],
            "widths": (width(e.grad_dtype), width(e.param_dtype), width(e.master_dtype)),
-           "params_on_disk": getattr(e, "params_on_disk", False),
-           "gathers": [zero3_gathers(e, u, tr.cfg.parallel.microbatches) for u in e.units] if e.stage == 3 else []}
+           "params_on_disk": e.state.holds_params, "streams": e.state.streams_grads,
+           "reductions": 1 if e.stage.number == 1 or tr.cfg.parallel.pp > 1 else tr.cfg.parallel.microbatches,
+           "grad_peak": e.grad_buffer_peak, "padded": [u.padded for u in e.units],
+           "gathers": [zero3_gathers(e, u, tr.cfg.parallel.microbatches) for u in e.units] if e.stage.number == 3 else []}
     state = tr.full_state()
     out["state"] = {s: state[s] for s in SECTIONS}
     out["opt_t"] = state["opt_t"]
@@ -66,18 +69,20 @@ def zero3_gathers(engine, unit, m: int) -> int:
     forward and backward (once without resharding); under one a block per use, the root once."""
     if engine.pipeline:
         return 1 if unit.name == "root" else 2 * m
-    return (2 if engine.reshard_after_forward else 1) * m
+    return (2 if engine.stage.reshard_after_forward else 1) * m
 
 
 def contract(r, mode: str) -> dict:
-    """The ledger rows offload adds per rank per step (parallel/offload.py's tables): ZeRO-3 nvme reads
-    each parameter shard from disk and copies it up before each all-gather, and writes it after the step
-    instead of copying it up."""
+    """The ledger rows offload adds per rank per step (parallel/offload.py's tables): ZeRO-2/3 copy each
+    reduced gradient shard down after every reduce-scatter (once per micro-batch outside a pipeline, once
+    a step under one); ZeRO-3 nvme reads each parameter shard from disk and copies it up before each
+    all-gather, and writes it after the step instead of copying it up."""
     if mode == "none":
         return {}
     g, w, m = r["widths"]
     k, n = sum(r["shards"]), len(r["shards"])
-    rows = {"d2h": (n, k * g), "h2d": (n, k * w)}
+    c = r["reductions"] if r["streams"] else 1
+    rows = {"d2h": (c * n, c * k * g), "h2d": (n, k * w)}
     if mode == "nvme":
         rows.update({"nvme_read": (n, 3 * k * m), "nvme_write": (n, 3 * k * m)})
     if r["params_on_disk"]:
@@ -187,31 +192,88 @@ def test_ledger_rows_per_step_are_the_contract(two):
 @pytest.mark.parametrize("dtype", ("fp32", "bf16"))
 @pytest.mark.ranks
 def test_optimizer_state_and_masters_leave_the_device(two, dtype):
-    """ZeRO-Offload: the device keeps parameters and gradients; masters and moments (12 bytes per owned
-    element) go to host memory, or to disk with two units' worth of host buffers."""
+    """ZeRO-Offload: the device keeps parameters (and ZeRO-1 its gradients); masters and moments (12 bytes
+    per owned element) go to host memory, or to disk with two units' worth of host buffers; ZeRO-2/3's
+    gradient shards go to host memory in both modes (with two landing buffers of the largest shard)."""
     _, r = two
     for stage in (STAGES if dtype == "fp32" else (1, 3)):
         key = f"z{stage}" if dtype == "fp32" else f"bf16-z{stage}"
         for rank in range(2):
             none, cpu, nvme = (r[f"{key}-{m}"][rank]["bytes"] for m in MODES)
             shards = r[f"{key}-cpu"][rank]["shards"]
-            owned, w = sum(shards), r[f"{key}-cpu"][rank]["widths"][1]
+            owned, (g, w, _) = sum(shards), r[f"{key}-cpu"][rank]["widths"]
             assert none["optimizer"] > 0 and "host" not in none
+            streamed = none["grads"] if stage >= 2 else 0   # ZeRO-2/3: the shards are in host memory
+            assert streamed == (g * owned if stage >= 2 else 0)
             for off in (cpu, nvme):
-                assert off["grads"] == none["grads"] and off["optimizer"] == 0
-            assert cpu["params"] == none["params"] and cpu["total"] == none["total"] - none["optimizer"]
+                assert off["grads"] == none["grads"] - streamed and off["optimizer"] == 0
+                if stage >= 2:
+                    assert off["host"]["grads"] == g * (owned + 2 * max(shards))
+            assert cpu["params"] == none["params"]
+            assert cpu["total"] == none["total"] - none["optimizer"] - streamed
             assert cpu["host"]["optimizer"] == 12 * owned and cpu["disk"]["total"] == 0
             assert nvme["disk"]["optimizer"] == 12 * owned
             assert nvme["host"]["optimizer"] == 2 * 12 * max(r[f"{key}-nvme"][rank]["shards"])
             if stage == 3:   # ZeRO-Infinity: the parameter shards on disk, none on the device between steps
                 assert none["params"] == w * owned > 0
-                assert nvme["params"] == 0 and nvme["total"] == none["grads"]
+                assert nvme["params"] == 0 and nvme["total"] == 0   # ZeRO-Infinity: nothing stays between steps
                 assert nvme["disk"]["params"] == w * owned
                 staging = 2 * w * max(shards) if dtype == "bf16" else 0   # + the gather's host buffer
                 assert nvme["host"]["params"] == staging + w * max(shards)
             else:
-                assert nvme["params"] == none["params"] and nvme["total"] == none["total"] - none["optimizer"]
+                assert nvme["params"] == none["params"]
+                assert nvme["total"] == none["total"] - none["optimizer"] - streamed
                 assert nvme["disk"]["params"] == 0
+
+
+@pytest.mark.ranks
+def test_pipeline_streams_once_a_step_after_accumulating_the_whole_gradient(two):
+    """Under a pipeline (pp 2, reduce once per step) the stage's whole gradient accumulates on the device
+    through the step (the pipeline's accumulate-then-reduce): each unit is reduce-scattered once and its
+    shard streamed down once (the contract's one d2h per unit); streaming saves the shards, not the
+    backward's full gradient (outside a pipeline: test_streamed_gradients_leave_the_device_bucket_by_bucket)."""
+    _, r = two
+    for rank in range(2):
+        pp = r["pp2-z3-nvme"][rank]
+        g = pp["widths"][0]
+        assert pp["streams"] and pp["reductions"] == 1
+        assert pp["grad_peak"] >= g * sum(pp["padded"])           # every unit's full gradient at once
+        assert pp["bytes"]["grads"] == 0                           # none between steps
+
+
+def test_streamed_gradients_leave_the_device_bucket_by_bucket(tmp_path):
+    """ZeRO-2 over one rank (a shard is the whole gradient) with offload cpu and nvme, 2 micro-batches,
+    buckets of ~0.02 MiB: the run equals the run without offload bit for bit; the device's gradient
+    buffers (the engine's own count of bucket gradients and results in flight) peak where the planner's
+    replay says (plan/buffers.py `_replay_buckets`), well under the whole gradient; no gradient shard stays
+    on the device between steps (the planner's grads row: 0), the host holds them (offload_bytes); and the
+    ledger's offload rows per step are the planner's (a d2h per bucket per micro-batch)."""
+    from fivefold.plan.buffers import offload_bytes, zero_buffers
+    from fivefold.plan.layout import from_config
+    from fivefold.plan.memory import stage_memory
+    from fivefold.plan.models import from_model_config
+    from fivefold.plan.traffic import stage_flows
+
+    runs = {}
+    for mode in MODES:
+        cfg = Config.from_dict(config(tmp_path / mode, mode, zero=2, microbatches=2, bucket_mb=0.02))
+        runs[mode] = (cfg, run_steps(0, 1, cfg.to_dict()))
+    ref = runs["none"][1]
+    for mode in ("cpu", "nvme"):
+        cfg, got = runs[mode]
+        assert_same_run(got, ref, f"ZeRO-2 {mode} over one rank")
+        model, (layout, work) = from_model_config(cfg.model), from_config(cfg)
+        g = got["widths"][0]
+        assert len(got["shards"]) >= 6 and got["grad_peak"] == zero_buffers(model, layout, work, 0)
+        assert got["grad_peak"] < g * sum(got["shards"])         # never the whole gradient (with n = 1 a
+        # bucket's result is as large as the bucket: three buckets and their results, the tied embedding's first)
+        row = stage_memory(model, layout, work, 0)
+        assert got["bytes"]["grads"] == row["grads"] == 0 and ref["bytes"]["grads"] == row["offloaded_grads"]
+        assert got["bytes"]["host"] == offload_bytes(model, layout, work, 0)["host"]
+        want = {f.op: (f.calls, f.message_bytes) for f in stage_flows(model, layout, work, 0) if f.dim == "offload"}
+        assert want["d2h"] == (2 * len(got["shards"]), 2 * g * sum(got["shards"]))
+        for rows in got["rows"]:
+            assert {x["op"]: (x["calls"], x["message_bytes"]) for x in rows if x["dim"] == "offload"} == want
 
 
 @pytest.mark.parametrize("resumed", ["nvme->nvme", "nvme->none", "nvme->cpu", "none->nvme"])

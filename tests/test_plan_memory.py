@@ -194,10 +194,11 @@ def watch_zero3(patch=setattr) -> None:
     """Record in PEAK the largest total of ZeRO-3's gathered units, gradient buffers and reductions in
     flight, read from the runtime's tensors after every allocation and free. `patch` sets the wrapped
     methods (pytest's monkeypatch.setattr in the test process; once per spawned rank)."""
-    from fivefold.parallel import zero
+    from fivefold.parallel import zero, zero_stage
 
-    if zero.Zero3._gather_async.__name__ == "watched":
+    if zero_stage.Stage3._gather_async.__name__ == "watched":
         return
+    watching = []   # the engine whose stage gathers and frees (set by its zero_grad, which __init__ calls)
 
     def note(engine) -> None:   # a freed unit keeps its (empty) gathered buffer: count storages' bytes
         alive = {id(u.full): u.full for u in engine.units if u.full is not None}
@@ -216,19 +217,24 @@ def watch_zero3(patch=setattr) -> None:
             super().append(item)
             note(self.engine)
 
-    def watch(name):
-        original = getattr(zero.Zero3, name)
+    def watch(cls, name):
+        original = getattr(cls, name)
 
         def watched(self, *args):
-            if not isinstance(self._inflight, Watched):
-                self._inflight = Watched(self)
+            if isinstance(self, zero.ZeroEngine):
+                watching[:] = [self]
+            engine = watching[0]
+            if not isinstance(engine._inflight, Watched):
+                engine._inflight = Watched(engine)
             out = original(self, *args)
-            note(self)
+            note(engine)
             return out
-        patch(zero.Zero3, name, watched)
+        patch(cls, name, watched)
 
-    for name in ("_gather_async", "_free_unit", "_unit_grad", "_fold"):
-        watch(name)
+    for name in ("zero_grad", "_unit_grad", "_fold"):
+        watch(zero.ZeroEngine, name)
+    for name in ("_gather_async", "_free_unit"):
+        watch(zero_stage.Stage3, name)
 
 
 def measured_zero3_peak(rank: int, world: int, cfg_dict: dict, patch=setattr) -> int:

@@ -10,9 +10,12 @@ from fivefold.cli import main
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import Layout, Workload, from_config
-from fivefold.plan.buffers import offload_bytes
+from fivefold.parallel.zero_order import MAX_INFLIGHT
+from fivefold.parallel.zero_reduce import LANDING
+from fivefold.plan.buffers import offload_bytes, offload_units, zero_buffers
 from fivefold.plan.memory import stage_memory
-from fivefold.plan.models import PRESETS, from_model_config
+from fivefold.plan.models import PRESETS, PlanModel, from_model_config
+from fivefold.shapes import shard_size
 from fivefold.plan.search import search
 from fivefold.plan.time import host_step_seconds, offload_exposed, stage_offload_exposed, stage_param_reads
 from fivefold.plan.topology import GB, GiB, TOPOLOGIES, topology_from_dict
@@ -53,24 +56,81 @@ def test_llama3_8b_fits_one_h100_only_with_offload():
 
 
 def test_zero_offload_paper_split_of_model_states():
-    """Ren et al. 2021 (ZeRO-Offload, USENIX ATC), §3: with mixed-precision Adam (16 bytes per parameter)
+    """Ren et al. 2021 (ZeRO-Offload, USENIX ATC), §3-4: with mixed-precision Adam (16 bytes per parameter)
     the GPU keeps the 16-bit parameters (2M bytes for M parameters), the CPU the 16-bit gradients and the
     fp32 parameters, momentum and variance (2M + 12M), and each step moves 4M over PCIe (2M gradients
-    down, 2M parameters up). Here with bf16 gradients over n = 16 ranks (ZeRO-2): per rank 4Φ/n over PCIe
-    and 12Φ/n + 2Φ/n on the host (plus the runtime's 2Φ/n bf16 staging shard for the copy up). The device
-    keeps its gradient shard (2Φ/n) until the step: the paper streams gradients out during the backward,
-    so its GPU holds 2M where this holds 2Φ + 2Φ/n."""
+    down, 2M parameters up); the gradients leave the GPU bucket by bucket during the backward. Here with
+    bf16 gradients over n = 16 ranks (ZeRO-2), one micro-batch a step: per rank 4Φ/n over PCIe and
+    12Φ/n + 2Φ/n on the host (plus the runtime's 2Φ/n bf16 staging shard for the copy up and two landing
+    buffers of the largest shard); on the device the 16-bit parameters and no gradient shard, only the
+    buckets in flight (in `buffers`)."""
     n = 16
     work = Workload(seq=4096, global_batch=64, grad_dtype="param", reduce_dtype="bf16")
-    est = estimate(LLAMA8, Layout(dp=n, zero=2, offload="cpu", recompute="full"), work, DGX)
+    est = estimate(LLAMA8, Layout(dp=n, zero=2, offload="cpu", recompute="full", micro_batch=4), work, DGX)
     phi = LLAMA8.num_params()
     row = est.memory.most_loaded
-    assert row["weights"] == 2 * phi and row["grads"] == pytest.approx(2 * phi / n, rel=1e-5) and row["optimizer"] == 0
+    assert row["weights"] == 2 * phi and row["grads"] == 0 and row["optimizer"] == 0
+    assert row["offloaded_grads"] == pytest.approx(2 * phi / n, rel=1e-5)
     parts = offload_bytes(LLAMA8, est.layout, work, 0)["host"]
     assert parts["optimizer"] == pytest.approx(12 * phi / n, rel=1e-5)      # fp32 p, m, v
-    assert parts["grads"] == pytest.approx(2 * phi / n, rel=1e-5)          # the 16-bit gradients
+    k = [shard_size(u, m) for u, m in offload_units(LLAMA8, est.layout, work, 0)]
+    assert parts["grads"] == 2 * (sum(k) + LANDING * max(k))               # the 16-bit gradients, landing buffers
+    assert 2 * sum(k) == pytest.approx(2 * phi / n, rel=1e-5)             # (the largest shard: the embedding's)
     assert parts["params"] == pytest.approx(2 * phi / n, rel=1e-5)         # staging for the copy up
     assert est.offload()["pcie_bytes"] == pytest.approx(4 * phi / n, rel=1e-5)
+
+
+def test_streamed_gradients_by_hand():
+    """ZeRO-2 over one rank with ZeRO-Offload's streamed gradients (TINY, 2 micro-batches, fp32): the
+    device keeps no gradient shard; its gradient is the buckets in flight (plan/buffers.py
+    `_replay_buckets`); each micro-batch's reduced shards go down (2 d2h per bucket a step); the step
+    waits only for the last copy, not for the whole gradient's."""
+    work = Workload(seq=32, global_batch=2, dtype="fp32")
+    phi = TINY.num_params()
+    bucket_mb = BLOCK / 2**20              # buckets of about a quarter block's gradient (fp32)
+    plain = Layout(dp=1, zero=2, bucket_mb=bucket_mb)
+    lay = replace(plain, offload="cpu")
+    units = [u for u, _ in offload_units(TINY, lay, work, 0)]
+    assert sum(units) == phi and len(units) >= 6
+    none, cpu = stage_memory(TINY, plain, work, 0), stage_memory(TINY, lay, work, 0)
+    assert none["grads"] == 4 * phi and cpu["grads"] == 0 and cpu["offloaded_grads"] == 4 * phi
+    # three consecutive buckets' gradients and results (n = 1: a result is the whole bucket) at the third
+    # launch; the last two of the first micro-batch are still in flight when the second begins
+    both = units * 2
+    peak = max(sum(8 * u for u in both[i:i + MAX_INFLIGHT + 1]) for i in range(len(both) - MAX_INFLIGHT))
+    assert zero_buffers(TINY, lay, work, 0) == peak < 4 * phi
+    assert zero_buffers(TINY, plain, work, 0) == 0          # without offload the shards hold the gradient
+    rows = _offload_rows(lay, work)
+    assert (rows["d2h"].calls, rows["d2h"].message_bytes) == (2 * len(units), 2 * 4 * phi)
+    assert (rows["h2d"].calls, rows["h2d"].message_bytes) == (len(units), 4 * phi)
+    acc = DGX.accelerator
+    flows = place(stage_flows(TINY, lay, work, 0), lay, DGX)
+    d2h = 2 * 4 * phi / acc.pcie_bandwidth
+    step = d2h / (2 * len(units)) + offload_exposed(len(units), 0.0, host_step_seconds(work, acc, phi), 4 * phi / acc.pcie_bandwidth)
+    assert stage_offload_exposed(flows, work, acc, 2) == pytest.approx(step)
+    assert stage_offload_exposed(flows, work, acc, 2) < stage_offload_exposed(flows, work, acc)   # copied at the step
+    assert estimate(TINY, lay, work, DGX).time.offload_s == pytest.approx(step)
+
+
+def test_zero_offload_trains_13b_on_one_32gb_gpu():
+    """Ren et al. 2021, §1 and §6: ZeRO-Offload trains a 13B model on a single 32 GB V100. A 13B Llama-style
+    model (Llama-2 13B's shape), fp16 parameters and gradients, full recompute, ZeRO-2 over one GPU: with
+    the gradients streamed to the host the device holds 2Φ of weights (26 GB) plus activations and a few
+    buckets, and fits; had the 2Φ gradient stayed on the device (as before streaming: the gradient shard
+    is the whole gradient at dp = 1) it would need 52 GB. Where it came from moves the other way: the
+    host holds the 2Φ gradient beside the 12Φ of state."""
+    model = PlanModel(name="llama2-13b", vocab=32000, hidden=5120, layers=40, heads=40, kv_heads=40, ffn=13824)
+    phi = model.num_params()
+    assert 12.8e9 < phi < 13.1e9
+    v100 = replace(DGX, accelerator=replace(DGX.accelerator, memory=32 * GiB))
+    work = Workload(seq=1024, global_batch=1, dtype="fp16", grad_dtype="param", reduce_dtype="fp16")
+    est = estimate(model, Layout(dp=1, zero=2, offload="cpu", recompute="full"), work, v100)
+    row = est.memory.most_loaded
+    assert est.device_fits and row["total"] < 32 * GiB
+    assert row["weights"] == 2 * phi and row["grads"] == 0 and row["offloaded_grads"] == 2 * phi
+    assert zero_buffers(model, est.layout, work, 0) < 2 * phi / 25          # the buckets in flight (under 1 GB), not 2Φ
+    assert row["total"] + 2 * phi > 32 * GiB                              # the gradient on the device would not fit
+    assert est.memory.host >= 14 * phi
 
 
 # -- traffic: the ledger's rows, by hand ----------------------------------------------------------------------
@@ -84,8 +144,8 @@ def _offload_rows(layout, work, stage=0):
 
 
 def test_traffic_rows_are_the_contract_by_hand():
-    """Per rank per step, once per ZeRO unit: d2h k·g, h2d k·w; nvme adds nvme_read and nvme_write of
-    3·k·mb; bytes sent = message. ZeRO-3 over dp = 3: a root unit and one per block, shards padded; with
+    """Per rank per step, once per ZeRO unit: d2h k·g (ZeRO-2/3: streamed, once per micro-batch), h2d k·w;
+    nvme adds nvme_read and nvme_write of 3·k·mb; bytes sent = message. ZeRO-3 over dp = 3: a root unit and one per block, shards padded; with
     nvme the parameter shards live on disk (ZeRO-Infinity): before each all-gather (2 micro-batches, each
     unit gathered before its forward and again before its backward: 4 per unit) a read and a copy up of
     k·w, after the step a write of k·w and no copy up."""
@@ -95,9 +155,9 @@ def test_traffic_rows_are_the_contract_by_hand():
         work = Workload(seq=32, global_batch=6, dtype=dtype)     # 2 micro-batches of 1 sequence per rank
         for mode in ("cpu", "nvme"):
             rows = _offload_rows(Layout(dp=3, zero=3, offload=mode), work)
-            want = {"d2h": (3, k * g), "h2d": (3, k * w)}
+            want = {"d2h": (6, 2 * k * g), "h2d": (3, k * w)}
             if mode == "nvme":
-                want = {"d2h": (3, k * g), "h2d": (12, 4 * k * w),
+                want = {"d2h": (6, 2 * k * g), "h2d": (12, 4 * k * w),
                         "nvme_read": (3 + 12, 3 * k * 4 + 4 * k * w), "nvme_write": (3 + 3, 3 * k * 4 + k * w)}
             assert set(rows) == set(want)
             for op, (calls, nbytes) in want.items():
@@ -110,9 +170,10 @@ def test_traffic_rows_are_the_contract_by_hand():
     # ZeRO-1 nvme keeps its parameters on the device: the step's h2d, no parameter reads
     rows = _offload_rows(Layout(dp=3, zero=1, offload="nvme"), Workload(seq=32, global_batch=6, dtype="fp32"))
     assert rows["nvme_read"].message_bytes == rows["nvme_write"].message_bytes == 3 * rows["h2d"].message_bytes
-    # ZeRO-2 over dp = 2 with one bucket (25 MiB holds the whole model): one unit of k = Φ/2
+    # ZeRO-2 over dp = 2 with one bucket (25 MiB holds the whole model): one unit of k = Φ/2, streamed
+    # after each of the 2 micro-batches' reductions
     rows = _offload_rows(Layout(dp=2, zero=2, offload="cpu"), Workload(seq=32, global_batch=4, dtype="fp32"))
-    assert (rows["d2h"].calls, rows["d2h"].message_bytes) == (1, 4 * (ROOT + 2 * BLOCK) // 2)
+    assert (rows["d2h"].calls, rows["d2h"].message_bytes) == (2, 2 * 4 * (ROOT + 2 * BLOCK) // 2)
     # no offload: no row
     assert not _offload_rows(Layout(dp=3, zero=3), Workload(seq=32, global_batch=6))
 
@@ -165,7 +226,7 @@ def test_rows_from_a_config_summed_over_ranks():
     assert layout.offload == "cpu"
     rows = all_ranks(from_model_config(cfg.model), layout, work)
     k = -(-ROOT // 2) + 2 * -(-BLOCK // 2)
-    assert rows[("offload", "d2h")] == {"calls": 2 * 3, "message_bytes": 2 * k * 4, "bytes_sent": 2 * k * 4}
+    assert rows[("offload", "d2h")] == {"calls": 2 * 3 * 2, "message_bytes": 2 * 2 * k * 4, "bytes_sent": 2 * 2 * k * 4}
     assert rows[("offload", "h2d")]["message_bytes"] == 2 * k * 4
     assert ("offload", "nvme_read") not in rows
 
@@ -206,13 +267,15 @@ def test_zero3_nvme_parameter_reads_are_exposed():
     k = -(-ROOT // 3) + 2 * -(-BLOCK // 3)
     est = estimate(TINY, Layout(dp=3, zero=3, offload="nvme"), work, DGX)
     reads = 4 * k * 4                                             # 4 gathers a unit, fp32 shards
-    assert stage_param_reads(est.flows, work) == pytest.approx(reads / acc.nvme_bandwidth + reads / acc.pcie_bandwidth)
-    step = offload_exposed(3, k * 4 / acc.pcie_bandwidth, host_step_seconds(work, acc, k), 0.0,
-                           12 * k / acc.nvme_bandwidth, 16 * k / acc.nvme_bandwidth)
-    assert stage_offload_exposed(est.flows, work, acc) == pytest.approx(step)
-    assert est.time.offload_s == pytest.approx(step + stage_param_reads(est.flows, work))
+    assert stage_param_reads(est.flows, work, 2) == pytest.approx(reads / acc.nvme_bandwidth + reads / acc.pcie_bandwidth)
+    # the gradients streamed during the backward (2 micro-batches): the step waits for the last copy only
+    last = 2 * k * 4 / acc.pcie_bandwidth / 6
+    step = last + offload_exposed(3, 0.0, host_step_seconds(work, acc, k), 0.0,
+                                  12 * k / acc.nvme_bandwidth, 16 * k / acc.nvme_bandwidth)
+    assert stage_offload_exposed(est.flows, work, acc, 2) == pytest.approx(step)
+    assert est.time.offload_s == pytest.approx(step + stage_param_reads(est.flows, work, 2))
     cpu = estimate(TINY, Layout(dp=3, zero=3, offload="cpu"), work, DGX)
-    assert stage_param_reads(cpu.flows, work) == 0.0
+    assert stage_param_reads(cpu.flows, work, 2) == 0.0
 
 
 def test_step_time_charges_the_host_step_not_the_device_optimizer():

@@ -16,6 +16,16 @@ only its own shard [lo, hi) of every unit (zero.py).
   updated parameter shard (converted to the parameters' dtype on the host) goes host -> device. On CUDA
   every gradient copy is issued at once on a side stream and the host waits only for the unit it
   updates next, and each unit's parameter copy runs while the host updates the next unit.
+- Gradients streamed to the host (ZeRO-2 and 3, both modes; Ren et al. 2021, §4.1; `streams_grads`):
+  the reduced gradient shards never stay on the device. When the engine folds a unit's reduce-scatter
+  in (parallel/zero.py `_fold`, at most MAX_INFLIGHT behind the backward) `add_grad` copies the shard
+  down (d2h; on CUDA on the side stream, behind the reduce-scatter) into one of LANDING host buffers of
+  the largest shard, then adds it to the unit's host gradient shard, where the micro-batches accumulate
+  (as DeepSpeed accumulates into the CPU partition), and the unit's device gradient and result are
+  freed. On the CPU the add follows the copy at once; on CUDA it waits until the landing buffer is
+  needed again or the engine's `finish` (`settle`). The step then starts with the gradients in host
+  memory (no d2h at the step); the norm and clipping run on those host shards. ZeRO-1 keeps its whole
+  gradient on the device and copies the shard down at the step as above.
 - "nvme" (`DiskState`): the master shard and the moments of every unit live in one file per rank in
   OFFLOAD_DIR/rank-RRRRR/ (unit j at a fixed offset, [master | exp_avg | exp_avg_sq], and with ZeRO-3
   its parameter shard after them: [... | param]), read with
@@ -26,7 +36,7 @@ only its own shard [lo, hi) of every unit (zero.py).
   the checkpoint, which is what a resume reads) and its name is removed as soon as it is open, so no
   other run can open it and the kernel frees it when the process ends, however it ends (a crash
   leaves nothing behind; `df` shows the space while the run lives, `ls` does not).
-- "nvme" with ZeRO-3 (`params_on_disk`, ZeRO-Infinity's parameter offload): the device keeps no
+- "nvme" with ZeRO-3 (`params_on_disk`: the store `holds_params`, ZeRO-Infinity's parameter offload): the device keeps no
   parameter shard between uses either. Before each all-gather of unit u (every gather the engine makes:
   forward, backward, prefetches, pipeline uses) `read_params` reads the shard from the file into a host
   buffer of the largest shard (nvme_read) and copies it up (h2d) into the shard's own slot of the
@@ -41,7 +51,7 @@ master element):
 
 | op         | calls | message (= bytes sent)           | mode        |
 |------------|-------|----------------------------------|-------------|
-| d2h        | 1     | k_u · g   (reduced gradient)     | cpu, nvme   |
+| d2h        | c_u   | k_u · g   (reduced gradient)     | cpu, nvme: ZeRO-1 once at the step; ZeRO-2/3 after each of the unit's c_u reduce-scatters (m per step outside a pipeline, 1 under one) |
 | h2d        | 1     | k_u · w   (updated parameters)   | cpu, nvme (not ZeRO-3 nvme) |
 | nvme_read  | 1     | 3 k_u · m (master, m, v)         | nvme        |
 | nvme_write | 1     | 3 k_u · m                        | nvme        |
@@ -56,8 +66,8 @@ with full recompute; the root unit under a pipeline once a step), instead of the
 | h2d        | G_u   | k_u · w                          | into the gathered buffer's slot    |
 | nvme_write | 1     | k_u · w   (updated parameters)   | after the step, written behind     |
 
-Summed over units: (g + w)·Φ/n over PCIe and 2·3m·Φ/n to and from disk (Φ/n: this rank's padded
-shards); ZeRO-3 nvme: (g + G·w)·Φ/n over PCIe and (6m + (G + 1)·w)·Φ/n to and from disk (G gathers a
+Summed over units: (c·g + w)·Φ/n over PCIe and 2·3m·Φ/n to and from disk (Φ/n: this rank's padded
+shards; c the copies of each gradient shard); ZeRO-3 nvme: (c·g + G·w)·Φ/n over PCIe and (6m + (G + 1)·w)·Φ/n to and from disk (G gathers a
 unit). A skipped (non-finite) step moves nothing in the step; the gathers still read. In nvme mode a
 checkpoint's save or load reads or writes the file once per unit, recorded as nvme_read / nvme_write
 under dim "checkpoint" (a load with parameters on disk also writes each parameter shard, a second
@@ -81,6 +91,7 @@ import torch
 
 from ..comm import transfer
 from ..comm.ledger import CommLedger
+from .zero_reduce import LANDING
 
 MODES = ("cpu", "nvme")
 SLOTS = 2   # disk mode: units whose state is in host memory at once (the one updated, the one read ahead)
@@ -99,31 +110,82 @@ def _sizes(params: int = 0, grads: int = 0, optimizer: int = 0) -> dict:
 
 
 class OffloadedState:
-    """The optimizer state of a ZeRO engine's units off the device, and the step that updates it.
+    """The optimizer state of a ZeRO engine's units off the device, and the step that updates it (a
+    `StateStore`, zero_state.py).
 
     `units`: the engine's units (shard_size, segments); `decay[j]`: per segment of unit j, whether it
-    decays; `params[j]`: the device parameter shard of unit j, which also initialises the master."""
+    decays; `params[j]`: the device parameter shard of unit j, which also initialises the master;
+    `optimizer`: the AdamW whose arithmetic (`advance`, `update`) and step count the store uses."""
 
     mode = ""
+    holds_params = False
 
     def __init__(self, units: list, decay: list[list[bool]], params: list[torch.Tensor], master_dtype: torch.dtype,
-                 grad_dtype: torch.dtype, ledger: CommLedger | None):
-        self.units, self.decay, self.ledger = units, decay, ledger
+                 grad_dtype: torch.dtype, ledger: CommLedger | None, optimizer, streams_grads: bool = False):
+        self.units, self.decay, self.ledger, self.optimizer = units, decay, ledger, optimizer
         self.master_dtype, self.grad_dtype = master_dtype, grad_dtype
         self.param_dtype = params[0].dtype if params else master_dtype
         self.device = params[0].device if params else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.convert = self.param_dtype != self.master_dtype   # bf16 parameters: converted on the host
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.streams_grads = streams_grads
+        pin = self.cuda
+        # streaming: every unit's gradient shard accumulates in host memory; a reduced shard lands in one of
+        # LANDING host buffers of the largest shard first (the copy may still run when the next one comes)
+        self.grads = [_host(u.shard_size, grad_dtype, pin) for u in units] if streams_grads else []
+        largest = max((u.shard_size for u in units), default=0)
+        self.landing = [_host(largest, grad_dtype, pin) for _ in range(LANDING)] if streams_grads else []
+        self._pending: list = []   # (unit, landing buffer, device shard, copy done) not yet added
+        self._turn = 0
+
+    def _on_side(self):
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    # -- gradients streamed to the host during the backward (ZeRO-Offload) -----------------------------
+    def grad_shards(self) -> list[torch.Tensor]:
+        """Streaming: the host shards the reduced gradients accumulate in (the engine's `grad_shards`)."""
+        return self.grads
+
+    @torch.no_grad()
+    def add_grad(self, j: int, reduced: torch.Tensor) -> None:
+        """Streaming: unit j's reduced gradient shard (device) to host memory, d2h into a landing buffer
+        (on CUDA on the side stream, behind the reduce-scatter), then added to the host shard; the device's
+        bucket and result can go. On the CPU the add follows at once; on CUDA when the landing buffer is
+        needed again or at `settle`."""
+        if len(self._pending) == len(self.landing):
+            self._settle_oldest()
+        buf = self.landing[self._turn % len(self.landing)][:reduced.numel()]
+        self._turn += 1
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on_side():
+            transfer.copy(buf, reduced, self.ledger, "d2h", non_blocking=self.cuda)
+            done = self.stream.record_event() if self.cuda else None
+        self._pending.append((j, buf, reduced, done))   # `reduced` lives until its copy has landed
+        if not self.cuda:
+            self._settle_oldest()
+
+    def _settle_oldest(self) -> None:
+        j, buf, _, done = self._pending.pop(0)
+        if done is not None:
+            done.synchronize()
+        self.grads[j].add_(buf)
+
+    def settle(self) -> None:
+        """Every streamed gradient added to its host shard (the engine's `finish`)."""
+        while self._pending:
+            self._settle_oldest()
 
     # -- the step ----------------------------------------------------------------------------------
-    def step(self, optimizer, grads: list[torch.Tensor], params: list[torch.Tensor], lr: float) -> None:
+    def step(self, grads: list[torch.Tensor], params: list[torch.Tensor], lr: float) -> None:
         """AdamW on every unit: grads[j] (device, reduced and clipped) in, params[j] (device) updated."""
         raise NotImplementedError
 
-    def _update(self, optimizer, j: int, master, exp_avg, exp_avg_sq, grad, lr: float) -> None:
+    def _update(self, j: int, master, exp_avg, exp_avg_sq, grad, lr: float) -> None:
         """AdamW on unit j's segments: the same tensors, lengths and order as without offload."""
         for (_, a, n), decay in zip(self.units[j].segments, self.decay[j]):
-            optimizer.update(master[a:a + n], grad[a:a + n], exp_avg[a:a + n], exp_avg_sq[a:a + n], decay, lr)
+            self.optimizer.update(master[a:a + n], grad[a:a + n], exp_avg[a:a + n], exp_avg_sq[a:a + n], decay, lr)
 
     def _to_params(self, master: torch.Tensor, staging: torch.Tensor | None) -> torch.Tensor:
         """The host tensor the updated parameter shard is copied from (in the parameters' dtype)."""
@@ -138,8 +200,17 @@ class OffloadedState:
         """Replace unit j's state (a checkpoint load)."""
         raise NotImplementedError
 
+    def load_into(self, j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host tensors to read unit j's loaded state into before `put` (`StateStore.load_into`)."""
+        return self.state(j)
+
+    def read_params(self, j: int, dst: torch.Tensor) -> None:
+        """With `holds_params`: unit j's parameter shard into dst (device)."""
+        raise RuntimeError(f"offload {self.mode!r} keeps no parameter shards")
+
     def bytes(self) -> dict:
-        """{"host": {params, grads, optimizer, total}, "disk": {...}}: bytes this rank keeps off the device."""
+        """{"optimizer": 0 (on the device), "host": {params, grads, optimizer, total}, "disk": {...}}: bytes
+        this rank keeps off the device."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -148,40 +219,40 @@ class OffloadedState:
 
 class HostState(OffloadedState):
     """offload = "cpu": ZeRO-Offload. Every unit's master and moments in (pinned) host memory, plus a host
-    copy of its reduced gradient shard and, for low-precision parameters, a staging shard."""
+    copy of its reduced gradient shard (streamed in during the backward, or copied at the step for ZeRO-1)
+    and, for low-precision parameters, a staging shard."""
 
     mode = "cpu"
 
     @torch.no_grad()
-    def __init__(self, units, decay, params, master_dtype, grad_dtype, ledger):
-        super().__init__(units, decay, params, master_dtype, grad_dtype, ledger)
+    def __init__(self, units, decay, params, master_dtype, grad_dtype, ledger, optimizer, streams_grads=False):
+        super().__init__(units, decay, params, master_dtype, grad_dtype, ledger, optimizer, streams_grads)
         pin = self.cuda
         self.master = [_host(u.shard_size, master_dtype, pin) for u in units]
         for m, p in zip(self.master, params):
             m.copy_(p)   # setup: the master starts as the parameters (upcast)
         self.exp_avg = [_host(u.shard_size, master_dtype, False) for u in units]
         self.exp_avg_sq = [_host(u.shard_size, master_dtype, False) for u in units]
-        self.grads = [_host(u.shard_size, grad_dtype, pin) for u in units]
+        if not streams_grads:   # ZeRO-1: the reduced shards are slices of the device's whole gradient
+            self.grads = [_host(u.shard_size, grad_dtype, pin) for u in units]
         self.staging = [_host(u.shard_size, self.param_dtype, pin) for u in units] if self.convert else None
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-
-    def _on_side(self):
-        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     @torch.no_grad()
-    def step(self, optimizer, grads, params, lr):
-        optimizer.advance()
-        ready = []
+    def step(self, grads, params, lr):
+        self.optimizer.advance()
+        ready = [None] * len(self.units)   # streamed: the (clipped) gradients are in host memory already
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))   # the reduced, clipped shards
-        with self._on_side():   # every gradient copy at once: the host waits only for the unit it needs
-            for host, dev in zip(self.grads, grads):
-                transfer.copy(host, dev, self.ledger, "d2h", non_blocking=self.cuda)
-                ready.append(self.stream.record_event() if self.cuda else None)
+        if not self.streams_grads:
+            ready = []
+            with self._on_side():   # every gradient copy at once: the host waits only for the unit it needs
+                for host, dev in zip(self.grads, grads):
+                    transfer.copy(host, dev, self.ledger, "d2h", non_blocking=self.cuda)
+                    ready.append(self.stream.record_event() if self.cuda else None)
         for j in range(len(self.units)):
             if ready[j] is not None:
                 ready[j].synchronize()
-            self._update(optimizer, j, self.master[j], self.exp_avg[j], self.exp_avg_sq[j], self.grads[j], lr)
+            self._update(j, self.master[j], self.exp_avg[j], self.exp_avg_sq[j], self.grads[j], lr)
             src = self._to_params(self.master[j], self.staging[j] if self.convert else None)
             with self._on_side():   # overlaps the next unit's update
                 transfer.copy(params[j], src, self.ledger, "h2d", non_blocking=self.cuda)
@@ -198,7 +269,8 @@ class HostState(OffloadedState):
                 dst.copy_(src)
 
     def bytes(self) -> dict:
-        return {"host": _sizes(_nbytes(self.staging or []), _nbytes(self.grads),
+        return {"optimizer": 0,
+                "host": _sizes(_nbytes(self.staging or []), _nbytes(self.grads + self.landing),
                                _nbytes(self.master + self.exp_avg + self.exp_avg_sq)),
                 "disk": _sizes()}
 
@@ -221,10 +293,10 @@ class DiskState(OffloadedState):
     mode = "nvme"
 
     @torch.no_grad()
-    def __init__(self, units, decay, params, master_dtype, grad_dtype, ledger, folder: str | Path, rank: int,
-                 params_on_disk: bool = False):
-        super().__init__(units, decay, params, master_dtype, grad_dtype, ledger)
-        self.params_on_disk = params_on_disk
+    def __init__(self, units, decay, params, master_dtype, grad_dtype, ledger, optimizer, folder: str | Path,
+                 rank: int, params_on_disk: bool = False, streams_grads: bool = False):
+        super().__init__(units, decay, params, master_dtype, grad_dtype, ledger, optimizer, streams_grads)
+        self.holds_params = params_on_disk
         pin = self.cuda
         self.dir = Path(folder).expanduser() / f"rank-{rank:05d}"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -243,7 +315,8 @@ class DiskState(OffloadedState):
         self.param_file_bytes = sum(u.shard_size for u in units) * pitem if params_on_disk else 0
         largest = max((u.shard_size for u in units), default=0)
         self.slots = [_host(3 * largest, master_dtype, pin) for _ in range(SLOTS)]
-        self.grad_slots = [_host(largest, grad_dtype, pin) for _ in range(SLOTS)]
+        # ZeRO-1: the unit's gradient copied down at the step into one of two slots; streamed: self.grads
+        self.grad_slots = [] if streams_grads else [_host(largest, grad_dtype, pin) for _ in range(SLOTS)]
         self.staging = [_host(largest, self.param_dtype, pin) for _ in range(SLOTS)] if self.convert else None
         # params on disk: the host buffer a parameter shard passes through on its way to an all-gather
         self.gather_buf = _host(largest, self.param_dtype, pin) if params_on_disk else None
@@ -280,8 +353,8 @@ class DiskState(OffloadedState):
         transfer.copy(dst, buf, self.ledger, "h2d")
 
     @torch.no_grad()
-    def step(self, optimizer, grads, params, lr):
-        optimizer.advance()
+    def step(self, grads, params, lr):
+        self.optimizer.advance()
         units, futures = self.units, []
         reads = {}
 
@@ -294,14 +367,17 @@ class DiskState(OffloadedState):
                 read_ahead(j)
             for j, u in enumerate(units):
                 k, s = j % SLOTS, u.shard_size
-                grad = self.grad_slots[k][:s]
-                transfer.copy(grad, grads[j], self.ledger, "d2h")
+                if self.streams_grads:
+                    grad = self.grads[j]
+                else:
+                    grad = self.grad_slots[k][:s]
+                    transfer.copy(grad, grads[j], self.ledger, "d2h")
                 reads.pop(j).result()
                 slot = self._slot(k, s)
                 master, exp_avg, exp_avg_sq = slot[:s], slot[s:2 * s], slot[2 * s:]
-                self._update(optimizer, j, master, exp_avg, exp_avg_sq, grad, lr)
+                self._update(j, master, exp_avg, exp_avg_sq, grad, lr)
                 src = self._to_params(master, self.staging[k][:s] if self.convert else None)
-                if self.params_on_disk:   # to the file, behind (src's slot is reused only after it)
+                if self.holds_params:   # to the file, behind (src's slot is reused only after it)
                     futures.append(self.io.submit(self._write_params, j, src))
                 else:
                     transfer.copy(params[j], src, self.ledger, "h2d")
@@ -319,29 +395,24 @@ class DiskState(OffloadedState):
         self._read(j, buf, "checkpoint")
         return buf[:s], buf[s:2 * s], buf[2 * s:]
 
+    def load_into(self, j):
+        s = self.units[j].shard_size
+        buf = torch.zeros(3 * s, dtype=self.master_dtype)   # not read: a load replaces all of it
+        return buf[:s], buf[s:2 * s], buf[2 * s:]
+
     @torch.no_grad()
     def put(self, j, master, exp_avg, exp_avg_sq):
         buf = torch.cat([t.reshape(-1).to("cpu", self.master_dtype) for t in (master, exp_avg, exp_avg_sq)])
         self._write(j, buf, "checkpoint")
-        if self.params_on_disk:   # the parameters are the master in their dtype (as after a step)
+        if self.holds_params:   # the parameters are the master in their dtype (as after a step)
             self._write_params(j, buf[:self.units[j].shard_size].to(self.param_dtype), "checkpoint")
 
     def bytes(self) -> dict:
-        host_params = _nbytes(self.staging or []) + (_nbytes([self.gather_buf]) if self.params_on_disk else 0)
-        return {"host": _sizes(host_params, _nbytes(self.grad_slots), _nbytes(self.slots)),
+        host_params = _nbytes(self.staging or []) + (_nbytes([self.gather_buf]) if self.holds_params else 0)
+        return {"optimizer": 0, "host": _sizes(host_params, _nbytes(self.grad_slots + self.grads + self.landing),
+                                               _nbytes(self.slots)),
                 "disk": _sizes(params=self.param_file_bytes, optimizer=self.file_bytes - self.param_file_bytes)}
 
     def close(self) -> None:
         self._finalizer()
 
-
-def offloaded_state(mode: str, units: list, decay: list[list[bool]], params: list[torch.Tensor],
-                    master_dtype: torch.dtype, grad_dtype: torch.dtype, ledger: CommLedger | None,
-                    folder: str = "", rank: int = 0, params_on_disk: bool = False) -> OffloadedState:
-    """The state of `units` offloaded to host memory ("cpu") or to files in `folder` ("nvme"; with
-    `params_on_disk`, ZeRO-3's parameter shards too)."""
-    if mode == "cpu":
-        return HostState(units, decay, params, master_dtype, grad_dtype, ledger)
-    if mode == "nvme":
-        return DiskState(units, decay, params, master_dtype, grad_dtype, ledger, folder, rank, params_on_disk)
-    raise ValueError(f"offload must be one of {MODES} (or 'none'), got {mode!r}")

@@ -23,6 +23,8 @@ from functools import lru_cache
 from .. import rules
 from ..parallel.zero_order import (MAX_INFLIGHT, backward_prefetch, backward_slots, forward_prefetch,
                                    frees_after_forward)
+from ..parallel.zero_reduce import LANDING
+from ..parallel.zero_reduce import streams_grads as _streams
 from ..shapes import padded, padded_vocab, shard_size
 from .activations import hidden_tensor_bytes, rank_tokens, routed_per_token
 from .layout import Layout, Workload, microbatches
@@ -61,7 +63,7 @@ class BufferTimeline:
 
 
 def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """ZeRO-3's gather slots on one rank of `stage` (parallel/zero.py, `Zero3.make_units`): the root
+    """ZeRO-3's gather slots on one rank of `stage` (parallel/zero_unit.py `block_slots`): the root
     (every parameter outside the blocks: embedding on the first stage, final norm and untied head on the
     last), then each block, each slot's units as (elements, group size): dense over dp·cp, routed experts
     over dp·cp/ep. Every unit is a flat buffer padded to a multiple of its group size."""
@@ -76,7 +78,7 @@ def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tup
 
 
 def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int) -> int:
-    """Peak bytes of ZeRO-3 outside a pipeline, replaying `micro` micro-batches as Zero3 runs them.
+    """Peak bytes of ZeRO-3 outside a pipeline, replaying `micro` micro-batches as `Stage3` runs them.
 
     Forward: the root is gathered for the whole forward (its hook wraps the model), each block is
     gathered with the next one prefetched, and freed after its forward (reshard_after_forward; else
@@ -126,6 +128,21 @@ def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int) -> i
             if k:
                 reduce_slot(k)
         reduce_slot(0)
+    return t.peak
+
+
+def _replay_buckets(units: tuple, g: int, micro: int) -> int:
+    """Peak bytes of ZeRO-2's gradient buckets outside a pipeline, replaying `micro` micro-batches as the
+    engine runs them (parallel/zero.py `_on_grad`, `_reduce`, `_fold`): in backward order each bucket's
+    full gradient fills, is reduce-scattered into a shard-sized result, and is freed with the result once
+    it is folded in, which happens to the oldest once more than MAX_INFLIGHT are in flight. `units`:
+    (elements, group size) in the engine's order. With streamed gradients (offload) nothing else of the
+    gradient stays on the device: this is its device gradient, about (MAX_INFLIGHT + 1)·(B + B/n)."""
+    t = BufferTimeline()
+    for _ in range(micro):
+        for u in units:
+            t.add(g * padded(*u))
+            t.reduce(g * padded(*u), g * shard_size(*u))
     return t.peak
 
 
@@ -187,7 +204,7 @@ def _zero3_buffers(model: PlanModel, layout: Layout, stage: int, w: int, g: int,
 def zero_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
     """What ZeRO-2/3 hold beyond the model states between steps, at their peak during a step.
 
-    ZeRO-3 (parallel/zero.py, `Zero3`) is replayed event by event on its padded units (`zero3_slots`):
+    ZeRO-3 (parallel/zero_stage.py, `Stage3`) is replayed event by event on its padded units (`zero3_slots`):
     gathered parameters (w bytes each), full gradient buffers and reduce-scatters in flight (g bytes;
     each keeps its unit's full gradient and a shard-sized result until folded). The root unit (embedding,
     final norm, head) counts in full: outside a pipeline it is gathered for the whole forward and the
@@ -203,11 +220,16 @@ def zero_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     is gathered at a time and the stage's full gradient G accumulates, reduced at the step's end in
     unit order: about w·(R + B) + g·G plus up to three shard results. Micro-batches after the second
     repeat the second's peak, so at most two are replayed. ZeRO-2 under a pipeline accumulates the
-    stage's full gradient (g·G); ZeRO-2's transient buckets outside a pipeline are not counted. With
+    stage's full gradient (g·G); ZeRO-2's transient buckets outside a pipeline are counted only when the
+    gradients stream to the host (offload, `_replay_buckets`: then they are all the device holds of the
+    gradient; without offload the shards, g·Φ/n, dominate them and they are not counted). With
     `reduce_each_microbatch` under a pipeline (ZeRO-2 or 3) see `_replay_each_microbatch`: about
     w·(R + B) (ZeRO-3) + g·R (a tied root) + g·B + 2·g·(B + b), no full gradient."""
     if layout.zero < 2:
         return 0.0
+    if layout.zero == 2 and layout.pp == 1 and streams_grads(layout):
+        micro = min(microbatches(layout, work), 2)
+        return float(_replay_buckets(offload_units(model, layout, work, stage), work.grad_bytes, micro))
     if layout.zero == 3 or (layout.pp > 1 and layout.reduce_each_microbatch):
         micro = min(microbatches(layout, work), 2)
         return float(_zero3_buffers(model, _buffer_key(layout), stage, work.param_bytes, work.grad_bytes, micro))
@@ -263,21 +285,30 @@ def offload_units(model: PlanModel, layout: Layout, work: Workload, stage: int) 
     return tuple(units)
 
 
+def streams_grads(layout: Layout) -> bool:
+    """ZeRO-Offload's gradient streaming (parallel/zero_reduce.py `streams_grads`): with offload, ZeRO-2/3
+    send each reduced gradient shard to host memory during the backward and keep none on the device."""
+    return _streams(layout.zero, layout.offload)
+
+
 def params_on_disk(layout: Layout) -> bool:
     """ZeRO-Infinity's parameter offload: ZeRO-3 with nvme keeps the parameter shards in the file between
-    uses (parallel/zero.py `params_on_disk`), read before each all-gather."""
+    uses (the state store `holds_params`: parallel/zero_state.py), read before each all-gather."""
     return layout.offload == "nvme" and layout.zero == 3
 
 
 def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
     """What rank 0 of `stage` keeps off the device under `layout.offload`, as the runtime's offloaded state
-    reports it (parallel/offload.py, `bytes()`): {"host": {params, grads, optimizer, total}, "disk": {...}}.
+    reports it (parallel/offload.py, `bytes()`): {"optimizer": 0, "host": {params, grads, optimizer, total}, "disk": {...}}.
     Per unit of shard k elements (padded), mb / g / w bytes per master / gradient / parameter element,
     s = w when the parameters are not in the master dtype (their staging copy for the copy up), else 0:
 
         cpu   host  Σ (3·mb + g + s)·k        master, exp_avg, exp_avg_sq, the reduced gradient shard, staging
         nvme  disk  Σ 3·mb·k                  master, exp_avg, exp_avg_sq in one file
               host  2·(3·mb + g + s)·k_max    two slots of the largest unit: the one updated, the one read ahead
+        ZeRO-2/3 (`streams_grads`), the gradients instead:
+              host  grads g·Σ k + LANDING·g·k_max   every reduced shard (streamed in during the backward,
+                                                    both modes) and the buffers a shard lands in first
         ZeRO-3 nvme, in addition (`params_on_disk`):
               disk  params Σ w·k              the parameter shards
               host  params w·k_max            the buffer a shard passes through on its way to an all-gather
@@ -291,7 +322,8 @@ def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) 
     k = sum(shards) if layout.offload == "cpu" else 2 * max(shards, default=0)
     on_disk = params_on_disk(layout)
     w = work.param_bytes
-    host = {"params": s * k + (w * max(shards, default=0) if on_disk else 0), "grads": g * k, "optimizer": 3 * mb * k}
+    grads = g * (sum(shards) + LANDING * max(shards, default=0)) if streams_grads(layout) else g * k
+    host = {"params": s * k + (w * max(shards, default=0) if on_disk else 0), "grads": grads, "optimizer": 3 * mb * k}
     disk = {"params": w * sum(shards) if on_disk else 0, "grads": 0,
             "optimizer": 3 * mb * sum(shards) if layout.offload == "nvme" else 0}
     return {where: {**d, "total": sum(d.values())} for where, d in (("host", host), ("disk", disk))}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from .activations import stage_activations
 from .buffers import (backward_scratch, edge_scratch, loss_scratch, offload_memory, params_on_disk, step_scratch,
-                      zero_at_edge, zero_at_loss, zero_buffers)
+                      streams_grads, zero_at_edge, zero_at_loss, zero_buffers)
 from .layout import Layout, Workload
 from .models import PlanModel
 from .units import candidate_stages, layout_layers, model_states, optimizer_bytes_per_param
@@ -55,11 +55,14 @@ class Memory:
 def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
     """One rank of `stage`: device bytes per component (COMPONENTS) and their `total`; with offload also
     `offloaded` (the optimizer bytes that left the device), `offloaded_params` (the weight shards that left
-    it: ZeRO-3 nvme), `host` and `disk` (`offload_memory`)."""
+    it: ZeRO-3 nvme), `offloaded_grads` (the gradient shards streamed to the host: ZeRO-2/3), `host` and
+    `disk` (`offload_memory`)."""
     row = dict(model_states(model, layout, work, stage))
-    row["offloaded"] = row["offloaded_params"] = 0.0
+    row["offloaded"] = row["offloaded_params"] = row["offloaded_grads"] = 0.0
     if layout.offload != "none":
         row["offloaded"], row["optimizer"] = row["optimizer"], 0
+    if streams_grads(layout):   # ZeRO-2/3 offload: the reduced shards go to the host during the backward
+        row["offloaded_grads"], row["grads"] = row["grads"], 0
     if params_on_disk(layout):
         row["offloaded_params"], row["weights"] = row["weights"], 0
     row.update(offload_memory(model, layout, work, stage))

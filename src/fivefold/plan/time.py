@@ -40,7 +40,8 @@ Communication: a collective takes bytes_sent / (tier bandwidth / oversubscriptio
   the host, unit by unit: the reduced gradient shard comes to the host (d2h), the host's Adam (memory
   bound at the host's bandwidth, `host_step_seconds`) updates it, the updated parameter shard goes back
   (h2d); nvme reads each unit's state ahead and writes it behind. `offload_exposed`: all of it is past
-  the backward (the runtime copies after clipping), only the copies and updates of different units overlap.
+  the backward (the runtime copies after clipping), only the copies and updates of different units overlap;
+  ZeRO-2/3 stream the gradients down during the backward instead (`streams_grads`): only the last copy waits.
   ZeRO-3 nvme also reads each parameter shard from disk and copies it up before each all-gather, on the
   gather's critical path (the host reads, copies up with a blocking copy, then issues the gather): every
   such read and copy is exposed, the slowest stage's (`stage_param_reads`).
@@ -64,7 +65,8 @@ from .layout import Layout, Workload, microbatches, schedule_of
 from .units import layout_layers, stage_layers
 from .models import PlanModel
 from .topology import Topology
-from .traffic import KIND, Flow
+from .buffers import streams_grads
+from .traffic import KIND, Flow, zero_reductions
 
 SIMULATE_MAX_ACTIONS = 4096   # 2·p·m·v compute actions; longer schedules use the closed forms (speed)
 
@@ -478,7 +480,7 @@ def offload_exposed(units: int, d2h: float, host: float, h2d: float, read: float
     return (d2h + host + h2d) / u + (1 - 1 / u) * max(d2h, host, h2d)
 
 
-def _offload_parts(flows: list[Flow], work: Workload) -> dict[str, float] | None:
+def _offload_parts(flows: list[Flow], work: Workload, streamed: int = 0) -> dict[str, float] | None:
     """The seconds of one stage's placed "offload" rows split into the optimizer step's part and the
     parameter reads before ZeRO-3 all-gathers (parameters on disk). The step reads 3·K·mb (K = d2h bytes
     / g, the shard elements); the rest of nvme_read, and as much of h2d, are the gathers' reads and copies
@@ -486,31 +488,43 @@ def _offload_parts(flows: list[Flow], work: Workload) -> dict[str, float] | None
     rows = {f.op: f for f in flows if f.dim == "offload"}
     if "d2h" not in rows:
         return None
-    k = rows["d2h"].message_bytes / work.grad_bytes
+    per = max(streamed, 1)   # streamed gradients: d2h copies per unit per step
+    k = rows["d2h"].message_bytes / work.grad_bytes / per
     part = lambda op, nbytes: rows[op].seconds * nbytes / rows[op].message_bytes if op in rows else 0.0  # noqa: E731
     gather = rows["nvme_read"].message_bytes - 3 * k * work.master_bytes if "nvme_read" in rows else 0.0
     h2d = rows["h2d"].message_bytes if "h2d" in rows else 0.0
-    return {"units": rows["d2h"].calls, "d2h": rows["d2h"].seconds, "k": k,
+    return {"units": max(1, round(rows["d2h"].calls / per)), "d2h": rows["d2h"].seconds, "k": k,
             "h2d": part("h2d", h2d - gather), "read": part("nvme_read", 3 * k * work.master_bytes),
             "write": rows["nvme_write"].seconds if "nvme_write" in rows else 0.0,
             "gather": part("nvme_read", gather) + part("h2d", gather)}
 
 
-def stage_offload_exposed(flows: list[Flow], work: Workload, acc) -> float:
+def stage_offload_exposed(flows: list[Flow], work: Workload, acc, streamed: int = 0) -> float:
     """`offload_exposed` of one stage from its placed "offload" rows (units: the d2h calls; the host's Adam
     over the shard, d2h bytes / g elements, `host_step_seconds`). ZeRO-3 nvme: the step's part only (its
-    nvme_write includes the parameter shards; the gathers' reads are `stage_param_reads`)."""
-    p = _offload_parts(flows, work)
+    nvme_write includes the parameter shards; the gathers' reads are `stage_param_reads`).
+
+    `streamed` > 0: ZeRO-2/3 gradients streamed to the host during the backward, `streamed` copies per unit
+    (traffic.py `zero_reductions`; ZeRO-Offload, Ren et al. 2021, §4.1): each copy runs behind its bucket's
+    reduce-scatter while the backward goes on, so the step waits only for the last one (d2h / calls), and
+    the host's step starts with every gradient in host memory. Taken as hidden: the backward makes a
+    bucket's gradient no faster than PCIe moves its shard (true when PCIe bandwidth · backward time
+    exceeds the gradient shard's bytes)."""
+    p = _offload_parts(flows, work, streamed)
     if p is None:
         return 0.0
     host = host_step_seconds(work, acc, p["k"])
+    if streamed:
+        last = p["d2h"] / max(1, round(p["units"] * streamed))
+        return last + offload_exposed(p["units"], 0.0, host, p["h2d"], p["read"], p["write"])
     return offload_exposed(p["units"], p["d2h"], host, p["h2d"], p["read"], p["write"])
 
 
-def stage_param_reads(flows: list[Flow], work: Workload) -> float:
+def stage_param_reads(flows: list[Flow], work: Workload, streamed: int = 0) -> float:
     """ZeRO-3 nvme: seconds one stage spends reading parameter shards from disk and copying them up before
-    its all-gathers (each gather waits for its own read and copy; nothing of it is hidden). 0 otherwise."""
-    p = _offload_parts(flows, work)
+    its all-gathers (each gather waits for its own read and copy; nothing of it is hidden). 0 otherwise.
+    `streamed`: as `stage_offload_exposed`."""
+    p = _offload_parts(flows, work, streamed)
     return p["gather"] if p else 0.0
 
 
@@ -586,10 +600,11 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         out.optimizer_s = 0.0 if work.fused_optimizer else \
             owned * (rules.EAGER_GRAD_NORM_BYTES + work.grad_bytes) / acc.hbm_bandwidth
         # each stage's host step follows its own reduction (r) and clipping; the step ends with the latest
-        ends = [r + stage_offload_exposed(flows, work, acc) for (r, _), flows in zip(grads, flows_by_stage.values())]
+        streamed = zero_reductions(L, m) if streams_grads(L) else 0   # ZeRO-2/3: d2h during the backward
+        ends = [r + stage_offload_exposed(flows, work, acc, streamed) for (r, _), flows in zip(grads, flows_by_stage.values())]
         out.offload_s = max(0.0, max(ends) - max(r for r, _ in grads))
         # ZeRO-3 nvme: the parameter reads before the gathers, on the slowest stage's path
-        out.offload_s += max(stage_param_reads(flows, work) for flows in flows_by_stage.values())
+        out.offload_s += max(stage_param_reads(flows, work, streamed) for flows in flows_by_stage.values())
     out.step_time_s = out.pipeline_s + out.grad_comm_s + out.step_comm_s + out.optimizer_s + out.offload_s
     out.exposed = {"layer": out.layer_comm_s, "grad": out.grad_comm_s, "step": out.step_comm_s,
                    "offload": out.offload_s}

@@ -66,7 +66,8 @@ from ..rules import (STEP_CHUNK, cp_degrees, grad_norm_group, kv_replicas, moe_c
                      moe_sequence_parts, moe_splits_rows)
 from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
-from .buffers import offload_units, params_on_disk
+from ..parallel.zero_reduce import reduce_policy
+from .buffers import offload_units, params_on_disk, streams_grads
 from .units import (block_units, exact_tensors, held_root, layout_layers, owned_tagged, root_tensors, stage_params,
                     unit_sums, unit_tensors, zero_units)
 from .models import PlanModel
@@ -369,7 +370,7 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
 
 
 def zero3_gathers(L: Layout, m: int, root: bool) -> int:
-    """All-gathers of one ZeRO-3 unit per step on one rank (parallel/zero.py `Zero3`), whatever the group
+    """All-gathers of one ZeRO-3 unit per step on one rank (parallel/zero_stage.py `Stage3`), whatever the group
     size (a group of one "gathers" too, a copy the ledger does not record): without a pipeline before each
     micro-batch's forward and again before its backward (once with reshard_after_forward off), the root
     unit included; under one, a block before every forward and backward it runs, the root unit once for
@@ -378,6 +379,16 @@ def zero3_gathers(L: Layout, m: int, root: bool) -> int:
     if L.pp > 1:
         return 1 if root else 2 * m
     return (2 if L.reshard_after_forward else 1) * m
+
+
+def zero_reductions(L: Layout, m: int, held: bool = False) -> int:
+    """Reduce-scatters of one ZeRO unit per step on one rank (the runtime's reduce policy,
+    parallel/zero_reduce.py), whatever the group size: once (ZeRO-1; ZeRO-2/3 under a pipeline unless
+    reduce_each_microbatch; a held unit, a tied copy's, reduced after the copies' sum) or once per
+    micro-batch."""
+    if held or reduce_policy(L.zero, L.pp > 1, L.reduce_each_microbatch).keeps_full_grads:
+        return 1
+    return m
 
 
 def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, w: Workload, m: int,
@@ -551,15 +562,22 @@ def _offload_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: in
     """Offload copies of one rank of `stage` in one step (parallel/offload.py): once per ZeRO unit
     (`buffers.offload_units`, shard k elements), "d2h" of the reduced gradient shard (k·g bytes) and "h2d"
     of the updated parameter shard (k·w); with nvme also "nvme_read" and "nvme_write" of the master,
-    exp_avg and exp_avg_sq (3·k·mb each way). ZeRO-3 nvme (`buffers.params_on_disk`): no h2d after the
-    step but an "nvme_write" of k·w, and before each of the unit's all-gathers (`zero3_gathers`; the
-    first `root` units are the root) an "nvme_read" and an "h2d" of k·w."""
+    exp_avg and exp_avg_sq (3·k·mb each way). ZeRO-2/3 stream the gradients (`buffers.streams_grads`):
+    a "d2h" of k·g after each of the unit's reduce-scatters (`zero_reductions`: m per step outside a
+    pipeline, 1 under one; a held root once), during the backward. ZeRO-3 nvme (`buffers.params_on_disk`):
+    no h2d after the step but an "nvme_write" of k·w, and before each of the unit's all-gathers
+    (`zero3_gathers`; the first `root` units are the root) an "nvme_read" and an "h2d" of k·w."""
     if L.offload == "none":
         return
     units = offload_units(model, L, w, stage)
     shards = [shard_size(u, n) for u, n in units]
     k = sum(shards)
-    f.add_copy("offload", "d2h", "pcie", k * w.grad_bytes, len(units))
+    if streams_grads(L):
+        held = held_root(model, L, stage)
+        copies = [zero_reductions(L, m, held and i < root) for i in range(len(shards))]
+        f.add_copy("offload", "d2h", "pcie", sum(c * ku for c, ku in zip(copies, shards)) * w.grad_bytes, sum(copies))
+    else:
+        f.add_copy("offload", "d2h", "pcie", k * w.grad_bytes, len(units))
     if L.offload == "nvme":
         f.add_copy("offload", "nvme_read", "nvme", 3 * k * w.master_bytes, len(units))
         f.add_copy("offload", "nvme_write", "nvme", 3 * k * w.master_bytes, len(units))

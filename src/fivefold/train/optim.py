@@ -46,6 +46,13 @@ class AdamW:
         self.t = 0
         self.foreach = foreach is not False
 
+    def hold(self, params: list[torch.Tensor], decay: list[bool], exp_avg: list[torch.Tensor],
+             exp_avg_sq: list[torch.Tensor]) -> "AdamW":
+        """Update `params` with moments kept in the caller's tensors (shaped like `params`: views of a ZeRO
+        engine's padded moment shards, parallel/zero_state.py) instead of moments of its own."""
+        self.params, self.decay, self.exp_avg, self.exp_avg_sq = params, decay, exp_avg, exp_avg_sq
+        return self
+
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], lr: float) -> None:
         self.advance()
@@ -166,6 +173,8 @@ def global_grad_norm(owned: list[torch.Tensor], group: Group | None = None, devi
             sq += torch.dot(x, x)
             del x   # before the next slice's copy exists
     if group is not None and group.size > 1:
+        if device is not None and sq.device != torch.device(device):
+            sq = sq.to(device)   # gradients streamed to host memory (offload): the collective runs on the device
         comm.all_reduce(sq, group, dim="grad_norm")
     return value(sq.sqrt())
 

@@ -42,17 +42,18 @@ from __future__ import annotations
 import heapq
 import time as _time
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from ..grid import DEFAULT_ORDER
 from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB, ConfigError, Recompute, choices, cp_degrees, divisors
 from .estimate import Estimate, estimate, owned_elements
 from .layout import Layout, Workload, check, valid_tp
 from .memory import Memory, stage_memory
-from .units import candidate_stages, stage_layers, time_stages
+from .units import candidate_stages, stage_layers, stage_params, time_stages
 from .models import PlanModel
 from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology
-from .traffic import COPY_TIERS, by_tier, group_block_of, layer_flows, place, ring_flows, stage_flows
+from .traffic import VOLUME, Flow, group_block_of, layer_flows, place, ring_flows, stage_flows
 
 SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode", "offload")
 OFFLOADS = ("cpu", "nvme")   # tried in this order, per structure, when nothing fits the device
@@ -79,6 +80,8 @@ class Result:
     bounds: list[float] = field(default_factory=list)   # per structure, in the exhaustive order
     offload: dict = field(default_factory=dict)   # offload mode -> structures searched with it (only when
                                                   # nothing fit without offload), and "fit": layouts that fit
+    traffic: dict = field(default_factory=dict)   # timed layout -> `traffic` (bytes per tier, crossings)
+    tied: int = 0                 # timed layouts within TIE of the fastest (ordered by `tie_break`)
     seconds: float = 0.0          # wall clock
     cpu_seconds: float = 0.0      # this process's CPU time (what a loaded machine does not inflate)
 
@@ -143,8 +146,11 @@ class _Space:
     base: dict         # the Layout fields the structure fixes
 
     def size(self, recomputes: list) -> int:
-        policies = sum(len(reduce_policies({"zero": z, "pp": self.base["pp"]})) for z in self.zeros)
-        return len(self.mbs) * len(self.vpps) * policies * len(recomputes)
+        return len(self.mbs) * len(self.vpps) * self.pair_size(recomputes)
+
+    def pair_size(self, recomputes: list) -> int:
+        """Layouts of one (vpp, micro-batch): ZeRO stages × reduction policies × recompute."""
+        return sum(len(reduce_policies({"zero": z, "pp": self.base["pp"]})) for z in self.zeros) * len(recomputes)
 
 
 def _space(model: PlanModel, work: Workload, fixed: dict, structure: tuple, order: str, partition: str) -> _Space:
@@ -192,6 +198,8 @@ class _Bound:
         self.tp: dict = {}       # one micro-batch's tp seconds: per dense layer, MoE layer, embedding, head
         self.cp: dict = {}       # per layer: Ulysses, plus ring sends beyond the attention
         self.ep: dict = {}       # per MoE layer: expert all-to-alls
+        self.grad: dict = {}     # (degrees, vpp, ZeRO stages) -> least gradient reduction seconds
+        self.rates: dict = {}    # (group, size, op, block) -> (seconds per byte sent, per call)
         self.sched = {v: INTERLEAVED if v > 1 else schedule for v in POWERS}   # vpp > 1 needs interleaved
 
     def _stage_rows(self, pp: int, v: int):
@@ -226,12 +234,14 @@ class _Bound:
                 plain += fl.seconds
         return plain + max(parts.values())
 
-    def _basis(self, tp: int, pp: int, dp: int, cp: int, mode: str, ep: int, sp_mode: str, b: int) -> tuple:
-        """(dense layer, MoE layer, embedding, head) seconds of one micro-batch of b sequences."""
+    def _basis(self, tp: int, pp: int, dp: int, cp: int, mode: str, ep: int, sp_mode: str, b: int,
+               blocks: tuple) -> tuple:
+        """(dense layer, MoE layer, embedding, head) seconds of one micro-batch of b sequences; `blocks`:
+        the tp, cp and ep groups' blocks (`group_block_of`), which place them."""
         probe = None
-        k_tp = (tp, cp, sp_mode, b, group_block_of(tp, pp, dp, cp, ep, "tp", self.order))
-        k_cp = (tp, cp, mode, b, group_block_of(tp, pp, dp, cp, ep, "cp", self.order))
-        k_ep = (tp, cp, ep, b, group_block_of(tp, pp, dp, cp, ep, "ep", self.order))
+        k_tp = (tp, cp, sp_mode, b, blocks[0])
+        k_cp = (tp, cp, mode, b, blocks[1])
+        k_ep = (tp, cp, ep, b, blocks[2])
         if k_tp not in self.tp or k_cp not in self.cp or k_ep not in self.ep:
             probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, cp_mode=mode, sp_mode=sp_mode, micro_batch=b,
                            order=self.order)
@@ -249,8 +259,52 @@ class _Bound:
         layer = self.cp[k_cp]
         return dense + layer, moe + layer + self.ep[k_ep], first, last
 
+    def _grad(self, tp: int, pp: int, dp: int, cp: int, ep: int, v: int, zeros: list) -> float:
+        """The least seconds of the timed stages' gradient reductions (dp·cp and expert-dp), the most
+        loaded of them: each stage's reductions run one at a time on one stream inside the step, so the
+        step lasts at least their sum whatever hides behind what. At least one call of the stage's
+        parameters once (ZeRO pads them up, per-micro-batch reduction sends them m times, every bucket
+        adds its latency), reduce-scattered (ZeRO 1-3) or all-reduced (ZeRO-0), whichever is cheaper
+        among the stages searched."""
+        key = (tp, pp, dp, cp, ep, v, tuple(zeros))
+        if key not in self.grad:
+            part = self.partition if pp > 1 else "even"
+            probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, partition=part, order=self.order)
+            ops = sorted({"all_reduce" if z == 0 else "reduce_scatter" for z in zeros})
+            r, worst = self.work.reduce_bytes, 0.0
+            groups = [("dp_cp", dp * cp), ("edp", probe.edp)]
+            for j in time_stages(self.model, pp, v, part):
+                params = stage_params(self.model, probe, j)
+                each = [sum(self._one_call(probe, group, n, op, k * r) for (group, n), k in zip(groups, params))
+                        for op in ops]
+                worst = max(worst, min(each, default=0.0))
+            self.grad[key] = worst
+        return self.grad[key]
+
+    def refine(self, structure: tuple, sp: _Space, table: dict) -> tuple[float, dict]:
+        """`__call__`'s bound and table raised to the gradient reductions' least seconds (`_grad`)."""
+        tp, pp, cp, mode, ep, dp = structure
+        reduce = {v: self._grad(tp, pp, dp, cp, ep, v, sp.zeros) * self.SLACK for v in sp.vpps}
+        table = {(v, b): max(t, reduce[v]) for (v, b), t in table.items()}
+        return min(table.values()), table
+
+    def _one_call(self, probe: Layout, group: str, n: int, op: str, message: float) -> float:
+        """Seconds of one `op` of `message` bytes over `group` (n ranks) as `place` times it: bytes sent
+        over the group's bandwidth plus one call's latency, both linear, so placed once per group block."""
+        if n <= 1 or message <= 0:
+            return 0.0
+        block = group_block_of(probe.tp, probe.pp, probe.dp, probe.cp, probe.ep, group, self.order)
+        key = (group, n, op, block)
+        if key not in self.rates:
+            per_byte, per_call = (place([Flow("dp", op, group, n, calls=c, bytes_sent=b)], probe, self.topo)[0].seconds
+                                  for c, b in ((0, 1.0), (1, 0.0)))
+            self.rates[key] = per_byte, per_call
+        per_byte, per_call = self.rates[key]
+        return VOLUME[op](message, n) * per_byte + per_call
+
     def __call__(self, structure: tuple, sp: _Space) -> tuple[float, dict | None]:
-        """(bound of the structure, bound per (vpp, micro-batch) or None: examine every one)."""
+        """(bound of the structure, bound per (vpp, micro-batch) or None: examine every one), the
+        gradient reductions counted 0 (`refine` adds them)."""
         tp, pp, cp, mode, ep, dp = structure
         if not sp.per_dp or any(sp.per_dp % b for b in sp.mbs):
             return 0.0, None    # a rule rejects these at once: examine them
@@ -258,9 +312,10 @@ class _Bound:
         rows_v = [(v, self._stage_rows(pp, v)) for v in sp.vpps]
         if any(rows is None for _, rows in rows_v):
             return 0.0, None
+        blocks = tuple(group_block_of(tp, pp, dp, cp, ep, g, self.order) for g in ("tp", "cp", "ep"))
         table = {}
         for b in sp.mbs:
-            per_layer, per_moe, first, last = self._basis(tp, pp, dp, cp, mode, ep, sp.sp_mode, b)
+            per_layer, per_moe, first, last = self._basis(tp, pp, dp, cp, mode, ep, sp.sp_mode, b, blocks)
             m, tokens = sp.per_dp // b, b * per_token
             for v, rows in rows_v:
                 c = max(3 * f * tokens + (n - moe) * per_layer + moe * per_moe + fst * first + lst * last
@@ -275,30 +330,72 @@ class _Bound:
         return min(table.values()), table
 
 
+def _visit(model, work, topo, gpus, schedule, partition, order, structures, spaces, res: Result, tables: list,
+           best: "_Top"):
+    """Yield the structures to examine, most promising first, until the rest cannot enter the best `top`.
+    Every structure starts with the bound without its gradient reductions (cheap); the one with the
+    lowest bound, when not yet refined, gets the whole bound (`_Bound.refine`) and goes back in
+    the queue; refined, it is examined. Once the lowest bound exceeds the `top`-th best step time found,
+    so does every bound left. Fills `res.bounds` (the bound each structure reached) and `tables`."""
+    lower = _Bound(model, work, topo, gpus, schedule, partition, order)
+    pairs = [lower(s, sp) for s, sp in zip(structures, spaces)]
+    res.bounds[:], tables[:] = [b for b, _ in pairs], [t for _, t in pairs]
+    queue = [(b, i, False) for i, b in enumerate(res.bounds)]
+    heapq.heapify(queue)
+    while queue and queue[0][0] <= best.limit():
+        b, i, whole = heapq.heappop(queue)
+        if whole or tables[i] is None:
+            yield i
+            continue
+        res.bounds[i], tables[i] = lower.refine(structures[i], spaces[i], tables[i])
+        heapq.heappush(queue, (res.bounds[i], i, True))
+
+
 class _Top:
-    """The `keep` best step times found so far."""
+    """The `keep` best step times found so far, and the fastest."""
 
     def __init__(self, keep: int):
-        self.keep, self.heap = max(1, keep), []    # negated: a max-heap of the best
+        self.keep, self.heap, self.fastest = max(1, keep), [], float("inf")   # heap negated: a max-heap
 
     def push(self, t: float) -> None:
+        self.fastest = min(self.fastest, t)
         if len(self.heap) < self.keep:
             heapq.heappush(self.heap, -t)
         elif t < -self.heap[0]:
             heapq.heapreplace(self.heap, -t)
 
     def limit(self) -> float:
-        """A layout slower than this cannot enter the best `keep`."""
-        return -self.heap[0] if len(self.heap) >= self.keep else float("inf")
+        """A layout slower than this can neither enter the best `keep` by step time nor tie with the fastest
+        (within `TIE`, where `tie_break` may put it first)."""
+        return max(-self.heap[0], self.fastest * (1 + TIE)) if len(self.heap) >= self.keep else float("inf")
 
 
-def _fast_time(model, layout, work, topo, mem) -> float:
-    """Step time from the stages that can be slowest (most layers, or the head) and the closed-form bubble."""
+def _fast_time(model, layout, work, topo, mem) -> tuple[float, tuple]:
+    """Step time from the stages that can be slowest (most layers, or the head) and the closed-form
+    bubble, and those stages' `traffic`."""
     stages = time_stages(model, layout.pp, layout.vpp, layout.partition)
     flows = {j: place(stage_flows(model, layout, work, j), layout, topo) for j in stages}
     states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
-    return step_time(model, layout, work, topo, flows, states, simulate=False,
-                     owned=owned_elements(mem, work)).step_time_s
+    t = step_time(model, layout, work, topo, flows, states, simulate=False, owned=owned_elements(mem, work))
+    return t.step_time_s, traffic(flows.values(), topo)
+
+
+def traffic(stage_flows_: Iterable[list], topo: Topology) -> tuple[dict, int]:
+    """(bytes a rank sends per step on each network tier, its tier crossings: the collective calls whose
+    group leaves the innermost tier), the most any of the given stages' ranks does. Offload copies
+    (PCIe, NVMe) are the accelerator's own links, not network tiers."""
+    names = [t.name for t in topo.tiers]
+    per_tier, crossings = dict.fromkeys(names, 0.0), 0
+    for flows in stage_flows_:
+        mine = dict.fromkeys(names, 0.0)
+        calls = 0
+        for fl in flows:
+            if fl.tier in mine:
+                mine[fl.tier] += fl.bytes_sent
+                calls += fl.calls if fl.tier != names[0] else 0
+        per_tier = {k: max(per_tier[k], mine[k]) for k in names}
+        crossings = max(crossings, calls)
+    return per_tier, crossings
 
 
 def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict | None = None,
@@ -328,26 +425,20 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
     spaces = [_space(model, work, fixed, s, order, partition) for s in structures]
     res.structures = len(structures)
     tables: list = [None] * len(structures)
-    if bound:
-        lower = _Bound(model, work, topo, gpus, schedule, partition, order)
-        pairs = [lower(s, sp) for s, sp in zip(structures, spaces)]
-        res.bounds, tables = [b for b, _ in pairs], [t for _, t in pairs]
-        visit = sorted(range(len(structures)), key=lambda i: res.bounds[i])   # most promising first
-    else:
-        visit = range(len(structures))
     best = _Top(top if bound else 0)
     ranked: dict[int, list] = {}
     rejected: dict[int, list] = {}
-    for n_done, i in enumerate(visit):
-        if bound and res.bounds[i] > best.limit():
-            # the rest are sorted by their bound: none can enter the best `top`
-            rest = visit[n_done:]
-            res.skipped = len(rest)
-            res.skipped_layouts += sum(spaces[k].size(recomputes) for k in rest)
-            break
+    visit = []
+    for i in _visit(model, work, topo, gpus, schedule, partition, order, structures, spaces, res, tables, best) \
+            if bound else range(len(structures)):
+        visit.append(i)
         ranked[i], rejected[i] = [], []
         _structure(model, work, topo, gpus, res, limit, recomputes, schedule, spaces[i], ranked[i], rejected[i],
                    tables[i], best)
+    if bound:
+        rest = [i for i in range(len(structures)) if i not in ranked]
+        res.skipped = len(rest)
+        res.skipped_layouts += sum(spaces[k].size(recomputes) for k in rest)
     if fixed.get("offload") is None and fixed.get("zero") != 0 and not any(ranked.values()) and not res.untimed:
         # nothing fits the device: every structure again with the optimizer state offloaded (cpu, then nvme)
         for i in visit:
@@ -370,8 +461,9 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
             res.ranked += ranked[i]
     res.examined = len(ranked)
     res.ranked.sort(key=lambda x: x[0])
-    res.best = [estimate(model, lay, work, topo, gpus, simulate=False) for _, lay in res.ranked[:top]]
-    res.best = tie_break(res.best)
+    order = tie_break(res.ranked, res.traffic, topo)
+    res.tied = sum(1 for t, _ in res.ranked if res.ranked and t <= res.ranked[0][0] * (1 + TIE))
+    res.best = [estimate(model, lay, work, topo, gpus, simulate=False) for _, lay in order[:top]]
     res.seconds = _time.perf_counter() - t0
     res.cpu_seconds = _time.process_time() - c0
     return res
@@ -380,22 +472,27 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
 TIE = 0.01   # step times within 1% of the fastest are a tie
 
 
-def tie_break(best: list[Estimate]) -> list[Estimate]:
-    """Fastest first; the layouts within `TIE` of the fastest step time ordered by the bytes a rank sends
-    beyond the innermost tier (network crossings), then by all its bytes, then by step time."""
-    best = sorted(best, key=lambda e: e.time.step_time_s)
-    if not best:
-        return best
-    cut = best[0].time.step_time_s * (1 + TIE)
-    tied = [e for e in best if e.time.step_time_s <= cut]
-    return sorted(tied, key=_bytes_key) + best[len(tied):]
+def tie_break(ranked: list[tuple[float, Layout]], traffic_of: dict, topo: Topology) -> list[tuple[float, Layout]]:
+    """`ranked` (step time, layout), fastest first, with the layouts within `TIE` of the fastest step time
+    reordered: fewest bytes per rank on the slowest tier any of them sends on (the outermost of the
+    topology's tiers), then fewest tier crossings (`traffic`), then the faster. `traffic_of`: layout ->
+    `traffic`. A 2 ms win out of 43 s is noise in the model; 1.6 TiB more per rank on the spine is not."""
+    ranked = sorted(ranked, key=lambda x: x[0])
+    if not ranked:
+        return ranked
+    cut = ranked[0][0] * (1 + TIE)
+    n = sum(1 for t, _ in ranked if t <= cut)
+    tied = ranked[:n]
+    slowest = tie_tier([traffic_of[lay] for _, lay in tied], topo)
+    return sorted(tied, key=lambda x: (traffic_of[x[1]][0][slowest], traffic_of[x[1]][1], x[0])) + ranked[n:]
 
 
-def _bytes_key(e: Estimate) -> tuple:
-    tiers = by_tier(e.flows, e.topo)
-    inner = e.topo.tiers[0].name
-    network = sum(v for k, v in tiers.items() if k != inner and k not in COPY_TIERS)
-    return network, sum(tiers.values()), e.time.step_time_s
+def tie_tier(traffics: list[tuple[dict, int]], topo: Topology) -> str:
+    """The slowest tier any of the `traffic`s sends bytes on: the outermost used (the innermost if none)."""
+    for tier in reversed(topo.tiers):
+        if any(per_tier[tier.name] > 0 for per_tier, _ in traffics):
+            return tier.name
+    return topo.tiers[0].name
 
 
 def _structure(model, work, topo, gpus, res: Result, limit: float, recomputes: list, schedule: str, sp: _Space,
@@ -407,8 +504,11 @@ def _structure(model, work, topo, gpus, res: Result, limit: float, recomputes: l
         kw = dict(base, vpp=v, schedule=INTERLEAVED if v > 1 else schedule)
         for i, mb in enumerate(mbs):
             status = []
+            if table is not None and table[v, mb] > best.limit():
+                res.skipped_layouts += sp.pair_size(recomputes)   # none can rank: not tried
+                continue
             for z in zeros:
-                # checked (the prunings need to know what fits), timed only when it could rank
+                # timed only when it could still rank (the limit falls as layouts are timed)
                 timed = table is None or table[v, mb] <= best.limit()
                 status.append(_one_layout(model, work, topo, gpus, res, ranked, rejected, limit, recomputes,
                                           dict(kw, zero=z, micro_batch=mb), best, timed))
@@ -490,8 +590,9 @@ def _one_layout(model, work, topo, gpus, res: Result, ranked: list, rejected: li
                                   f"per GPU"))
             continue
         if timed:
-            ranked.append((_fast_time(model, lay, work, topo, mem), lay))
-            best.push(ranked[-1][0])
+            t, res.traffic[lay] = _fast_time(model, lay, work, topo, mem)
+            ranked.append((t, lay))
+            best.push(t)
         else:
             res.untimed += 1
         return FIT_NO_RECOMPUTE if rc == "none" else FIT
@@ -503,6 +604,7 @@ def _reject_all(res: Result, rejected: list, base: dict, pairs: list, zeros: lis
     for v, mb in pairs:
         for z in zeros:
             for rc in recomputes:
-                res.considered += 1
-                rejected.append((Layout(zero=z, vpp=v, micro_batch=mb, recompute=rc,
-                                        schedule=INTERLEAVED if v > 1 else schedule, **base), why))
+                for each in reduce_policies({"zero": z, "pp": base["pp"]}):
+                    res.considered += 1
+                    rejected.append((Layout(zero=z, vpp=v, micro_batch=mb, recompute=rc, reduce_each_microbatch=each,
+                                            schedule=INTERLEAVED if v > 1 else schedule, **base), why))

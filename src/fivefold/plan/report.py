@@ -8,7 +8,7 @@ from ..comm.ledger import fmt_bytes
 from .estimate import Estimate
 from .layout import microbatches
 from .memory import COMPONENTS
-from .search import Result
+from .search import Result, mechanisms
 from .topology import GiB
 
 
@@ -154,6 +154,8 @@ def search_text(res: Result, top: int = 10, examples: int = 3, verbose: bool = F
                      gib(e.memory.most_loaded["total"]), e.order])
     lines = [summary_text(res.best[0]), ""] if res.best else []
     lines.append(f"searched {res.considered} layouts in {res.seconds:.2f} s: {res.fit} fit, {len(res.rejected)} rejected")
+    if res.best:
+        lines.append(mechanisms_text(res))
     if verbose and (res.skipped_layouts or res.untimed):
         lines.append(bound_text(res))
     if res.offload:
@@ -172,6 +174,15 @@ def search_text(res: Result, top: int = 10, examples: int = 3, verbose: bool = F
     if res.best:
         lines += ["", "best layout in full:", estimate_text(res.best[0])]
     return "\n".join(lines)
+
+
+def mechanisms_text(res: Result) -> str:
+    """The mechanisms of the best layout, which the search chose per layout (search.mechanisms), and how
+    many layouts tied with the fastest (within 1%: fewest bytes on the slowest tier first)."""
+    chosen = ", ".join(f"{k} {v}" for k, v in mechanisms(res.best[0].layout).items())
+    tied = (f"; {res.tied} layouts within 1% of the fastest, fewest bytes on the slowest tier first"
+            if res.tied > 1 else "")
+    return f"mechanisms chosen: {chosen} (reduction and recompute searched per layout, offload when nothing fits){tied}"
 
 
 def search_offload_text(res: Result) -> str:
@@ -219,6 +230,7 @@ def search_dict(res: Result, max_rejected: int = 200) -> dict:
         "offload": {**res.offload, "meaning": "tried only because no layout fit the device: per mode, the "
                                                  "structures searched with it (nvme where cpu fit nowhere); "
                                                  "fit: layouts that fit with offload"} if res.offload else {},
+        "mechanisms": mechanisms(res.best[0].layout) if res.best else {}, "tied": res.tied,
         "rejected_by_reason": res.reasons(),
         "rejected": [{"layout": lay.to_dict(), "reason": why} for lay, why in res.rejected[:max_rejected]],
     }

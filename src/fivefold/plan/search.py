@@ -41,15 +41,16 @@ from __future__ import annotations
 
 import heapq
 import time as _time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
+from .. import rules
 from ..grid import DEFAULT_ORDER
 from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB, ConfigError, Recompute, choices, cp_degrees, divisors
 from .estimate import Estimate, estimate, owned_elements
 from .layout import Layout, Workload, check, valid_tp
 from .memory import Memory, stage_memory
-from .units import candidate_stages, stage_layers, stage_params, time_stages
+from .units import candidate_stages, layer_tensors, root_tensors, stage_layers, stage_params, time_stages
 from .models import PlanModel
 from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology
@@ -200,6 +201,7 @@ class _Bound:
         self.ep: dict = {}       # per MoE layer: expert all-to-alls
         self.grad: dict = {}     # (degrees, vpp, ZeRO stages) -> least gradient reduction seconds
         self.rates: dict = {}    # (group, size, op, block) -> (seconds per byte sent, per call)
+        self.largest: dict = {}  # (tp, ep, expert) -> bytes of the largest gradient tensor
         self.sched = {v: INTERLEAVED if v > 1 else schedule for v in POWERS}   # vpp > 1 needs interleaved
 
     def _stage_rows(self, pp: int, v: int):
@@ -262,21 +264,33 @@ class _Bound:
     def _grad(self, tp: int, pp: int, dp: int, cp: int, ep: int, v: int, zeros: list) -> float:
         """The least seconds of the timed stages' gradient reductions (dp·cp and expert-dp), the most
         loaded of them: each stage's reductions run one at a time on one stream inside the step, so the
-        step lasts at least their sum whatever hides behind what. At least one call of the stage's
-        parameters once (ZeRO pads them up, per-micro-batch reduction sends them m times, every bucket
-        adds its latency), reduce-scattered (ZeRO 1-3) or all-reduced (ZeRO-0), whichever is cheaper
-        among the stages searched."""
+        step lasts at least their sum whatever hides behind what. At least the stage's parameters once
+        (ZeRO pads them up, per-micro-batch reduction sends them m times) in as few calls
+        as its units can be (each pays its latency): ZeRO-3's blocks one per layer holding such parameters,
+        buckets at least the bytes over the larger of bucket_mb and the largest tensor (`units.zero_units`),
+        reduce-scattered (ZeRO 1-3) or all-reduced (ZeRO-0), whichever is cheaper among the stages
+        searched."""
         key = (tp, pp, dp, cp, ep, v, tuple(zeros))
         if key not in self.grad:
             part = self.partition if pp > 1 else "even"
             probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, partition=part, order=self.order)
             ops = sorted({"all_reduce" if z == 0 else "reduce_scatter" for z in zeros})
             r, worst = self.work.reduce_bytes, 0.0
-            groups = [("dp_cp", dp * cp), ("edp", probe.edp)]
-            for j in time_stages(self.model, pp, v, part):
+            groups = [("dp_cp", dp * cp, False), ("edp", probe.edp, True)]
+            blocks = {rules.block_units(z, pp, each) for z in zeros for each in reduce_policies({"zero": z, "pp": pp})}
+            rows = dict(zip(time_stages(self.model, pp, v, part), self._stage_rows(pp, v)))
+            for j, (n_layers, n_moe, *_) in rows.items():
                 params = stage_params(self.model, probe, j)
-                each = [sum(self._one_call(probe, group, n, op, k * r) for (group, n), k in zip(groups, params))
-                        for op in ops]
+                each = []
+                for op in ops:
+                    secs = 0.0
+                    for (group, n, expert), k in zip(groups, params):
+                        units = n_moe if expert else n_layers   # blocks: one per layer holding such parameters
+                        most = max(probe.bucket_mb * 2**20, self._largest(tp, ep, expert))   # bytes per bucket
+                        buckets = -(-k * self.work.grad_bytes // most)
+                        calls = min(units if blk else buckets for blk in blocks)
+                        secs += self._one_call(probe, group, n, op, k * r, max(1, calls))
+                    each.append(secs)
                 worst = max(worst, min(each, default=0.0))
             self.grad[key] = worst
         return self.grad[key]
@@ -288,9 +302,22 @@ class _Bound:
         table = {(v, b): max(t, reduce[v]) for (v, b), t in table.items()}
         return min(table.values()), table
 
-    def _one_call(self, probe: Layout, group: str, n: int, op: str, message: float) -> float:
-        """Seconds of one `op` of `message` bytes over `group` (n ranks) as `place` times it: bytes sent
-        over the group's bandwidth plus one call's latency, both linear, so placed once per group block."""
+    def _largest(self, tp: int, ep: int, expert: bool) -> float:
+        """Bytes of the largest gradient tensor of one rank (expert or not): a bucket holds at most
+        bucket_mb, or one larger tensor alone (`shapes.bucket_ranges`)."""
+        key = (tp, ep, expert)
+        if key not in self.largest:
+            m = self.model
+            sizes = [n for i in {0, m.layers - 1} for n, ex, _ in layer_tensors(m, i, tp, ep) if ex == expert]
+            if not expert:
+                sizes += [n for n, _ in root_tensors(m, tp, 1, 0)]
+            self.largest[key] = max(sizes, default=0) * self.work.grad_bytes
+        return self.largest[key]
+
+    def _one_call(self, probe: Layout, group: str, n: int, op: str, message: float, calls: int = 1) -> float:
+        """Seconds of `calls` `op`s of `message` bytes in all over `group` (n ranks) as `place` times them:
+        bytes sent over the group's bandwidth plus each call's latency, both linear, so placed once per
+        group block."""
         if n <= 1 or message <= 0:
             return 0.0
         block = group_block_of(probe.tp, probe.pp, probe.dp, probe.cp, probe.ep, group, self.order)
@@ -300,7 +327,7 @@ class _Bound:
                                   for c, b in ((0, 1.0), (1, 0.0)))
             self.rates[key] = per_byte, per_call
         per_byte, per_call = self.rates[key]
-        return VOLUME[op](message, n) * per_byte + per_call
+        return VOLUME[op](message, n) * per_byte + calls * per_call
 
     def __call__(self, structure: tuple, sp: _Space) -> tuple[float, dict | None]:
         """(bound of the structure, bound per (vpp, micro-batch) or None: examine every one), the
@@ -467,6 +494,15 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
     res.seconds = _time.perf_counter() - t0
     res.cpu_seconds = _time.process_time() - c0
     return res
+
+
+def mechanisms(layout: Layout) -> dict[str, str]:
+    """The mechanisms a layout runs with, as the search chose them: the gradient reduction (once per
+    step, or every micro-batch: ZeRO-2/3 without a pipeline always, under one with
+    `reduce_each_microbatch`), recompute, and offload of ZeRO's optimizer state."""
+    each = layout.zero >= 2 and (layout.pp == 1 or layout.reduce_each_microbatch)
+    return {"gradient reduction": "every micro-batch" if each else "once per step", "recompute": layout.recompute,
+            "offload": layout.offload}
 
 
 TIE = 0.01   # step times within 1% of the fastest are a tie

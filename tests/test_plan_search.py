@@ -11,8 +11,9 @@ from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.models import PRESETS
 from fivefold.plan.report import search_dict, search_text
-from fivefold.plan.search import TIE, _structures, search
-from fivefold.plan.topology import TOPOLOGIES
+from fivefold.plan.search import TIE, _structures, mechanisms, search
+from fivefold.plan.topology import TOPOLOGIES, GiB
+from fivefold.plan.units import stage_params
 
 
 def test_whole_space_for_16384_gpus():
@@ -196,6 +197,41 @@ def test_search_finds_llama3_405b_16k_layout():
     assert best.fits and best.layout.reduce_each_microbatch and best.layout.recompute == "none"
     assert (best.layout.dp, best.layout.zero, best.layout.vpp) == (128, 2, 4)
     assert best.time.mfu == pytest.approx(0.41, rel=0.2)
+    assert mechanisms(best.layout) == {"gradient reduction": "every micro-batch", "recompute": "none",
+                                       "offload": "none"}
+    # the mechanism moves memory down and bytes up: reduced once, the same layout does not fit; every
+    # micro-batch, each rank reduce-scatters its stage's parameters m = 2048 / 128 = 16 times, fp32,
+    # (n-1)/n of them over n = 128 (hand-worked; ZeRO pads each block to a multiple of n: < n elements)
+    once = estimate(PRESETS["llama3-405b"], replace(best.layout, reduce_each_microbatch=False), best.work,
+                    best.topo, 16384, simulate=False)
+    assert not once.fits and best.memory.most_loaded["total"] < once.memory.most_loaded["total"]
+    j = best.memory.most_loaded["stage"]
+    each_rs, once_rs = (sum(f.bytes_sent for f in e.flows_by_stage[j] if f.dim == "dp" and f.op == "reduce_scatter")
+                        for e in (best, once))
+    dense, _ = stage_params(PRESETS["llama3-405b"], best.layout, j)
+    assert each_rs == pytest.approx(16 * 127 / 128 * dense * 4, rel=1e-4)
+    assert each_rs == pytest.approx(16 * once_rs, rel=1e-4)
+
+
+def test_search_chooses_selective_recompute_when_nothing_else_fits():
+    """Recompute is a choice per layout, tried none -> selective -> full: Llama 3 8B at 16K tokens without
+    flash attention on one tp8 node stores each head's s x s softmax (bf16) per layer, which does not fit;
+    selective recompute drops it and recomputes the attention in the backward. Hand-worked: the scores
+    are 32 layers x 32/8 heads x 16384^2 x 2 B = 64 GiB per rank, and the step's compute grows by the
+    attention forward of each of the m = 64 micro-batches, 32 x 16384 x (2·16384·32·(128 + 128) / 2) / 8
+    FLOPs each, at the attention peak times the efficiency."""
+    model, topo, work = PRESETS["llama3-8b"], TOPOLOGIES["dgx-h100"], Workload(seq=16384, global_batch=64, flash=False)
+    res = search(model, work, topo, 8, top=3, fixed={"tp": 8, "pp": 1, "micro_batch": 1, "zero": 1})
+    best = res.best[0]
+    assert best.fits and mechanisms(best.layout)["recompute"] == "selective"
+    none = estimate(model, replace(best.layout, recompute="none"), work, topo, 8, simulate=False)
+    assert not none.fits and any(lay == none.layout and why.startswith("memory") for lay, why in res.rejected)
+    saved = none.memory.most_loaded["activations"] - best.memory.most_loaded["activations"]
+    assert saved == 32 * (32 // 8) * 16384**2 * 2 == 64 * GiB
+    flops = 32 * 16384 * (2 * 16384 * 32 * (128 + 128) / 2) / 8
+    extra = 64 * flops / (topo.accelerator.attention_peak("bf16") * work.efficiency)
+    assert best.time.compute_s - none.time.compute_s == pytest.approx(extra, rel=1e-9)
+    assert best.time.step_time_s > none.time.step_time_s
 
 
 def test_ties_within_one_percent_prefer_fewer_bytes_on_the_slowest_tier_then_fewer_crossings():

@@ -11,25 +11,36 @@ bubble that is already small.
 GPU counts go up to `MAX_GPUS` (2**20; a larger one is refused at once, as is one above the topology's
 size), and the degrees that divide them come from `rules.divisors` (prime factorisation, not a scan).
 
-Prunings, none of which drops a layout that could rank first: recompute is tried none → selective →
-full and the first that fits is kept (more recompute only adds time); once a ZeRO stage fits without
-recompute, higher stages are skipped (they only add traffic); and only the stages that can be the most
-loaded (`units.candidate_stages`) or the slowest (`units.time_stages`) are evaluated, with the
-closed-form bubble.
+Mechanisms are choices of the search, per layout (`_one_layout`): recompute none → selective → full, at
+each the gradient reduction once per step, then every micro-batch (`reduce_policies`: ZeRO-2/3 under a
+pipeline), the first that fits kept (each later one only adds time or bytes); offload below. The best
+layout's choices are `mechanisms(layout)`, which the report prints.
+
+Prunings, none of which drops a layout that could rank first: the mechanism ladder above; once a ZeRO
+stage fits without recompute, higher stages are skipped (they only add traffic); and only the stages
+that can be the most loaded (`units.candidate_stages`) or end the step last (`units.time_stages`) are
+evaluated, with the closed-form bubble.
 
 Branch and bound (`bound=True`, the default): every structure (tp, pp, cp, cp mode, ep, dp) gets a lower
-bound on the step time of each of its layouts, per (vpp, micro-batch) whatever the ZeRO stage and
-recompute (`_Bound`: compute, in-layer tp/Ulysses/expert communication and exposed ring sends, which
-are on the critical path whatever the rest, plus the bubble they imply). Structures are tried in the
-order of their bound; once `top` layouts fit, a structure or (vpp, micro-batch) pair whose bound
-exceeds the `top`-th best step time found cannot enter the best `top`: such a structure is skipped
-unchecked (no rules, no memory, no timing; `Result.skipped_layouts` counts its layouts), and such a
-pair's layouts are checked for rules and memory as before (the prunings above depend on what fits) but
-not timed (`Result.untimed`). The ranking's first `top` are those of the exhaustive search
-(`bound=False`), ties in the same order; `Result.ranked` holds the layouts timed, `Result.fit` counts
-those that fit among the layouts tried, timed or not. Every preset at 16,384 GPUs takes
-under 1 s as a whole process (DeepSeek-V3 the longest; exhaustively 4.5 s). The top results are then
-estimated in full on every stage (closed-form bubble, so ranking and figures agree).
+bound on the step time of each of its layouts, per (vpp, micro-batch) whatever the ZeRO stage, reduction
+and recompute (`_Bound`): compute, in-layer tp/Ulysses/expert communication and exposed ring sends, which
+are on the critical path whatever the rest, plus the bubble they imply; and, since a stage's gradient
+reductions run one at a time inside the step, their least seconds (`_Bound._grad`; at 16,384 GPUs often
+the larger part). The cheap part is computed for every structure, the reductions only for those that
+reach the front of the queue (`_visit`). Structures are tried in the order of their bound; once `top`
+layouts are timed, a structure or (vpp, micro-batch) pair whose bound exceeds the limit (the `top`-th best
+step time found, or 1% above the fastest when that is higher, so every layout the tie rule may put first
+is timed) cannot enter the best: it is skipped unchecked (no rules, no memory, no timing;
+`Result.skipped_layouts` counts its layouts). A pair whose bound passes the limit when reached but not
+after a layout of it was timed has the rest checked but not timed (`Result.untimed`). The ranking's first
+`top` by step time, and the layouts tied with the fastest, are those of the exhaustive search
+(`bound=False`); `Result.ranked` holds the layouts timed, `Result.fit` counts those that fit among the
+layouts tried, timed or not. Timings per preset: benchmarks/README.md ("Planner search").
+
+Ties (`tie_break`): among the layouts within `TIE` (1%) of the fastest step time, fewer bytes per rank on
+the slowest tier any of them sends on come first, then fewer tier crossings (collective calls leaving
+the innermost tier), then the faster (`traffic`, from the timed stages). The best `top` in that order are
+then estimated in full on every stage (closed-form bubble); the figures shown are theirs.
 
 Offload (`Layout.offload`, docs/plan.md "Offload") is a last resort: when no layout fits the device, the
 search runs again over every structure with ZeRO's optimizer state in host memory ("cpu", ZeRO 1-3), and,
@@ -73,11 +84,13 @@ class Result:
     structures: int = 0           # (tp, pp, cp, cp mode, ep, dp) combinations for the GPU count
     examined: int = 0             # structures with layouts tried
     skipped: int = 0              # structures skipped whole: their bound exceeds the top-th best step time
-    skipped_layouts: int = 0      # layouts never tried: vpp × micro-batch × ZeRO × recompute choices of
-                                  # the structures skipped
+    skipped_layouts: int = 0      # layouts never tried: vpp × micro-batch × ZeRO × reduction × recompute
+                                  # choices of the structures skipped, and those of the (vpp, micro-batch)
+                                  # pairs skipped inside the structures examined
     untimed: int = 0              # layouts that fit but were not timed: their (vpp, micro-batch) bound
-                                  # exceeds the top-th best step time (not in `ranked`)
-    bound_limit: float | None = None   # the top-th best step time, which the skipped layouts' bounds exceed
+                                  # came to exceed the limit after the pair was reached (not in `ranked`)
+    bound_limit: float | None = None   # the top-th best step time (or 1% above the fastest, if higher),
+                                       # which the skipped layouts' bounds exceed
     bounds: list[float] = field(default_factory=list)   # per structure, in the exhaustive order
     offload: dict = field(default_factory=dict)   # offload mode -> structures searched with it (only when
                                                   # nothing fit without offload), and "fit": layouts that fit

@@ -214,7 +214,8 @@ class _Bound:
         self.ep: dict = {}       # per MoE layer: expert all-to-alls
         self.grad: dict = {}     # (degrees, vpp, ZeRO stages) -> least gradient reduction seconds
         self.rates: dict = {}    # (group, size, op, block) -> (seconds per byte sent, per call)
-        self.largest: dict = {}  # (tp, ep, expert) -> bytes of the largest gradient tensor
+        self.big: dict = {}      # (tp, ep, expert, MoE layer) -> (tensors larger than a bucket, bytes)
+        self.stages: dict = {}   # (tp, pp, vpp, ep, partition, ZeRO stages) -> `_grad_stages`
         self.sched = {v: INTERLEAVED if v > 1 else schedule for v in POWERS}   # vpp > 1 needs interleaved
 
     def _stage_rows(self, pp: int, v: int):
@@ -280,33 +281,43 @@ class _Bound:
         step lasts at least their sum whatever hides behind what. At least the stage's parameters once
         (ZeRO pads them up, per-micro-batch reduction sends them m times) in as few calls
         as its units can be (each pays its latency): ZeRO-3's blocks one per layer holding such parameters,
-        buckets at least the bytes over the larger of bucket_mb and the largest tensor (`units.zero_units`),
+        buckets at least one per tensor larger than bucket_mb plus the rest's bytes over bucket_mb (`_big`),
         reduce-scattered (ZeRO 1-3) or all-reduced (ZeRO-0), whichever is cheaper among the stages
         searched."""
         key = (tp, pp, dp, cp, ep, v, tuple(zeros))
         if key not in self.grad:
-            part = self.partition if pp > 1 else "even"
-            probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, partition=part, order=self.order)
+            probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, partition=self.partition if pp > 1 else "even",
+                           order=self.order)
             ops = sorted({"all_reduce" if z == 0 else "reduce_scatter" for z in zeros})
-            r, worst = self.work.reduce_bytes, 0.0
-            groups = [("dp_cp", dp * cp, False), ("edp", probe.edp, True)]
-            blocks = {rules.block_units(z, pp, each) for z in zeros for each in reduce_policies({"zero": z, "pp": pp})}
-            rows = dict(zip(time_stages(self.model, pp, v, part), self._stage_rows(pp, v)))
-            for j, (n_layers, n_moe, *_) in rows.items():
-                params = stage_params(self.model, probe, j)
-                each = []
-                for op in ops:
-                    secs = 0.0
-                    for (group, n, expert), k in zip(groups, params):
-                        units = n_moe if expert else n_layers   # blocks: one per layer holding such parameters
-                        most = max(probe.bucket_mb * 2**20, self._largest(tp, ep, expert))   # bytes per bucket
-                        buckets = -(-k * self.work.grad_bytes // most)
-                        calls = min(units if blk else buckets for blk in blocks)
-                        secs += self._one_call(probe, group, n, op, k * r, max(1, calls))
-                    each.append(secs)
+            groups = (("dp_cp", dp * cp), ("edp", probe.edp))
+            worst = 0.0
+            for stage in self._grad_stages(probe, tuple(zeros)):   # per timed stage: (message, calls) per group
+                each = [sum(self._one_call(probe, group, n, op, message, calls)
+                            for (group, n), (message, calls) in zip(groups, stage)) for op in ops]
                 worst = max(worst, min(each, default=0.0))
             self.grad[key] = worst
         return self.grad[key]
+
+    def _grad_stages(self, probe: Layout, zeros: tuple) -> list:
+        """Per timed stage of `probe`'s pipeline, ((bytes, least calls) of the dense gradients, (bytes,
+        least calls) of the expert ones): the same for every dp and cp (cached without them)."""
+        tp, pp, v, ep, part = probe.tp, probe.pp, probe.vpp, probe.ep, probe.partition
+        key = (tp, pp, v, ep, part, zeros)
+        if key not in self.stages:
+            blocks = {rules.block_units(z, pp, each) for z in zeros for each in reduce_policies({"zero": z, "pp": pp})}
+            bucket, r, g = probe.bucket_mb * 2**20, self.work.reduce_bytes, self.work.grad_bytes
+            out = []
+            for j, (n_layers, n_moe, *_) in zip(time_stages(self.model, pp, v, part), self._stage_rows(pp, v)):
+                roots = [n for n, _ in root_tensors(self.model, tp, pp, j)]
+                row = []
+                for expert, k in zip((False, True), stage_params(self.model, probe, j)):
+                    units = n_moe if expert else n_layers   # blocks: one per layer holding such parameters
+                    big, big_bytes = self._big(tp, ep, expert, n_layers - n_moe, n_moe, () if expert else roots)
+                    buckets = big + -(-max(0, k * g - big_bytes) // bucket)
+                    row.append((k * r, max(1, min(units if blk else buckets for blk in blocks))))
+                out.append(tuple(row))
+            self.stages[key] = out
+        return self.stages[key]
 
     def refine(self, structure: tuple, sp: _Space, table: dict) -> tuple[float, dict]:
         """`__call__`'s bound and table raised to the gradient reductions' least seconds (`_grad`)."""
@@ -315,17 +326,25 @@ class _Bound:
         table = {(v, b): max(t, reduce[v]) for (v, b), t in table.items()}
         return min(table.values()), table
 
-    def _largest(self, tp: int, ep: int, expert: bool) -> float:
-        """Bytes of the largest gradient tensor of one rank (expert or not): a bucket holds at most
-        bucket_mb, or one larger tensor alone (`shapes.bucket_ranges`)."""
-        key = (tp, ep, expert)
-        if key not in self.largest:
-            m = self.model
-            sizes = [n for i in {0, m.layers - 1} for n, ex, _ in layer_tensors(m, i, tp, ep) if ex == expert]
-            if not expert:
-                sizes += [n for n, _ in root_tensors(m, tp, 1, 0)]
-            self.largest[key] = max(sizes, default=0) * self.work.grad_bytes
-        return self.largest[key]
+    def _big(self, tp: int, ep: int, expert: bool, dense: int, moe: int, roots: tuple | list) -> tuple[int, float]:
+        """(gradient tensors larger than a bucket, their bytes) of a stage with `dense` dense and `moe` MoE
+        layers and the `roots` (embedding, norm, head sizes), expert tensors or the others. Each such
+        tensor is a bucket of its own; the rest fill buckets of at most bucket_mb (`shapes.bucket_ranges`),
+        so a stage makes at least big + (the rest's bytes / bucket) of them."""
+        g, bucket = self.work.grad_bytes, Layout().bucket_mb * 2**20
+        out_n, out_b = 0, 0.0
+        for kind, count in ((False, dense), (True, moe)):
+            if count:
+                key = (tp, ep, expert, kind)
+                if key not in self.big:
+                    i = next(i for i in range(self.model.layers) if self.model.is_moe_layer(i) == kind)
+                    sizes = [n * g for n, ex, _ in layer_tensors(self.model, i, tp, ep)
+                             if ex == expert and n * g > bucket]
+                    self.big[key] = len(sizes), sum(sizes)
+                n, b = self.big[key]
+                out_n, out_b = out_n + count * n, out_b + count * b
+        sizes = [n * g for n in roots if n * g > bucket]
+        return out_n + len(sizes), out_b + sum(sizes)
 
     def _one_call(self, probe: Layout, group: str, n: int, op: str, message: float, calls: int = 1) -> float:
         """Seconds of `calls` `op`s of `message` bytes in all over `group` (n ranks) as `place` times them:

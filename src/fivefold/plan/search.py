@@ -214,7 +214,7 @@ class _Bound:
         self.ep: dict = {}       # per MoE layer: expert all-to-alls
         self.grad: dict = {}     # (degrees, vpp, ZeRO stages) -> least gradient reduction seconds
         self.rates: dict = {}    # (group, size, op, block) -> (seconds per byte sent, per call)
-        self.big: dict = {}      # (tp, ep, expert, MoE layer) -> (tensors larger than a bucket, bytes)
+        self.big: dict = {}      # (tp, ep, expert, MoE layer, bucket) -> (tensors larger, their bytes)
         self.stages: dict = {}   # (tp, pp, vpp, ep, partition, ZeRO stages) -> `_grad_stages`
         self.sched = {v: INTERLEAVED if v > 1 else schedule for v in POWERS}   # vpp > 1 needs interleaved
 
@@ -312,7 +312,8 @@ class _Bound:
                 row = []
                 for expert, k in zip((False, True), stage_params(self.model, probe, j)):
                     units = n_moe if expert else n_layers   # blocks: one per layer holding such parameters
-                    big, big_bytes = self._big(tp, ep, expert, n_layers - n_moe, n_moe, () if expert else roots)
+                    big, big_bytes = self._big(tp, ep, expert, n_layers - n_moe, n_moe, () if expert else roots,
+                                               bucket)
                     buckets = big + -(-max(0, k * g - big_bytes) // bucket)
                     row.append((k * r, max(1, min(units if blk else buckets for blk in blocks))))
                 out.append(tuple(row))
@@ -326,16 +327,17 @@ class _Bound:
         table = {(v, b): max(t, reduce[v]) for (v, b), t in table.items()}
         return min(table.values()), table
 
-    def _big(self, tp: int, ep: int, expert: bool, dense: int, moe: int, roots: tuple | list) -> tuple[int, float]:
-        """(gradient tensors larger than a bucket, their bytes) of a stage with `dense` dense and `moe` MoE
-        layers and the `roots` (embedding, norm, head sizes), expert tensors or the others. Each such
-        tensor is a bucket of its own; the rest fill buckets of at most bucket_mb (`shapes.bucket_ranges`),
+    def _big(self, tp: int, ep: int, expert: bool, dense: int, moe: int, roots: tuple | list,
+             bucket: float) -> tuple[int, float]:
+        """(gradient tensors larger than a `bucket` of bytes, their bytes) of a stage with `dense` dense and
+        `moe` MoE layers and the `roots` (embedding, norm, head sizes), expert tensors or the others. Each
+        such tensor is a bucket of its own; the rest fill buckets of at most `bucket` (`shapes.bucket_ranges`),
         so a stage makes at least big + (the rest's bytes / bucket) of them."""
-        g, bucket = self.work.grad_bytes, Layout().bucket_mb * 2**20
+        g = self.work.grad_bytes
         out_n, out_b = 0, 0.0
         for kind, count in ((False, dense), (True, moe)):
             if count:
-                key = (tp, ep, expert, kind)
+                key = (tp, ep, expert, kind, bucket)
                 if key not in self.big:
                     i = next(i for i in range(self.model.layers) if self.model.is_moe_layer(i) == kind)
                     sizes = [n * g for n, ex, _ in layer_tensors(self.model, i, tp, ep)
@@ -430,7 +432,7 @@ class _Top:
 
 
 def _fast_time(model, layout, work, topo, mem) -> tuple[float, tuple]:
-    """Step time from the stages that can be slowest (most layers, or the head) and the closed-form
+    """Step time from the stages that can end the step last (`units.time_stages`) and the closed-form
     bubble, and those stages' `traffic`."""
     stages = time_stages(model, layout.pp, layout.vpp, layout.partition)
     flows = {j: place(stage_flows(model, layout, work, j), layout, topo) for j in stages}
@@ -439,13 +441,13 @@ def _fast_time(model, layout, work, topo, mem) -> tuple[float, tuple]:
     return t.step_time_s, traffic(flows.values(), topo)
 
 
-def traffic(stage_flows_: Iterable[list], topo: Topology) -> tuple[dict, int]:
+def traffic(stages: Iterable[list], topo: Topology) -> tuple[dict, int]:
     """(bytes a rank sends per step on each network tier, its tier crossings: the collective calls whose
     group leaves the innermost tier), the most any of the given stages' ranks does. Offload copies
     (PCIe, NVMe) are the accelerator's own links, not network tiers."""
     names = [t.name for t in topo.tiers]
     per_tier, crossings = dict.fromkeys(names, 0.0), 0
-    for flows in stage_flows_:
+    for flows in stages:
         mine = dict.fromkeys(names, 0.0)
         calls = 0
         for fl in flows:
@@ -520,9 +522,9 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
             res.ranked += ranked[i]
     res.examined = len(ranked)
     res.ranked.sort(key=lambda x: x[0])
-    order = tie_break(res.ranked, res.traffic, topo)
-    res.tied = sum(1 for t, _ in res.ranked if res.ranked and t <= res.ranked[0][0] * (1 + TIE))
-    res.best = [estimate(model, lay, work, topo, gpus, simulate=False) for _, lay in order[:top]]
+    chosen = tie_break(res.ranked, res.traffic, topo)
+    res.tied = sum(1 for t, _ in res.ranked if t <= res.ranked[0][0] * (1 + TIE))
+    res.best = [estimate(model, lay, work, topo, gpus, simulate=False) for _, lay in chosen[:top]]
     res.seconds = _time.perf_counter() - t0
     res.cpu_seconds = _time.process_time() - c0
     return res

@@ -10,7 +10,7 @@ from ..comm.ledger import fmt_bytes
 from .estimate import Estimate
 from .layout import microbatches
 from .memory import COMPONENTS
-from .search import Result
+from .search import Result, mechanisms
 from .topology import GiB
 
 
@@ -174,6 +174,8 @@ def search_text(res: Result, top: int = 10, examples: int = 3, verbose: bool = F
     order = f" (rank order {res.best[0].layout.order})" if res.best else ""
     lines.append(f"searched {res.considered} layouts{order} in {res.seconds:.2f} s: {res.fit} fit, "
                  f"{len(res.rejected)} rejected")
+    if res.best:
+        lines.append(mechanisms_text(res))
     if verbose and (res.skipped_layouts or res.untimed):
         lines.append(bound_text(res))
     if res.offload:
@@ -210,6 +212,15 @@ def _needs(why: str) -> float | None:
     """The GiB a memory rejection says its most loaded stage needs (search's "stage j needs X GiB > L GiB")."""
     found = re.search(r"needs ([\d.]+) GiB", why)
     return float(found.group(1)) if found else None
+
+
+def mechanisms_text(res: Result) -> str:
+    """The mechanisms of the best layout, which the search chose per layout (search.mechanisms), and how
+    many layouts tied with the fastest (within 1%: fewest bytes on the slowest tier first)."""
+    chosen = ", ".join(f"{k} {v}" for k, v in mechanisms(res.best[0].layout).items())
+    tied = (f"; {res.tied} layouts within 1% of the fastest, fewest bytes on the slowest tier first"
+            if res.tied > 1 else "")
+    return f"mechanisms chosen: {chosen} (reduction and recompute searched per layout, offload when nothing fits){tied}"
 
 
 def search_offload_text(res: Result) -> str:
@@ -257,6 +268,7 @@ def search_dict(res: Result, max_rejected: int = 200) -> dict:
         "offload": {**res.offload, "meaning": "tried only because no layout fit the device: per mode, the "
                                                  "structures searched with it (nvme where cpu fit nowhere); "
                                                  "fit: layouts that fit with offload"} if res.offload else {},
+        "mechanisms": mechanisms(res.best[0].layout) if res.best else {}, "tied": res.tied,
         "rejected_by_reason": res.reasons(),
         "rejected": [{"layout": lay.to_dict(), "reason": why} for lay, why in res.rejected[:max_rejected]],
     }

@@ -60,16 +60,24 @@ def candidate_stages(model: PlanModel, pp: int, vpp: int = 1, partition: str = "
 
 @lru_cache(maxsize=4096)
 def time_stages(model: PlanModel, pp: int, vpp: int = 1, partition: str = "even") -> tuple[int, ...]:
-    """Stages that can be the slowest: the first with the most layers, and the last (head and loss),
-    which alone suffices when it has as many layers (it computes the head; the first only looks up
-    the embedding)."""
+    """Stages that can end the step last: the first with the most layers and the last (head and loss),
+    the slowest in the pipeline (the last alone suffices for that when it has as many layers: it computes
+    the head, the first only looks up the embedding), and the first, whose gradient reduction starts
+    last (its chunks' last backwards end the pipeline) and includes the embedding's."""
     counts = [len(r) for r in stage_layers(model.layers, pp, vpp, partition)]
     most = counts.index(max(counts))
-    return (pp - 1,) if counts[most] == counts[-1] and not model.moe else tuple(sorted({most, pp - 1}))
+    slow = {pp - 1} if counts[most] == counts[-1] and not model.moe else {most, pp - 1}
+    return tuple(sorted(slow | {0}))
 
 
 # -- parameters a rank holds -------------------------------------------------------------------------
 def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, int]:
+    """`_layer_rank_params` of layer i: every dense layer holds the same, and every MoE layer."""
+    return _layer_rank_params(model, model.is_moe_layer(i), tp, ep)
+
+
+@lru_cache(maxsize=4096)
+def _layer_rank_params(model: PlanModel, moe: bool, tp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) parameters of layer i on one rank: matrices split tp ways (K/V by min(tp, kv)
     heads, replicated beyond), norms and row-parallel biases replicated; an MoE layer's router, shared and
     routed experts stay whole on the tp ranks (EP x TP group-wise dispatch, parallel/tensor.py), routed
@@ -84,7 +92,7 @@ def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, 
     else:
         kv = 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias)
         attn_rank = (attn - kv - row_bias) // tp + kv // min(tp, model.kv_heads) + row_bias
-    if not model.is_moe_layer(i):
+    if not moe:
         mlp = model.mlp_params(model.ffn)
         return attn_rank + norms + (mlp - row_bias) // tp + row_bias, 0
     shared = model.shared_experts * model.expert_params()

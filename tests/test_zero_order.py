@@ -17,7 +17,8 @@ def test_the_order_outside_and_under_a_pipeline():
 
 def test_planner_and_runtime_share_it():
     import fivefold.parallel.zero as zero
+    import fivefold.parallel.zero_stage as zero_stage   # ZeRO-3's gathers and frees
 
     assert buffers.MAX_INFLIGHT is zero_order.MAX_INFLIGHT is zero.MAX_INFLIGHT
     for name in ("forward_prefetch", "backward_prefetch", "frees_after_forward"):
-        assert getattr(zero, name) is getattr(zero_order, name) is getattr(buffers, name)
+        assert getattr(zero_stage, name) is getattr(zero_order, name) is getattr(buffers, name)

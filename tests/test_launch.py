@@ -8,11 +8,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 
 from fivefold.train.launch import RankError, _silence_message, heartbeat, last_stop_signal, run_ranks
+from fivefold.train.signals import sigint_held
 
 HAS_PROC_NET = os.path.exists("/proc/net/tcp")
 
@@ -299,3 +301,23 @@ def test_an_exit_code_without_a_result_is_named():
     with pytest.raises(RankError, match=r"^rank 1 exited with code 3 without a result"):
         run_ranks(_exit_3_on_rank1, 2, timeout_s=30)
     assert multiprocessing.active_children() == []
+
+
+def test_a_ctrl_c_while_processes_start_is_held_not_lost():
+    """A SIGINT inside `sigint_held` (where the launcher and tokenize start processes) waits and is
+    delivered when it ends; a process started inside begins with SIGINT blocked, so a Ctrl-C to the group
+    cannot kill it half-started (it releases SIGINT once its handlers are in)."""
+    got = []
+    old = signal.signal(signal.SIGINT, lambda *_: got.append("SIGINT"))
+    try:
+        with sigint_held():
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.05)
+            held = list(got)
+            child = subprocess.run([sys.executable, "-c", "import signal; print(signal.SIGINT in "
+                                    "signal.pthread_sigmask(signal.SIG_BLOCK, []))"], capture_output=True, text=True)
+        time.sleep(0.05)
+        assert held == [] and got == ["SIGINT"]
+        assert child.stdout.strip() == "True"
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -28,8 +28,10 @@ the CLI installs them in torchrun ranks; the training loop polls `stop_requested
 and returns. In the launcher, `run_ranks` (called from the main thread) catches SIGTERM and SIGINT for
 its duration: the first one is forwarded to every rank as SIGTERM and the run goes on, so the ranks stop
 cleanly and their results are returned as usual (`last_stop_signal()` names the signal); a second one
-kills every rank at once and raises `Stopped`. Ranks start with SIGINT ignored, so a Ctrl-C while they
-import cannot kill them half-started; a rank that has not joined the group yet gets the SIGTERM when it
+kills every rank at once and raises `Stopped`. Ranks start with SIGINT blocked (train/signals.py
+`sigint_held`), so a Ctrl-C while they start cannot kill them half-started: it waits until their stop
+handlers are in, then asks them to stop like any other (and one that reaches the launcher while it starts
+ranks waits too, rather than being lost); a rank that has not joined the group yet gets the SIGTERM when it
 has. Since ranks only note SIGTERM, the launcher ends them with SIGKILL whenever it has to.
 
 Hang watchdog. `timeout_s` is a limit on silence, not on the run: a rank calls `heartbeat(step)` (the
@@ -71,7 +73,7 @@ import torch.multiprocessing as mp
 
 from ..config import ConfigError
 from .malloc import return_freed_memory
-from .signals import sigint_ignored
+from .signals import release_sigint, sigint_held
 from .torchrun_env import torchrun_env, torchrun_ranks_per_node  # noqa: F401 - part of launch's interface
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -244,6 +246,7 @@ def _worker(rank, world_size, store_path, fn, args, results, timeout_s, launcher
     global _progress
     die_with_launcher(launcher_pid)
     install_stop_handlers()
+    release_sigint()   # a Ctrl-C held while the rank started is a stop request now
     one_thread()
     return_freed_memory()
     if waits is not None:
@@ -499,7 +502,7 @@ def run_ranks(fn, nproc: int, args: tuple = (), timeout_s: float = 300) -> list:
         ranks = _Ranks(procs, results, timeout_s, waits)
         with _catching_stops(ranks.on_signal):
             try:
-                with sigint_ignored():
+                with sigint_held():
                     for p in procs:
                         p.start()
                 out = ranks.collect()

@@ -5,17 +5,29 @@ import contextlib
 import signal
 import threading
 
+SIGINT = {signal.SIGINT}
+
 
 @contextlib.contextmanager
-def sigint_ignored():
-    """SIGINT ignored inside (main thread only), so processes started there begin with it ignored (exec
-    keeps SIG_IGN) until they install their own handlers: Ctrl-C reaches the whole process group, and
-    the parent alone decides how to stop its children (which print no traceback)."""
+def sigint_held():
+    """SIGINT blocked inside (main thread only): a Ctrl-C that arrives meanwhile waits and is delivered
+    when the block ends, instead of being lost. Processes started inside begin with it blocked too (fork
+    and exec keep the signal mask), so a Ctrl-C to the whole process group cannot kill them half-started;
+    each calls `release_sigint` once it has its own handlers, and the parent alone decides how to stop
+    its children (which print no traceback)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGINT)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old if old is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def release_sigint(ignore: bool = False) -> None:
+    """In a child started inside `sigint_held`: take SIGINT again, by the handler installed now, or with
+    `ignore` not at all (a Ctrl-C held meanwhile is then dropped)."""
+    if ignore:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGINT)

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..rules import ConfigError, install_hint
 from ..tokenizer import Tokenizer, load_tokenizer, missing_eos
-from .signals import sigint_ignored
+from .signals import release_sigint, sigint_held
 
 FORMAT = "fivefold-tokens"
 VERSION = 1
@@ -408,6 +408,7 @@ _worker_tokenizer: Tokenizer | None = None
 
 def _init_worker(tokenizer_path: str | None, eos: str = "", bos: str = "") -> None:
     global _worker_tokenizer
+    release_sigint(ignore=True)
     _worker_tokenizer = load_tokenizer(tokenizer_path, eos, bos)
 
 
@@ -441,7 +442,7 @@ def encoded(work: Iterator, tokenizer: Tokenizer, tokenizer_path: str | None, wo
             yield encode_batch(item, tokenizer)
         return
     ctx = multiprocessing.get_context("spawn")   # fresh processes: no inherited threads or state
-    with sigint_ignored():                       # workers start deaf to Ctrl-C (exec keeps SIG_IGN)
+    with sigint_held():                          # workers are deaf to Ctrl-C: the parent stops them
         pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path, *specials))
     with pool:
         pending = deque()

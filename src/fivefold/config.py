@@ -51,8 +51,40 @@ MODEL_LIMITS = {"vocab": 2**31, "hidden": 2**20, "layers": 2**16, "heads": 2**14
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
 
 
+class HeadShapes:
+    """The per-head widths of a decoder's attention and which layers are MoE, from its fields (hidden,
+    heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim, experts, dense_layers): stated once for the
+    runtime's `ModelConfig` and the planner's `PlanModel` (plan/models.py)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head width of queries and keys (MLA: nope + rope)."""
+        return self.qk_nope_dim + self.qk_rope_dim if self.mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Per-head width of values and of the attention output."""
+        return self.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims RoPE rotates per head (MLA: the rope part only)."""
+        return self.qk_rope_dim if self.mla else self.head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.experts > 0 and i >= self.dense_layers
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(HeadShapes):
     """A Llama-style decoder. MoE fields are used when `experts > 0` (model/moe.py explains each), MLA
     fields when `kv_lora_rank > 0` (multi-head latent attention, model/latent_attention.py)."""
 
@@ -92,29 +124,6 @@ class ModelConfig:
     v_head_dim: int = 0           # per-head value dim
     rope_interleave: bool = True  # MLA: RoPE dims in interleaved pairs (DeepSeek's layout; false: rotate-half)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def qk_head_dim(self) -> int:
-        """Per-head width of queries and keys (MLA: nope + rope)."""
-        return self.qk_nope_dim + self.qk_rope_dim if self.mla else self.head_dim
-
-    @property
-    def v_dim(self) -> int:
-        """Per-head width of values and of the attention output."""
-        return self.v_head_dim if self.mla else self.head_dim
-
-    @property
-    def rope_dim(self) -> int:
-        """Dims RoPE rotates per head (MLA: the rope part only)."""
-        return self.qk_rope_dim if self.mla else self.head_dim
-
     def attention_params(self) -> int:
         h = self.hidden
         if self.mla:
@@ -131,8 +140,6 @@ class ModelConfig:
         """Hidden width of one routed (or shared) expert."""
         return self.moe_ffn or self.ffn
 
-    def is_moe_layer(self, i: int) -> bool:
-        return self.experts > 0 and i >= self.dense_layers
 
     def num_params(self) -> int:
         """Parameters of the model as built (each tied weight counted once; the sigmoid router's expert

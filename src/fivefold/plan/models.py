@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from pathlib import Path
 
-from ..config import MODEL_LIMITS, ConfigError, ModelConfig
+from ..config import MODEL_LIMITS, ConfigError, HeadShapes, ModelConfig
 from ..rules import check_count, divisors
 
 
@@ -49,7 +49,7 @@ def cached_hash(obj) -> int:
 
 
 @dataclass(frozen=True)
-class PlanModel:
+class PlanModel(HeadShapes):
     """Shape of a decoder-only transformer, as far as memory, bytes and FLOPs depend on it."""
 
     name: str
@@ -94,22 +94,6 @@ class PlanModel:
 
     # -- shapes -------------------------------------------------------------------------------
     @property
-    def mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_dim + self.qk_rope_dim if self.mla else self.head_dim
-
-    @property
-    def v_dim_per_head(self) -> int:
-        return self.v_head_dim if self.mla else self.head_dim
-
-    @property
     def q_width(self) -> int:
         """Width of the query projection output (heads · qk head dim)."""
         return self.heads * self.qk_head_dim
@@ -121,18 +105,16 @@ class PlanModel:
 
     @property
     def v_width(self) -> int:
-        return (self.heads if self.mla else self.kv_heads) * self.v_dim_per_head
+        return (self.heads if self.mla else self.kv_heads) * self.v_dim
 
     @property
     def attn_out_width(self) -> int:
-        return self.heads * self.v_dim_per_head
+        return self.heads * self.v_dim
 
     @property
     def moe(self) -> bool:
         return self.experts > 0
 
-    def is_moe_layer(self, i: int) -> bool:
-        return self.moe and i >= self.dense_layers
 
     # -- parameters -----------------------------------------------------------------------------
     def _norm(self, width: int) -> int:
@@ -245,7 +227,7 @@ class PlanModel:
     def attention_flops_per_token(self, seq: int, causal: bool = True) -> float:
         """Forward FLOPs of QK^T and AV for one token, summed over layers (PaLM, Chowdhery et al. 2022,
         App. B: 2·s·(d_qk + d_v) per head per layer, halved for a causal mask)."""
-        per_layer = 2.0 * seq * self.heads * (self.qk_head_dim + self.v_dim_per_head)
+        per_layer = 2.0 * seq * self.heads * (self.qk_head_dim + self.v_dim)
         return self.layers * per_layer * (0.5 if causal else 1.0)
 
     def blocks_attention_flops_per_token(self, seq: int, causal: bool = True) -> float:

@@ -15,6 +15,7 @@ import pytest
 
 from fivefold.train import checkpoint, rundir
 
+from .helpers import shell_signals
 from .test_train_cli import TINY, fivefold, metrics
 
 LONG = [a if a != "4" else "3000" for a in TINY]   # long enough to be interrupted
@@ -23,7 +24,7 @@ LONG = [a if a != "4" else "3000" for a in TINY]   # long enough to be interrupt
 def start(*args) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "fivefold.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=shell_signals)
 
 
 def wait_for(cond, timeout=120.0, what="condition"):

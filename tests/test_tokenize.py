@@ -22,6 +22,8 @@ from fivefold.train.data import ShuffledBatches, make_batches, read_tokens
 from fivefold.train.tokenize import (TokenFileWriter, header_path, offsets_path, read_header, read_offsets,
                                      token_dtype, tokenize)
 
+from .helpers import shell_signals
+
 WORDS = ("the quick brown fox jumps over the lazy dog while seven zebras quietly hum old songs; "
          "naïve café owners count 12 345 coins — déjà vu").split()
 DOCS = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(8 + i % 13)) + "." for i in range(240)]
@@ -210,7 +212,7 @@ def test_ctrl_c_in_tokenize_leaves_nothing_and_no_traceback(corpus, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.Popen([sys.executable, "-m", "fivefold.cli", "tokenize", str(big), "--out", str(out),
                           "--tokenizer", str(corpus["hf"]), "--workers", "2"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, preexec_fn=shell_signals)
     try:
         until = time.monotonic() + 120
         while not list(tmp_path.glob(".d.bin.*.tmp")) and p.poll() is None and time.monotonic() < until:

@@ -16,6 +16,8 @@ import pytest
 from fivefold.train.launch import RankError, _silence_message, heartbeat, last_stop_signal, run_ranks
 from fivefold.train.signals import sigint_held
 
+from .helpers import shell_signals
+
 HAS_PROC_NET = os.path.exists("/proc/net/tcp")
 
 
@@ -321,3 +323,36 @@ def test_a_ctrl_c_while_processes_start_is_held_not_lost():
         assert child.stdout.strip() == "True"
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+HELD_SPAWN = """
+import multiprocessing, signal, sys
+from fivefold.train.signals import sigint_held
+
+def blocked(q):
+    q.put(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+if __name__ == "__main__":
+    with sigint_held():
+        out = []
+        for method in ("spawn", "forkserver"):
+            ctx = multiprocessing.get_context(method)
+            q = ctx.Queue()          # the first Queue starts multiprocessing's resource tracker
+            p = ctx.Process(target=blocked, args=(q,))
+            p.start()
+            out.append(q.get(timeout=60))
+            p.join()
+    print(out, signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+"""
+
+
+def test_processes_started_inside_sigint_held_start_deaf_whatever_multiprocessing_does(tmp_path):
+    """In a fresh interpreter (no resource tracker yet): spawn and forkserver children started inside
+    `sigint_held` begin with SIGINT blocked, and the block ends with the block. Starting the tracker
+    unblocks SIGINT in its caller (CPython), which had let the suite's tokenize Ctrl-C test see workers
+    die with a KeyboardInterrupt traceback halfway through their start."""
+    script = tmp_path / "held.py"
+    script.write_text(HELD_SPAWN)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         preexec_fn=shell_signals)
+    assert out.stdout.strip() == "[True, True] False", out.stderr[-2000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from multiprocessing import resource_tracker
 
 SIGINT = {signal.SIGINT}
 
@@ -14,10 +15,16 @@ def sigint_held():
     when the block ends, instead of being lost. Processes started inside begin with it blocked too (fork
     and exec keep the signal mask), so a Ctrl-C to the whole process group cannot kill them half-started;
     each calls `release_sigint` once it has its own handlers, and the parent alone decides how to stop
-    its children (which print no traceback)."""
+    its children (which print no traceback).
+
+    multiprocessing's resource tracker is started first: starting it ends with
+    `pthread_sigmask(SIG_UNBLOCK, {SIGINT, SIGTERM})` (CPython 3.11-3.13 `resource_tracker.ensure_running`),
+    not with the mask it found, so a tracker first needed inside (the first Pool, Queue or forkserver) would
+    unblock SIGINT halfway and the rest of the processes would start deaf to nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    resource_tracker.ensure_running()
     old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGINT)
     try:
         yield

@@ -44,7 +44,7 @@ def run_process(argv: list[str]) -> tuple[float, float, str]:
 
 def search_seconds(out: str) -> float | None:
     """The search's own seconds from the table's first line, "searched N layouts in X s"."""
-    m = re.search(r"searched \d+ layouts in ([0-9.]+) s", out)
+    m = re.search(r"searched \d+ layouts (?:\([^)]*\) )?in ([0-9.]+) s", out)
     return float(m.group(1)) if m else None
 
 

@@ -687,6 +687,12 @@ def add_generate_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when available")
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .tools.generate import cmd_generate as generate
+
+    return generate(args)
+
+
 # third-party progress bars (tqdm: transformers' "Loading checkpoint shards", huggingface_hub, datasets)
 # would interleave with our console line; each library reads these at import, so they are set before any
 # is imported; a variable the user set is kept (TQDM_DISABLE=0 brings the bars back)
@@ -699,47 +705,53 @@ def quiet_third_party_bars() -> None:
         os.environ.setdefault(name, value)
 
 
+# command -> (help, module of its add_*_args and cmd_* functions (None: this file), their name); a command's
+# module is imported only when that command runs (`fivefold plan` never imports tokenize's numpy)
+COMMANDS = {
+    "train": ("train a model (embedded default when no config)", None, "train"),
+    "export": ("write a checkpoint's whole weights to one safetensors file", None, "export"),
+    "generate": ("sample text from a run's checkpoint (or a Hugging Face folder)", None, "generate"),
+    "eval": ("a run's checkpoint's (or a Hugging Face folder's) loss and perplexity on data, under any layout",
+             None, "eval"),
+    "report": ("draw runs' loss, grad norm, tokens/s, lr, traffic, pipeline", ".tools.report", "report"),
+    "tokenize": ("tokenize text / JSONL / Parquet / datasets folders into a token file for training",
+                 ".train.tokenize", "tokenize"),
+    "calibrate": ("measure this machine and write a topology TOML for plan", ".tools.calibrate", "calibrate"),
+    "schedule": ("simulate and draw a pipeline schedule", ".tools.schedule", "schedule"),
+    "plan": ("estimate memory, traffic and step time of a layout, or search", ".plan.cli", "plan"),
+}
+
+
+def _command(cmd: str):
+    """(add_args, run) of a command, importing its module only now."""
+    import importlib
+
+    _, module, name = COMMANDS[cmd]
+    where = importlib.import_module(module, __package__) if module else sys.modules[__name__]
+    return getattr(where, f"add_{name}_args"), getattr(where, f"cmd_{name}")
+
+
+def _chosen(argv: list[str]) -> str | None:
+    """The command argv names (its first word that is not an option), if it is one of COMMANDS."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in COMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_third_party_bars()
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = OneLineParser(prog="fivefold", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
-    add_train_args(sub.add_parser("train", help="train a model (embedded default when no config)"))
-    add_export_args(sub.add_parser("export", help="write a checkpoint's whole weights to one safetensors file"))
-    add_generate_args(sub.add_parser("generate", help="sample text from a run's checkpoint (or a Hugging Face folder)"))
-    add_eval_args(sub.add_parser("eval", help="a run's checkpoint's (or a Hugging Face folder's) loss and "
-                                 "perplexity on data, under any layout"))
-    from .tools.report import add_report_args, cmd_report
-    add_report_args(sub.add_parser("report", help="draw runs' loss, grad norm, tokens/s, lr, traffic, pipeline"))
-    from .train.tokenize import add_tokenize_args, cmd_tokenize
-    add_tokenize_args(sub.add_parser("tokenize", help="tokenize text / JSONL / Parquet / datasets folders into "
-                                     "a token file for training"))
-    from .tools.calibrate import add_calibrate_args, cmd_calibrate
-    add_calibrate_args(sub.add_parser("calibrate", help="measure this machine and write a topology TOML for plan"))
-    from .tools.schedule import add_schedule_args, cmd_schedule
-    add_schedule_args(sub.add_parser("schedule", help="simulate and draw a pipeline schedule"))
-    from .plan.cli import add_plan_args, cmd_plan
-    add_plan_args(sub.add_parser("plan", help="estimate memory, traffic and step time of a layout, or search"))
+    chosen = _chosen(argv)
+    run = None
+    for cmd, (help_, _, _) in COMMANDS.items():
+        parser = sub.add_parser(cmd, help=help_)
+        if cmd == chosen:               # only the command that runs gets its arguments (and its imports)
+            add_args, run = _command(cmd)
+            add_args(parser)
     args = ap.parse_args(argv)
     try:
-        if args.cmd == "train":
-            return cmd_train(args)
-        if args.cmd == "export":
-            return cmd_export(args)
-        if args.cmd == "generate":
-            from .tools.generate import cmd_generate
-            return cmd_generate(args)
-        if args.cmd == "report":
-            return cmd_report(args)
-        if args.cmd == "eval":
-            return cmd_eval(args)
-        if args.cmd == "tokenize":
-            return cmd_tokenize(args)
-        if args.cmd == "calibrate":
-            return cmd_calibrate(args)
-        if args.cmd == "schedule":
-            return cmd_schedule(args)
-        if args.cmd == "plan":
-            return cmd_plan(args)
+        return run(args)
     except ConfigError as e:
         print(f"fivefold: config error: {e}", file=sys.stderr)
         return 2
@@ -751,7 +763,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fivefold: {e}", file=sys.stderr)
             return 1
         raise
-    return 0
 
 
 def is_rank_failure(e: BaseException) -> bool:

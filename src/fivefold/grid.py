@@ -86,12 +86,21 @@ GROUP_SPECS: dict[str, GroupSpec] = {
 
 
 class Degrees(Protocol):
-    """Anything with the five degrees: `ParallelConfig`, the planner's `Layout`."""
+    """Anything with the five degrees: `ParallelConfig`, the planner's `Layout`, `Sizes`."""
     tp: int
     cp: int
     ep: int
     dp: int
     pp: int
+
+
+class Sizes(NamedTuple):
+    """The five degrees alone (a `Degrees` that costs nothing to build)."""
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    ep: int
 
 
 def parse_order(order: str) -> list[str]:

@@ -379,8 +379,11 @@ class _Bound:
             per_layer, per_moe, first, last = self._basis(tp, pp, dp, cp, mode, ep, sp.sp_mode, b, blocks)
             m, tokens = sp.per_dp // b, b * per_token
             for v, rows in rows_v:
-                c = max(3 * f * tokens + (n - moe) * per_layer + moe * per_moe + fst * first + lst * last
-                        for n, moe, fst, lst, f in rows)
+                c = 0.0                           # the slowest timed stage (a plain loop: the search's hottest)
+                for n, moe, fst, lst, f in rows:
+                    x = 3 * f * tokens + (n - moe) * per_layer + moe * per_moe + fst * first + lst * last
+                    if x > c:
+                        c = x
                 if pp == 1:
                     t = m * c
                 elif self.sched[v] == ZB:

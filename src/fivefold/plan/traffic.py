@@ -633,7 +633,7 @@ def group_block_of(tp: int, pp: int, dp: int, cp: int, ep: int, group: str, orde
     """`group_block` from the degrees (cached)."""
     spec = grid.GROUP_SPECS[group]
     widths = grid.Widths(**{spec.width: width}) if spec.width and width else grid.Widths()
-    return grid.group_block(Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), group, order, widths)
+    return grid.group_block(grid.Sizes(tp, pp, dp, cp, ep), group, order, widths)
 
 
 def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None = None) -> list[Flow]:

@@ -202,3 +202,35 @@ def test_llama3_405b_layouts_fit(gpus, tp, cp, pp, dp, seq, gb, reported):
     full = llama3_estimate(gpus, tp, cp, pp, dp, seq, gb, reduce_each_microbatch=False)
     assert full.memory.most_loaded["total"] > 80 * GiB
     assert full.memory.most_loaded["buffers"] - e.memory.most_loaded["buffers"] > 7 * GiB
+
+
+# -- ZeRO-3 at 128 GPUs (held out: checked after the SM share, never tuned on) ---------------------------
+# IBM foundation-model-stack/fms-fsdp README (commit 0d31998): FSDP full sharding with activation
+# checkpointing on 128 A100 80 GB, sequence 4096: Llama-2 70B at 6 sequences per GPU 380 tokens/s/GPU,
+# a 34B (CodeLlama shape) at 8 per GPU 772. The network is given only as "400Gbps"; read here as
+# 200 Gb/s (25 GB/s) per GPU, with efficiency 0.75 (the published HFU is ~67%, recompute included).
+FMS_FSDP = [
+    # (layers, ffn, sequences per GPU, published tokens/s/GPU)
+    (80, 28672, 6, 380),
+    (48, 22016, 8, 772),
+]
+A100_16_NODES = {"name": "a100-16-nodes", "accelerator": "a100",
+                 "tier": [{"name": "nvlink", "size": 8, "bandwidth_gbps": 300, "latency_us": 3},
+                          {"name": "network", "bandwidth_gbps": 25, "latency_us": 8}]}
+
+
+@pytest.mark.parametrize("layers, ffn, per_gpu, published", FMS_FSDP)
+def test_zero3_at_128_a100_is_near_published(layers, ffn, per_gpu, published):
+    from fivefold.plan.models import from_hf_config
+
+    model = from_hf_config({"model_type": "llama", "hidden_size": 8192, "intermediate_size": ffn,
+                            "num_attention_heads": 64, "num_hidden_layers": layers, "num_key_value_heads": 8,
+                            "vocab_size": 32000, "max_position_embeddings": 4096})
+    layout = Layout(dp=128, zero=3, recompute="full", micro_batch=per_gpu)
+    work = Workload(seq=4096, global_batch=128 * per_gpu, efficiency=0.75)
+    e = estimate(model, layout, work, topology_from_dict(A100_16_NODES), 128)
+    assert e.fits
+    tokens_per_gpu = 128 * per_gpu * 4096 / e.time.step_time_s / 128
+    assert tokens_per_gpu == pytest.approx(published, rel=0.1)
+    slow = estimate(model, layout, replace(work, efficiency=0.6), topology_from_dict(A100_16_NODES), 128)
+    assert slow.time.step_time_s > e.time.step_time_s      # the default ceiling: slower than published

@@ -27,7 +27,9 @@ One command, one GPU (an H100/H200-class device; under 8 minutes there):
    within 10%).
 4. Check: a small model (hidden 256, 4 layers, vocab 256, seq 128, the embedded corpus) trains 5 steps
    on the CPU in fp32 (the reference), then on CUDA in fp32 (losses within rtol 1e-3), in bf16 and in
-   bf16 with compiled blocks (within rtol 2e-2, bf16's tolerance). A miss exits with status 1.
+   bf16 with compiled blocks (within rtol 2e-2, bf16's tolerance); and ZeRO-2 with the optimizer state on
+   the host and gradients streamed there during the backward (offload = "cpu": the CUDA side-stream
+   path) against ZeRO-2 on the device, equal exactly. A miss exits with status 1.
 
 Without a CUDA device it prints one line and exits with status 2 (with `--smoke`, tests/test_benchmarks.py:
 it plans the `--quick` micro-batch and exits 0; on CUDA `--smoke` is `--quick` for one eager step without
@@ -215,21 +217,37 @@ def train_big(args, model: dict, seq: int, steps: int, capacity: float) -> dict:
             "planned": plan, "memory_ratio": peak / planned, "notes": notes}
 
 
+# the CUDA side of ZeRO-Offload's gradient streaming (parallel/offload.py: d2h copies on a side stream
+# behind the reduce-scatter, pinned landing buffers): ZeRO-2 with the state on the host must give the
+# losses of ZeRO-2 on the device bit for bit, as the CPU path does in tests/test_offload.py
+OFFLOAD_RUNS = ("cuda fp32 zero2", "cuda fp32 zero2 offload cpu")
+
+
 def check_losses() -> dict:
-    """A small model's losses: CPU fp32 (reference) against CUDA fp32, CUDA bf16, CUDA bf16 compiled."""
+    """A small model's losses: CPU fp32 (reference) against CUDA fp32, CUDA bf16, CUDA bf16 compiled; and
+    ZeRO-2 with gradients streamed to the host against ZeRO-2 on the device (equal exactly)."""
     from fivefold.train.trainer import Trainer
 
     runs = {}
     for name, device, dtype, compile_ in (("cpu fp32", "cpu", "fp32", False), ("cuda fp32", "cuda", "fp32", False),
                                           ("cuda bf16", "cuda", "bf16", False),
-                                          ("cuda bf16 compiled", "cuda", "bf16", True)):
+                                          ("cuda bf16 compiled", "cuda", "bf16", True),
+                                          (OFFLOAD_RUNS[0], "cuda", "fp32", False),
+                                          (OFFLOAD_RUNS[1], "cuda", "fp32", False)):
         cfg = config(SMALL, 128, 8, 1, CHECK_STEPS, compile_, device=device, dtype=dtype)
+        if "zero2" in name:
+            cfg.parallel.zero = 2
+        if "offload" in name:
+            cfg.parallel.offload = "cpu"
         trainer = Trainer(cfg, quiet=True)
         runs[name] = [trainer.step(k)["loss"] for k in range(CHECK_STEPS)]
         del trainer
         free_cuda()
     ref = runs["cpu fp32"]
     out = {"losses": runs, "ok": True, "rtol": {"fp32": RTOL_FP32, "bf16": RTOL_BF16}, "worst": {}}
+    streamed, device = runs[OFFLOAD_RUNS[1]], runs[OFFLOAD_RUNS[0]]
+    out["offload_streaming_exact"] = streamed == device
+    out["ok"] &= streamed == device
     for name, losses in runs.items():
         if name == "cpu fp32":
             continue
@@ -300,6 +318,8 @@ def main(argv=None) -> int:
             worst = check["worst"].get(name_)
             print(f"  {name_:<20} {' '.join(f'{x:.5f}' for x in losses)}"
                   + (f"   max rel diff {worst:.2e}" if worst is not None else "   (reference)"))
+        print(f"  ZeRO-2 with gradients streamed to the host equals ZeRO-2 on the device: "
+              f"{'yes' if check['offload_streaming_exact'] else 'NO'}")
         print(f"  within tolerance (fp32 {RTOL_FP32:g}, bf16 {RTOL_BF16:g}): {'yes' if check['ok'] else 'NO'}")
 
     total_s = time.perf_counter() - t_start

@@ -151,3 +151,26 @@ def test_fit_recovers_latency_and_bandwidth():
     rows = [(h, b, h * alpha + b / bw) for h in (1, 2) for b in (4096, 2**20, 2**24)]
     a, w = fit_alpha_beta(rows)
     assert a == pytest.approx(alpha, rel=1e-9) and w == pytest.approx(bw, rel=1e-9)
+
+
+def _spin_cpu(rank, world):
+    """Burn about 0.5 s of CPU; return the CPU seconds this rank used."""
+    import time
+
+    t = time.process_time()
+    while time.process_time() - t < 0.5:
+        pass
+    return time.process_time()
+
+
+@pytest.mark.ranks
+def test_foreign_load_counts_ranks_forked_by_the_fork_server_as_ours():
+    """Ranks are the fork server's children, not the launcher's (train/launch.py): the CPU that
+    `ForeignLoad` subtracts as this process tree's must still hold theirs, or every calibration and
+    plan_vs_run round reads its own ranks as another job's load (1.7 of 2 cores did)."""
+    from fivefold.tools.calibrate import _own_cpu_s
+    from fivefold.train.launch import run_ranks
+
+    before = _own_cpu_s()
+    used = run_ranks(_spin_cpu, 2, ())
+    assert _own_cpu_s() - before >= 0.95 * sum(used)

@@ -450,13 +450,39 @@ def _machine_busy_s() -> float | None:
 
 
 def _own_cpu_s() -> float:
+    """CPU seconds of this process and everything it started: its own, its reaped children's, and each live
+    descendant's with the children that one reaped. Ranks fork from a fork server (train/launch.py), so they
+    are the server's children: `os.times()` alone would count them as another process's load."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + _descendants_cpu_s(os.getpid())
+
+
+def _descendants_cpu_s(root: int) -> float:
+    """utime + stime + cutime + cstime of every live descendant of `root` (/proc; 0 without it)."""
+    children, cpu = {}, {}
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue                      # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(pid))
+        cpu[int(pid)] = sum(int(x) for x in fields[11:15])
+    total, todo = 0, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        total += cpu[pid]
+        todo += children.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class ForeignLoad:
     """Cores' worth of CPU that other processes (or the hypervisor) took while the block ran: the machine's
-    busy time minus this process's and its finished children's (the ranks), over the wall time. None where
+    busy time minus this process tree's (`_own_cpu_s`: the ranks too), over the wall time. None where
     /proc/stat is missing. A measurement is trustworthy only when this is near 0."""
 
     def __enter__(self) -> "ForeignLoad":

@@ -6,8 +6,13 @@ block freed (up to 32 MiB), so after the first step the blocks a step makes and 
 units, gradient buckets, the optimizer's scratch) come from its heap and stay resident once freed. A
 ZeRO-3 rank then held 1.7-2x the bytes of its live tensors (tests/test_start_memory.py: 1.2-1.4 GiB of
 resident memory over the floor against 0.62 GiB of tensors at the step's peak). Fixing the threshold at
-1 MiB keeps large blocks mapped, so what is resident is what the planner counts; smaller blocks still
-come from the heap. The cost is the kernel's page faults on each new large block.
+MMAP_THRESHOLD_BYTES keeps large blocks mapped, so what is resident is what the planner counts; smaller
+blocks still come from the heap. The cost is the kernel's page faults on each new large block, so the
+threshold sits above a layer's per-micro-batch activations of small models: at 1 MiB a tp2 step of
+benchmarks/plan_vs_run.py's model (1 MiB activations) spent 158 ms of "other aten ops" (element-wise
+kernels writing fresh pages at 4-5 GB/s) against 49 ms at glibc's own threshold, 656 ms a step against
+480; at 4 MiB the step takes 491 ms and the start-up memory test (ZeRO-3 dp4 at its plan) still
+passes, which it does not at 16 MiB.
 
 A user's own MALLOC_MMAP_THRESHOLD_ (glibc's environment tuning) is left as it is, and so is a C
 library without mallopt."""
@@ -17,7 +22,7 @@ import ctypes
 import os
 
 M_MMAP_THRESHOLD = -3   # glibc's malloc.h
-MMAP_THRESHOLD_BYTES = 1 << 20
+MMAP_THRESHOLD_BYTES = 4 << 20
 
 
 def return_freed_memory() -> bool:

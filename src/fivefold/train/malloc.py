@@ -11,8 +11,8 @@ blocks still come from the heap. The cost is the kernel's page faults on each ne
 threshold sits above a layer's per-micro-batch activations of small models: at 1 MiB a tp2 step of
 benchmarks/plan_vs_run.py's model (1 MiB activations) spent 158 ms of "other aten ops" (element-wise
 kernels writing fresh pages at 4-5 GB/s) against 49 ms at glibc's own threshold, 656 ms a step against
-480; at 4 MiB the step takes 491 ms and the start-up memory test (ZeRO-3 dp4 at its plan) still
-passes, which it does not at 16 MiB.
+480. At 2 MiB the step takes 514 ms and tests/test_start_memory.py's ranks use the same share of their
+bound as at 1 MiB (tp2 x pp2 up to 0.988 against 0.982); at 4 MiB (491 ms) tp2 x pp2 reaches 1.00 of it.
 
 A user's own MALLOC_MMAP_THRESHOLD_ (glibc's environment tuning) is left as it is, and so is a C
 library without mallopt."""
@@ -22,7 +22,7 @@ import ctypes
 import os
 
 M_MMAP_THRESHOLD = -3   # glibc's malloc.h
-MMAP_THRESHOLD_BYTES = 4 << 20
+MMAP_THRESHOLD_BYTES = 2 << 20
 
 
 def return_freed_memory() -> bool:

@@ -670,29 +670,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_generate_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("run", nargs="?", help="a run folder (its newest checkpoint) or a checkpoints/step-N folder")
-    ap.add_argument("--prompt", required=True, help="the text to continue")
-    ap.add_argument("--max-tokens", type=int, default=100, help="tokens to generate at most (default 100)")
-    ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy; default 1")
-    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set with this "
-                    "much probability (1: all)")
-    ap.add_argument("--seed", type=int, default=0, help="the sampler's random seed (default 0)")
-    ap.add_argument("--checkpoint", help="a checkpoint of RUN to use instead of the newest: step-N or a path")
-    ap.add_argument("--no-cache", action="store_true", help="re-run the whole sequence for every token "
-                    "instead of using the KV cache (slower; the same tokens)")
-    ap.add_argument("--hf", metavar="DIR", help="sample from a Hugging Face folder (e.g. `fivefold export "
-                    "--hf`) instead of a run")
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when available")
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from .tools.generate import cmd_generate as generate
-
-    return generate(args)
-
-
 # third-party progress bars (tqdm: transformers' "Loading checkpoint shards", huggingface_hub, datasets)
 # would interleave with our console line; each library reads these at import, so they are set before any
 # is imported; a variable the user set is kept (TQDM_DISABLE=0 brings the bars back)
@@ -710,7 +687,7 @@ def quiet_third_party_bars() -> None:
 COMMANDS = {
     "train": ("train a model (embedded default when no config)", None, "train"),
     "export": ("write a checkpoint's whole weights to one safetensors file", None, "export"),
-    "generate": ("sample text from a run's checkpoint (or a Hugging Face folder)", None, "generate"),
+    "generate": ("sample text from a run's checkpoint (or a Hugging Face folder)", ".tools.generate", "generate"),
     "eval": ("a run's checkpoint's (or a Hugging Face folder's) loss and perplexity on data, under any layout",
              None, "eval"),
     "report": ("draw runs' loss, grad norm, tokens/s, lr, traffic, pipeline", ".tools.report", "report"),

@@ -213,6 +213,23 @@ def check_utf8(name: str, text: str) -> None:
                           f"give UTF-8 text") from None
 
 
+def add_generate_args(ap) -> None:
+    ap.add_argument("run", nargs="?", help="a run folder (its newest checkpoint) or a checkpoints/step-N folder")
+    ap.add_argument("--prompt", required=True, help="the text to continue")
+    ap.add_argument("--max-tokens", type=int, default=100, help="tokens to generate at most (default 100)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy; default 1")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set with this "
+                    "much probability (1: all)")
+    ap.add_argument("--seed", type=int, default=0, help="the sampler's random seed (default 0)")
+    ap.add_argument("--checkpoint", help="a checkpoint of RUN to use instead of the newest: step-N or a path")
+    ap.add_argument("--no-cache", action="store_true", help="re-run the whole sequence for every token "
+                    "instead of using the KV cache (slower; the same tokens)")
+    ap.add_argument("--hf", metavar="DIR", help="sample from a Hugging Face folder (e.g. `fivefold export "
+                    "--hf`) instead of a run")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when available")
+
+
 def cmd_generate(args) -> int:
     """`fivefold generate`: print the prompt and its sampled continuation; speed on stderr."""
     s = Sampling(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, not args.no_cache)

@@ -198,7 +198,8 @@ class _Bound:
     computed per dense layer, MoE layer, embedding and head, per dimension, once per (degrees, micro-batch,
     placement of that dimension's group) and scaled. The tp gradient sync, pipeline sends, gradient
     reduction, step collectives and the optimizer count as 0. The bound is the minimum over v and the
-    micro-batch size."""
+    micro-batch size. Where local ranks share cores (`ranks_per_core` o > 1) a pipeline's bound is divided
+    by o, as `time.shared_cores_makespan` may divide its makespan."""
 
     SLACK = 1 - 1e-9   # floating-point sums in another order must not lift the bound above a real time
 
@@ -207,6 +208,8 @@ class _Bound:
         self.model, self.work, self.topo, self.gpus = model, work, topo, gpus
         self.schedule, self.partition, self.order = schedule, partition, order
         self.peak = topo.accelerator.peak(work.dtype) * work.efficiency
+        # ranks sharing cores: a pipeline's makespan may shrink by up to this (time.shared_cores_makespan)
+        self.shared = max(1.0, topo.accelerator.ranks_per_core)
         self.attn = model.attention_flops_per_token(work.attention_span, work.causal) / model.layers   # per layer
         self.rows: dict = {}     # (pp, vpp) -> per timed stage (layers, MoE layers, first, last, F per token)
         self.tp: dict = {}       # one micro-batch's tp seconds: per dense layer, MoE layer, embedding, head
@@ -387,9 +390,9 @@ class _Bound:
                 if pp == 1:
                     t = m * c
                 elif self.sched[v] == ZB:
-                    t = m * c + (pp - 1) * min(f * tokens for *_, f in rows)
+                    t = (m * c + (pp - 1) * min(f * tokens for *_, f in rows)) / self.shared
                 else:
-                    t = c * (m + (pp - 1) / (v if self.sched[v] == INTERLEAVED else 1))
+                    t = c * (m + (pp - 1) / (v if self.sched[v] == INTERLEAVED else 1)) / self.shared
                 table[v, b] = t * self.SLACK
         return min(table.values()), table
 

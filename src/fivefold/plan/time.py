@@ -528,6 +528,20 @@ def stage_param_reads(flows: list[Flow], work: Workload, streamed: int = 0) -> f
     return p["gather"] if p else 0.0
 
 
+def shared_cores_makespan(makespan: float, busy: list[float], ranks_per_core: float) -> float:
+    """The pipeline's makespan when local ranks share cores (`Accelerator.ranks_per_core` = o > 1: N ranks
+    on N/o cores, every rate measured with all N busy, so each action's cost is at 1/o of a core). A rank
+    idle in its bubble (waiting on a receive) leaves its core to the busy ones, the kernel's scheduler
+    being work-conserving, so two bounds hold and the larger is taken: the cores' work, the mean over
+    stages of a rank's `busy` seconds at the shared rate (N·mean/o core-seconds on N/o cores), and the
+    schedule's critical path with every action at a whole core, `makespan` / o. The bubble (the idle
+    share of each rank's timeline) is the simulator's either way. o = 1 (a device or core per rank):
+    `makespan` unchanged."""
+    if ranks_per_core <= 1.0 or not busy:
+        return makespan
+    return max(sum(busy) / len(busy), makespan / ranks_per_core)
+
+
 def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
               flows_by_stage: dict[int, list[Flow]], states_bytes: float, simulate: bool = True,
               owned: float = 0.0) -> StepTime:
@@ -579,6 +593,8 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         c = cost_f[slow] + cost_b[slow]
         out.bubble = closed_form_bubble(schedule, L.pp, m, v, cost_f[slow], cost_b[slow])
         out.pipeline_s = m * c / (1 - out.bubble) + 2 * (L.pp - 1) * t_send
+    out.pipeline_s = shared_cores_makespan(out.pipeline_s, [m * (cost_f[j] + cost_b[j]) for j in flows_by_stage],
+                                           acc.ranks_per_core)
     out.compute_s = m * (compute_f[slow] + compute_b[slow])
     out.layer_comm_s = m * layer_comm[slow]
     each = L.pp > 1 and L.zero >= 2 and L.reduce_each_microbatch

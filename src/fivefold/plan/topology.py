@@ -41,7 +41,10 @@ class Accelerator:
     layer's many small ops) and `elementwise` (share of the layers' element-wise traffic, `PlanModel.
     elementwise_per_token`, paid at `hbm_bandwidth` beside the GEMMs: 1 for eager PyTorch, 0 where fused
     kernels and `efficiency` cover it) and `action_overhead` (host seconds a pipeline compute action costs
-    beyond its compute and its modelled transfer).
+    beyond its compute and its modelled transfer), and `ranks_per_core` (local ranks sharing one core:
+    more ranks than cores, as `fivefold calibrate --nproc 4` on 2 cores; the rates are then measured with
+    every rank busy, and a rank idle in a pipeline bubble gives its share to the busy ones: time.py
+    `shared_cores_makespan`; 1 on any accelerator a rank has to itself).
 
     The host side, per GPU (docs/plan.md, "Offload"; what ZeRO-Offload and disk offload use):
     `pcie_bandwidth` (bytes/s each way between the GPU and host memory), `host_memory` (the GPU's share of
@@ -67,6 +70,7 @@ class Accelerator:
                                        # efficiency (a custom or calibrated accelerator: its peaks are achieved)
     sms: int = 0                     # streaming multiprocessors (compute units)
     comm_sms: int = 0                # of them, those a collective running beside compute occupies (time.interfered)
+    ranks_per_core: float = 1.0      # local ranks per core (> 1: ranks share cores; time.shared_cores_makespan)
 
     @property
     def comm_share(self) -> float:
@@ -236,7 +240,7 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
         overlap = 0.5
 
     and, in [accelerator], `attention_tflops = { fp32 = 0.03 }`, `layer_overhead_us`, `elementwise`,
-    `action_overhead_us` (see `Accelerator`), and the host side of one GPU for offload: `pcie_gbps`
+    `action_overhead_us`, `ranks_per_core` (see `Accelerator`), and the host side of one GPU for offload: `pcie_gbps`
     (GB/s each way), `host_memory_gib` (or `host_memory_gb`), `host_gbps` (host memory bandwidth),
     `nvme_gbps`; for GEMMs by shape `gemm_kernel_us` (the per-kernel floor; absent: flat efficiency) and
     for overlap's cost `sms` and `comm_sms` (absent: overlap is free). A custom accelerator without them is taken to be its own host (a CPU-only machine, as
@@ -264,7 +268,8 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
                                 nvme_bandwidth=_times(acc.get("nvme_gbps", 3.5), GB),
                                 host_is_device="pcie_gbps" not in acc,
                                 gemm_kernel=_times(acc["gemm_kernel_us"], 1e-6) if "gemm_kernel_us" in acc else None,
-                                sms=acc.get("sms", 0), comm_sms=acc.get("comm_sms", 0))
+                                sms=acc.get("sms", 0), comm_sms=acc.get("comm_sms", 0),
+                                ranks_per_core=acc.get("ranks_per_core", 1.0))
         except KeyError as e:
             raise ConfigError(f"[accelerator] needs {e.args[0]!r} (peak_tflops, memory_gb or memory_gib)") from None
     raw = d.get("tier") or d.get("tiers")

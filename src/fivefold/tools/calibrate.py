@@ -65,6 +65,9 @@ figures are then the median over repetitions and over ranks; collectives as in 2
    schedule simulator's for the same actions with their measured durations and the send fit per
    transfer; the excess per compute action is what the runtime spends between its blocks (posting the
    batched P2P, waiting on receives, a sleeping rank waking late). The planner adds it to each action.
+7. Shared cores (`ranks_per_core`): N ranks over the cores this process may use (its affinity), at least
+   1. Every rate above is measured with all N ranks busy; with more ranks than cores, a pipeline rank
+   idle in its bubble leaves its core to the busy ones, which the planner counts (`time.shared_cores_makespan`).
 
 The peaks written are achieved rates, not datasheet peaks: plan with `--efficiency 1.0` against this
 topology (the TOML says so).
@@ -588,6 +591,19 @@ def _fits(comm: dict) -> dict:
             "per_op": {op: fit_alpha_beta([(h, b, t) for _, h, b, t in table]) for op, table in comm.items()}}
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity; the machine's count where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def ranks_per_core(nproc: int, cores: int) -> float:
+    """Local ranks per core: nproc / cores when the ranks outnumber the cores, else 1 (a core each)."""
+    return max(1.0, nproc / max(1, cores))
+
+
 def _ram_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -619,7 +635,7 @@ def summarize(per_rank: list[dict], nproc: int, quick: bool) -> dict:
     floor = statistics.median(r["compute"]["gemm_floor_s"] for r in per_rank)
     return {
         "nproc": nproc, "quick": quick, "host": platform.node(), "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cores": usable_cores(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
         "peak_flops": {d: gemm_curve(compute[d], floor) for d in ("fp32", "bf16", "fp64")},
         "median_flops": {d: _rate(compute[d]) for d in ("fp32", "bf16", "fp64")}, "gemm_kernel": floor,
         "attention_flops": _rate(compute["attention"]),
@@ -698,6 +714,8 @@ def _comment_lines(cal: dict) -> list[str]:
     lines.append(f"# action_overhead_us: a real 1F1B step (pp = {cal['nproc']}, {PIPELINE_MICROBATCHES} micro-batches) "
                  "took this much longer per compute action than the schedule simulator says with the measured "
                  f"durations and the send fit: {cal['action_overhead'] * 1e6:.0f} us")
+    lines.append(f"# ranks_per_core: {cal['nproc']} ranks on {cal['cores']} usable cores; above 1, a pipeline rank idle in its "
+                 "bubble leaves its core to the busy ones (plan/time.py shared_cores_makespan)")
     lines.append(f"# RAM {cal['ram_bytes'] / GiB:.2f} GiB shared by {cal['nproc']} ranks: memory_gib is the share of "
                  "one")
     foreign = cal.get("foreign_cores")
@@ -779,6 +797,7 @@ def to_toml(cal: dict) -> str:
         f"op_overhead_us = {_g(cal['op_overhead'] * 1e6)}",
         f"layer_overhead_us = {_g(cal['layer_overhead'] * 1e6)}",
         f"action_overhead_us = {_g(cal['action_overhead'] * 1e6)}",
+        f"ranks_per_core = {_g(ranks_per_core(n, cal['cores']))}",
         "elementwise = 1",
         "",
         "[[tier]]",

@@ -242,7 +242,8 @@ def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
 
 def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
     """Peak activation bytes of one rank of `stage`: layers × micro-batches in flight, embedding on the
-    first stage, final norm, head and fp32 logits on the last; full recompute keeps each layer's input
+    first stage, final norm, head and fp32 logits on the last, with the MTP modules' blocks and what they
+    keep beyond them (`mtp_acts`); full recompute keeps each layer's input
     plus one layer's working set (`full_recompute_peak`)."""
     L = layout
     return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.schedule,

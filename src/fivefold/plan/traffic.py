@@ -24,6 +24,9 @@ Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation eleme
   segments of them, so it differs by dp rank; see `_tp_sync_flows`), in windows of rules.STEP_CHUNK
   elements (`shapes.windows`: one call per window).
 - Full recompute re-runs the forward, and with it the forward collectives of TP/SP/CP/EP.
+- MTP modules (DeepSeek-V3 §2.2; `units.mtp_blocks`): on the last stage, each block's collectives as a
+  layer's, the head's input f and cross-entropy reductions once more per module (`head_passes`); the
+  module's M and norms, whole on every tp rank, join the norms' partial gradients under SP.
 - Ulysses (Jacobs et al. 2023): 4 all-to-alls forward (q, k, v; output) and 4 backward, each of the
   rank's local tensor. Ring attention (Liu et al. 2023): cp-1 sends of the local K,V block forward,
   cp-1 of K,V and cp-1 of dK,dV backward.

@@ -66,7 +66,8 @@ def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tup
     """ZeRO-3's gather slots on one rank of `stage` (parallel/zero_unit.py `block_slots`): the root
     (every parameter outside the blocks: embedding on the first stage, final norm and untied head on the
     last), then each block (the MTP modules' last, `units.mtp_blocks`), each slot's units as (elements,
-    group size): dense over dp·cp, routed experts over dp·cp/ep. Every unit is a flat buffer padded to a multiple of its group size."""
+    group size): dense over dp·cp, routed experts over dp·cp/ep. Every unit is a flat buffer padded to a
+    multiple of its group size."""
     L = layout
     n_dense, n_expert = L.dp * L.cp, L.edp
     root = sum(n for n, _ in root_tensors(model, L.tp, L.pp, stage))

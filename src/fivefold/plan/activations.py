@@ -35,7 +35,7 @@ from ..rules import GPIPE, INTERLEAVED
 from ..shapes import padded_vocab
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
-from .units import layout_layers, stage_layers
+from .units import layout_blocks, mtp_blocks, stage_layers
 
 
 # -- micro-batches in flight -------------------------------------------------------------------------
@@ -196,12 +196,13 @@ def rank_tokens(layout: Layout, work: Workload) -> float:
 @lru_cache(maxsize=16384)
 def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_scores: bool, pp: int, vpp: int,
                      partition: str, light: bool = False) -> tuple:
-    """Per stage: (sum, max) over its layers of stored activation bytes per token on one rank."""
+    """Per stage: (sum, max) over its blocks (its layers, and the MTP modules' on the last) of stored
+    activation bytes per token on one rank."""
     per_layer = {}
     rows = []
-    for rng in stage_layers(model.layers, pp, vpp, partition):
+    for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
         vals = []
-        for i in rng:
+        for i in rng + mtp_blocks(model, pp, j):
             key = model.is_moe_layer(i)
             if key not in per_layer:
                 per_layer[key] = layer_acts(model, i, work, tp, light).per_rank(tp, sp, with_scores)
@@ -225,7 +226,7 @@ def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
         row = []
         for c in range(vpp):
             q = c * pp + s
-            layers = part.layers_of(q)
+            layers = tuple(part.layers_of(q)) + (mtp_blocks(model, pp, s) if q == pp * vpp - 1 else ())
             if full:
                 w = len(layers) * e * h / split
             else:
@@ -233,7 +234,7 @@ def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
             if q == 0:
                 w += e * h / split
             if q == pp * vpp - 1:
-                w += head_acts(e, h, split, vocab)
+                w += head_acts(e, h, split, vocab) + mtp_acts(model, e, split, vocab)
             row.append(w)
         rows.append(tuple(row))
     return tuple(rows)
@@ -241,7 +242,8 @@ def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
 
 def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
     """Peak activation bytes of one rank of `stage`: layers × micro-batches in flight, embedding on the
-    first stage, final norm, head and fp32 logits on the last; full recompute keeps each layer's input
+    first stage, final norm, head and fp32 logits on the last, with the MTP modules' blocks and what they
+    keep beyond them (`mtp_acts`); full recompute keeps each layer's input
     plus one layer's working set (`full_recompute_peak`)."""
     L = layout
     return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.schedule,
@@ -256,7 +258,7 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
                recompute=recompute, partition=partition, microbatch_group=group, recompute_norm_mla=light)
     T = rank_tokens(L, work)
     e, h = work.act_bytes, model.hidden
-    n_layers = len(layout_layers(model, L)[stage])
+    n_layers = len(layout_blocks(model, L, stage))
     m = microbatches(L, work)
     flight = in_flight(L.schedule, L.pp, stage, m, L.vpp, L.microbatch_group)
     split = L.tp if L.seq_parallel else 1
@@ -269,7 +271,7 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
         return interleaved_peak(L.pp, stage, m, L.vpp, L.microbatch_group, chunks) * T + (max_pt * T if
                                                                                         L.recompute == "full" else 0.0)
     vocab = padded_vocab(model.vocab, L.tp) / L.tp
-    head = T * head_acts(e, h, split, vocab) if stage == L.pp - 1 else 0.0
+    head = T * (head_acts(e, h, split, vocab) + mtp_acts(model, e, split, vocab)) if stage == L.pp - 1 else 0.0
     if L.recompute == "full":
         return full_recompute_peak(flight, n_layers, T * e * h / split, max_pt * T, head)
     total = flight * total_pt * T
@@ -283,6 +285,15 @@ def head_acts(e: float, h: int, split: int, vocab: float) -> float:
     fp32 (fp64 for fp64 models) log-probabilities of the rank's vocabulary slice (vocab-parallel: its
     probabilities); the 16-bit logits themselves are not kept (their cast's backward needs nothing)."""
     return 2 * e * h / split + max(4, e) * vocab
+
+
+def mtp_acts(model: PlanModel, e: float, split: int, vocab: float) -> float:
+    """Bytes per token the MTP modules keep on the last stage beyond their blocks (DeepSeek-V3 §2.2), per
+    depth: the embedding's norm input and M's input [norm(h); norm(emb)] (2h; the previous depth's hidden,
+    the other norm's input, is kept already as a head's norm input), and the shared head's second pass
+    as the first (`head_acts`: its norm's and the head's inputs and the second log-probabilities)."""
+    h = model.hidden
+    return model.mtp_depth * (3 * e * h / split + head_acts(e, h, split, vocab))
 
 
 def full_recompute_peak(flight: float, n_layers: int, layer_input: float, layer_peak: float, head: float) -> float:

@@ -29,7 +29,7 @@ from ..shapes import padded, padded_vocab, shard_size
 from .activations import hidden_tensor_bytes, rank_tokens, routed_per_token
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
-from .units import held_root, layer_rank_params, layout_layers, root_tensors, stage_params, zero_units
+from .units import block_rank_params, held_root, layout_blocks, root_tensors, stage_params, zero_units
 
 
 # -- ZeRO's buffers during a step ---------------------------------------------------------------------
@@ -65,14 +65,15 @@ class BufferTimeline:
 def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     """ZeRO-3's gather slots on one rank of `stage` (parallel/zero_unit.py `block_slots`): the root
     (every parameter outside the blocks: embedding on the first stage, final norm and untied head on the
-    last), then each block, each slot's units as (elements, group size): dense over dp·cp, routed experts
-    over dp·cp/ep. Every unit is a flat buffer padded to a multiple of its group size."""
+    last), then each block (the MTP modules' last, `units.mtp_blocks`), each slot's units as (elements,
+    group size): dense over dp·cp, routed experts over dp·cp/ep. Every unit is a flat buffer padded to a
+    multiple of its group size."""
     L = layout
     n_dense, n_expert = L.dp * L.cp, L.edp
     root = sum(n for n, _ in root_tensors(model, L.tp, L.pp, stage))
     slots = [((root, n_dense),) if root else ()]
-    for i in layout_layers(model, L)[stage]:
-        dense, expert = layer_rank_params(model, i, L.tp, L.ep)
+    for i in layout_blocks(model, L, stage):
+        dense, expert = block_rank_params(model, i, L.tp, L.ep)
         slots.append(tuple(u for u in ((dense, n_dense), (expert, n_expert)) if u[0]))
     return tuple(slots)
 

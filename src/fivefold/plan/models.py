@@ -196,9 +196,14 @@ class PlanModel(HeadShapes):
         §2.2): per depth one block (layer index `layers`: an MoE layer where the model has them), the
         projection M (2h x h) and three norms (the previous depth's hidden, the embedding, the shared
         head's input)."""
+        return self.mtp_depth * (self.layer_params(self.layers) + self.mtp_projection_params())
+
+    def mtp_projection_params(self) -> int:
+        """One MTP module's own parameters beside its block: the projection M (2h -> h) and the three norms
+        (the planner keeps them whole on every tensor-parallel rank, as the layers' norms and routers:
+        `units.block_rank_params`)."""
         h = self.hidden
-        per = self.layer_params(self.layers) + self._linear(2 * h, h) + 3 * self._norm(h)
-        return self.mtp_depth * per
+        return self._linear(2 * h, h) + 3 * self._norm(h)
 
     def mtp_active_weights(self) -> int:
         """Weights one token multiplies in the MTP modules' block and projection (routed: top_k experts),

@@ -61,7 +61,8 @@ from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB, ConfigError, Recompute, choice
 from .estimate import Estimate, estimate, owned_elements
 from .layout import Layout, Workload, check, valid_tp
 from .memory import Memory, stage_memory
-from .units import candidate_stages, layer_tensors, root_tensors, stage_layers, stage_params, time_stages
+from .units import (block_tensors, candidate_stages, mtp_blocks, root_tensors, stage_layers, stage_params,
+                    time_stages)
 from .models import PlanModel
 from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology
@@ -234,9 +235,10 @@ class _Bound:
                 return None
             out = []
             for j in timed:
-                n = len(ranks[j])
+                blocks = ranks[j] + mtp_blocks(model, pp, j)   # the MTP modules' on the last stage
+                n = len(blocks)
                 body, head = weights[j]
-                out.append((n, sum(1 for i in ranks[j] if model.is_moe_layer(i)), j == 0, j == pp - 1,
+                out.append((n, sum(1 for i in blocks if model.is_moe_layer(i)), j == 0, j == pp - 1,
                             forward_seconds(model, self.work, self.topo, 1.0, body, n, head)))
             self.rows[key] = tuple(out)
         return self.rows[key]
@@ -313,10 +315,12 @@ class _Bound:
             for j, (n_layers, n_moe, *_) in zip(time_stages(self.model, pp, v, part), self._stage_rows(pp, v)):
                 roots = [n for n, _ in root_tensors(self.model, tp, pp, j)]
                 row = []
+                mtp = len(mtp_blocks(self.model, pp, j))
+                mtp_moe = mtp if self.model.is_moe_layer(self.model.layers) else 0
                 for expert, k in zip((False, True), stage_params(self.model, probe, j)):
-                    units = n_moe if expert else n_layers   # blocks: one per layer holding such parameters
-                    big, big_bytes = self._big(tp, ep, expert, n_layers - n_moe, n_moe, () if expert else roots,
-                                               bucket)
+                    units = n_moe if expert else n_layers   # blocks: one per block holding such parameters
+                    big, big_bytes = self._big(tp, ep, expert, n_layers - n_moe - (mtp - mtp_moe), n_moe - mtp_moe,
+                                               mtp, () if expert else roots, bucket)
                     buckets = big + -(-max(0, k * g - big_bytes) // bucket)
                     row.append((k * r, max(1, min(units if blk else buckets for blk in blocks))))
                 out.append(tuple(row))
@@ -330,20 +334,21 @@ class _Bound:
         table = {(v, b): max(t, reduce[v]) for (v, b), t in table.items()}
         return min(table.values()), table
 
-    def _big(self, tp: int, ep: int, expert: bool, dense: int, moe: int, roots: tuple | list,
+    def _big(self, tp: int, ep: int, expert: bool, dense: int, moe: int, mtp: int, roots: tuple | list,
              bucket: float) -> tuple[int, float]:
         """(gradient tensors larger than a `bucket` of bytes, their bytes) of a stage with `dense` dense and
-        `moe` MoE layers and the `roots` (embedding, norm, head sizes), expert tensors or the others. Each
-        such tensor is a bucket of its own; the rest fill buckets of at most `bucket` (`shapes.bucket_ranges`),
-        so a stage makes at least big + (the rest's bytes / bucket) of them."""
+        `moe` MoE layers, `mtp` MTP modules and the `roots` (embedding, norm, head sizes), expert tensors or
+        the others. Each such tensor is a bucket of its own; the rest fill buckets of at most `bucket`
+        (`shapes.bucket_ranges`), so a stage makes at least big + (the rest's bytes / bucket) of them."""
         g = self.work.grad_bytes
         out_n, out_b = 0, 0.0
-        for kind, count in ((False, dense), (True, moe)):
+        for kind, count in ((False, dense), (True, moe), ("mtp", mtp)):
             if count:
                 key = (tp, ep, expert, kind, bucket)
                 if key not in self.big:
-                    i = next(i for i in range(self.model.layers) if self.model.is_moe_layer(i) == kind)
-                    sizes = [n * g for n, ex, _ in layer_tensors(self.model, i, tp, ep)
+                    i = self.model.layers if kind == "mtp" else \
+                        next(i for i in range(self.model.layers) if self.model.is_moe_layer(i) == kind)
+                    sizes = [n * g for n, ex, _ in block_tensors(self.model, i, tp, ep)
                              if ex == expert and n * g > bucket]
                     self.big[key] = len(sizes), sum(sizes)
                 n, b = self.big[key]

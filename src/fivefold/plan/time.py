@@ -11,7 +11,7 @@ the accelerator's peak for the dtype; with `fp8_gemm` the linear layers' GEMMs (
 run at `efficiency` × the FP8 peak while attention and the LM head
 stay in dtype (DeepSeek-V3 §3.3). MFU and HFU are always against the dtype's peak. GEMMs by shape:
 plan/gemm.py. A model's multi-token-prediction modules (DeepSeek-V3 §2.2, `PlanModel.mtp_depth`) run on
-the last stage: one more block, the 2h -> h projection and the head's second pass (`mtp_here`).
+the last stage: one more block, the 2h -> h projection and the head's second pass (`units.mtp_blocks`).
 
 Communication: a collective takes bytes_sent / (tier bandwidth / oversubscription) + latency hops
 (see topology.collective_latency) on the slowest tier its group crosses. What overlaps, and what not
@@ -62,7 +62,7 @@ from ..parallel.pipeline import schedules as _schedules
 from ..rules import INTERLEAVED, ZB
 from .gemm import linear_seconds
 from .layout import Layout, Workload, microbatches, schedule_of
-from .units import layout_layers, stage_layers
+from .units import layout_blocks, stage_layers
 from .models import PlanModel
 from .topology import Topology
 from .buffers import streams_grads
@@ -81,15 +81,9 @@ def stage_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) ->
     return tokens * 2.0 * body, tokens * attn * n_layers, tokens * 2.0 * head
 
 
-def mtp_here(model: PlanModel, layout: Layout, stage: int) -> int:
-    """MTP modules on `stage`: all of them on the last, with the output head whose weights they share
-    (DeepSeek-V3 §3.2.3 keeps embedding, head and MTP on one pipeline rank), none elsewhere."""
-    return model.mtp_depth if stage == layout.pp - 1 else 0
-
-
 def stage_blocks(model: PlanModel, layout: Layout, stage: int) -> int:
-    """Transformer blocks one rank of `stage` runs: its layers and the MTP modules' blocks."""
-    return len(layout_layers(model, layout)[stage]) + mtp_here(model, layout, stage)
+    """Transformer blocks one rank of `stage` runs: its layers and the MTP modules' blocks (`units.layout_blocks`)."""
+    return len(layout_blocks(model, layout, stage))
 
 
 def elementwise_seconds(model: PlanModel, layout: Layout, work: Workload, acc, stage: int) -> float:
@@ -103,7 +97,7 @@ def elementwise_seconds(model: PlanModel, layout: Layout, work: Workload, acc, s
     tokens = layout.micro_batch * work.seq / layout.cp
     sp = layout.sp_mode == "megatron"
     elements = 0.0
-    layers = list(layout_layers(model, layout)[stage]) + [model.layers] * mtp_here(model, layout, stage)
+    layers = layout_blocks(model, layout, stage)
     for i in layers:
         whole, split = model.elementwise_per_token(i)
         elements += tokens * (whole / (layout.tp if sp else 1) + split / layout.tp)
@@ -114,8 +108,7 @@ def stage_gemm_seconds(model: PlanModel, layout: Layout, work: Workload, acc, st
     """(linear layers, LM head) forward seconds of one micro-batch on one rank of `stage` (`gemm.linear_seconds`:
     flat, or by shape with the MoE layers' GEMMs apart from the dense ones)."""
     lin, _, head = stage_flops(model, layout, work, stage)
-    n_moe = sum(1 for i in layout_layers(model, layout)[stage] if model.is_moe_layer(i))
-    n_moe += mtp_here(model, layout, stage) if model.is_moe_layer(model.layers) else 0   # MTP blocks
+    n_moe = sum(1 for i in layout_blocks(model, layout, stage) if model.is_moe_layer(i))   # MTP blocks too
     tokens = layout.micro_batch * work.seq / (layout.tp * layout.cp)
     moe = tokens * 2.0 * model.layer_params(model.dense_layers, model.top_k) * n_moe if n_moe else 0.0
     return linear_seconds(model, work, acc, layout.micro_batch * work.seq / layout.cp, layout.tp, layout.ep,

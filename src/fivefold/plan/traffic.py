@@ -24,6 +24,9 @@ Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation eleme
   segments of them, so it differs by dp rank; see `_tp_sync_flows`), in windows of rules.STEP_CHUNK
   elements (`shapes.windows`: one call per window).
 - Full recompute re-runs the forward, and with it the forward collectives of TP/SP/CP/EP.
+- MTP modules (DeepSeek-V3 §2.2; `units.mtp_blocks`): on the last stage, each block's collectives as a
+  layer's, the head's input f and cross-entropy reductions once more per module (`head_passes`); the
+  module's M and norms, whole on every tp rank, join the norms' partial gradients under SP.
 - Ulysses (Jacobs et al. 2023): 4 all-to-alls forward (q, k, v; output) and 4 backward, each of the
   rank's local tensor. Ring attention (Liu et al. 2023): cp-1 sends of the local K,V block forward,
   cp-1 of K,V and cp-1 of dK,dV backward.
@@ -68,8 +71,8 @@ from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
 from ..parallel.zero_reduce import reduce_policy
 from .buffers import offload_units, params_on_disk, streams_grads
-from .units import (block_units, exact_tensors, held_root, layout_layers, owned_tagged, root_tensors, stage_params,
-                    unit_sums, unit_tensors, zero_units)
+from .units import (block_units, exact_tensors, held_root, layout_blocks, mtp_blocks, owned_tagged, root_tensors,
+                    stage_params, unit_sums, unit_tensors, zero_units)
 from .models import PlanModel
 from .topology import Topology, collective_latency, group_bandwidth
 
@@ -165,16 +168,22 @@ def group_size(layout: Layout, group: str) -> int:
 def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
     if L.tp == 1:
         return
-    rng = layout_layers(model, L)[stage]
+    rng = layout_blocks(model, L, stage)
     moe = sum(1 for i in rng if model.is_moe_layer(i))
-    _tp_layer_flows(f, model, L, w, len(rng), moe, stage == 0, stage == L.pp - 1, m, T)
+    _tp_layer_flows(f, model, L, w, len(rng), moe, stage == 0, head_passes(model, L, stage), m, T)
     _moe_sequence_flows(f, model, L, w, moe, m, 2 if L.recompute == "full" else 1)
 
 
+def head_passes(model: PlanModel, L: Layout, stage: int) -> int:
+    """Passes of the output head on one rank of `stage`: on the last stage one, and one more per MTP module
+    (`units.mtp_blocks`); none elsewhere."""
+    return 1 + len(mtp_blocks(model, L.pp, stage)) if stage == L.pp - 1 else 0
+
+
 def _tp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers: int, moe: int, first: bool,
-                    last: bool, m: int, T: float) -> None:
-    """The tp collectives of a stage holding `n_layers` layers (`moe` of them MoE), the embedding when
-    `first`, the head and cross-entropy when `last`."""
+                    last: int, m: int, T: float) -> None:
+    """The tp collectives of a stage holding `n_layers` blocks (`moe` of them MoE), the embedding when
+    `first`, the head and cross-entropy `last` times (`head_passes`; True: once)."""
     t = L.tp
     if t == 1:
         return
@@ -206,12 +215,12 @@ def _tp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers
             f.add("tp", "all_reduce", "tp", t, act, m)
     if last:  # head input: f (SP: all-gather forward, reduce-scatter backward); CE reductions
         if L.seq_parallel:
-            f.add("tp", "all_gather", "tp", t, act, m)
-            f.add("tp", "reduce_scatter", "tp", t, act, m)
+            f.add("tp", "all_gather", "tp", t, act, m * last)
+            f.add("tp", "reduce_scatter", "tp", t, act, m * last)
         else:
-            f.add("tp", "all_reduce", "tp", t, act, m)
-        f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, m)          # max logit
-        f.add("tp", "all_reduce", "tp", t, 2 * T * w.master_bytes, m)      # sum of exp, target logit
+            f.add("tp", "all_reduce", "tp", t, act, m * last)
+        f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, m * last)          # max logit
+        f.add("tp", "all_reduce", "tp", t, 2 * T * w.master_bytes, m * last)      # sum of exp, target logit
 
 
 def _moe_sequence_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int, m: int, passes: int) -> None:
@@ -246,7 +255,7 @@ def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition
                          ep: int = 1) -> tuple:
     if tp == 1:
         return ()
-    h, rng = model.hidden, layout_layers(model, Layout(pp=pp, vpp=vpp, partition=partition))[stage]
+    h, rng = model.hidden, layout_blocks(model, Layout(pp=pp, vpp=vpp, partition=partition), stage)
     out = {}
     moe = sum(1 for i in rng if model.is_moe_layer(i))
     if moe:   # MoE weights, whole on every tp rank, each seeing its own tokens (EP x TP)
@@ -255,7 +264,8 @@ def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition
         per = {False: 2 * model._norm(h) + (2 * h if model.linear_bias else 0),
                True: 2 * model._norm(h) + (h if model.linear_bias else 0)}
         out["norm"] = sum(per[model.is_moe_layer(i)] + model.mla_replicated_params() for i in rng) + \
-            (model._norm(h) if stage == pp - 1 else 0)
+            (model._norm(h) if stage == pp - 1 else 0) + \
+            model.mtp_projection_params() * sum(1 for i in rng if i >= model.layers)   # MTP's M and norms
     if model_kv_replicas(model, tp) > 1:
         out["kv"] = len(rng) * 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias) // model.kv_heads
     return tuple(out.items())
@@ -293,7 +303,7 @@ def _cp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     """Ulysses all-to-alls over its degree u and ring sends over its degree r (u·r = cp; see
     `rules.cp_degrees`: hybrid runs both, Ulysses inside each ring rank's u contiguous ranks)."""
     if L.cp > 1:
-        _cp_layer_flows(f, model, L, w, len(layout_layers(model, L)[stage]), m, T)
+        _cp_layer_flows(f, model, L, w, len(layout_blocks(model, L, stage)), m, T)
 
 
 def _cp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers: int, m: int, T: float,
@@ -326,7 +336,7 @@ def _cp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers
 def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
     if not model.moe or L.ep == 1:
         return
-    rng = layout_layers(model, L)[stage]
+    rng = layout_blocks(model, L, stage)
     _ep_layer_flows(f, model, L, w, sum(1 for i in rng if model.is_moe_layer(i)), m, T)
 
 
@@ -492,9 +502,9 @@ def eval_stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: in
     L, f = replace(layout, recompute="none"), Flows()
     m = microbatches(L, work) * batches
     T = L.micro_batch * work.seq / L.cp
-    rng = layout_layers(model, L)[stage]
+    rng = layout_blocks(model, L, stage)
     moe = sum(1 for i in rng if model.is_moe_layer(i))
-    _tp_forward_flows(f, model, L, work, len(rng), moe, stage == 0, stage == L.pp - 1, m, T)
+    _tp_forward_flows(f, model, L, work, len(rng), moe, stage == 0, head_passes(model, L, stage), m, T)
     _ep_layer_flows(f, model, L, work, moe, m, T, backward=False)
     if L.cp > 1:
         _cp_layer_flows(f, model, L, work, len(rng), m, T, backward=False)
@@ -511,7 +521,7 @@ def eval_stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: in
 
 
 def _tp_forward_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers: int, moe: int, first: bool,
-                      last: bool, m: int, T: float) -> None:
+                      last: int, m: int, T: float) -> None:
     """The forward half of `_tp_layer_flows`, for `m` forward micro-batches."""
     t = L.tp
     if t == 1:
@@ -519,15 +529,15 @@ def _tp_forward_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_laye
     act = T * model.hidden * w.act_bytes
     regions = 2 * n_layers - moe                       # attention and dense MLP; an MoE layer has none
     if L.seq_parallel:
-        f.add("tp", "all_gather", "tp", t, act, regions * m + (m if last else 0))
+        f.add("tp", "all_gather", "tp", t, act, regions * m + m * last)
         f.add("tp", "reduce_scatter", "tp", t, act, regions * m + (m if first else 0))
     else:
         f.add("tp", "all_reduce", "tp", t, act, regions * m + (m if first else 0))
         if moe:   # EP x TP: each rank's sequences' outputs all-gathered
             f.add("tp", "all_gather", "tp", t, act, m * moe)
     if last:
-        f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, m)          # max logit
-        f.add("tp", "all_reduce", "tp", t, 2 * T * w.master_bytes, m)      # sum of exp, target logit
+        f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, m * last)          # max logit
+        f.add("tp", "all_reduce", "tp", t, 2 * T * w.master_bytes, m * last)      # sum of exp, target logit
 
 
 def _eval_gather_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int) -> None:

@@ -41,6 +41,20 @@ def layout_layers(model: PlanModel, layout: Layout) -> tuple[tuple[int, ...], ..
     return stage_layers(model.layers, layout.pp, layout.vpp, layout.partition)
 
 
+def mtp_blocks(model: PlanModel, pp: int, stage: int) -> tuple[int, ...]:
+    """The multi-token-prediction modules one rank of `stage` runs (DeepSeek-V3 §2.2, `PlanModel.mtp_depth`):
+    all of them on the last stage, with the output head whose weights they share (DeepSeek-V3 §3.2.3 keeps
+    embedding, head and MTP on one pipeline rank), none elsewhere. Each is named by the layer index
+    `model.layers` (its block is a layer of that kind: MoE where the model has them, as the released
+    checkpoint's layer 61); `block_rank_params` and `block_tensors` add the module's own M and norms."""
+    return (model.layers,) * model.mtp_depth if stage == pp - 1 else ()
+
+
+def layout_blocks(model: PlanModel, layout: Layout, stage: int) -> tuple[int, ...]:
+    """The blocks one rank of `stage` runs: its layers (`layout_layers`), then the MTP modules' (`mtp_blocks`)."""
+    return layout_layers(model, layout)[stage] + mtp_blocks(model, layout.pp, stage)
+
+
 @lru_cache(maxsize=4096)
 def candidate_stages(model: PlanModel, pp: int, vpp: int = 1, partition: str = "even") -> tuple[int, ...]:
     """Stages that can be the most loaded: memory falls with the stage index within a run of stages of
@@ -76,6 +90,13 @@ def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, 
     return _layer_rank_params(model, model.is_moe_layer(i), tp, ep)
 
 
+def block_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, int]:
+    """`layer_rank_params` of block i of a stage: layer i, or (i = model.layers, `mtp_blocks`) an MTP
+    module: its block plus M and its three norms (`PlanModel.mtp_projection_params`), whole on every tp rank."""
+    dense, expert = layer_rank_params(model, i, tp, ep)
+    return (dense + model.mtp_projection_params(), expert) if i >= model.layers else (dense, expert)
+
+
 @lru_cache(maxsize=4096)
 def _layer_rank_params(model: PlanModel, moe: bool, tp: int, ep: int) -> tuple[int, int]:
     """(dense, expert) parameters of layer i on one rank: matrices split tp ways (K/V by min(tp, kv)
@@ -102,13 +123,13 @@ def _layer_rank_params(model: PlanModel, moe: bool, tp: int, ep: int) -> tuple[i
 
 @lru_cache(maxsize=4096)
 def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int) -> tuple:
-    """Per stage: (dense, expert, largest layer) parameters on one rank."""
+    """Per stage: (dense, expert, largest block) parameters on one rank (the MTP modules' on the last)."""
     rows = []
     vocab_rank = padded_vocab(model.vocab, tp) // tp * model.hidden
     for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
         dense = expert = biggest = 0
-        for i in rng:
-            d, e = layer_rank_params(model, i, tp, ep)
+        for i in rng + mtp_blocks(model, pp, j):
+            d, e = block_rank_params(model, i, tp, ep)
             dense, expert, biggest = dense + d, expert + e, max(biggest, d + e)
         if j == 0:
             dense += vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0)
@@ -181,6 +202,18 @@ def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int,
     return out
 
 
+def block_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int, bool, str]]:
+    """`layer_tensors` of block i of a stage: layer i, or (i = model.layers, `mtp_blocks`) an MTP module in
+    DeepSeek-V3's order: the embedding's and the hidden state's norms and M (2h -> h), its block, the
+    shared head's input norm; all its own tagged "norm" (whole on every tp rank, `block_rank_params`)."""
+    out = layer_tensors(model, i, tp, ep)
+    if i < model.layers:
+        return out
+    norm = model._norm(model.hidden)
+    own = model.mtp_projection_params() - 3 * norm
+    return [(norm, False, "norm"), (norm, False, "norm"), (own, False, "norm")] + out + [(norm, False, "norm")]
+
+
 def _attn_rank(model: PlanModel, tp: int) -> int:
     """Attention parameters of one rank (as in layer_rank_params)."""
     h = model.hidden
@@ -241,17 +274,23 @@ def unit_tensors(model: PlanModel, layout: Layout, grad_bytes: int, stage: int,
                          expert)
 
 
+def _block_tensors_tagged(model: PlanModel, i: int, tp: int, ep: int, expert: bool) -> tuple[tuple[int, str], ...]:
+    """(elements, tag) of block i's tensors (`block_tensors`), routed experts or the others; every dense
+    layer has the same, and every MoE layer, and every MTP module."""
+    return _tensors_of_kind(model, model.is_moe_layer(i), i >= model.layers, tp, ep, expert)
+
+
 @lru_cache(maxsize=8192)
-def _layer_tensors_tagged(model: PlanModel, moe: bool, tp: int, ep: int, expert: bool) -> tuple[tuple[int, str], ...]:
-    i = model.dense_layers if moe else 0
-    return tuple((n, tag) for n, ex, tag in layer_tensors(model, i, tp, ep) if ex == expert)
+def _tensors_of_kind(model: PlanModel, moe: bool, mtp: bool, tp: int, ep: int, expert: bool) -> tuple:
+    i = model.layers if mtp else (model.dense_layers if moe else 0)
+    return tuple((n, tag) for n, ex, tag in block_tensors(model, i, tp, ep) if ex == expert)
 
 
 @lru_cache(maxsize=8192)
 def _unit_tensors(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int, blocks: bool,
                   bucket_mb: float, grad_bytes: int, stage: int, expert: bool) -> tuple:
-    rng = stage_layers(model.layers, pp, vpp, partition)[stage]
-    per_layer = [_layer_tensors_tagged(model, model.is_moe_layer(i), tp, ep, expert) for i in rng]
+    rng = stage_layers(model.layers, pp, vpp, partition)[stage] + mtp_blocks(model, pp, stage)
+    per_layer = [_block_tensors_tagged(model, i, tp, ep, expert) for i in rng]
     root = [] if expert else root_tensors(model, tp, pp, stage)
     if blocks:
         units = ([tuple(root)] if root else []) + [t for t in per_layer]

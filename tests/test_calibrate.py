@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from fivefold.tools.calibrate import cmd_calibrate, fit_alpha_beta, gemm_curve, layer_overhead_beyond_gemms
+from fivefold.tools.calibrate import (TP_OPS, cmd_calibrate, fit_alpha_beta, gemm_curve, hidden_share,
+                                      layer_overhead_beyond_gemms, tp_step_rows)
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import from_config
 from fivefold.plan.models import from_model_config
@@ -47,6 +48,44 @@ def test_writes_a_topology_load_topology_reads(calibrated):
     assert all(lat >= 0 and bw > 0 for _, lat, bw in tier.ops) and 0 <= tier.overlap <= 1
     # the local GEMM curve (plan/gemm.py): the fitted rate is the fp32 peak, the fitted floor per kernel
     assert "gemm_kernel_us" in text and acc.gemm_kernel is not None and acc.gemm_kernel >= 0
+
+
+@pytest.mark.ranks
+def test_a_layers_collectives_are_fitted_from_real_tp_steps(calibrated):
+    """The ops table's all_reduce, all_gather and reduce_scatter come from the Trainer's own tp steps (the
+    comments list their rows), the other ops from the burst probe."""
+    text = calibrated.read_text()
+    assert "# in a real step (the ops table's all_reduce, all_gather, reduce_scatter)" in text
+    ops = {op: (lat, bw) for op, lat, bw in load_topology(str(calibrated)).tiers[0].ops}
+    fitted = [line.split(":")[0].strip("# ") for line in text.splitlines() if " us/hop, " in line and
+              line.startswith("#   ") and "own fit" not in line and "joint" not in line]
+    assert fitted == list(TP_OPS) and set(ops) >= set(TP_OPS)
+
+
+def test_tp_step_rows_by_hand():
+    """Per probe config and op: the step's calls × hops, its bytes, and the median over steps of the
+    slowest rank's seconds (all_reduce over 2 ranks: 2 hops a call; all_gather: 1)."""
+    def config(*steps):
+        return {"sp": "megatron", "seq": 32, "steps": list(steps)}
+    per_rank = [[config({"all_reduce": (10, 4e6, 0.020), "all_gather": (4, 1e6, 0.009)},
+                        {"all_reduce": (10, 4e6, 0.030), "all_gather": (4, 1e6, 0.004)},
+                        {"all_reduce": (10, 4e6, 0.012), "all_gather": (4, 1e6, 0.005)})],
+                [config({"all_reduce": (10, 4e6, 0.025), "all_gather": (4, 1e6, 0.003)},
+                        {"all_reduce": (10, 4e6, 0.010), "all_gather": (4, 1e6, 0.006)},
+                        {"all_reduce": (10, 4e6, 0.011), "all_gather": (4, 1e6, 0.004)})]]
+    rows = tp_step_rows(per_rank, 2)
+    assert rows["all_reduce"] == [(20.0, 4e6, pytest.approx(0.025))]    # slowest: 25, 30, 12 ms
+    assert rows["all_gather"] == [(4.0, 1e6, pytest.approx(0.006))]     # slowest: 9, 6, 5 ms
+    # two configs of exact model times give back the model's latency and bandwidth
+    alpha, bw = 700e-6, 0.4e9
+    exact = [(h, b, h * alpha + b / bw) for h, b in ((20.0, 1.3e6), (20.0, 10.5e6))]
+    assert fit_alpha_beta(exact) == (pytest.approx(alpha, rel=1e-9), pytest.approx(bw, rel=1e-9))
+
+
+def test_hidden_share_by_hand():
+    """A 12 ms burst, 4 ms of all-reduce after it: 13 ms side by side hides 3 of the 4 ms."""
+    assert hidden_share(0.012, 0.016, 0.013) == pytest.approx(0.75)
+    assert hidden_share(0.012, 0.016, 0.017) == 0.0 and hidden_share(0.012, 0.016, 0.011) == 1.0
 
 
 @pytest.mark.parametrize("parallel", [dict(dp=2, microbatches=2), dict(pp=2, microbatches=4),

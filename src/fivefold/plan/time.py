@@ -523,16 +523,22 @@ def stage_param_reads(flows: list[Flow], work: Workload, streamed: int = 0) -> f
 
 def shared_cores_makespan(makespan: float, busy: list[float], ranks_per_core: float) -> float:
     """The pipeline's makespan when local ranks share cores (`Accelerator.ranks_per_core` = o > 1: N ranks
-    on N/o cores, every rate measured with all N busy, so each action's cost is at 1/o of a core). A rank
-    idle in its bubble (waiting on a receive) leaves its core to the busy ones, the kernel's scheduler
-    being work-conserving, so two bounds hold and the larger is taken: the cores' work, the mean over
-    stages of a rank's `busy` seconds at the shared rate (N·mean/o core-seconds on N/o cores), and the
-    schedule's critical path with every action at a whole core, `makespan` / o. The bubble (the idle
-    share of each rank's timeline) is the simulator's either way. o = 1 (a device or core per rank):
-    `makespan` unchanged."""
+    on N/o cores, every rate measured with all N busy, so each action's cost is at 1/o of a core). The
+    simulated makespan M is a rank's busy time B (the mean over stages of `busy`, at the shared rate) plus
+    its bubble M − B. In the steady phase every rank is busy and shares its core; the bubble is the fill
+    and drain, where a rank waiting on a receive leaves its core to the few busy ones, which then run at a
+    whole core, o times faster (the kernel's scheduler is work-conserving). So the bubble shrinks by o:
+
+        B + (M − B) / o
+
+    which lies between the two lower bounds, the cores' work B and the critical path at whole cores M / o
+    (the search's bound divides by o). Exact when no more ranks than cores are busy in fill and drain. The
+    bubble reported (the idle share of each rank's timeline) is the simulator's. o = 1 (a device or core
+    per rank): M unchanged."""
     if ranks_per_core <= 1.0 or not busy:
         return makespan
-    return max(sum(busy) / len(busy), makespan / ranks_per_core)
+    mean = min(makespan, sum(busy) / len(busy))
+    return mean + (makespan - mean) / ranks_per_core
 
 
 def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,

@@ -31,8 +31,9 @@ figures are then the median over repetitions and over ranks; collectives as in 2
    `fivefold.comm` on the world group (the group a dp = N mesh builds, recorded in its own ledger as a
    run's would be), and send (each rank of the pairs 0-1, 2-3, ... sends to and receives from the other
    at once, as a pipeline's steady state does), at message sizes 4 KiB ... 16 MiB, in two regimes:
-   - in a step (what the tier holds): every call follows a ~3 ms compute burst on every rank, and the
-     burst's own time, measured alone, is subtracted. This is how a training step meets its collectives,
+   - in a step: every call follows a ~3 ms compute burst on every rank, and the burst's own time,
+     measured alone beside each block (the machine's speed drifts by tens of percent within minutes), is
+     subtracted. This is how a training step meets its collectives,
      and on this kind of machine (a VM whose idle vCPUs wake late) it costs far more than the same call
      back to back: a rank that waits for its peer sleeps, and waking it can take a scheduler tick;
    - back to back (recorded in comments): calls with nothing between them, a network's usual benchmark.
@@ -44,6 +45,12 @@ figures are then the median over repetitions and over ranks; collectives as in 2
    relative error (the sizes span four decades): jointly over every op for the tier's `latency_us` and
    `bandwidth_gbps`, and per op for the tier's `ops` table (the planner's fit for that op). Every raw
    median goes into the TOML's comments with the joint fit's error.
+   A layer's own collectives are then measured where they happen: the Trainer runs real steps of a small
+   model at tp = N (`TP_MODEL`, two sequence lengths, without and with Megatron SP), and each op's
+   ledger seconds per step (slowest rank, median over steps) against its calls' hops and bytes give
+   all_reduce, all_gather and reduce_scatter their fits in the `ops` table (`tp_step_rows`). The burst
+   probe above moved 2-4x between calibrations minutes apart (its call after a burst is bimodal: the
+   peer's wake-up), while the real steps hold; all_to_all and send keep the burst fits.
 3. Memory bandwidth (`hbm_gbps`). In-place add of two fp32 tensors larger than the last-level cache
    (read 2, write 1), on every rank at once; per rank. A plain copy (read 1, write 1) is recorded too,
    and the time of one eager op on 8 floats (`op_overhead_us`: the floor every op pays, however small
@@ -56,7 +63,8 @@ figures are then the median over repetitions and over ranks; collectives as in 2
 4. Memory (`memory_gib`). The machine's RAM divided by N: the ranks share it, and the planner checks
    one rank's memory against the accelerator's.
 5. Overlap (the tier's `overlap`): the share of an asynchronous 4 MiB all-reduce that hides behind a
-   ~12 ms compute burst on the same rank. The planner hides only this share of what its schedule says
+   ~12 ms compute burst on the same rank (burst alone, after it, and async beside it, side by side in each
+   repetition; the median over repetitions of each one's share). The planner hides only this share of what its schedule says
    gradient reductions and ZeRO gathers hide behind compute (1.0, all of it, on datasheet tiers). Read
    as interference (docs/plan.md, "Overlap is not free": the pair takes max(c, t + f·c)) it is 1 − f, f
    the share of the compute rate the collective takes; the TOML's comments give f.
@@ -282,6 +290,69 @@ def _measure_pipeline(rank: int, world: int, quick: bool) -> list[list[tuple]]:
     return out[1:]   # the first step warms up
 
 
+# The tensor-parallel probe: real training steps of a small model at tp = N, without and with Megatron
+# SP, at two sequence lengths (their activations: the messages), whose ledger gives the in-step cost of
+# the collectives a layer makes: all_reduce (tp), all_gather and reduce_scatter (SP).
+TP_MODEL = dict(vocab=256, hidden=128, heads=8, kv_heads=8, ffn=320, layers=2)
+TP_BATCH, TP_SEQS, TP_STEPS = 8, (32, 256), 5
+TP_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def tp_probe_fits(world: int) -> bool:
+    """Whether the tensor-parallel probe's model splits over `world` ranks (heads and ffn divisible)."""
+    return TP_MODEL["heads"] % world == 0 and TP_MODEL["kv_heads"] % world == 0 and TP_MODEL["ffn"] % world == 0
+
+
+def _measure_tp_steps(rank: int, world: int, quick: bool) -> list[dict]:
+    """Per probe config (sp mode, sequence length), per timed step, this rank's tp ledger rows
+    {op: (calls, bytes_sent, seconds)} of the real Trainer at tp = N: the in-step cost of a layer's
+    collectives, with the skew and late wake-ups a real step has (the burst probe only imitates them)."""
+    import numpy as np
+
+    from ..config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from ..train.trainer import Trainer
+
+    if not tp_probe_fits(world):
+        return []
+    steps = 3 if quick else TP_STEPS
+    out = []
+    for sp in ("none", "megatron"):
+        for seq in TP_SEQS:
+            cfg = Config(model=ModelConfig(max_seq=seq, **TP_MODEL), parallel=ParallelConfig(tp=world, sp_mode=sp),
+                         train=TrainConfig(steps=steps + 1, global_batch=TP_BATCH, seq_len=seq, warmup=1,
+                                           checkpoint=False))
+            tokens = np.random.default_rng(0).integers(0, TP_MODEL["vocab"], 64 * TP_BATCH * seq).astype(np.int64)
+            trainer = Trainer(cfg, rank, world, tokens=tokens, quiet=True)
+            trainer.step(0)                                    # warm-up
+            rows = []
+            for k in range(1, steps + 1):
+                before = {r["op"]: r for r in trainer.ledger.rows() if r["dim"] == "tp"}
+                trainer.step(k)
+                after = {r["op"]: r for r in trainer.ledger.rows() if r["dim"] == "tp"}
+                rows.append({op: tuple(r[f] - before.get(op, {}).get(f, 0.0) for f in ("calls", "bytes_sent", "seconds"))
+                             for op, r in after.items() if op in TP_OPS})
+            out.append({"sp": sp, "seq": seq, "steps": rows})
+    return out
+
+
+def tp_step_rows(per_rank: list[list[dict]], world: int) -> dict[str, list[tuple[float, float, float]]]:
+    """Per op, one row (hops, bytes_sent, seconds) per probe config for `fit_alpha_beta`: a step's calls ×
+    the op's hops and bytes sent, and its seconds, the slowest rank's per step, the median over steps
+    (as plan_vs_run and a step pay them)."""
+    from ..plan.topology import collective_latency
+
+    out: dict[str, list] = {}
+    for c, config in enumerate(per_rank[0]):
+        for op in TP_OPS:
+            steps = [[r[c]["steps"][k].get(op) for r in per_rank] for k in range(len(config["steps"]))]
+            if not steps or any(row is None for ranks in steps for row in ranks):
+                continue
+            calls, sent, _ = steps[0][0]
+            seconds = statistics.median(max(row[2] for row in ranks) for ranks in steps)
+            out.setdefault(op, []).append((calls * collective_latency(op, world, 1.0), sent, seconds))
+    return out
+
+
 def pipeline_action_overhead(per_rank_steps: list[list[list[tuple]]], world: int, send_s: float) -> float:
     """Seconds per compute action that the planner's pipeline model misses: per step, the measured
     makespan minus the makespan the schedule simulator gives for the same action list with each action's
@@ -369,13 +440,12 @@ def _block_means(call, burst, k: int, reps: int, barrier) -> list[float]:
 def _measure_collectives(sizes: Sizes, group, barrier) -> dict:
     """Per op: [(message bytes, back-to-back seconds per rep, after-compute seconds per rep)]. After
     compute: each call follows a ~3 ms compute burst on every rank, and the burst's own time (measured
-    alone, before and after) is subtracted: the regime of a training step, where a rank reaches each
-    collective after computing. Back to back: calls with nothing between them."""
+    alone in the same repetition, just before) is subtracted: the regime of a training step, where a rank
+    reaches each collective after computing. Back to back: calls with nothing between them."""
     def nothing():
         pass
 
     burst = _burst()
-    base = _block_means(nothing, burst, 8, sizes.comm_reps, barrier)
     out = {}
     for op in COLLECTIVES:
         rows = []
@@ -383,12 +453,14 @@ def _measure_collectives(sizes: Sizes, group, barrier) -> dict:
             call, message = _collective_call(op, size, group)
             call()                                          # warm-up: connections, buffers
             k = _per_block(size, sizes is QUICK)
-            rows.append((message, _block_means(call, nothing, k, sizes.comm_reps, barrier),
-                         _block_means(call, burst, k, sizes.comm_reps, barrier)))
+            b2b, after = [], []
+            for _ in range(sizes.comm_reps):   # the burst alone beside each block: the machine's speed drifts
+                b2b += _block_means(call, nothing, k, 1, barrier)
+                base = _block_means(nothing, burst, k, 1, barrier)[0]
+                after.append(_block_means(call, burst, k, 1, barrier)[0] - base)
+            rows.append((message, b2b, after))
         out[op] = rows
-    base += _block_means(nothing, burst, 8, sizes.comm_reps, barrier)
-    compute = statistics.median(base)
-    return {op: [(m, b2b, [t - compute for t in after]) for m, b2b, after in rows] for op, rows in out.items()}
+    return out
 
 
 OVERLAP_BYTES = 4 * MiB
@@ -415,11 +487,16 @@ def _measure_overlap(sizes: Sizes, group, barrier) -> dict:
         burst()
         handle.wait()
 
-    comm.all_reduce(t, group, dim="calibrate")
-    return {"burst": _block_means(nothing, burst, 4, sizes.comm_reps, barrier),
-            "serial": _block_means(lambda: comm.all_reduce(t, group, dim="calibrate"), burst, 4, sizes.comm_reps,
-                                   barrier),
-            "overlapped": _block_means(overlapped, nothing, 4, sizes.comm_reps, barrier)}
+    def serial():
+        comm.all_reduce(t, group, dim="calibrate")
+
+    serial()
+    out = {"burst": [], "serial": [], "overlapped": []}
+    for _ in range(2 * sizes.comm_reps):   # the three side by side in each repetition: the machine's speed drifts
+        out["burst"] += _block_means(nothing, burst, 4, 1, barrier)
+        out["serial"] += _block_means(serial, burst, 4, 1, barrier)
+        out["overlapped"] += _block_means(overlapped, nothing, 4, 1, barrier)
+    return out
 
 
 def _rank(rank: int, world: int, quick: bool) -> dict:
@@ -437,6 +514,8 @@ def _rank(rank: int, world: int, quick: bool) -> dict:
            "comm": _measure_collectives(sizes, group, barrier), "overlap": _measure_overlap(sizes, group, barrier)}
     barrier()
     out["pipeline"] = _measure_pipeline(rank, world, quick)
+    barrier()
+    out["tp_steps"] = _measure_tp_steps(rank, world, quick)
     return out
 
 
@@ -573,15 +652,22 @@ def _comm_summary(per_rank: list[dict], world: int, regime: int) -> dict:
     return out
 
 
-def _overlap_summary(per_rank: list[dict]) -> dict:
-    """Median seconds (slowest rank per repetition) of the overlap test's three blocks, and the hidden share."""
-    def med(key):
-        return statistics.median(max(rep) for rep in zip(*(r["overlap"][key] for r in per_rank)))
-
-    burst, serial, both = med("burst"), med("serial"), med("overlapped")
+def hidden_share(burst: float, serial: float, both: float) -> float:
+    """The share of a collective hidden behind compute: (burst + comm − both) / comm, comm = serial − burst,
+    within [0, 1]."""
     comm_s = max(serial - burst, 1e-9)
-    return {"burst_s": burst, "comm_s": comm_s, "overlapped_s": both,
-            "hidden": min(1.0, max(0.0, (burst + comm_s - both) / comm_s))}
+    return min(1.0, max(0.0, (burst + comm_s - both) / comm_s))
+
+
+def _overlap_summary(per_rank: list[dict]) -> dict:
+    """Median seconds (slowest rank per repetition) of the overlap test's three blocks, and the hidden share:
+    the median over repetitions of each repetition's own share (its three blocks ran side by side, so a
+    drift of the machine's speed between repetitions moves all three)."""
+    reps = {key: [max(rep) for rep in zip(*(r["overlap"][key] for r in per_rank))]
+            for key in ("burst", "serial", "overlapped")}
+    burst, serial, both = (statistics.median(reps[k]) for k in ("burst", "serial", "overlapped"))
+    hidden = statistics.median(hidden_share(*row) for row in zip(reps["burst"], reps["serial"], reps["overlapped"]))
+    return {"burst_s": burst, "comm_s": max(serial - burst, 1e-9), "overlapped_s": both, "hidden": hidden}
 
 
 def _fits(comm: dict) -> dict:
@@ -620,6 +706,8 @@ def summarize(per_rank: list[dict], nproc: int, quick: bool) -> dict:
     compute = _compute_summary(per_rank)
     comm = {"in_step": _comm_summary(per_rank, nproc, 2), "back_to_back": _comm_summary(per_rank, nproc, 1)}
     fits = {regime: _fits(table) for regime, table in comm.items()}
+    tp_rows = tp_step_rows([r["tp_steps"] for r in per_rank], nproc) if per_rank[0].get("tp_steps") else {}
+    fits["tp_steps"] = {op: fit_alpha_beta(rows) for op, rows in tp_rows.items() if len(rows) >= 2}
     alpha, bandwidth = fits["in_step"]["joint"]
     overlap = _overlap_summary(per_rank)
     mem = per_rank[0]["memory"]
@@ -644,7 +732,8 @@ def summarize(per_rank: list[dict], nproc: int, quick: bool) -> dict:
         "memory_test_bytes": mem["bytes"], "op_overhead": op, "layer_s": layer,
         "layer_overhead": layer_overhead_beyond_gemms(layer, floor), "action_overhead": action,
         "ram_bytes": ram, "memory_per_rank": ram / nproc,
-        "overlap": overlap, "latency": alpha, "bandwidth": bandwidth, "per_op_fit": fits["in_step"]["per_op"],
+        "overlap": overlap, "latency": alpha, "bandwidth": bandwidth,
+        "per_op_fit": {**fits["in_step"]["per_op"], **fits["tp_steps"]}, "tp_rows": tp_rows,
         "fits": fits, "comm": comm,
     }
 
@@ -740,14 +829,38 @@ def _comment_lines(cal: dict) -> list[str]:
                          f"(fit {pred * 1e6:.1f} us, {pred / t:.2f}x) | {tb * 1e6:>9.1f} us")
     ja, jbw = cal["fits"]["back_to_back"]["joint"]
     lines.append(f"#   joint fit back to back: {ja * 1e6:.1f} us/hop, {jbw / 1e9:.3f} GB/s")
+    lines += _tp_step_lines(cal)
     ov = cal["overlap"]
     lines.append(f"# overlap (the tier's hidden share of async dp collectives): a {OVERLAP_BYTES // MiB} MiB all_reduce "
                  f"takes {ov['comm_s'] * 1e3:.2f} ms after a {ov['burst_s'] * 1e3:.1f} ms compute burst; issued async")
     lines.append(f"#   before the burst and waited after, burst + all_reduce take {ov['overlapped_s'] * 1e3:.2f} ms: "
-                 f"{100 * ov['hidden']:.0f}% of the all_reduce hidden")
+                 f"{100 * ov['hidden']:.0f}% of the all_reduce hidden (the median of each repetition's own share)")
     lines.append(f"#   as interference (docs/plan.md, \"Overlap is not free\": the pair takes max(c, t + f·c)): compute "
                  f"beside the collective loses f = 1 - hidden = {1 - ov['hidden']:.2f} of its rate; charged through "
                  "overlap, so the accelerator has no sms")
+    return lines
+
+
+def _tp_step_lines(cal: dict) -> list[str]:
+    """The tensor-parallel probe's rows and fits (what the ops table holds for its ops)."""
+    rows, fits = cal.get("tp_rows") or {}, cal["fits"].get("tp_steps") or {}
+    if not fits:
+        return [f"# in a real step: no tensor-parallel probe (its model does not split over {cal['nproc']} ranks); "
+                "the ops table holds the burst fits"]
+    m = TP_MODEL
+    lines = [f"# in a real step (the ops table's {', '.join(fits)}): the Trainer at tp = {cal['nproc']}, "
+             f"{m['layers']} layers of hidden {m['hidden']}, batch {TP_BATCH}, seq {' and '.join(map(str, TP_SEQS))}, "
+             "without and with SP;",
+             "# per step its tp ledger's hops, bytes sent and seconds (slowest rank, median over steps), fitted as",
+             "# above; the burst fit's time for the same calls beside it:"]
+    burst = cal["fits"]["in_step"]["per_op"]
+    for op, (a, bw) in fits.items():
+        lines.append(f"#   {op}: {a * 1e6:.1f} us/hop, {bw / 1e9:.3f} GB/s")
+        ba, bbw = burst[op]
+        for hops, sent, t in rows[op]:
+            fit = hops * a + sent / bw
+            lines.append(f"#     hops={hops:g} sent={sent:>10.0f} {t * 1e3:>8.2f} ms (fit {fit * 1e3:.2f} ms, "
+                         f"{fit / t:.2f}x; burst fit {(hops * ba + sent / bbw) * 1e3:.2f} ms)")
     return lines
 
 
@@ -781,7 +894,9 @@ def to_toml(cal: dict) -> str:
         "# hbm_gbps: in-place add bandwidth per rank (planner's optimizer term); latency_us, bandwidth_gbps:",
         "# joint least-squares fit (relative error) of t = hops * latency + bytes_sent / bandwidth over every",
         "# collective below, hops as topology.collective_latency, bytes_sent as comm/volume.py; the tier's",
-        "# ops table holds each op's own fit, which the planner uses for that op.",
+        "# ops table holds each op's own fit, which the planner uses for that op: a layer's collectives",
+        "# (all_reduce, all_gather, reduce_scatter) fitted from real tensor-parallel steps, the others from the",
+        "# burst probe.",
     ]
     body = [
         f'name = "{name}"',

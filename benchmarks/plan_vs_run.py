@@ -5,7 +5,9 @@ global batch 16, fp32) with the real `Trainer` on local gloo ranks (`run_ranks`,
 per rank, as `fivefold train --nproc N`), for a few warm-up steps and then `--steps` timed ones. The
 same config goes to the planner (`plan.layout.from_config`, `plan.models.from_model_config`,
 `plan.estimate.estimate`) with efficiency 1.0 and the topology `fivefold calibrate` measured for that
-many ranks (calibrated at the start, or `--topology FILE`, repeatable, one per rank count).
+many ranks (calibrated at the start, or `--topology FILE`, repeatable, one per rank count, or with
+`--calibrate-each` just before each layout runs: this machine's speed drifts by 10-25% within minutes, so
+a calibration taken minutes before a run misjudges it).
 
 Measured per step (slowest rank, then the median over steps and over `--rounds` fresh spawns):
 - step: the trainer's own step seconds (forward/backward, gradient engine, norm, optimizer, stop vote);
@@ -24,7 +26,7 @@ took CPU (`tools.calibrate.ForeignLoad`, from /proc/stat) is repeated, up to `--
 topologies and results.json go to `--out`.
 
     OMP_NUM_THREADS=1 python benchmarks/plan_vs_run.py [--steps 8] [--rounds 2] [--topology local2.toml]
-        [--quick-calibration] [--only dp2,pp2-1f1b] [--out runs/plan_vs_run]
+        [--calibrate-each] [--quick-calibration] [--only dp2,pp2-1f1b] [--out runs/plan_vs_run]
 """
 from __future__ import annotations
 
@@ -233,9 +235,20 @@ def predict(cfg: Config, topo) -> dict:
 
 
 # -- topology ---------------------------------------------------------------------------------------
+def calibrated(n: int, quick: bool, path: Path, max_load: float):
+    """A topology of n local ranks calibrated now, written to `path`."""
+    from fivefold.tools.calibrate import calibrate, summary_line, to_toml
+    from fivefold.plan.topology import load_topology
+
+    wait_quiet(max_load)
+    cal = calibrate(n, quick)
+    path.write_text(to_toml(cal))
+    print(f"calibrated {summary_line(cal)} -> {path}", flush=True)
+    return load_topology(str(path))
+
+
 def topologies(files: list[str], worlds: set[int], quick: bool, out: Path, max_load: float) -> dict:
     """world size -> Topology: from --topology files (their loopback tier's size), else calibrated now."""
-    from fivefold.tools.calibrate import calibrate, summary_line, to_toml
     from fivefold.plan.topology import load_topology
 
     topos = {}
@@ -243,12 +256,7 @@ def topologies(files: list[str], worlds: set[int], quick: bool, out: Path, max_l
         topo = load_topology(f)
         topos[topo.tiers[0].size] = topo
     for n in sorted(worlds - topos.keys()):
-        wait_quiet(max_load)
-        cal = calibrate(n, quick)
-        path = out / f"local-cpu-{n}.toml"
-        path.write_text(to_toml(cal))
-        print(f"calibrated {summary_line(cal)} -> {path}", flush=True)
-        topos[n] = load_topology(str(path))
+        topos[n] = calibrated(n, quick, out / f"local-cpu-{n}.toml", max_load)
     return topos
 
 
@@ -298,6 +306,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="fresh spawns per layout (median)")
     ap.add_argument("--topology", action="append", default=[], help="calibrated TOML (one per rank count)")
     ap.add_argument("--quick-calibration", action="store_true", help="calibrate with --quick")
+    ap.add_argument("--calibrate-each", action="store_true",
+                    help="calibrate just before each layout and plan it with that (the machine's speed drifts "
+                         "by 10-25%% within minutes); --topology is then ignored")
     ap.add_argument("--only", help="comma-separated layout names: " + ", ".join(LAYOUTS))
     ap.add_argument("--max-load", type=float, default=1.5, help="wait for a 1-minute load below this")
     ap.add_argument("--tries", type=int, default=4, help="spawns per round until one is undisturbed")
@@ -312,13 +323,16 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = {n: make_config(*LAYOUTS[n], steps=args.warmup + args.steps) for n in names}
-    topos = topologies(args.topology, {c.parallel.world_size for c in configs.values()},
-                       args.quick_calibration, out, args.max_load)
+    worlds = {c.parallel.world_size for c in configs.values()}
+    topos = {} if args.calibrate_each else topologies(args.topology, worlds, args.quick_calibration, out,
+                                                      args.max_load)
     rows = []
     for name, cfg in configs.items():
         world = cfg.parallel.world_size
+        topo = calibrated(world, args.quick_calibration, out / f"local-cpu-{world}-{name}.toml", args.max_load) \
+            if args.calibrate_each else topos[world]
         meas = measure(cfg, world, args.warmup, args.rounds, args.max_load, args.tries)
-        rows.append({"name": name, "world": world, "pred": predict(cfg, topos[world]), "meas": meas})
+        rows.append({"name": name, "world": world, "pred": predict(cfg, topo), "meas": meas})
         print(table(rows[-1:]).splitlines()[1], flush=True)
     print()
     print(table(rows))

@@ -398,6 +398,11 @@ EAGER_GRAD_NORM_BYTES = 16
 # the norm's fp64 copy of one slice (plan/buffers.py `step_scratch`).
 STEP_CHUNK = 1 << 22
 
+# glibc's mmap threshold each rank fixes (train/malloc.py): a host block of at least this many bytes is a
+# mapping of its own, unmapped when freed, so the next such block is fresh pages the kernel faults in on
+# first touch (plan/time.py `first_touch_bytes` charges ZeRO's at the accelerator's `fresh_bandwidth`).
+MMAP_THRESHOLD_BYTES = 2 << 20
+
 
 def block_units(zero: int, pp: int, reduce_each_microbatch: bool) -> bool:
     """Whether ZeRO's flat units are whole blocks plus a root unit (embedding, final norm, head) rather

@@ -200,6 +200,8 @@ def check_topology(topo: Topology) -> None:
     check_real(f"{where}: accelerator action_overhead_us", _scaled(acc.action_overhead, 1e-6), 0, low_open=False)
     check_real(f"{where}: accelerator ranks_per_core", acc.ranks_per_core, 1, low_open=False,
                meaning=" (local ranks sharing one core; 1: a core or device each)")
+    check_real(f"{where}: accelerator fresh_gbps", _scaled(acc.fresh_bandwidth, GB), 0, low_open=False,
+               meaning=" (first-touch bandwidth of fresh host pages; 0: not charged)")
     check_real(f"{where}: accelerator elementwise", acc.elementwise, 0, 1, low_open=False,
                meaning=" (share of element-wise traffic paid; 1: eager, unfused)")
 

@@ -62,11 +62,12 @@ from ..parallel.pipeline import schedules as _schedules
 from ..rules import INTERLEAVED, ZB
 from .gemm import linear_seconds
 from .layout import Layout, Workload, microbatches, schedule_of
-from .units import layout_blocks, stage_layers
+from ..shapes import shard_size
+from .units import block_units, held_root, layout_blocks, root_tensors, stage_layers, zero_units
 from .models import PlanModel
 from .topology import Topology
 from .buffers import streams_grads
-from .traffic import KIND, Flow, zero_reductions
+from .traffic import KIND, Flow, zero3_gathers, zero_reductions
 
 SIMULATE_MAX_ACTIONS = 4096   # 2·p·m·v compute actions; longer schedules use the closed forms (speed)
 
@@ -379,6 +380,7 @@ class StepTime:
     step_comm_s: float = 0.0         # loss, grad-norm, embedding reductions
     optimizer_s: float = 0.0
     offload_s: float = 0.0           # exposed host step and its copies (offload; `offload_exposed`)
+    first_touch_s: float = 0.0       # the slowest stage's fresh ZeRO buffers (host devices; `first_touch_bytes`)
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
     mfu: float = 0.0
@@ -521,6 +523,36 @@ def stage_param_reads(flows: list[Flow], work: Workload, streamed: int = 0) -> f
     return p["gather"] if p else 0.0
 
 
+def first_touch_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) -> tuple[float, float]:
+    """(gathered, gradient) bytes of fresh host pages one rank of `stage` writes per step in ZeRO's units.
+    A host block of at least `rules.MMAP_THRESHOLD_BYTES` is mapped on its own and unmapped when freed
+    (train/malloc.py), so every such block allocated anew is faulted in page by page on first touch. ZeRO-3
+    frees each gathered unit and re-gathers it into a re-grown storage (parallel/zero_stage.py `free_bytes`,
+    `regather_buffer`) `traffic.zero3_gathers` times a step (the root once under a pipeline); ZeRO-2 and
+    3 make each unit's whole gradient buffer (parallel/zero.py `_unit_grad`, zeroed) for every reduction
+    and free it after (`traffic.zero_reductions` a step). Units under the threshold come from the heap,
+    whose pages stay. Without ZeRO-2/3 nothing is fresh: DDP's buckets and ZeRO-1's gradients live for
+    the run. Activations above the threshold are fresh too and are not counted here."""
+    L = layout
+    if L.zero < 2:
+        return 0.0, 0.0
+    m = microbatches(L, work)
+    gathered = grads = 0.0
+    root = 1 if block_units(L) and any(n for n, _ in root_tensors(model, L.tp, L.pp, stage)) else 0
+    for expert, n in ((False, L.dp * L.cp), (True, L.edp)):
+        if n <= 1:
+            continue
+        units = zero_units(model, L, work.grad_bytes, stage, expert)
+        for i, u in enumerate(units):
+            padded = shard_size(u, n) * n
+            if L.zero == 3 and padded * work.param_bytes >= rules.MMAP_THRESHOLD_BYTES:
+                gathered += padded * work.param_bytes * zero3_gathers(L, m, not expert and i < root)
+            if padded * work.grad_bytes >= rules.MMAP_THRESHOLD_BYTES:
+                grads += padded * work.grad_bytes * zero_reductions(L, m, held=not expert and i < root
+                                                                    and held_root(model, L, stage))
+    return gathered, grads
+
+
 def shared_cores_makespan(makespan: float, busy: list[float], ranks_per_core: float) -> float:
     """The pipeline's makespan when local ranks share cores (`Accelerator.ranks_per_core` = o > 1: N ranks
     on N/o cores, every rate measured with all N busy, so each action's cost is at 1/o of a core). The
@@ -553,7 +585,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     peak = acc.peak(work.dtype) * work.efficiency
     peak_mm = acc.peak("fp8") * work.efficiency if work.fp8_gemm else peak   # linear-layer GEMMs
     passes = 2 if L.recompute == "full" else 1
-    cost_f, cost_b, compute_f, compute_b, layer_comm = {}, {}, {}, {}, {}
+    cost_f, cost_b, compute_f, compute_b, layer_comm, touch = {}, {}, {}, {}, {}, {}
     for j, flows in flows_by_stage.items():
         _, attn, _ = stage_flops(model, L, work, j)
         t_lin, t_head = stage_gemm_seconds(model, L, work, acc, j)
@@ -571,8 +603,13 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         # the runtime's host time per compute action (calibrated; 0 on datasheet accelerators): one F
         # and one B (or I and W) per chunk and micro-batch
         action = acc.action_overhead * L.vpp if L.pp > 1 else 0.0   # vpp > 1: interleaved (rules.check_schedule)
-        cost_f[j] = t_f + comm_mb / 2 + action
-        cost_b[j] = t_b + comm_mb / 2 + action * (2 if L.schedule == ZB else 1)
+        # fresh host pages of ZeRO's buffers (0 off a calibrated host): gathers before forward and backward,
+        # gradient buffers in the backward
+        gathered, grad_buffers = first_touch_bytes(model, L, work, j) if acc.fresh_bandwidth else (0.0, 0.0)
+        touch_f = gathered / 2 / m / acc.fresh_bandwidth if gathered else 0.0
+        touch[j] = (gathered + grad_buffers) / acc.fresh_bandwidth if acc.fresh_bandwidth else 0.0
+        cost_f[j] = t_f + comm_mb / 2 + action + touch_f
+        cost_b[j] = t_b + comm_mb / 2 + action * (2 if L.schedule == ZB else 1) + touch[j] / m - touch_f
         compute_f[j], compute_b[j] = t_f, t_b
         layer_comm[j] = comm_mb
     first = flows_by_stage[min(flows_by_stage)]
@@ -596,6 +633,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
                                            acc.ranks_per_core)
     out.compute_s = m * (compute_f[slow] + compute_b[slow])
     out.layer_comm_s = m * layer_comm[slow]
+    out.first_touch_s = touch[slow]
     each = L.pp > 1 and L.zero >= 2 and L.reduce_each_microbatch
     grads = []
     for j, flows in flows_by_stage.items():

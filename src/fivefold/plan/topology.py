@@ -44,7 +44,9 @@ class Accelerator:
     beyond its compute and its modelled transfer), and `ranks_per_core` (local ranks sharing one core:
     more ranks than cores, as `fivefold calibrate --nproc 4` on 2 cores; the rates are then measured with
     every rank busy, and a rank idle in a pipeline bubble gives its share to the busy ones: time.py
-    `shared_cores_makespan`; 1 on any accelerator a rank has to itself).
+    `shared_cores_makespan`; 1 on any accelerator a rank has to itself), and `fresh_bandwidth` (bytes/s of
+    writing freshly mapped host memory, which a CPU rank's ZeRO buffers above the mmap threshold pay on
+    every allocation: time.py `first_touch_bytes`; 0 on a GPU, whose caching allocator reuses blocks).
 
     The host side, per GPU (docs/plan.md, "Offload"; what ZeRO-Offload and disk offload use):
     `pcie_bandwidth` (bytes/s each way between the GPU and host memory), `host_memory` (the GPU's share of
@@ -71,6 +73,8 @@ class Accelerator:
     sms: int = 0                     # streaming multiprocessors (compute units)
     comm_sms: int = 0                # of them, those a collective running beside compute occupies (time.interfered)
     ranks_per_core: float = 1.0      # local ranks per core (> 1: ranks share cores; time.shared_cores_makespan)
+    fresh_bandwidth: float = 0.0     # bytes/s writing freshly mapped host pages (first touch); 0: not charged
+                                     # (a GPU's caching allocator reuses its blocks; time.first_touch_bytes)
 
     @property
     def comm_share(self) -> float:
@@ -240,7 +244,7 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
         overlap = 0.5
 
     and, in [accelerator], `attention_tflops = { fp32 = 0.03 }`, `layer_overhead_us`, `elementwise`,
-    `action_overhead_us`, `ranks_per_core` (see `Accelerator`), and the host side of one GPU for offload: `pcie_gbps`
+    `action_overhead_us`, `ranks_per_core`, `fresh_gbps` (see `Accelerator`), and the host side of one GPU for offload: `pcie_gbps`
     (GB/s each way), `host_memory_gib` (or `host_memory_gb`), `host_gbps` (host memory bandwidth),
     `nvme_gbps`; for GEMMs by shape `gemm_kernel_us` (the per-kernel floor; absent: flat efficiency) and
     for overlap's cost `sms` and `comm_sms` (absent: overlap is free). A custom accelerator without them is taken to be its own host (a CPU-only machine, as
@@ -269,7 +273,8 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
                                 host_is_device="pcie_gbps" not in acc,
                                 gemm_kernel=_times(acc["gemm_kernel_us"], 1e-6) if "gemm_kernel_us" in acc else None,
                                 sms=acc.get("sms", 0), comm_sms=acc.get("comm_sms", 0),
-                                ranks_per_core=acc.get("ranks_per_core", 1.0))
+                                ranks_per_core=acc.get("ranks_per_core", 1.0),
+                                fresh_bandwidth=_times(acc.get("fresh_gbps", 0.0), GB))
         except KeyError as e:
             raise ConfigError(f"[accelerator] needs {e.args[0]!r} (peak_tflops, memory_gb or memory_gib)") from None
     raw = d.get("tier") or d.get("tiers")

@@ -76,6 +76,10 @@ figures are then the median over repetitions and over ranks; collectives as in 2
 7. Shared cores (`ranks_per_core`): N ranks over the cores this process may use (its affinity), at least
    1. Every rate above is measured with all N ranks busy; with more ranks than cores, a pipeline rank
    idle in its bubble leaves its core to the busy ones, which the planner counts (`time.shared_cores_makespan`).
+8. First touch (`fresh_gbps`): filling a fresh 8 MiB block, above the mmap threshold the ranks fix
+   (train/malloc.py), so each is a new mapping whose pages the kernel faults in on first write (on this
+   VM 2.1 GB/s against 74 GB/s for the same fill of warm memory). The planner charges ZeRO-2/3's blocks
+   made anew each step at it (`time.first_touch_bytes`).
 
 The peaks written are achieved rates, not datasheet peaks: plan with `--efficiency 1.0` against this
 topology (the TOML says so).
@@ -213,7 +217,8 @@ def _measure_compute(sizes: Sizes, barrier) -> dict:
 
 
 def _measure_memory(sizes: Sizes, barrier) -> dict:
-    """Seconds of an in-place add (3 streams) and a copy (2 streams) of fp32 tensors, all ranks at once."""
+    """Seconds of an in-place add (3 streams) and a copy (2 streams) of fp32 tensors, all ranks at once;
+    of one eager op, of the tiny Block, and of filling a fresh FRESH_BYTES block (first touch)."""
     import torch
 
     n = sizes.memory_mib * MiB // 4
@@ -227,7 +232,13 @@ def _measure_memory(sizes: Sizes, barrier) -> dict:
     op = _timed(lambda: x.add_(y), sizes.compute_reps)
     barrier()
     layer = _timed(_tiny_layer_step(), sizes.compute_reps)
-    return {"bytes": 4 * n, "add_s": add, "copy_s": copy, "op_s": op, "layer_s": layer}
+    barrier()
+    fresh = _timed(lambda: torch.empty(FRESH_BYTES // 4).fill_(1.0), sizes.compute_reps)
+    return {"bytes": 4 * n, "add_s": add, "copy_s": copy, "op_s": op, "layer_s": layer, "fresh_s": fresh}
+
+
+# A block above the mmap threshold the ranks fix (rules.MMAP_THRESHOLD_BYTES): each one a fresh mapping
+FRESH_BYTES = 8 * MiB
 
 
 TINY_LAYER = dict(vocab=16, hidden=64, layers=1, heads=4, kv_heads=2, ffn=176, max_seq=16)
@@ -715,6 +726,7 @@ def summarize(per_rank: list[dict], nproc: int, quick: bool) -> dict:
     copy = statistics.median(r["memory"]["copy_s"] for r in per_rank)
     op = statistics.median(r["memory"]["op_s"] for r in per_rank)
     layer = statistics.median(r["memory"]["layer_s"] for r in per_rank)
+    fresh = statistics.median(r["memory"]["fresh_s"] for r in per_rank)
     ram = _ram_bytes()
     send_latency, send_bandwidth = fits["in_step"]["per_op"]["send"]
     message = PIPELINE_MODEL["hidden"] * PIPELINE_MODEL["max_seq"] * 4
@@ -729,6 +741,7 @@ def summarize(per_rank: list[dict], nproc: int, quick: bool) -> dict:
         "attention_flops": _rate(compute["attention"]),
         "compute": compute,
         "memory_bandwidth": 3 * mem["bytes"] / add, "copy_bandwidth": 2 * mem["bytes"] / copy,
+        "fresh_bandwidth": FRESH_BYTES / fresh,
         "memory_test_bytes": mem["bytes"], "op_overhead": op, "layer_s": layer,
         "layer_overhead": layer_overhead_beyond_gemms(layer, floor), "action_overhead": action,
         "ram_bytes": ram, "memory_per_rank": ram / nproc,
@@ -794,6 +807,9 @@ def _comment_lines(cal: dict) -> list[str]:
     lines.append(f"# memory: in-place add of two {mb:.0f} MiB fp32 tensors (3 streams) "
                  f"{cal['memory_bandwidth'] / 1e9:.2f} GB/s per rank; copy (2 streams) "
                  f"{cal['copy_bandwidth'] / 1e9:.2f} GB/s per rank")
+    lines.append(f"# fresh_gbps: filling a fresh {FRESH_BYTES // MiB} MiB block (above the ranks' mmap threshold: new pages "
+                 f"faulted in on first touch) {cal['fresh_bandwidth'] / 1e9:.2f} GB/s per rank; the planner charges ZeRO's "
+                 "re-gathered units and gradient buffers at it (plan/time.py first_touch_bytes)")
     lines.append("# op_overhead_us (a record; the planner reads layer_overhead_us): an in-place add of 8 floats, the cost of one "
                  f"eager op call: {cal['op_overhead'] * 1e6:.2f} us")
     lines.append("# layer_overhead_us: forward + backward of the model's Block on 16 "
@@ -913,6 +929,7 @@ def to_toml(cal: dict) -> str:
         f"layer_overhead_us = {_g(cal['layer_overhead'] * 1e6)}",
         f"action_overhead_us = {_g(cal['action_overhead'] * 1e6)}",
         f"ranks_per_core = {_g(ranks_per_core(n, cal['cores']))}",
+        f"fresh_gbps = {_g(cal['fresh_bandwidth'] / 1e9)}",
         "elementwise = 1",
         "",
         "[[tier]]",

@@ -21,8 +21,9 @@ from __future__ import annotations
 import ctypes
 import os
 
+from ..rules import MMAP_THRESHOLD_BYTES
+
 M_MMAP_THRESHOLD = -3   # glibc's malloc.h
-MMAP_THRESHOLD_BYTES = 2 << 20
 
 
 def return_freed_memory() -> bool:

@@ -63,7 +63,7 @@ from ..rules import INTERLEAVED, ZB
 from .gemm import linear_seconds
 from .layout import Layout, Workload, microbatches, schedule_of
 from ..shapes import shard_size
-from .units import block_units, held_root, layout_blocks, root_tensors, stage_layers, zero_units
+from .units import held_root, layout_blocks, root_units, stage_layers, zero_units
 from .models import PlanModel
 from .topology import Topology
 from .buffers import streams_grads
@@ -538,7 +538,7 @@ def first_touch_bytes(model: PlanModel, layout: Layout, work: Workload, stage: i
         return 0.0, 0.0
     m = microbatches(L, work)
     gathered = grads = 0.0
-    root = 1 if block_units(L) and any(n for n, _ in root_tensors(model, L.tp, L.pp, stage)) else 0
+    root = root_units(model, L, stage)
     for expert, n in ((False, L.dp * L.cp), (True, L.edp)):
         if n <= 1:
             continue

@@ -71,7 +71,7 @@ from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
 from ..parallel.zero_reduce import reduce_policy
 from .buffers import offload_units, params_on_disk, streams_grads
-from .units import (block_units, exact_tensors, held_root, layout_blocks, mtp_blocks, owned_tagged, root_tensors,
+from .units import (exact_tensors, held_root, layout_blocks, mtp_blocks, owned_tagged, root_tensors, root_units,
                     stage_params, unit_sums, unit_tensors, zero_units)
 from .models import PlanModel
 from .topology import Topology, collective_latency, group_bandwidth
@@ -467,7 +467,7 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
     _pp_flows(f, model, L, work, stage, m, T)
     dense, expert = stage_params(model, L, stage)
     units = (lambda ex, n: zero_units(model, L, work.grad_bytes, stage, ex) if n > 1 else ())
-    root = 1 if block_units(L) and any(n for n, _ in root_tensors(model, L.tp, L.pp, stage)) else 0
+    root = root_units(model, L, stage)
     _grad_flows(f, "dp", "dp_cp", L.dp * L.cp, dense, L, work, m, units(False, L.dp * L.cp), root,
                 held_root(model, L, stage))
     _grad_flows(f, "edp", "edp", L.edp, expert, L, work, m, units(True, L.edp))

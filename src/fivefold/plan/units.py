@@ -255,6 +255,12 @@ def block_units(layout: Layout) -> bool:
     return rules.block_units(layout.zero, layout.pp, layout.reduce_each_microbatch)
 
 
+def root_units(model: PlanModel, layout: Layout, stage: int) -> int:
+    """ZeRO root units on one rank of `stage` (the first of `zero_units`): 1 where the units are blocks plus a
+    root and the stage holds parameters outside its blocks (embedding, final norm, head), else 0."""
+    return 1 if block_units(layout) and any(n for n, _ in root_tensors(model, layout.tp, layout.pp, stage)) else 0
+
+
 def held_root(model: PlanModel, layout: Layout, stage: int) -> bool:
     """Whether `stage`'s root unit holds a tied copy of the embedding (first and last stage, pp > 1):
     such a unit is reduced once per step, after the copies' gradients are summed (parallel/engine.py)."""

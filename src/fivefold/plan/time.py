@@ -605,11 +605,11 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         action = acc.action_overhead * L.vpp if L.pp > 1 else 0.0   # vpp > 1: interleaved (rules.check_schedule)
         # fresh host pages of ZeRO's buffers (0 off a calibrated host): gathers before forward and backward,
         # gradient buffers in the backward
-        gathered, grad_buffers = first_touch_bytes(model, L, work, j) if acc.fresh_bandwidth else (0.0, 0.0)
-        touch_f = gathered / 2 / m / acc.fresh_bandwidth if gathered else 0.0
-        touch[j] = (gathered + grad_buffers) / acc.fresh_bandwidth if acc.fresh_bandwidth else 0.0
-        cost_f[j] = t_f + comm_mb / 2 + action + touch_f
-        cost_b[j] = t_b + comm_mb / 2 + action * (2 if L.schedule == ZB else 1) + touch[j] / m - touch_f
+        gathers_s, grads_s = (b / acc.fresh_bandwidth for b in first_touch_bytes(model, L, work, j)) \
+            if acc.fresh_bandwidth else (0.0, 0.0)
+        touch[j] = gathers_s + grads_s
+        cost_f[j] = t_f + comm_mb / 2 + action + gathers_s / 2 / m
+        cost_b[j] = t_b + comm_mb / 2 + action * (2 if L.schedule == ZB else 1) + (gathers_s / 2 + grads_s) / m
         compute_f[j], compute_b[j] = t_f, t_b
         layer_comm[j] = comm_mb
     first = flows_by_stage[min(flows_by_stage)]

@@ -287,6 +287,49 @@ def test_dropout_generator_streams():
     assert not torch.equal(g(0, 0, False), g(0, 1, False))
 
 
+def _sequence_orders(rank, world):
+    """The SP collectives in sequence order and in rank-major order (comm/autograd.py), forward and
+    backward, on (b=3, s/n=2, h=4) shards: the same values, the rank-major ones with no layout copy."""
+    from fivefold.comm.autograd import gather_sequence, rank_major, reduce_scatter_sequence
+    from fivefold.config import ParallelConfig
+    from fivefold.mesh import ParallelMesh
+
+    g = ParallelMesh(ParallelConfig(tp=world), rank)["tp"]
+    gen = torch.Generator().manual_seed(rank)
+    shard = torch.randn(3, 2, 4, generator=gen, dtype=torch.float64)
+    weight_bsh = torch.randn(3, 2 * world, 4, generator=gen, dtype=torch.float64)
+    out = {}
+    for ordered in (True, False):
+        x = shard.clone().requires_grad_()
+        full = gather_sequence(x, g, ordered=ordered)
+        w = weight_bsh if ordered else rank_major(weight_bsh, world)
+        y = reduce_scatter_sequence(full * w, g, ordered=ordered)   # token-wise work between the two
+        y.square().sum().backward()
+        out[ordered] = (full.detach(), y.detach(), x.grad)
+    return out
+
+
+@pytest.mark.ranks
+def test_rank_major_sequence_collectives_equal_the_ordered_ones():
+    from fivefold.comm.autograd import rank_major
+
+    for out in ranks(_sequence_orders, 2):
+        full, y, grad = out[True]
+        full_rm, y_rm, grad_rm = out[False]
+        assert full.shape == (3, 4, 4) and full_rm.shape == (6, 2, 4)
+        assert torch.equal(rank_major(full, 2), full_rm)
+        assert torch.equal(y, y_rm) and torch.equal(grad, grad_rm)
+
+
+def test_rank_major_puts_each_ranks_tokens_in_one_block():
+    from fivefold.comm.autograd import rank_major
+
+    x = torch.arange(2 * 6 * 1).view(2, 6, 1)   # b=2, s=6: rank r of 3 holds tokens 2r, 2r+1 of each row
+    got = rank_major(x, 3)
+    assert got.shape == (6, 2, 1)
+    assert got[:, :, 0].tolist() == [[0, 1], [6, 7], [2, 3], [8, 9], [4, 5], [10, 11]]
+
+
 # -- single-process units ------------------------------------------------------------------------------
 
 def test_padded_logits_never_win_or_carry_loss():

@@ -24,7 +24,11 @@ Traffic for an activation of S bytes (b·s·h elements) on n ranks: f and g each
 `fivefold.comm`, so the ledger records it under the group's name ("tp").
 
 The sequence is dimension 1 of a (b, s, h) activation. Rank r of the group holds tokens
-[r·s/n, (r+1)·s/n) of every row.
+[r·s/n, (r+1)·s/n) of every row. An all-gather along dim 0 writes the shards rank-major, (n·b, s/n, h),
+and a reduce-scatter along dim 0 reads them so; with b > 1 the sequence order costs one copy of the whole
+activation per collective. Token-wise work (the MLP) takes the rank-major order as it is (`ordered`
+False: Megatron-Core gets the same for free from its (s, b, h) layout); `rank_major` puts a narrower
+tensor in that order where one is needed (attention's output before its row-parallel projection).
 
 Ulysses context parallelism (Jacobs et al., "DeepSpeed Ulysses", 2023) trades the split of attention's
 inputs with an all-to-all, whose conjugate is the reverse all-to-all:
@@ -59,26 +63,42 @@ def _all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-def _gather_seq(x_bsh: torch.Tensor, group: Group) -> torch.Tensor:
-    """(b, s/n, ...) on each rank -> (b, s, ...): rank r's tokens land at [r·s/n, (r+1)·s/n)."""
+def _gather_seq(x_bsh: torch.Tensor, group: Group, ordered: bool = True) -> torch.Tensor:
+    """(b, s/n, ...) on each rank -> (b, s, ...): rank r's tokens land at [r·s/n, (r+1)·s/n). Not
+    `ordered`: the rank-major (n·b, s/n, ...) the all-gather writes, with no copy (token-wise work only)."""
     n = group.size
     b, s_local, rest = x_bsh.shape[0], x_bsh.shape[1], tuple(x_bsh.shape[2:])
     out = torch.empty((n * b, s_local) + rest, dtype=x_bsh.dtype, device=x_bsh.device)
     ops.all_gather(out, x_bsh.contiguous(), group)  # rank-major: (n·b, s/n, ...)
+    if not ordered:
+        return out
     return out.view((n, b, s_local) + rest).movedim(0, 1).reshape((b, n * s_local) + rest)
 
 
-def _reduce_scatter_seq(x_bsh: torch.Tensor, group: Group) -> torch.Tensor:
-    """(b, s, ...) partial sums on each rank -> (b, s/n, ...) of the sum, rank r keeping its tokens."""
+def _reduce_scatter_seq(x_bsh: torch.Tensor, group: Group, ordered: bool = True) -> torch.Tensor:
+    """(b, s, ...) partial sums on each rank -> (b, s/n, ...) of the sum, rank r keeping its tokens. Not
+    `ordered`: the input is already rank-major (n·b, s/n, ...) (`_gather_seq`'s unordered output, or
+    `rank_major`), and is reduce-scattered with no copy."""
     n = group.size
-    b, s = x_bsh.shape[0], x_bsh.shape[1]
-    if s % n:
-        raise ValueError(f"sequence length {s} must divide by the tensor-parallel size {n}")
     rest = tuple(x_bsh.shape[2:])
-    x_nbsh = x_bsh.reshape((b, n, s // n) + rest).movedim(1, 0).reshape((n * b, s // n) + rest)
+    if ordered:
+        b, s = x_bsh.shape[0], x_bsh.shape[1]
+        if s % n:
+            raise ValueError(f"sequence length {s} must divide by the tensor-parallel size {n}")
+        x_nbsh = rank_major(x_bsh, n)
+    else:
+        b, s = x_bsh.shape[0] // n, x_bsh.shape[1] * n
+        x_nbsh = x_bsh.contiguous()
     out = torch.empty((b, s // n) + rest, dtype=x_bsh.dtype, device=x_bsh.device)
     ops.reduce_scatter(out, x_nbsh, group)  # chunk r of the rank-major (n·b, s/n, ...) goes to rank r
     return out
+
+
+def rank_major(x_bsh: torch.Tensor, n: int) -> torch.Tensor:
+    """(b, s, ...) -> (n·b, s/n, ...): rank r's tokens [r·s/n, (r+1)·s/n) of every row as block r, the
+    order an all-gather along dim 0 writes and a reduce-scatter along dim 0 reads (one copy when b > 1)."""
+    b, s, rest = x_bsh.shape[0], x_bsh.shape[1], tuple(x_bsh.shape[2:])
+    return x_bsh.reshape((b, n, s // n) + rest).movedim(1, 0).reshape((n * b, s // n) + rest)
 
 
 class CopyToTensorRegion(torch.autograd.Function):
@@ -110,30 +130,30 @@ class ReduceFromTensorRegion(torch.autograd.Function):
 
 class GatherSequence(torch.autograd.Function):
     """Sequence parallel's ḡ (Korthikanti et al. 2022): all-gather the sequence shards forward,
-    reduce-scatter the gradient backward ((n-1)/n·S bytes each way)."""
+    reduce-scatter the gradient backward ((n-1)/n·S bytes each way). `ordered` False: rank-major."""
 
     @staticmethod
-    def forward(ctx, x_bsh, group: Group):
-        ctx.group = group
-        return _gather_seq(x_bsh, group)
+    def forward(ctx, x_bsh, group: Group, ordered: bool):
+        ctx.group, ctx.ordered = group, ordered
+        return _gather_seq(x_bsh, group, ordered)
 
     @staticmethod
     def backward(ctx, grad_bsh):
-        return _reduce_scatter_seq(grad_bsh, ctx.group), None
+        return _reduce_scatter_seq(grad_bsh, ctx.group, ctx.ordered), None, None
 
 
 class ReduceScatterSequence(torch.autograd.Function):
     """Sequence parallel's ḡ*: reduce-scatter partial sums along the sequence forward, all-gather the
-    gradient backward ((n-1)/n·S bytes each way)."""
+    gradient backward ((n-1)/n·S bytes each way). `ordered` False: the input is rank-major."""
 
     @staticmethod
-    def forward(ctx, x_bsh, group: Group):
-        ctx.group = group
-        return _reduce_scatter_seq(x_bsh, group)
+    def forward(ctx, x_bsh, group: Group, ordered: bool):
+        ctx.group, ctx.ordered = group, ordered
+        return _reduce_scatter_seq(x_bsh, group, ordered)
 
     @staticmethod
     def backward(ctx, grad_bsh):
-        return _gather_seq(grad_bsh, ctx.group), None
+        return _gather_seq(grad_bsh, ctx.group, ctx.ordered), None, None
 
 
 def _seq_to_heads(x_bnsd: torch.Tensor, group: Group) -> torch.Tensor:
@@ -314,11 +334,13 @@ def reduce_from_tensor_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else ReduceFromTensorRegion.apply(x, group)
 
 
-def gather_sequence(x_bsh: torch.Tensor, group: Group) -> torch.Tensor:
-    """All-gather along dim 1 forward, reduce-scatter backward."""
-    return x_bsh if group.size == 1 else GatherSequence.apply(x_bsh, group)
+def gather_sequence(x_bsh: torch.Tensor, group: Group, ordered: bool = True) -> torch.Tensor:
+    """All-gather along dim 1 forward, reduce-scatter backward. `ordered` False: the rank-major
+    (n·b, s/n, ...) with no layout copy, for token-wise work (the MLP)."""
+    return x_bsh if group.size == 1 else GatherSequence.apply(x_bsh, group, ordered)
 
 
-def reduce_scatter_sequence(x_bsh: torch.Tensor, group: Group) -> torch.Tensor:
-    """Reduce-scatter along dim 1 forward, all-gather backward."""
-    return x_bsh if group.size == 1 else ReduceScatterSequence.apply(x_bsh, group)
+def reduce_scatter_sequence(x_bsh: torch.Tensor, group: Group, ordered: bool = True) -> torch.Tensor:
+    """Reduce-scatter along dim 1 forward, all-gather backward. `ordered` False: the input is rank-major
+    (n·b, s/n, ...) and needs no layout copy."""
+    return x_bsh if group.size == 1 else ReduceScatterSequence.apply(x_bsh, group, ordered)

@@ -49,7 +49,7 @@ from torch import nn
 
 from .. import comm, rules
 from ..comm import Group
-from ..comm.autograd import (GatherRows, ScatterRows, copy_to_tensor_region, gather_sequence,
+from ..comm.autograd import (GatherRows, ScatterRows, copy_to_tensor_region, gather_sequence, rank_major,
                              reduce_from_tensor_region, reduce_scatter_sequence)
 from ..model.latent_attention import LatentAttention
 from ..model.moe import MoE
@@ -64,15 +64,20 @@ from .placement import Shard, add_shard, place, placement_of
 class ParallelInput(nn.Module):
     """Where a block part enters the tensor-parallel region: f (copy; all-reduce backward) or, under
     sequence parallelism, the all-gather along the sequence (reduce-scatter backward). One per part,
-    shared by its column-parallel layers (wq, wk, wv; gate, up), so backward reduces once."""
+    shared by its column-parallel layers (wq, wk, wv; gate, up), so backward reduces once.
 
-    def __init__(self, group: Group, sequence_parallel: bool):
+    `token_wise`: the part treats each token alone (the MLP), so under SP it takes the gathered tokens in
+    the rank-major order the all-gather writes, (n·b, s/n, h), and its `RowParallelLinear` hands them
+    back to the reduce-scatter in that order: no layout copy either way (with (b, s, h) activations and
+    b > 1 the sequence order costs one copy of the whole activation per collective)."""
+
+    def __init__(self, group: Group, sequence_parallel: bool, token_wise: bool = False):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.token_wise = group, sequence_parallel, token_wise
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            return gather_sequence(x_bsh, self.group)
+            return gather_sequence(x_bsh, self.group, ordered=not self.token_wise)
         return copy_to_tensor_region(x_bsh, self.group)
 
 
@@ -117,18 +122,23 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = Σ_r x_r A_rᵀ with A's input columns split across ranks: the input is already split (the
     output of column-parallel layers), each rank's product is a partial sum, and g sums them: an
-    all-reduce, or under sequence parallelism a reduce-scatter along the sequence."""
+    all-reduce, or under sequence parallelism a reduce-scatter along the sequence.
 
-    def __init__(self, weight: nn.Parameter, group: Group, sequence_parallel: bool):
+    Under SP the reduce-scatter reads its input rank-major, (n·b, s/n, h): a token-wise part's input is
+    already in that order (`ParallelInput.token_wise`); attention's (b, s, h/n) is put in it before the
+    product, a copy n times narrower than the partial sums would need."""
+
+    def __init__(self, weight: nn.Parameter, group: Group, sequence_parallel: bool, token_wise: bool = False):
         super().__init__()
         self.weight = weight
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.token_wise = group, sequence_parallel, token_wise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
-        if self.sequence_parallel:
-            return reduce_scatter_sequence(partial, self.group)
-        return reduce_from_tensor_region(partial, self.group)
+        if not self.sequence_parallel:
+            return reduce_from_tensor_region(F.linear(x, self.weight), self.group)
+        if not self.token_wise:
+            x = rank_major(x, self.group.size)
+        return reduce_scatter_sequence(F.linear(x, self.weight), self.group, ordered=False)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -143,12 +153,14 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, tokens_bs: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:   # look the tokens up rank-major: the reduce-scatter's order, no copy of h
+            tokens_bs = rank_major(tokens_bs, self.group.size)
         local_bs = tokens_bs - self.vocab_start
         outside_bs = (local_bs < 0) | (local_bs >= self.weight.shape[0])
         x_bsh = F.embedding(local_bs.masked_fill(outside_bs, 0), self.weight)
         x_bsh = x_bsh.masked_fill(outside_bs.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return reduce_scatter_sequence(x_bsh, self.group)
+            return reduce_scatter_sequence(x_bsh, self.group, ordered=False)
         return reduce_from_tensor_region(x_bsh, self.group)
 
 
@@ -263,8 +275,8 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
         bias = None if linear.bias is None else _shard(linear.bias, shard, group, partial)
         return ColumnParallelLinear(_shard(linear.weight, shard, group, partial), enter, bias)
 
-    def row(linear: nn.Linear, full: int) -> RowParallelLinear:
-        return RowParallelLinear(_shard(linear.weight, Shard("tp", 1, full), group), group, sp)
+    def row(linear: nn.Linear, full: int, token_wise: bool = False) -> RowParallelLinear:
+        return RowParallelLinear(_shard(linear.weight, Shard("tp", 1, full), group), group, sp, token_wise)
 
     def replicated(weight: nn.Parameter) -> None:  # norms: whole on every rank; partial grads under SP
         add_shard(weight, Shard("tp", None, replicas=n))
@@ -281,10 +293,10 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
         if attn is not None:
             gqa_attention(attn, cfg, group, sp, column, row, kv_replicas, n)
         if mlp is not None:
-            mlp.enter = ParallelInput(group, sp)
+            mlp.enter = ParallelInput(group, sp, token_wise=True)
             mlp.gate = column(mlp.gate, Shard("tp", 0, cfg.ffn))
             mlp.up = column(mlp.up, Shard("tp", 0, cfg.ffn))
-            mlp.down = row(mlp.down, cfg.ffn)
+            mlp.down = row(mlp.down, cfg.ffn, token_wise=True)
         replicated(block.attn_norm.weight)
         replicated(block.mlp_norm.weight)
     replicated(model.norm.weight)

@@ -328,6 +328,8 @@ def test_rank_major_puts_each_ranks_tokens_in_one_block():
     got = rank_major(x, 3)
     assert got.shape == (6, 2, 1)
     assert got[:, :, 0].tolist() == [[0, 1], [6, 7], [2, 3], [8, 9], [4, 5], [10, 11]]
+    with pytest.raises(ValueError, match="must divide by the tensor-parallel size 4"):
+        rank_major(x, 4)
 
 
 # -- single-process units ------------------------------------------------------------------------------

@@ -83,8 +83,6 @@ def _reduce_scatter_seq(x_bsh: torch.Tensor, group: Group, ordered: bool = True)
     rest = tuple(x_bsh.shape[2:])
     if ordered:
         b, s = x_bsh.shape[0], x_bsh.shape[1]
-        if s % n:
-            raise ValueError(f"sequence length {s} must divide by the tensor-parallel size {n}")
         x_nbsh = rank_major(x_bsh, n)
     else:
         b, s = x_bsh.shape[0] // n, x_bsh.shape[1] * n
@@ -98,6 +96,8 @@ def rank_major(x_bsh: torch.Tensor, n: int) -> torch.Tensor:
     """(b, s, ...) -> (n·b, s/n, ...): rank r's tokens [r·s/n, (r+1)·s/n) of every row as block r, the
     order an all-gather along dim 0 writes and a reduce-scatter along dim 0 reads (one copy when b > 1)."""
     b, s, rest = x_bsh.shape[0], x_bsh.shape[1], tuple(x_bsh.shape[2:])
+    if s % n:
+        raise ValueError(f"sequence length {s} must divide by the tensor-parallel size {n}")
     return x_bsh.reshape((b, n, s // n) + rest).movedim(1, 0).reshape((n * b, s // n) + rest)
 
 

@@ -27,8 +27,8 @@ The sequence is dimension 1 of a (b, s, h) activation. Rank r of the group holds
 [r·s/n, (r+1)·s/n) of every row. An all-gather along dim 0 writes the shards rank-major, (n·b, s/n, h),
 and a reduce-scatter along dim 0 reads them so; with b > 1 the sequence order costs one copy of the whole
 activation per collective. Token-wise work (the MLP) takes the rank-major order as it is (`ordered`
-False: Megatron-Core gets the same for free from its (s, b, h) layout); `rank_major` puts a narrower
-tensor in that order where one is needed (attention's output before its row-parallel projection).
+False: Megatron-Core gets the same for free from its (s, b, h) layout); `rank_major` puts a tensor in
+that order where one is needed (the token ids the embedding looks up).
 
 Ulysses context parallelism (Jacobs et al., "DeepSpeed Ulysses", 2023) trades the split of attention's
 inputs with an all-to-all, whose conjugate is the reverse all-to-all:

@@ -60,9 +60,9 @@ from functools import lru_cache
 from .. import rules
 from ..parallel.pipeline import schedules as _schedules
 from ..rules import INTERLEAVED, ZB
+from ..shapes import shard_size
 from .gemm import linear_seconds
 from .layout import Layout, Workload, microbatches, schedule_of
-from ..shapes import shard_size
 from .units import held_root, layout_blocks, root_units, stage_layers, zero_units
 from .models import PlanModel
 from .topology import Topology

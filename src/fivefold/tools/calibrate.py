@@ -216,6 +216,10 @@ def _measure_compute(sizes: Sizes, barrier) -> dict:
     return out
 
 
+# A block above the mmap threshold the ranks fix (rules.MMAP_THRESHOLD_BYTES): each one a fresh mapping
+FRESH_BYTES = 8 * MiB
+
+
 def _measure_memory(sizes: Sizes, barrier) -> dict:
     """Seconds of an in-place add (3 streams) and a copy (2 streams) of fp32 tensors, all ranks at once;
     of one eager op, of the tiny Block, and of filling a fresh FRESH_BYTES block (first touch)."""
@@ -235,10 +239,6 @@ def _measure_memory(sizes: Sizes, barrier) -> dict:
     barrier()
     fresh = _timed(lambda: torch.empty(FRESH_BYTES // 4).fill_(1.0), sizes.compute_reps)
     return {"bytes": 4 * n, "add_s": add, "copy_s": copy, "op_s": op, "layer_s": layer, "fresh_s": fresh}
-
-
-# A block above the mmap threshold the ranks fix (rules.MMAP_THRESHOLD_BYTES): each one a fresh mapping
-FRESH_BYTES = 8 * MiB
 
 
 TINY_LAYER = dict(vocab=16, hidden=64, layers=1, heads=4, kv_heads=2, ffn=176, max_seq=16)

@@ -55,7 +55,7 @@ def planned_memory(cfg: Config, stage: int) -> dict:
         from .plan.memory import stage_memory
         from .plan.models import from_model_config
 
-        layout, work = from_config(cfg)
+        layout, work = from_config(cfg, backend="nccl")
         row = stage_memory(from_model_config(cfg.model), layout, work, stage)
     except Exception:   # noqa: BLE001 - the prediction is a report
         return {}
@@ -226,7 +226,7 @@ def planned_rows(cfg: Config, stage: int, dp_rank: int, steps: int) -> dict[tupl
         from .plan.models import from_model_config
         from .plan.traffic import stage_flows
 
-        layout, work = from_config(cfg)
+        layout, work = from_config(cfg, backend="nccl")
         flows = stage_flows(from_model_config(cfg.model), layout, work, stage, dp_rank)
     except Exception:   # noqa: BLE001 - the comparison is a report
         return None

@@ -19,7 +19,10 @@ groups from them and nothing else, and the planner places the same groups on net
 
 Nodes: with `ranks_per_node` = K > 0 node i holds the consecutive ranks iK .. iK+K-1 (how torchrun numbers
 the ranks of its agents); 0 means unknown, taken as one node. `tier_of_ranks(ranks, K)` names the tier a
-group crosses: "intra" when all its ranks share a node, "inter" when it spans nodes (`TIERS`).
+group spans: "intra" when all its ranks share a node, "inter" when it spans nodes (`TIERS`);
+`tier_of_pair(a, b, K)` the tier of the link a byte from rank a to rank b takes, which is where the
+ledger and the planner put each byte (a ring over a group that spans nodes crosses between them only
+on some of its hops: comm/volume.py `peer_bytes`).
 """
 from __future__ import annotations
 
@@ -204,6 +207,11 @@ def group_block(p: Degrees, name: str, order: str, widths: Widths = Widths()) ->
 def node_of(rank: int, ranks_per_node: int) -> int:
     """The node holding global `rank` (0 for every rank when ranks_per_node is 0: one node)."""
     return rank // ranks_per_node if ranks_per_node else 0
+
+
+def tier_of_pair(a: int, b: int, ranks_per_node: int) -> str:
+    """The tier a byte from global rank a to global rank b crosses: "intra" on one node, else "inter"."""
+    return TIERS[node_of(a, ranks_per_node) != node_of(b, ranks_per_node)]
 
 
 def tier_of_ranks(ranks: list[int], ranks_per_node: int) -> str:

@@ -49,7 +49,9 @@ import torch.distributed as dist
 
 from .comm import CommLedger, Group
 from .config import ParallelConfig
-from .grid import GROUP_SPECS, Widths, coords, grid_sizes, parse_order, rank_groups, spec_groups, strides, tier_of_ranks
+from .comm.volume import backend_of
+from .grid import (GROUP_SPECS, Widths, coords, grid_sizes, parse_order, rank_groups, spec_groups, strides, tier_of_pair,
+                   tier_of_ranks)
 from .rules import check_world_size
 
 __all__ = ["GROUP_SPECS", "ParallelMesh", "coords", "grid_sizes", "rank_groups", "spec_groups", "strides"]
@@ -77,6 +79,7 @@ class ParallelMesh:
     groups: dict[str, Group] = field(default_factory=dict)
     kv_replicas: int = 1
     ulysses: int = 1
+    backend: str = "gloo"       # whose algorithms the groups run (comm/volume.py); the process group's when there is one
 
     def __post_init__(self):
         p = self.config
@@ -89,6 +92,7 @@ class ParallelMesh:
         ecoords = coords(self.rank, self.expert, self.order)
         self.coords.update({"ep": ecoords["ep"], "edp": ecoords["dp"]})
         distributed = dist.is_available() and dist.is_initialized() and self.world_size > 1
+        self.backend = backend_of(str(dist.get_backend())) if distributed else self.backend
         if distributed:
             check_world_size(dist.get_world_size(), p.tp, p.cp, p.dp, p.pp)
         widths = Widths(ulysses=self.ulysses, kv_replicas=self.kv_replicas)
@@ -115,7 +119,8 @@ class ParallelMesh:
     def _mine(self, name: str, lists: list[list[int]], pgs: list) -> Group:
         """This rank's Group among one spec's rank lists, recording under `name` on its tier."""
         ranks, pg = next((g, pg) for g, pg in zip(lists, pgs) if self.rank in g)
-        return Group(name, ranks, ranks.index(self.rank), pg, self.ledger, self.tier(ranks))
+        peers = tuple(tier_of_pair(self.rank, r, self.ranks_per_node) for r in ranks)
+        return Group(name, ranks, ranks.index(self.rank), pg, self.ledger, self.tier(ranks), peers, self.backend)
 
     def tier(self, ranks: list[int]) -> str:
         """The tier a group of global ranks crosses: "intra" (one node) or "inter"."""

@@ -21,8 +21,11 @@ passes) is kept apart from the training rows, so the rows above stay those of tr
 planner predicts per step); `part("eval")` returns that section as a ledger of its own, and the trainer
 writes it into comm.json under "eval" (the same shape, plus "evaluations": how many ran).
 
-The "rows" mean what they always meant (each is the sum of its "tiers" rows). A (dim, op) may appear
-under two tiers when it runs over two groups (the loss is summed over dp and over pp). Training,
+The "rows" mean what they always meant (each is the sum of its "tiers" rows). A tier row holds the
+bytes that crossed that tier's links (`record_split`: a ring's bytes go to the next rank, so a ring over
+two nodes puts some ranks' bytes on "intra" and others' on "inter"), and the calls, message bytes and
+seconds of the calls whose group spans it as its outermost tier; a row can hold bytes with 0 calls. A
+(dim, op) may appear under two tiers when it runs over two groups (the loss is summed over dp and over pp). Training,
 benchmarks and tests all read it through this class: `total(dim, op, field, tier=None)`, `rows()`,
 `tier_rows()`, `by_tier()`, `table()`, `CommLedger.read(path)` (a comm.json without "tiers" reads
 as tier "").
@@ -88,6 +91,19 @@ class CommLedger:
         key = (dim, op, tier or COPY_TIERS.get(op, INTRA))
         self._rows.setdefault(key, Row()).add(Row(calls, float(message_bytes), float(bytes_sent), seconds))
 
+    def record_split(self, dim: str, op: str, message_bytes: float, bytes_by_tier: dict[str, float],
+                     seconds: float = 0.0, tier: str | None = None) -> None:
+        """One call whose bytes went over several tiers (`bytes_by_tier`: the links each byte took): the
+        call, its message and its seconds on `tier` (the group's: the outermost it spans), each tier's bytes
+        on that tier (a tier that got bytes but not the call holds them with 0 calls)."""
+        if not self.enabled:
+            return
+        tier = tier or COPY_TIERS.get(op, INTRA)
+        self.record(dim, op, message_bytes, bytes_by_tier.get(tier, 0.0), seconds, tier=tier)
+        for t, b in bytes_by_tier.items():
+            if t != tier and b:
+                self._rows.setdefault((dim, op, t), Row()).bytes_sent += b
+
     def add_seconds(self, dim: str, op: str, seconds: float, tier: str | None = None) -> None:
         if self.enabled:
             self._rows.setdefault((dim, op, tier or COPY_TIERS.get(op, INTRA)), Row()).seconds += seconds
@@ -145,7 +161,7 @@ class CommLedger:
             old = snap.get(k, Row())
             diff = Row(r.calls - old.calls, r.message_bytes - old.message_bytes,
                        r.bytes_sent - old.bytes_sent, r.seconds - old.seconds)
-            if diff.calls:
+            if diff.calls or diff.bytes_sent:
                 led._rows[k] = diff
         return led
 

@@ -1,10 +1,14 @@
 """Recorded collectives: every byte fivefold sends goes through these wrappers.
 
 A `Group` is a process group with a name (the parallel dimension it serves: "dp", "tp", ...), the
-global ranks in it, the `CommLedger` it records into and the network tier it crosses ("intra": one
-node, "inter": several; the mesh sets it from parallel.ranks_per_node). Each wrapper issues the
-torch.distributed collective, then records calls, message bytes, bytes sent (from `comm/volume.py`) and
-seconds under (dim, op) on the group's tier, where dim defaults to the group's name. Asynchronous calls
+global ranks in it, the `CommLedger` it records into, the network tier it crosses ("intra": one
+node, "inter": several; the mesh sets it from parallel.ranks_per_node), the tier between this rank and
+each member (`peer_tiers`) and the backend whose algorithms run on it. Each wrapper issues the
+torch.distributed collective, then records calls, message bytes and seconds under (dim, op) on the
+group's tier, where dim defaults to the group's name, and the bytes sent (`comm/volume.py`, by the
+backend's algorithm) on the tier of the link each byte takes: a ring's to the next rank, an
+all-to-all's chunk to each peer, a send to its peer (`volume.peer_bytes`). A ring over 4 ranks on 2
+nodes puts two ranks' bytes on "inter" and two on "intra", as the links carry them. Asynchronous calls
 return a `Handle` whose `wait()` adds the seconds spent waiting. A group of one rank sends nothing and
 records nothing.
 
@@ -32,6 +36,11 @@ class Group:
     pg: object = None              # torch ProcessGroup (None when size == 1)
     ledger: CommLedger = field(default_factory=CommLedger)
     tier: str = "intra"            # the network tier its ranks span: "intra" (one node) | "inter"
+    peer_tiers: tuple = ()         # the tier between this rank and each member (empty: all `tier`)
+    backend: str = "gloo"          # whose algorithms run on it (comm/volume.py ALGORITHMS): "gloo" | "nccl"
+
+    def peer_tier(self, group_rank: int) -> str:
+        return self.peer_tiers[group_rank] if self.peer_tiers else self.tier
 
     @property
     def size(self) -> int:
@@ -80,13 +89,23 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _record(group: Group, dim: str, op: str, message_bytes: int, seconds: float, peer: int = -1, **kw) -> None:
+    """One call: calls, message and seconds on the group's tier; its bytes on the tier of each peer they go to."""
+    sent = volume.peer_bytes(op, message_bytes, group.size, group.rank, group.backend, **kw)
+    by_tier: dict[str, float] = {}
+    for p, b in sent:
+        t = group.peer_tier(peer if p < 0 else p)
+        by_tier[t] = by_tier.get(t, 0.0) + b
+    group.ledger.record_split(dim, op, message_bytes, by_tier, seconds,
+                              group.peer_tier(peer) if peer >= 0 else group.tier)
+
+
 def _issue(group: Group, dim: str | None, op: str, message_bytes: int, fn, async_op: bool, then=None, **kw):
     dim = dim or group.name
     t0 = time.perf_counter()
     work = fn()
     seconds = time.perf_counter() - t0
-    group.ledger.record(dim, op, message_bytes, volume.bytes_sent(op, message_bytes, group.size, **kw), seconds,
-                        tier=group.tier)
+    _record(group, dim, op, message_bytes, seconds, **kw)
     handle = Handle(work, group.ledger, dim, op, then, group.tier)
     if not async_op:
         handle.wait()
@@ -141,10 +160,10 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, out_splits: l
         out.copy_(inp)
         return DONE
     row = nbytes(inp) // max(inp.shape[0], 1)
-    kept = (in_splits[group.rank] * row) if in_splits is not None else nbytes(inp) // group.size
+    chunks = [s * row for s in in_splits] if in_splits is not None else [nbytes(inp) // group.size] * group.size
     return _issue(group, dim, "all_to_all", nbytes(inp),
                   lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg, async_op=True),
-                  async_op, kept_bytes=kept)
+                  async_op, chunks=chunks)
 
 
 class _Joined:
@@ -179,14 +198,15 @@ def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
     t0 = time.perf_counter()
     works = dist.batch_isend_irecv(ops)
     seconds = time.perf_counter() - t0
-    for t, _ in sends:
-        group.ledger.record(dim, "send", nbytes(t), volume.send(nbytes(t)), seconds / len(ops), tier=group.tier)
-    for t, _ in recvs:
-        group.ledger.record(dim, "recv", nbytes(t), volume.recv(nbytes(t)), seconds / len(ops), tier=group.tier)
+    for t, p in sends:
+        _record(group, dim, "send", nbytes(t), seconds / len(ops), peer=p)
+    for t, p in recvs:
+        _record(group, dim, "recv", nbytes(t), seconds / len(ops), peer=p)
 
     if len(works) != len(ops):  # a backend that coalesces the batch into one work (NCCL): wait for all
         works = [_Joined(works)] * len(ops)
-    parts = [Handle(w, group.ledger, dim, "send" if i < len(sends) else "recv", tier=group.tier)
+    peers = [p for _, p in sends] + [p for _, p in recvs]
+    parts = [Handle(w, group.ledger, dim, "send" if i < len(sends) else "recv", tier=group.peer_tier(peers[i]))
              for i, w in enumerate(works)]
 
     class _All:

@@ -15,12 +15,51 @@ the same quantity. Every function answers: for one call on a group of `n` ranks 
 | d2h, h2d       | the tensor copied device<->host    | S                          |
 | nvme_read/write| the bytes read / written on disk   | S                          |
 
-These are the bandwidth-optimal volumes (ring / pairwise exchange). A real library may pick a tree
-or a direct algorithm for small messages; the volumes above are what the literature (and the DESIGN
-table) uses, and what the ledger and the planner both count.
+These are the bandwidth-optimal volumes (ring / pairwise exchange), what NCCL's ring and pairwise
+all-to-all send and what the literature (and the DESIGN table) uses. A backend may run another
+algorithm, and then sends other bytes to other peers: `ALGORITHMS` names the one each backend runs for
+each op, `bytes_sent(op, S, n, backend=...)` counts its bytes and `peer_bytes` says which group rank
+receives them (so the bytes can be placed on the links between the two: `comm/ops.py` for the ledger,
+`plan/traffic.py` for the planner). Measured on the links of an emulated cluster (tools/fabric.py: two
+network namespaces of two gloo ranks, a 16 MiB message, torch 2.13), the kernel's byte counters of a
+node's link equal these to 0.2% (its TCP/IP headers):
+
+| backend | op             | algorithm (source)                                        | rank i sends to   |
+|---------|----------------|-----------------------------------------------------------|-------------------|
+| gloo    | all_reduce     | ring: reduce-scatter then all-gather around the group     | i-1: 2(n-1)/n S   |
+|         |                | (gloo/allreduce.cc `ring`, the default; torch never picks |                   |
+|         |                | bcube), 1 MiB segments, nothing padded on the wire        |                   |
+| gloo    | all_gather     | ring (gloo/allgather.cc `allgather`)                      | i+1: (n-1)/n S    |
+| gloo    | reduce_scatter | an all-reduce of a clone of the whole input, then the own | i-1: 2(n-1)/n S   |
+|         |                | chunk copied out (ProcessGroupGloo::                      |                   |
+|         |                | reduce_scatter_tensor_coalesced): twice a ring's bytes    |                   |
+| gloo    | all_to_all     | pairwise, direct (gloo/alltoall.cc, alltoallv.cc)         | j: its chunk j    |
+| nccl    | all_reduce,    | ring over the group (NCCL_ALGO=Ring; NCCL picks a tree for | i+1 (ring order) |
+|         | all_gather,    | small all-reduces across nodes: the ring's bytes are what  |                  |
+|         | reduce_scatter | large messages send)                                       |                  |
+| nccl    | all_to_all     | pairwise send/recv                                         | j: its chunk j   |
+| any     | send           | direct                                                     | the peer: S      |
+
+The ring's neighbours are the group's ranks in order (torch's new_group sorts them). gloo's ring sends
+2S - c_i - c_(i-1) with chunks c of whole 1 MiB segments: 2(n-1)/n S for messages much larger than n
+MiB, a few percent off for the small ones (which are few bytes on any link). Each gloo message adds 96
+bytes of headers and a 48-byte notice back (TCP/IP's headers come on top): `fivefold cluster` measures
+that overhead apart. NCCL orders its ring (and its channels) by the hardware's topology search and may
+run a double binary tree for an all-reduce across nodes when its cost model prefers it (NCCL_ALGO=Ring
+forces the ring); fivefold counts the ring over the group's order. Sources: torch 2.13's
+ProcessGroupGloo and gloo's allreduce.cc, allgather.cc, alltoall(v).cc; NCCL's device/all_reduce.h
+(`runRing`), graph/tuning.cc and enqueue.cc (algorithm choice); measured on torch 2.13's CPU wheel.
 """
 from __future__ import annotations
 
+BACKENDS = ("gloo", "nccl")
+# op -> (the algorithm a backend runs for it, the ring's direction: group rank i sends to i + step)
+ALGORITHMS = {
+    "gloo": {"all_reduce": ("ring", -1), "all_gather": ("ring", 1), "reduce_scatter": ("all_reduce_ring", -1),
+             "all_to_all": ("pairwise", 0), "send": ("direct", 0), "recv": ("direct", 0)},
+    "nccl": {"all_reduce": ("ring", 1), "all_gather": ("ring", 1), "reduce_scatter": ("ring", 1),
+             "all_to_all": ("pairwise", 0), "send": ("direct", 0), "recv": ("direct", 0)},
+}
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv")
 # copies of offloaded state (parallel/offload.py, comm/transfer.py): one rank's own bytes over PCIe or to disk
 COPIES = ("d2h", "h2d", "nvme_read", "nvme_write")
@@ -60,11 +99,40 @@ def copy(message_bytes: float, n: int = 1) -> float:
     return float(message_bytes)
 
 
-def bytes_sent(op: str, message_bytes: float, n: int, **kw) -> float:
-    """Dispatch by op name (one of OPS or COPIES)."""
+def backend_of(name: str) -> str:
+    """The algorithm table a process group's backend reads: gloo's for "gloo", NCCL's for anything else
+    (NCCL itself, and torch's fake process group of the dry run, which stands for a GPU run)."""
+    return "gloo" if name == "gloo" else "nccl"
+
+
+def bytes_sent(op: str, message_bytes: float, n: int, backend: str = "nccl", **kw) -> float:
+    """Dispatch by op name (one of OPS or COPIES); `backend` picks the algorithm (`ALGORITHMS`)."""
+    if op == "reduce_scatter" and ALGORITHMS[backend]["reduce_scatter"][0] == "all_reduce_ring":
+        op = "all_reduce"
     try:
         fn = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
               "all_to_all": all_to_all, "send": send, "recv": recv, **{c: copy for c in COPIES}}[op]
     except KeyError:
         raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS + COPIES)}") from None
     return fn(message_bytes, n, **kw)
+
+
+def peer_bytes(op: str, message_bytes: float, n: int, index: int, backend: str = "nccl",
+               kept_bytes: float | None = None, chunks: list[float] | None = None) -> list[tuple[int, float]]:
+    """(group rank, bytes) this rank (group rank `index`) sends to each peer in one call of `op` on a group
+    of n: the ring's bytes all to its neighbour (gloo's all-reduce: the previous rank), an all-to-all's chunk j to rank j (`chunks`: the bytes of
+    each chunk; none: even chunks, or `kept_bytes` kept and the rest spread evenly). A send names no peer
+    here (its caller knows it): it returns [(-1, S)]. The bytes sum to `bytes_sent`."""
+    if n <= 1:
+        return []
+    if op not in ALGORITHMS[backend]:
+        raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
+    algo, step = ALGORITHMS[backend][op]
+    if algo == "direct":
+        return [(-1, send(message_bytes) if op == "send" else 0.0)]
+    if algo == "pairwise":
+        if chunks is None:
+            kept = message_bytes / n if kept_bytes is None else kept_bytes
+            chunks = [(message_bytes - kept) / (n - 1)] * n
+        return [(j, float(chunks[j])) for j in range(n) if j != index]
+    return [((index + step) % n, bytes_sent(op, message_bytes, n, backend))]

@@ -167,6 +167,8 @@ class Workload:
     fp8_act_cache: bool = False    # linear-layer inputs cached in FP8 for the backward (activations.py applies it)
     fused_optimizer: bool = True   # the optimizer reads and writes each state once (False: the runtime's eager
                                    # AdamW and grad norm, rules.EAGER_ADAMW_ACCESSES passes)
+    backend: str = "nccl"          # whose collective algorithms send the bytes (comm/volume.py ALGORITHMS): "nccl"
+                                   # on GPUs, "gloo" for CPU ranks (its reduce-scatter is a whole all-reduce)
     document_length: float = 0.0   # train.document_mask: attention stays inside each packed document of this
                                    # token-weighted mean length, sum(len^2)/sum(len) of the pieces a sequence
                                    # holds (0: no mask; attention spans the sequence)
@@ -274,8 +276,10 @@ PARALLEL_ELSEWHERE: dict[str, str] = {
 }
 
 
-def from_config(cfg: Config) -> tuple[Layout, Workload]:
+def from_config(cfg: Config, backend: str | None = None) -> tuple[Layout, Workload]:
     """The layout and workload of a runtime `Config`: the layout field by field from LAYOUT_SOURCES.
+    The collectives' backend (`Workload.backend`): `backend`, else NCCL for train.device = "cuda" and gloo
+    otherwise (the dry run, whose fake process group stands for a GPU run, passes "nccl").
     Attention is flash-like, as the runtime runs it: SDPA takes its fused kernels on the CPU
     (`_scaled_dot_product_flash_attention_for_cpu`, with or without a mask) and on CUDA (flash or
     memory-efficient), and ring attention saves only q, k, v, o and the log-sum-exp, so no s x s scores
@@ -289,7 +293,8 @@ def from_config(cfg: Config) -> tuple[Layout, Workload]:
     work = Workload(seq=t.seq_len, global_batch=t.global_batch, dtype=t.dtype, flash=True,
                     capacity_factor=cfg.model.capacity_factor,   # 0: dropless (balanced routing assumed)
                     fp8_dispatch=cfg.parallel.fp8_dispatch, grad_dtype="fp32" if t.main_grads_fp32 else "param",
-                    reduce_dtype="fp32" if full else t.dtype, fused_optimizer=False)
+                    reduce_dtype="fp32" if full else t.dtype, fused_optimizer=False,
+                    backend=backend or ("nccl" if t.device == "cuda" else "gloo"))
     return layout, work
 
 

@@ -114,8 +114,12 @@ class Flows:
     """Accumulates calls into rows keyed (dim, op) (and part, when a row is one part of a collective),
     each sent through comm.volume."""
 
-    def __init__(self):
+    def __init__(self, backend: str = "nccl"):
         self.rows: dict[tuple, Flow] = {}
+        self.backend = backend                      # whose algorithms count the bytes (comm/volume.py ALGORITHMS)
+
+    def sent(self, op: str, message_bytes: float, n: int) -> float:
+        return volume.bytes_sent(op, message_bytes, n, self.backend)
 
     def add(self, dim: str, op: str, group: str, n: int, message_bytes: float, calls: float = 1,
             part: str = "", route: tuple = (), width: int = 0) -> None:
@@ -130,7 +134,7 @@ class Flows:
             row = self.rows[key] = Flow(dim, op, group, n, part=part, route=route, width=width)
         row.calls += int(calls)
         row.message_bytes += calls * message_bytes
-        row.bytes_sent += calls * VOLUME[op](message_bytes, n)
+        row.bytes_sent += calls * self.sent(op, message_bytes, n)
 
     def add_total(self, dim: str, op: str, group: str, n: int, total_message_bytes: float, calls: int) -> None:
         """`calls` calls whose messages sum to `total_message_bytes` (bytes sent are linear in the message)."""
@@ -141,7 +145,7 @@ class Flows:
             row = self.rows[(dim, op)] = Flow(dim, op, group, n)
         row.calls += int(calls)
         row.message_bytes += total_message_bytes
-        row.bytes_sent += VOLUME[op](total_message_bytes, n)
+        row.bytes_sent += self.sent(op, total_message_bytes, n)
 
     def add_copy(self, dim: str, op: str, tier: str, total_message_bytes: float, calls: int) -> None:
         """`calls` copies (not collectives: one rank's own bytes over `tier`, a key of COPY_TIERS) whose
@@ -457,7 +461,7 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
     """Every (dim, op) row one rank of `stage` records in one optimizer step. Rows are the same on every
     rank of a stage except the tp gradient sync under ZeRO (see `_tp_sync_flows`): for it `dp_rank`
     picks the data-parallel rank (its index in the dp·cp group), None the mean over them."""
-    L, f = layout, Flows()
+    L, f = layout, Flows(work.backend)
     m = microbatches(L, work)
     T = L.micro_batch * work.seq / L.cp
     _tp_flows(f, model, L, work, stage, m, T)
@@ -499,7 +503,7 @@ def eval_stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: in
     the loss is summed once, over dp·cp and pp. MoE layers: the expert dispatch and combine all-to-alls
     (and dropless routing's counts) of each forward, exact in capacity mode as for training; no balance
     loss, so no statistics are summed."""
-    L, f = replace(layout, recompute="none"), Flows()
+    L, f = replace(layout, recompute="none"), Flows(work.backend)
     m = microbatches(L, work) * batches
     T = L.micro_batch * work.seq / L.cp
     rng = layout_blocks(model, L, stage)
@@ -610,7 +614,7 @@ def layer_flows(model: PlanModel, layout: Layout, work: Workload, n_layers: int,
     linear in the counts and in m, and in the micro-batch size at a fixed number of sequences per step
     (except the dropless token counts, which fall with it): search.py's lower bound on step time. `dims`:
     the dimensions to list."""
-    L, f = layout, Flows()
+    L, f = layout, Flows(work.backend)
     T = L.micro_batch * work.seq / L.cp
     if "tp" in dims:
         _tp_layer_flows(f, model, L, work, n_layers, moe, first, last, m, T)
@@ -623,7 +627,7 @@ def layer_flows(model: PlanModel, layout: Layout, work: Workload, n_layers: int,
 
 def ring_flows(model: PlanModel, layout: Layout, work: Workload, n_layers: int, m: int = 1) -> list[Flow]:
     """The ring-attention sends (and their receives) of `m` micro-batches through `n_layers` layers."""
-    L, f = layout, Flows()
+    L, f = layout, Flows(work.backend)
     T = L.micro_batch * work.seq / L.cp
     if L.cp > 1:
         _cp_layer_flows(f, model, L, work, n_layers, m, T, ulysses=False)
@@ -736,16 +740,117 @@ def all_ranks(model: PlanModel, layout: Layout, work: Workload) -> dict[tuple[st
 
 def all_ranks_by_tier(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
                       order: str | None = None) -> dict[tuple[str, str, str], dict]:
-    """(dim, op, tier) -> calls, message_bytes, bytes_sent summed over every rank for one step, each row
-    placed on `topo` (`place`; `order`: the layout's). With `topology.node_topology(K)` the tiers are
-    the ledger's ("intra", "inter"): what comm.json's "tiers" rows show per step for a run with
-    parallel.ranks_per_node = K. The runtime names each group's own tier and the planner a dimension's
-    slowest; they agree whenever K and the group blocks nest (powers of two, say)."""
+    """(dim, op, tier) -> calls, message_bytes, bytes_sent summed over every rank for one step, each byte on
+    the tier of the link it takes and each call on the tier its group spans, as the runtime's ledger
+    records them (comm/ops.py): rank by rank, each rank's group of each flow found on the grid (`order`: the
+    layout's), the bytes sent to each peer by the backend's algorithm (`volume.peer_bytes`: a ring's to the
+    next rank, an all-to-all's to each, a pipeline send to the next stage forward and the previous one
+    backward, a ring-attention send to the next cp rank), each placed on the innermost tier of `topo` whose
+    domain holds both ends. With `topology.node_topology(K)` the tiers are the ledger's ("intra",
+    "inter"): what comm.json's "tiers" rows show per step for a run with parallel.ranks_per_node = K.
+    Walks every rank: for the fabrics a run can have, not for a 16,384-GPU search (`place` is that)."""
+    order = order or layout.order
+    links = _Links(layout, topo, order, microbatches(layout, work), work.backend)
     out: dict[tuple[str, str, str], dict] = {}
-    for flows, weight in _rank_flows(model, layout, work):
-        for fl in place(flows, layout, topo, order):
-            _add_weighted(out, (fl.dim, fl.op, fl.tier), fl, weight)
+    for flows, ranks in _rank_flow_ranks(model, layout, work, order):
+        for fl in flows:
+            if fl.group in COPY_TIERS or fl.part:
+                for p in place([replace(fl)], layout, topo, order):
+                    _add_weighted(out, (p.dim, p.op, p.tier), p, len(ranks))
+                continue
+            for rank in ranks:
+                for tier, calls, message, sent in links.split(fl, rank):
+                    row = out.setdefault((fl.dim, fl.op, tier), {"calls": 0, "message_bytes": 0.0, "bytes_sent": 0.0})
+                    row["calls"] += calls
+                    row["message_bytes"] += message
+                    row["bytes_sent"] += sent
     return out
+
+
+def link_bytes(model: PlanModel, layout: Layout, work: Workload, topo: Topology, order: str | None = None) -> dict[str, float]:
+    """Bytes per step over all ranks that cross each tier's links (`all_ranks_by_tier`): tier i's links (a
+    node's uplink for the second tier, a leaf's for the third) carry every byte placed on tier i or above;
+    the first tier (inside a node) is every byte that stays inside one."""
+    rows = all_ranks_by_tier(model, layout, work, topo, order)
+    names = [t.name for t in topo.tiers]
+    placed = {t: 0.0 for t in names}
+    for (_, _, tier), row in rows.items():
+        if tier in placed:
+            placed[tier] += row["bytes_sent"]
+    return {t: placed[t] if i == 0 else sum(placed[u] for u in names[i:]) for i, t in enumerate(names)}
+
+
+class _Links:
+    """Which tier each byte of a rank's flow crosses, found on the grid (see `all_ranks_by_tier`)."""
+
+    def __init__(self, layout: Layout, topo: Topology, order: str, m: int, backend: str):
+        self.layout, self.order, self.m, self.backend = layout, order, m, backend
+        self.sizes = [t.size for t in topo.tiers]
+        self.names = [t.name for t in topo.tiers]
+        self.members: dict[tuple, dict[int, list[int]]] = {}
+
+    def tier(self, ranks) -> str:
+        """The innermost tier whose aligned domains hold all `ranks` in one."""
+        for name, size in zip(self.names, self.sizes):
+            if size is None or len({r // size for r in ranks}) == 1:
+                return name
+        return self.names[-1]
+
+    def group(self, fl: Flow, rank: int) -> list[int]:
+        key = (fl.group, fl.width)
+        if key not in self.members:
+            spec = grid.GROUP_SPECS[fl.group]
+            widths = grid.Widths(**{spec.width: fl.width}) if spec.width and fl.width else grid.Widths()
+            self.members[key] = {r: g for g in grid.spec_groups(self.layout, fl.group, self.order, widths) for r in g}
+        return self.members[key][rank]
+
+    def split(self, fl: Flow, rank: int) -> list[tuple[str, float, float, float]]:
+        """(tier, calls, message bytes, bytes sent) of `rank`'s share of `fl`."""
+        ranks = self.group(fl, rank)
+        n, i = len(ranks), ranks.index(rank)
+        if fl.op in ("send", "recv"):
+            return [(self.tier((rank, ranks[j])), fl.calls * w, fl.message_bytes * w, fl.bytes_sent * w)
+                    for j, w in self.directions(fl, i, n) if w]
+        out = [(self.tier(ranks), fl.calls, fl.message_bytes, 0.0)]
+        shares = volume.peer_bytes(fl.op, 1.0, n, i, self.backend)
+        total = sum(b for _, b in shares) or 1.0
+        for j, b in shares:
+            out.append((self.tier((rank, ranks[j])), 0, 0.0, fl.bytes_sent * b / total))
+        return out
+
+    def directions(self, fl: Flow, i: int, n: int) -> list[tuple[int, float]]:
+        """(peer, share of the flow) of a point-to-point flow: a ring-attention send goes to the next cp rank
+        and a receive comes from the previous one; a pipeline stage sends forward to the next stage (the
+        last stage's later chunks to the first) and backward to the previous one, receiving the other way."""
+        nxt, prv = (i + 1) % n, (i - 1) % n
+        if fl.dim != "pp":
+            return [(nxt if fl.op == "send" else prv, 1.0)]
+        v, m, last = self.layout.vpp, self.m, n - 1
+        fwd = m * v - (m if i == last else 0)      # sends forward (receives: from the previous stage)
+        bwd = m * v - (m if i == 0 else 0)         # sends backward
+        if fl.op == "recv":
+            fwd, bwd = m * v - (m if i == 0 else 0), m * v - (m if i == last else 0)
+            return [(prv, fwd / (fwd + bwd)), (nxt, bwd / (fwd + bwd))] if fwd + bwd else []
+        return [(nxt, fwd / (fwd + bwd)), (prv, bwd / (fwd + bwd))] if fwd + bwd else []
+
+
+def _rank_flow_ranks(model: PlanModel, layout: Layout, work: Workload, order: str):
+    """(flows of one rank, the global ranks that have them) covering every rank once: the ranks of each
+    stage, and under ZeRO with tp > 1 each data-parallel index's (`_rank_flows`)."""
+    L = layout
+    n = L.dp * L.cp
+    per_dp = L.zero >= 1 and n > 1 and L.tp > 1
+    dense, _ = grid.grid_sizes(L)
+    dims = grid.parse_order(order)
+    dp_cp = {r: g.index(r) for g in grid.spec_groups(L, "dp_cp", dims) for r in g}
+    stage_of = {r: grid.coords(r, dense, dims)["pp"] for r in range(L.gpus)}
+    for j in range(L.pp):
+        ranks = [r for r in range(L.gpus) if stage_of[r] == j]
+        if per_dp:
+            for d in range(n):
+                yield stage_flows(model, L, work, j, d), [r for r in ranks if dp_cp[r] == d]
+        else:
+            yield stage_flows(model, L, work, j), ranks
 
 
 def _rank_flows(model: PlanModel, layout: Layout, work: Workload):

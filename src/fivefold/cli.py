@@ -1,4 +1,4 @@
-"""Command line: `fivefold train | eval | tokenize | export | generate | report | calibrate | plan | schedule`.
+"""Command line: `fivefold train | eval | tokenize | export | generate | report | calibrate | plan | schedule | cluster`.
 
     fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --cp-mode --ep --zero ...] [--steps K] [--out DIR]
                    [--resume auto|DIR] [--overwrite]
@@ -11,6 +11,7 @@
     fivefold calibrate [--nproc N] [--out local.toml] [--quick]
     fivefold plan --model llama3-8b --gpus 64 --topology dgx-h100 [--tp --pp --dp ...] [--json]
     fivefold schedule --pp 4 --microbatches 8 --schedule 1f1b [--vpp V] [--out F.svg]
+    fivefold cluster --topology fabric.toml --nodes N -- train ... --out DIR    (as root: network namespaces)
 """
 from __future__ import annotations
 
@@ -696,6 +697,8 @@ COMMANDS = {
     "calibrate": ("measure this machine and write a topology TOML for plan", ".tools.calibrate", "calibrate"),
     "schedule": ("simulate and draw a pipeline schedule", ".tools.schedule", "schedule"),
     "plan": ("estimate memory, traffic and step time of a layout, or search", ".plan.cli", "plan"),
+    "cluster": ("run a command on an emulated multi-node cluster (network namespaces, shaped links) and measure "
+                "its links", ".tools.cluster", "cluster"),
 }
 
 

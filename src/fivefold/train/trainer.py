@@ -83,6 +83,7 @@ from .launch import heartbeat, resolve_device, stop_requested
 from .optim import AdamW, clip_, global_grad_norm, lr_at
 from .progress import Progress
 from .scalars import ScalarLog
+from .link_counters import LinkCounters
 from .speed import Speed
 from .timeline import draw_pipeline
 from .wandb_log import WandbLog
@@ -124,6 +125,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)   # run.json's peak: this trainer's, not the process's
         self.planned = planned   # the planner's memory for this layout (cli.planned_memory), written to run.json
         self.speed = Speed.from_dict(speed, world_size)   # FLOPs per token and peak from the CLI (cli.speed_model)
+        self.link_counters = LinkCounters(rank)          # an emulated cluster's links (tools/cluster.py), else none
         torch.manual_seed(t.seed + RANK_SEED_STRIDE * rank)
         self.ledger = CommLedger(rank, world_size)
         self.mesh = ParallelMesh(p, rank, self.ledger, kv_replicas=rules.kv_replicas(p.tp, cfg.model.kv_heads),
@@ -236,7 +238,8 @@ class Trainer:
         self.step_count = step + 1
         seconds = time.perf_counter() - t0
         return {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,   # step: 1-based
-                "seconds": seconds, **self.speed.scalars(n_tokens, seconds),
+                "seconds": seconds, "time": time.time(), **self.link_counters.read(),
+                **self.speed.scalars(n_tokens, seconds),
                 "peak_memory_bytes": peak, **({} if finite else {"skipped": True}), **routing}
 
     def peak_memory(self) -> int | None:

@@ -1,0 +1,359 @@
+"""`fivefold cluster`: run a command on an emulated multi-node cluster and measure the bytes on its links.
+
+    fivefold cluster --topology fabric.toml --nodes 2 -- train --tp 2 --dp 2 --steps 4 --out runs/x
+
+The topology file is the planner's (plan/topology.py; `fivefold plan --topology` reads the same file), so
+the cluster that runs is the one that was planned: tools/fabric.py builds it from network namespaces and
+shaped links. One torchrun agent per node runs the command after `--` (a fivefold command, or with
+`--exec` any program torchrun can start), exactly as on a real cluster: `--nnodes N --nproc-per-node K`,
+c10d rendezvous on node 0's address, gloo on each node's uplink (`GLOO_SOCKET_IFNAME`).
+
+While it runs, every link's kernel counters are sampled (`--sample-ms`, default 50), and at the end
+`links.json` is written beside the run's other outputs (the command's `--out`, else `--links`):
+
+    {"fabric": {"topology": ..., "nodes": 2, "ranks_per_node": 2, "links": [{"name": "node0", "tier": ...,
+                "rate_bps": ..., "delay_s": ...}, ...]},
+     "overhead": {"payload": 8388608, "sent": ..., "acks": ..., "ratio": ...},  # a known transfer: TCP/IP cost
+     "samples": [{"t": unix seconds, "links": {"node0": {"rx": ..., "tx": ...}, ...}}, ...],
+     "totals": {"node0": {"rx": ..., "tx": ...}, ...},        # over the whole command
+     "by_tier": {"leaf": {"tx": ..., "rx": ...}, ...},        # totals summed over a tier's links
+     "steps": [{"step": 2, "by_tier": {"leaf": {"tx": ...}}}, ...]}   # per training step: the counters the
+                                # trainer read at each step's end (metrics.jsonl "links", train/link_counters.py)
+
+The overhead is measured before the command: `--overhead-mb` MiB sent over TCP from node 0 to node 1, the
+bytes the two node links counted against the payload ("ratio": link bytes per payload byte, both
+directions' headers and ACKs included). Bytes per tier held against the planner divide by it
+(`plan.traffic.link_bytes` predicts the payload).
+
+Everything the tool made (namespaces, links, qdiscs, holder processes) is removed when the command ends, on
+Ctrl-C and on failure; namespaces a killed run left (the tool's marker, a dead pid) are removed at the next
+start. Exit status: the command's (the first failing agent's), 2 for bad input or a machine that cannot
+build fabrics (one line saying what is missing).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ..config import ConfigError
+from ..plan.topology import Topology, load_topology
+from .fabric import Fabric, FabricError, check, remove_leftovers
+
+RDZV_PORT = 29400
+GRACE_S = 10.0
+
+
+def add_cluster_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--topology", required=True, help="the planner's topology TOML (or nodes:K): tier 0 = ranks per "
+                    "node, tier 1 = each node's link to its leaf, tier 2 (optional) = the leaves' links to the spine")
+    ap.add_argument("--nodes", type=int, required=True, help="nodes to emulate (one torchrun agent each)")
+    ap.add_argument("--links", help="where to write links.json (default: the command's --out folder)")
+    ap.add_argument("--sample-ms", type=float, default=50.0, help="link counter sampling period (default 50 ms)")
+    ap.add_argument("--overhead-mb", type=float, default=8.0,
+                    help="MiB of a known TCP transfer that measures header overhead first (0: skip)")
+    ap.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts for each agent")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole command is stopped")
+    ap.add_argument("--exec", action="store_true", help="run the command after -- as a program, not a fivefold "
+                    "command")
+    ap.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command each node runs")
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not argv:
+        raise ConfigError("fivefold cluster needs a command after --, e.g. -- train --tp 2 --dp 2 --out runs/x")
+    topo = load_topology(args.topology)
+    Fabric.layout(topo, args.nodes)
+    if args.sample_ms <= 0:
+        raise ConfigError(f"--sample-ms must be > 0, got {args.sample_ms:g}")
+    out = Path(args.links) if args.links else _out_folder(argv)
+    if out is None:
+        raise ConfigError("fivefold cluster writes links.json into the command's --out folder; give the command "
+                          "--out DIR, or --links FILE")
+    missing = check()
+    if missing:
+        raise ConfigError(missing)
+    for ns in remove_leftovers():
+        print(f"removed namespace {ns}, left by a run that was killed", file=sys.stderr)
+    result = run_on_fabric(topo, args.nodes, argv, fivefold=not args.exec, sample_s=args.sample_ms / 1e3,
+                           overhead_bytes=int(args.overhead_mb * 2**20), max_restarts=args.max_restarts,
+                           timeout_s=args.timeout)
+    path = out / "links.json" if out.suffix != ".json" else out
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl" if out.suffix != ".json" else None
+    write_links(path, result, metrics)
+    print(f"links: {path}")
+    for tier, d in links_by_tier(result).items():
+        print(f"  {tier:<10} tx {d['tx'] / 1e6:10.2f} MB  rx {d['rx'] / 1e6:10.2f} MB")
+    return result["returncode"]
+
+
+def _out_folder(argv: list[str]) -> Path | None:
+    for i, a in enumerate(argv):
+        if a == "--out" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if a.startswith("--out="):
+            return Path(a.split("=", 1)[1])
+    return None
+
+
+def agent_argv(fab: Fabric, node: int, argv: list[str], fivefold: bool = True, max_restarts: int = 0,
+               run_id: str = "fivefold-cluster") -> list[str]:
+    """The torchrun agent of node `node`, inside its namespace: rendezvous on node 0."""
+    host = fab.address(0)
+    conf = f"is_host={1 if node == 0 else 0},join_timeout=120"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(fab.nodes),
+           "--nproc-per-node", str(fab.ranks_per_node), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"{host}:{RDZV_PORT}", "--rdzv-id", run_id, "--rdzv-conf", conf,
+           "--local-addr", fab.address(node), "--node-rank", str(node), "--max-restarts", str(max_restarts)]
+    cmd += ["-m", "fivefold.cli", *argv] if fivefold else ["--no-python", *argv]
+    return fab.exec_argv(node, cmd)
+
+
+def agent_env(fab: Fabric) -> dict[str, str]:
+    """The agents' environment: gloo on the node's uplink, one thread per rank, no proxy, and every link's
+    holder pid and device for the trainer to read at step ends (train/link_counters.py)."""
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    links = {lk.name: [fab.holders[lk.ns].pid, lk.dev] for lk in fab.links}
+    env.update(GLOO_SOCKET_IFNAME="up0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FIVEFOLD_LINKS=json.dumps(links))
+    return env
+
+
+class Sampler:
+    """Reads every link's counters every `period_s` on a thread of its own (first and last reads included)."""
+
+    def __init__(self, fab: Fabric, period_s: float):
+        self.fab, self.period_s = fab, period_s
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def sample(self) -> None:
+        self.samples.append({"t": time.time(), "links": self.fab.counters()})
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.sample()
+            except OSError:      # a holder gone while the fabric is removed
+                return
+
+    def __enter__(self) -> "Sampler":
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: bool = True, sample_s: float = 0.05,
+                  overhead_bytes: int = 8 << 20, max_restarts: int = 0, timeout_s: float = 1800.0,
+                  during=None) -> dict:
+    """Build the fabric, measure header overhead, run one agent per node, sample the links, remove the fabric.
+    `during(fab, agents)`: called once the agents started (a fault to inject); its return value is kept as
+    "during". Returns {"returncode", "fabric", "overhead", "samples", "outputs", "during"}."""
+    topo = load_topology(topo)
+    fab = Fabric.build(topo, nodes)
+    agents: list[subprocess.Popen] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    stopping: list[int] = []
+
+    def stop(signum, frame):
+        stopping.append(signum)
+        for a in agents:
+            _signal(a, signal.SIGTERM)
+        if len(stopping) > 1:
+            for a in agents:
+                _signal(a, signal.SIGKILL)
+
+    try:
+        if threading.current_thread() is threading.main_thread():
+            for s in previous:
+                signal.signal(s, stop)
+        overhead = measure_overhead(fab, overhead_bytes) if overhead_bytes else None
+        with Sampler(fab, sample_s) as sampler:
+            for node in range(nodes):
+                agents.append(subprocess.Popen(agent_argv(fab, node, argv, fivefold, max_restarts), env=agent_env(fab),
+                                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                               text=True, start_new_session=True))
+            outputs = [""] * nodes
+            readers = [threading.Thread(target=_drain, args=(a, outputs, i), daemon=True) for i, a in enumerate(agents)]
+            for r in readers:
+                r.start()
+            during_result = during(fab, agents) if during else None
+            end = time.monotonic() + timeout_s
+            for a in agents:
+                try:
+                    a.wait(timeout=max(1.0, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    stop(signal.SIGTERM, None)
+                    try:
+                        a.wait(timeout=GRACE_S)
+                    except subprocess.TimeoutExpired:
+                        pass
+            for a in agents:
+                _signal(a, signal.SIGKILL)
+                a.wait()
+            for r in readers:
+                r.join(timeout=5)
+        codes = [a.returncode for a in agents]
+        code = next((c for c in codes if c), 0)
+        return {"returncode": code if code >= 0 else 128 - code, "returncodes": codes, "fabric": describe(fab),
+                "overhead": overhead, "samples": sampler.samples, "outputs": outputs, "during": during_result}
+    finally:
+        for a in agents:
+            _signal(a, signal.SIGKILL)
+        if threading.current_thread() is threading.main_thread():
+            for s, h in previous.items():
+                signal.signal(s, h)
+        fab.remove()
+
+
+def _drain(proc: subprocess.Popen, outputs: list[str], i: int) -> None:
+    """Echo an agent's output with its node's name, and keep it."""
+    for line in proc.stdout:
+        outputs[i] += line
+        sys.stdout.write(f"[node{i}] {line}")
+    sys.stdout.flush()
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def describe(fab: Fabric) -> dict:
+    return {"topology": fab.topology.name, "nodes": fab.nodes, "ranks_per_node": fab.ranks_per_node,
+            "tiers": [t.name for t in fab.topology.tiers],
+            "links": [{"name": lk.name, "tier": lk.tier, "rate_bps": lk.rate_bps, "delay_s": lk.delay_s}
+                      for lk in fab.links]}
+
+
+_SINK = r"""
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); n = 0
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    n += len(b)
+print(n, flush=True)
+"""
+_SOURCE = r"""
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+left = int(sys.argv[3]); chunk = b"\0" * (1 << 20)
+while left > 0:
+    c.sendall(chunk[:min(left, len(chunk))]); left -= min(left, len(chunk))
+c.shutdown(socket.SHUT_WR); c.recv(1); c.close()
+"""
+
+
+def measure_overhead(fab: Fabric, payload: int, port: int = 29399) -> dict:
+    """Send `payload` bytes over TCP from node 0 to node 1 and read both node links: link bytes per payload
+    byte (the data's headers on the way out, the ACKs on the way back)."""
+    before = fab.counters()
+    sink = subprocess.Popen(fab.exec_argv(1, [sys.executable, "-c", _SINK, fab.address(1), str(port)]),
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        if sink.stdout.readline().strip() != "ready":
+            raise FabricError("the overhead probe's receiver did not start")
+        subprocess.run(fab.exec_argv(0, [sys.executable, "-c", _SOURCE, fab.address(1), str(port), str(payload)]),
+                       check=True, timeout=300)
+        got = int(sink.stdout.readline())
+    finally:
+        sink.kill()
+        sink.wait()
+    time.sleep(0.2)
+    after = fab.counters()
+    sent = after["node0"]["tx"] - before["node0"]["tx"]
+    acks = after["node1"]["tx"] - before["node1"]["tx"]
+    if got != payload:
+        raise FabricError(f"the overhead probe received {got} bytes of {payload}")
+    return {"payload": payload, "sent": sent, "acks": acks, "ratio": (sent + acks) / payload}
+
+
+def links_by_tier(result: dict) -> dict[str, dict[str, int]]:
+    """Bytes over the whole run per tier and direction: each tier's links summed (last sample - first)."""
+    first, last = result["samples"][0]["links"], result["samples"][-1]["links"]
+    out: dict[str, dict[str, int]] = {}
+    for lk in result["fabric"]["links"]:
+        d = out.setdefault(lk["tier"], {"tx": 0, "rx": 0})
+        for k in ("tx", "rx"):
+            d[k] += last[lk["name"]][k] - first[lk["name"]][k]
+    return out
+
+
+def at(samples: list[dict], t: float, link: str, key: str) -> float:
+    """A link counter at time t, linearly between the two samples around it."""
+    for a, b in zip(samples, samples[1:]):
+        if a["t"] <= t <= b["t"]:
+            va, vb = a["links"][link][key], b["links"][link][key]
+            return va + (vb - va) * (t - a["t"]) / max(b["t"] - a["t"], 1e-9)
+    edge = samples[0] if t < samples[0]["t"] else samples[-1]
+    return edge["links"][link][key]
+
+
+def step_bytes(result: dict, step_ends: list[tuple[int, float, dict | None]]) -> list[dict]:
+    """Per training step (from the previous step's end to its own), bytes per tier and direction on the
+    links: from the counters the trainer read at the step ends (metrics.jsonl "links"), else interpolated
+    between the sampler's reads at the step end times; the first step (no start) is left out."""
+    if step_ends and all(c for _, _, c in step_ends):
+        tier_of = {lk["name"]: lk["tier"] for lk in result["fabric"]["links"]}
+        out = []
+        for (_, _, c0), (step, t1, c1) in zip(step_ends, step_ends[1:]):
+            tiers: dict[str, dict[str, float]] = {}
+            for name, tier in tier_of.items():
+                d = tiers.setdefault(tier, {"tx": 0.0, "rx": 0.0})
+                for k in ("tx", "rx"):
+                    d[k] += c1[name][k] - c0[name][k]
+            out.append({"step": step, "t": t1, "by_tier": tiers, "read": "step end"})
+        return out
+    out = []
+    for (_, t0, _), (step, t1, _) in zip(step_ends, step_ends[1:]):
+        tiers: dict[str, dict[str, float]] = {}
+        for lk in result["fabric"]["links"]:
+            d = tiers.setdefault(lk["tier"], {"tx": 0.0, "rx": 0.0})
+            for k in ("tx", "rx"):
+                d[k] += at(result["samples"], t1, lk["name"], k) - at(result["samples"], t0, lk["name"], k)
+        out.append({"step": step, "t": t1, "by_tier": tiers, "read": "sampled"})
+    return out
+
+
+def read_step_ends(metrics: Path | None) -> list[tuple[int, float, dict | None]]:
+    """(step, unix end time, link counters or None) of each line of a run's metrics.jsonl that has a time."""
+    if metrics is None or not metrics.is_file():
+        return []
+    ends = []
+    for line in metrics.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "time" in rec and "step" in rec and "loss" in rec:
+            ends.append((int(rec["step"]), float(rec["time"]), rec.get("links")))
+    return ends
+
+
+def write_links(path: Path, result: dict, metrics: Path | None = None) -> dict:
+    first, last = result["samples"][0]["links"], result["samples"][-1]["links"]
+    doc = {"fabric": result["fabric"], "overhead": result["overhead"], "samples": result["samples"],
+           "totals": {name: {k: last[name][k] - first[name][k] for k in ("rx", "tx")} for name in last},
+           "by_tier": links_by_tier(result), "steps": step_bytes(result, read_step_ends(metrics)),
+           "returncode": result["returncode"]}
+    path.write_text(json.dumps(doc, indent=1))
+    return doc

@@ -1,0 +1,350 @@
+"""An emulated cluster on one machine: the planner's topology built from Linux network namespaces.
+
+A `Topology` (plan/topology.py) lists tiers innermost first; `Fabric.build` makes the same cluster:
+
+- tier 0 (size K: ranks per node) is a **node**: a network namespace whose ranks talk over its loopback
+  (the high-bandwidth domain);
+- tier 1 is the **leaf**: each node has one link (a veth pair) to its leaf switch, a Linux bridge in a
+  namespace of its own; a leaf holds tier 1's size / K nodes (size omitted: every node on one leaf);
+- tier 2, when there is one, is the **spine**: each leaf has one link to a spine bridge.
+
+A link is shaped at both ends (`tc`: netem for latency and loss, tbf for rate), so each direction has the
+tier's rate and half its latency at each egress (a byte from node to node crosses two egresses: the whole
+tier latency). Rates: a tier's `bandwidth` is per rank each way (the planner's convention), divided by its
+`oversubscription`; a node's link carries its K ranks (K · bandwidth), a leaf's uplink the ranks of the
+leaf (ranks per leaf · bandwidth / oversubscription).
+
+Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544) only: node i is 198.18.0.(i+1)/16
+on its uplink `up0`, one flat L2 segment through the bridges, and no namespace has a route out (nothing
+but the segment and loopback exist in them). Names carry the tool's marker, `ffc<pid>-`, with the pid of
+the process that made them: `ffc<pid>-n<i>` (nodes), `-l<j>` (leaves), `-s` (spine).
+`remove_leftovers()` deletes only namespaces with that marker whose pid is no longer alive (a killed run),
+never anything else; `Fabric.remove()` deletes what this fabric made (namespaces take their veths and
+qdiscs with them).
+
+Counters: a small holder process sleeps in each namespace, so `counters()` reads every link's kernel
+byte counters from `/proc/<holder>/net/dev` (the namespace's own view) without starting a process; the
+node end of a node link gives the node's tx (bytes leaving the node) and rx, the leaf end of a spine link
+the leaf's.
+
+Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and `ip` / `tc` from iproute2; `check()` says in one line
+what is missing.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from ..config import ConfigError
+from ..plan.topology import Topology
+
+NET = ipaddress.ip_network("198.18.0.0/15")     # RFC 2544 benchmarking range: the only addresses used
+PREFIX = 16                                     # nodes share 198.18.0.0/16
+MARK = "ffc"                                    # the tool's marker: ffc<pid>-...
+MARKED = re.compile(rf"^{MARK}(\d+)-")
+UPLINK = "up0"                                  # a node's (or leaf's) link to the switch above it
+MAX_NODES = 250
+
+
+class FabricError(RuntimeError):
+    """A fabric command failed (the message names it and what the kernel said)."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One shaped link: its tier, the namespace and device at its lower end (the node or leaf), and the
+    switch end's namespace and device. Counters are read at the lower end: tx = bytes going up."""
+    name: str                  # "node0", "leaf1"
+    tier: str                  # the topology tier's name whose traffic it carries
+    ns: str
+    dev: str
+    switch_ns: str
+    switch_dev: str
+    rate_bps: float            # bits/s each way
+    delay_s: float             # one-way latency of the tier (half at each egress)
+
+
+@dataclass
+class Fabric:
+    topology: Topology
+    nodes: int
+    ranks_per_node: int
+    tag: str
+    node_ns: list[str] = field(default_factory=list)
+    switch_ns: list[str] = field(default_factory=list)
+    links: list[Link] = field(default_factory=list)
+    holders: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    # -- shape of the cluster ---------------------------------------------------------------------------
+    @staticmethod
+    def layout(topology: Topology, nodes: int) -> tuple[int, int, bool]:
+        """(ranks per node, nodes per leaf, spine?) of `nodes` nodes on `topology`, or a ConfigError naming
+        the rule."""
+        tiers = topology.tiers
+        if not 2 <= len(tiers) <= 3:
+            raise ConfigError(f"an emulated cluster needs 2 or 3 tiers (node, leaf[, spine]); topology "
+                              f"{topology.name} has {len(tiers)}")
+        k = tiers[0].size
+        if not k or k < 1:
+            raise ConfigError(f"the first tier of {topology.name} must give the ranks per node (size >= 1)")
+        if not 2 <= nodes <= MAX_NODES:
+            raise ConfigError(f"--nodes must be 2..{MAX_NODES}, got {nodes}")
+        leaf = tiers[1].size
+        per_leaf = nodes if leaf is None or len(tiers) == 2 else leaf // k
+        if len(tiers) == 3 and (per_leaf < 1 or nodes % per_leaf):
+            raise ConfigError(f"tier {tiers[1].name} holds {leaf} ranks = {per_leaf} nodes of {k}; --nodes must "
+                              f"be a multiple of {per_leaf}, got {nodes}")
+        for t in tiers[1:]:
+            if t.bandwidth * 8 / t.oversubscription > 10e9 * 8:
+                raise ConfigError(f"tier {t.name}: {t.bandwidth / 1e9:g} GB/s per rank cannot be shaped here "
+                                  f"(an emulated link runs at most a few GB/s); give bandwidth_gbps <= 10")
+        spine = len(tiers) == 3 and nodes > per_leaf
+        return k, per_leaf, spine
+
+    @classmethod
+    def build(cls, topology: Topology, nodes: int, tag: str | None = None) -> "Fabric":
+        """Make every namespace, link and qdisc; on any failure remove what was made and raise."""
+        k, per_leaf, spine = cls.layout(topology, nodes)
+        fab = cls(topology, nodes, k, tag or f"{MARK}{os.getpid()}")
+        try:
+            fab._make(per_leaf, spine)
+        except BaseException:
+            fab.remove()
+            raise
+        return fab
+
+    def _make(self, per_leaf: int, spine: bool) -> None:
+        tiers, k = self.topology.tiers, self.ranks_per_node
+        leaves = -(-self.nodes // per_leaf)
+        self.node_ns = [f"{self.tag}-n{i}" for i in range(self.nodes)]
+        leaf_ns = [f"{self.tag}-l{j}" for j in range(leaves)]
+        spine_ns = [f"{self.tag}-s"] if spine else []
+        self.switch_ns = leaf_ns + spine_ns
+        for ns in self.node_ns + self.switch_ns:
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            self.holders[ns] = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "infinity"],
+                                                stdin=subprocess.DEVNULL, start_new_session=True)
+        for ns in self.switch_ns:
+            _ip("-n", ns, "link", "add", "br0", "type", "bridge")
+            _ip("-n", ns, "link", "set", "br0", "up")
+        leaf_t = tiers[1]
+        for i, ns in enumerate(self.node_ns):
+            sw = leaf_ns[i // per_leaf]
+            self._link(Link(f"node{i}", leaf_t.name, ns, UPLINK, sw, f"n{i}",
+                            k * leaf_t.bandwidth * 8 / leaf_t.oversubscription, leaf_t.latency))
+            _ip("-n", ns, "addr", "add", f"{self.address(i)}/{PREFIX}", "dev", UPLINK)
+        if spine:
+            spine_t = tiers[2]
+            for j, ns in enumerate(leaf_ns):
+                ranks = min(per_leaf, self.nodes - j * per_leaf) * k
+                self._link(Link(f"leaf{j}", spine_t.name, ns, UPLINK, spine_ns[0], f"l{j}",
+                                ranks * spine_t.bandwidth * 8 / spine_t.oversubscription, spine_t.latency))
+                _ip("-n", ns, "link", "set", UPLINK, "master", "br0")     # the leaf's bridge forwards up
+        for ns in self.node_ns + self.switch_ns:
+            self.wait_holder(ns)
+
+    def _link(self, link: Link) -> None:
+        _ip("link", "add", link.dev, "netns", link.ns, "type", "veth", "peer", "name", link.switch_dev,
+            "netns", link.switch_ns)
+        _ip("-n", link.switch_ns, "link", "set", link.switch_dev, "master", "br0")
+        for ns, dev in ((link.ns, link.dev), (link.switch_ns, link.switch_dev)):
+            _ip("-n", ns, "link", "set", dev, "up")
+        self.links.append(link)
+        self.shape(link)
+
+    def wait_holder(self, ns: str, timeout_s: float = 10.0) -> None:
+        """Wait until the namespace's holder process has entered it (its net/dev lists the namespace's links)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            try:
+                with open(f"/proc/{self.holders[ns].pid}/net/dev") as f:
+                    text = f.read()
+            except OSError:
+                text = ""
+            if ("br0" in text or UPLINK in text) and self.holders[ns].poll() is None:
+                return
+            time.sleep(0.01)
+        raise FabricError(f"the holder process of namespace {ns} did not start")
+
+    # -- addresses and commands ---------------------------------------------------------------------------
+    @staticmethod
+    def address(node: int) -> str:
+        addr = NET.network_address + node + 1
+        assert addr in NET
+        return str(addr)
+
+    def exec_argv(self, node: int, argv: list[str]) -> list[str]:
+        """`argv` run inside node `node`'s namespace."""
+        return ["ip", "netns", "exec", self.node_ns[node], *argv]
+
+    def link(self, name: str) -> Link:
+        return next(lk for lk in self.links if lk.name == name)
+
+    # -- shaping and faults ---------------------------------------------------------------------------------
+    def shape(self, link: Link, rate_scale: float = 1.0, extra_delay_s: float = 0.0, loss: float = 0.0) -> None:
+        """(Re)shape both ends of `link`: tbf at its rate · rate_scale; latency (half at each end, plus
+        `extra_delay_s`) and `loss` (a fraction) through netem, where the kernel has it (`netem()`): without it
+        the tier's latency is left to the link as it is, and asking for extra delay or loss is an error."""
+        rate = max(8e3, link.rate_bps * rate_scale)
+        burst = max(32 * 1024, int(rate / 8 / 250))          # at least 4 ms of traffic (HZ = 250)
+        delay_ms = (link.delay_s + extra_delay_s) / 2 * 1e3
+        with_netem = netem()
+        if (extra_delay_s > 0 or loss > 0) and not with_netem:
+            raise FabricError("this kernel has no netem qdisc (sch_netem): extra latency and packet loss cannot be "
+                              "emulated here; rate and cuts can")
+        for ns, dev in ((link.ns, link.dev), (link.switch_ns, link.switch_dev)):
+            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            tbf = ["tbf", "rate", f"{int(rate)}bit", "burst", str(burst), "latency", "400ms"]
+            if not with_netem:
+                _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf)
+                continue
+            extra = ["loss", f"{loss * 100:g}%"] if loss > 0 else []
+            _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{delay_ms:.3f}ms", *extra,
+                "limit", "100000")
+            _tc(ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf)
+
+    def set_up(self, link: Link, up: bool) -> None:
+        """Cut (`up=False`) or restore a link: its switch end goes down, so nothing crosses either way."""
+        _ip("-n", link.switch_ns, "link", "set", link.switch_dev, "up" if up else "down")
+
+    # -- counters -----------------------------------------------------------------------------------------
+    def counters(self) -> dict[str, dict[str, int]]:
+        """link name -> {"rx": bytes, "tx": bytes, "rx_packets", "tx_packets"} at its lower end (tx: up)."""
+        out = {}
+        for lk in self.links:
+            stats = read_net_dev(self.holders[lk.ns].pid)
+            out[lk.name] = stats.get(lk.dev, {"rx": 0, "tx": 0, "rx_packets": 0, "tx_packets": 0})
+        return out
+
+    # -- removal --------------------------------------------------------------------------------------------
+    def remove(self) -> None:
+        """Delete every namespace this fabric made (with their links and qdiscs) and stop its holders."""
+        for proc in self.holders.values():
+            _kill(proc)
+        for ns in self.node_ns + self.switch_ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.holders.clear()
+
+    def __enter__(self) -> "Fabric":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def read_net_dev(pid: int) -> dict[str, dict[str, int]]:
+    """A process's network namespace's interfaces -> byte and packet counters (/proc/PID/net/dev)."""
+    out = {}
+    with open(f"/proc/{pid}/net/dev") as f:
+        for line in f.readlines()[2:]:
+            name, _, rest = line.partition(":")
+            v = rest.split()
+            out[name.strip()] = {"rx": int(v[0]), "rx_packets": int(v[1]), "tx": int(v[8]), "tx_packets": int(v[9])}
+    return out
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _run(argv: list[str]) -> None:
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if r.returncode:
+        raise FabricError(f"{' '.join(argv)}: {r.stderr.strip() or r.stdout.strip()}")
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _tc(ns: str, *args: str) -> None:
+    _run(["tc", "-n", ns, *args])
+
+
+_NETEM: list[bool] = []
+
+
+def netem() -> bool:
+    """Whether this kernel has the netem qdisc (probed once, on a veth pair in two throwaway namespaces)."""
+    if not _NETEM:
+        a, b = f"{MARK}{os.getpid()}-qa", f"{MARK}{os.getpid()}-qb"
+        try:
+            _ip("netns", "add", a)
+            _ip("netns", "add", b)
+            _ip("link", "add", "p0", "netns", a, "type", "veth", "peer", "name", "p1", "netns", b)
+            r = subprocess.run(["tc", "-n", a, "qdisc", "add", "dev", "p0", "root", "netem", "delay", "1ms"],
+                               capture_output=True)
+            _NETEM.append(r.returncode == 0)
+        finally:
+            for ns in (a, b):
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    return _NETEM[0]
+
+
+def marked_namespaces() -> list[str]:
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in r.stdout.splitlines() if line.strip() and MARKED.match(line.split()[0])]
+
+
+def remove_leftovers() -> list[str]:
+    """Delete namespaces carrying the tool's marker whose maker (the pid in the name) is gone: what a killed
+    run left. Returns their names. Nothing without the marker is touched."""
+    gone = []
+    for ns in marked_namespaces():
+        pid = int(MARKED.match(ns).group(1))
+        if pid != os.getpid() and _alive(pid):
+            continue
+        for holder in _pids_in(ns):
+            try:
+                os.kill(holder, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        gone.append(ns)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _pids_in(ns: str) -> list[int]:
+    r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    return [int(p) for p in r.stdout.split() if p.isdigit()]
+
+
+def check() -> str | None:
+    """None when fabrics can be built here; else one line saying what is missing."""
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the emulated cluster needs `{tool}` (iproute2): apt-get install iproute2"
+    if os.geteuid() != 0:
+        return ("the emulated cluster needs root (network namespaces, veth pairs, tc): run it as root, or "
+                "under `unshare --user --net --mount --map-root-user` where the kernel allows user namespaces")
+    probe = f"{MARK}{os.getpid()}-probe"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode:
+        return f"cannot make a network namespace here (ip netns add: {r.stderr.strip()})"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None

@@ -1,0 +1,42 @@
+"""The emulated cluster's link counters, read at each step's end (tools/cluster.py sets them up).
+
+`fivefold cluster` runs every node's ranks inside a network namespace and keeps a holder process in each
+namespace; it names each link's holder pid and device in `FIVEFOLD_LINKS` (JSON: {"node0": [pid, "up0"],
+...}). The ranks share the machine's process table, so global rank 0 reads every link's kernel counters
+from `/proc/<pid>/net/dev` (that namespace's own view) right after each step's last collective, and the
+trainer writes them into the step's metrics line ("links": {name: {"tx": bytes, "rx": bytes}}, cumulative):
+the bytes of one step are the difference of two lines, taken at the step boundary rather than between two
+samples of a poller. Without the variable (any other run) it reads nothing and costs nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+ENV = "FIVEFOLD_LINKS"
+
+
+class LinkCounters:
+    def __init__(self, rank: int, spec: str | None = None):
+        spec = os.environ.get(ENV) if spec is None else spec
+        self.links: dict[str, tuple[int, str]] = {}
+        if rank == 0 and spec:
+            self.links = {name: (int(pid), str(dev)) for name, (pid, dev) in json.loads(spec).items()}
+
+    def read(self) -> dict:
+        """{"links": {name: {"tx", "rx"}}} now, or {} when there is nothing to read (or a holder is gone)."""
+        if not self.links:
+            return {}
+        out = {}
+        for name, (pid, dev) in self.links.items():
+            try:
+                with open(f"/proc/{pid}/net/dev") as f:
+                    lines = f.readlines()[2:]
+            except OSError:
+                return {}
+            for line in lines:
+                iface, _, rest = line.partition(":")
+                if iface.strip() == dev:
+                    v = rest.split()
+                    out[name] = {"rx": int(v[0]), "tx": int(v[8])}
+        return {"links": out}

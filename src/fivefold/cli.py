@@ -130,7 +130,8 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
                          "README 'Config keys', or the dataclasses ModelConfig / ParallelConfig / TrainConfig in "
                          "src/fivefold/config.py (default: none)")
     ap.add_argument("--timeout", type=float, default=600, help="hang watchdog: local ranks that make no "
-                    "progress (no finished step) for this many seconds are killed (default: 600)")
+                    "progress (no finished step) for this many seconds are killed; a torchrun rank ends itself with one "
+                    "line naming the nodes it cannot reach (default: 600)")
     ap.add_argument("--dry-run", action="store_true", help="run the real code for the selected ranks under fake "
                     "tensors and a fake process group (any size, no memory): memory by kind and the ledger beside "
                     "the planner's (OUT/dryrun.json); --steps defaults to 2 (default: off)")
@@ -418,7 +419,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .comm import CommLedger
     from .train import rundir
     from .train.data import check_data, check_eval_data
-    from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, last_stop_signal,
+    from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, last_stop_signal, start_watchdog,
                                leave_torchrun, resolve_device, run_ranks)
     from .train.scalars import require_tensorboard
     from .train.wandb_log import require_wandb
@@ -460,6 +461,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         die_with_parent()          # a killed torchrun agent leaves no rank training headless
         install_stop_handlers()
         rank, world = init_torchrun(device=cfg.train.device)
+        start_watchdog(args.timeout)   # no step for --timeout s: one line naming the nodes it cannot reach, exit
         import torch.distributed as dist
 
         device = resolve_device(cfg.train.device, dist.get_backend())

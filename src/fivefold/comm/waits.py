@@ -32,3 +32,8 @@ def waiting():
         _depth -= 1
         if _slots is not None and _depth == 0:
             _slots[0][_slots[1]] = 0
+
+
+def blocked() -> bool:
+    """Whether this process is inside a blocking wait now (read by a torchrun rank's watchdog thread)."""
+    return _depth > 0

@@ -373,8 +373,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_plot(args.plot)
     topo = _topology(args)
     model, layout, work, fixed = _base(args)
-    # the collectives' algorithms: gloo's on a calibrated CPU (its own host), NCCL's on GPUs (comm/volume.py)
-    work = replace(work, backend="gloo" if topo.accelerator.host_is_device else "nccl")
+    # the collectives' algorithms: the topology's (NCCL's on GPUs, gloo's on a CPU calibration; comm/volume.py)
+    work = replace(work, backend=topo.backend)
     check_seq(work, model, "--seq" if args.seq else f"train.seq_len of --config {args.config}" if args.config
               else "the sequence length")
     if model.moe:   # beyond experts/top_k every expert already takes every token of a sequence

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from ..comm.volume import BACKENDS
 from ..config import ConfigError
 
 GB = 1e9
@@ -122,6 +123,9 @@ class Topology:
     name: str
     accelerator: Accelerator
     tiers: tuple[Tier, ...]
+    backend: str = "nccl"    # whose collective algorithms the ranks run (comm/volume.py ALGORITHMS): "nccl" on
+                             # GPUs; "gloo" for CPU ranks (`fivefold calibrate` writes it; its reduce-scatter
+                             # sends an all-reduce's bytes, and the calibration's fits count them so)
 
     @property
     def max_gpus(self) -> int | None:
@@ -228,6 +232,7 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
     """Build a topology from a TOML/dict form::
 
         name = "my-cluster"
+        backend = "nccl"         # or "gloo": whose collective algorithms count the bytes (comm/volume.py)
         [accelerator]            # or: accelerator = "h100"
         name = "H100"
         memory_gib = 80          # or memory_gb (10^9 bytes)
@@ -294,7 +299,10 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
         if inner is None or (outer is not None and (outer < inner or outer % inner)):
             raise ConfigError(f"tier sizes must grow innermost first and nest (each a multiple of the one "
                               f"inside it); got {sizes}")
-    return Topology(d.get("name", name), accel, tuple(tiers))
+    backend = d.get("backend", "nccl")
+    if backend not in BACKENDS:
+        raise ConfigError(f"topology backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    return Topology(d.get("name", name), accel, tuple(tiers), backend)
 
 
 def _times(value, unit: float):

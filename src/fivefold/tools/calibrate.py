@@ -40,7 +40,7 @@ figures are then the median over repetitions and over ranks; collectives as in 2
    A call's time is the mean over a block of calls (a step pays the mean; single calls are bimodal), per
    repetition the slowest rank's, then the median over repetitions. The times are fitted by the
    planner's own model, t = hops · alpha + bytes_sent / bandwidth, with
-   hops = `topology.collective_latency(op, N, 1)` and bytes_sent = `comm.volume.bytes_sent(op, S, N)`
+   hops = `topology.collective_latency(op, N, 1)` and bytes_sent = `comm.volume.bytes_sent(op, S, N, "gloo")`
    (so bandwidth is per-rank bytes/s in the units the planner divides by), by least squares on the
    relative error (the sizes span four decades): jointly over every op for the tier's `latency_us` and
    `bandwidth_gbps`, and per op for the tier's `ops` table (the planner's fit for that op). Every raw
@@ -658,7 +658,8 @@ def _comm_summary(per_rank: list[dict], world: int, regime: int) -> dict:
             message = row[0]
             reps = zip(*(r["comm"][op][i][regime] for r in per_rank))
             seconds = max(statistics.median(max(rep) for rep in reps), 1e-5)   # noise floor
-            table.append((message, collective_latency(op, world, 1.0), volume.bytes_sent(op, message, world), seconds))
+            table.append((message, collective_latency(op, world, 1.0), volume.bytes_sent(op, message, world, "gloo"),
+                          seconds))
         out[op] = table
     return out
 
@@ -909,13 +910,15 @@ def to_toml(cal: dict) -> str:
         "# and a fixed cost per layer per micro-batch (plan/time.py elementwise_seconds).",
         "# hbm_gbps: in-place add bandwidth per rank (planner's optimizer term); latency_us, bandwidth_gbps:",
         "# joint least-squares fit (relative error) of t = hops * latency + bytes_sent / bandwidth over every",
-        "# collective below, hops as topology.collective_latency, bytes_sent as comm/volume.py; the tier's",
+        "# collective below, hops as topology.collective_latency, bytes_sent as comm/volume.py counts gloo's",
+        "# (backend = \"gloo\": its reduce-scatter is an all-reduce of the whole input); the tier's",
         "# ops table holds each op's own fit, which the planner uses for that op: a layer's collectives",
         "# (all_reduce, all_gather, reduce_scatter) fitted from real tensor-parallel steps, the others from the",
         "# burst probe.",
     ]
     body = [
         f'name = "{name}"',
+        'backend = "gloo"',
         "",
         "[accelerator]",
         f'name = "{name}"',

@@ -78,6 +78,8 @@ from .torchrun_env import torchrun_env, torchrun_ranks_per_node  # noqa: F401 - 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STARTUP_S = 60.0     # a rank may take max(timeout_s, this) to start and join the group
+_store = None        # a torchrun rank's job store (init_torchrun)
+_watchdog = None     # a torchrun rank's hang watchdog (start_watchdog)
 GRACE_S = 1.0        # on a failure, how long to wait for the other ranks' exit codes and errors
 POLL_S = 0.2         # the launcher's longest wait for a message before it checks exits and clocks
 JOIN_S = 30.0        # how long finished ranks get to exit before they are killed
@@ -126,7 +128,10 @@ _progress = None    # (rank, results queue) while a run_ranks rank runs fn; None
 
 
 def heartbeat(step: int | None = None) -> None:
-    """Tell the launcher this rank is making progress (at `step`); a no-op outside `run_ranks`."""
+    """Tell the launcher this rank is making progress (at `step`), or a torchrun rank's watchdog
+    (`start_watchdog`); a no-op otherwise."""
+    if _watchdog is not None:
+        _watchdog.beat(step)
     if _progress is not None:
         rank, results = _progress
         results.put((rank, "progress", step))
@@ -525,9 +530,24 @@ def init_torchrun(timeout_s: float = 1800, device: str = "auto") -> tuple[int, i
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, store=torchrun_store(rank, world, timeout), rank=rank, world_size=world,
-                            timeout=timeout)
+    global _store
+    _store = torchrun_store(rank, world, timeout)
+    dist.init_process_group(backend, store=_store, rank=rank, world_size=world, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def start_watchdog(timeout_s: float) -> None:
+    """A torchrun rank's hang watchdog (train/watchdog.py): every node's address from the job's store, then a
+    thread that ends this rank with one line after `timeout_s` without a heartbeat."""
+    from ..comm.waits import blocked
+    from .watchdog import Watchdog, publish_nodes
+
+    global _watchdog
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    node, nodes = rank // local, max(1, world // local)
+    addresses = publish_nodes(_store, node, nodes, int(os.environ.get("LOCAL_RANK", "0")), os.environ["MASTER_ADDR"])
+    _watchdog = Watchdog(timeout_s, rank, node, addresses, blocked).start()
 
 
 def torchrun_store(rank: int, world: int, timeout: timedelta):

@@ -10,6 +10,7 @@ counters per step equal the planner's bytes (after the TCP/IP overhead measured 
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -243,3 +244,56 @@ def test_two_nodes_link_bytes_per_step_equal_the_plan(tmp_path):
     comm = json.loads((out / "comm.json").read_text())
     assert comm["by_tier"]["inter"] == pytest.approx(3 * planned["leaf"], rel=1e-9)
     assert comm["by_tier"]["intra"] == pytest.approx(3 * planned["node"], rel=1e-9)
+
+
+def _wait_for_step(metrics: Path, step: int, timeout_s: float = 180) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if metrics.is_file() and any(json.loads(line).get("step") == step
+                                     for line in metrics.read_text().splitlines() if line.strip()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} never reached {metrics}")
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+@needs_netns
+@pytest.mark.ranks
+def test_a_cut_link_stops_every_rank_and_resume_continues_bit_for_bit(tmp_path):
+    """dp = 4 on two nodes, a checkpoint every 2 steps; node 1's link is cut after step 3. Every rank's
+    watchdog (--timeout 10) ends it with one line naming the node it cannot reach, well before gloo's own
+    timeout; the job fails. With the link back (a new fabric), `--resume auto` trains on from the step-2
+    checkpoint, and every loss equals an uninterrupted run's (the same layout on local ranks) bit for bit."""
+    from fivefold.tools.cluster import run_on_fabric
+
+    out = tmp_path / "run"
+    train = ["train", *SHAPE, "--set", "train.checkpoint=true", "--set", "train.checkpoint_every=2", "--dp", "4",
+             "--steps", "5", "--timeout", "10", "--out", str(out)]
+    cut_at = []
+
+    def cut(fab, agents):
+        _wait_for_step(out / "metrics.jsonl", 3)
+        fab.set_up(fab.link("node1"), False)
+        cut_at.append(time.monotonic())
+
+    before = _listed()
+    result = run_on_fabric(str(TWO_NODES), 2, train, during=cut, overhead_bytes=0, timeout_s=240, grace_s=5)
+    stopped = time.monotonic() - cut_at[0]
+    assert _listed() == before
+    text = "".join(result["outputs"])
+    lines = [line for line in text.splitlines() if "made no progress" in line]
+    assert result["returncode"] != 0 and stopped < 10 + 2 * 5 + 15, (stopped, text[-3000:])   # watchdog, grace
+    assert len(lines) == 4 and all("after step 3, blocked in a collective; cannot reach node" in x for x in lines), lines
+    assert sum("(node 0) made no progress" in x and x.endswith("cannot reach node 1 (198.18.0.2)") for x in lines) == 2
+    assert sum("(node 1) made no progress" in x and x.endswith("cannot reach node 0 (198.18.0.1)") for x in lines) == 2
+    assert max(_losses(out)) == 3
+    resumed = run_on_fabric(str(TWO_NODES), 2, train + ["--resume", "auto"], overhead_bytes=0, timeout_s=240)
+    assert resumed["returncode"] == 0, "".join(resumed["outputs"])[-3000:]
+    ref = tmp_path / "ref"
+    r = _cli("train", *SHAPE, "--dp", "4", "--nproc", "4", "--steps", "5", "--set", "parallel.ranks_per_node=2",
+             "--out", str(ref))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _losses(out) == _losses(ref)

@@ -47,7 +47,7 @@ from ..plan.topology import Topology, load_topology
 from .fabric import Fabric, FabricError, check, remove_leftovers
 
 RDZV_PORT = 29400
-GRACE_S = 10.0
+GRACE_S = 20.0      # after one agent failed, the others' time to end before SIGTERM
 
 
 def add_cluster_args(ap: argparse.ArgumentParser) -> None:
@@ -158,7 +158,7 @@ class Sampler:
 
 def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: bool = True, sample_s: float = 0.05,
                   overhead_bytes: int = 8 << 20, max_restarts: int = 0, timeout_s: float = 1800.0,
-                  during=None) -> dict:
+                  during=None, grace_s: float = GRACE_S) -> dict:
     """Build the fabric, measure header overhead, run one agent per node, sample the links, remove the fabric.
     `during(fab, agents)`: called once the agents started (a fault to inject); its return value is kept as
     "during". Returns {"returncode", "fabric", "overhead", "samples", "outputs", "during"}."""
@@ -191,16 +191,7 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
             for r in readers:
                 r.start()
             during_result = during(fab, agents) if during else None
-            end = time.monotonic() + timeout_s
-            for a in agents:
-                try:
-                    a.wait(timeout=max(1.0, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    stop(signal.SIGTERM, None)
-                    try:
-                        a.wait(timeout=GRACE_S)
-                    except subprocess.TimeoutExpired:
-                        pass
+            wait_agents(agents, timeout_s, stop, grace_s)
             for a in agents:
                 _signal(a, signal.SIGKILL)
                 a.wait()
@@ -217,6 +208,24 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
             for s, h in previous.items():
                 signal.signal(s, h)
         fab.remove()
+
+
+def wait_agents(agents: list[subprocess.Popen], timeout_s: float, stop, grace_s: float = GRACE_S) -> None:
+    """Wait for every agent, as a scheduler runs a job step: once one fails, the others get `grace_s` to end
+    (their ranks' watchdogs stop them; an agent whose rendezvous store is out of reach would wait minutes
+    for it), then SIGTERM, and SIGKILL `grace_s` later; the same after `timeout_s` in all."""
+    end = time.monotonic() + timeout_s
+    while any(a.poll() is None for a in agents):
+        failed = any(a.returncode not in (None, 0) for a in agents)
+        if failed:
+            end = min(end, time.monotonic() + grace_s)
+        if time.monotonic() >= end:
+            stop(signal.SIGTERM, None)
+            deadline = time.monotonic() + grace_s
+            while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return
+        time.sleep(0.1)
 
 
 def _drain(proc: subprocess.Popen, outputs: list[str], i: int) -> None:

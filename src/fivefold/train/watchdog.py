@@ -75,6 +75,7 @@ class Watchdog:
         return self
 
     def beat(self, step: int | None = None) -> None:
+        """Progress: `step` (0-based, as the trainer's heartbeat gives it) has finished."""
         self.step, self.last = step, time.monotonic()
 
     def stop(self) -> None:
@@ -101,7 +102,7 @@ class Watchdog:
         for t in threads:
             t.join(PROBE_S + 1)
         lost = [f"node {i} ({others[i]})" for i in sorted(others) if not answers.get(i, False)]
-        after = f"after step {self.step}" if self.step is not None else "before its first step"
+        after = f"after step {self.step + 1}" if self.step is not None else "before its first step"   # 1-based
         where = "blocked in a collective" if self.blocked() else "not in a collective"
         why = (f"cannot reach {', '.join(lost)}" if lost else
                "every node answers: a rank stalled (a frozen or busy process), not the network")

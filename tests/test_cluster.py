@@ -262,8 +262,10 @@ def _losses(run: Path) -> dict[int, float]:
 
 @needs_netns
 @pytest.mark.ranks
-def test_a_cut_link_stops_every_rank_and_resume_continues_bit_for_bit(tmp_path):
-    """dp = 4 on two nodes, a checkpoint every 2 steps; node 1's link is cut after step 3. Every rank's
+def test_a_slow_node_is_named_then_a_cut_link_stops_every_rank_and_resume_continues_bit_for_bit(tmp_path):
+    """dp = 4 on two nodes, a checkpoint every 2 steps. Node 1's processes run on a tenth of a core (cgroup
+    cpu quota): metrics.jsonl names a rank of node 1 the slowest in each step. Then node 1's link is
+    cut after step 3. Every rank's
     watchdog (--timeout 10) ends it with one line naming the node it cannot reach, well before gloo's own
     timeout; the job fails. With the link back (a new fabric), `--resume auto` trains on from the step-2
     checkpoint, and every loss equals an uninterrupted run's (the same layout on local ranks) bit for bit."""
@@ -275,6 +277,8 @@ def test_a_cut_link_stops_every_rank_and_resume_continues_bit_for_bit(tmp_path):
     cut_at = []
 
     def cut(fab, agents):
+        _wait_for_step(out / "metrics.jsonl", 1)
+        fab.throttle(1, 0.1)
         _wait_for_step(out / "metrics.jsonl", 3)
         fab.set_up(fab.link("node1"), False)
         cut_at.append(time.monotonic())
@@ -290,6 +294,8 @@ def test_a_cut_link_stops_every_rank_and_resume_continues_bit_for_bit(tmp_path):
     assert sum("(node 0) made no progress" in x and x.endswith("cannot reach node 1 (198.18.0.2)") for x in lines) == 2
     assert sum("(node 1) made no progress" in x and x.endswith("cannot reach node 0 (198.18.0.1)") for x in lines) == 2
     assert max(_losses(out)) == 3
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["slowest_node"], m["slowest_rank"] in (2, 3)) for m in steps[1:]] == [(1, True)] * 2, steps
     resumed = run_on_fabric(str(TWO_NODES), 2, train + ["--resume", "auto"], overhead_bytes=0, timeout_s=240)
     assert resumed["returncode"] == 0, "".join(resumed["outputs"])[-3000:]
     ref = tmp_path / "ref"
@@ -297,3 +303,27 @@ def test_a_cut_link_stops_every_rank_and_resume_continues_bit_for_bit(tmp_path):
              "--out", str(ref))
     assert r.returncode == 0, r.stderr[-2000:]
     assert _losses(out) == _losses(ref)
+
+
+@needs_netns
+@pytest.mark.ranks
+def test_a_frozen_node_stops_the_others_as_a_stall_not_a_cut(tmp_path):
+    """Node 1's processes frozen (cgroup freezer) after step 2: node 0's ranks stop at their watchdog and say
+    every node answers (the network is up; a process stalled); the frozen ones are thawed and killed, and
+    nothing is left behind."""
+    from fivefold.tools.cluster import run_on_fabric
+
+    out = tmp_path / "run"
+    train = ["train", *SHAPE, "--dp", "4", "--steps", "6", "--timeout", "8", "--out", str(out)]
+
+    def freeze(fab, agents):
+        _wait_for_step(out / "metrics.jsonl", 2)
+        fab.freeze(1)
+
+    before = _listed()
+    result = run_on_fabric(str(TWO_NODES), 2, train, during=freeze, overhead_bytes=0, timeout_s=240, grace_s=5)
+    assert _listed() == before and not list(Path("/sys/fs/cgroup/freezer").glob(f"ffc{os.getpid()}-*"))
+    lines = [line for line in "".join(result["outputs"]).splitlines() if "(node 0) made no progress" in line]
+    assert result["returncode"] != 0 and len(lines) == 2, lines    # (a thawed node-1 rank may say the same)
+    assert all("made no progress for 8 s after step 2, blocked in a collective; every node answers" in x
+               for x in lines), lines

@@ -484,7 +484,7 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
     f.add("grad_norm", "all_reduce", norm_group, group_size(L, norm_group), 8, 1)
     # whether a stop signal arrived and the ranks' largest peak memory: two int64, max over the world
     # (train/trainer.py agree_stop)
-    f.add("control", "all_reduce", "world", group_size(L, "world"), 16, 1)
+    f.add("control", "all_reduce", "world", group_size(L, "world"), 24, 1)   # stop, peak memory, straggler
     _offload_flows(f, model, L, work, stage, m, root)
     return f.list()
 

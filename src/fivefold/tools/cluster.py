@@ -192,6 +192,7 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
                 r.start()
             during_result = during(fab, agents) if during else None
             wait_agents(agents, timeout_s, stop, grace_s)
+            fab.thaw_all()              # a frozen node's processes die only once thawed
             for a in agents:
                 _signal(a, signal.SIGKILL)
                 a.wait()
@@ -202,6 +203,7 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
         return {"returncode": code if code >= 0 else 128 - code, "returncodes": codes, "fabric": describe(fab),
                 "overhead": overhead, "samples": sampler.samples, "outputs": outputs, "during": during_result}
     finally:
+        fab.thaw_all()
         for a in agents:
             _signal(a, signal.SIGKILL)
         if threading.current_thread() is threading.main_thread():

@@ -27,6 +27,10 @@ byte counters from `/proc/<holder>/net/dev` (the namespace's own view) without s
 node end of a node link gives the node's tx (bytes leaving the node) and rx, the leaf end of a spine link
 the leaf's.
 
+Faults: `set_up(link, False)` cuts a link, `shape(link, rate_scale=0.5)` slows it, `throttle(node, cores)`
+limits a node's processes to a CPU share (cgroup v1 `cpu`), `freeze(node)` stops them (cgroup v1
+`freezer`); the cgroups are named as the namespaces and removed with them.
+
 Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and `ip` / `tc` from iproute2; `check()` says in one line
 what is missing.
 """
@@ -40,6 +44,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..config import ConfigError
 from ..plan.topology import Topology
@@ -50,6 +55,7 @@ MARK = "ffc"                                    # the tool's marker: ffc<pid>-..
 MARKED = re.compile(rf"^{MARK}(\d+)-")
 UPLINK = "up0"                                  # a node's (or leaf's) link to the switch above it
 MAX_NODES = 250
+CGROUP = Path("/sys/fs/cgroup")                 # cgroup v1 controllers: cpu (a slow node), freezer (a frozen one)
 
 
 class FabricError(RuntimeError):
@@ -80,6 +86,7 @@ class Fabric:
     switch_ns: list[str] = field(default_factory=list)
     links: list[Link] = field(default_factory=list)
     holders: dict[str, subprocess.Popen] = field(default_factory=dict)
+    cgroups: list[Path] = field(default_factory=list)
 
     # -- shape of the cluster ---------------------------------------------------------------------------
     @staticmethod
@@ -214,6 +221,45 @@ class Fabric:
         """Cut (`up=False`) or restore a link: its switch end goes down, so nothing crosses either way."""
         _ip("-n", link.switch_ns, "link", "set", link.switch_dev, "up" if up else "down")
 
+    # -- a node's processes: throttled or frozen (cgroup v1) ------------------------------------------------------
+    def node_cgroup(self, node: int, controller: str) -> Path:
+        """This fabric's cgroup for node `node` under `controller` ("cpu" or "freezer"), made on first use, with
+        every process now in the node's namespace moved into it (the agent, its ranks, the holder); the
+        children they start later inherit it."""
+        root = CGROUP / controller
+        if not root.is_dir():
+            raise FabricError(f"cgroup v1 controller {controller!r} is not mounted at {root}")
+        path = root / self.node_ns[node]
+        path.mkdir(exist_ok=True)
+        self.cgroups.append(path)
+        for pid in _pids_in(self.node_ns[node]):
+            try:
+                (path / "cgroup.procs").write_text(str(pid))
+            except OSError:        # gone meanwhile
+                pass
+        return path
+
+    def throttle(self, node: int, cores: float | None) -> None:
+        """Limit node `node`'s processes to `cores` CPUs (CFS quota; None: no limit): a slow node."""
+        path = self.node_cgroup(node, "cpu")
+        period = 100_000
+        (path / "cpu.cfs_period_us").write_text(str(period))
+        (path / "cpu.cfs_quota_us").write_text("-1" if cores is None else str(max(1000, int(cores * period))))
+
+    def freeze(self, node: int, frozen: bool = True) -> None:
+        """Stop (or resume) every process of node `node` at once (the freezer): a hung node whose network lives."""
+        path = self.node_cgroup(node, "freezer")
+        (path / "freezer.state").write_text("FROZEN" if frozen else "THAWED")
+
+    def thaw_all(self) -> None:
+        """Resume every frozen node (a frozen process cannot die of SIGKILL until it is thawed)."""
+        for path in self.cgroups:
+            if (path / "freezer.state").exists():
+                try:
+                    (path / "freezer.state").write_text("THAWED")
+                except OSError:
+                    pass
+
     # -- counters -----------------------------------------------------------------------------------------
     def counters(self) -> dict[str, dict[str, int]]:
         """link name -> {"rx": bytes, "tx": bytes, "rx_packets", "tx_packets"} at its lower end (tx: up)."""
@@ -225,12 +271,22 @@ class Fabric:
 
     # -- removal --------------------------------------------------------------------------------------------
     def remove(self) -> None:
-        """Delete every namespace this fabric made (with their links and qdiscs) and stop its holders."""
+        """Delete every namespace this fabric made (with their links and qdiscs), stop its holders and any
+        process still in a node, and remove its cgroups."""
+        self.thaw_all()
         for proc in self.holders.values():
             _kill(proc)
         for ns in self.node_ns + self.switch_ns:
+            for pid in _pids_in(ns):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.holders.clear()
+        for path in self.cgroups:
+            _rmdir_cgroup(path)
+        self.cgroups.clear()
 
     def __enter__(self) -> "Fabric":
         return self
@@ -305,6 +361,19 @@ def remove_leftovers() -> list[str]:
     """Delete namespaces carrying the tool's marker whose maker (the pid in the name) is gone: what a killed
     run left. Returns their names. Nothing without the marker is touched."""
     gone = []
+    for controller in ("cpu", "freezer"):
+        root = CGROUP / controller
+        for path in (root.iterdir() if root.is_dir() else ()):
+            m = MARKED.match(path.name)
+            if path.is_dir() and m and not (_alive(int(m.group(1))) and int(m.group(1)) != os.getpid()):
+                if (path / "freezer.state").exists():
+                    (path / "freezer.state").write_text("THAWED")
+                for pid in (path / "cgroup.procs").read_text().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                _rmdir_cgroup(path)
     for ns in marked_namespaces():
         pid = int(MARKED.match(ns).group(1))
         if pid != os.getpid() and _alive(pid):
@@ -317,6 +386,18 @@ def remove_leftovers() -> list[str]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         gone.append(ns)
     return gone
+
+
+def _rmdir_cgroup(path: Path, timeout_s: float = 10.0) -> None:
+    """Remove a cgroup once its processes are gone (they may take a moment to exit after SIGKILL)."""
+    end = time.monotonic() + timeout_s
+    while path.exists():
+        try:
+            path.rmdir()
+        except OSError:
+            if time.monotonic() > end:
+                return
+            time.sleep(0.05)
 
 
 def _alive(pid: int) -> bool:

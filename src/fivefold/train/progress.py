@@ -11,7 +11,9 @@ known); `mem` is the largest peak
 memory so far of any rank (the device's on CUDA, the process's resident set on the CPU: `peak_memory_bytes`); ETA
 is the wall time left at this run's pace so far (evaluations and checkpoints included); `moe` the
 routing imbalance (max / mean tokens per expert over every MoE layer) and `drop` the share of
-assignments capacity dropped, when the model has experts; `eval` after an evaluation.
+assignments capacity dropped, when the model has experts; `slowest` the step's slowest rank and its
+node (busy seconds outside collectives: train/trainer.py "Stragglers") when the ranks span nodes; `eval`
+after an evaluation.
 
 On a terminal the line is rewritten in place every step. Elsewhere (a log file, a pipe): whole lines,
 one at the run's first step, one every `log_every` steps, one after each evaluation and one at the last
@@ -64,7 +66,7 @@ class Progress:
         return (f"step {done:>5}/{self.total} [{'#' * fill}{'.' * (self.width - fill)}] "
                 f"loss {m['loss']:.4f}  grad {m['grad_norm']:.3f}  lr {m['lr']:.2e}"
                 + rates_text(self.speed.scalars(*self.window)) + memory_text(m) + self.eta_text(done)
-                + moe_text(m)
+                + moe_text(m) + straggler_text(m)
                 + (f"  eval {m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})" if "eval_loss" in m else ""))
 
     def eta_seconds(self, done: int) -> float | None:
@@ -95,6 +97,13 @@ def rates_text(s: dict) -> str:
 def flops_text(tflops: float) -> str:
     """Achieved FLOP/s: TFLOP/s from 0.1 up, GFLOP/s below (a CPU run)."""
     return f"{tflops:.3g} TFLOP/s" if tflops >= 0.1 else f"{tflops * 1e3:.3g} GFLOP/s"
+
+
+def straggler_text(m: dict) -> str:
+    """The step's slowest rank and its node by busy seconds (outside collectives), when the ranks span nodes."""
+    if "slowest_node" not in m:
+        return ""
+    return f"  slowest r{m['slowest_rank']}@n{m['slowest_node']} {m['slowest_busy_s']:.2f} s"
 
 
 def memory_text(m: dict) -> str:

@@ -28,8 +28,14 @@ data. `step(k)` runs one optimizer step over the global batch of step k and retu
 Failures: a step whose loss or gradient norm is NaN/inf is skipped (no optimizer update;
 train.skip_nonfinite) and the run stops after train.max_skips such steps in a row, naming the step; a
 non-finite state is never saved. Once per step the ranks agree whether a stop signal arrived (one
-16-byte all-reduce over the world, ledger dim "control", which also carries the largest peak memory
-of any rank for the metrics): then they save and return.
+24-byte all-reduce over the world, ledger dim "control", which also carries the largest peak memory
+of any rank and the straggler for the metrics): then they save and return.
+
+Stragglers: each rank's busy seconds in a step are its step time less the seconds it spent in
+collectives (the ledger's); the control all-reduce's max of busy · 2^20 + rank names the slowest rank
+and, from parallel.ranks_per_node, its node: metrics.jsonl's `slowest_rank`, `slowest_busy_s` and,
+when the ranks span nodes, `slowest_node` and the console line's "slowest r3@n1 0.41 s". A CPU-throttled
+or busy node shows there; a slow link shows as every rank's waiting instead.
 
 Devices: the full model is built and parallelized on the host, then moved to the rank's device
 (train.device, `launch.resolve_device`: CUDA under torchrun/NCCL or a single process, else the CPU);
@@ -106,6 +112,23 @@ class NonFiniteError(RuntimeError):
 def supported(cfg: Config) -> None:
     """Layouts the runtime does not run yet fail at start, naming what is missing (rules.py)."""
     rules.check_runtime_support(cfg.parallel, cfg.train, cfg.model)
+
+
+STRAGGLER_RANK_BITS = 20      # ranks below 2^20 in the low bits; microseconds of busy time above them
+
+
+def straggler_key(busy_s: float, rank: int) -> int:
+    """One int64 whose max over ranks is the slowest rank: busy microseconds, then the rank."""
+    return (max(0, int(busy_s * 1e6)) << STRAGGLER_RANK_BITS) | rank
+
+
+def straggler(key: int, ranks_per_node: int, world: int) -> dict:
+    """The metrics of the slowest rank from the agreed key ({} with one rank: no one to compare)."""
+    if world <= 1:
+        return {}
+    rank = key & ((1 << STRAGGLER_RANK_BITS) - 1)
+    node = {"slowest_node": rank // ranks_per_node} if 0 < ranks_per_node < world else {}
+    return {"slowest_rank": rank, **node, "slowest_busy_s": (key >> STRAGGLER_RANK_BITS) / 1e6}
 
 
 class Trainer:
@@ -210,6 +233,7 @@ class Trainer:
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
+        comm_s0 = self.ledger.total(field="seconds")
         cfg = self.cfg.train
         n_tokens = self.batches.tokens_per_step()
         with self.activations:   # counts what autograd saves for backward (peak over the run)
@@ -234,13 +258,14 @@ class Trainer:
         self.engine.zero_grad()
         routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers, not self.dry,
                                  self.cfg.model.experts) if self.cfg.model.experts else {}
-        self.stop, peak = self.agree_stop(self.peak_memory())
+        busy = time.perf_counter() - t0 - (self.ledger.total(field="seconds") - comm_s0)
+        self.stop, peak, slowest = self.agree_stop(self.peak_memory(), busy)
         self.step_count = step + 1
         seconds = time.perf_counter() - t0
         return {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,   # step: 1-based
                 "seconds": seconds, "time": time.time(), **self.link_counters.read(),
                 **self.speed.scalars(n_tokens, seconds),
-                "peak_memory_bytes": peak, **({} if finite else {"skipped": True}), **routing}
+                "peak_memory_bytes": peak, **slowest, **({} if finite else {"skipped": True}), **routing}
 
     def peak_memory(self) -> int | None:
         """This rank's peak memory so far: the device's (max_memory_allocated) on CUDA, the process's
@@ -298,15 +323,18 @@ class Trainer:
         if not self.quiet:
             print(f"\nwarning: {what}: step skipped ({self.skips} in a row, stop at {cfg.max_skips})", file=sys.stderr)
 
-    def agree_stop(self, peak_bytes: int | None) -> tuple[str | None, int | None]:
-        """The stop signal any rank received (SIGINT / SIGTERM) and the largest of the ranks' peak memory
-        (`peak_bytes`: this rank's), agreed by all: one all-reduce (max) of two int64."""
+    def agree_stop(self, peak_bytes: int | None, busy_s: float = 0.0) -> tuple[str | None, int | None, dict]:
+        """The stop signal any rank received (SIGINT / SIGTERM), the largest of the ranks' peak memory
+        (`peak_bytes`: this rank's) and the slowest rank by busy seconds (`busy_s`: this rank's step time
+        outside collectives), agreed by all: one all-reduce (max) of three int64 (see "Stragglers")."""
         name = stop_requested()
-        flags = torch.tensor([STOP_SIGNALS.index(name) + 1 if name in STOP_SIGNALS else 0, peak_bytes or 0],
+        busy = straggler_key(busy_s, self.rank)
+        flags = torch.tensor([STOP_SIGNALS.index(name) + 1 if name in STOP_SIGNALS else 0, peak_bytes or 0, busy],
                              dtype=torch.int64, device=self.device)
         comm.all_reduce(flags, self.mesh["world"], op="max", dim="control")
         agreed, peak = int(self.value(flags[0])), int(self.value(flags[1]))
-        return (STOP_SIGNALS[agreed - 1] if agreed else None), (peak or None)
+        return (STOP_SIGNALS[agreed - 1] if agreed else None), (peak or None), \
+            straggler(int(self.value(flags[2])), self.cfg.parallel.ranks_per_node, self.world_size)
 
     # -- state -------------------------------------------------------------------------------
     def model_state_bytes(self) -> dict:

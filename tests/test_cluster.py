@@ -7,6 +7,7 @@ built and removed with nothing left behind, a killed run's leftovers recognised 
 else touched), and `fivefold cluster` training on two nodes joined by a 200 Mbit/s link, whose kernel
 counters per step equal the planner's bytes (after the TCP/IP overhead measured on a known transfer).
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -244,6 +245,10 @@ def test_two_nodes_link_bytes_per_step_equal_the_plan(tmp_path):
     comm = json.loads((out / "comm.json").read_text())
     assert comm["by_tier"]["inter"] == pytest.approx(3 * planned["leaf"], rel=1e-9)
     assert comm["by_tier"]["intra"] == pytest.approx(3 * planned["node"], rel=1e-9)
+    if importlib.util.find_spec("matplotlib"):     # `fivefold report` draws the links per step
+        from fivefold.tools.report import read_run, write_report
+        names = {p.name for p in write_report([read_run(out)], tmp_path / "report", "svg")}
+        assert names == {"metrics.svg", "comm.svg", "links.svg"}
 
 
 def _wait_for_step(metrics: Path, step: int, timeout_s: float = 180) -> None:
@@ -264,8 +269,8 @@ def _losses(run: Path) -> dict[int, float]:
 @pytest.mark.ranks
 def test_a_slow_node_is_named_then_a_cut_link_stops_every_rank_and_resume_continues_bit_for_bit(tmp_path):
     """dp = 4 on two nodes, a checkpoint every 2 steps. Node 1's processes run on a tenth of a core (cgroup
-    cpu quota): metrics.jsonl names a rank of node 1 the slowest in each step. Then node 1's link is
-    cut after step 3. Every rank's
+    cpu quota) from step 2 on: metrics.jsonl names a rank of node 1 the slowest in steps 3 and 4. Then node
+    1's link is cut after step 4. Every rank's
     watchdog (--timeout 10) ends it with one line naming the node it cannot reach, well before gloo's own
     timeout; the job fails. With the link back (a new fabric), `--resume auto` trains on from the step-2
     checkpoint, and every loss equals an uninterrupted run's (the same layout on local ranks) bit for bit."""
@@ -273,13 +278,13 @@ def test_a_slow_node_is_named_then_a_cut_link_stops_every_rank_and_resume_contin
 
     out = tmp_path / "run"
     train = ["train", *SHAPE, "--set", "train.checkpoint=true", "--set", "train.checkpoint_every=2", "--dp", "4",
-             "--steps", "5", "--timeout", "10", "--out", str(out)]
+             "--steps", "6", "--timeout", "10", "--out", str(out)]
     cut_at = []
 
     def cut(fab, agents):
         _wait_for_step(out / "metrics.jsonl", 1)
         fab.throttle(1, 0.1)
-        _wait_for_step(out / "metrics.jsonl", 3)
+        _wait_for_step(out / "metrics.jsonl", 4)
         fab.set_up(fab.link("node1"), False)
         cut_at.append(time.monotonic())
 
@@ -290,16 +295,17 @@ def test_a_slow_node_is_named_then_a_cut_link_stops_every_rank_and_resume_contin
     text = "".join(result["outputs"])
     lines = [line for line in text.splitlines() if "made no progress" in line]
     assert result["returncode"] != 0 and stopped < 10 + 2 * 5 + 15, (stopped, text[-3000:])   # watchdog, grace
-    assert len(lines) == 4 and all("after step 3, blocked in a collective; cannot reach node" in x for x in lines), lines
+    assert len(lines) == 4 and all("after step 4, blocked in a collective; cannot reach node" in x for x in lines), lines
     assert sum("(node 0) made no progress" in x and x.endswith("cannot reach node 1 (198.18.0.2)") for x in lines) == 2
     assert sum("(node 1) made no progress" in x and x.endswith("cannot reach node 0 (198.18.0.1)") for x in lines) == 2
-    assert max(_losses(out)) == 3
+    assert max(_losses(out)) == 4
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(m["slowest_node"], m["slowest_rank"] in (2, 3)) for m in steps[1:]] == [(1, True)] * 2, steps
+    # the throttle began during step 2: steps 3 and 4 ran all on a tenth of a core
+    assert [(m["slowest_node"], m["slowest_rank"] in (2, 3)) for m in steps[2:]] == [(1, True)] * 2, steps
     resumed = run_on_fabric(str(TWO_NODES), 2, train + ["--resume", "auto"], overhead_bytes=0, timeout_s=240)
     assert resumed["returncode"] == 0, "".join(resumed["outputs"])[-3000:]
     ref = tmp_path / "ref"
-    r = _cli("train", *SHAPE, "--dp", "4", "--nproc", "4", "--steps", "5", "--set", "parallel.ranks_per_node=2",
+    r = _cli("train", *SHAPE, "--dp", "4", "--nproc", "4", "--steps", "6", "--set", "parallel.ranks_per_node=2",
              "--out", str(ref))
     assert r.returncode == 0, r.stderr[-2000:]
     assert _losses(out) == _losses(ref)
@@ -327,3 +333,27 @@ def test_a_frozen_node_stops_the_others_as_a_stall_not_a_cut(tmp_path):
     assert result["returncode"] != 0 and len(lines) == 2, lines    # (a thawed node-1 rank may say the same)
     assert all("made no progress for 8 s after step 2, blocked in a collective; every node answers" in x
                for x in lines), lines
+
+
+@needs_netns
+@pytest.mark.ranks
+def test_ctrl_c_stops_the_job_and_removes_the_fabric(tmp_path):
+    """Ctrl-C of `fivefold cluster`: the agents (and so the ranks) are asked to stop, the ranks save and
+    leave, and every namespace the command made is gone when it exits."""
+    import signal
+
+    before = _listed()
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fivefold.cli", "cluster", "--topology", str(TWO_NODES), "--nodes",
+                             "2", "--overhead-mb", "0", "--", "train", *SHAPE, "--dp", "4", "--steps", "500",
+                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        _wait_for_step(out / "metrics.jsonl", 1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and max(_losses(out)) < 500, err[-2000:]
+    assert json.loads((out / "links.json").read_text())["returncode"] == proc.returncode
+    assert _listed() == before

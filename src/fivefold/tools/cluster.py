@@ -161,7 +161,8 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
                   during=None, grace_s: float = GRACE_S) -> dict:
     """Build the fabric, measure header overhead, run one agent per node, sample the links, remove the fabric.
     `during(fab, agents)`: called once the agents started (a fault to inject); its return value is kept as
-    "during". Returns {"returncode", "fabric", "overhead", "samples", "outputs", "during"}."""
+    "during". Returns {"returncode", "fabric", "overhead", "samples", "outputs", "lines" ((monotonic time,
+    node, line) of every output line), "during"}."""
     topo = load_topology(topo)
     fab = Fabric.build(topo, nodes)
     agents: list[subprocess.Popen] = []
@@ -186,8 +187,9 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
                 agents.append(subprocess.Popen(agent_argv(fab, node, argv, fivefold, max_restarts), env=agent_env(fab),
                                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                text=True, start_new_session=True))
-            outputs = [""] * nodes
-            readers = [threading.Thread(target=_drain, args=(a, outputs, i), daemon=True) for i, a in enumerate(agents)]
+            outputs, lines = [""] * nodes, []
+            readers = [threading.Thread(target=_drain, args=(a, outputs, i, lines), daemon=True)
+                       for i, a in enumerate(agents)]
             for r in readers:
                 r.start()
             during_result = during(fab, agents) if during else None
@@ -201,7 +203,8 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
         codes = [a.returncode for a in agents]
         code = next((c for c in codes if c), 0)
         return {"returncode": code if code >= 0 else 128 - code, "returncodes": codes, "fabric": describe(fab),
-                "overhead": overhead, "samples": sampler.samples, "outputs": outputs, "during": during_result}
+                "overhead": overhead, "samples": sampler.samples, "outputs": outputs, "lines": lines,
+                "during": during_result}
     finally:
         fab.thaw_all()
         for a in agents:
@@ -230,10 +233,11 @@ def wait_agents(agents: list[subprocess.Popen], timeout_s: float, stop, grace_s:
         time.sleep(0.1)
 
 
-def _drain(proc: subprocess.Popen, outputs: list[str], i: int) -> None:
-    """Echo an agent's output with its node's name, and keep it."""
+def _drain(proc: subprocess.Popen, outputs: list[str], i: int, lines: list) -> None:
+    """Echo an agent's output with its node's name, and keep it (and each line's monotonic time)."""
     for line in proc.stdout:
         outputs[i] += line
+        lines.append((time.monotonic(), i, line.rstrip("\n")))
         sys.stdout.write(f"[node{i}] {line}")
     sys.stdout.flush()
 

@@ -13,6 +13,8 @@ same name there are replaced, nothing else is touched), as PNG or SVG:
                          in a multi-node run each bar is split by the tier its groups cross (hatched:
                          between nodes; comm/ledger.py)
     pipeline-RUN.png     pipeline runs: the measured timeline above the simulated one (pipeline/timeline.py)
+    links.png            runs on an emulated cluster (`fivefold cluster`, links.json): the bytes each tier's
+                         links carried per step, sent and received, a line per run and tier
 
 and prints a summary table: per run its steps, final loss, the last eval loss and perplexity (when the
 run evaluated), tokens/s (all tokens over all step seconds), where recorded TFLOP/s and MFU (the same
@@ -58,6 +60,7 @@ class Run:
     pipeline: dict | None     # pipeline.json; None when the run had no pipeline
     tiers: list[dict] = field(default_factory=list)   # the ledger's rows per (dim, op, tier); [] before tiers
     device: str = ""          # run.json's device ("cpu", "cuda:0"); "" when unknown
+    links: dict | None = None  # links.json of a run on an emulated cluster (tools/cluster.py); None elsewhere
 
     @property
     def label(self) -> str:
@@ -112,8 +115,11 @@ def read_run(folder: str | Path, name: str | None = None) -> Run:
         tiers = CommLedger.from_rows(comm["tiers"]).tier_rows() if comm and "tiers" in comm else []
     except (KeyError, TypeError, AttributeError) as e:
         raise ReportError(f"{folder}: run.json or comm.json is not fivefold's (missing {e})") from None
+    links = read_json(path / "links.json")
+    if links is not None and not (isinstance(links.get("steps"), list) and isinstance(links.get("fabric"), dict)):
+        raise ReportError(f"{path / 'links.json'}: not fivefold cluster's (no steps or fabric)")
     return Run(path, name or path.resolve().name, layout, metrics, rows, read_json(path / "pipeline.json"), tiers,
-               str((run_info or {}).get("device", "")))
+               str((run_info or {}).get("device", "")), links)
 
 
 def run_names(folders: list[str]) -> list[str]:
@@ -330,6 +336,31 @@ def plot_comm(runs: list[Run], path: Path) -> Path:
     return path
 
 
+def plot_links(runs: list[Run], path: Path) -> Path:
+    """Bytes each tier's links carried per step (links.json "steps": rank 0's reads at step ends), sent
+    (solid) and received (dashed), a line per run and tier."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig = figure_class()(figsize=(9, 4.5))
+    ax = fig.subplots()
+    for i, run in enumerate(r for r in runs if r.links and r.links["steps"]):
+        steps = run.links["steps"]
+        for j, tier in enumerate(sorted({t for s in steps for t in s["by_tier"]})):
+            for way, style in (("tx", "-"), ("rx", "--")):
+                ax.plot([s["step"] for s in steps], [s["by_tier"].get(tier, {}).get(way, 0.0) / 1e6 for s in steps],
+                        linestyle=style, marker=".", color=f"C{(i + j) % 10}",
+                        label=f"{run.label}: {tier} links, {'sent' if way == 'tx' else 'received'}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("MB per step (kernel counters)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title("bytes on the emulated cluster's links per step", loc="left", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
 def plot_pipeline(run: Run, path: Path) -> Path:
     """The run's measured pipeline timeline above the simulated one (the drawing the run wrote itself)."""
     from ..train.timeline import write_comparison
@@ -351,6 +382,8 @@ def write_report(runs: list[Run], out: str | Path, fmt: str = "png") -> list[Pat
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = [plot_metrics(runs, out / f"metrics.{fmt}"), plot_comm(runs, out / f"comm.{fmt}")]
+    if any(run.links and run.links["steps"] for run in runs):
+        written.append(plot_links(runs, out / f"links.{fmt}"))
     for run in runs:
         if run.pipeline:
             written.append(plot_pipeline(run, out / f"pipeline-{run.name.replace('/', '-')}.{fmt}"))

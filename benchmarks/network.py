@@ -1,0 +1,300 @@
+"""Benchmark: traffic orchestration on an emulated cluster, in seconds and bytes, and the network's faults.
+
+Needs root (network namespaces: `fivefold cluster`, tools/fabric.py). Each case trains plan_vs_run.py's
+model (hidden 256, 4 layers, seq 128, global batch 16, fp32) on a fabric from examples/fabrics/ for
+`--steps` steps, one torchrun agent per node, and reads:
+- measured: the median step seconds of the steps after the first (metrics.jsonl), the bytes each tier's
+  links carried per step (links.json, rank 0's reads at step ends) and the ledger's bytes per dimension
+  and tier (comm.json);
+- planned: `plan.estimate` at efficiency 1.0 on the fabric's topology whose accelerator and node tier are
+  `fivefold calibrate`'s for as many ranks as the fabric has (they share this machine's cores as the
+  fabric's ranks do), and `plan.traffic.link_bytes`.
+Printed: the time table (predicted / measured, goal 0.8-1.25), each layout's orders ranked by measured
+and by planned step time and the planner's recommended order, and a traffic table in the manner of
+UB-Mesh's: bytes per dimension per tier from the ledger, beside what the links counted.
+
+Faults, on two nodes, dp = 4: a cut link (seconds from the cut until every rank has stopped with its
+line), node 1's link at half rate (the slowdown measured against the planner's with that tier at half
+bandwidth), node 1's CPU throttled (the share of steps whose straggler is on node 1), node 1 frozen
+(seconds until node 0's ranks stop), node 1's ranks killed under `--max-restarts 1 --resume auto`
+(torchrun restarts every worker, the job resumes from its checkpoint and ends with the uninterrupted
+run's losses).
+
+    sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/network.py [--steps 6] [--quick-calibration]
+        [--only tp2-dp2] [--no-faults] [--out runs/network]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import common  # puts src/ on the path
+
+from plan_vs_run import GLOBAL_BATCH, MODEL, SEQ, calibrated, predict
+
+ROOT = Path(__file__).resolve().parents[1]
+FABRICS = ROOT / "examples" / "fabrics"
+FLAGS = ["--set", f"model.vocab={MODEL['vocab']}", "--set", f"model.hidden={MODEL['hidden']}",
+         "--set", f"model.layers={MODEL['layers']}", "--set", f"model.heads={MODEL['heads']}",
+         "--set", f"model.kv_heads={MODEL['kv_heads']}", "--set", f"model.ffn={MODEL['ffn']}",
+         "--set", f"model.max_seq={MODEL['max_seq']}", "--seq-len", str(SEQ), "--global-batch", str(GLOBAL_BATCH),
+         "--set", "train.checkpoint=false", "--set", "train.warmup=1"]
+MOE = ["--set", "model.experts=4", "--set", "model.top_k=2", "--set", "model.capacity_factor=1.5"]
+
+# name -> (fabric, nodes, layout flags, orders to compare)
+CASES = {
+    "tp2-dp2": ("two-nodes", 2, ["--tp", "2", "--dp", "2"], ["tp-cp-ep-dp-pp", "dp-tp-cp-ep-pp"]),
+    "pp2-dp2": ("two-nodes", 2, ["--pp", "2", "--dp", "2", "--microbatches", "4"], ["tp-cp-ep-pp-dp", "tp-cp-ep-dp-pp"]),
+    "moe-tp2-pp2-dp2-ep2": ("two-leaves", 4, ["--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--microbatches", "2",
+                                              *MOE], ["tp-cp-ep-pp-dp", "tp-cp-ep-dp-pp"]),
+}
+
+
+def fabric(name: str):
+    from fivefold.plan.topology import load_topology
+    return load_topology(str(FABRICS / f"{name}.toml"))
+
+
+def planned_topology(fab, cal):
+    """The fabric's tiers with the calibration's accelerator, and its loopback tier as the node tier."""
+    from fivefold.plan.topology import Topology
+
+    node = dataclasses.replace(cal.tiers[0], name=fab.tiers[0].name, size=fab.tiers[0].size)
+    return Topology(f"{fab.name}+{cal.name}", cal.accelerator, (node, *fab.tiers[1:]), backend="gloo")
+
+
+def run_case(fab_name: str, nodes: int, argv: list[str], out: Path, steps: int, during=None, extra=(),
+             max_restarts: int = 0, timeout_s: float = 900) -> dict:
+    from fivefold.tools.cluster import run_on_fabric
+
+    train = ["train", *FLAGS, *argv, "--steps", str(steps), "--out", str(out), "--overwrite", *extra]
+    t0 = time.monotonic()
+    res = run_on_fabric(str(FABRICS / f"{fab_name}.toml"), nodes, train, overhead_bytes=4 << 20, during=during,
+                        max_restarts=max_restarts, timeout_s=timeout_s, grace_s=10)
+    res["wall_s"] = time.monotonic() - t0
+    from fivefold.tools.cluster import write_links
+    if (out / "metrics.jsonl").is_file():
+        res["links"] = write_links(out / "links.json", res, out / "metrics.jsonl")
+    return res
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def measured(out: Path, res: dict) -> dict:
+    m = metrics(out)
+    comm = json.loads((out / "comm.json").read_text())
+    steps = len(m)
+    per_tier_dim: dict[tuple[str, str], float] = {}
+    for r in comm["tiers"]:
+        per_tier_dim[(r["dim"], r["tier"])] = per_tier_dim.get((r["dim"], r["tier"]), 0.0) + r["bytes_sent"] / steps
+    ov = res["links"]["overhead"]["ratio"] if res["links"]["overhead"] else 1.0
+    links = {}
+    for s in res["links"]["steps"]:
+        for tier, d in s["by_tier"].items():
+            links.setdefault(tier, []).append(d["tx"] / ov)
+    return {"step_s": statistics.median(x["seconds"] for x in m[1:]), "steps": steps, "dim_tier": per_tier_dim,
+            "links": {t: statistics.median(v) for t, v in links.items()},
+            "config": json.loads((out / "run.json").read_text())["config"]}
+
+
+def plan(cfg_dict: dict, topo) -> dict:
+    from fivefold.config import Config
+    from fivefold.plan.layout import from_config
+    from fivefold.plan.models import from_model_config
+    from fivefold.plan.traffic import link_bytes, recommend_order, stage_flows
+
+    cfg = Config.from_dict(cfg_dict)
+    p = predict(cfg, topo)
+    layout, work = from_config(cfg)
+    model = from_model_config(cfg.model)
+    p["links"] = link_bytes(model, layout, work, topo, cfg.parallel.order)
+    p["recommended"] = recommend_order(stage_flows(model, layout, work, 0))
+    return p
+
+
+def time_table(rows: list[dict]) -> str:
+    lines = ["| case | order | fabric | planned step | measured step | planned / measured | link bytes / step, measured / planned |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        links = ", ".join(f"{t} {r['measured']['links'][t] / 1e6:.2f} MB ({r['measured']['links'][t] / r['plan']['links'][t]:.3f})"
+                          for t in r["measured"]["links"] if r["plan"]["links"].get(t))
+        lines.append(f"| {r['case']} | {r['order']} | {r['fabric']} | {r['plan']['step_s']:.3f} s | "
+                     f"{r['measured']['step_s']:.3f} s | {r['plan']['step_s'] / r['measured']['step_s']:.2f} | {links} |")
+    return "\n".join(lines)
+
+
+def orders_table(rows: list[dict]) -> str:
+    lines = ["| case | measured fastest first | planned fastest first | planner recommends |", "|---|---|---|---|"]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        mine = [r for r in rows if r["case"] == case]
+        by_m = " < ".join(r["order"] for r in sorted(mine, key=lambda r: r["measured"]["step_s"]))
+        by_p = " < ".join(r["order"] for r in sorted(mine, key=lambda r: r["plan"]["step_s"]))
+        lines.append(f"| {case} | {by_m} | {by_p} | {mine[0]['plan']['recommended']} |")
+    return "\n".join(lines)
+
+
+def traffic_table(rows: list[dict]) -> str:
+    """Bytes per step per dimension and tier (the ledger's, every rank), as UB-Mesh tabulates traffic."""
+    lines = ["| case | order | dim | intra-node MB | inter-node MB |", "|---|---|---|---|---|"]
+    for r in rows:
+        dims = sorted({d for d, _ in r["measured"]["dim_tier"]})
+        for d in dims:
+            intra = r["measured"]["dim_tier"].get((d, "intra"), 0.0) / 1e6
+            inter = r["measured"]["dim_tier"].get((d, "inter"), 0.0) / 1e6
+            if intra + inter >= 0.01:
+                lines.append(f"| {r['case']} | {r['order']} | {d} | {intra:.2f} | {inter:.2f} |")
+    return "\n".join(lines)
+
+
+# -- faults --------------------------------------------------------------------------------------------------
+def wait_step(out: Path, step: int, timeout_s: float = 300) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if (out / "metrics.jsonl").is_file() and any(m.get("step") == step for m in metrics(out)):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"step {step} not reached in {out}")
+
+
+def faults(out: Path, steps: int, cal4) -> dict:
+    from fivefold.plan.topology import Topology
+
+    dp4 = ["--dp", "4"]
+    res: dict = {}
+    # a cut link
+    cut_at = []
+
+    def cut(fab, agents):
+        wait_step(out / "cut", 2)
+        fab.set_up(fab.link("node1"), False)
+        cut_at.append(time.monotonic())
+
+    r = run_case("two-nodes", 2, dp4, out / "cut", steps + 20, during=cut,
+                 extra=["--timeout", "15", "--set", "train.checkpoint=true", "--set", "train.checkpoint_every=2"])
+    stops = [t for t, _, line in r["lines"] if "made no progress" in line]
+    res["cut"] = {"watchdog_s": 15, "ranks_stopped": len(stops), "last_stop_after_cut_s": max(stops) - cut_at[0],
+                  "job_ended_after_cut_s": r["wall_s"] - (cut_at[0] - (time.monotonic() - r["wall_s"])),
+                  "line": next((line for _, _, line in r["lines"] if "made no progress" in line), "")}
+    # node 1's link at half rate: the measured slowdown against the planner's with that tier at half bandwidth
+    clean = run_case("two-nodes", 2, ["--tp", "2", "--dp", "2", "--order", "dp-tp-cp-ep-pp"], out / "clean", steps)
+
+    def slow(fab, agents):
+        fab.shape(fab.link("node1"), rate_scale=0.5)
+
+    half = run_case("two-nodes", 2, ["--tp", "2", "--dp", "2", "--order", "dp-tp-cp-ep-pp"], out / "half", steps,
+                    during=slow)
+    fab = fabric("two-nodes")
+    topo = planned_topology(fab, cal4)
+    slow_topo = Topology(topo.name, topo.accelerator, (topo.tiers[0], dataclasses.replace(
+        topo.tiers[1], bandwidth=topo.tiers[1].bandwidth / 2)), backend="gloo")
+    m_clean, m_half = measured(out / "clean", clean), measured(out / "half", half)
+    p_clean, p_half = plan(m_clean["config"], topo), plan(m_half["config"], slow_topo)
+    res["half_rate"] = {"measured_slowdown": m_half["step_s"] / m_clean["step_s"],
+                        "planned_slowdown": p_half["step_s"] / p_clean["step_s"],
+                        "measured_s": [m_clean["step_s"], m_half["step_s"]], "planned_s": [p_clean["step_s"], p_half["step_s"]]}
+    # node 1's CPU throttled to a fifth of a core: the straggler named
+    throttled = run_case("two-nodes", 2, dp4, out / "throttled", steps, during=lambda fab, agents: fab.throttle(1, 0.2))
+    named = [m.get("slowest_node") for m in metrics(out / "throttled")[1:]]
+    res["throttled"] = {"steps": len(named), "named_node_1": sum(n == 1 for n in named),
+                        "wall_s": throttled["wall_s"]}
+
+    # node 1 frozen
+    frozen_at = []
+
+    def freeze(fab, agents):
+        wait_step(out / "frozen", 2)
+        fab.freeze(1)
+        frozen_at.append(time.monotonic())
+
+    fr = run_case("two-nodes", 2, dp4, out / "frozen", steps + 20, during=freeze, extra=["--timeout", "15"])
+    stops = [(t, line) for t, node, line in fr["lines"] if "made no progress" in line and node == 0]
+    res["frozen"] = {"node0_ranks_stopped": len(stops), "last_stop_after_freeze_s": max(t for t, _ in stops) - frozen_at[0]
+                     if stops else None, "line": stops[0][1] if stops else ""}
+    # node 1's ranks killed: torchrun restarts every worker and the job resumes from its checkpoint
+    import os
+    import signal
+    import subprocess
+
+    def kill(fab, agents):
+        wait_step(out / "killed", 3)
+        pids = subprocess.run(["ip", "netns", "pids", fab.node_ns[1]], capture_output=True, text=True).stdout.split()
+        agent = agents[1].pid
+        for pid in map(int, pids):
+            if pid != agent and pid != fab.holders[fab.node_ns[1]].pid and _is_rank(pid):
+                os.kill(pid, signal.SIGKILL)
+
+    killed = run_case("two-nodes", 2, dp4, out / "killed", steps, during=kill, max_restarts=1,
+                      extra=["--set", "train.checkpoint=true", "--set", "train.checkpoint_every=2", "--resume", "auto",
+                             "--timeout", "30"])
+    ref = run_case("two-nodes", 2, dp4, out / "uninterrupted", steps)
+    lk = {m["step"]: m["loss"] for m in metrics(out / "killed")}
+    lr = {m["step"]: m["loss"] for m in metrics(out / "uninterrupted")}
+    res["killed"] = {"returncode": killed["returncode"], "steps": max(lk) if lk else 0,
+                     "losses_equal_uninterrupted": lk == lr, "wall_s": killed["wall_s"], "uninterrupted_wall_s": ref["wall_s"]}
+    return res
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"fivefold.cli" in cmd and b"torch.distributed.run" not in cmd
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--only", help="comma-separated case names")
+    ap.add_argument("--no-faults", action="store_true")
+    ap.add_argument("--quick-calibration", action="store_true")
+    ap.add_argument("--out", default="runs/network")
+    a = common.parse_options(ap, steps=3, only="tp2-dp2", no_faults=True, quick_calibration=True)
+    from fivefold.tools.fabric import check
+    missing = check()
+    if missing:
+        print(f"network.py: {missing}", file=sys.stderr)
+        return 0 if a.smoke else 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cases = {k: v for k, v in CASES.items() if not a.only or k in a.only.split(",")}
+    cals = {}
+    rows = []
+    for name, (fab_name, nodes, argv, orders) in cases.items():
+        fab = fabric(fab_name)
+        world = nodes * fab.tiers[0].size
+        if world not in cals:   # --smoke: the fabric file's own accelerator (its figures mean nothing)
+            cals[world] = fab if a.smoke else calibrated(world, a.quick_calibration, out / f"local-cpu-{world}.toml",
+                                                         max_load=1.0)
+        topo = planned_topology(fab, cals[world])
+        for order in (orders[:1] if a.smoke else orders):
+            run_out = out / f"{name}-{order}"
+            res = run_case(fab_name, nodes, [*argv, "--order", order], run_out, a.steps)
+            if res["returncode"]:
+                print("".join(res["outputs"])[-3000:], file=sys.stderr)
+                return 1
+            m = measured(run_out, res)
+            rows.append({"case": name, "order": order, "fabric": fab_name, "measured": m, "plan": plan(m["config"], topo)})
+            r = rows[-1]
+            print(f"{name} {order}: planned {r['plan']['step_s']:.3f} s, measured {m['step_s']:.3f} s", flush=True)
+    print("\n" + time_table(rows) + "\n\n" + orders_table(rows) + "\n\n" + traffic_table(rows))
+    result = {"rows": [{**r, "measured": {**r["measured"], "dim_tier": {f"{d}/{t}": v for (d, t), v in
+                                                                         r["measured"]["dim_tier"].items()}}}
+                       for r in rows]}
+    if not a.no_faults:
+        result["faults"] = faults(out / "faults", a.steps, cals.get(4) or calibrated(4, a.quick_calibration,
+                                                                                      out / "local-cpu-4.toml", 1.0))
+        print(json.dumps(result["faults"], indent=1))
+    (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

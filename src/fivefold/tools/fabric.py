@@ -48,6 +48,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..plan.topology import Topology
+from ..train.signals import alive
 
 NET = ipaddress.ip_network("198.18.0.0/15")     # RFC 2544 benchmarking range: the only addresses used
 PREFIX = 16                                     # nodes share 198.18.0.0/16
@@ -277,12 +278,7 @@ class Fabric:
         for proc in self.holders.values():
             _kill(proc)
         for ns in self.node_ns + self.switch_ns:
-            for pid in _pids_in(ns):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            _delete_namespace(ns)
         self.holders.clear()
         for path in self.cgroups:
             _rmdir_cgroup(path)
@@ -365,27 +361,32 @@ def remove_leftovers() -> list[str]:
         root = CGROUP / controller
         for path in (root.iterdir() if root.is_dir() else ()):
             m = MARKED.match(path.name)
-            if path.is_dir() and m and not (_alive(int(m.group(1))) and int(m.group(1)) != os.getpid()):
+            if path.is_dir() and m and not (alive(int(m.group(1))) and int(m.group(1)) != os.getpid()):
                 if (path / "freezer.state").exists():
                     (path / "freezer.state").write_text("THAWED")
-                for pid in (path / "cgroup.procs").read_text().split():
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                _kill_pids(map(int, (path / "cgroup.procs").read_text().split()))
                 _rmdir_cgroup(path)
     for ns in marked_namespaces():
         pid = int(MARKED.match(ns).group(1))
-        if pid != os.getpid() and _alive(pid):
+        if pid != os.getpid() and alive(pid):
             continue
-        for holder in _pids_in(ns):
-            try:
-                os.kill(holder, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _delete_namespace(ns)
         gone.append(ns)
     return gone
+
+
+def _kill_pids(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _delete_namespace(ns: str) -> None:
+    """SIGKILL every process still in namespace `ns` (one of ours), then delete it with its links and qdiscs."""
+    _kill_pids(_pids_in(ns))
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def _rmdir_cgroup(path: Path, timeout_s: float = 10.0) -> None:
@@ -398,16 +399,6 @@ def _rmdir_cgroup(path: Path, timeout_s: float = 10.0) -> None:
             if time.monotonic() > end:
                 return
             time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _pids_in(ns: str) -> list[int]:

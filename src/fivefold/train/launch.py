@@ -73,7 +73,7 @@ import torch.multiprocessing as mp
 
 from ..config import ConfigError
 from .malloc import return_freed_memory
-from .signals import release_sigint, sigint_held
+from .signals import alive, release_sigint, sigint_held
 from .torchrun_env import torchrun_env, torchrun_ranks_per_node  # noqa: F401 - part of launch's interface
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -219,20 +219,12 @@ def die_with_launcher(launcher_pid: int) -> None:
         if fd is not None:
             select.select([fd], [], [])
         else:
-            while _alive(launcher_pid):
+            while alive(launcher_pid):
                 time.sleep(1.0)
         os._exit(1)
     threading.Thread(target=watch, name="fivefold-launcher-watch", daemon=True).start()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _dumps(obj) -> bytes:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from multiprocessing import resource_tracker
@@ -38,3 +39,14 @@ def release_sigint(ignore: bool = False) -> None:
     if ignore:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGINT)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

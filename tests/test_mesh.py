@@ -1,6 +1,6 @@
 import pytest
 
-from fivefold.config import ParallelConfig
+from fivefold.config import ConfigError, ParallelConfig
 from fivefold.grid import Widths
 from fivefold.mesh import GROUP_SPECS, ParallelMesh, coords, grid_sizes, rank_groups, spec_groups
 
@@ -88,3 +88,31 @@ def test_planner_places_the_groups_the_mesh_makes(layout):
             assert len(g) == group_size(p, name, widths) or (name == "embed" and len(g) == 1), name
             assert len({r // block for r in g}) == 1 and len(g) <= block, (name, g, block)
     assert mesh["world"].ranks == list(range(p.world_size))
+
+
+def test_orders_whose_expert_grid_splits_stages_are_refused():
+    """tp2 x pp2 x dp2 with ep2 in order tp-cp-ep-pp-dp hung: the expert grid put pp 4 ranks apart, the dense
+    grid 2, so an expert all-to-all joined ranks of different stages. Such orders are refused in one line;
+    every order accepted gives each rank the same tp and pp coordinates on both grids."""
+    import itertools
+
+    from fivefold.grid import check_grids_agree, coords, grid_sizes
+
+    p = ParallelConfig(tp=2, pp=2, dp=2, ep=2)
+    with pytest.raises(ConfigError, match=r"parallel.order 'tp-cp-ep-pp-dp' gives pp a stride of 2 ranks on the dense "
+                                          r"grid and 4 on the expert grid"):
+        ParallelConfig(tp=2, pp=2, dp=2, ep=2, order="tp-cp-ep-pp-dp").validate(8)
+    for degrees in (dict(tp=2, pp=2, dp=2, ep=2), dict(tp=2, pp=2, cp=2, dp=2, ep=4), dict(pp=2, dp=4, ep=2)):
+        p = ParallelConfig(**degrees)
+        dense, expert = grid_sizes(p)
+        accepted = 0
+        for dims in itertools.permutations(("tp", "cp", "ep", "dp", "pp")):
+            try:
+                check_grids_agree(p, list(dims))
+            except ConfigError:
+                continue
+            accepted += 1
+            for r in range(p.world_size):
+                a, b = coords(r, dense, list(dims)), coords(r, expert, list(dims))
+                assert (a["tp"], a["pp"]) == (b["tp"], b["pp"]), (dims, r)
+        assert 0 < accepted < 120

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import rules
-from .grid import DEFAULT_ORDER, parse_order
+from .grid import DEFAULT_ORDER, check_grids_agree, parse_order
 from .rules import (ONE_F_ONE_B, ConfigError, CpMode, Device, Dtype, Offload, Recompute, RouterKind, ScheduleKind,
                     SpMode, ZeroStage, check_choice, choices, divisors, nearest)
 
@@ -250,6 +250,7 @@ class ParallelConfig:
         _check_above_zero("parallel.bucket_mb", self.bucket_mb, "25")
         parse_order(self.order)
         rules.check_expert_grid(self.ep, self.dp, self.cp)
+        check_grids_agree(self, self.order)
         rules.check_offload(self.offload, self.zero, self.offload_dir)
         if world_size is not None:
             rules.check_world_size(world_size, self.tp, self.cp, self.dp, self.pp)

@@ -115,6 +115,25 @@ def parse_order(order: str) -> list[str]:
     return dims
 
 
+def check_grids_agree(p: Degrees, order: str | list[str]) -> None:
+    """The expert grid must give every rank the tp and pp coordinates the dense grid gives it (a rank runs
+    one stage and one tensor slice, whichever grid a layer uses): tp's and pp's strides must be equal on
+    both. They differ when ep and dp (or cp) sit on opposite sides of pp or tp in the order with ep != cp,
+    e.g. tp-cp-ep-pp-dp with ep = 2, cp = 1: the expert grid's stages are 4 ranks apart, the dense grid's 2,
+    so an expert all-to-all joined ranks of different stages and the step hung."""
+    if p.ep <= 1:
+        return
+    dims = parse_order(order) if isinstance(order, str) else order
+    dense, expert = grid_sizes(p)
+    sd, se = strides(dense, dims), strides(expert, dims)
+    bad = [d for d in ("tp", "pp") if sd[d] != se[d] and (p.tp if d == "tp" else p.pp) > 1]
+    if bad:
+        raise ConfigError(f"parallel.order {'-'.join(dims)!r} gives {bad[0]} a stride of {sd[bad[0]]} ranks on the "
+                          f"dense grid and {se[bad[0]]} on the expert grid (ep {p.ep} is carved from cp x dp "
+                          f"{p.cp * p.dp}): keep ep on the same side of tp and pp as cp and dp, e.g. "
+                          f"{DEFAULT_ORDER!r}")
+
+
 def grid_sizes(p: Degrees) -> tuple[dict[str, int], dict[str, int]]:
     """Sizes of the dense and the expert grids, keyed by the names in the order string."""
     check_expert_grid(p.ep, p.dp, p.cp)

@@ -23,7 +23,7 @@ from .. import rules
 from ..grid import DEFAULT_ORDER
 from ..rules import (INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute,
                      ScheduleKind, SpMode, check_count, check_real, choices)
-from .estimate import estimate
+from .estimate import estimate, fastest_order
 from .layout import GradDtype, Layout, ReduceDtype, Workload, check_route_nodes, from_config, mlp_widths
 from .models import PRESETS, PlanModel, from_model_config, load_model
 from .report import estimate_text, plot, search_dict, search_text, to_json
@@ -452,14 +452,16 @@ def own_order(est, args: argparse.Namespace) -> None:
 
 
 def faster_order(est, model: PlanModel, work: Workload, topo: Topology, args: argparse.Namespace):
-    """With the planner's default order: the same layout in the recommended order (traffic.recommend_order)
-    where that puts some group on another tier and is faster by more than the search's tie (search.TIE); else
-    None."""
+    """With the planner's default order: the same layout in the fastest order by estimate (`estimate.
+    fastest_order`: every distinct placement of the groups on the tiers, the byte-ranked recommendation
+    first) where that puts some group on another tier and is faster by more than the search's tie
+    (search.TIE); else None."""
     own_order(est, args)
-    rec = est.order
-    if not planners_order(args) or rec == est.layout.order or placement(est.layout, topo, rec) == est.placement:
+    if not planners_order(args):
         return None
-    alt = estimate(model, replace(est.layout, order=rec), work, topo, args.gpus)
+    order, alt = fastest_order(model, est.layout, work, topo, args.gpus, first=est.order)
+    if order == est.layout.order or placement(est.layout, topo, order) == est.placement:
+        return None
     return alt if alt.time.step_time_s * (1 + TIE) < est.time.step_time_s else None
 
 

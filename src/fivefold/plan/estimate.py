@@ -16,8 +16,11 @@ equal to `mfu` when attention is not causal. Compare a plan with a paper's MFU u
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import permutations
 
+from ..config import ConfigError
+from ..grid import check_grids_agree
 from ..parallel.pipeline.spec import Schedule
 from .layout import Layout, Workload, check, microbatches, schedule_of
 from .memory import Memory, memory
@@ -144,7 +147,7 @@ def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, g
     states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
     owned = owned_elements(mem, work)
     st = step_time(model, layout, work, topo, by_stage, states, simulate, owned)
-    order = recommend_order(by_stage[worst])
+    order = runnable_order(layout, recommend_order(by_stage[worst]))
     warnings = placement_warnings(layout, topo, layout.order, order)
     if mem.host > topo.accelerator.host_memory:
         warnings.insert(0, f"does not fit the host: offload needs {mem.host / GiB:.1f} GiB of host memory per GPU, "
@@ -155,3 +158,55 @@ def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, g
                            f"{topo.accelerator.memory / GiB:.0f} GiB")
     return Estimate(model, layout, work, topo, mem, by_stage[worst], by_stage, st, order,
                     placement(layout, topo, layout.order), warnings)
+
+
+def runnable_order(layout: Layout, order: str) -> str:
+    """`order`, or where its expert grid's stages would differ from the dense grid's (`grid.check_grids_agree`)
+    the same order with ep moved beside dp (then beside cp): the byte ranking places ep by its bytes alone."""
+    dims = order.split("-")
+    rest = [d for d in dims if d != "ep"]
+    tries = [dims, *([*rest[:rest.index(d)], "ep", *rest[rest.index(d):]] for d in ("dp", "cp")),
+             *([*rest[:rest.index(d) + 1], "ep", *rest[rest.index(d) + 1:]] for d in ("dp", "cp"))]
+    for t in tries:
+        try:
+            check_grids_agree(layout, t)
+            return "-".join(t)
+        except ConfigError:
+            continue
+    return layout.order
+
+
+def order_candidates(layout: Layout, topo: Topology, first: str) -> list[str]:
+    """Rank orders that place the groups on different tiers: the dimensions of size > 1 in every order
+    (innermost first; those of size 1 after them, where they change nothing), one order per distinct
+    placement (`traffic.placement`: the tier each group lands on), `first` leading."""
+    sizes = {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "pp": layout.pp, "dp": layout.dp}
+    live = [d for d in ("tp", "cp", "ep", "pp", "dp") if sizes[d] > 1]
+    rest = [d for d in ("tp", "cp", "ep", "pp", "dp") if sizes[d] == 1]
+    seen, out = set(), []
+    for order in [first, *("-".join([*p, *rest]) for p in permutations(live))]:
+        try:
+            check_grids_agree(layout, order)    # (an expert grid whose stages differ from the dense grid's)
+        except ConfigError:
+            continue
+        key = tuple(sorted(placement(layout, topo, order).items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(order)
+    return out
+
+
+def fastest_order(model: PlanModel, layout: Layout, work: Workload, topo: Topology, gpus: int | None = None,
+                  first: str | None = None) -> tuple[str, "Estimate"]:
+    """The order whose estimate is fastest among `order_candidates` (ties: the earlier, `first` leading:
+    by default the byte-ranked `recommend_order`), and that estimate. The byte ranking keeps data
+    parallelism outermost because its reduction overlaps the backward; on a network slow enough that the
+    reduction no longer hides, the step times say otherwise (benchmarks/network.py: pp2 x dp2 on two
+    nodes of a 200 Mbit/s link runs 2.4x faster with dp inside the nodes)."""
+    first = first or estimate(model, layout, work, topo, gpus).order
+    best = None
+    for order in order_candidates(layout, topo, first):
+        est = estimate(model, replace(layout, order=order), work, topo, gpus)
+        if best is None or est.time.step_time_s < best[1].time.step_time_s:
+            best = (order, est)
+    return best

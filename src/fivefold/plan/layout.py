@@ -36,7 +36,7 @@ from typing import Any, Callable, Literal
 
 from .. import rules
 from ..config import Config
-from ..grid import DEFAULT_ORDER, parse_order
+from ..grid import DEFAULT_ORDER, check_grids_agree, parse_order
 from ..rules import INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Offload, Recompute, ScheduleKind, SpMode, ZeroStage
 from ..parallel.pipeline.spec import Schedule
 from .models import PlanModel, cached_hash
@@ -321,6 +321,7 @@ def check(model: PlanModel, layout: Layout, work: Workload, gpus: int | None = N
                        ("recompute", Recompute)):
         rules.check_choice(name, getattr(L, name), kind)
     parse_order(L.order)
+    check_grids_agree(L, L.order)
     rules.check_tensor_parallel(L.tp, model.heads, None if model.mla else model.kv_heads, mlp_widths(model))
     rules.check_sequence_parallel(L.sp_mode, L.tp, work.seq)
     rules.check_partition(model.layers, L.pp, L.vpp, L.partition)

@@ -259,8 +259,10 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated case names")
     ap.add_argument("--no-faults", action="store_true")
     ap.add_argument("--quick-calibration", action="store_true")
+    ap.add_argument("--reuse-calibration", action="store_true", help="plan with OUT/local-cpu-N.toml where present")
     ap.add_argument("--out", default="runs/network")
     a = common.parse_options(ap, steps=3, only="tp2-dp2", no_faults=True, quick_calibration=True)
+    from fivefold.plan.topology import load_topology
     from fivefold.tools.fabric import check
     missing = check()
     if missing:
@@ -274,9 +276,10 @@ def main() -> int:
     for name, (fab_name, nodes, argv, orders) in cases.items():
         fab = fabric(fab_name)
         world = nodes * fab.tiers[0].size
+        saved = out / f"local-cpu-{world}.toml"
         if world not in cals:   # --smoke: the fabric file's own accelerator (its figures mean nothing)
-            cals[world] = fab if a.smoke else calibrated(world, a.quick_calibration, out / f"local-cpu-{world}.toml",
-                                                         max_load=1.0)
+            cals[world] = (fab if a.smoke else load_topology(str(saved)) if a.reuse_calibration and saved.is_file()
+                           else calibrated(world, a.quick_calibration, saved, max_load=1.0))
         topo = planned_topology(fab, cals[world])
         for order in (orders[:1] if a.smoke else orders):
             run_out = out / f"{name}-{order}"
@@ -293,8 +296,10 @@ def main() -> int:
                                                                          r["measured"]["dim_tier"].items()}}}
                        for r in rows]}
     if not a.no_faults:
-        result["faults"] = faults(out / "faults", a.steps, cals.get(4) or calibrated(4, a.quick_calibration,
-                                                                                      out / "local-cpu-4.toml", 1.0))
+        four = out / "local-cpu-4.toml"
+        result["faults"] = faults(out / "faults", a.steps, cals.get(4) or (
+            load_topology(str(four)) if a.reuse_calibration and four.is_file() else
+            calibrated(4, a.quick_calibration, four, 1.0)))
         print(json.dumps(result["faults"], indent=1))
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     return 0

@@ -116,13 +116,15 @@ def test_order_for_a_large_moe_model_is_the_fields_practice():
     """DESIGN and Megatron-Core practice: TP > SP/CP > EP > PP > DP, innermost first. With group-wise
     EP x TP (experts whole on the tp ranks, Megatron's expert-tensor-parallel size 1, what the runtime
     runs) an MoE layer carries no tp traffic, so EP's all-to-all can outweigh TP and go innermost
-    (`recommend_order`: blocking bytes, heaviest innermost): tp, cp, ep stay inside, pp and dp outside."""
+    (`recommend_order`: blocking bytes, heaviest innermost): tp, cp, ep stay inside, pp and dp outside, dp
+    beside ep (the expert grid carves ep from dp: with pp between them a rank would sit on different stages
+    in the two grids, `grid.check_grids_agree`, as Megatron-Core requires ep and dp adjacent)."""
     for name, lay, seq in (("mixtral-8x7b", Layout(tp=2, cp=2, ep=8, pp=4, dp=16, zero=1, sp_mode="megatron"), 8192),
                            ("deepseek-v3", Layout(tp=2, cp=2, ep=32, pp=8, dp=64, zero=1, sp_mode="megatron"), 4096)):
         e = estimate(PRESETS[name], lay, Workload(seq=seq, global_batch=1024), TOPOLOGIES["dgx-h100"])
         volume = by_dim(e.flows)
         inner = e.order.split("-")[:3]
-        assert set(inner) == {"tp", "cp", "ep"} and e.order.endswith("pp-dp"), (name, volume)
+        assert set(inner) == {"tp", "cp", "ep"} and e.order.endswith("dp-pp"), (name, volume)
     dense = estimate(LLAMA8, Layout(tp=4, pp=2, dp=4, sp_mode="megatron", zero=1), Workload(seq=4096, global_batch=64),
                      TOPOLOGIES["dgx-h100"])
     assert recommend_order(dense.flows) == "tp-cp-ep-pp-dp"

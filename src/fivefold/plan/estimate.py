@@ -161,12 +161,18 @@ def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, g
 
 
 def runnable_order(layout: Layout, order: str) -> str:
-    """`order`, or where its expert grid's stages would differ from the dense grid's (`grid.check_grids_agree`)
-    the same order with ep moved beside dp (then beside cp): the byte ranking places ep by its bytes alone."""
+    """`order`, or where its expert grid's stages would differ from the dense grid's (`grid.check_grids_agree`:
+    ep is carved from dp, so pp or tp may not stand between them; Megatron-Core requires ep and dp
+    adjacent) Megatron-Core's form with the cp / ep block in the ranking's order (tp, the block, dp, pp),
+    else dp moved beside the block or ep, else ep beside dp; else the layout's own order."""
     dims = order.split("-")
-    rest = [d for d in dims if d != "ep"]
-    tries = [dims, *([*rest[:rest.index(d)], "ep", *rest[rest.index(d):]] for d in ("dp", "cp")),
-             *([*rest[:rest.index(d) + 1], "ep", *rest[rest.index(d) + 1:]] for d in ("dp", "cp"))]
+    block = [d for d in dims if d in ("cp", "ep")]
+    tries = [dims, ["tp", *block, "dp", "pp"]]     # tp inside the cp / ep block, dp right after it, pp outside
+    last = max(("cp", "ep"), key=dims.index)
+    for mover, anchor in (("dp", last), ("dp", "ep"), ("ep", "dp")):
+        rest = [d for d in dims if d != mover]
+        at = rest.index(anchor)
+        tries += [[*rest[:at + 1], mover, *rest[at + 1:]], [*rest[:at], mover, *rest[at:]]]
     for t in tries:
         try:
             check_grids_agree(layout, t)

@@ -72,7 +72,8 @@ def run_case(fab_name: str, nodes: int, argv: list[str], out: Path, steps: int, 
              max_restarts: int = 0, timeout_s: float = 900) -> dict:
     from fivefold.tools.cluster import run_on_fabric
 
-    train = ["train", *FLAGS, *argv, "--steps", str(steps), "--out", str(out), "--overwrite", *extra]
+    fresh = [] if "--resume" in extra else ["--overwrite"]     # a restarted worker must not wipe its checkpoints
+    train = ["train", *FLAGS, *argv, "--steps", str(steps), "--out", str(out), *fresh, *extra]
     t0 = time.monotonic()
     res = run_on_fabric(str(FABRICS / f"{fab_name}.toml"), nodes, train, overhead_bytes=4 << 20, during=during,
                         max_restarts=max_restarts, timeout_s=timeout_s, grace_s=10)

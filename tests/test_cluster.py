@@ -298,6 +298,7 @@ def test_a_slow_node_is_named_then_a_cut_link_stops_every_rank_and_resume_contin
         _wait_for_step(out / "metrics.jsonl", 1)
         fab.throttle(1, 0.1)
         _wait_for_step(out / "metrics.jsonl", 4)
+        fab.throttle(1, None)       # a whole core again, so node 1's watchdogs speak as promptly as node 0's
         fab.set_up(fab.link("node1"), False)
         cut_at.append(time.monotonic())
 

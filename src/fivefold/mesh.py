@@ -119,8 +119,9 @@ class ParallelMesh:
     def _mine(self, name: str, lists: list[list[int]], pgs: list) -> Group:
         """This rank's Group among one spec's rank lists, recording under `name` on its tier."""
         ranks, pg = next((g, pg) for g, pg in zip(lists, pgs) if self.rank in g)
-        peers = tuple(tier_of_pair(self.rank, r, self.ranks_per_node) for r in ranks)
-        return Group(name, ranks, ranks.index(self.rank), pg, self.ledger, self.tier(ranks), peers, self.backend)
+        tier = self.tier(ranks)    # a group inside one node sends every byte on its tier: no per-peer tiers
+        peers = tuple(tier_of_pair(self.rank, r, self.ranks_per_node) for r in ranks) if tier != "intra" else ()
+        return Group(name, ranks, ranks.index(self.rank), pg, self.ledger, tier, peers, self.backend)
 
     def tier(self, ranks: list[int]) -> str:
         """The tier a group of global ranks crosses: "intra" (one node) or "inter"."""

@@ -36,7 +36,7 @@ class Group:
     pg: object = None              # torch ProcessGroup (None when size == 1)
     ledger: CommLedger = field(default_factory=CommLedger)
     tier: str = "intra"            # the network tier its ranks span: "intra" (one node) | "inter"
-    peer_tiers: tuple = ()         # the tier between this rank and each member (empty: all `tier`)
+    peer_tiers: tuple = ()         # the tier between this rank and each member (empty: all on `tier`, one node)
     backend: str = "gloo"          # whose algorithms run on it (comm/volume.py ALGORITHMS): "gloo" | "nccl"
 
     def peer_tier(self, group_rank: int) -> str:
@@ -90,8 +90,12 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 def _record(group: Group, dim: str, op: str, message_bytes: int, seconds: float, peer: int = -1, **kw) -> None:
-    """One call: calls, message and seconds on the group's tier; its bytes on the tier of each peer they go to."""
+    """One call: calls, message and seconds on the group's tier; its bytes on the tier of each peer they go to
+    (a group on one tier: all on it)."""
     sent = volume.peer_bytes(op, message_bytes, group.size, group.rank, group.backend, **kw)
+    if not group.peer_tiers:
+        group.ledger.record(dim, op, message_bytes, sum(b for _, b in sent), seconds, tier=group.tier)
+        return
     by_tier: dict[str, float] = {}
     for p, b in sent:
         t = group.peer_tier(peer if p < 0 else p)

@@ -118,10 +118,10 @@ def bytes_sent(op: str, message_bytes: float, n: int, backend: str = "nccl", **k
 
 
 def peer_bytes(op: str, message_bytes: float, n: int, index: int, backend: str = "nccl",
-               kept_bytes: float | None = None, chunks: list[float] | None = None) -> list[tuple[int, float]]:
+               chunks: list[float] | None = None) -> list[tuple[int, float]]:
     """(group rank, bytes) this rank (group rank `index`) sends to each peer in one call of `op` on a group
-    of n: the ring's bytes all to its neighbour (gloo's all-reduce: the previous rank), an all-to-all's chunk j to rank j (`chunks`: the bytes of
-    each chunk; none: even chunks, or `kept_bytes` kept and the rest spread evenly). A send names no peer
+    of n: the ring's bytes all to its neighbour (gloo's all-reduce: the previous rank), an all-to-all's
+    chunk j to rank j (`chunks`: the bytes of each chunk; none: n even chunks of S). A send names no peer
     here (its caller knows it): it returns [(-1, S)]. The bytes sum to `bytes_sent`."""
     if n <= 1:
         return []
@@ -132,7 +132,6 @@ def peer_bytes(op: str, message_bytes: float, n: int, index: int, backend: str =
         return [(-1, send(message_bytes) if op == "send" else 0.0)]
     if algo == "pairwise":
         if chunks is None:
-            kept = message_bytes / n if kept_bytes is None else kept_bytes
-            chunks = [(message_bytes - kept) / (n - 1)] * n
+            chunks = [message_bytes / n] * n
         return [(j, float(chunks[j])) for j in range(n) if j != index]
     return [((index + step) % n, bytes_sent(op, message_bytes, n, backend))]

@@ -367,17 +367,23 @@ def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int
     f.add("ep", "all_to_all", "ep", L.ep, msg, (fwd_passes + 2 * backward) * calls, part, route)  # combine fwd; both bwd
 
 
+def pp_hops(stage: int, p: int, m: int, v: int) -> tuple[int, int]:
+    """(to_next, to_prev): how many of `stage`'s micro-batch chunks cross its boundary with the next stage
+    (activations forward; under interleaving the last stage's chunks go on to the first) and with the
+    previous one (gradients backward), out of m·v each: the last chunk of the last stage sends nothing
+    forward, nor the first chunk of the first stage backward. The stage receives the same counts the
+    other way: to_prev forward from the previous stage, to_next backward from the next."""
+    return m * v - (m if stage == p - 1 else 0), m * v - (m if stage == 0 else 0)
+
+
 def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
     p, v = L.pp, L.vpp   # vpp > 1: interleaved chunks (rules.check_schedule)
     if p == 1:
         return
     act = T * model.hidden * w.act_bytes / (L.tp if L.seq_parallel else 1)
-    fwd_sends = m * v - (m if stage == p - 1 else 0)   # the last chunk of the last stage sends nothing
-    bwd_sends = m * v - (m if stage == 0 else 0)       # nor does the first chunk of the first stage
-    f.add("pp", "send", "pp", p, act, fwd_sends + bwd_sends)
-    fwd_recvs = m * v - (m if stage == 0 else 0)
-    bwd_recvs = m * v - (m if stage == p - 1 else 0)
-    f.add("pp", "recv", "pp", p, act, fwd_recvs + bwd_recvs)
+    to_next, to_prev = pp_hops(stage, p, m, v)
+    f.add("pp", "send", "pp", p, act, to_next + to_prev)   # forward to the next stage, backward to the previous
+    f.add("pp", "recv", "pp", p, act, to_prev + to_next)   # forward from the previous, backward from the next
     if model.tie_embeddings and stage in (0, p - 1):
         emb = padded_vocab(model.vocab, L.tp) // L.tp * model.hidden
         f.add("embed", "all_reduce", "embed", 2, emb * w.grad_bytes, 1)
@@ -513,10 +519,10 @@ def eval_stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: in
     if L.cp > 1:
         _cp_layer_flows(f, model, L, work, len(rng), m, T, backward=False)
     if L.pp > 1:
-        v = L.vpp
         act = T * model.hidden * work.act_bytes / (L.tp if L.seq_parallel else 1)
-        f.add("pp", "send", "pp", L.pp, act, m * v - (m if stage == L.pp - 1 else 0))
-        f.add("pp", "recv", "pp", L.pp, act, m * v - (m if stage == 0 else 0))
+        to_next, to_prev = pp_hops(stage, L.pp, m, L.vpp)      # forward only: sends on, receives from before
+        f.add("pp", "send", "pp", L.pp, act, to_next)
+        f.add("pp", "recv", "pp", L.pp, act, to_prev)
     if L.zero == 3:
         _eval_gather_flows(f, model, L, work, stage, m)
     f.add("loss", "all_reduce", "dp_cp", L.dp * L.cp, 8, 1)
@@ -825,13 +831,9 @@ class _Links:
         nxt, prv = (i + 1) % n, (i - 1) % n
         if fl.dim != "pp":
             return [(nxt if fl.op == "send" else prv, 1.0)]
-        v, m, last = self.layout.vpp, self.m, n - 1
-        fwd = m * v - (m if i == last else 0)      # sends forward (receives: from the previous stage)
-        bwd = m * v - (m if i == 0 else 0)         # sends backward
-        if fl.op == "recv":
-            fwd, bwd = m * v - (m if i == 0 else 0), m * v - (m if i == last else 0)
-            return [(prv, fwd / (fwd + bwd)), (nxt, bwd / (fwd + bwd))] if fwd + bwd else []
-        return [(nxt, fwd / (fwd + bwd)), (prv, bwd / (fwd + bwd))] if fwd + bwd else []
+        to_next, to_prev = pp_hops(i, n, self.m, self.layout.vpp)
+        total = to_next + to_prev
+        return [(nxt, to_next / total), (prv, to_prev / total)] if total else []   # sends and receives alike
 
 
 def _rank_flow_ranks(model: PlanModel, layout: Layout, work: Workload, order: str):

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..plan.topology import Topology
+from ..train.link_counters import read_net_dev
 from ..train.signals import alive
 
 NET = ipaddress.ip_network("198.18.0.0/15")     # RFC 2544 benchmarking range: the only addresses used
@@ -289,17 +290,6 @@ class Fabric:
 
     def __exit__(self, *exc) -> None:
         self.remove()
-
-
-def read_net_dev(pid: int) -> dict[str, dict[str, int]]:
-    """A process's network namespace's interfaces -> byte and packet counters (/proc/PID/net/dev)."""
-    out = {}
-    with open(f"/proc/{pid}/net/dev") as f:
-        for line in f.readlines()[2:]:
-            name, _, rest = line.partition(":")
-            v = rest.split()
-            out[name.strip()] = {"rx": int(v[0]), "rx_packets": int(v[1]), "tx": int(v[8]), "tx_packets": int(v[9])}
-    return out
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -30,13 +30,19 @@ class LinkCounters:
         out = {}
         for name, (pid, dev) in self.links.items():
             try:
-                with open(f"/proc/{pid}/net/dev") as f:
-                    lines = f.readlines()[2:]
-            except OSError:
+                stats = read_net_dev(pid)[dev]
+            except (OSError, KeyError):
                 return {}
-            for line in lines:
-                iface, _, rest = line.partition(":")
-                if iface.strip() == dev:
-                    v = rest.split()
-                    out[name] = {"rx": int(v[0]), "tx": int(v[8])}
+            out[name] = {"rx": stats["rx"], "tx": stats["tx"]}
         return {"links": out}
+
+
+def read_net_dev(pid: int) -> dict[str, dict[str, int]]:
+    """A process's network namespace's interfaces -> byte and packet counters (/proc/PID/net/dev)."""
+    out = {}
+    with open(f"/proc/{pid}/net/dev") as f:
+        for line in f.readlines()[2:]:
+            name, _, rest = line.partition(":")
+            v = rest.split()
+            out[name.strip()] = {"rx": int(v[0]), "rx_packets": int(v[1]), "tx": int(v[8]), "tx_packets": int(v[9])}
+    return out

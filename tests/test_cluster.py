@@ -308,9 +308,12 @@ def test_a_slow_node_is_named_then_a_cut_link_stops_every_rank_and_resume_contin
     text = "".join(result["outputs"])
     lines = [line for line in text.splitlines() if "made no progress" in line]
     assert result["returncode"] != 0 and stopped < 10 + 2 * 5 + 15, (stopped, text[-3000:])   # watchdog, grace
-    assert len(lines) == 4 and all("after step 4, blocked in a collective; cannot reach node" in x for x in lines), lines
-    assert sum("(node 0) made no progress" in x and x.endswith("cannot reach node 1 (198.18.0.2)") for x in lines) == 2
-    assert sum("(node 1) made no progress" in x and x.endswith("cannot reach node 0 (198.18.0.1)") for x in lines) == 2
+    # each node speaks (torchrun's agent kills a node's other ranks once one exits, so a rank whose clock ran
+    # a moment later may be stopped before its own line), and every line names the other node
+    assert lines and all("after step 4, blocked in a collective; cannot reach node" in x for x in lines), lines
+    assert 1 <= sum("(node 0) made no progress" in x and x.endswith("cannot reach node 1 (198.18.0.2)") for x in lines) <= 2
+    assert 1 <= sum("(node 1) made no progress" in x and x.endswith("cannot reach node 0 (198.18.0.1)") for x in lines) <= 2
+    assert len(lines) == sum("cannot reach node" in x for x in lines)
     assert max(_losses(out)) == 4
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # the throttle began during step 2: steps 3 and 4 ran all on a tenth of a core
@@ -342,7 +345,7 @@ def test_a_frozen_node_stops_the_others_as_a_stall_not_a_cut(tmp_path):
     result = run_on_fabric(str(TWO_NODES), 2, train, during=freeze, overhead_bytes=0, timeout_s=240, grace_s=5)
     assert not _ours() and not list(Path("/sys/fs/cgroup/freezer").glob(f"ffc{os.getpid()}-*"))
     lines = [line for line in "".join(result["outputs"]).splitlines() if "(node 0) made no progress" in line]
-    assert result["returncode"] != 0 and len(lines) == 2, lines    # (a thawed node-1 rank may say the same)
+    assert result["returncode"] != 0 and 1 <= len(lines) <= 2, lines    # (as above: the agent may stop the other)
     assert all("made no progress for 8 s after step 2, blocked in a collective; every node answers" in x
                for x in lines), lines
 

@@ -109,9 +109,63 @@ def test_cluster_command_refuses_bad_input_in_one_line():
     for args, words in ((["--topology", str(TWO_NODES), "--nodes", "2"], "needs a command after --"),
                         (["--topology", str(TWO_NODES), "--nodes", "2", "--", "train"], "--out"),
                         (["--topology", str(TWO_LEAVES), "--nodes", "3", "--", "train", "--out", "x"], "multiple of 2"),
-                        (["--topology", "nope.toml", "--nodes", "2", "--", "train", "--out", "x"], "no such file")):
+                        (["--topology", "nope.toml", "--nodes", "2", "--", "train", "--out", "x"], "no such file"),
+                        (["--topology", str(TWO_NODES), "--nodes", "2", "--loss", "0.7", "--", "train", "--out", "x"],
+                         "--loss is a fraction"),
+                        (["--topology", str(TWO_NODES), "--nodes", "2", "--extra-latency-ms", "-1", "--", "train",
+                          "--out", "x"], "--extra-latency-ms must be")):
         r = _cli("cluster", *args)
         assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_wire_holds_each_frame_its_delay_in_order_and_drops_as_its_seed_draws(monkeypatch):
+    """tools/wire.py's relay on two datagram socket pairs and a clock the test moves: a frame leaves the
+    other side only once its delay has passed, in the order it came, each way; the frames dropped are the
+    ones the seeded generator draws below `loss`; a full send buffer keeps the frame for later (a switch's
+    buffer), never drops it."""
+    import random
+    import socket
+
+    from fivefold.tools import wire
+
+    now = [100.0]
+    monkeypatch.setattr(wire.time, "monotonic", lambda: now[0])
+    outer = [socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(2)]   # (host end, relay end)
+    for _, r in outer:
+        r.setblocking(False)
+    relay = wire.Relay([outer[0][1], outer[1][1]], delay_s=0.5, loss=0.25, seed=7)
+    frames = [f"frame-{i}".encode() for i in range(40)]
+    for f in frames:
+        outer[0][0].send(f)
+    relay.read(0)
+    draws = random.Random(7)
+    kept = [f for f in frames if not draws.random() < 0.25]
+    assert relay.counts["dropped"][0] == len(frames) - len(kept) > 0
+    now[0] += 0.499
+    relay.send_due()
+    outer[1][0].setblocking(False)
+    with pytest.raises(BlockingIOError):
+        outer[1][0].recv(100)
+    now[0] += 0.002
+    wait, blocked = relay.send_due()
+    assert wait is None and blocked == []
+    assert [outer[1][0].recv(100) for _ in kept] == kept and relay.counts["relayed"][0] == len(kept)
+    outer[1][0].send(b"back")                  # the other way
+    relay.read(1)
+    assert relay.send_due()[0] == pytest.approx(0.5)
+
+    class Full:
+        family = socket.AF_UNIX
+
+        def send(self, frame):
+            raise BlockingIOError
+
+    relay.socks[0] = Full()
+    now[0] += 1.0
+    wait, blocked = relay.send_due()
+    assert blocked == [relay.socks[0]] and len(relay.queues[1]) == 1 and relay.counts["send_errors"] == [0, 0]
+    with pytest.raises(ValueError):
+        wire.Relay([outer[0][1], outer[1][1]], delay_s=0.0, loss=1.0, seed=0)
 
 
 # -- network namespaces ----------------------------------------------------------------------------------------
@@ -183,6 +237,89 @@ _ASK = """
 import socket, sys
 c = socket.create_connection((sys.argv[1], 29398), timeout=30); c.sendall(b"ping"); print(c.recv(4).decode())
 """
+
+
+_SINK = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 29397)); s.settimeout(3)
+print("ready", flush=True)
+n = 0
+try:
+    while True:
+        s.recv(2048); n += 1
+except socket.timeout:
+    print(n, flush=True)
+"""
+_BURST = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for i in range(int(sys.argv[2])):
+    s.sendto(b"x" * 512, (sys.argv[1], 29397)); time.sleep(0.001)
+"""
+
+
+def _burst(fab, count: int) -> int:
+    """Datagrams node 0 receives of `count` that node 1 sends it."""
+    sink = subprocess.Popen(fab.exec_argv(0, [sys.executable, "-c", _SINK, fab.address(0)]), stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert sink.stdout.readline().strip() == "ready"
+        subprocess.run(fab.exec_argv(1, [sys.executable, "-c", _BURST, fab.address(0), str(count)]), check=True,
+                       timeout=120)
+        return int(sink.stdout.readline())
+    finally:
+        sink.kill()
+        sink.wait()
+
+
+@needs_netns
+def test_an_impaired_path_loses_what_its_relays_drop_and_is_restored_whole():
+    """impair_paths: each node link's switch end leaves the bridge for a relay (tools/wire.py); node links
+    stop offloading checksums (the relay needs whole frames). A burst of datagrams from node 1 to node 0
+    loses the frames the relays report dropped (node 1's link going up, node 0's coming down) and every
+    other one arrives, give or take the few ARP frames that share the links (the fabric has no IPv6); restore_all puts the bridge back as built, and nothing is lost after."""
+    from fivefold.tools import wire
+    from fivefold.tools.fabric import Fabric
+
+    with Fabric.build(load_topology(str(TWO_NODES)), 2) as fab:
+        assert _burst(fab, 50) == 50                # (ARP resolved before the relays start)
+        fab.impair_paths(0.004, 0.3, seed=3)
+        ports = subprocess.run(["ip", "-n", fab.switch_ns[0], "-o", "link", "show", "master", "br0"],
+                               capture_output=True, text=True).stdout
+        assert "rb-n0" in ports and "rb-n1" in ports and " n0@" not in ports
+        got = _burst(fab, 300)
+        reports = fab.restore_all()
+        lost = reports["node1"]["dropped"][0] + reports["node0"]["dropped"][1]     # up from node 1, down to node 0
+        assert 0 < lost < 300 and abs(got - (300 - lost)) <= 4, (got, reports)
+        assert reports["node0"]["delay_s"] == 0.002 and reports["node0"]["loss"] == pytest.approx(1 - 0.7 ** 0.5)
+        assert not fab.relays
+        ports = subprocess.run(["ip", "-n", fab.switch_ns[0], "-o", "link", "show", "master", "br0"],
+                               capture_output=True, text=True).stdout
+        assert " n0@" in ports and " n1@" in ports and "rb-" not in ports
+        assert _burst(fab, 50) == 50
+
+        def tx_checksumming(ns):
+            out = []
+            fab_thread = __import__("threading").Thread(target=lambda: out.append(_in_ns(ns, wire)))
+            fab_thread.start()
+            fab_thread.join()
+            return out[0]
+
+        assert tx_checksumming(fab.node_ns[0]) == 0
+    assert not _ours()
+
+
+def _in_ns(ns: str, wire) -> int:
+    """tx checksumming of a node's uplink, read from inside its namespace (this thread only)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
+    try:
+        assert libc.setns(fd, wire.CLONE_NEWNET) == 0
+    finally:
+        os.close(fd)
+    return wire._ethtool_value("up0", wire.ETHTOOL_GTXCSUM)
 
 
 @needs_netns

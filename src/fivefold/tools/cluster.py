@@ -58,6 +58,11 @@ def add_cluster_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sample-ms", type=float, default=50.0, help="link counter sampling period (default 50 ms)")
     ap.add_argument("--overhead-mb", type=float, default=8.0,
                     help="MiB of a known TCP transfer that measures header overhead first (0: skip)")
+    ap.add_argument("--extra-latency-ms", type=float, default=0.0,
+                    help="milliseconds added to every node-to-node path, each way (a relay on each node link: "
+                         "tools/wire.py)")
+    ap.add_argument("--loss", type=float, default=0.0,
+                    help="fraction of frames lost on every node-to-node path, each way (e.g. 0.01)")
     ap.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts for each agent")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole command is stopped")
     ap.add_argument("--exec", action="store_true", help="run the command after -- as a program, not a fivefold "
@@ -73,6 +78,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     Fabric.layout(topo, args.nodes)
     if args.sample_ms <= 0:
         raise ConfigError(f"--sample-ms must be > 0, got {args.sample_ms:g}")
+    if not 0 <= args.loss < 0.5:
+        raise ConfigError(f"--loss is a fraction of frames in [0, 0.5), got {args.loss:g}")
+    if not 0 <= args.extra_latency_ms <= 10_000:
+        raise ConfigError(f"--extra-latency-ms must be in [0, 10000], got {args.extra_latency_ms:g}")
     out = Path(args.links) if args.links else _out_folder(argv)
     if out is None:
         raise ConfigError("fivefold cluster writes links.json into the command's --out folder; give the command "
@@ -84,7 +93,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"removed namespace {ns}, left by a run that was killed", file=sys.stderr)
     result = run_on_fabric(topo, args.nodes, argv, fivefold=not args.exec, sample_s=args.sample_ms / 1e3,
                            overhead_bytes=int(args.overhead_mb * 2**20), max_restarts=args.max_restarts,
-                           timeout_s=args.timeout)
+                           timeout_s=args.timeout,
+                           impair=(args.extra_latency_ms / 1e3, args.loss) if args.extra_latency_ms or args.loss else None)
     path = out / "links.json" if out.suffix != ".json" else out
     path.parent.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl" if out.suffix != ".json" else None
@@ -158,11 +168,13 @@ class Sampler:
 
 def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: bool = True, sample_s: float = 0.05,
                   overhead_bytes: int = 8 << 20, max_restarts: int = 0, timeout_s: float = 1800.0,
-                  during=None, grace_s: float = GRACE_S) -> dict:
+                  during=None, grace_s: float = GRACE_S, impair: tuple[float, float] | None = None) -> dict:
     """Build the fabric, measure header overhead, run one agent per node, sample the links, remove the fabric.
-    `during(fab, agents)`: called once the agents started (a fault to inject); its return value is kept as
-    "during". Returns {"returncode", "fabric", "overhead", "samples", "outputs", "lines" ((monotonic time,
-    node, line) of every output line), "during"}."""
+    `impair`: (seconds, loss fraction) added to every node-to-node path once the overhead is measured
+    (`Fabric.impair_paths`; (0, 0): relays that add nothing). `during(fab, agents)`: called once the agents started (a fault to inject); its
+    return value is kept as "during". Returns {"returncode", "fabric", "overhead", "samples", "outputs",
+    "lines" ((monotonic time, node, line) of every output line), "during", "wires" (each relay's counts:
+    frames relayed and dropped each way)}."""
     topo = load_topology(topo)
     fab = Fabric.build(topo, nodes)
     agents: list[subprocess.Popen] = []
@@ -182,6 +194,8 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
             for s in previous:
                 signal.signal(s, stop)
         overhead = measure_overhead(fab, overhead_bytes) if overhead_bytes else None
+        if impair is not None:
+            fab.impair_paths(*impair)
         with Sampler(fab, sample_s) as sampler:
             for node in range(nodes):
                 agents.append(subprocess.Popen(agent_argv(fab, node, argv, fivefold, max_restarts), env=agent_env(fab),
@@ -200,11 +214,12 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
                 a.wait()
             for r in readers:
                 r.join(timeout=5)
+        wires = fab.restore_all()
         codes = [a.returncode for a in agents]
         code = next((c for c in codes if c), 0)
         return {"returncode": code if code >= 0 else 128 - code, "returncodes": codes, "fabric": describe(fab),
                 "overhead": overhead, "samples": sampler.samples, "outputs": outputs, "lines": lines,
-                "during": during_result}
+                "during": during_result, "wires": wires}
     finally:
         fab.thaw_all()
         for a in agents:
@@ -346,6 +361,6 @@ def write_links(path: Path, result: dict, metrics: Path | None = None) -> dict:
     doc = {"fabric": result["fabric"], "overhead": result["overhead"], "samples": result["samples"],
            "totals": {name: {k: last[name][k] - first[name][k] for k in ("rx", "tx")} for name in last},
            "by_tier": links_by_tier(result), "steps": step_bytes(result, read_step_ends(metrics)),
-           "returncode": result["returncode"]}
+           "wires": result.get("wires", {}), "returncode": result["returncode"]}
     path.write_text(json.dumps(doc, indent=1))
     return doc

@@ -8,11 +8,13 @@ A `Topology` (plan/topology.py) lists tiers innermost first; `Fabric.build` make
   namespace of its own; a leaf holds tier 1's size / K nodes (size omitted: every node on one leaf);
 - tier 2, when there is one, is the **spine**: each leaf has one link to a spine bridge.
 
-A link is shaped at both ends (`tc`: netem for latency and loss, tbf for rate), so each direction has the
-tier's rate and half its latency at each egress (a byte from node to node crosses two egresses: the whole
-tier latency). Rates: a tier's `bandwidth` is per rank each way (the planner's convention), divided by its
-`oversubscription`; a node's link carries its K ranks (K · bandwidth), a leaf's uplink the ranks of the
-leaf (ranks per leaf · bandwidth / oversubscription).
+A link is shaped at both ends with tbf, so each direction has the tier's rate. Rates: a tier's
+`bandwidth` is per rank each way (the planner's convention), divided by its `oversubscription`; a node's
+link carries its K ranks (K · bandwidth), a leaf's uplink the ranks of the leaf (ranks per leaf ·
+bandwidth / oversubscription). Latency is what the veths and bridges give (tens of microseconds):
+`impair(link, delay_s, loss)` adds delay and packet loss through a relay in user space (tools/wire.py:
+netem's job; the kernels this project runs on do not ship sch_netem), and `impair_paths` does it for
+every node-to-node path. Links run jumbo frames (MTU 9000, as data-centre fabrics do), and IPv4 only.
 
 Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544) only: node i is 198.18.0.(i+1)/16
 on its uplink `up0`, one flat L2 segment through the bridges, and no namespace has a route out (nothing
@@ -27,7 +29,8 @@ byte counters from `/proc/<holder>/net/dev` (the namespace's own view) without s
 node end of a node link gives the node's tx (bytes leaving the node) and rx, the leaf end of a spine link
 the leaf's.
 
-Faults: `set_up(link, False)` cuts a link, `shape(link, rate_scale=0.5)` slows it, `throttle(node, cores)`
+Faults: `set_up(link, False)` cuts a link, `shape(link, rate_scale=0.5)` slows it, `impair(link, delay_s,
+loss)` makes it long and lossy, `throttle(node, cores)`
 limits a node's processes to a CPU share (cgroup v1 `cpu`), `freeze(node)` stops them (cgroup v1
 `freezer`); the cgroups are named as the namespaces and removed with them.
 
@@ -37,11 +40,13 @@ what is missing.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +55,7 @@ from ..config import ConfigError
 from ..plan.topology import Topology
 from ..train.link_counters import read_net_dev
 from ..train.signals import alive
+from . import wire
 
 NET = ipaddress.ip_network("198.18.0.0/15")     # RFC 2544 benchmarking range: the only addresses used
 PREFIX = 16                                     # nodes share 198.18.0.0/16
@@ -57,6 +63,7 @@ MARK = "ffc"                                    # the tool's marker: ffc<pid>-..
 MARKED = re.compile(rf"^{MARK}(\d+)-")
 UPLINK = "up0"                                  # a node's (or leaf's) link to the switch above it
 MAX_NODES = 250
+MTU = 9000                                      # jumbo frames, as data-centre fabrics run (and 6x fewer to relay)
 CGROUP = Path("/sys/fs/cgroup")                 # cgroup v1 controllers: cpu (a slow node), freezer (a frozen one)
 
 
@@ -75,7 +82,7 @@ class Link:
     switch_ns: str
     switch_dev: str
     rate_bps: float            # bits/s each way
-    delay_s: float             # one-way latency of the tier (half at each egress)
+    delay_s: float             # the tier's one-way latency (the plan's; the emulated link adds none by itself)
 
 
 @dataclass
@@ -89,6 +96,9 @@ class Fabric:
     links: list[Link] = field(default_factory=list)
     holders: dict[str, subprocess.Popen] = field(default_factory=dict)
     cgroups: list[Path] = field(default_factory=list)
+    relays: dict[str, subprocess.Popen] = field(default_factory=dict)      # link name -> its wire (impair)
+    relay_reports: dict[str, dict] = field(default_factory=dict)           # link name -> the wire's last counts
+    whole_frames: bool = False         # every node's link sends checksummed, unsegmented frames (impair)
 
     # -- shape of the cluster ---------------------------------------------------------------------------
     @staticmethod
@@ -138,6 +148,8 @@ class Fabric:
         for ns in self.node_ns + self.switch_ns:
             _ip("netns", "add", ns)
             _ip("-n", ns, "link", "set", "lo", "up")
+            _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
+                  "net.ipv6.conf.default.disable_ipv6=1"])      # IPv4 only: no neighbour discovery on the links
             self.holders[ns] = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "infinity"],
                                                 stdin=subprocess.DEVNULL, start_new_session=True)
         for ns in self.switch_ns:
@@ -160,8 +172,8 @@ class Fabric:
             self.wait_holder(ns)
 
     def _link(self, link: Link) -> None:
-        _ip("link", "add", link.dev, "netns", link.ns, "type", "veth", "peer", "name", link.switch_dev,
-            "netns", link.switch_ns)
+        _ip("link", "add", link.dev, "mtu", str(MTU), "netns", link.ns, "type", "veth", "peer", "name",
+            link.switch_dev, "mtu", str(MTU), "netns", link.switch_ns)
         _ip("-n", link.switch_ns, "link", "set", link.switch_dev, "master", "br0")
         for ns, dev in ((link.ns, link.dev), (link.switch_ns, link.switch_dev)):
             _ip("-n", ns, "link", "set", dev, "up")
@@ -197,27 +209,78 @@ class Fabric:
         return next(lk for lk in self.links if lk.name == name)
 
     # -- shaping and faults ---------------------------------------------------------------------------------
-    def shape(self, link: Link, rate_scale: float = 1.0, extra_delay_s: float = 0.0, loss: float = 0.0) -> None:
-        """(Re)shape both ends of `link`: tbf at its rate · rate_scale; latency (half at each end, plus
-        `extra_delay_s`) and `loss` (a fraction) through netem, where the kernel has it (`netem()`): without it
-        the tier's latency is left to the link as it is, and asking for extra delay or loss is an error."""
+    def shape(self, link: Link, rate_scale: float = 1.0) -> None:
+        """(Re)shape both ends of `link` with tbf at its rate · rate_scale."""
         rate = max(8e3, link.rate_bps * rate_scale)
         burst = max(32 * 1024, int(rate / 8 / 250))          # at least 4 ms of traffic (HZ = 250)
-        delay_ms = (link.delay_s + extra_delay_s) / 2 * 1e3
-        with_netem = netem()
-        if (extra_delay_s > 0 or loss > 0) and not with_netem:
-            raise FabricError("this kernel has no netem qdisc (sch_netem): extra latency and packet loss cannot be "
-                              "emulated here; rate and cuts can")
         for ns, dev in ((link.ns, link.dev), (link.switch_ns, link.switch_dev)):
             subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
-            tbf = ["tbf", "rate", f"{int(rate)}bit", "burst", str(burst), "latency", "400ms"]
-            if not with_netem:
-                _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf)
-                continue
-            extra = ["loss", f"{loss * 100:g}%"] if loss > 0 else []
-            _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{delay_ms:.3f}ms", *extra,
-                "limit", "100000")
-            _tc(ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf)
+            _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{int(rate)}bit",
+                "burst", str(burst), "latency", "400ms")
+
+    def impair(self, link: Link, delay_s: float = 0.0, loss: float = 0.0, seed: int = 0, relay: bool = False) -> None:
+        """Add `delay_s` of one-way latency and drop a fraction `loss` of the frames crossing `link`, each way
+        (a frame from node to node through two impaired node links pays both). The link's switch end leaves
+        its bridge for a relay (tools/wire.py) that forwards to a fresh veth pair whose other end takes its
+        place; `impair(link)` with nothing to add puts the link back as it was (`relay=True`: a relay that adds
+        nothing, whose own cost a benchmark measures apart). Before the first relay, every node's link stops
+        offloading checksums and segmentation (the relay needs whole frames)."""
+        self._unimpair(link)
+        if delay_s == 0 and loss == 0 and not relay:
+            return
+        if not self.whole_frames:
+            for i, ns in enumerate(self.node_ns):
+                wire.tx_checksum_off(UPLINK, ns)
+            self.whole_frames = True
+        ns, dev = link.switch_ns, link.switch_dev
+        relay_end, bridge_end = f"ra-{dev}", f"rb-{dev}"
+        _ip("-n", ns, "link", "add", relay_end, "mtu", str(MTU), "type", "veth", "peer", "name", bridge_end,
+            "mtu", str(MTU))
+        _ip("-n", ns, "link", "set", dev, "nomaster")
+        _ip("-n", ns, "link", "set", bridge_end, "master", "br0")
+        for d in (relay_end, bridge_end):
+            _ip("-n", ns, "link", "set", d, "up")
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, wire.__file__, dev, relay_end,
+                                 "--delay-s", repr(delay_s), "--loss", repr(loss), "--seed", str(seed)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        self.relays[link.name] = proc
+        if proc.stdout.readline().strip() != "ready":
+            err = proc.stderr.read() if proc.wait(timeout=5) is not None else ""
+            raise FabricError(f"the relay of link {link.name} did not start: {err.strip()[-500:]}")
+
+    def impair_paths(self, latency_s: float, loss: float, seed: int = 0) -> None:
+        """Every node-to-node path `latency_s` longer and losing a fraction `loss` of its frames: each such
+        path crosses exactly two node links (its ends), so each node link takes half the latency and the
+        loss q with (1 - q)^2 = 1 - loss, each way. Leaf-to-spine links stay as they are. (0, 0): relays
+        that add nothing (what the relays themselves cost)."""
+        if not (0 <= loss < 1 and latency_s >= 0):
+            raise ConfigError(f"loss must be in [0, 1) and extra latency >= 0, got {loss:g} and {latency_s:g} s")
+        per_link = 1 - (1 - loss) ** 0.5
+        for i, lk in enumerate(lk for lk in self.links if lk.name.startswith("node")):
+            self.impair(lk, latency_s / 2, per_link, seed=seed + i, relay=True)
+
+    def restore_all(self) -> dict[str, dict]:
+        """Every impaired link back as built; returns each relay's counts (link name -> counts)."""
+        for name in list(self.relays):
+            self._unimpair(self.link(name))
+        return dict(self.relay_reports)
+
+    def _unimpair(self, link: Link) -> None:
+        proc = self.relays.pop(link.name, None)
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=5)
+            last = out.strip().splitlines()[-1:] if out else []
+            if last:
+                self.relay_reports[link.name] = json.loads(last[0])
+        except (subprocess.TimeoutExpired, ValueError):
+            _kill(proc)
+        subprocess.run(["ip", "-n", link.switch_ns, "link", "del", f"ra-{link.switch_dev}"], capture_output=True)
+        _ip("-n", link.switch_ns, "link", "set", link.switch_dev, "master", "br0")
 
     def set_up(self, link: Link, up: bool) -> None:
         """Cut (`up=False`) or restore a link: its switch end goes down, so nothing crosses either way."""
@@ -276,6 +339,9 @@ class Fabric:
         """Delete every namespace this fabric made (with their links and qdiscs), stop its holders and any
         process still in a node, and remove its cgroups."""
         self.thaw_all()
+        for proc in self.relays.values():
+            _kill(proc)
+        self.relays.clear()
         for proc in self.holders.values():
             _kill(proc)
         for ns in self.node_ns + self.switch_ns:
@@ -316,26 +382,6 @@ def _ip(*args: str) -> None:
 
 def _tc(ns: str, *args: str) -> None:
     _run(["tc", "-n", ns, *args])
-
-
-_NETEM: list[bool] = []
-
-
-def netem() -> bool:
-    """Whether this kernel has the netem qdisc (probed once, on a veth pair in two throwaway namespaces)."""
-    if not _NETEM:
-        a, b = f"{MARK}{os.getpid()}-qa", f"{MARK}{os.getpid()}-qb"
-        try:
-            _ip("netns", "add", a)
-            _ip("netns", "add", b)
-            _ip("link", "add", "p0", "netns", a, "type", "veth", "peer", "name", "p1", "netns", b)
-            r = subprocess.run(["tc", "-n", a, "qdisc", "add", "dev", "p0", "root", "netem", "delay", "1ms"],
-                               capture_output=True)
-            _NETEM.append(r.returncode == 0)
-        finally:
-            for ns in (a, b):
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    return _NETEM[0]
 
 
 def marked_namespaces() -> list[str]:

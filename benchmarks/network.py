@@ -69,14 +69,14 @@ def planned_topology(fab, cal):
 
 
 def run_case(fab_name: str, nodes: int, argv: list[str], out: Path, steps: int, during=None, extra=(),
-             max_restarts: int = 0, timeout_s: float = 900) -> dict:
+             max_restarts: int = 0, timeout_s: float = 900, impair=None) -> dict:
     from fivefold.tools.cluster import run_on_fabric
 
     fresh = [] if "--resume" in extra else ["--overwrite"]     # a restarted worker must not wipe its checkpoints
     train = ["train", *FLAGS, *argv, "--steps", str(steps), "--out", str(out), *fresh, *extra]
     t0 = time.monotonic()
     res = run_on_fabric(str(FABRICS / f"{fab_name}.toml"), nodes, train, overhead_bytes=4 << 20, during=during,
-                        max_restarts=max_restarts, timeout_s=timeout_s, grace_s=10)
+                        max_restarts=max_restarts, timeout_s=timeout_s, grace_s=10, impair=impair)
     res["wall_s"] = time.monotonic() - t0
     from fivefold.tools.cluster import write_links
     if (out / "metrics.jsonl").is_file():
@@ -168,12 +168,80 @@ def wait_step(out: Path, step: int, timeout_s: float = 300) -> None:
     raise RuntimeError(f"step {step} not reached in {out}")
 
 
-def faults(out: Path, steps: int, cal4) -> dict:
+FAULTS = ("cut", "half_rate", "lossy", "throttled", "frozen", "killed")
+LOSS, EXTRA_LATENCY_S = 0.01, 0.005          # node to node: through two impaired node links, half each
+
+
+def faults(out: Path, steps: int, cal4, only=FAULTS) -> dict:
+    tp_across = ["--tp", "2", "--dp", "2", "--order", "dp-tp-cp-ep-pp"]
+    res: dict = {}
+    fab = fabric("two-nodes")
+    topo = planned_topology(fab, cal4)
+    if "half_rate" in only:
+        res["half_rate"] = _half_rate(out, steps, topo, tp_across)
+    if "lossy" in only:
+        res["lossy"] = _lossy(out, steps, topo, tp_across)
+    if "cut" in only:
+        res["cut"] = _cut(out, steps)
+    for name, fn in (("throttled", _throttled), ("frozen", _frozen), ("killed", _killed)):
+        if name in only:
+            res[name] = fn(out, steps)
+    return res
+
+
+def _lossy(out: Path, steps: int, topo, argv: list[str]) -> dict:
+    """Every node-to-node path 5 ms longer and losing 1% of its frames (`Fabric.impair_paths`), then 5 ms
+    alone, against relays that add nothing (what the relays cost is the emulator's, measured apart): the
+    measured slowdowns against the planner's with the leaf tier's latency raised by the same 5 ms."""
     from fivefold.plan.topology import Topology
 
+    runs = {"relay": (0.0, 0.0), "latency": (EXTRA_LATENCY_S, 0.0), "lossy": (EXTRA_LATENCY_S, LOSS)}
+    res, m = {}, {}
+    for name, impair in runs.items():
+        r = run_case("two-nodes", 2, argv, out / name, steps, impair=impair)
+        m[name] = measured(out / name, r)
+        wires = r["wires"].values()
+        res[f"{name}_wires"] = {k: sum(sum(w[k]) for w in wires) for k in ("relayed", "dropped", "send_errors",
+                                                                            "socket_drops")}
+    long_topo = Topology(topo.name, topo.accelerator, (topo.tiers[0], dataclasses.replace(
+        topo.tiers[1], latency=topo.tiers[1].latency + EXTRA_LATENCY_S)), backend="gloo")
+    planned = plan(m["latency"]["config"], long_topo)["step_s"] - plan(m["relay"]["config"], topo)["step_s"]
+    losses = {name: [x["loss"] for x in metrics(out / name)] for name in runs}
+    res.update({name: m[name]["step_s"] for name in runs})
+    res.update({"planned_slowdown_s": planned,
+                "latency_measured_slowdown_s": m["latency"]["step_s"] - m["relay"]["step_s"],
+                "lossy_measured_slowdown_s": m["lossy"]["step_s"] - m["relay"]["step_s"],
+                "losses_equal": losses["lossy"] == losses["relay"] == losses["latency"]})
+    res["latency_planned_over_measured"] = planned / res["latency_measured_slowdown_s"]
+    res["lossy_planned_over_measured"] = planned / res["lossy_measured_slowdown_s"]
+    w = res["lossy_wires"]
+    res["drop_rate_per_link"] = w["dropped"] / max(1, w["relayed"] + w["dropped"])
+    return res
+
+
+def _half_rate(out: Path, steps: int, topo, argv: list[str]) -> dict:
+    """Node 1's link at half rate: the measured slowdown against the planner's with that tier at half bandwidth."""
+    from fivefold.plan.topology import Topology
+
+    clean = run_case("two-nodes", 2, argv, out / "clean", steps)
+    m_clean = measured(out / "clean", clean)
+    p_clean = plan(m_clean["config"], topo)
+
+    def slow(fab, agents):
+        fab.shape(fab.link("node1"), rate_scale=0.5)
+
+    half = run_case("two-nodes", 2, argv, out / "half", steps, during=slow)
+    slow_topo = Topology(topo.name, topo.accelerator, (topo.tiers[0], dataclasses.replace(
+        topo.tiers[1], bandwidth=topo.tiers[1].bandwidth / 2)), backend="gloo")
+    m_half = measured(out / "half", half)
+    p_half = plan(m_half["config"], slow_topo)
+    return {"measured_slowdown": m_half["step_s"] / m_clean["step_s"],
+            "planned_slowdown": p_half["step_s"] / p_clean["step_s"],
+            "measured_s": [m_clean["step_s"], m_half["step_s"]], "planned_s": [p_clean["step_s"], p_half["step_s"]]}
+
+
+def _cut(out: Path, steps: int) -> dict:
     dp4 = ["--dp", "4"]
-    res: dict = {}
-    # a cut link
     cut_at = []
 
     def cut(fab, agents):
@@ -184,33 +252,22 @@ def faults(out: Path, steps: int, cal4) -> dict:
     r = run_case("two-nodes", 2, dp4, out / "cut", steps + 20, during=cut,
                  extra=["--timeout", "15", "--set", "train.checkpoint=true", "--set", "train.checkpoint_every=2"])
     stops = [t for t, _, line in r["lines"] if "made no progress" in line]
-    res["cut"] = {"watchdog_s": 15, "ranks_stopped": len(stops), "last_stop_after_cut_s": max(stops) - cut_at[0],
-                  "job_ended_after_cut_s": r["wall_s"] - (cut_at[0] - (time.monotonic() - r["wall_s"])),
-                  "line": next((line for _, _, line in r["lines"] if "made no progress" in line), "")}
-    # node 1's link at half rate: the measured slowdown against the planner's with that tier at half bandwidth
-    clean = run_case("two-nodes", 2, ["--tp", "2", "--dp", "2", "--order", "dp-tp-cp-ep-pp"], out / "clean", steps)
+    return {"watchdog_s": 15, "ranks_stopped": len(stops), "last_stop_after_cut_s": max(stops) - cut_at[0],
+            "job_ended_after_cut_s": r["wall_s"] - (cut_at[0] - (time.monotonic() - r["wall_s"])),
+            "line": next((line for _, _, line in r["lines"] if "made no progress" in line), "")}
 
-    def slow(fab, agents):
-        fab.shape(fab.link("node1"), rate_scale=0.5)
 
-    half = run_case("two-nodes", 2, ["--tp", "2", "--dp", "2", "--order", "dp-tp-cp-ep-pp"], out / "half", steps,
-                    during=slow)
-    fab = fabric("two-nodes")
-    topo = planned_topology(fab, cal4)
-    slow_topo = Topology(topo.name, topo.accelerator, (topo.tiers[0], dataclasses.replace(
-        topo.tiers[1], bandwidth=topo.tiers[1].bandwidth / 2)), backend="gloo")
-    m_clean, m_half = measured(out / "clean", clean), measured(out / "half", half)
-    p_clean, p_half = plan(m_clean["config"], topo), plan(m_half["config"], slow_topo)
-    res["half_rate"] = {"measured_slowdown": m_half["step_s"] / m_clean["step_s"],
-                        "planned_slowdown": p_half["step_s"] / p_clean["step_s"],
-                        "measured_s": [m_clean["step_s"], m_half["step_s"]], "planned_s": [p_clean["step_s"], p_half["step_s"]]}
-    # node 1's CPU throttled to a fifth of a core: the straggler named
+def _throttled(out: Path, steps: int) -> dict:
+    """Node 1's CPU throttled to a fifth of a core: the straggler named."""
+    dp4 = ["--dp", "4"]
     throttled = run_case("two-nodes", 2, dp4, out / "throttled", steps, during=lambda fab, agents: fab.throttle(1, 0.2))
     named = [m.get("slowest_node") for m in metrics(out / "throttled")[1:]]
-    res["throttled"] = {"steps": len(named), "named_node_1": sum(n == 1 for n in named),
-                        "wall_s": throttled["wall_s"]}
+    return {"steps": len(named), "named_node_1": sum(n == 1 for n in named),
+            "wall_s": throttled["wall_s"]}
 
-    # node 1 frozen
+
+def _frozen(out: Path, steps: int) -> dict:
+    dp4 = ["--dp", "4"]
     frozen_at = []
 
     def freeze(fab, agents):
@@ -220,9 +277,12 @@ def faults(out: Path, steps: int, cal4) -> dict:
 
     fr = run_case("two-nodes", 2, dp4, out / "frozen", steps + 20, during=freeze, extra=["--timeout", "15"])
     stops = [(t, line) for t, node, line in fr["lines"] if "made no progress" in line and node == 0]
-    res["frozen"] = {"node0_ranks_stopped": len(stops), "last_stop_after_freeze_s": max(t for t, _ in stops) - frozen_at[0]
-                     if stops else None, "line": stops[0][1] if stops else ""}
-    # node 1's ranks killed: torchrun restarts every worker and the job resumes from its checkpoint
+    return {"node0_ranks_stopped": len(stops), "last_stop_after_freeze_s": max(t for t, _ in stops) - frozen_at[0]
+            if stops else None, "line": stops[0][1] if stops else ""}
+
+
+def _killed(out: Path, steps: int) -> dict:
+    """Node 1's ranks killed: torchrun restarts every worker and the job resumes from its checkpoint."""
     import os
     import signal
     import subprocess
@@ -235,15 +295,41 @@ def faults(out: Path, steps: int, cal4) -> dict:
             if pid != agent and pid != fab.holders[fab.node_ns[1]].pid and _is_rank(pid):
                 os.kill(pid, signal.SIGKILL)
 
+    dp4 = ["--dp", "4"]
     killed = run_case("two-nodes", 2, dp4, out / "killed", steps, during=kill, max_restarts=1,
                       extra=["--set", "train.checkpoint=true", "--set", "train.checkpoint_every=2", "--resume", "auto",
                              "--timeout", "30"])
     ref = run_case("two-nodes", 2, dp4, out / "uninterrupted", steps)
     lk = {m["step"]: m["loss"] for m in metrics(out / "killed")}
     lr = {m["step"]: m["loss"] for m in metrics(out / "uninterrupted")}
-    res["killed"] = {"returncode": killed["returncode"], "steps": max(lk) if lk else 0,
-                     "losses_equal_uninterrupted": lk == lr, "wall_s": killed["wall_s"], "uninterrupted_wall_s": ref["wall_s"]}
-    return res
+    return {"returncode": killed["returncode"], "steps": max(lk) if lk else 0,
+            "losses_equal_uninterrupted": lk == lr, "wall_s": killed["wall_s"], "uninterrupted_wall_s": ref["wall_s"]}
+
+
+def latency_hops(added_s: float = 0.010) -> dict:
+    """Each collective's one-way latencies: its median seconds with `added_s` on every node-to-node path
+    less without, over `added_s` (benchmarks/latency_probe.py on two nodes of two ranks), beside what
+    comm/volume.py's `latency_hops` counts for gloo."""
+    import re
+
+    from fivefold.comm.volume import latency_hops as counted
+    from fivefold.tools.cluster import run_on_fabric
+
+    seconds = {}
+    for added in (0.0, added_s):
+        r = run_on_fabric(str(FABRICS / "two-nodes.toml"), 2, [sys.executable, str(Path(__file__).with_name(
+            "latency_probe.py"))], fivefold=False, overhead_bytes=0, impair=(added, 0.0), timeout_s=600)
+        m = re.search(r"PROBE (\{.*\})", "".join(r["outputs"]))
+        if not m:
+            raise RuntimeError("latency probe failed: " + "".join(r["outputs"])[-2000:])
+        seconds[added] = json.loads(m.group(1))
+    rows = {}
+    for key, base in seconds[0.0].items():
+        group, op, nbytes = key.split("/")
+        n = 2 if group == "pair" else 4
+        rows[key] = {"hops": (seconds[added_s][key] - base) / added_s, "counted": counted(op, n, "gloo"),
+                     "clean_s": base, "added_s": seconds[added_s][key]}
+    return rows
 
 
 def _is_rank(pid: int) -> bool:
@@ -259,6 +345,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--only", help="comma-separated case names")
     ap.add_argument("--no-faults", action="store_true")
+    ap.add_argument("--latency-hops", action="store_true", help="only measure each gloo collective's latency "
+                    "hops (10 ms added to the path between two nodes) against comm/volume.py's counts")
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--quick-calibration", action="store_true")
     ap.add_argument("--reuse-calibration", action="store_true", help="plan with OUT/local-cpu-N.toml where present")
     ap.add_argument("--out", default="runs/network")
@@ -271,6 +360,14 @@ def main() -> int:
         return 0 if a.smoke else 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.latency_hops:
+        rows = latency_hops()
+        print("| group | op | message | measured hops | counted (latency_hops) |\n|---|---|---|---|---|")
+        for key, r in rows.items():
+            group, op, nbytes = key.split("/")
+            print(f"| {group} | {op} | {nbytes} B | {r['hops']:.2f} | {r['counted']} |")
+        (out / "latency_hops.json").write_text(json.dumps(rows, indent=1))
+        return 0
     cases = {k: v for k, v in CASES.items() if not a.only or k in a.only.split(",")}
     cals = {}
     rows = []
@@ -300,7 +397,7 @@ def main() -> int:
         four = out / "local-cpu-4.toml"
         result["faults"] = faults(out / "faults", a.steps, cals.get(4) or (
             load_topology(str(four)) if a.reuse_calibration and four.is_file() else
-            calibrated(4, a.quick_calibration, four, 1.0)))
+            calibrated(4, a.quick_calibration, four, 1.0)), only=a.faults.split(","))
         print(json.dumps(result["faults"], indent=1))
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     return 0

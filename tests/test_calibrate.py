@@ -64,7 +64,8 @@ def test_a_layers_collectives_are_fitted_from_real_tp_steps(calibrated):
 
 def test_tp_step_rows_by_hand():
     """Per probe config and op: the step's calls × hops, its bytes, and the median over steps of the
-    slowest rank's seconds (all_reduce over 2 ranks: 2 hops a call; all_gather: 1)."""
+    slowest rank's seconds (gloo over 2 ranks, comm/volume.py latency_hops: all_reduce 4 hops a call, two
+    ring steps each a ready-notice and the data; all_gather 2)."""
     def config(*steps):
         return {"sp": "megatron", "seq": 32, "steps": list(steps)}
     per_rank = [[config({"all_reduce": (10, 4e6, 0.020), "all_gather": (4, 1e6, 0.009)},
@@ -74,8 +75,8 @@ def test_tp_step_rows_by_hand():
                         {"all_reduce": (10, 4e6, 0.010), "all_gather": (4, 1e6, 0.006)},
                         {"all_reduce": (10, 4e6, 0.011), "all_gather": (4, 1e6, 0.004)})]]
     rows = tp_step_rows(per_rank, 2)
-    assert rows["all_reduce"] == [(20.0, 4e6, pytest.approx(0.025))]    # slowest: 25, 30, 12 ms
-    assert rows["all_gather"] == [(4.0, 1e6, pytest.approx(0.006))]     # slowest: 9, 6, 5 ms
+    assert rows["all_reduce"] == [(40.0, 4e6, pytest.approx(0.025))]    # slowest: 25, 30, 12 ms
+    assert rows["all_gather"] == [(8.0, 1e6, pytest.approx(0.006))]     # slowest: 9, 6, 5 ms
     # two configs of exact model times give back the model's latency and bandwidth
     alpha, bw = 700e-6, 0.4e9
     exact = [(h, b, h * alpha + b / bw) for h, b in ((20.0, 1.3e6), (20.0, 10.5e6))]

@@ -52,6 +52,8 @@ ProcessGroupGloo and gloo's allreduce.cc, allgather.cc, alltoall(v).cc; NCCL's d
 """
 from __future__ import annotations
 
+import math
+
 BACKENDS = ("gloo", "nccl")
 # op -> (the algorithm a backend runs for it, the ring's direction: group rank i sends to i + step)
 ALGORITHMS = {
@@ -115,6 +117,33 @@ def bytes_sent(op: str, message_bytes: float, n: int, backend: str = "nccl", **k
     except KeyError:
         raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS + COPIES)}") from None
     return fn(message_bytes, n, **kw)
+
+
+def latency_hops(op: str, n: int, backend: str = "nccl") -> float:
+    """One-way network latencies one call of `op` on n ranks waits for, one after another (the alpha term of
+    Thakur et al. 2005), for the algorithm `backend` runs:
+
+    - NCCL: all-reduce the better of a ring's 2(n-1) steps and a tree's 2·log2(n) (it picks a tree for small
+      messages across nodes); all-gather, reduce-scatter and pairwise all-to-all n-1; a send 1.
+    - gloo: a message moves only once its receiver has posted the buffer and said so (gloo's TCP pair:
+      NOTIFY_RECV_READY, then the data), so a step whose receive is posted as it starts costs two
+      latencies: a send 2, all-gather's ring 2(n-1), the pairwise all-to-all 2 (every pair at once), the
+      all-reduce ring (and reduce-scatter, which is one on gloo) 3n - 2: 2(n-1) for the reduce-scatter
+      half, then n-1 for the all-gather half whose receives were posted ahead, and one more.
+      Measured with `benchmarks/network.py --latency-hops` (two nodes of two ranks, 10 ms added to the path
+      between them, 64-byte messages, median of 12 calls): send 2.12, all-to-all 2.10 (n=2) and 1.90 (n=4),
+      all-gather 2.09 and 6.00, all-reduce 4.01 and 10.03, reduce-scatter 4.18 and 10.35.
+    A recv waits on its send's hops and adds none."""
+    if n <= 1 and op != "send":
+        return 0.0
+    if op == "recv":
+        return 0.0
+    if backend == "gloo":
+        return {"all_reduce": 3 * n - 2, "reduce_scatter": 3 * n - 2, "all_gather": 2 * (n - 1),
+                "all_to_all": 2, "send": 2}[op]
+    if op == "all_reduce":
+        return min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
+    return {"all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1, "send": 1}[op]
 
 
 def peer_bytes(op: str, message_bytes: float, n: int, index: int, backend: str = "nccl",

@@ -66,7 +66,8 @@ from .units import (block_tensors, candidate_stages, mtp_blocks, root_tensors, s
 from .models import PlanModel
 from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology
-from .traffic import VOLUME, Flow, group_block_of, layer_flows, place, ring_flows, stage_flows
+from ..comm import volume
+from .traffic import Flow, group_block_of, layer_flows, place, ring_flows, stage_flows
 
 SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode", "offload")
 OFFLOADS = ("cpu", "nvme")   # tried in this order, per structure, when nothing fits the device
@@ -365,11 +366,12 @@ class _Bound:
         block = group_block_of(probe.tp, probe.pp, probe.dp, probe.cp, probe.ep, group, self.order)
         key = (group, n, op, block)
         if key not in self.rates:
-            per_byte, per_call = (place([Flow("dp", op, group, n, calls=c, bytes_sent=b)], probe, self.topo)[0].seconds
+            per_byte, per_call = (place([Flow("dp", op, group, n, calls=c, bytes_sent=b, backend=self.work.backend)],
+                                        probe, self.topo)[0].seconds
                                   for c, b in ((0, 1.0), (1, 0.0)))
             self.rates[key] = per_byte, per_call
         per_byte, per_call = self.rates[key]
-        return VOLUME[op](message, n) * per_byte + calls * per_call
+        return volume.bytes_sent(op, message, n, self.work.backend) * per_byte + calls * per_call
 
     def __call__(self, structure: tuple, sp: _Space) -> tuple[float, dict | None]:
         """(bound of the structure, bound per (vpp, micro-batch) or None: examine every one), the

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from ..comm import volume
 from ..comm.volume import BACKENDS
 from ..config import ConfigError
 
@@ -330,16 +331,10 @@ def load_topology(spec: str | Topology) -> Topology:
     raise ConfigError(f"unknown topology {spec!r}; known topologies: {', '.join(TOPOLOGIES)} (or nodes:K, or a .toml file)")
 
 
-def collective_latency(op: str, n: int, latency: float) -> float:
-    """Latency term (alpha) of one call (Thakur et al. 2005): all-reduce the better of a ring's 2(n-1)
-    hops and a tree's 2·log2(n) (NCCL switches to trees for small messages), all-gather,
-    reduce-scatter and pairwise all-to-all n-1 hops, point-to-point 1."""
-    if n <= 1 and op != "send":
-        return 0.0
-    if op == "all_reduce":
-        return min(2 * (n - 1), 2 * math.ceil(math.log2(n))) * latency
-    hops = {"all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1, "send": 1, "recv": 0}[op]
-    return hops * latency
+def collective_latency(op: str, n: int, latency: float, backend: str = "nccl") -> float:
+    """Latency term (alpha) of one call: `latency` times the hops the backend's algorithm waits for
+    (comm/volume.py `latency_hops`)."""
+    return volume.latency_hops(op, n, backend) * latency
 
 
 def group_bandwidth(topo: "Topology", tier_index: int, op: str, n: int, block: int) -> float:

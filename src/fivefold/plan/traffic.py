@@ -105,6 +105,7 @@ class Flow:
     route: tuple = ()          # "routed": (max nodes per token, rows per token) for `place` to split
     width: int = 0             # a sub-group's run length (its spec's `width`: the Ulysses degree for
                                # cp_ulysses / cp_ring, kv_replicas for tp_kv), which places it (`place`)
+    backend: str = "nccl"      # whose algorithm runs it: its bytes (Flows) and latency hops (`place`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,7 +132,7 @@ class Flows:
             key = (dim, op, part, group)               # summed over dp·cp and over pp): a row of its own,
             row = self.rows.get(key)                   # placed on that group's tier
         if row is None:
-            row = self.rows[key] = Flow(dim, op, group, n, part=part, route=route, width=width)
+            row = self.rows[key] = Flow(dim, op, group, n, part=part, route=route, width=width, backend=self.backend)
         row.calls += int(calls)
         row.message_bytes += calls * message_bytes
         row.bytes_sent += calls * self.sent(op, message_bytes, n)
@@ -142,7 +143,7 @@ class Flows:
             return
         row = self.rows.get((dim, op))
         if row is None:
-            row = self.rows[(dim, op)] = Flow(dim, op, group, n)
+            row = self.rows[(dim, op)] = Flow(dim, op, group, n, backend=self.backend)
         row.calls += int(calls)
         row.message_bytes += total_message_bytes
         row.bytes_sent += self.sent(op, total_message_bytes, n)
@@ -681,7 +682,7 @@ def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None =
             p.tier = tier.name
             latency, own = tier.fit(p.op)
             bw = group_bandwidth(topo, i, p.op, p.n, block) * own / tier.bandwidth
-            p.seconds = p.bytes_sent / bw + p.calls * collective_latency(p.op, p.n, latency)
+            p.seconds = p.bytes_sent / bw + p.calls * collective_latency(p.op, p.n, latency, p.backend)
             out.append(p)
     return out
 

@@ -40,7 +40,7 @@ figures are then the median over repetitions and over ranks; collectives as in 2
    A call's time is the mean over a block of calls (a step pays the mean; single calls are bimodal), per
    repetition the slowest rank's, then the median over repetitions. The times are fitted by the
    planner's own model, t = hops · alpha + bytes_sent / bandwidth, with
-   hops = `topology.collective_latency(op, N, 1)` and bytes_sent = `comm.volume.bytes_sent(op, S, N, "gloo")`
+   hops = `topology.collective_latency(op, N, 1, "gloo")` and bytes_sent = `comm.volume.bytes_sent(op, S, N, "gloo")`
    (so bandwidth is per-rank bytes/s in the units the planner divides by), by least squares on the
    relative error (the sizes span four decades): jointly over every op for the tier's `latency_us` and
    `bandwidth_gbps`, and per op for the tier's `ops` table (the planner's fit for that op). Every raw
@@ -360,7 +360,7 @@ def tp_step_rows(per_rank: list[list[dict]], world: int) -> dict[str, list[tuple
                 continue
             calls, sent, _ = steps[0][0]
             seconds = statistics.median(max(row[2] for row in ranks) for ranks in steps)
-            out.setdefault(op, []).append((calls * collective_latency(op, world, 1.0), sent, seconds))
+            out.setdefault(op, []).append((calls * collective_latency(op, world, 1.0, "gloo"), sent, seconds))
     return out
 
 
@@ -658,7 +658,7 @@ def _comm_summary(per_rank: list[dict], world: int, regime: int) -> dict:
             message = row[0]
             reps = zip(*(r["comm"][op][i][regime] for r in per_rank))
             seconds = max(statistics.median(max(rep) for rep in reps), 1e-5)   # noise floor
-            table.append((message, collective_latency(op, world, 1.0), volume.bytes_sent(op, message, world, "gloo"),
+            table.append((message, collective_latency(op, world, 1.0, "gloo"), volume.bytes_sent(op, message, world, "gloo"),
                           seconds))
         out[op] = table
     return out

@@ -53,6 +53,7 @@ from ..comm.autograd import (GatherRows, ScatterRows, copy_to_tensor_region, gat
                              reduce_from_tensor_region, reduce_scatter_sequence)
 from ..model.latent_attention import LatentAttention
 from ..model.moe import MoE
+from ..model.transformer import IGNORE_INDEX
 from ..model.transformer import Dropout, Transformer
 from ..shapes import padded_vocab
 from .dimension import ShardedState
@@ -213,11 +214,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor, group: Group,
                             vocab_start: int, vocab: int) -> torch.Tensor:
     """Sum of token cross-entropies (fp32; fp64 for fp64 models), as `model.loss_sum` but for logits
-    split by vocabulary; every rank of the group gets the same value."""
+    split by vocabulary; every rank of the group gets the same value. Targets of IGNORE_INDEX (-100, a loss
+    mask's context tokens) add nothing and get no gradient, as F.cross_entropy's."""
     logits_bsv = logits_bsv if logits_bsv.dtype == torch.float64 else logits_bsv.float()
-    loss_t = VocabParallelCrossEntropy.apply(logits_bsv.flatten(0, 1), targets_bs.flatten(), group,
-                                             vocab_start, vocab)
-    return loss_t.sum()
+    targets_t = targets_bs.flatten()
+    loss_t = VocabParallelCrossEntropy.apply(logits_bsv.flatten(0, 1), targets_t, group, vocab_start, vocab)
+    return torch.where(targets_t == IGNORE_INDEX, 0.0, loss_t).sum()
 
 
 # -- sharding a model ---------------------------------------------------------------------------

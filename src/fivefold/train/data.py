@@ -52,8 +52,10 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+from ..model.transformer import IGNORE_INDEX
 from ..tokenizer import ByteTokenizer, Tokenizer, file_digest, load_tokenizer
-from .tokenize import TokenFile, header_digest, is_token_file, open_token_file, read_offsets, token_dtype
+from .tokenize import (TABLE_SUFFIXES, JSONL_SUFFIXES, TokenFile, header_digest, is_token_file, open_loss_mask,
+                       open_token_file, read_offsets, token_dtype)
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -111,6 +113,10 @@ def file_tokens(f: Path, budget: int | None = None, tokenizer: Tokenizer | None 
     must have been made with (None: not checked)."""
     if not f.exists():
         raise ConfigError(f"data file {str(f)!r} does not exist; pass --data FILE ({FORMATS})")
+    if f.is_dir() or f.name.lower().removesuffix(".gz").endswith(JSONL_SUFFIXES + TABLE_SUFFIXES):
+        raise ConfigError(f"data {str(f)!r} holds records, not text or tokens: tokenize it first, e.g. fivefold "
+                          f"tokenize {f} --tokenizer TOKENIZER --out {f.name.split('.')[0]}.bin [--format chat|"
+                          f"prompt-completion], then --data {f.name.split('.')[0]}.bin")
     if not f.is_file():
         raise ConfigError(f"data file {str(f)!r} is not a file; pass --data FILE ({FORMATS})")
     try:
@@ -207,22 +213,43 @@ def read_tokens(paths: list[str | Path] | None = None, limit_mb: float = 8.0, vo
     return read_corpus(paths, limit_mb, vocab, tokenizer)[0]
 
 
+class Ones:
+    """A loss mask of `n` ones (a file without one, beside files with one): every target counts."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        return np.ones(len(range(*index.indices(self.n))), dtype=np.uint8)
+
+
 def read_corpus(paths: list[str | Path] | None = None, limit_mb: float = 8.0, vocab: int | None = None,
                 tokenizer: Tokenizer | None = None, documents: bool = False) -> tuple:
     """(`read_tokens`'s tokens, where documents start in them: sorted int64 offsets, or None unless
-    `documents`). A file without document boundaries (raw, .npy) is a ConfigError then."""
-    parts, starts, base = [], [], 0
+    `documents`; the loss mask: one uint8 a token, 1 where the loss counts, from the token files of
+    instruction data (`fivefold tokenize --format chat|prompt-completion`), ones for the other files,
+    None when no file has one). A file without document boundaries (raw, .npy) is a ConfigError with
+    `documents`."""
+    parts, starts, masks, base = [], [], [], 0
     for f, part in iter_tokens(paths, limit_mb, tokenizer):
         if vocab is not None:
             check_token_ids(part, vocab, f)
         if documents:
             starts.append(file_document_starts(f) + base)
         parts.append(part)
+        masks.append(open_loss_mask(f) if is_token_file(f) else None)
         base += len(part)
     starts = np.concatenate(starts) if documents else None
+    mask = None
+    if any(m is not None for m in masks):
+        filled = [m if m is not None else Ones(len(p)) for m, p in zip(masks, parts)]
+        mask = filled[0] if len(filled) == 1 else Joined(filled)
     if len(parts) == 1:
-        return parts[0], starts
-    return (Joined(parts) if any(isinstance(p, TokenFile) for p in parts) else np.concatenate(parts)), starts
+        return parts[0], starts, mask
+    return (Joined(parts) if any(isinstance(p, TokenFile) for p in parts) else np.concatenate(parts)), starts, mask
 
 
 def file_document_starts(f: Path) -> np.ndarray:
@@ -305,6 +332,8 @@ def check_data(train: TrainConfig, vocab: int) -> int:
             check_token_ids(part, vocab, f)
             if train.document_mask:
                 file_document_starts(f)
+            if is_token_file(f):
+                open_loss_mask(f, verify=True)
             n += len(part)
         check_length(n, train.seq_len)
         total += n
@@ -338,10 +367,12 @@ def make_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = Non
     if mixture:
         return MixtureBatches([source_batches(train, f, vocab, i) for i, (f, _) in enumerate(mixture)],
                               [w for _, w in mixture], [f for f, _ in mixture], train.seed)
-    corpus, starts = read_corpus(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train), train.document_mask)
+    corpus, starts, mask = read_corpus(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train),
+                                       train.document_mask)
     kind = ShuffledBatches if uses_token_files(train) else Batches
     part = split_corpus(corpus, train.eval_fraction)[0]
-    return kind(part, train.seq_len, train.global_batch, train.seed, starts=starts_within(starts, 0, len(part)))
+    return kind(part, train.seq_len, train.global_batch, train.seed, starts=starts_within(starts, 0, len(part)),
+                mask=None if mask is None else split_corpus(mask, train.eval_fraction)[0])
 
 
 def one_document(train: TrainConfig) -> np.ndarray | None:
@@ -360,9 +391,10 @@ def split_corpus(tokens, fraction: float) -> tuple:
 
 
 def eval_corpus(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None):
-    """(tokens, document starts) evaluations read: the files train.eval_data (read like train.data, ids
-    checked), or the held-out tail of the training corpus (train.eval_fraction; `tokens` stands for that
-    corpus when given); None when neither is set. Starts are None without train.document_mask."""
+    """(tokens, document starts, loss mask) evaluations read: the files train.eval_data (read like
+    train.data, ids checked), or the held-out tail of the training corpus (train.eval_fraction; `tokens`
+    stands for that corpus when given); None when neither is set. Starts are None without
+    train.document_mask, the mask None without instruction data."""
     docs = train.document_mask
     if train.eval_data:
         return read_corpus(train.eval_data, train.data_limit_mb, vocab, run_tokenizer_of(train), docs)
@@ -372,29 +404,33 @@ def eval_corpus(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None
     if mixture:   # each source's held-out tail
         tails = [held_out(*read_corpus([f], train.data_limit_mb, vocab, run_tokenizer_of(train), docs),
                           train.eval_fraction) for f, _ in mixture]
-        joined = Joined([t for t, _ in tails])
-        starts = (np.concatenate([s + lo for (_, s), lo in zip(tails, joined.starts[:-1])]) if docs else None)
-        return joined, starts
+        joined = Joined([t for t, _, _ in tails])
+        starts = (np.concatenate([s + lo for (_, s, _), lo in zip(tails, joined.starts[:-1])]) if docs else None)
+        mask = (Joined([m if m is not None else Ones(len(t)) for t, _, m in tails])
+                if any(m is not None for _, _, m in tails) else None)
+        return joined, starts, mask
     if tokens is None:
         return held_out(*read_corpus(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train), docs),
                         train.eval_fraction)
-    return held_out(tokens, one_document(train), train.eval_fraction)
+    return held_out(tokens, one_document(train), None, train.eval_fraction)
 
 
-def held_out(tokens, starts, fraction: float) -> tuple:
-    """(the held-out tail of `tokens`, its document starts)."""
+def held_out(tokens, starts, mask, fraction: float) -> tuple:
+    """(the held-out tail of `tokens`, its document starts, its loss mask)."""
     tail = split_corpus(tokens, fraction)[1]
-    return tail, starts_within(starts, tail.lo, tail.hi)
+    return tail, starts_within(starts, tail.lo, tail.hi), None if mask is None else split_corpus(mask, fraction)[1]
 
 
 def source_batches(train: TrainConfig, file: str, vocab: int, index: int) -> "Batches":
     """One mixture source's batches, as a run on that file alone would draw them (its held-out tail left
     out), from its own seed (train.seed + SOURCE_SEED_STRIDE · index)."""
-    tokens, starts = read_corpus([file], train.data_limit_mb, vocab, run_tokenizer_of(train), train.document_mask)
+    tokens, starts, mask = read_corpus([file], train.data_limit_mb, vocab, run_tokenizer_of(train),
+                                       train.document_mask)
     corpus = split_corpus(tokens, train.eval_fraction)[0]
     kind = ShuffledBatches if is_token_file(Path(file)) else Batches
     return kind(corpus, train.seq_len, train.global_batch, train.seed + SOURCE_SEED_STRIDE * index,
-                starts=starts_within(starts, 0, len(corpus)))
+                starts=starts_within(starts, 0, len(corpus)),
+                mask=None if mask is None else split_corpus(mask, train.eval_fraction)[0])
 
 
 def make_eval_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None) -> "EvalBatches | None":
@@ -402,7 +438,7 @@ def make_eval_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None 
     corpus = eval_corpus(train, vocab, tokens)
     if corpus is None:
         return None
-    return EvalBatches(corpus[0], train.seq_len, train.global_batch, train.eval_tokens, corpus[1])
+    return EvalBatches(corpus[0], train.seq_len, train.global_batch, train.eval_tokens, corpus[1], corpus[2])
 
 
 def check_eval_data(train: TrainConfig, vocab: int) -> int | None:
@@ -456,12 +492,13 @@ class Batches:
     """Layout-independent batches: `local(step, dp_rank, dp)` gives this rank's (inputs, targets)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, vocab: int | None = None,
-                 starts: np.ndarray | None = None):
+                 starts: np.ndarray | None = None, mask=None):
         check_length(len(tokens), seq_len)
         if vocab is not None:
             check_token_ids(tokens, vocab)
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.starts = starts   # where documents start in `tokens` (train.document_mask), or None
+        self.mask = mask       # the loss mask of `tokens` (instruction data: 1 where the loss counts), or None
 
     def offsets(self, step: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
@@ -471,7 +508,23 @@ class Batches:
         offs = self.offsets(step)[start:stop].tolist()
         win = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in offs])
         win_bs = torch.from_numpy(win)
-        return win_bs[:, :-1].contiguous(), win_bs[:, 1:].contiguous()
+        return win_bs[:, :-1].contiguous(), masked_targets(win_bs[:, 1:].contiguous(), self.mask_rows(offs))
+
+    @property
+    def masked(self) -> bool:
+        """Whether the loss skips some targets (instruction data's loss mask)."""
+        return self.mask is not None
+
+    def mask_rows(self, offs: list[int]) -> np.ndarray | None:
+        """(rows, seq_len) uint8: whether each target of the windows at `offs` counts (None: all do)."""
+        return None if self.mask is None else target_mask(self.mask, offs, self.seq_len)
+
+    def loss_tokens(self, step: int) -> int:
+        """The targets step `step`'s loss averages over (every rank's rows): all of them, or with a loss mask
+        those it keeps (at least 1, so a step whose rows hold no answer trains nothing)."""
+        if self.mask is None:
+            return self.tokens_per_step()
+        return max(1, int(self.mask_rows(self.offsets(step).tolist()).sum(dtype=np.int64)))
 
     def local(self, step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
         per = self.global_batch // dp
@@ -490,6 +543,23 @@ class Batches:
         return self.global_batch * self.seq_len
 
 
+def target_mask(mask, offs: list[int], seq_len: int) -> np.ndarray:
+    """(rows, seq_len) uint8 loss mask of the targets of the windows at `offs` (a window's targets are
+    its tokens 1 .. seq_len); a value other than 0 or 1 means the file changed under the run."""
+    m = np.stack([np.asarray(mask[o + 1:o + seq_len + 1], dtype=np.uint8) for o in offs])
+    if m.max(initial=0) > 1:
+        raise ConfigError("a loss mask holds values other than 0 and 1 (its file changed under the run); "
+                          "tokenize the data again")
+    return m
+
+
+def masked_targets(y_bs: torch.Tensor, mask_bs: np.ndarray | None) -> torch.Tensor:
+    """The targets with those the loss skips set to IGNORE_INDEX."""
+    if mask_bs is not None:
+        y_bs[torch.from_numpy(mask_bs == 0)] = IGNORE_INDEX
+    return y_bs
+
+
 def window_documents(starts: np.ndarray, offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
     """(rows, seq_len) int64: for windows of input tokens starting at `offsets`, each token's document
     counted from the window's first (0, then +1 at each document start after it)."""
@@ -504,8 +574,8 @@ class ShuffledBatches(Batches):
     once an epoch and step k depends on (seed, k, the data) alone."""
 
     def __init__(self, tokens, seq_len: int, global_batch: int, seed: int, vocab: int | None = None,
-                 starts: np.ndarray | None = None):
-        super().__init__(tokens, seq_len, global_batch, seed, vocab, starts)
+                 starts: np.ndarray | None = None, mask=None):
+        super().__init__(tokens, seq_len, global_batch, seed, vocab, starts, mask)
         self.windows = (len(tokens) - 1) // seq_len
 
     def offsets(self, step: int) -> torch.Tensor:
@@ -540,13 +610,32 @@ class MixtureBatches:
             u = j * np.uint64(GOLDEN) + self.key   # wraps mod 2**64
         return np.searchsorted(self.edges, u, side="right")
 
+    def picks(self, step: int, start: int, stop: int) -> list[tuple[int, int]]:
+        """(source, offset in it) of rows [start, stop) of step `step`."""
+        which = self.source_of(step * self.global_batch + start, stop - start).tolist()
+        offsets = {s: self.sources[s].offsets(step) for s in set(which)}
+        return [(s, int(offsets[s][start + i])) for i, s in enumerate(which)]
+
     def rows(self, step: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        which = self.source_of(step * self.global_batch + start, stop - start)
-        offsets = {s: self.sources[s].offsets(step) for s in set(which.tolist())}
-        win = np.stack([np.asarray(self.sources[s].tokens[o:o + self.seq_len + 1], dtype=np.int64)
-                        for s, o in ((s, int(offsets[s][start + i])) for i, s in enumerate(which.tolist()))])
+        picks = self.picks(step, start, stop)
+        win = np.stack([np.asarray(self.sources[s].tokens[o:o + self.seq_len + 1], dtype=np.int64) for s, o in picks])
         win_bs = torch.from_numpy(win)
-        return win_bs[:, :-1].contiguous(), win_bs[:, 1:].contiguous()
+        return win_bs[:, :-1].contiguous(), masked_targets(win_bs[:, 1:].contiguous(), self.mask_of(picks))
+
+    def mask_of(self, picks: list[tuple[int, int]]) -> np.ndarray | None:
+        """The rows' loss mask, each from its source's (ones for a source without one); None if none has."""
+        if all(src.mask is None for src in self.sources):
+            return None
+        return np.concatenate([target_mask(self.sources[s].mask if self.sources[s].mask is not None
+                                           else Ones(len(self.sources[s].tokens)), [o], self.seq_len) for s, o in picks])
+
+    @property
+    def masked(self) -> bool:
+        return any(src.mask is not None for src in self.sources)
+
+    def loss_tokens(self, step: int) -> int:
+        mask = self.mask_of(self.picks(step, 0, self.global_batch))
+        return self.tokens_per_step() if mask is None else max(1, int(mask.sum(dtype=np.int64)))
 
     def documents(self, step: int, start: int, stop: int) -> torch.Tensor:
         """Each row's document ids, from the source it was drawn from."""
@@ -576,14 +665,15 @@ class EvalBatches(Batches):
     layout. `count` batches cover about `eval_tokens` tokens: ceil(eval_tokens / (B·seq_len)) batches,
     at most as many as the data holds; fewer than one batch of windows is a ConfigError."""
 
-    def __init__(self, tokens, seq_len: int, global_batch: int, eval_tokens: int, starts: np.ndarray | None = None):
+    def __init__(self, tokens, seq_len: int, global_batch: int, eval_tokens: int, starts: np.ndarray | None = None,
+                 mask=None):
         windows = (len(tokens) - 1) // seq_len
         if windows < global_batch:
             raise ConfigError(f"the evaluation data has {len(tokens)} tokens, fewer than one global batch of "
                               f"windows (train.global_batch x train.seq_len + 1 = {global_batch * seq_len + 1}); "
                               f"add evaluation data or raise train.eval_fraction")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, 0
-        self.starts = starts
+        self.starts, self.mask = starts, mask
         self.count = min(-(-eval_tokens // (global_batch * seq_len)), windows // global_batch)
 
     def offsets(self, step: int) -> torch.Tensor:
@@ -593,6 +683,12 @@ class EvalBatches(Batches):
     def total_tokens(self) -> int:
         """Tokens one evaluation covers (its predicted targets)."""
         return self.count * self.tokens_per_step()
+
+    def loss_tokens_total(self) -> int:
+        """The targets one evaluation's loss averages over: all, or with a loss mask those it keeps."""
+        if self.mask is None:
+            return self.total_tokens()
+        return max(1, sum(int(self.mask_rows(self.offsets(b).tolist()).sum(dtype=np.int64)) for b in range(self.count)))
 
 
 def mix(*values: int) -> int:
@@ -639,3 +735,8 @@ class SyntheticBatches:
 
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+    masked = False
+
+    def loss_tokens(self, step: int) -> int:
+        return self.tokens_per_step()

@@ -45,7 +45,7 @@ from .signals import release_sigint, sigint_held
 
 FORMAT = "fivefold-tokens"
 VERSION = 1
-HEADER_SUFFIX, OFFSETS_SUFFIX = ".idx.json", ".idx.npy"
+HEADER_SUFFIX, OFFSETS_SUFFIX, MASK_SUFFIX = ".idx.json", ".idx.npy", ".mask"
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 TABLE_SUFFIXES = (".parquet", ".arrow")
 BATCH_CHARS = 1 << 20        # text handed to a worker at a time (about)
@@ -62,6 +62,10 @@ def header_path(data: str | Path) -> Path:
 
 def offsets_path(data: str | Path) -> Path:
     return Path(f"{data}{OFFSETS_SUFFIX}")
+
+
+def mask_path(data: str | Path) -> Path:
+    return Path(f"{data}{MASK_SUFFIX}")
 
 
 def is_token_file(data: str | Path) -> bool:
@@ -162,6 +166,39 @@ def open_token_file(data: str | Path, tokenizer: Tokenizer | None = None) -> tup
     return TokenFile(data, header["dtype"], header["tokens"]), header
 
 
+def open_loss_mask(data: str | Path, verify: bool = False) -> "TokenFile | None":
+    """The loss mask of token file `data` (instruction data: one uint8 a token, 1 where the loss counts), or
+    None when its header names none. Its size must be the header's token count; `verify` also holds its
+    bytes to the header's SHA-256 (read once, before any rank starts)."""
+    header = read_header(data)
+    claim = header.get("loss_mask")
+    if claim is None:
+        return None
+    path = mask_path(data)
+    if not isinstance(claim, dict) or not isinstance(claim.get("sha256"), str):
+        raise ConfigError(f"token file {data}: header's loss_mask is not {{trained, sha256}}; write it again with "
+                          f"fivefold tokenize --format chat|prompt-completion")
+    if not path.is_file() or path.is_symlink():
+        raise ConfigError(f"token file {data}: its header names a loss mask, and {path} is missing (or a link); "
+                          f"write it again with fivefold tokenize --format chat|prompt-completion")
+    if path.stat().st_size != header["tokens"]:
+        raise ConfigError(f"token file {data}: loss mask {path} has {path.stat().st_size} bytes for "
+                          f"{header['tokens']} tokens; write it again with fivefold tokenize")
+    if verify:
+        sha, ones = hashlib.sha256(), 0
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                sha.update(chunk)
+                bits = np.frombuffer(chunk, dtype=np.uint8)
+                if bits.max(initial=0) > 1:
+                    raise ConfigError(f"token file {data}: loss mask {path} holds values other than 0 and 1")
+                ones += int(bits.sum(dtype=np.int64))
+        if sha.hexdigest() != claim["sha256"] or ones != claim.get("trained"):
+            raise ConfigError(f"token file {data}: loss mask {path} does not match its header (SHA-256 or trained "
+                              f"count): write it again with fivefold tokenize")
+    return TokenFile(path, np.uint8, header["tokens"])
+
+
 def read_offsets(data: str | Path) -> np.ndarray:
     """The documents' start offsets plus the end (int64; loaded without pickle)."""
     return np.load(offsets_path(data), allow_pickle=False)
@@ -180,15 +217,30 @@ class TokenFileWriter:
         self.file = open(self.tmp, "wb")
         self.sha = hashlib.sha256()
         self.tokens, self.starts = 0, [0]
+        self.mask_file, self.mask_sha, self.trained = None, hashlib.sha256(), 0
 
-    def write(self, ids, doc_ends=()) -> None:
-        """Append `ids`; `doc_ends`: positions in `ids` where a document ends (after its last id)."""
+    def write(self, ids, doc_ends=(), mask=None) -> None:
+        """Append `ids`; `doc_ends`: positions in `ids` where a document ends (after its last id); `mask`:
+        1 for each id the loss counts, 0 for context (instruction data: every write carries one)."""
         arr = np.asarray(ids, dtype=self.dtype)
         data = arr.tobytes()
         self.file.write(data)
         self.sha.update(data)
         self.starts += [self.tokens + end for end in doc_ends]
         self.tokens += len(arr)
+        if mask is not None:
+            if self.mask_file is None:
+                if self.tokens != len(arr):
+                    raise ValueError("a loss mask must come with every write")
+                self.mask_file = open(self._mask_tmp(), "wb")
+            bits = np.asarray(mask, dtype=np.uint8)
+            assert len(bits) == len(arr) and bits.max(initial=0) <= 1
+            self.mask_file.write(bits.tobytes())
+            self.mask_sha.update(bits.tobytes())
+            self.trained += int(bits.sum())
+
+    def _mask_tmp(self) -> Path:
+        return self.tmp.with_name(self.tmp.name + ".mask")
 
     def end_document(self) -> None:
         self.starts.append(self.tokens)
@@ -196,6 +248,9 @@ class TokenFileWriter:
     def commit(self, **info) -> dict:
         """Finish: offsets and header written, everything renamed into place; returns the header."""
         self.file.close()
+        if self.mask_file is not None:
+            self.mask_file.close()
+            info["loss_mask"] = {"trained": self.trained, "sha256": self.mask_sha.hexdigest()}
         if self.starts[-1] != self.tokens:    # the last document was not closed
             self.starts.append(self.tokens)
         t = self.tokenizer
@@ -208,20 +263,26 @@ class TokenFileWriter:
         np.save(offsets_tmp, np.asarray(self.starts, dtype=np.int64), allow_pickle=False)
         header_tmp.write_text(json.dumps(header, indent=1) + "\n")
         header_path(self.out).unlink(missing_ok=True)   # --overwrite: the old file is never half-replaced
+        mask_path(self.out).unlink(missing_ok=True)
         self.tmp.replace(self.out)
         offsets_tmp.replace(offsets_path(self.out))
+        if self.mask_file is not None:
+            self._mask_tmp().replace(mask_path(self.out))
         header_tmp.replace(header_path(self.out))
         return header
 
     def abort(self) -> None:
         self.file.close()
-        for p in (self.tmp, self.tmp.with_name(self.tmp.name + ".npy"), self.tmp.with_name(self.tmp.name + ".json")):
+        if self.mask_file is not None:
+            self.mask_file.close()
+        for p in (self.tmp, self.tmp.with_name(self.tmp.name + ".npy"), self.tmp.with_name(self.tmp.name + ".json"),
+                  self._mask_tmp()):
             p.unlink(missing_ok=True)
 
 
 def check_outputs(out: Path, overwrite: bool) -> None:
     """Never write over a token file by accident; the output's folder is made when missing (not through a file)."""
-    taken = [p for p in (out, header_path(out), offsets_path(out)) if p.exists()]
+    taken = [p for p in (out, header_path(out), offsets_path(out), mask_path(out)) if p.exists()]
     if taken and not overwrite:
         raise ConfigError(f"--out {out}: {taken[0].name} exists; pass --overwrite to replace it or choose "
                           f"another --out")
@@ -370,6 +431,12 @@ def arrow_batches(path: Path):
 
 def datasets_rows(folder: Path, field: str) -> Iterator[str]:
     """The rows of a `datasets.Dataset.save_to_disk` folder: state.json's `_data_files`, in order."""
+    for path in datasets_files(folder):
+        yield from table_rows(path, field)
+
+
+def datasets_files(folder: Path) -> list[Path]:
+    """The Arrow files of a `datasets.Dataset.save_to_disk` folder, in order (state.json's `_data_files`)."""
     if (folder / "dataset_dict.json").is_file():
         splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
         raise ConfigError(f"input {folder} holds several splits ({', '.join(splits)}); give one split's folder, "
@@ -381,8 +448,34 @@ def datasets_rows(folder: Path, field: str) -> Iterator[str]:
     files = [f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
     if not files:
         raise ConfigError(f"input {folder}: state.json lists no _data_files")
-    for name in files:
-        yield from table_rows(folder / name, field)
+    return [folder / name for name in files]
+
+
+def records(path: Path, errors: str = "strict") -> Iterator[tuple[object, str]]:
+    """(record, where it is) for every record of a JSON-lines file, a Parquet / Arrow table (its rows as
+    dicts) or a datasets folder: instruction data (train/instructions.py)."""
+    kind = input_kind(path)
+    if kind == "jsonl":
+        for n, line in enumerate(utf8_lines(path, errors), 1):
+            if line.strip():
+                try:
+                    yield json.loads(line), f"input {path}:{n}"
+                except (ValueError, RecursionError):
+                    raise ConfigError(f"input {path}:{n}: not a JSON object (JSON lines: one object per line)") from None
+        return
+    if kind == "text":
+        raise ConfigError(f"input {path}: instruction data (--format chat | prompt-completion) comes as .jsonl, "
+                          f".parquet, .arrow or a datasets folder, one record a line or row")
+    for table in (datasets_files(path) if kind == "datasets" else [path]):
+        if table.name.lower().endswith(".parquet"):
+            batches = _pyarrow().parquet.ParquetFile(table).iter_batches(batch_size=ROWS)
+        else:
+            batches = arrow_batches(table)
+        row = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                yield record, f"input {table}: row {row}"
+                row += 1
 
 
 def batches(inputs: list[Path], field: str, errors: str = "strict") -> Iterator[tuple[list[str], list[bool]]]:
@@ -475,9 +568,13 @@ class Progress:
 
 def tokenize(inputs: list[str | Path], tokenizer_path: str | Path | None, out: str | Path, field: str = "text",
              workers: int = 1, overwrite: bool = False, progress: bool = True, errors: str = "strict",
-             eos: str = "", bos: str = "") -> dict:
+             eos: str = "", bos: str = "", fmt: str = "text", chat_template: str | Path | None = None) -> dict:
     """Tokenize the corpus `inputs` into token file `out` (module docstring); returns its header.
+    `fmt` "chat" or "prompt-completion": instruction records, with a loss mask (`instructions`).
     Interrupted or failed, it leaves nothing under `out`'s names (temporary files are removed)."""
+    if fmt != "text":
+        return tokenize_instructions(inputs, tokenizer_path, out, fmt, chat_template, overwrite, progress, errors,
+                                     eos, bos)
     paths = [Path(p) for p in inputs]
     if not paths:
         raise ConfigError("no inputs: give text, .jsonl, .parquet files or a datasets folder")
@@ -508,6 +605,53 @@ def tokenize(inputs: list[str | Path], tokenizer_path: str | Path | None, out: s
     return header
 
 
+def tokenize_instructions(inputs: list[str | Path], tokenizer_path: str | Path | None, out: str | Path, fmt: str,
+                          chat_template: str | Path | None = None, overwrite: bool = False, progress: bool = True,
+                          errors: str = "strict", eos: str = "", bos: str = "") -> dict:
+    """Instruction records -> a token file and its loss mask (OUT.mask: one byte a token, 1 where the loss
+    counts), one document a record. The chat template comes from `chat_template` (a Hugging Face folder),
+    else from the tokenizer's folder. One process."""
+    from .instructions import FORMATS, ChatTemplate, encode_record
+
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    paths = [Path(p) for p in inputs]
+    if not paths:
+        raise ConfigError("no inputs: give .jsonl, .parquet files or a datasets folder")
+    for p in paths:
+        if input_kind(p) == "text":
+            raise ConfigError(f"input {p}: instruction data (--format {fmt}) comes as .jsonl, .parquet, .arrow or "
+                              f"a datasets folder, one record a line or row")
+    template = None
+    if fmt == "chat":
+        folder = chat_template or (Path(tokenizer_path).parent if tokenizer_path else None)
+        if folder is None:
+            raise ConfigError("--format chat needs a chat template: --chat-template HF_FOLDER (or --tokenizer "
+                              "HF_FOLDER/tokenizer.json beside its tokenizer_config.json)")
+        template = ChatTemplate.from_folder(folder)
+    tokenizer = load_tokenizer(tokenizer_path, eos, bos)
+    writer = TokenFileWriter(out, tokenizer, overwrite)
+    bar = Progress(progress)
+    docs = chars = 0
+    try:
+        for p in paths:
+            for record, where in records(p, errors):
+                ids, mask = encode_record(fmt, record, where, tokenizer, template)
+                writer.write(ids, [len(ids)], mask)
+                docs += 1
+                chars += len(json.dumps(record, ensure_ascii=False))
+                bar.update(docs, writer.tokens, chars)
+        if not docs:
+            raise ConfigError(f"no records in {', '.join(map(str, paths))}")
+        header = writer.commit(inputs=[str(p) for p in paths], field=None, instructions=fmt,
+                               chat_template=template.name if template else None)
+    except BaseException:
+        writer.abort()
+        raise
+    bar.update(docs, header["tokens"], chars, final=True)
+    return header
+
+
 # -- the command -----------------------------------------------------------------------------------------
 def add_tokenize_args(ap) -> None:
     ap.add_argument("inputs", nargs="+", metavar="INPUT",
@@ -524,6 +668,13 @@ def add_tokenize_args(ap) -> None:
                     "(default: the first of <|endoftext|>, <|end_of_text|>, </s>, ... the vocabulary holds; none: no token)")
     ap.add_argument("--bos", default="", metavar="TOKEN", help="a start-of-text token put before each document "
                     "(default: none)")
+    ap.add_argument("--format", dest="fmt", choices=("text", "chat", "prompt-completion"), default="text",
+                    help="text: the --field of each record is a document; chat: records with \"messages\" rendered "
+                    "by a chat template, the loss on the assistant turns only; prompt-completion: records with "
+                    "\"prompt\" and \"completion\", the loss on the completion only (a loss mask OUT.mask)")
+    ap.add_argument("--chat-template", metavar="HF_FOLDER", help="the Hugging Face folder whose chat template "
+                    "renders --format chat (chat_template.jinja or tokenizer_config.json; default: the --tokenizer's "
+                    "folder)")
     ap.add_argument("--errors", choices=("strict", "replace"), default="strict", help="bytes that are not UTF-8 "
                     "in text and JSON-lines inputs: strict (an error naming the file and byte offset) or replace "
                     "(U+FFFD)")
@@ -534,10 +685,13 @@ def cmd_tokenize(args) -> int:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     try:
         h = tokenize(args.inputs, args.tokenizer, args.out, args.field, args.workers, args.overwrite,
-                     errors=args.errors, eos=args.eos, bos=args.bos)
+                     errors=args.errors, eos=args.eos, bos=args.bos, fmt=args.fmt, chat_template=args.chat_template)
     except KeyboardInterrupt:   # Ctrl-C: the temporary files are gone, nothing was renamed into place
         print(f"\nfivefold tokenize: interrupted; nothing written to {args.out}", file=sys.stderr)
         return 130
     print(f"wrote {args.out}: {h['tokens']:,} {h['dtype']} tokens in {h['documents']:,} documents "
           f"(vocab {h['vocab_size']:,}, tokenizer {h['tokenizer']['name']})")
+    if "loss_mask" in h:
+        print(f"  loss mask {args.out}{MASK_SUFFIX}: {h['loss_mask']['trained']:,} of {h['tokens']:,} tokens trained "
+              f"({h['instructions']})")
     return 0

@@ -236,9 +236,10 @@ class Trainer:
         comm_s0 = self.ledger.total(field="seconds")
         cfg = self.cfg.train
         n_tokens = self.batches.tokens_per_step()
+        n_loss = self.batches.loss_tokens(step)      # the targets the loss averages over (a loss mask keeps fewer)
         with self.activations:   # counts what autograd saves for backward (peak over the run)
             loss_local = self.forward_backward(self.model, self.loss_sum, self.engine, self.micro_batches(step),
-                                               n_tokens, self.positions)
+                                               n_loss, self.positions)
         if self.dry:
             self.model.aux.values = []
         self.model.aux.take()   # auxiliary losses were trained in that backward; their values are not reported yet
@@ -263,6 +264,7 @@ class Trainer:
         self.step_count = step + 1
         seconds = time.perf_counter() - t0
         return {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,   # step: 1-based
+                **({"loss_tokens": n_loss} if self.batches.masked else {}),
                 "seconds": seconds, "time": time.time(), **self.link_counters.read(),
                 **self.speed.scalars(n_tokens, seconds),
                 "peak_memory_bytes": peak, **slowest, **({} if finite else {"skipped": True}), **routing}
@@ -289,7 +291,7 @@ class Trainer:
         is (`sum_loss`), so it is the same under every layout. Its traffic is recorded in the ledger's
         "eval" section (comm.json "eval"), apart from the training steps'. Call on every rank."""
         batches = self.eval_batches
-        n_tokens = batches.total_tokens()
+        n_tokens = batches.loss_tokens_total()
         forward = self.forward_only
         was_training = self.model.training
         self.model.eval()

@@ -1,0 +1,195 @@
+"""Instruction data: chat records and prompt/completion pairs as token ids and a loss mask. Torch-free.
+
+Supervised fine-tuning trains on the answers only. Two record forms, as TRL's SFTTrainer takes them:
+
+- **chat**: `{"messages": [{"role": "system"|"user"|"assistant"|..., "content": "..."}, ...]}`, rendered
+  by the chat template of a Hugging Face folder (its `chat_template.jinja`, or `chat_template` in
+  `tokenizer_config.json`) the way transformers' `apply_chat_template` renders it: Jinja2 in a sandbox
+  with `trim_blocks` and `lstrip_blocks`, the variables `messages`, `add_generation_prompt`,
+  `bos_token`, `eos_token` and the functions `raise_exception` and `strftime_now`. The tokens of every
+  assistant turn count (its content and whatever the template closes it with, up to the next turn);
+  the rest (system, user, the template's role headers) is context only. An assistant turn's text is
+  found by rendering the conversation up to the turn with `add_generation_prompt=True` and then through
+  it: the difference is the turn.
+- **prompt-completion**: `{"prompt": "...", "completion": "..."}`: the prompt is context, the completion
+  and the end-of-text token after it are trained (TRL's completion-only loss); the start-of-text token
+  (--bos) before the prompt when the run has one.
+
+Ids are the tokenizer's ids of the whole rendered text (as `apply_chat_template(tokenize=True)` gives
+them), and a token is trained when it lies in a trained piece: each piece's first token is the length of
+the ids of the text before it, which must be a prefix of the whole text's ids (tokenizers split at the
+templates' special tokens, so it is; a record where it is not is refused, naming the record).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from ..rules import ConfigError
+from ..tokenizer import Tokenizer
+
+FORMATS = ("text", "chat", "prompt-completion")
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+class ChatTemplate:
+    """A Hugging Face chat template, rendered as transformers renders it."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", name: str = "chat template"):
+        try:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise ConfigError("chat templates need jinja2: pip install jinja2 (transformers installs it)") from None
+
+        def raise_exception(message):
+            raise ConfigError(f"{name}: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ConfigError(f"{name} is not a valid Jinja template ({e})") from None
+        self.bos_token, self.eos_token, self.name = bos_token, eos_token, name
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ChatTemplate":
+        """The template of a Hugging Face folder: chat_template.jinja, else tokenizer_config.json's
+        `chat_template` (a string, or a list of named templates: the one named "default")."""
+        folder = Path(folder)
+        config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+        specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
+        jinja = folder / TEMPLATE_FILE
+        if jinja.is_file() and not jinja.is_symlink():
+            return cls(jinja.read_text(encoding="utf-8"), **specials, name=str(jinja))
+        source = config.get("chat_template")
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if not isinstance(source, str) or not source:
+            raise ConfigError(f"{folder} has no chat template ({TEMPLATE_FILE}, or chat_template in "
+                              f"tokenizer_config.json); give --chat-template a Hugging Face folder that has one")
+        return cls(source, **specials, name=f"{folder / 'tokenizer_config.json'}: chat_template")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not readable JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return d
+
+
+def _token_text(value) -> str:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def chat_pieces(template: ChatTemplate, messages, where: str) -> list[tuple[str, bool]]:
+    """(text, trained) pieces of one conversation whose concatenation is its rendering: every assistant
+    turn trained, everything else not."""
+    check_messages(messages, where)
+    full = template.render(messages)
+    pieces, done = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = template.render(messages[:i], add_generation_prompt=True)
+        through = template.render(messages[:i + 1]) if i + 1 < len(messages) else full
+        if not (full.startswith(before) and full.startswith(through) and len(before) >= done
+                and len(through) >= len(before)):
+            raise ConfigError(f"{where}: the chat template does not render this conversation as a sequence of "
+                              f"its turns (a turn's rendering is not a prefix of the whole), so its assistant "
+                              f"tokens cannot be told apart")
+        pieces += [(full[done:len(before)], False), (full[len(before):len(through)], True)]
+        done = len(through)
+    pieces.append((full[done:], False))
+    if not any(trained and text for text, trained in pieces):
+        raise ConfigError(f"{where}: no assistant turn with text: nothing to train on")
+    return [(t, trained) for t, trained in pieces if t]
+
+
+def completion_pieces(record: dict, where: str) -> list[tuple[str, bool]]:
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise ConfigError(f"{where}: a prompt-completion record needs string fields \"prompt\" and \"completion\", "
+                          f"got {sorted(record)}")
+    if not completion:
+        raise ConfigError(f"{where}: the completion is empty: nothing to train on")
+    return [(prompt, False), (completion, True)]
+
+
+def check_messages(messages, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: a chat record needs \"messages\": a non-empty list of {{role, content}}")
+    for j, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ConfigError(f"{where}: message {j} is not {{\"role\": str, \"content\": str}}")
+
+
+def encode_pieces(tokenizer: Tokenizer, pieces: list[tuple[str, bool]], where: str,
+                  eos_trained: bool = False) -> tuple[list[int], list[int]]:
+    """(ids of the pieces' whole text, 1 for each trained token else 0); `eos_trained`: the tokenizer's
+    end-of-text id appended, trained (a completion's end)."""
+    text = "".join(t for t, _ in pieces)
+    ids = tokenizer.encode(text)
+    mask = [0] * len(ids)
+    at = 0
+    for piece, trained in pieces:
+        lo = _prefix_length(tokenizer, text[:at], ids, where)
+        at += len(piece)
+        hi = _prefix_length(tokenizer, text[:at], ids, where)
+        if trained:
+            mask[lo:hi] = [1] * (hi - lo)
+    if eos_trained and tokenizer.eos_id is not None:
+        ids.append(tokenizer.eos_id)
+        mask.append(1)
+    return ids, mask
+
+
+def _prefix_length(tokenizer: Tokenizer, prefix: str, ids: list[int], where: str) -> int:
+    if not prefix:
+        return 0
+    head = tokenizer.encode(prefix)
+    if ids[:len(head)] != head:
+        raise ConfigError(f"{where}: the tokens of the text before a turn are not a prefix of the whole "
+                          f"conversation's tokens (the tokenizer merges across the turn's boundary), so the "
+                          f"turn's tokens cannot be told apart; end turns with a special token")
+    return len(head)
+
+
+def record_pieces(fmt: str, record, where: str, template: ChatTemplate | None) -> list[tuple[str, bool]]:
+    """The (text, trained) pieces of one record of format `fmt` ("chat" or "prompt-completion")."""
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+    if fmt == "chat":
+        return chat_pieces(template, record.get("messages"), where)
+    return completion_pieces(record, where)
+
+
+def encode_record(fmt: str, record, where: str, tokenizer: Tokenizer,
+                  template: ChatTemplate | None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, loss mask) of one record: uint32 ids, uint8 mask (1: the token is trained). A prompt-completion
+    record starts with the start-of-text id when the run has one (--bos), untrained; a chat template writes
+    its own."""
+    completion = fmt == "prompt-completion"
+    ids, mask = encode_pieces(tokenizer, record_pieces(fmt, record, where, template), where, eos_trained=completion)
+    if completion and tokenizer.bos_id is not None:
+        ids, mask = [tokenizer.bos_id] + ids, [0] + mask
+    return np.asarray(ids, dtype=np.uint32), np.asarray(mask, dtype=np.uint8)

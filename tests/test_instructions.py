@@ -1,0 +1,197 @@
+"""Instruction data (train/instructions.py, `fivefold tokenize --format chat|prompt-completion`): a chat
+template renders as transformers' `apply_chat_template` renders it, the ids are its ids, and the loss
+mask keeps the assistant turns (the completion) only. Then supervised fine-tuning of a transformers-written
+Qwen2 on that token file: the first step's loss is transformers' mean over the targets with labels = -100
+elsewhere, under 1 rank, tp2, pp2, dp2 and cp2, and the later steps agree across layouts."""
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from fivefold.config import Config, ConfigError, ParallelConfig, TrainConfig  # noqa: E402
+from fivefold.model.hf_weights import hf_config  # noqa: E402
+from fivefold.tokenizer import load_tokenizer  # noqa: E402
+from fivefold.train.data import make_batches  # noqa: E402
+from fivefold.train.instructions import ChatTemplate, encode_record  # noqa: E402
+from fivefold.train.tokenize import mask_path, open_loss_mask, read_header, tokenize  # noqa: E402
+from tests.helpers import spawn_jobs  # noqa: E402
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]
+CHATML = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+          "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+          "{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+          "{% endif %}")
+LLAMA3 = ("{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>"
+          "\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+          "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+WORDS = "the cat sat on a mat and asked why the sky is blue so the dog said light scatters in air".split()
+
+
+def conversation(i: int) -> list[dict]:
+    rng = np.random.default_rng(i)
+
+    def text(n):
+        return " ".join(rng.choice(WORDS, size=n))
+
+    msgs = [{"role": "system", "content": "Answer briefly."}] if i % 3 == 0 else []
+    for _ in range(1 + i % 2):
+        msgs += [{"role": "user", "content": text(5 + i % 4)}, {"role": "assistant", "content": text(8 + i % 5)}]
+    return msgs
+
+
+def hf_tokenizer(folder, template: str):
+    """A byte-level BPE trained here (no download) with the templates' special tokens, saved as a Hugging
+    Face folder with its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
+                                                bos_token="<|begin_of_text|>", eos_token="<|endoftext|>")
+    fast.chat_template = template
+    fast.save_pretrained(folder)
+    return fast
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    return {name: (root / name, hf_tokenizer(root / name, t)) for name, t in (("chatml", CHATML), ("llama3", LLAMA3))}
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3"])
+def test_the_template_renders_and_tokenizes_as_transformers_and_masks_the_assistant_turns(folders, name):
+    folder, fast = folders[name]
+    template = ChatTemplate.from_folder(folder)
+    tok = load_tokenizer(folder / "tokenizer.json")
+    for i in range(8):
+        msgs = conversation(i)
+        for gen in (False, True):
+            assert template.render(msgs, gen) == fast.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        ids, mask = encode_record("chat", {"messages": msgs}, f"record {i}", tok, template)
+        expected = fast.apply_chat_template(msgs, tokenize=True)
+        expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+        assert ids.tolist() == list(expected)
+        trained = fast.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if m])
+        answers = [m["content"] for m in msgs if m["role"] == "assistant"]
+        end = "<|im_end|>\n" if name == "chatml" else "<|eot_id|>"
+        assert trained == "".join(a + end for a in answers), trained
+        assert mask.sum() < len(mask) and mask[0] == 0
+
+
+def test_prompt_completion_trains_the_completion_and_its_end(folders):
+    folder, fast = folders["chatml"]
+    tok = load_tokenizer(folder / "tokenizer.json")
+    ids, mask = encode_record("prompt-completion", {"prompt": "why is the sky", "completion": " blue so"}, "r", tok, None)
+    assert ids.tolist() == tok.encode("why is the sky blue so") + [tok.eos_id]
+    assert fast.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if m]) == " blue so<|endoftext|>"
+    for bad, words in (({"prompt": "x"}, "\"prompt\" and \"completion\""), ({"prompt": "x", "completion": ""}, "empty")):
+        with pytest.raises(ConfigError, match=words):
+            encode_record("prompt-completion", bad, "input a.jsonl:3", tok, None)
+    with pytest.raises(ConfigError, match="a.jsonl:3: message 0"):
+        encode_record("chat", {"messages": [{"role": "user"}]}, "input a.jsonl:3", tok, ChatTemplate.from_folder(folder))
+    with pytest.raises(ConfigError, match="no assistant turn"):
+        encode_record("chat", {"messages": [{"role": "user", "content": "hi"}]}, "r", tok,
+                      ChatTemplate.from_folder(folder))
+
+
+def chat_token_file(folder, tmp_path, n=120):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(n)))
+    out = tmp_path / "chat.bin"
+    tokenize([data], folder / "tokenizer.json", out, fmt="chat", progress=False)
+    return out
+
+
+def test_tokenize_writes_the_mask_beside_the_tokens_and_a_changed_mask_is_refused(folders, tmp_path):
+    folder, _ = folders["chatml"]
+    out = chat_token_file(folder, tmp_path, n=20)
+    h = read_header(out)
+    mask = np.fromfile(mask_path(out), dtype=np.uint8)
+    assert h["instructions"] == "chat" and h["documents"] == 20 and len(mask) == h["tokens"]
+    assert h["loss_mask"]["trained"] == int(mask.sum()) and 0 < mask.sum() < len(mask)
+    assert open_loss_mask(out, verify=True) is not None
+    mask[3] ^= 1
+    mask.tofile(mask_path(out))
+    with pytest.raises(ConfigError, match="does not match its header"):
+        open_loss_mask(out, verify=True)
+    mask_path(out).write_bytes(b"\x01" * 5)
+    with pytest.raises(ConfigError, match="5 bytes for"):
+        open_loss_mask(out)
+    with pytest.raises(ConfigError, match="holds records, not text or tokens: tokenize it first"):
+        make_batches(TrainConfig(data=[str(tmp_path / "chat.jsonl")], seq_len=16, global_batch=2), 320)
+
+
+def test_batches_set_the_masked_targets_to_ignore_and_count_the_rest(folders, tmp_path):
+    folder, _ = folders["chatml"]
+    out = chat_token_file(folder, tmp_path, n=40)
+    train = TrainConfig(data=[str(out)], tokenizer=str(folder / "tokenizer.json"), seq_len=32, global_batch=4)
+    b = make_batches(train, 320)
+    mask = np.fromfile(mask_path(out), dtype=np.uint8)
+    offs = b.offsets(3).tolist()
+    x, y = b.rows(3, 0, 4)
+    for r, o in enumerate(offs):
+        keep = mask[o + 1:o + 33] == 1
+        assert (y[r][torch.from_numpy(~keep)] == -100).all()
+        assert y[r][torch.from_numpy(keep)].tolist() == np.fromfile(out, dtype=np.uint16)[o + 1:o + 33][keep].tolist()
+    assert b.loss_tokens(3) == int((y != -100).sum()) < b.tokens_per_step() and b.masked
+
+
+COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False, intermediate_size=96)
+
+
+def sft_config(model_folder, tok_folder, data, **parallel) -> Config:
+    cfg = Config(model=hf_config(model_folder), parallel=ParallelConfig(**parallel),
+                 train=TrainConfig(steps=3, global_batch=4, seq_len=32, lr=1e-3, min_lr=1e-4, warmup=1, seed=7,
+                                   checkpoint=False, init_hf=str(model_folder), data=[str(data)],
+                                   tokenizer=str(tok_folder / "tokenizer.json")))
+    return cfg
+
+
+def sft_steps(rank, world, cfg_dict):
+    from fivefold.train.trainer import Trainer
+
+    t = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
+    x_bs, y_bs = t.batches.rows(0, 0, t.cfg.train.global_batch)
+    losses = [t.step(i) for i in range(3)]
+    return {"losses": [m["loss"] for m in losses], "loss_tokens": [m["loss_tokens"] for m in losses], "x": x_bs, "y": y_bs}
+
+
+LAYOUTS = [dict(dp=2), dict(tp=2), dict(pp=2, microbatches=2), dict(cp=2)]
+
+
+@pytest.mark.ranks
+def test_sft_loss_is_transformers_labels_minus_100_under_every_layout(folders, tmp_path):
+    folder, _ = folders["chatml"]
+    data = chat_token_file(folder, tmp_path)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON))
+    model.save_pretrained(tmp_path / "qwen2")
+    model.eval()
+    jobs = [(str(i), sft_steps, (sft_config(tmp_path / "qwen2", folder, data, **p).to_dict(),))
+            for i, p in enumerate(LAYOUTS)]
+    results = spawn_jobs(2, jobs)
+    one = results["0"][0]
+    with torch.no_grad():
+        logits = model(one["x"]).logits
+    expected = float(F.cross_entropy(logits.flatten(0, 1).double(), one["y"].flatten(), ignore_index=-100))
+    assert one["loss_tokens"][0] == int((one["y"] != -100).sum()) < one["y"].numel()
+    unmasked = float(F.cross_entropy(logits.flatten(0, 1).double(), one["y"].clamp(min=0).flatten()))
+    assert abs(unmasked - expected) > 1e-3          # the mask changes the loss: the equality below means something
+    for i, layout in enumerate(LAYOUTS):
+        for r in results[str(i)]:
+            assert r["losses"][0] == pytest.approx(expected, rel=1e-5), layout
+            assert r["losses"] == pytest.approx(one["losses"], rel=1e-5), layout

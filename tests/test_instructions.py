@@ -195,3 +195,49 @@ def test_sft_loss_is_transformers_labels_minus_100_under_every_layout(folders, t
         for r in results[str(i)]:
             assert r["losses"][0] == pytest.approx(expected, rel=1e-5), layout
             assert r["losses"] == pytest.approx(one["losses"], rel=1e-5), layout
+
+
+def test_generate_stops_where_the_folder_says_and_chats_through_its_template(folders, tmp_path, capsys):
+    """A transformers-written Qwen2 with a generation_config.json naming a second end-of-turn id: greedy
+    `fivefold generate --hf` gives transformers' `generate` tokens and stops where it stops; --chat sends
+    the prompt through the folder's template; --stop cuts the text."""
+    import shutil
+
+    from fivefold import cli
+    from fivefold.tools.generate import Sampling, load_hf, sample, stop_ids
+
+    folder, fast = folders["chatml"]
+    torch.manual_seed(1)
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)).eval()
+    model_dir = tmp_path / "qwen2"
+    hf.save_pretrained(model_dir)
+    for f in folder.iterdir():
+        shutil.copy(f, model_dir / f.name)
+    prompt = fast.encode("why the sky", add_special_tokens=False)
+    free = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(prompt):].tolist()
+    end = next((t for i, t in enumerate(free) if i >= 2 and t not in free[:i] and t != fast.eos_token_id), None)
+    assert end is not None, free           # a token greedy decoding first reaches at step 3 or later
+    stop_at = free.index(end)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [fast.eos_token_id, end]}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(prompt):]
+    model, tok = load_hf(model_dir, "cpu")
+    stops = stop_ids(tok, model_dir)
+    assert stops == {fast.eos_token_id, end}
+    ours = sample(model, prompt, Sampling(12, temperature=0.0), stops, tok.vocab_size)
+    assert ours == theirs.tolist() == free[:stop_at + 1]
+    chat = fast.apply_chat_template([{"role": "user", "content": "why the sky"}], add_generation_prompt=True,
+                                    tokenize=False)
+    code = cli.main(["generate", "--hf", str(model_dir), "--prompt", "why the sky", "--chat", "--temperature", "0",
+                     "--max-tokens", "6", "--prompt", "the cat"])
+    out = capsys.readouterr()
+    expected = sample(model, tok.encode(chat), Sampling(6, temperature=0.0), stops, tok.vocab_size)
+    text = tok.decode(expected[:-1] if expected[-1] in stops else expected)
+    assert code == 0 and out.out.startswith("why the sky\n" + text) and out.out.count("\n") >= 2, out
+    cut = tok.decode([ours[1]])          # the second token's text: the output stops before it
+    assert cut and ours[1] not in stops
+    code = cli.main(["generate", "--hf", str(model_dir), "--prompt", "why the sky", "--temperature", "0",
+                     "--max-tokens", "12", "--stop", cut])
+    printed = capsys.readouterr().out
+    assert code == 0 and printed == "why the sky" + tok.decode(ours[:-1]).split(cut)[0] + "\n"

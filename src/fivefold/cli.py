@@ -33,7 +33,9 @@ TRAIN_FLAGS = {
     "order": "parallel.order", "microbatches": "parallel.microbatches", "schedule": "parallel.schedule",
     "vpp": "parallel.vpp", "microbatch_group": "parallel.microbatch_group", "bucket_mb": "parallel.bucket_mb", "partition": "parallel.partition",
     "recompute": "train.recompute", "steps": "train.steps", "global_batch": "train.global_batch",
-    "seq_len": "train.seq_len", "lr": "train.lr", "dtype": "train.dtype", "device": "train.device",
+    "seq_len": "train.seq_len", "lr": "train.lr", "min_lr": "train.min_lr", "warmup": "train.warmup",
+    "lr_schedule": "train.lr_schedule", "weight_decay": "train.weight_decay", "clip": "train.grad_clip",
+    "dtype": "train.dtype", "device": "train.device",
     "seed": "train.seed", "out": "train.out", "data": "train.data", "tokenizer": "train.tokenizer",
     "init_hf": "train.init_hf", "eval_data": "train.eval_data", "eval_every": "train.eval_every",
     "eval_tokens": "train.eval_tokens", "eos": "train.eos", "bos": "train.bos",
@@ -53,7 +55,14 @@ HELP = {
     "steps": "optimizer steps the run trains to (a resumed run continues to this step)",
     "global_batch": "sequences per optimizer step, over all data-parallel ranks",
     "seq_len": "tokens per sequence (<= model.max_seq)",
-    "lr": "peak learning rate (linear warmup over train.warmup steps, then cosine to train.min_lr)",
+    "lr": "peak learning rate (linear warmup over train.warmup steps, then train.lr_schedule to train.min_lr)",
+    "min_lr": "learning rate at the last step (cosine, linear, wsd)",
+    "warmup": "steps of linear warmup from lr / warmup to lr",
+    "lr_schedule": "after warmup: cosine or linear to min_lr, constant, or wsd (stable, then linear to min_lr over "
+                   "the last train.decay_fraction of the steps)",
+    "weight_decay": "decoupled weight decay (AdamW) of 2-D+ weights; norms and biases never decay, embeddings "
+                    "unless train.decay_embeddings=false",
+    "clip": "clip the global gradient norm to this (0: no clipping)",
     "dtype": "compute dtype (bf16 keeps fp32 master weights and main gradients)",
     "device": "auto: CUDA under torchrun on a GPU machine, else the CPU",
     "seed": "seed of the init, the data order and dropout",
@@ -152,6 +161,9 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
     if cfg.train.init_hf:
         model_from_hf(cfg, {k.removeprefix("model.") for k, v in overrides.items()
                             if k.startswith("model.") and v is not None} | file_keys(args.config, "model"))
+        given = {k for k in ("lr", "min_lr") if overrides.get(f"train.{k}") is not None
+                 or sets_key(args.config, "train", k)}
+        fine_tuning_lr(cfg.train, given, announce=os.environ.get("RANK", "0") == "0")
     vocab_from_tokenizer(cfg, "model.vocab" in overrides or sets_key(args.config, "model", "vocab")
                          or bool(cfg.train.init_hf))
     p = cfg.parallel
@@ -163,6 +175,26 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
         p.dp = world // other
     microbatches_from_size(cfg, getattr(args, "micro_batch_size", None), getattr(args, "microbatches", None))
     return cfg
+
+
+FINE_TUNE_LR = 5e-5     # Hugging Face Trainer's default learning rate
+
+
+def fine_tuning_lr(train, given: set[str], announce: bool = True) -> None:
+    """--init-hf without a learning rate: fine-tune at FINE_TUNE_LR (min_lr a tenth of it), not at the
+    pretraining default, and say so."""
+    if "lr" in given:
+        return
+    train.lr = FINE_TUNE_LR
+    if "min_lr" not in given:
+        train.min_lr = FINE_TUNE_LR / 10
+    if train.min_lr > train.lr:
+        raise ConfigError(f"train.min_lr = {train.min_lr:g} is above the fine-tuning learning rate {train.lr:g} that "
+                          f"--init-hf uses without --lr; give --lr (>= min_lr) or a lower --min-lr")
+    if announce:
+        print(f"note: --init-hf without --lr fine-tunes at train.lr = {train.lr:g} (Hugging Face Trainer's default; "
+              f"the pretraining default 3e-3 would wreck pretrained weights), min_lr {train.min_lr:g}; give --lr "
+              f"to choose", file=sys.stderr)
 
 
 def microbatches_from_size(cfg, size: int | None, count: int | None) -> None:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from . import rules
 from .grid import DEFAULT_ORDER, check_grids_agree, parse_order
-from .rules import (ONE_F_ONE_B, ConfigError, CpMode, Device, Dtype, Offload, Recompute, RouterKind, ScheduleKind,
+from .rules import (ONE_F_ONE_B, ConfigError, CpMode, Device, Dtype, LrSchedule, Offload, Recompute, RouterKind, ScheduleKind,
                     SpMode, ZeroStage, check_choice, choices, divisors, nearest)
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "apply_overrides",
@@ -267,7 +267,11 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup: int = 20
-    weight_decay: float = 0.1
+    lr_schedule: LrSchedule = "cosine"   # after warmup: cosine | linear to min_lr, constant, or wsd (stable, then
+                                          # linear to min_lr over the last train.decay_fraction of the steps)
+    decay_fraction: float = 0.2           # wsd: the share of the steps after warmup that decays
+    weight_decay: float = 0.1             # decoupled (AdamW); 2-D+ weights only: never norms or biases
+    decay_embeddings: bool = True         # ... and the token embedding and untied LM head (false: not them)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -313,6 +317,7 @@ class TrainConfig:
                            ("data_limit_mb", "0: no limit"), ("log_every", "0: about 20 lines a run"),
                            ("checkpoint_every", "0: only at the end")):
             _check_at_least_zero(f"train.{name}", getattr(self, name), note)
+        _check_unit("train.decay_fraction", self.decay_fraction, "typical: 0.1-0.2")
         _check_unit("train.beta1", self.beta1, "typical: 0.9")
         _check_unit("train.beta2", self.beta2, "typical: 0.95 or 0.999")
         _check_above_zero("train.eps", self.eps, "1e-8")

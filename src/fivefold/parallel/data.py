@@ -35,7 +35,7 @@ from torch import nn
 from .. import comm, rules
 from ..comm import Group
 from ..shapes import bucket_ranges
-from .engine import Engine, backward_order, counted, held, nbytes, reduce_partitions, unique_params
+from .engine import Engine, backward_order, counted, decays, held, nbytes, reduce_partitions, unique_params
 from .placement import by_group
 
 __all__ = ["Bucket", "DataParallel", "DataParallelOptimizer", "bucketize", "unique_params"]
@@ -165,8 +165,8 @@ class DataParallelOptimizer(Engine):
 
     def __init__(self, model: nn.Module, groups: Mapping[str, Group], make_optimizer, bucket_mb: float = 25.0,
                  master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
-                 only_dp: bool | None = None):
-        """`only_dp`: whether every parameter of the whole model (not only this rank's) is reduced over dp
+                 only_dp: bool | None = None, decay_embeddings: bool = True):
+        """`decay_embeddings`: whether the embedding and LM head decay (`engine.decays`). `only_dp`: whether every parameter of the whole model (not only this rank's) is reduced over dp
         (the layout's fact: cp = ep = 1), so that every rank all-reduces the norm over the same group even
         where its own stage holds no expert (DeepSeek-V3's dense first layers); None: from this rank's."""
         self.model = model
@@ -184,7 +184,8 @@ class DataParallelOptimizer(Engine):
             self.master = [p.data for p in self.params]
         else:
             self.master = [p.detach().to(master_dtype).clone() for p in self.params]
-        self.optimizer = make_optimizer(self.master, [p.dim() >= 2 for p in self.params])
+        self.optimizer = make_optimizer(self.master, [decays(self.names[id(p)], p.shape, decay_embeddings)
+                                                      for p in self.params])
 
     def set_sync(self, enabled: bool) -> None:
         self.reducer.set_sync(enabled)

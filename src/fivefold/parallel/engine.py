@@ -78,6 +78,16 @@ class Engine(ABC):
         that holds its parameters whole has nothing to free."""
 
 
+def decays(name: str, shape, embeddings: bool = True) -> bool:
+    """Whether AdamW's weight decay applies to parameter `name` of `shape`: weights of two or more
+    dimensions (never norms or biases, as Megatron and Hugging Face's Trainer), and of those the token
+    embedding and the LM head only when `embeddings` (train.decay_embeddings)."""
+    if len(shape) < 2:
+        return False
+    parts = name.split(".")
+    return embeddings or "layers" in parts or parts[-2:] not in (["embed", "weight"], ["head", "weight"])
+
+
 def unique_params(module: nn.Module) -> list[nn.Parameter]:
     """Trainable parameters, each tied weight once, in registration order."""
     seen, out = set(), []

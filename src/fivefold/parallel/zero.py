@@ -75,7 +75,7 @@ from torch import nn
 
 from .. import comm, rules
 from ..comm import Group
-from .engine import Engine, counted, held, nbytes, unique_params
+from .engine import Engine, counted, decays, held, nbytes, unique_params
 from .zero_order import MAX_INFLIGHT
 from .zero_reduce import ReducePolicy, reduce_policy, streams_grads
 from .zero_stage import Stage3, ZeroStage
@@ -90,7 +90,8 @@ class ZeroEngine(Engine):
     def __init__(self, model: nn.Module, groups: Mapping[str, Group], stage: int, make_optimizer,
                  bucket_mb: float = 25.0, master_dtype: torch.dtype = torch.float32,
                  grad_dtype: torch.dtype | None = None, reshard_after_forward: bool = True, pipeline: bool = False,
-                 reduce_each_microbatch: bool = False, offload: str = "none", offload_dir: str = ""):
+                 reduce_each_microbatch: bool = False, offload: str = "none", offload_dir: str = "",
+                 decay_embeddings: bool = True):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.model, self.pipeline = model, pipeline
@@ -119,7 +120,8 @@ class ZeroEngine(Engine):
                                            self.policy.keeps_full_grads, reshard_after_forward)
         else:
             self.stage = ZeroStage(stage, self.units, self.param_dtype, self.device)
-        decay = [[len(u.shapes[i]) >= 2 for i, _, _ in u.segments] for u in self.units]
+        decay = [[decays(u.names[i], u.shapes[i], decay_embeddings) for i, _, _ in u.segments]
+                 for u in self.units]
         world = self.norm_group
         # ZeRO-Offload streams the gradients of the stages that shard them (2, 3) to the host in the backward
         self.state: StateStore = state_store(offload, self.units, decay, self.stage.param_shards, master_dtype,
@@ -345,7 +347,8 @@ class ZeroEngine(Engine):
 def Zero(model: nn.Module, groups: Mapping[str, Group], stage: int, make_optimizer, bucket_mb: float = 25.0,
          master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
          reshard_after_forward: bool = True, pipeline: bool = False,
-         reduce_each_microbatch: bool = False, offload: str = "none", offload_dir: str = "") -> ZeroEngine:
+         reduce_each_microbatch: bool = False, offload: str = "none", offload_dir: str = "",
+         decay_embeddings: bool = True) -> ZeroEngine:
     """ZeRO stage 1, 2 or 3 for `model`, each parameter over `groups[placement.reduce]`, with AdamW
     (from `make_optimizer(params, decay)`) on this rank's shards, on the device or offloaded to host
     memory ("cpu") or to files in offload_dir ("nvme").
@@ -354,4 +357,4 @@ def Zero(model: nn.Module, groups: Mapping[str, Group], stage: int, make_optimiz
         ... the engine protocol (engine.py) ...
     """
     return ZeroEngine(model, groups, stage, make_optimizer, bucket_mb, master_dtype, grad_dtype,
-                      reshard_after_forward, pipeline, reduce_each_microbatch, offload, offload_dir)
+                      reshard_after_forward, pipeline, reduce_each_microbatch, offload, offload_dir, decay_embeddings)

@@ -20,11 +20,18 @@ on the device):
 temperature 0 is greedy (argmax), and so is a temperature so small that logits / temperature
 overflows; otherwise logits / temperature, then keep the top_k most likely
 tokens (0: all), then the smallest set whose probabilities sum to at least top_p (1: all), renormalise
-and draw. Generation stops after max_tokens, at the tokenizer's end-of-sequence token, or when the
-context reaches the model's max_seq.
+and draw. Generation stops after max_tokens, at a stop id, at a stop text (`--stop`, cut before it),
+or when the context reaches the model's max_seq. Stop ids: the tokenizer's end-of-text id, and for a
+Hugging Face folder every `eos_token_id` of its `generation_config.json` and `config.json` (an int or a
+list: chat models end a turn with another token than the document's end, e.g. Llama 3's <|eot_id|>).
+`--chat` wraps each prompt as a user message in the chat template (the folder's, or `--chat-template
+DIR`'s) with the assistant's turn opened, as transformers' `apply_chat_template(...,
+add_generation_prompt=True)`; `--prompt` may be given several times (each sampled in turn, the same seed
+for each).
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -161,12 +168,34 @@ def next_token(logits_v: torch.Tensor, s: Sampling, gen: torch.Generator) -> int
     return int(torch.multinomial(torch.softmax(logits_v, -1), 1, generator=gen))
 
 
+def stop_ids(tokenizer, folder: str | Path | None = None) -> set[int]:
+    """The ids generation stops after: the tokenizer's end-of-text, and a Hugging Face folder's
+    `eos_token_id`s (generation_config.json, then config.json; an int or a list)."""
+    ids = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(folder) / name if folder is not None else None
+        if path is None or not path.is_file() or path.is_symlink():
+            continue
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            raise ConfigError(f"{path} is not a readable JSON object") from None
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < tokenizer.vocab_size:
+                ids.add(v)
+            elif v is not None:
+                raise ConfigError(f"{path}: eos_token_id {v!r} is not a token id below the vocabulary "
+                                  f"({tokenizer.vocab_size})")
+    return ids
+
+
 @torch.no_grad()
-def sample(model: Transformer, prompt: list[int], s: Sampling, eos_id: int | None = None,
+def sample(model: Transformer, prompt: list[int], s: Sampling, eos_id: int | set[int] | None = None,
            vocab: int | None = None) -> list[int]:
     """The tokens generated after `prompt` (not including it): at most s.max_tokens, stopping after
-    eos_id or when prompt + generated tokens fill the model's max_seq. Only ids below `vocab` (the
-    tokenizer's; None: the model's) are drawn."""
+    a stop id (`eos_id`: one or a set) or when prompt + generated tokens fill the model's max_seq. Only
+    ids below `vocab` (the tokenizer's; None: the model's) are drawn."""
+    stops = eos_id if isinstance(eos_id, set) else ({eos_id} if eos_id is not None else set())
     s.validate()
     room = model.cfg.max_seq - len(prompt)
     if not prompt or room < 1:
@@ -183,21 +212,26 @@ def sample(model: Transformer, prompt: list[int], s: Sampling, eos_id: int | Non
         out.append(token)
         ids.append(token)
         fresh = [token]
-        if token == eos_id:
+        if token in stops:
             break
     return out
 
 
-def generate_text(model: Transformer, tokenizer, prompt: str, s: Sampling) -> tuple[str, int]:
-    """(the prompt's continuation as text, without a final end-of-text; how many tokens were generated);
-    a note on stderr when max_seq cut it short."""
-    out = sample(model, tokenizer.encode(prompt), s, tokenizer.eos_id, tokenizer.vocab_size)
-    if out and out[-1] == tokenizer.eos_id:
-        return tokenizer.decode(out[:-1]), len(out)
-    if len(out) < s.max_tokens:
+def generate_text(model: Transformer, tokenizer, prompt: str, s: Sampling, stops: set[int] | None = None,
+                  stop_texts: tuple[str, ...] = ()) -> tuple[str, int]:
+    """(the prompt's continuation as text, without a final stop token and cut before the first stop
+    text; how many tokens were generated); a note on stderr when max_seq cut it short."""
+    stops = stop_ids(tokenizer) if stops is None else stops
+    out = sample(model, tokenizer.encode(prompt), s, stops, tokenizer.vocab_size)
+    ended = bool(out) and out[-1] in stops
+    text = tokenizer.decode(out[:-1] if ended else out)
+    cuts = [text.find(t) for t in stop_texts if t and t in text]
+    if cuts:
+        return text[:min(cuts)], len(out)
+    if not ended and len(out) < s.max_tokens:
         print(f"note: stopped after {len(out)} tokens: the context is full (model.max_seq "
               f"{model.cfg.max_seq})", file=sys.stderr)
-    return tokenizer.decode(out), len(out)
+    return text, len(out)
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -215,7 +249,15 @@ def check_utf8(name: str, text: str) -> None:
 
 def add_generate_args(ap) -> None:
     ap.add_argument("run", nargs="?", help="a run folder (its newest checkpoint) or a checkpoints/step-N folder")
-    ap.add_argument("--prompt", required=True, help="the text to continue")
+    ap.add_argument("--prompt", required=True, action="append", help="the text to continue (several --prompt: "
+                    "each in turn)")
+    ap.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop where the continuation "
+                    "contains TEXT, cut before it (several allowed; stop ids: the end-of-text token and a Hugging "
+                    "Face folder's eos_token_id)")
+    ap.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat "
+                    "template (the --hf folder's, or --chat-template's) with the assistant's turn opened")
+    ap.add_argument("--chat-template", metavar="HF_FOLDER", help="the folder whose chat template --chat uses "
+                    "(default: the --hf folder)")
     ap.add_argument("--max-tokens", type=int, default=100, help="tokens to generate at most (default 100)")
     ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy; default 1")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
@@ -234,9 +276,20 @@ def cmd_generate(args) -> int:
     """`fivefold generate`: print the prompt and its sampled continuation; speed on stderr."""
     s = Sampling(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, not args.no_cache)
     s.validate()
-    if not args.prompt:
+    if not all(args.prompt):
         raise ConfigError("--prompt must not be empty")
-    check_utf8("--prompt", args.prompt)
+    for p in args.prompt + args.stop:
+        check_utf8("--prompt" if p in args.prompt else "--stop", p)
+    template = None
+    if args.chat:
+        from ..train.instructions import ChatTemplate
+
+        folder = args.chat_template or args.hf
+        if folder is None:
+            raise ConfigError("--chat needs a chat template: --chat-template HF_FOLDER (or --hf HF_FOLDER)")
+        template = ChatTemplate.from_folder(folder)
+    elif args.chat_template:
+        raise ConfigError("--chat-template is used by --chat; add --chat")
     if (args.run is None) == (args.hf is None):
         raise ConfigError("give a run folder (fivefold generate RUN --prompt ...) or --hf DIR, not both or neither")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -247,10 +300,13 @@ def cmd_generate(args) -> int:
         model, tokenizer = load_hf(args.hf, args.device)
     else:
         model, tokenizer = load_run(args.run, args.checkpoint, args.device)
-    start = time.perf_counter()
-    text, n = generate_text(model, tokenizer, args.prompt, s)
-    seconds = time.perf_counter() - start
-    print(args.prompt + text)
-    print(f"generated {n} tokens in {seconds:.2f} s "
-          f"({'KV cache' if s.use_cache else 'no cache'}, {next(model.parameters()).device})", file=sys.stderr)
+    stops = stop_ids(tokenizer, args.hf)
+    for prompt in args.prompt:
+        shown = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True) if template else prompt
+        start = time.perf_counter()
+        text, n = generate_text(model, tokenizer, shown, s, stops, tuple(args.stop))
+        seconds = time.perf_counter() - start
+        print((prompt + "\n" if template else prompt) + text)
+        print(f"generated {n} tokens in {seconds:.2f} s "
+              f"({'KV cache' if s.use_cache else 'no cache'}, {next(model.parameters()).device})", file=sys.stderr)
     return 0

@@ -113,7 +113,8 @@ def file_tokens(f: Path, budget: int | None = None, tokenizer: Tokenizer | None 
     must have been made with (None: not checked)."""
     if not f.exists():
         raise ConfigError(f"data file {str(f)!r} does not exist; pass --data FILE ({FORMATS})")
-    if f.is_dir() or f.name.lower().removesuffix(".gz").endswith(JSONL_SUFFIXES + TABLE_SUFFIXES):
+    datasets = f.is_dir() and ((f / "state.json").is_file() or (f / "dataset_dict.json").is_file())
+    if datasets or f.name.lower().removesuffix(".gz").endswith(JSONL_SUFFIXES + TABLE_SUFFIXES):
         raise ConfigError(f"data {str(f)!r} holds records, not text or tokens: tokenize it first, e.g. fivefold "
                           f"tokenize {f} --tokenizer TOKENIZER --out {f.name.split('.')[0]}.bin [--format chat|"
                           f"prompt-completion], then --data {f.name.split('.')[0]}.bin")

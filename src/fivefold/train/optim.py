@@ -146,14 +146,26 @@ def foreach_chunks(sizes: list[int], limit: int) -> list[tuple[int, int]]:
     return out
 
 
-def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
-    """Linear warmup over `warmup` steps, then cosine decay to min_lr at the last step."""
+def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int, schedule: str = "cosine",
+          decay_fraction: float = 0.2) -> float:
+    """The learning rate of step `step` (0-based) of `total`: linear warmup over `warmup` steps, then
+    - cosine: cosine decay from lr to min_lr at the last step (Loshchilov & Hutter 2017);
+    - linear: a straight line from lr to min_lr at the last step;
+    - constant: lr;
+    - wsd (warmup-stable-decay; Hu et al. 2024, MiniCPM): lr until the last `decay_fraction` of the
+      steps after warmup, then a straight line to min_lr at the last step."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    if total <= warmup + 1:
+    if total <= warmup + 1 or schedule == "constant":
         return lr
-    progress = min((step - warmup) / (total - warmup - 1), 1.0)
-    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+    span = total - warmup - 1
+    progress = min((step - warmup) / span, 1.0)
+    if schedule == "cosine":
+        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+    if schedule == "wsd":
+        stable = 1.0 - decay_fraction
+        progress = 0.0 if progress <= stable else (progress - stable) / max(decay_fraction, 1e-12)
+    return lr - (lr - min_lr) * progress
 
 
 @torch.no_grad()

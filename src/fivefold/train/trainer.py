@@ -203,13 +203,15 @@ class Trainer:
 
         if not p.zero:
             return DataParallelOptimizer(self.model, self.mesh, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype,
-                                         only_dp=p.cp == 1 and p.ep == 1)   # as plan.traffic
+                                         only_dp=p.cp == 1 and p.ep == 1,   # as plan.traffic
+                                         decay_embeddings=t.decay_embeddings)
         if p.dp == 1 and not self.quiet:
             print(f"note: ZeRO-{p.zero} with dp=1 shards over a single rank and saves no memory", file=sys.stderr)
         scheduled = any(d.schedules_backward for d in self.dims)
         return Zero(self.model, self.mesh, p.zero, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype,
                     p.reshard_after_forward, pipeline=scheduled, reduce_each_microbatch=p.reduce_each_microbatch,
-                    offload=p.offload, offload_dir=p.offload_dir)   # offload: parallel/offload.py
+                    offload=p.offload, offload_dir=p.offload_dir,   # offload: parallel/offload.py
+                    decay_embeddings=t.decay_embeddings)
 
     # -- one step ----------------------------------------------------------------------------
     def micro_batches(self, step: int, batches=None):
@@ -248,7 +250,7 @@ class Trainer:
         norm = global_grad_norm(self.engine.norm_grads(), self.engine.norm_group, self.device, self.value)
         sum_loss(loss_local, self.mesh, self.dims)   # the step's loss, the same on every rank
         loss = self.value(loss_local)
-        lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
+        lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps, cfg.lr_schedule, cfg.decay_fraction)
         finite = math.isfinite(loss) and math.isfinite(norm)   # both global: every rank decides alike
         if finite:
             clip_(self.engine.owned_grads(), norm, cfg.grad_clip)

@@ -308,7 +308,7 @@ def _killed(out: Path, steps: int) -> dict:
 
 def latency_hops(added_s: float = 0.010) -> dict:
     """Each collective's one-way latencies: its median seconds with `added_s` on every node-to-node path
-    less without, over `added_s` (benchmarks/latency_probe.py on two nodes of two ranks), beside what
+    less without, over `added_s` (benchmarks/ranks/latency_probe.py on two nodes of two ranks), beside what
     comm/volume.py's `latency_hops` counts for gloo."""
     import re
 
@@ -317,8 +317,9 @@ def latency_hops(added_s: float = 0.010) -> dict:
 
     seconds = {}
     for added in (0.0, added_s):
-        r = run_on_fabric(str(FABRICS / "two-nodes.toml"), 2, [sys.executable, str(Path(__file__).with_name(
-            "latency_probe.py"))], fivefold=False, overhead_bytes=0, impair=(added, 0.0), timeout_s=600)
+        probe = Path(__file__).parent / "ranks" / "latency_probe.py"
+        r = run_on_fabric(str(FABRICS / "two-nodes.toml"), 2, [sys.executable, str(probe)], fivefold=False,
+                          overhead_bytes=0, impair=(added, 0.0), timeout_s=600)
         m = re.search(r"PROBE (\{.*\})", "".join(r["outputs"]))
         if not m:
             raise RuntimeError("latency probe failed: " + "".join(r["outputs"])[-2000:])

@@ -7,7 +7,7 @@ import pytest
 from fivefold.cli import add_train_args, main
 from fivefold.plan.cli import add_plan_args
 from fivefold.plan.layout import GradDtype
-from fivefold.rules import CpMode, Device, Dtype, Recompute, ScheduleKind, SpMode, ZeroStage, choices
+from fivefold.rules import LrSchedule, CpMode, Device, Dtype, Recompute, ScheduleKind, SpMode, ZeroStage, choices
 
 
 def _choices(add) -> dict:
@@ -20,7 +20,7 @@ def test_choices_are_the_literals():
     train = _choices(add_train_args)
     assert train == {"zero": choices(ZeroStage), "sp_mode": choices(SpMode), "cp_mode": choices(CpMode),
                      "schedule": choices(ScheduleKind), "recompute": choices(Recompute), "dtype": choices(Dtype),
-                     "device": choices(Device)}
+                     "device": choices(Device), "lr_schedule": choices(LrSchedule)}
     plan = _choices(add_plan_args)
     assert {k: plan[k] for k in ("sp_mode", "cp_mode", "schedule", "recompute", "dtype", "grad_dtype")} == {
         "sp_mode": choices(SpMode), "cp_mode": choices(CpMode), "schedule": choices(ScheduleKind),

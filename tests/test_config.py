@@ -116,7 +116,8 @@ def _float_keys() -> list[str]:
 def test_every_float_field_is_covered():
     model = ("rope_theta", "norm_eps", "init_std", "dropout", "capacity_factor", "aux_loss_coef", "z_loss_coef",
              "bias_update_rate", "routed_scaling_factor")
-    train = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "data_limit_mb", "eval_fraction")
+    train = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "data_limit_mb", "eval_fraction",
+             "decay_fraction")
     assert set(_float_keys()) == ({f"model.{n}" for n in model} | {f"train.{n}" for n in train}
                                   | {"parallel.bucket_mb"})
 

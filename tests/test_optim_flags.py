@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fivefold.cli import FINE_TUNE_LR, fine_tuning_lr
+from fivefold.cli import FINE_TUNE_LR, fine_tuning_lr, fine_tuning_note
 from fivefold.comm import CommLedger, Group
 from fivefold.config import ConfigError, TrainConfig
 from fivefold.model import Transformer
@@ -99,13 +99,13 @@ def test_the_optimizer_flags_have_help_and_reach_the_config(tmp_path):
     assert (t.lr, t.min_lr, t.warmup, t.lr_schedule, t.weight_decay, t.grad_clip) == (1e-4, 1e-5, 3, "wsd", 0.05, 0.5)
 
 
-def test_init_hf_without_lr_fine_tunes_at_a_fine_tuning_rate_and_says_so(capsys):
+def test_init_hf_without_lr_fine_tunes_at_a_fine_tuning_rate_and_says_so():
     t = TrainConfig()
     fine_tuning_lr(t, set())
     assert (t.lr, t.min_lr) == (FINE_TUNE_LR, FINE_TUNE_LR / 10)
-    assert "fine-tunes at train.lr = 5e-05" in capsys.readouterr().err
+    assert "fine-tunes at train.lr = 5e-05" in fine_tuning_note(t) and "min_lr 5e-06" in fine_tuning_note(t)
     t = TrainConfig(lr=1e-3)
     fine_tuning_lr(t, {"lr"})
-    assert t.lr == 1e-3 and capsys.readouterr().err == ""
+    assert t.lr == 1e-3
     with pytest.raises(ConfigError, match="min_lr = 0.001 is above"):
         fine_tuning_lr(TrainConfig(min_lr=1e-3), {"min_lr"})

@@ -154,16 +154,13 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
 
 def resolve_train_config(args: argparse.Namespace, world: int | None = None):
     """The config from file + flags; when dp is not given it fills the world left by tp*cp*pp."""
-    overrides = {key: getattr(args, flag) for flag, key in TRAIN_FLAGS.items()}
-    overrides.update(parse_sets(args.set))
+    overrides = train_overrides(args)
     cfg = load_config(args.config, overrides)
     resume_tokenizer(cfg, getattr(args, "resume", None))
     if cfg.train.init_hf:
         model_from_hf(cfg, {k.removeprefix("model.") for k, v in overrides.items()
                             if k.startswith("model.") and v is not None} | file_keys(args.config, "model"))
-        given = {k for k in ("lr", "min_lr") if overrides.get(f"train.{k}") is not None
-                 or sets_key(args.config, "train", k)}
-        fine_tuning_lr(cfg.train, given, announce=os.environ.get("RANK", "0") == "0")
+        fine_tuning_lr(cfg.train, lr_given(args, overrides))
     vocab_from_tokenizer(cfg, "model.vocab" in overrides or sets_key(args.config, "model", "vocab")
                          or bool(cfg.train.init_hf))
     p = cfg.parallel
@@ -180,9 +177,22 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
 FINE_TUNE_LR = 5e-5     # Hugging Face Trainer's default learning rate
 
 
-def fine_tuning_lr(train, given: set[str], announce: bool = True) -> None:
+def train_overrides(args: argparse.Namespace) -> dict:
+    """The config keys train's flags and --set give (None: a flag not given)."""
+    overrides = {key: getattr(args, flag) for flag, key in TRAIN_FLAGS.items()}
+    overrides.update(parse_sets(args.set))
+    return overrides
+
+
+def lr_given(args: argparse.Namespace, overrides: dict) -> set[str]:
+    """Which of lr and min_lr the user gave (a flag, --set or the config file)."""
+    return {k for k in ("lr", "min_lr") if overrides.get(f"train.{k}") is not None
+            or sets_key(args.config, "train", k)}
+
+
+def fine_tuning_lr(train, given: set[str]) -> None:
     """--init-hf without a learning rate: fine-tune at FINE_TUNE_LR (min_lr a tenth of it), not at the
-    pretraining default, and say so."""
+    pretraining default (`fine_tuning_note` says so once the run's checks pass)."""
     if "lr" in given:
         return
     train.lr = FINE_TUNE_LR
@@ -191,10 +201,12 @@ def fine_tuning_lr(train, given: set[str], announce: bool = True) -> None:
     if train.min_lr > train.lr:
         raise ConfigError(f"train.min_lr = {train.min_lr:g} is above the fine-tuning learning rate {train.lr:g} that "
                           f"--init-hf uses without --lr; give --lr (>= min_lr) or a lower --min-lr")
-    if announce:
-        print(f"note: --init-hf without --lr fine-tunes at train.lr = {train.lr:g} (Hugging Face Trainer's default; "
-              f"the pretraining default 3e-3 would wreck pretrained weights), min_lr {train.min_lr:g}; give --lr "
-              f"to choose", file=sys.stderr)
+
+
+def fine_tuning_note(train) -> str:
+    return (f"note: --init-hf without --lr fine-tunes at train.lr = {train.lr:g} (Hugging Face Trainer's default; "
+            f"the pretraining default 3e-3 would wreck pretrained weights), min_lr {train.min_lr:g}; give --lr to "
+            f"choose")
 
 
 def microbatches_from_size(cfg, size: int | None, count: int | None) -> None:
@@ -471,6 +483,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_eval_data(cfg.train, cfg.model.vocab)                     # (evaluation data too)
     check_init_hf(cfg)                                              # HF weights that do not fit the model,
     rundir.check_out(out, args.resume, args.overwrite)              # a run folder it must not touch (again under the lock)
+    if cfg.train.init_hf and (env is None or env[0] == 0) and "lr" not in lr_given(args, train_overrides(args)):
+        print(fine_tuning_note(cfg.train), file=sys.stderr)     # every check passed: say which lr it uses
     lock = rundir.RunLock(out) if env is None or env[0] == 0 else None
     ckpt, start = prepare_run(cfg, args)
     if lock is not None:
@@ -659,6 +673,9 @@ def exported_summary(path: Path) -> str:
             f"{meta.get('step', '?')}, {path.stat().st_size:,} bytes")
 
 
+HF_EVAL_SEQ = 2048     # eval of a Hugging Face folder: windows of its max_position_embeddings, at most this
+
+
 def add_eval_args(ap: argparse.ArgumentParser) -> None:
     from .tools.evaluate import EVAL_FLAGS
 
@@ -668,7 +685,11 @@ def add_eval_args(ap: argparse.ArgumentParser) -> None:
                     ".u16/.bin, .u32, .npy), read with the model's tokenizer")
     ap.add_argument("--nproc", type=int, help="local gloo ranks to spawn (default: the layout's world size)")
     for flag, key in EVAL_FLAGS.items():
-        ap.add_argument(f"--{flag.replace('_', '-')}", dest=flag, **flag_kwargs(field_type(key)))
+        default = ("the run's train.seq_len; a Hugging Face folder's max_position_embeddings, at most "
+                   f"{HF_EVAL_SEQ}" if flag == "seq_len" else f"the run's {key}")
+        text = HELP[flag].split(" (default")[0]
+        ap.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help=f"{text} (default: {default})",
+                        **flag_kwargs(field_type(key)))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
     ap.add_argument("--timeout", type=float, default=600, help="hang watchdog (seconds without progress)")
 
@@ -689,6 +710,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg.train.init_hf = str(source)
         model_from_hf(cfg, set())
         vocab_from_tokenizer(cfg, True)
+        cfg.train.seq_len = min(cfg.model.max_seq, HF_EVAL_SEQ)   # what the model was made for, within reason
     else:
         cfg, ckpt = run_config(source)
     cfg = eval_config(cfg, args)
@@ -701,7 +723,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_init_hf(cfg)
     result = run_ranks(eval_rank, world, (cfg.to_dict(), ckpt), timeout_s=args.timeout)[0]
     print(f"eval loss {result['eval_loss']:.6f}  perplexity {result['eval_ppl']:.4f}  "
-          f"({result['eval_tokens']:,} tokens, {ckpt or args.source})")
+          f"({result['eval_tokens']:,} tokens in windows of {cfg.train.seq_len}, {ckpt or args.source})")
     return 0
 
 

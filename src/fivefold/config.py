@@ -305,6 +305,9 @@ class TrainConfig:
     eval_tokens: int = 65536              # tokens one evaluation covers (whole global batches of windows)
     document_mask: bool = False           # attention stays inside each packed document, positions restart per
                                           # document (Llama 3 §3.2; needs document boundaries: model/documents.py)
+    keep_best: bool = False               # checkpoint each evaluation that lowers the eval loss and keep the best
+                                          # one beside keep_checkpoints (OUT/best.json names it)
+    stop_after: int = 0                   # stop after this many evaluations without a lower eval loss (0: never)
 
     def validate(self) -> None:
         _check_choices(self, "train")
@@ -335,6 +338,12 @@ class TrainConfig:
         if self.eval_every and not (self.eval_data or self.eval_fraction):
             raise ConfigError(f"train.eval_every = {self.eval_every} needs evaluation data; valid: --eval-data FILE, "
                               f"train.eval_fraction in (0, 1), or eval_every = 0")
+        _check_at_least_zero("train.stop_after", self.stop_after, "0: never stop early")
+        if (self.keep_best or self.stop_after) and not self.eval_every:
+            raise ConfigError("train.keep_best and train.stop_after judge evaluations; valid: train.eval_every > 0 "
+                              "(with evaluation data), or keep_best = false and stop_after = 0")
+        if self.keep_best and not self.checkpoint:
+            raise ConfigError("train.keep_best keeps a checkpoint; valid: train.checkpoint = true, or keep_best = false")
 
 
 @dataclass

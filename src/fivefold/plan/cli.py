@@ -41,8 +41,14 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                     help=f"preset ({', '.join(TOPOLOGIES)}), nodes:K (nodes of K GPUs, tiers intra and inter as "
                          f"comm.json names them) or a .toml file (default dgx-h100)")
     ap.add_argument("--accelerator", choices=list(ACCELERATORS), help="replace the topology's accelerator")
-    for name in ("tp", "pp", "dp", "cp", "ep", "zero", "vpp"):
-        ap.add_argument(f"--{name}", type=int)
+    degrees = {"tp": "tensor-parallel degree (Megatron: heads and MLP columns split)",
+               "pp": "pipeline stages", "dp": "data-parallel degree (default: the GPUs left by the others)",
+               "cp": "context-parallel degree (each rank holds seq / cp tokens of every sequence)",
+               "ep": "expert-parallel degree (MoE; carved out of dp x cp)",
+               "zero": "ZeRO stage: 1 optimizer state, 2 also gradients, 3 also parameters sharded over dp",
+               "vpp": "virtual pipeline stages per rank (schedule interleaved)"}
+    for name, text in degrees.items():
+        ap.add_argument(f"--{name}", type=int, help=f"{text} (default: searched unless every degree is given)")
     ap.add_argument("--sp-mode", dest="sp_mode", choices=choices(SpMode),
                     help="Megatron sequence parallelism (default megatron when tp > 1)")
     ap.add_argument("--cp-mode", dest="cp_mode", choices=choices(CpMode),
@@ -54,8 +60,10 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--micro-batch-size", dest="micro_batch", type=int, help=MICRO_BATCH_SIZE_HELP.split(" (")[0]
                     + " (default: searched, or 1 for one layout)")
     add_renamed(ap)   # --micro-batch: one line naming --micro-batch-size
-    ap.add_argument("--recompute", choices=choices(Recompute))
-    ap.add_argument("--schedule", choices=choices(ScheduleKind), default=None)
+    ap.add_argument("--recompute", choices=choices(Recompute), help="activation checkpointing: selective "
+                    "(attention), full (each block; each chunk under pp) (default: searched, none for one layout)")
+    ap.add_argument("--schedule", choices=choices(ScheduleKind), default=None, help="pipeline schedule (default: "
+                    "1f1b, interleaved with --vpp > 1; searched when searching)")
     ap.add_argument("--order", help=f"rank order, innermost first (default {DEFAULT_ORDER})")
     ap.add_argument("--partition", help=f"layers to pipeline stages: {' | '.join(choices(PartitionKind))} | "
                                         f"counts like 3,5,5,3 (default even)")
@@ -65,7 +73,9 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                     help="gradient accumulation: fp32 main grads, or the weights' dtype")
     ap.add_argument("--no-flash", dest="flash", action="store_false", help="store the s^2 attention scores")
     ap.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", help="MoE dispatch in FP8")
-    ap.add_argument("--capacity-factor", dest="capacity_factor", type=float, default=1.0)
+    ap.add_argument("--capacity-factor", dest="capacity_factor", type=float, default=1.0,
+                    help="MoE: tokens an expert takes per step, as a multiple of the even share (0: dropless; "
+                         "default 1.0)")
     ap.add_argument("--efficiency", type=float, default=0.6,
                     help="fraction of peak FLOP/s kernels reach (with --gemm shape: what large GEMMs reach)")
     ap.add_argument("--gemm", choices=("shape", "flat"), default="shape",

@@ -77,6 +77,11 @@ def find_checkpoint(run: str | Path, step: str | Path | None = None) -> Path:
     run = Path(run)
     if not run.is_dir():
         raise ConfigError(f"{run}: no such run folder")
+    if str(step) == "best":        # train.keep_best's: OUT/best.json names it
+        best = rundir.read_best(run)
+        if best is None:
+            raise ConfigError(f"--checkpoint best: {run} has no {rundir.BEST} (train with train.keep_best=true)")
+        step = str(best["step"])
     if step is not None:
         number = str(step).removeprefix("step-")
         named = [rundir.step_dir(run, int(number))] if number.isdigit() else []   # step-2 = step-00000002
@@ -264,7 +269,8 @@ def add_generate_args(ap) -> None:
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set with this "
                     "much probability (1: all)")
     ap.add_argument("--seed", type=int, default=0, help="the sampler's random seed (default 0)")
-    ap.add_argument("--checkpoint", help="a checkpoint of RUN to use instead of the newest: step-N or a path")
+    ap.add_argument("--checkpoint", help="a checkpoint of RUN to use instead of the newest: step-N, best "
+                    "(train.keep_best's) or a path")
     ap.add_argument("--no-cache", action="store_true", help="re-run the whole sequence for every token "
                     "instead of using the KV cache (slower; the same tokens)")
     ap.add_argument("--hf", metavar="DIR", help="sample from a Hugging Face folder (e.g. `fivefold export "

@@ -128,7 +128,7 @@ class NonFiniteState(RuntimeError):
 
 
 def save(out: str | Path, step: int, cfg: Config, entries: list[tuple[str, torch.Tensor, Box]],
-         rng: dict[str, torch.Tensor], meta: dict, keep: int, rank: int) -> Path:
+         rng: dict[str, torch.Tensor], meta: dict, keep: int, rank: int, protect: int | None = None) -> Path:
     """Write checkpoint `step` of the run in `out` from every rank's `entries` (key, tensor, the box of
     the full tensor it holds: the tensor's leading box.sizes part), plus this rank's `rng` tensors and
     `meta` (JSON, from rank 0). Call on every rank; returns the checkpoint folder once it is complete
@@ -162,7 +162,7 @@ def save(out: str | Path, step: int, cfg: Config, entries: list[tuple[str, torch
         _fsync(tmp / INDEX)
         _fsync(tmp)
         _publish(tmp, final)
-        prune(out, keep)
+        prune(out, keep, protect)
     gather_objects(None)   # the checkpoint is visible
     return final
 
@@ -222,10 +222,12 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def prune(out: str | Path, keep: int) -> None:
-    """Remove the oldest complete checkpoints beyond `keep`, and leftovers of interrupted saves (the run
-    folder's lock means no other save is under way)."""
+def prune(out: str | Path, keep: int, protect: int | None = None) -> None:
+    """Remove the oldest complete checkpoints beyond `keep` (never step `protect`: train.keep_best's), and
+    leftovers of interrupted saves (the run folder's lock means no other save is under way)."""
     for old in rundir.checkpoints(out)[:-keep]:
+        if protect is not None and rundir.step_of(old.name) == protect:
+            continue
         try:
             rundir.read_index(old)   # fivefold's own (its index says so): nothing else is removed
         except ConfigError:

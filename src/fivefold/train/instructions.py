@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..rules import ConfigError
+from ..rules import ConfigError, install_hint
 from ..tokenizer import Tokenizer
 
 FORMATS = ("text", "chat", "prompt-completion")
@@ -43,7 +43,7 @@ class ChatTemplate:
             import jinja2
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:
-            raise ConfigError("chat templates need jinja2: pip install jinja2 (transformers installs it)") from None
+            raise ConfigError(f"chat templates need jinja2 ({install_hint('hf')}: transformers brings it)") from None
 
         def raise_exception(message):
             raise ConfigError(f"{name}: {message}")

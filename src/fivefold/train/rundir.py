@@ -8,6 +8,8 @@
     OUT/tokenizer.json or .tiktoken     train.tokenizer: a copy of the run's tokenizer (tokenizer.save_to_run)
     OUT/checkpoints/step-00000050/      complete checkpoints: index.json + one safetensors file per rank
     OUT/checkpoints/.tmp-...            a save in progress (never read; a failed save's is removed later)
+    OUT/best.json                       train.keep_best: {"step", "eval_loss"} of the checkpoint kept for its eval
+                                        loss (never pruned); `generate RUN --checkpoint best` reads it
 
     OUT/.fivefold-run                   the marker: this folder holds a fivefold run (written at its start)
 
@@ -43,7 +45,8 @@ INDEX = "index.json"
 FORMAT = 2
 MARKER = ".fivefold-run"
 LOCK = ".lock"
-RUN_FILES = ("metrics.jsonl", "comm.json", "run.json", "pipeline.json", "pipeline.svg", "tensorboard", CHECKPOINTS)
+BEST = "best.json"
+RUN_FILES = ("metrics.jsonl", "comm.json", "run.json", "pipeline.json", "pipeline.svg", "tensorboard", CHECKPOINTS, BEST)
 # RUN_CONFIG (config.toml) is written at the start like the tokenizer copy: not a sign that a run trained here
 STEP_NAME = re.compile(r"step-(\d+)")
 TEMP_NAME = re.compile(r"\.(tmp|old)-step-\d+-[0-9a-f]+")   # a save in progress, a replaced checkpoint
@@ -291,6 +294,9 @@ def start_run(out: str | Path, start: int) -> list[Path]:
     check_no_links(out)
     mark(out)
     trim_metrics(out / "metrics.jsonl", start)
+    best = read_best(out)
+    if best is not None and best["step"] > start:    # the abandoned run's best
+        (out / BEST).unlink()
     newer = [c for c in checkpoints(out) if step_of(c.name) > start]
     for ckpt in newer:
         shutil.rmtree(ckpt)
@@ -334,6 +340,34 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)   # closing the descriptor drops the flock
             self.fd = None
+
+
+def read_best(out: str | Path) -> dict | None:
+    """OUT/best.json ({"step": N, "eval_loss": x}, train.keep_best), checked: a positive step whose
+    checkpoint exists and a finite loss; None when there is none. Anything else is a ConfigError."""
+    path = Path(out) / BEST
+    if not os.path.lexists(path):
+        return None
+    try:
+        if path.is_symlink():
+            raise ValueError("a symbolic link")
+        d = json.loads(path.read_text())
+        ok = (isinstance(d, dict) and isinstance(d.get("step"), int) and d["step"] >= 1
+              and isinstance(d.get("eval_loss"), float) and d["eval_loss"] == d["eval_loss"]
+              and abs(d["eval_loss"]) != float("inf"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not readable ({e}); remove it") from None
+    if not ok:
+        raise ConfigError(f"{path} is not {{\"step\": N >= 1, \"eval_loss\": finite}}; remove it")
+    return d
+
+
+def write_best(out: str | Path, step: int, eval_loss: float) -> None:
+    """Rank 0: name checkpoint `step` the best (written to a temporary name, then renamed)."""
+    path = Path(out) / BEST
+    tmp = path.with_name(f".{BEST}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"step": step, "eval_loss": float(eval_loss)}) + "\n")
+    tmp.replace(path)
 
 
 def _is_regular(fd: int) -> bool:

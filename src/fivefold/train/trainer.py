@@ -191,6 +191,8 @@ class Trainer:
         self.evaluations = 0
         self.step_count = 0
         self.skips = 0          # consecutive skipped (non-finite) steps
+        self.best: dict | None = None   # {"step", "eval_loss"} of the lowest eval loss (train.keep_best)
+        self.evals_since_best = 0       # evaluations since it (train.stop_after)
         self.stop = None        # a stop signal the ranks agreed on at the end of the last step
 
     def make_engine(self) -> Engine:
@@ -279,6 +281,26 @@ class Trainer:
         return peak_rss_bytes()
 
     # -- evaluation --------------------------------------------------------------------------
+    def judge(self, step: int, eval_loss: float) -> bool:
+        """Whether the evaluation after step `step` (1-based) lowered the best eval loss (kept in
+        checkpoints, so a resumed run judges as an uninterrupted one); every rank decides alike (the loss
+        is the same on all)."""
+        if not math.isfinite(eval_loss) or (self.best is not None and eval_loss >= self.best["eval_loss"]):
+            self.evals_since_best += 1
+            return False
+        self.best, self.evals_since_best = {"step": step, "eval_loss": float(eval_loss)}, 0
+        return True
+
+    def patience_out(self, step: int) -> bool:
+        """train.stop_after evaluations in a row without a lower eval loss: stop (with one line)."""
+        n = self.cfg.train.stop_after
+        if not n or self.evals_since_best < n:
+            return False
+        if self.rank == 0 and not self.quiet:
+            print(f"stopping after step {step}: the eval loss has not improved for {n} evaluations (best "
+                  f"{self.best['eval_loss']:.6f} after step {self.best['step']})", file=sys.stderr)
+        return True
+
     def evaluates_after(self, step: int) -> bool:
         """Whether step `step` (0-based) is followed by an evaluation: every train.eval_every steps and
         after the run's last step (eval_every 0: never)."""
@@ -407,9 +429,11 @@ class Trainer:
                 entries += [(f"{section}/{full}", flat[o:o + n].view(sizes), box) for section, flat in tensors.items()]
         for name, b in checkpoint.persistent_buffers(self.model).items():
             entries.append((f"buffers/{name}", b, Box.whole(b.shape)))
-        meta = {"opt_t": opt_t, "skips": self.skips, "data": self.data_id}
+        meta = {"opt_t": opt_t, "skips": self.skips, "data": self.data_id, "best": self.best,
+                "evals_since_best": self.evals_since_best}
+        protect = self.best["step"] if self.best and self.cfg.train.keep_best else None
         return checkpoint.save(out, step, self.cfg, entries, self.rng_state(), meta,
-                               self.cfg.train.keep_checkpoints, self.rank)
+                               self.cfg.train.keep_checkpoints, self.rank, protect)
 
     def restore(self, ckpt: str | Path) -> int:
         """Load a checkpoint written by any layout; returns its step. Each rank reads only the boxes its
@@ -418,6 +442,8 @@ class Trainer:
         reader = checkpoint.open_matching(ckpt, self.checkpoint_keys())
         self.fill(reader, reader.index["opt_t"])
         self.skips = reader.index.get("skips", 0)
+        self.best = reader.index.get("best")   # the lowest eval loss so far (train.keep_best, stop_after)
+        self.evals_since_best = reader.index.get("evals_since_best", 0)
         where = ("offload", "offload_dir")   # where optimizer state lives changes no random stream
         layout = lambda par: {k: v for k, v in par.items() if k not in where}   # noqa: E731
         same_layout = (reader.index["world_size"] == self.world_size
@@ -483,8 +509,10 @@ class Trainer:
             m = self.step(step)
             if hasattr(self.batches, "drawn"):   # a data mixture: the step's tokens per source
                 m["data_tokens"] = self.batches.drawn(step)
+            improved = False
             if self.evaluates_after(step):
                 m.update(self.evaluate())
+                improved = self.judge(step + 1, m["eval_loss"])
             m["eta_s"] = bar.eta_seconds(step + 1)
             history.append(m)
             if self.rank == 0:
@@ -494,11 +522,13 @@ class Trainer:
                 wandb.add(m)
             bar.update(m)
             heartbeat(step)
-            stopped = self.stop
+            stopped = self.stop or self.patience_out(step + 1)
             every = cfg.checkpoint_every
-            if cfg.checkpoint and (stopped or (every and (step + 1) % every == 0)):
+            if cfg.checkpoint and (stopped or (every and (step + 1) % every == 0) or (improved and cfg.keep_best)):
                 self.save(out, step + 1)
                 saved = step + 1
+            if improved and cfg.keep_best and self.rank == 0:
+                rundir.write_best(out, step + 1, m["eval_loss"])   # once its checkpoint is complete
             if stopped:
                 break
         bar.close()

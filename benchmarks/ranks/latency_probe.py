@@ -1,4 +1,4 @@
-"""One torchrun rank of `benchmarks/network.py --latency-hops`: the median seconds of each collective on a
+"""One torchrun rank of `benchmarks/network.py --latency-hops` (a program the benchmark runs, not a benchmark): the median seconds of each collective on a
 pair of ranks on two nodes (ranks 0 and 2 of 2 nodes x 2) and on all 4, at 64 bytes and 1 MiB, printed by
 rank 0 as one JSON line after "PROBE ". Stdlib and torch only; run under torchrun on an emulated fabric."""
 import json

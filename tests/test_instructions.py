@@ -170,7 +170,7 @@ def sft_steps(rank, world, cfg_dict):
     return {"losses": [m["loss"] for m in losses], "loss_tokens": [m["loss_tokens"] for m in losses], "x": x_bs, "y": y_bs}
 
 
-LAYOUTS = [dict(dp=2), dict(tp=2), dict(pp=2, microbatches=2), dict(cp=2)]
+LAYOUTS = [dict(dp=2), dict(tp=2), dict(pp=2, microbatches=2), dict(cp=2), dict(dp=2, zero=3)]
 
 
 @pytest.mark.ranks
@@ -241,3 +241,25 @@ def test_generate_stops_where_the_folder_says_and_chats_through_its_template(fol
                      "--max-tokens", "12", "--stop", cut])
     printed = capsys.readouterr().out
     assert code == 0 and printed == "why the sky" + tok.decode(ours[:-1]).split(cut)[0] + "\n"
+
+
+@pytest.mark.ranks
+def test_sft_of_a_mixture_of_experts_under_expert_parallelism(folders, tmp_path):
+    """The same loss for a transformers-written Qwen2-MoE (dropless) under dp2 x ep2 as transformers'
+    with labels = -100 on the same batch."""
+    folder, _ = folders["chatml"]
+    data = chat_token_file(folder, tmp_path)
+    torch.manual_seed(0)
+    moe = dict(COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+               shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
+    model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**moe))
+    model.save_pretrained(tmp_path / "moe")
+    model.eval()
+    cfg = sft_config(tmp_path / "moe", folder, data, dp=2, ep=2)
+    cfg.model.capacity_factor, cfg.model.aux_loss_coef = 0.0, 0.0
+    results = spawn_jobs(2, [("moe", sft_steps, (cfg.to_dict(),))])["moe"]
+    with torch.no_grad():
+        logits = model(results[0]["x"]).logits
+    expected = float(F.cross_entropy(logits.flatten(0, 1).double(), results[0]["y"].flatten(), ignore_index=-100))
+    for r in results:
+        assert r["losses"][0] == pytest.approx(expected, rel=1e-5)

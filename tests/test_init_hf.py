@@ -163,3 +163,16 @@ def test_export_hf_of_a_4_rank_run_writes_shards_from_pretrained_loads(tmp_path)
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_a_folder_without_a_tokenizer_is_refused_unless_its_vocabulary_is_bytes(tmp_path):
+    """Training on bytes would mean other tokens than the weights learned: a folder without tokenizer.json
+    whose vocabulary is not 256 ids is one line (naming a SentencePiece tokenizer.model when there is one)."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=96, **{**COMMON, "vocab_size": 300})
+                                  ).save_pretrained(tmp_path / "m")
+    r = fivefold_cli("train", "--init-hf", str(tmp_path / "m"), "--seq-len", "32", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "has no tokenizer.json" in r.stderr, r.stderr
+    (tmp_path / "m" / "tokenizer.model").write_bytes(b"\x00")
+    r = fivefold_cli("train", "--init-hf", str(tmp_path / "m"), "--seq-len", "32", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "SentencePiece tokenizer.model" in r.stderr, r.stderr

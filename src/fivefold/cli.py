@@ -267,6 +267,11 @@ def model_from_hf(cfg, user_keys: set[str]) -> None:
         found = run_tokenizer_file(folder)
         if found is not None:
             cfg.train.tokenizer = str(found)
+        elif hf.vocab != 256:     # training on bytes would silently mean other tokens than the weights learned
+            spm = " (it has a SentencePiece tokenizer.model: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) " \
+                  "writes the tokenizer.json of a fast tokenizer)" if (Path(folder) / "tokenizer.model").is_file() else ""
+            raise ConfigError(f"--init-hf {folder} has no tokenizer.json{spm}, and its vocabulary of {hf.vocab} ids "
+                              f"is not bytes; add the model's tokenizer.json to the folder, or pass --tokenizer FILE")
 
 
 def resume_tokenizer(cfg, resume: str | None) -> None:

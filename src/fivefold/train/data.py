@@ -598,8 +598,9 @@ class MixtureBatches:
     def __init__(self, sources: list[Batches], weights: list[float], names: list[str], seed: int):
         self.sources, self.names = sources, names
         self.seq_len, self.global_batch, self.seed = sources[0].seq_len, sources[0].global_batch, seed
-        total = sum(weights)
-        self.weights = [w / total for w in weights]
+        top = max(weights)                           # scaled first: 1e308 + 1e308 would overflow to inf
+        total = sum(w / top for w in weights)
+        self.weights = [w / top / total for w in weights]
         edges = np.cumsum(self.weights)[:-1]
         self.edges = np.array([min(int(e * 2.0**64), M64) for e in edges], dtype=np.uint64)   # source bounds of u
         self.key = np.uint64(mix(seed, 0x6D69787475726521))

@@ -104,6 +104,36 @@ def test_raw_tokens_have_no_documents(tmp_path):
     assert Batches(np.arange(100), 8, 2, 0).starts is None   # no mask: no starts read
 
 
+@pytest.mark.parametrize("sidecar, words", [
+    (lambda good: good[::-1].copy(), "from"),                                   # reversed: not from 0
+    (lambda good: good[[0, 1, 2, 3, 4, 6, 5, *range(7, len(good))]], "decrease at document 6"),   # non-monotonic
+    (lambda good: good[:10], "values for the header's"),                        # another (shorter) file's
+    (lambda good: np.array([], dtype=np.int64), "values for the header's"),     # empty
+    (lambda good: good.astype(np.float64), "not 1-D integers"),                 # floats
+    (lambda good: good.reshape(1, -1), "not 1-D integers"),                     # 2-D
+    (lambda good: np.concatenate([good[:-1], [good[-1] + 7]]), "not from 0 to the header's"),   # out of range
+    (lambda good: good - 3, "not from 0"),                                      # negative
+    (None, "is not a .npy array"),                                              # garbage bytes
+])
+def test_a_wrong_document_sidecar_is_one_line(tmp_path, sidecar, words):
+    """FILE.idx.npy is held to the token file's header (documents + 1 non-decreasing values from 0 to the
+    token count): anything else is refused before training, never a silently different mask."""
+    data = tmp_path / "docs.bin"
+    write_documents(data, count=40)
+    side = tmp_path / "docs.bin.idx.npy"
+    good = np.load(side)
+    if sidecar is None:
+        side.write_bytes(b"\x93NUMPY garbage")
+    else:
+        np.save(side, sidecar(good), allow_pickle=False)
+    with pytest.raises(ConfigError, match=words) as e:
+        check_data(masked_config(data, {}).train, 256)
+    assert "\n" not in str(e.value)
+    side.unlink()
+    with pytest.raises(ConfigError, match="are missing"):
+        check_data(masked_config(data, {}).train, 256)
+
+
 # -- layouts -------------------------------------------------------------------------------------------
 
 def masked_config(data, parallel: dict, mask: bool = True) -> Config:

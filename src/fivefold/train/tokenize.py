@@ -200,8 +200,33 @@ def open_loss_mask(data: str | Path, verify: bool = False) -> "TokenFile | None"
 
 
 def read_offsets(data: str | Path) -> np.ndarray:
-    """The documents' start offsets plus the end (int64; loaded without pickle)."""
-    return np.load(offsets_path(data), allow_pickle=False)
+    """The documents' start offsets plus the end (int64; loaded without pickle), checked against the token
+    file's header: a 1-D integer array of documents + 1 values from 0 to the token count, never
+    decreasing (an empty document repeats its start). Anything else is one line naming the file: the
+    document masks would otherwise be silently wrong."""
+    path = offsets_path(data)
+    fix = "write the token file again with fivefold tokenize, or train with train.document_mask = false"
+    header = read_header(data)
+    if path.is_symlink() or not path.is_file():
+        raise ConfigError(f"token file {data}: its document offsets {path} are missing (or a link); {fix}")
+    try:
+        offsets = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise ConfigError(f"token file {data}: {path} is not a .npy array ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                          f"{fix}") from None
+    n, tokens = header["documents"], header["tokens"]
+    problem = None
+    if offsets.ndim != 1 or not np.issubdtype(offsets.dtype, np.integer):
+        problem = f"a {offsets.dtype} array of shape {offsets.shape}, not 1-D integers"
+    elif len(offsets) != n + 1:
+        problem = f"{len(offsets)} values for the header's {n} documents (documents + 1 expected)"
+    elif offsets[0] != 0 or offsets[-1] != tokens:
+        problem = f"they run from {offsets[0]} to {offsets[-1]}, not from 0 to the header's {tokens} tokens"
+    elif (np.diff(offsets) < 0).any():
+        problem = f"they decrease at document {int(np.argmax(np.diff(offsets) < 0)) + 1}"
+    if problem:
+        raise ConfigError(f"token file {data}: document offsets {path} do not fit it: {problem}; {fix}")
+    return offsets.astype(np.int64)
 
 
 class TokenFileWriter:

@@ -69,7 +69,9 @@ def runs(tmp_path_factory):
     tok = load_tokenizer(tok_file)
     out["bpe"] = root / "bpe"
     tokens = np.array(tok.encode(TEXT), dtype=np.int64)
-    Trainer(run_config(vocab=tok.vocab_size), tokens=tokens, quiet=True).run(out["bpe"])
+    bpe = run_config(vocab=tok.vocab_size)
+    bpe.train.tokenizer = str(tok_file)     # the checkpoint records its digest (generate and export check it)
+    Trainer(bpe, tokens=tokens, quiet=True).run(out["bpe"])
     save_to_run(tok_file, out["bpe"])
     return out
 
@@ -226,3 +228,24 @@ def test_export_hf_to_a_file_or_under_one_is_one_line(runs, tmp_path, capsys):
         code, _, err = fivefold(capsys, "export", runs["dense"], "--hf", dest)
         assert code == 2 and "file" in err and len(err.strip().splitlines()) == 1, err
     assert (tmp_path / "file").read_text() == "mine"
+
+
+@pytest.mark.ranks
+def test_a_replaced_tokenizer_is_refused_by_generate_eval_and_export(runs, tmp_path, capsys):
+    """The run folder's tokenizer copy is held to the digest its checkpoint recorded: replaced (or added to
+    a byte-level run), generate, eval and export --hf each stop with one line instead of using it."""
+    import shutil
+
+    for name, other in (("bpe", hf_tokenizer_file(tmp_path / "other.json")), ("dense", runs["bpe"] / "tokenizer.json")):
+        run = tmp_path / f"copy-{name}"
+        shutil.copytree(runs[name], run)
+        if name == "bpe":   # another tokenizer of the same kind and size: same vocabulary, other ids
+            (tmp_path / "other.json").write_text((tmp_path / "other.json").read_text().replace('"the"', '"teh"'))
+        shutil.copy(other, run / "tokenizer.json")
+        data = tmp_path / "text.txt"
+        data.write_text(TEXT * 4)
+        for args in (("generate", run, "--prompt", "the"), ("export", run, "--hf", tmp_path / f"hf-{name}"),
+                     ("eval", run, "--data", data, "--seq-len", "16", "--global-batch", "2")):
+            code, _, err = fivefold(capsys, *args)
+            assert code == 2 and "is not the tokenizer the run trained with" in err and err.count("\n") == 1, (args, err)
+        assert not (tmp_path / f"hf-{name}").exists()

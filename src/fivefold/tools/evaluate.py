@@ -41,12 +41,13 @@ def run_config(source: Path) -> tuple[Config, str]:
     """(config, checkpoint) of a run folder or checkpoint folder: the checkpoint's config (verified
     against its bytes) with the run's own tokenizer copy and --eos / --bos."""
     from .generate import find_checkpoint, run_of
-    from ..tokenizer import read_specials, run_tokenizer_file
+    from ..tokenizer import read_specials
+    from ..train.rundir import checked_tokenizer_file
     from ..train.verify import verify
 
     ckpt = find_checkpoint(source)
     cfg = Config.from_dict(verify(ckpt)["config"])
-    saved = run_tokenizer_file(ckpt)
+    saved = checked_tokenizer_file(ckpt)
     cfg.train.tokenizer = str(saved) if saved is not None else ""
     cfg.train.eos, cfg.train.bos = read_specials(run_of(ckpt))
     cfg.train.init_hf = ""   # the checkpoint holds the weights

@@ -117,10 +117,11 @@ def for_inference(model: Transformer, device: str = "auto") -> Transformer:
 def load_run(run: str | Path, step: str | Path | None = None, device: str = "auto"):
     """(model, tokenizer) of a run folder: its newest checkpoint (or `step`) in one process, and the
     tokenizer the run trained with (byte-level when it used none)."""
-    from ..tokenizer import run_tokenizer
+    from ..tokenizer import load_tokenizer, read_specials
 
     ckpt = find_checkpoint(run, step)
-    return for_inference(checkpoint.to_model(ckpt), device), run_tokenizer(run_of(ckpt))
+    tokenizer = load_tokenizer(rundir.checked_tokenizer_file(ckpt), *read_specials(run_of(ckpt)))
+    return for_inference(checkpoint.to_model(ckpt), device), tokenizer
 
 
 def load_hf(folder: str | Path, device: str = "auto"):

@@ -30,7 +30,7 @@ from pathlib import Path
 from ..config import ConfigError
 from ..rules import install_hint
 from .generate import find_checkpoint, run_of
-from ..tokenizer import HFTokenizer, load_tokenizer, missing_eos, read_specials, run_tokenizer_file
+from ..tokenizer import HFTokenizer, load_tokenizer, missing_eos, read_specials
 from ..train import checkpoint, rundir
 
 
@@ -42,7 +42,7 @@ def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None 
     ckpt = find_checkpoint(run, step)
     run_eos, run_bos = read_specials(run_of(ckpt))
     eos, bos = eos or run_eos, bos or run_bos
-    tokenizer = load_tokenizer(run_tokenizer_file(run_of(ckpt)), eos, bos)   # an unknown --eos fails before writing
+    tokenizer = load_tokenizer(rundir.checked_tokenizer_file(ckpt), eos, bos)   # an unknown --eos fails before writing
     warning = missing_eos(tokenizer, eos)
     if warning:
         print(warning, file=sys.stderr)
@@ -54,7 +54,7 @@ def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None 
         raise ConfigError(f"cannot export to Hugging Face form: {e}") from None
     dest = Path(dest)
     max_seq = rundir.read_index(ckpt)["config"]["model"]["max_seq"]
-    tokenizer = write_tokenizer(run_tokenizer_file(run_of(ckpt)), dest, max_seq, eos, bos)
+    tokenizer = write_tokenizer(rundir.checked_tokenizer_file(ckpt), dest, max_seq, eos, bos)
     set_special_ids(dest, tokenizer.eos_id, tokenizer.bos_id)
     return dest
 

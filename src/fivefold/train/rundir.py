@@ -342,6 +342,22 @@ class RunLock:
             self.fd = None
 
 
+def checked_tokenizer_file(ckpt: str | Path) -> Path | None:
+    """The tokenizer copy of checkpoint `ckpt`'s run folder (None: byte-level), held to the digest the
+    checkpoint recorded when it was trained (its index's data.tokenizer): a copy replaced since is one
+    line, not another tokenizer used silently by generate, eval or export."""
+    from ..tokenizer import ByteTokenizer, file_digest, run_tokenizer_file
+
+    found = run_tokenizer_file(ckpt)
+    recorded = (read_index(ckpt).get("data") or {}).get("tokenizer")
+    have = file_digest(found) if found is not None else ByteTokenizer.digest
+    if recorded is not None and recorded != have:
+        what = found.name if found is not None else "no tokenizer file (byte-level)"
+        raise ConfigError(f"{ckpt}: the run folder's {what} ({have}) is not the tokenizer the run trained with "
+                          f"({recorded}); put that tokenizer back (the run's tokenizer.json or tokenizer.tiktoken)")
+    return found
+
+
 def read_best(out: str | Path) -> dict | None:
     """OUT/best.json ({"step": N, "eval_loss": x}, train.keep_best), checked: a positive step whose
     checkpoint exists and a finite loss; None when there is none. Anything else is a ConfigError."""

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..plan.topology import Topology, load_topology
-from .fabric import Fabric, FabricError, check, remove_leftovers
+from .fabric import JUMBO, MTU, Fabric, FabricError, check, remove_leftovers
 
 RDZV_PORT = 29400
 GRACE_S = 20.0      # after one agent failed, the others' time to end before SIGTERM
@@ -171,12 +171,12 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
                   during=None, grace_s: float = GRACE_S, impair: tuple[float, float] | None = None) -> dict:
     """Build the fabric, measure header overhead, run one agent per node, sample the links, remove the fabric.
     `impair`: (seconds, loss fraction) added to every node-to-node path once the overhead is measured
-    (`Fabric.impair_paths`; (0, 0): relays that add nothing). `during(fab, agents)`: called once the agents started (a fault to inject); its
+    (`Fabric.impair_paths`; (0, 0): relays that add nothing), on a fabric of jumbo frames. `during(fab, agents)`: called once the agents started (a fault to inject); its
     return value is kept as "during". Returns {"returncode", "fabric", "overhead", "samples", "outputs",
     "lines" ((monotonic time, node, line) of every output line), "during", "wires" (each relay's counts:
     frames relayed and dropped each way)}."""
     topo = load_topology(topo)
-    fab = Fabric.build(topo, nodes)
+    fab = Fabric.build(topo, nodes, mtu=JUMBO if impair is not None else MTU)   # relays move fewer, bigger frames
     agents: list[subprocess.Popen] = []
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     stopping: list[int] = []

@@ -14,7 +14,9 @@ link carries its K ranks (K · bandwidth), a leaf's uplink the ranks of the leaf
 bandwidth / oversubscription). Latency is what the veths and bridges give (tens of microseconds):
 `impair(link, delay_s, loss)` adds delay and packet loss through a relay in user space (tools/wire.py:
 netem's job; the kernels this project runs on do not ship sch_netem), and `impair_paths` does it for
-every node-to-node path. Links run jumbo frames (MTU 9000, as data-centre fabrics do), and IPv4 only.
+every node-to-node path. Links run Ethernet's 1500-byte frames, or jumbo frames (`Fabric.build(...,
+mtu=JUMBO)`: 9000, as data-centre fabrics run) for a fabric with relays, which then move 6x fewer frames;
+IPv4 only.
 
 Addresses come from the benchmarking range 198.18.0.0/15 (RFC 2544) only: node i is 198.18.0.(i+1)/16
 on its uplink `up0`, one flat L2 segment through the bridges, and no namespace has a route out (nothing
@@ -63,7 +65,7 @@ MARK = "ffc"                                    # the tool's marker: ffc<pid>-..
 MARKED = re.compile(rf"^{MARK}(\d+)-")
 UPLINK = "up0"                                  # a node's (or leaf's) link to the switch above it
 MAX_NODES = 250
-MTU = 9000                                      # jumbo frames, as data-centre fabrics run (and 6x fewer to relay)
+MTU, JUMBO = 1500, 9000                         # Ethernet's frames; jumbo ones for a fabric with relays
 CGROUP = Path("/sys/fs/cgroup")                 # cgroup v1 controllers: cpu (a slow node), freezer (a frozen one)
 
 
@@ -99,6 +101,7 @@ class Fabric:
     relays: dict[str, subprocess.Popen] = field(default_factory=dict)      # link name -> its wire (impair)
     relay_reports: dict[str, dict] = field(default_factory=dict)           # link name -> the wire's last counts
     whole_frames: bool = False         # every node's link sends checksummed, unsegmented frames (impair)
+    mtu: int = MTU                     # every link's frame size
 
     # -- shape of the cluster ---------------------------------------------------------------------------
     @staticmethod
@@ -127,10 +130,10 @@ class Fabric:
         return k, per_leaf, spine
 
     @classmethod
-    def build(cls, topology: Topology, nodes: int, tag: str | None = None) -> "Fabric":
+    def build(cls, topology: Topology, nodes: int, tag: str | None = None, mtu: int = MTU) -> "Fabric":
         """Make every namespace, link and qdisc; on any failure remove what was made and raise."""
         k, per_leaf, spine = cls.layout(topology, nodes)
-        fab = cls(topology, nodes, k, tag or f"{MARK}{os.getpid()}")
+        fab = cls(topology, nodes, k, tag or f"{MARK}{os.getpid()}", mtu=mtu)
         try:
             fab._make(per_leaf, spine)
         except BaseException:
@@ -172,8 +175,8 @@ class Fabric:
             self.wait_holder(ns)
 
     def _link(self, link: Link) -> None:
-        _ip("link", "add", link.dev, "mtu", str(MTU), "netns", link.ns, "type", "veth", "peer", "name",
-            link.switch_dev, "mtu", str(MTU), "netns", link.switch_ns)
+        _ip("link", "add", link.dev, "mtu", str(self.mtu), "netns", link.ns, "type", "veth", "peer", "name",
+            link.switch_dev, "mtu", str(self.mtu), "netns", link.switch_ns)
         _ip("-n", link.switch_ns, "link", "set", link.switch_dev, "master", "br0")
         for ns, dev in ((link.ns, link.dev), (link.switch_ns, link.switch_dev)):
             _ip("-n", ns, "link", "set", dev, "up")
@@ -234,8 +237,8 @@ class Fabric:
             self.whole_frames = True
         ns, dev = link.switch_ns, link.switch_dev
         relay_end, bridge_end = f"ra-{dev}", f"rb-{dev}"
-        _ip("-n", ns, "link", "add", relay_end, "mtu", str(MTU), "type", "veth", "peer", "name", bridge_end,
-            "mtu", str(MTU))
+        _ip("-n", ns, "link", "add", relay_end, "mtu", str(self.mtu), "type", "veth", "peer", "name", bridge_end,
+            "mtu", str(self.mtu))
         _ip("-n", ns, "link", "set", dev, "nomaster")
         _ip("-n", ns, "link", "set", bridge_end, "master", "br0")
         for d in (relay_end, bridge_end):

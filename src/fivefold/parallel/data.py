@@ -166,8 +166,8 @@ class DataParallelOptimizer(Engine):
     def __init__(self, model: nn.Module, groups: Mapping[str, Group], make_optimizer, bucket_mb: float = 25.0,
                  master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
                  only_dp: bool | None = None, decay_embeddings: bool = True):
-        """`decay_embeddings`: whether the embedding and LM head decay (`engine.decays`). `only_dp`: whether every parameter of the whole model (not only this rank's) is reduced over dp
-        (the layout's fact: cp = ep = 1), so that every rank all-reduces the norm over the same group even
+        """`decay_embeddings`: whether the embedding and LM head decay (`engine.decays`). `only_dp`: whether
+        every parameter of the whole model (not only this rank's) is reduced over dp (the layout's fact: cp = ep = 1), so that every rank all-reduces the norm over the same group even
         where its own stage holds no expert (DeepSeek-V3's dense first layers); None: from this rank's."""
         self.model = model
         self.params = unique_params(model)

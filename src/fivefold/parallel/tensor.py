@@ -53,8 +53,7 @@ from ..comm.autograd import (GatherRows, ScatterRows, copy_to_tensor_region, gat
                              reduce_from_tensor_region, reduce_scatter_sequence)
 from ..model.latent_attention import LatentAttention
 from ..model.moe import MoE
-from ..model.transformer import IGNORE_INDEX
-from ..model.transformer import Dropout, Transformer
+from ..model.transformer import IGNORE_INDEX, Dropout, Transformer
 from ..shapes import padded_vocab
 from .dimension import ShardedState
 from .placement import Shard, add_shard, place, placement_of

@@ -244,13 +244,19 @@ def read_corpus(paths: list[str | Path] | None = None, limit_mb: float = 8.0, vo
         masks.append(open_loss_mask(f) if is_token_file(f) else None)
         base += len(part)
     starts = np.concatenate(starts) if documents else None
-    mask = None
-    if any(m is not None for m in masks):
-        filled = [m if m is not None else Ones(len(p)) for m, p in zip(masks, parts)]
-        mask = filled[0] if len(filled) == 1 else Joined(filled)
+    mask = joined_mask(masks, parts)
     if len(parts) == 1:
         return parts[0], starts, mask
     return (Joined(parts) if any(isinstance(p, TokenFile) for p in parts) else np.concatenate(parts)), starts, mask
+
+
+def joined_mask(masks: list, parts: list):
+    """One loss mask for `parts` joined end to end: each part's own (`masks[i]`) or ones where it has
+    none; None when no part has one."""
+    if all(m is None for m in masks):
+        return None
+    filled = [m if m is not None else Ones(len(p)) for m, p in zip(masks, parts)]
+    return filled[0] if len(filled) == 1 else Joined(filled)
 
 
 def file_document_starts(f: Path) -> np.ndarray:
@@ -373,7 +379,7 @@ def make_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = Non
     kind = ShuffledBatches if uses_token_files(train) else Batches
     part = split_corpus(corpus, train.eval_fraction)[0]
     return kind(part, train.seq_len, train.global_batch, train.seed, starts=starts_within(starts, 0, len(part)),
-                mask=None if mask is None else split_corpus(mask, train.eval_fraction)[0])
+                mask=split_corpus(mask, train.eval_fraction)[0])
 
 
 def one_document(train: TrainConfig) -> np.ndarray | None:
@@ -384,8 +390,9 @@ def one_document(train: TrainConfig) -> np.ndarray | None:
 def split_corpus(tokens, fraction: float) -> tuple:
     """(training part, held-out part) of a token stream: the last ceil(fraction * len) tokens are held
     out for evaluation (train.eval_fraction), so no training window (seq_len + 1 tokens inside the first
-    part) shares a token with an evaluation window. fraction 0: (tokens, None)."""
-    if not fraction:
+    part) shares a token with an evaluation window. fraction 0: (tokens, None); tokens None (no loss mask):
+    (None, None)."""
+    if tokens is None or not fraction:
         return tokens, None
     cut = len(tokens) - math.ceil(fraction * len(tokens))
     return Slice(tokens, 0, cut), Slice(tokens, cut, len(tokens))
@@ -407,9 +414,7 @@ def eval_corpus(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None
                           train.eval_fraction) for f, _ in mixture]
         joined = Joined([t for t, _, _ in tails])
         starts = (np.concatenate([s + lo for (_, s, _), lo in zip(tails, joined.starts[:-1])]) if docs else None)
-        mask = (Joined([m if m is not None else Ones(len(t)) for t, _, m in tails])
-                if any(m is not None for _, _, m in tails) else None)
-        return joined, starts, mask
+        return joined, starts, joined_mask([m for _, _, m in tails], [t for t, _, _ in tails])
     if tokens is None:
         return held_out(*read_corpus(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train), docs),
                         train.eval_fraction)
@@ -419,7 +424,7 @@ def eval_corpus(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None
 def held_out(tokens, starts, mask, fraction: float) -> tuple:
     """(the held-out tail of `tokens`, its document starts, its loss mask)."""
     tail = split_corpus(tokens, fraction)[1]
-    return tail, starts_within(starts, tail.lo, tail.hi), None if mask is None else split_corpus(mask, fraction)[1]
+    return tail, starts_within(starts, tail.lo, tail.hi), split_corpus(mask, fraction)[1]
 
 
 def source_batches(train: TrainConfig, file: str, vocab: int, index: int) -> "Batches":
@@ -431,7 +436,7 @@ def source_batches(train: TrainConfig, file: str, vocab: int, index: int) -> "Ba
     kind = ShuffledBatches if is_token_file(Path(file)) else Batches
     return kind(corpus, train.seq_len, train.global_batch, train.seed + SOURCE_SEED_STRIDE * index,
                 starts=starts_within(starts, 0, len(corpus)),
-                mask=None if mask is None else split_corpus(mask, train.eval_fraction)[0])
+                mask=split_corpus(mask, train.eval_fraction)[0])
 
 
 def make_eval_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None) -> "EvalBatches | None":

@@ -172,7 +172,7 @@ FAULTS = ("cut", "half_rate", "lossy", "throttled", "frozen", "killed")
 LOSS, EXTRA_LATENCY_S = 0.01, 0.005          # node to node: through two impaired node links, half each
 
 
-def faults(out: Path, steps: int, cal4, only=FAULTS) -> dict:
+def faults(out: Path, steps: int, cal4, only=FAULTS, rounds: int = 1) -> dict:
     tp_across = ["--tp", "2", "--dp", "2", "--order", "dp-tp-cp-ep-pp"]
     res: dict = {}
     fab = fabric("two-nodes")
@@ -180,7 +180,7 @@ def faults(out: Path, steps: int, cal4, only=FAULTS) -> dict:
     if "half_rate" in only:
         res["half_rate"] = _half_rate(out, steps, topo, tp_across)
     if "lossy" in only:
-        res["lossy"] = _lossy(out, steps, topo, tp_across)
+        res["lossy"] = _lossy(out, steps, topo, tp_across, rounds)
     if "cut" in only:
         res["cut"] = _cut(out, steps)
     for name, fn in (("throttled", _throttled), ("frozen", _frozen), ("killed", _killed)):
@@ -189,31 +189,42 @@ def faults(out: Path, steps: int, cal4, only=FAULTS) -> dict:
     return res
 
 
-def _lossy(out: Path, steps: int, topo, argv: list[str]) -> dict:
+def _lossy(out: Path, steps: int, topo, argv: list[str], rounds: int = 1) -> dict:
     """Every node-to-node path 5 ms longer and losing 1% of its frames (`Fabric.impair_paths`), then 5 ms
-    alone, against relays that add nothing (what the relays cost is the emulator's, measured apart): the
-    measured slowdowns against the planner's with the leaf tier's latency raised by the same 5 ms."""
+    alone, against relays that add nothing (what the relays cost is the emulator's, measured apart), in
+    `rounds` interleaved rounds: the median of each round's slowdowns against the planner's with the leaf
+    tier's latency raised by the same 5 ms, and for the lossy runs its loss at 1% with what a lost frame
+    costs as `loss_probe` fits it."""
     from fivefold.plan.topology import Topology
+    from fivefold.tools.fabric import JUMBO
 
     runs = {"relay": (0.0, 0.0), "latency": (EXTRA_LATENCY_S, 0.0), "lossy": (EXTRA_LATENCY_S, LOSS)}
-    res, m = {}, {}
-    for name, impair in runs.items():
-        r = run_case("two-nodes", 2, argv, out / name, steps, impair=impair)
-        m[name] = measured(out / name, r)
-        wires = r["wires"].values()
-        res[f"{name}_wires"] = {k: sum(sum(w[k]) for w in wires) for k in ("relayed", "dropped", "send_errors",
-                                                                            "socket_drops")}
-    long_topo = Topology(topo.name, topo.accelerator, (topo.tiers[0], dataclasses.replace(
-        topo.tiers[1], latency=topo.tiers[1].latency + EXTRA_LATENCY_S)), backend="gloo")
-    planned = plan(m["latency"]["config"], long_topo)["step_s"] - plan(m["relay"]["config"], topo)["step_s"]
-    losses = {name: [x["loss"] for x in metrics(out / name)] for name in runs}
-    res.update({name: m[name]["step_s"] for name in runs})
-    res.update({"planned_slowdown_s": planned,
-                "latency_measured_slowdown_s": m["latency"]["step_s"] - m["relay"]["step_s"],
-                "lossy_measured_slowdown_s": m["lossy"]["step_s"] - m["relay"]["step_s"],
+    res, m, steps_s, losses = {}, {}, {name: [] for name in runs}, {}
+    for i in range(rounds):
+        for name, impair in runs.items():
+            r = run_case("two-nodes", 2, argv, out / name, steps, impair=impair)
+            m[name] = measured(out / name, r)
+            steps_s[name].append(m[name]["step_s"])
+            losses.setdefault(name, [x["loss"] for x in metrics(out / name)])
+            wires = r["wires"].values()
+            res[f"{name}_wires"] = {k: sum(sum(w[k]) for w in wires) for k in ("relayed", "dropped", "send_errors",
+                                                                                "socket_drops")}
+    fit = loss_probe()
+    leaf = dataclasses.replace(topo.tiers[1], mtu=JUMBO)
+    long_leaf = dataclasses.replace(leaf, latency=leaf.latency + EXTRA_LATENCY_S)
+    lossy_leaf = dataclasses.replace(long_leaf, loss=LOSS, loss_recovery=fit["recovery_s"])
+    base = plan(m["relay"]["config"], Topology(topo.name, topo.accelerator, (topo.tiers[0], leaf), backend="gloo"))
+    planned = {name: plan(m[name]["config"], Topology(topo.name, topo.accelerator, (topo.tiers[0], t),
+                                                      backend="gloo"))["step_s"] - base["step_s"]
+               for name, t in (("latency", long_leaf), ("lossy", lossy_leaf))}
+    res.update({name: steps_s[name] for name in runs})
+    res.update({"rounds": rounds, "loss_recovery_s": fit["recovery_s"], "loss_probe": fit["ops"],
+                "latency_planned_slowdown_s": planned["latency"], "lossy_planned_slowdown_s": planned["lossy"],
                 "losses_equal": losses["lossy"] == losses["relay"] == losses["latency"]})
-    res["latency_planned_over_measured"] = planned / res["latency_measured_slowdown_s"]
-    res["lossy_planned_over_measured"] = planned / res["lossy_measured_slowdown_s"]
+    for name in ("latency", "lossy"):
+        slow = statistics.median(a - b for a, b in zip(steps_s[name], steps_s["relay"]))
+        res[f"{name}_measured_slowdown_s"] = slow
+        res[f"{name}_planned_over_measured"] = planned[name] / slow
     w = res["lossy_wires"]
     res["drop_rate_per_link"] = w["dropped"] / max(1, w["relayed"] + w["dropped"])
     return res
@@ -306,24 +317,29 @@ def _killed(out: Path, steps: int) -> dict:
             "losses_equal_uninterrupted": lk == lr, "wall_s": killed["wall_s"], "uninterrupted_wall_s": ref["wall_s"]}
 
 
+def _probe(added_s: float, loss: float, *argv: str) -> dict:
+    """benchmarks/ranks/latency_probe.py on two nodes of two ranks, `added_s` and `loss` on every
+    node-to-node path: {"group/op/bytes": seconds}."""
+    import re
+
+    from fivefold.tools.cluster import run_on_fabric
+
+    probe = Path(__file__).parent / "ranks" / "latency_probe.py"
+    r = run_on_fabric(str(FABRICS / "two-nodes.toml"), 2, [sys.executable, str(probe), *argv], fivefold=False,
+                      overhead_bytes=0, impair=(added_s, loss), timeout_s=600)
+    m = re.search(r"PROBE (\{.*\})", "".join(r["outputs"]))
+    if not m:
+        raise RuntimeError("latency probe failed: " + "".join(r["outputs"])[-2000:])
+    return json.loads(m.group(1))
+
+
 def latency_hops(added_s: float = 0.010) -> dict:
     """Each collective's one-way latencies: its median seconds with `added_s` on every node-to-node path
     less without, over `added_s` (benchmarks/ranks/latency_probe.py on two nodes of two ranks), beside what
     comm/volume.py's `latency_hops` counts for gloo."""
-    import re
-
     from fivefold.comm.volume import latency_hops as counted
-    from fivefold.tools.cluster import run_on_fabric
 
-    seconds = {}
-    for added in (0.0, added_s):
-        probe = Path(__file__).parent / "ranks" / "latency_probe.py"
-        r = run_on_fabric(str(FABRICS / "two-nodes.toml"), 2, [sys.executable, str(probe)], fivefold=False,
-                          overhead_bytes=0, impair=(added, 0.0), timeout_s=600)
-        m = re.search(r"PROBE (\{.*\})", "".join(r["outputs"]))
-        if not m:
-            raise RuntimeError("latency probe failed: " + "".join(r["outputs"])[-2000:])
-        seconds[added] = json.loads(m.group(1))
+    seconds = {added: _probe(added, 0.0) for added in (0.0, added_s)}
     rows = {}
     for key, base in seconds[0.0].items():
         group, op, nbytes = key.split("/")
@@ -331,6 +347,32 @@ def latency_hops(added_s: float = 0.010) -> dict:
         rows[key] = {"hops": (seconds[added_s][key] - base) / added_s, "counted": counted(op, n, "gloo"),
                      "clean_s": base, "added_s": seconds[added_s][key]}
     return rows
+
+
+def loss_probe(latency_s: float = EXTRA_LATENCY_S, loss: float = LOSS, calls: int = 60) -> dict:
+    """What one lost frame costs on the fabric's node-to-node paths (a tier's `loss_recovery_us`): the mean
+    seconds of each 1 MiB collective between one rank on each of two nodes, `latency_s` added to the path,
+    with `loss` against without, fitted as the planner charges it (plan/topology.py `collective_loss`):
+    the extra seconds over all ops / (loss x the frames they send: payload in MTU frames plus one frame a
+    latency hop)."""
+    from fivefold.comm.volume import bytes_sent, latency_hops as hops
+    from fivefold.plan.topology import TCP_IP_HEADER
+    from fivefold.tools.fabric import JUMBO
+
+    argv = ("--mean", str(calls), str(1 << 20))
+    clean, lossy = _probe(latency_s, 0.0, *argv), _probe(latency_s, loss, *argv)
+    rows, extra, frames = {}, 0.0, 0.0
+    for key, base in clean.items():
+        group, op, nbytes = key.split("/")
+        if group != "pair":                     # every byte of the pair crosses the lossy path
+            continue
+        f = bytes_sent(op, float(nbytes), 2, "gloo") / (JUMBO - TCP_IP_HEADER) + hops(op, 2, "gloo")
+        rows[key] = {"clean_s": base, "lossy_s": lossy[key], "frames": f}
+        extra += lossy[key] - base
+        frames += f
+    recovery = extra / (loss * frames)
+    return {"ops": rows, "latency_s": latency_s, "loss": loss, "recovery_s": recovery,
+            "recovery_over_latency": recovery / (latency_s + fabric("two-nodes").tiers[1].latency)}
 
 
 def _is_rank(pid: int) -> bool:
@@ -348,6 +390,9 @@ def main() -> int:
     ap.add_argument("--no-faults", action="store_true")
     ap.add_argument("--latency-hops", action="store_true", help="only measure each gloo collective's latency "
                     "hops (10 ms added to the path between two nodes) against comm/volume.py's counts")
+    ap.add_argument("--loss-probe", action="store_true", help="only fit what one lost frame costs (1%% loss, "
+                    "+5 ms between two nodes; a tier's loss_recovery_us)")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the lossy fault's three runs")
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--quick-calibration", action="store_true")
     ap.add_argument("--reuse-calibration", action="store_true", help="plan with OUT/local-cpu-N.toml where present")
@@ -368,6 +413,11 @@ def main() -> int:
             group, op, nbytes = key.split("/")
             print(f"| {group} | {op} | {nbytes} B | {r['hops']:.2f} | {r['counted']} |")
         (out / "latency_hops.json").write_text(json.dumps(rows, indent=1))
+        return 0
+    if a.loss_probe:
+        res = loss_probe()
+        print(json.dumps(res, indent=1))
+        (out / "loss_probe.json").write_text(json.dumps(res, indent=1))
         return 0
     cases = {k: v for k, v in CASES.items() if not a.only or k in a.only.split(",")}
     cals = {}
@@ -398,7 +448,7 @@ def main() -> int:
         four = out / "local-cpu-4.toml"
         result["faults"] = faults(out / "faults", a.steps, cals.get(4) or (
             load_topology(str(four)) if a.reuse_calibration and four.is_file() else
-            calibrated(4, a.quick_calibration, four, 1.0)), only=a.faults.split(","))
+            calibrated(4, a.quick_calibration, four, 1.0)), only=a.faults.split(","), rounds=a.rounds)
         print(json.dumps(result["faults"], indent=1))
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     return 0

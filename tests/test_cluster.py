@@ -82,6 +82,48 @@ def test_link_bytes_count_what_each_tier_of_links_carries():
     assert links == {"node": placed["node"], "leaf": placed["leaf"] + placed["spine"], "spine": placed["spine"]}
 
 
+def test_a_lossy_tier_charges_each_lost_frame_its_recovery_and_nothing_else_changes():
+    """A tier's `loss` charges, per rank, (payload frames + one frame a latency hop per call) x loss x what a
+    lost frame costs: the fitted `loss_recovery_us`, else 4 latencies. Bytes and tiers stay as they were."""
+    from fivefold.plan.topology import TCP_IP_HEADER, collective_loss
+    from fivefold.plan.traffic import place, stage_flows
+
+    tiers = [{"name": "node", "size": 2, "bandwidth_gbps": 2}, {"name": "leaf", "bandwidth_gbps": 0.0125,
+                                                                 "latency_us": 100}]
+    clean = topology_from_dict({"tier": tiers, "backend": "gloo"})
+    lossy = topology_from_dict({"tier": [tiers[0], {**tiers[1], "loss": 0.01, "mtu": 9000}], "backend": "gloo"})
+    fitted = topology_from_dict({"tier": [tiers[0], {**tiers[1], "loss": 0.01, "mtu": 9000,
+                                                     "loss_recovery_us": 7000}], "backend": "gloo"})
+    leaf = lossy.tiers[1]
+    assert leaf.recovery == pytest.approx(4e-4) and fitted.tiers[1].recovery == pytest.approx(7e-3)
+    frames = 1e6 / (9000 - TCP_IP_HEADER) + 3 * volume.latency_hops("all_reduce", 4, "gloo")
+    assert collective_loss("all_reduce", 4, 1e6, 3, leaf, "gloo") == pytest.approx(frames * 0.01 * 4e-4)
+    assert collective_loss("all_reduce", 4, 1e6, 3, clean.tiers[1], "gloo") == 0.0
+
+    cfg = tiny_config(tp=2, dp=2, ranks_per_node=2, order="dp-tp-cp-ep-pp")
+    layout, work = from_config(cfg)
+    model = from_model_config(cfg.model)
+    rows = {name: place(stage_flows(model, layout, work, 0), layout, topo, cfg.parallel.order)
+            for name, topo in (("clean", clean), ("lossy", fitted))}
+    for a, b in zip(rows["clean"], rows["lossy"]):
+        assert (a.tier, a.bytes_sent) == (b.tier, b.bytes_sent)
+        if a.tier == "leaf" and a.bytes_sent:
+            charged = collective_loss(a.op, a.n, a.bytes_sent, a.calls, fitted.tiers[1], a.backend)
+            assert b.seconds - a.seconds == pytest.approx(charged) and charged > 0
+        else:
+            assert b.seconds == a.seconds
+
+
+def test_a_topology_with_a_bad_loss_is_refused_in_one_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    for key, value, rule in (("loss", "0.7", "loss must be a finite number >= 0 and <= 0.5"),
+                             ("loss_recovery_us", "-1", "loss_recovery_us must be a finite number >= 0"),
+                             ("mtu", "100", "mtu must be")):
+        bad.write_text(TWO_NODES.read_text() + f"{key} = {value}\n")
+        r = _cli("plan", "--topology", str(bad), "--gpus", "4", "--dp", "4")
+        assert r.returncode == 2 and rule in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_fabric_rules_name_what_is_wrong():
     from fivefold.tools.fabric import Fabric
 

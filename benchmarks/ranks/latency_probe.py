@@ -1,14 +1,25 @@
-"""One torchrun rank of `benchmarks/network.py --latency-hops` (a program the benchmark runs, not a benchmark): the median seconds of each collective on a
-pair of ranks on two nodes (ranks 0 and 2 of 2 nodes x 2) and on all 4, at 64 bytes and 1 MiB, printed by
-rank 0 as one JSON line after "PROBE ". Stdlib and torch only; run under torchrun on an emulated fabric."""
+"""One torchrun rank of `benchmarks/network.py --latency-hops` and `--loss-probe` (a program the benchmark
+runs, not a benchmark): the seconds of each collective on a pair of ranks on two nodes (ranks 0 and 2 of 2
+nodes x 2) and on all 4, at 64 bytes and 1 MiB, printed by rank 0 as one JSON line after "PROBE ".
+
+    latency_probe.py                      # medians of 15 calls (the latency hops)
+    latency_probe.py --mean 60 1048576    # means of 60 calls at 1 MiB only (a lost frame's cost: the
+                                          # rare slow call is the point, so the mean, not the median)
+
+Stdlib and torch only; run under torchrun on an emulated fabric."""
 import json
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 REPS, SKIP = 15, 3
+MEAN = "--mean" in sys.argv
+if MEAN:
+    REPS, SKIP = int(sys.argv[sys.argv.index("--mean") + 1]) + 3, 3
+SIZES = tuple(int(x) for x in sys.argv[sys.argv.index("--mean") + 2:]) if MEAN else (64, 1 << 20)
 
 
 def timed(fn) -> float:
@@ -18,7 +29,7 @@ def timed(fn) -> float:
         t0 = time.perf_counter()
         fn()
         xs.append(time.perf_counter() - t0)
-    return statistics.median(xs[SKIP:])
+    return (statistics.fmean if MEAN else statistics.median)(xs[SKIP:])
 
 
 def main() -> None:
@@ -26,7 +37,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     pair = dist.new_group([0, 2])          # one rank on each node (2 ranks a node)
     out = {}
-    for nbytes in (64, 1 << 20):
+    for nbytes in SIZES:
         for name, group, members in (("pair", pair, [0, 2]), ("all", None, list(range(world)))):
             k = len(members)
             n = max(nbytes // 4 // k * k, k)

@@ -188,6 +188,9 @@ def check_topology(topo: Topology) -> None:
         check_real(f"{name} latency_us", _scaled(t.latency, 1e-6), 0, low_open=False)
         check_real(f"{name} oversubscription", t.oversubscription, 1, low_open=False, meaning=" (1: non-blocking)")
         check_real(f"{name} overlap", t.overlap, 0, 1, low_open=False, meaning=" (share of a collective hidden)")
+        check_real(f"{name} loss", t.loss, 0, 0.5, low_open=False, meaning=" (share of frames lost each way)")
+        check_real(f"{name} loss_recovery_us", _scaled(t.loss_recovery, 1e-6), 0, low_open=False)
+        check_count(f"{name} mtu", t.mtu, 576, 65536)
         for op, latency, bandwidth in t.ops:
             check_real(f"{name} ops.{op}.bandwidth_gbps", _scaled(bandwidth, GB), 0)
             check_real(f"{name} ops.{op}.latency_us", _scaled(latency, 1e-6), 0, low_open=False)

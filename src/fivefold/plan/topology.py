@@ -106,6 +106,16 @@ class Tier:
     oversubscription: float = 1.0
     ops: tuple = ()          # per-op (op, latency, bandwidth) fits that replace the two above (calibrate)
     overlap: float = 1.0     # share of an asynchronous collective that really hides behind compute
+    loss: float = 0.0        # share of frames a path across this tier loses (each way; a lossy link)
+    loss_recovery: float = 0.0   # seconds a lost frame holds up its transfer (0: TCP's estimate, 4 latencies)
+    mtu: int = 1500          # frame bytes on this tier's links (what a lost frame carries)
+
+    @property
+    def recovery(self) -> float:
+        """Seconds one lost frame costs: the measured `loss_recovery`, else TCP's: a lost frame is resent
+        after about two round trips (fast retransmit waits one for the duplicate acknowledgements; a lost
+        last frame waits for the tail-loss probe, two round trips: RFC 8985)."""
+        return self.loss_recovery or 4 * self.latency
 
     @property
     def effective_bandwidth(self) -> float:
@@ -248,6 +258,11 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
         # measured by `fivefold calibrate` (optional): per-op fits, the hidden share of async collectives
         ops = { all_reduce = { latency_us = 900, bandwidth_gbps = 2.1 } }
         overlap = 0.5
+        # a lossy tier (optional): share of frames lost on a path across it, each way, what one lost frame
+        # costs (absent: 4 latencies, TCP's estimate; benchmarks/network.py --loss-probe fits it), frame bytes
+        loss = 0.01
+        loss_recovery_us = 12000
+        mtu = 9000
 
     and, in [accelerator], `attention_tflops = { fp32 = 0.03 }`, `layer_overhead_us`, `elementwise`,
     `action_overhead_us`, `ranks_per_core`, `fresh_gbps` (see `Accelerator`), and the host side of one GPU for offload: `pcie_gbps`
@@ -291,7 +306,8 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
         try:
             ops = tuple((op, f["latency_us"] * 1e-6, f["bandwidth_gbps"] * GB) for op, f in t.get("ops", {}).items())
             tiers.append(Tier(t["name"], t.get("size"), t["bandwidth_gbps"] * GB, t.get("latency_us", 5) * 1e-6,
-                              t.get("oversubscription", 1.0), ops, t.get("overlap", 1.0)))
+                              t.get("oversubscription", 1.0), ops, t.get("overlap", 1.0), t.get("loss", 0.0),
+                              _times(t.get("loss_recovery_us", 0.0), 1e-6), t.get("mtu", 1500)))
         except KeyError as e:
             raise ConfigError(f"tier {i} needs {e.args[0]!r} (name, size, bandwidth_gbps)") from None
     sizes = [t.size for t in tiers]
@@ -335,6 +351,20 @@ def collective_latency(op: str, n: int, latency: float, backend: str = "nccl") -
     """Latency term (alpha) of one call: `latency` times the hops the backend's algorithm waits for
     (comm/volume.py `latency_hops`)."""
     return volume.latency_hops(op, n, backend) * latency
+
+
+TCP_IP_HEADER = 52        # IPv4 20 + TCP 20 + the timestamp option 12: the frame bytes that are not payload
+
+
+def collective_loss(op: str, n: int, bytes_sent: float, calls: float, tier: Tier, backend: str = "nccl") -> float:
+    """Loss term of a collective on a lossy tier: the frames one rank sends (its payload in `tier.mtu`
+    frames, and one frame per latency hop for each call: gloo's ready-to-receive notes, NCCL's flags) times
+    the tier's `loss` times what one lost frame costs (`Tier.recovery`). Lost frames are taken one after
+    another, each stalling its transfer (a step waits for its slowest rank's retransmissions)."""
+    if tier.loss <= 0:
+        return 0.0
+    frames = bytes_sent / max(1, tier.mtu - TCP_IP_HEADER) + calls * volume.latency_hops(op, n, backend)
+    return frames * tier.loss * tier.recovery
 
 
 def group_bandwidth(topo: "Topology", tier_index: int, op: str, n: int, block: int) -> float:

@@ -74,7 +74,7 @@ from .buffers import offload_units, params_on_disk, streams_grads
 from .units import (exact_tensors, held_root, layout_blocks, mtp_blocks, owned_tagged, root_tensors, root_units,
                     stage_params, unit_sums, unit_tensors, zero_units)
 from .models import PlanModel
-from .topology import Topology, collective_latency, group_bandwidth
+from .topology import Topology, collective_latency, collective_loss, group_bandwidth
 
 VOLUME = {op: getattr(volume, op) for op in volume.OPS}   # comm/volume.py's formula for each op
 VOLUME.update({op: volume.copy for op in volume.COPIES})   # offload copies: every byte moves
@@ -659,7 +659,8 @@ def group_block_of(tp: int, pp: int, dp: int, cp: int, ep: int, group: str, orde
 
 def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None = None) -> list[Flow]:
     """Fill each flow's tier (slowest it crosses) and seconds (bytes over that tier's bandwidth plus the
-    algorithm's latency hops). Node-limited expert all-to-alls ("routed" rows) become two rows, see
+    algorithm's latency hops, plus on a lossy tier its lost frames' recovery: topology.collective_loss).
+    Node-limited expert all-to-alls ("routed" rows) become two rows, see
     `split_routed`. Offload copies (group "pcie" or "nvme", COPY_TIERS) stay on that link of the
     accelerator: bytes over its `pcie_bandwidth` or `nvme_bandwidth`, no latency. Returns the placed rows."""
     world, tiers = layout.gpus, {}
@@ -682,7 +683,8 @@ def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None =
             p.tier = tier.name
             latency, own = tier.fit(p.op)
             bw = group_bandwidth(topo, i, p.op, p.n, block) * own / tier.bandwidth
-            p.seconds = p.bytes_sent / bw + p.calls * collective_latency(p.op, p.n, latency, p.backend)
+            p.seconds = (p.bytes_sent / bw + p.calls * collective_latency(p.op, p.n, latency, p.backend)
+                         + collective_loss(p.op, p.n, p.bytes_sent, p.calls, tier, p.backend))
             out.append(p)
     return out
 

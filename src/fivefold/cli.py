@@ -3,7 +3,7 @@
     fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --cp-mode --ep --zero ...] [--steps K] [--out DIR]
                    [--resume auto|DIR] [--overwrite]
     fivefold eval RUN_OR_CHECKPOINT|HF_DIR --data FILES [--nproc N] [--dp --tp --pp --cp ...] [--eval-tokens N]
-    fivefold export RUN_OR_CHECKPOINT FILE.safetensors | --hf DIR
+    fivefold export RUN_OR_CHECKPOINT FILE.safetensors | --hf DIR | --peft DIR
     fivefold generate RUN --prompt TEXT [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
                       [--checkpoint step-N] [--no-cache]    (or --hf DIR instead of RUN)
     fivefold report RUN [RUN...] [--out DIR] [--format png|svg]
@@ -39,6 +39,8 @@ TRAIN_FLAGS = {
     "seed": "train.seed", "out": "train.out", "data": "train.data", "tokenizer": "train.tokenizer",
     "init_hf": "train.init_hf", "eval_data": "train.eval_data", "eval_every": "train.eval_every",
     "eval_tokens": "train.eval_tokens", "eos": "train.eos", "bos": "train.bos",
+    "lora_rank": "train.lora_rank", "lora_alpha": "train.lora_alpha", "lora_dropout": "train.lora_dropout",
+    "lora_targets": "train.lora_targets", "freeze": "train.freeze",
 }
 HELP = {
     "dp": "data-parallel degree (default: the ranks left by tp x cp x pp)",
@@ -82,6 +84,14 @@ HELP = {
     "eval_data": "evaluation files, read like --data (or train.eval_fraction: a held-out tail of the data)",
     "eval_every": "steps between evaluations, and one after the last step (0: none)",
     "eval_tokens": "tokens an evaluation covers (whole global batches)",
+    "lora_rank": "LoRA: train rank-r adapters on --lora-targets and freeze every other weight (0: no LoRA; "
+                 "typical 8-64)",
+    "lora_alpha": "LoRA: the adapters' output is scaled by lora_alpha / lora_rank",
+    "lora_dropout": "LoRA: dropout on the adapters' input",
+    "lora_targets": "LoRA: which linear layers of each block get adapters (ours wq wk wv wo gate up down, or "
+                    "Hugging Face's q_proj ... down_proj)",
+    "freeze": "freeze the parameters whose names match these patterns (fnmatch: 'embed.*' 'layers.0.*'): no "
+              "gradient, no optimizer state, no data-parallel traffic",
     "init_hf": "start from a Hugging Face folder (save_pretrained's: config.json sets [model], its "
                "safetensors are read slice by slice into each rank's shards, its tokenizer becomes the run's)",
 }
@@ -635,13 +645,21 @@ def add_export_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eos", default="", metavar="TOKEN", help="with --hf: the end-of-text token the export names "
                     "(default: the run's)")
     ap.add_argument("--bos", default="", metavar="TOKEN", help="with --hf: a start-of-text token (default: the run's)")
+    ap.add_argument("--peft", metavar="DIR", help="a LoRA run's adapters alone in PEFT's format (adapter_config.json, "
+                    "adapter_model.safetensors), for peft.PeftModel.from_pretrained over the base model")
     ap.add_argument("--max-shard-mb", type=float, default=2048, help="with --hf: weight files of at most this "
                     "many MiB, as save_pretrained's max_shard_size (default 2048; a bigger tensor gets its own file)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .train.checkpoint import export
+    from .train.checkpoint import export, export_peft
 
+    if args.peft is not None:
+        if args.hf is not None or args.dest is not None:
+            raise ConfigError("export --peft takes one folder and no other destination: fivefold export RUN --peft DIR")
+        path = export_peft(args.checkpoint, args.peft)
+        print(f"wrote {path}/ ({', '.join(sorted(p.name for p in path.iterdir()))})")
+        return 0
     if args.hf is not None:   # `export RUN --hf DIR` or `export RUN DIR --hf`
         if (args.hf is True) == (args.dest is None):
             raise ConfigError("export --hf takes one folder: fivefold export RUN --hf DIR")

@@ -308,6 +308,13 @@ class TrainConfig:
     keep_best: bool = False               # checkpoint each evaluation that lowers the eval loss and keep the best
                                           # one beside keep_checkpoints (OUT/best.json names it)
     stop_after: int = 0                   # stop after this many evaluations without a lower eval loss (0: never)
+    lora_rank: int = 0                    # LoRA adapters of this rank on lora_targets, everything else frozen
+                                          # (model/lora.py; 0: no LoRA)
+    lora_alpha: float = 16.0              # the adapters' output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0             # dropout on the adapters' input
+    lora_targets: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo", "gate", "up", "down"])
+                                          # linear layers of each block (ours or Hugging Face's names, q_proj...)
+    freeze: list[str] = field(default_factory=list)   # parameter name patterns to freeze ("embed.*", "layers.0.*")
 
     def validate(self) -> None:
         _check_choices(self, "train")
@@ -325,6 +332,19 @@ class TrainConfig:
         _check_unit("train.beta2", self.beta2, "typical: 0.95 or 0.999")
         _check_above_zero("train.eps", self.eps, "1e-8")
         self.validate_eval()
+        self.validate_lora()
+
+    def validate_lora(self) -> None:
+        """LoRA's rank >= 0 (0: off), alpha > 0, dropout in [0, 1), known targets; freeze patterns are
+        strings (each must match a parameter: checked against the model, model/lora.py)."""
+        _check_at_least_zero("train.lora_rank", self.lora_rank, "0: no LoRA; typical: 8-64")
+        _check_above_zero("train.lora_alpha", self.lora_alpha, "typical: 2 x lora_rank")
+        _check_unit("train.lora_dropout", self.lora_dropout, "typical: 0-0.1")
+        if self.lora_rank:
+            rules.check_lora_targets(self.lora_targets)
+        if any(not isinstance(p, str) or not p for p in self.freeze):
+            raise ConfigError(f"train.freeze lists parameter name patterns, got {self.freeze!r}; e.g. "
+                              f"[\"embed.*\", \"layers.0.*\"]")
 
     def validate_eval(self) -> None:
         """Evaluation: eval_every, eval_tokens >= 0 / > 0, eval_fraction in [0, 1), one source at most,

@@ -195,6 +195,30 @@ def check_real(name: str, value, low: float, high: float | None = None, low_open
         raise ConfigError(f"{name} must be a finite number {rule}{meaning}, got {value}; valid: {valid}")
 
 
+# -- LoRA (model/lora.py) -------------------------------------------------------------------------------
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "gate", "up", "down")   # a block's linear layers, our names
+HF_LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
+                   "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}   # Hugging Face's (PEFT's) names
+
+
+LORA_ADAPTERS = ("lora_A", "lora_B")   # an adapted layer's two low-rank parameters, beside its weight
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter (or checkpoint key) `name` is a LoRA adapter (…lora_A or …lora_B)."""
+    return name.rsplit(".", 1)[-1] in LORA_ADAPTERS
+
+
+def check_lora_targets(targets) -> tuple[str, ...]:
+    """Our names for LoRA `targets` (either spelling); ConfigError naming the valid ones otherwise."""
+    ours = tuple(dict.fromkeys(HF_LORA_TARGETS.get(t, t) for t in targets))
+    bad = [t for t in targets if HF_LORA_TARGETS.get(t, t) not in LORA_TARGETS]
+    if bad or not ours:
+        raise ConfigError(f"train.lora_targets must name linear layers of a block, got {list(targets)}; valid: "
+                          f"{', '.join(LORA_TARGETS)} (or {', '.join(HF_LORA_TARGETS)})")
+    return ours
+
+
 # -- fields ------------------------------------------------------------------------------------------
 def check_choice(name: str, value, kind) -> None:
     """value is one of the Literal `kind`'s values."""

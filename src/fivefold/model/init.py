@@ -182,14 +182,16 @@ def cast_meta(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 @torch.no_grad()
-def materialize(module: nn.Module, device, whole: bool = True) -> None:
-    """Replace every meta parameter of `module` by a real one on `device` (uninitialised; `whole`:
-    its full local size, else a `placeholder`), keeping its attributes and ties (`replace_parameters`);
-    meta buffers become zeros on `device`. What is not meta is moved to `device` as it is."""
+def materialize(module: nn.Module, device, whole=True) -> None:
+    """Replace every meta parameter of `module` by a real one on `device` (uninitialised; `whole` (a bool,
+    or a test of the parameter): its full local size, else a `placeholder`), keeping its attributes and
+    ties (`replace_parameters`); meta buffers become zeros on `device`. What is not meta is moved to
+    `device` as it is."""
     def data_of(p):
         if not p.is_meta:
             return p.detach().to(device)
-        return torch.empty(p.shape, dtype=p.dtype, device=device) if whole else placeholder(p.shape, p.dtype, device)
+        full = whole(p) if callable(whole) else whole
+        return torch.empty(p.shape, dtype=p.dtype, device=device) if full else placeholder(p.shape, p.dtype, device)
 
     replace_parameters(module, data_of)
     for m in module.modules():

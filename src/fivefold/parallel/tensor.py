@@ -52,6 +52,7 @@ from ..comm import Group
 from ..comm.autograd import (GatherRows, ScatterRows, copy_to_tensor_region, gather_sequence, rank_major,
                              reduce_from_tensor_region, reduce_scatter_sequence)
 from ..model.latent_attention import LatentAttention
+from ..model.lora import attach, low_rank
 from ..model.moe import MoE
 from ..model.transformer import IGNORE_INDEX, Dropout, Transformer
 from ..shapes import padded_vocab
@@ -116,7 +117,10 @@ class ColumnParallelLinear(nn.Module):
         self.enter = enter if enter is not None else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.enter(x), self.weight, self.bias)
+        x = self.enter(x)
+        y = F.linear(x, self.weight, self.bias)
+        extra = low_rank(self, x)          # LoRA (model/lora.py): B split like the weight's rows, A whole
+        return y if extra is None else y + extra
 
 
 class RowParallelLinear(nn.Module):
@@ -138,6 +142,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
+        extra = low_rank(self, x)          # LoRA: A split like the weight's columns, so a partial sum too
+        if extra is not None:
+            partial = partial + extra
         if self.sequence_parallel:
             return reduce_scatter_sequence(partial, self.group, ordered=not self.token_wise)
         return reduce_from_tensor_region(partial, self.group)
@@ -276,10 +283,18 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
 
     def column(linear: nn.Linear, shard: Shard, partial: str | None = None, enter=None) -> ColumnParallelLinear:
         bias = None if linear.bias is None else _shard(linear.bias, shard, group, partial)
-        return ColumnParallelLinear(_shard(linear.weight, shard, group, partial), enter, bias)
+        layer = ColumnParallelLinear(_shard(linear.weight, shard, group, partial), enter, bias)
+        if getattr(linear, "lora", None) is not None:   # B by rows as the weight; A whole, its gradient partial
+            attach(layer, _shard(linear.lora_A, Shard("tp", None, replicas=n), group, "tp"),
+                   _shard(linear.lora_B, shard, group, partial), linear.lora)
+        return layer
 
     def row(linear: nn.Linear, full: int, token_wise: bool = False) -> RowParallelLinear:
-        return RowParallelLinear(_shard(linear.weight, Shard("tp", 1, full), group), group, sp, token_wise)
+        layer = RowParallelLinear(_shard(linear.weight, Shard("tp", 1, full), group), group, sp, token_wise)
+        if getattr(linear, "lora", None) is not None:   # A by columns as the weight; B whole, its gradient partial
+            attach(layer, _shard(linear.lora_A, Shard("tp", 1, full), group),
+                   _shard(linear.lora_B, Shard("tp", None, replicas=n), group, "tp"), linear.lora)
+        return layer
 
     def replicated(weight: nn.Parameter) -> None:  # norms: whole on every rank; partial grads under SP
         add_shard(weight, Shard("tp", None, replicas=n))

@@ -342,10 +342,12 @@ def to_model(path: str | Path, device="cpu"):
     from ..model import Transformer
     from ..model.init import fill_model, materialize
 
+    from ..model.lora import choose_trainable
+
     ckpt = find(path)
     reader = Reader(ckpt)
     cfg = Config.from_dict(reader.index["config"])
-    model = Transformer(cfg.model, device="meta")
+    model = choose_trainable(Transformer(cfg.model, device="meta"), cfg.train)   # a LoRA run's adapters too
     wanted = {f"model/{n}" for n, _ in model.named_parameters()} | {
         f"buffers/{n}" for n in persistent_buffers(model)}
     missing, unexpected = sorted(wanted - set(reader.tensors)), sorted(set(reader.tensors) - wanted)
@@ -409,9 +411,18 @@ def export_hf(path: str | Path, dest: str | Path, max_shard_bytes: int = DEFAULT
         shapes = [reader.shape(k) for k in keys]
         return shapes[0] if len(shapes) == 1 else (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
 
+    train = Config.from_dict(reader.index["config"]).train
+    scale = train.lora_alpha / train.lora_rank if train.lora_rank else 0.0
+
     def fetch(theirs):
         parts = [reader.full(k) for k in sources[theirs]]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if len(parts) > 1:
+            return torch.cat(parts, dim=1)
+        a = sources[theirs][0].removesuffix(".weight") + ".lora_A"
+        if a in reader.tensors:   # LoRA: W + (alpha / r) B A (model/lora.py `merged`), one layer at a time
+            from ..model.lora import merged
+            return merged(parts[0], reader.full(a), reader.full(a.removesuffix("_A") + "_B"), scale)
+        return parts[0]
 
     dtype = getattr(torch, reader.tensors[sources["model.embed_tokens.weight"][0]]["dtype"])
     specs = {theirs: (shape_of(keys), dtype) for theirs, keys in sorted(sources.items(), key=lambda kv: hf_order(kv[0]))}
@@ -423,6 +434,48 @@ def export_hf(path: str | Path, dest: str | Path, max_shard_bytes: int = DEFAULT
 
     GenerationConfig.from_model_config(hf_cfg).save_pretrained(str(dest))
     write_sharded(dest, specs, fetch, max_shard_bytes)
+    return dest
+
+
+def export_peft(path: str | Path, dest: str | Path) -> Path:
+    """A LoRA run's adapters alone in PEFT's format (what `peft.PeftModel.from_pretrained(base, dest)`
+    loads over the base model): adapter_config.json (r, lora_alpha, lora_dropout, the target modules by
+    Hugging Face's names, bias "none", the base folder train.init_hf) and adapter_model.safetensors with
+    `base_model.model.<Hugging Face module>.lora_A.weight` / `.lora_B.weight`. Never writes into a
+    non-empty folder."""
+    from ..model.hf import name_map
+    from ..model.hf_weights import stream_safetensors
+    from ..rules import HF_LORA_TARGETS
+
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ConfigError(f"{dest} is not a new or empty folder; choose another (export never overwrites)")
+    reader = Reader(find(path))
+    cfg = Config.from_dict(reader.index["config"])
+    t = cfg.train
+    if not t.lora_rank:
+        raise ConfigError(f"{reader.path} was not trained with LoRA (train.lora_rank = 0): no adapters to export; "
+                          f"use export --hf for the whole model")
+    theirs_of = name_map(cfg.model)
+    keys = {}
+    for key in sorted(reader.tensors):
+        name = key.removeprefix("model/")
+        if not key.startswith("model/") or not name.endswith(".lora_A"):
+            continue
+        base = theirs_of[name.removesuffix(".lora_A") + ".weight"].removesuffix(".weight")
+        for part in ("A", "B"):
+            keys[f"base_model.model.{base}.lora_{part}.weight"] = f"model/{name[:-1]}{part}"
+    ours_to_hf = {v: k for k, v in HF_LORA_TARGETS.items()}
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": t.lora_rank, "lora_alpha": t.lora_alpha,
+              "lora_dropout": t.lora_dropout, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "use_rslora": False, "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
+              "target_modules": sorted({ours_to_hf[HF_LORA_TARGETS.get(x, x)] for x in t.lora_targets}),
+              "base_model_name_or_path": t.init_hf or None}
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    specs = {k: (reader.shape(v), getattr(torch, reader.tensors[v]["dtype"])) for k, v in keys.items()}
+    stream_safetensors(dest / "adapter_model.safetensors", specs, lambda k: reader.full(keys[k]),
+                       {"format": "pt"})
     return dest
 
 

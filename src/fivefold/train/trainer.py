@@ -72,6 +72,7 @@ from ..mesh import ParallelMesh
 from ..model import Transformer, loss_sum
 from ..model.documents import Documents, document_positions
 from ..model.init import InitSource, cast_meta, materialize
+from ..model.lora import AdapterSource, choose_trainable
 from ..model.moe import MoE
 from ..model.transformer import Block
 from ..parallel.data import DataParallelOptimizer
@@ -110,8 +111,17 @@ class NonFiniteError(RuntimeError):
 
 
 def supported(cfg: Config) -> None:
-    """Layouts the runtime does not run yet fail at start, naming what is missing (rules.py)."""
+    """Layouts the runtime does not run yet fail at start, naming what is missing (rules.py); LoRA targets
+    and freeze patterns that match nothing of this model, or leave nothing to train (a meta model: free)."""
     rules.check_runtime_support(cfg.parallel, cfg.train, cfg.model)
+    if cfg.train.lora_rank or cfg.train.freeze:
+        try:
+            meta = choose_trainable(Transformer(cfg.model, device="meta"), cfg.train)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not unique_params(meta):
+            raise ConfigError(f"train.freeze {cfg.train.freeze} freezes every parameter: nothing would train; "
+                              f"valid: patterns that leave some parameters out")
 
 
 STRAGGLER_RANK_BITS = 20      # ranks below 2^20 in the low bits; microseconds of busy time above them
@@ -159,13 +169,14 @@ class Trainer:
 
         # the model on the meta device: every dimension cuts meta parameters, nothing is allocated
         # until this rank materialises what it holds (model/init.py; DESIGN.md's data flow)
-        meta = cast_meta(Transformer(cfg.model, device="meta"), self.dtype)
-        self.n_params = sum(q.numel() for q in unique_params(meta))
+        meta = choose_trainable(cast_meta(Transformer(cfg.model, device="meta"), self.dtype), t)   # LoRA, freeze
+        self.n_params = sum(q.numel() for q in meta.parameters())
+        self.n_trainable = sum(q.numel() for q in unique_params(meta))
         # (a dry run's fake tensors route no values: its MoE layers dispatch capacity-mode buffers by shape)
         self.model, self.dims = parallelize(meta, self.mesh, cfg, dry=dry and bool(cfg.model.experts))
         # DDP holds its pieces whole; ZeRO keeps them in its own flat buffers or shards, so its
         # parameters start as placeholders and never exist at their full size here
-        materialize(self.model, self.device, whole=not p.zero)
+        materialize(self.model, self.device, whole=lambda q: not p.zero or not q.requires_grad)   # frozen: no engine
         if t.compile:
             compile_blocks(self.model)
         self.loss_sum = loss_function(self.dims, loss_sum)
@@ -392,9 +403,16 @@ class Trainer:
                 for name, p in self.model.named_parameters()}
 
     def checkpoint_keys(self) -> set[str]:
-        names = {full for full, _, _, _ in self.layout.values()}
-        return ({f"{s}/{n}" for s in SECTIONS for n in names}
+        """Every section of what the engine trains, the weights alone of what is frozen, the buffers."""
+        frozen = {self.layout[n][0] for n in self.frozen()}
+        names = {full for full, _, _, _ in self.layout.values()} - frozen
+        return ({f"{s}/{n}" for s in SECTIONS for n in names} | {f"model/{n}" for n in frozen}
                 | {f"buffers/{n}" for n in checkpoint.persistent_buffers(self.model)})
+
+    def frozen(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's frozen parameters by local name (LoRA's base weights, train.freeze): whole pieces
+        no engine holds, each written to and read from checkpoints as its own tensor (no moments)."""
+        return {n: q for n, q in self.model.named_parameters() if not q.requires_grad}
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         """This rank's random streams: the default generator (dropout), CUDA's, the modules' own."""
@@ -427,6 +445,10 @@ class Trainer:
             for box, sizes, o in checkpoint.segment_chunks(piece, shape, start, length):
                 n = math.prod(sizes)
                 entries += [(f"{section}/{full}", flat[o:o + n].view(sizes), box) for section, flat in tensors.items()]
+        for name, q in self.frozen().items():
+            full, _, piece, copy = self.layout[name]
+            if not copy:                    # replicas: checkpoint.assign_writers picks one writer
+                entries.append((f"model/{full}", q.detach(), piece))
         for name, b in checkpoint.persistent_buffers(self.model).items():
             entries.append((f"buffers/{name}", b, Box.whole(b.shape)))
         meta = {"opt_t": opt_t, "skips": self.skips, "data": self.data_id, "best": self.best,
@@ -479,6 +501,8 @@ class Trainer:
 
         self.engine.load_local_state(read_into, opt_t)
         with torch.no_grad():
+            for name, q in self.frozen().items():
+                read_into(q.view(-1), name, 0, "model")
             for name, b in checkpoint.persistent_buffers(self.model).items():
                 b.copy_(source.read(f"buffers/{name}", Box.whole(b.shape), b.shape))
 
@@ -582,6 +606,7 @@ class Trainer:
                                      "tokens": self.batches.drawn(0, self.step_count)}}
                    if hasattr(self.batches, "drawn") else {})   # tokens per source over steps 0 .. step_count - 1
         return {**mixture, "config": self.cfg.to_dict(), "data": self.data_id, "params": self.n_params,
+                "trainable_params": self.n_trainable,
                 "world_size": self.world_size, "model_state_bytes_per_rank": self.model_state_bytes(),
                 "model_state_bytes_by_rank": self.all_state_bytes,
                 "peak_activation_bytes_per_rank": self.activations.peak,
@@ -601,8 +626,10 @@ def weight_source(cfg: Config):
     if cfg.train.init_hf:
         from ..model.hf_weights import HFWeights
 
-        return HFWeights(cfg.train.init_hf, cfg.model)
-    return InitSource(cfg.model, cfg.train.seed)
+        base = HFWeights(cfg.train.init_hf, cfg.model)
+    else:
+        base = InitSource(cfg.model, cfg.train.seed)
+    return AdapterSource(base, cfg.train.seed) if cfg.train.lora_rank else base
 
 
 def compile_blocks(model: torch.nn.Module, backend: str | None = None) -> int:

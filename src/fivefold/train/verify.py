@@ -35,6 +35,7 @@ import stat
 from pathlib import Path
 
 from ..config import Config, ConfigError
+from ..rules import is_adapter
 from . import rundir
 
 CLAIMS = "fivefold_claims"   # rank 0's safetensors metadata: the index's claims, as canonical JSON
@@ -302,11 +303,11 @@ def check_digests(ckpt: Path, index: dict, headers: dict, where: str) -> None:
 def check_shapes(cfg: Config, tensors: dict, where: str) -> None:
     """The config's model has exactly the checkpoint's tensors: its parameter count first (no model is
     built for a config the tensors cannot be), then every name and shape, built on the meta device."""
-    held = sum(math.prod(e["shape"]) for k, e in tensors.items() if k.startswith("model/"))
+    held = sum(math.prod(e["shape"]) for k, e in tensors.items() if k.startswith("model/") and not is_adapter(k))
     claimed = cfg.model.num_params()
     if claimed != held:
         raise Bad(f"{where}: its config's model has {claimed:,} parameters, its tensors hold {held:,}")
-    expected = model_shapes(cfg.model)
+    expected = model_shapes(cfg.model, cfg.train)
     got = {k: list(e["shape"]) for k, e in tensors.items()}
     if got != expected:
         diff = sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
@@ -315,15 +316,20 @@ def check_shapes(cfg: Config, tensors: dict, where: str) -> None:
                   f"{expected.get(first, 'none')} ({len(diff)} tensor(s) differ)")
 
 
-def model_shapes(model_cfg) -> dict[str, list[int]]:
-    """Checkpoint key -> shape of every tensor a checkpoint of this model holds (parameters in every
-    section, persistent buffers), from the model built on the meta device."""
+def model_shapes(model_cfg, train_cfg=None) -> dict[str, list[int]]:
+    """Checkpoint key -> shape of every tensor a checkpoint of this model holds (trained parameters in
+    every section, frozen ones in "model/" alone: train.lora_rank, train.freeze; persistent buffers), from
+    the model built on the meta device."""
     from ..model import Transformer
+    from ..model.lora import choose_trainable
 
     model = Transformer(model_cfg, device="meta")
+    if train_cfg is not None:
+        choose_trainable(model, train_cfg)
     params = {n: list(p.shape) for n, p in model.named_parameters()}
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
     every = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     buffers = {n: list(b.shape) for n, b in model.state_dict().items() if n not in every}
-    out = {f"{s}/{n}": shape for s in SECTIONS[:3] for n, shape in params.items()}
+    out = {f"{s}/{n}": shape for s in SECTIONS[:3] for n, shape in params.items() if s == "model" or n in trained}
     out.update({f"buffers/{n}": shape for n, shape in buffers.items()})
     return out

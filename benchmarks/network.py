@@ -116,7 +116,7 @@ def plan(cfg_dict: dict, topo) -> dict:
     p = predict(cfg, topo)
     layout, work = from_config(cfg)
     work = dataclasses.replace(work, efficiency=1.0)
-    model = from_model_config(cfg.model)
+    model = from_model_config(cfg.model, train=cfg.train)
     p["links"] = link_bytes(model, layout, work, topo, cfg.parallel.order)
     p["by_bytes"] = recommend_order(stage_flows(model, layout, work, 0))
     p["recommended"] = fastest_order(model, layout, work, topo)[0]

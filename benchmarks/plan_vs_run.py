@@ -223,7 +223,7 @@ def predict(cfg: Config, topo) -> dict:
 
     layout, work = from_config(cfg)
     work = dataclasses.replace(work, efficiency=1.0)
-    est = estimate(from_model_config(cfg.model), layout, work, topo)
+    est = estimate(from_model_config(cfg.model, train=cfg.train), layout, work, topo)
     t = est.time
     comm = {}
     for fl in est.flows:

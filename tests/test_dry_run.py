@@ -2,7 +2,7 @@
 group: model-state bytes per rank equal the planner's exactly, every ledger row equals the planner's
 per-rank prediction, and the activation, buffer and total peaks are within 10% of the planner's (the
 README's "Will it fit?" has every figure). Layouts: Llama-3 8B on 8 ranks, tp8 and ZeRO-3 dp8 (also with
-full recompute); Mixtral
+full recompute), and with LoRA on tp8 x ZeRO-3 dp2; Mixtral
 8x7B ep8 x tp2 in capacity mode, and ep8 dropless (routed as balanced); DeepSeek-V3's pp16 x ep64, two
 stages of 2,048 ranks; Llama-3 405B's tp8 x pp16 x dp128 and dp64, one stage each, and tp8 x cp16 x pp16
 at seq 131,072."""
@@ -30,6 +30,9 @@ CASES = {
     # full recompute at pp = 1 (parallel/recompute.py): the blocks' inputs and the head's fp32 log-probs
     "llama3-8b-zero3-dp8-full": ["--model", "llama3-8b", "--dp", "8", "--zero", "3", "--seq-len", "1024",
                                  "--global-batch", "8", "--steps", "1", "--recompute", "full"],
+    # LoRA (model/lora.py): the adapters sharded by ZeRO-3 and the frozen base whole beside them
+    "llama3-8b-lora-tp8-zero3-dp2": ["--model", "llama3-8b", "--tp", "8", "--dp", "2", "--zero", "3", "--lora-rank", "16",
+                                     "--seq-len", "1024", "--global-batch", "2", "--steps", "1"],
     # capacity mode: every MoE layer's (E, B, C) buffers by shape (the planner's bucket count matched only
     # once it listed an MoE layer's tensors one by one: each is larger than a bucket at this size)
     "mixtral-8x7b-ep8-tp2": ["--model", "mixtral-8x7b", "--tp", "2", "--ep", "8", "--dp", "8", "--seq-len", "4096",

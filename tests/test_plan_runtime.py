@@ -95,11 +95,27 @@ MLA_LAYOUTS = [
 ]
 
 
+# LoRA (model/lora.py): the adapters are what the engines hold, reduce and gather; the frozen base weights are
+# held whole beside them. Rank 4 on every linear layer of each block.
+LORA_LAYOUTS = [
+    (dict(dp=2, lora_rank=4, microbatches=2, bucket_mb=0.001), "fp32"),         # DDP: adapters' buckets only
+    (dict(dp=2, zero=3, lora_rank=4, microbatches=2), "bf16"),                  # ZeRO-3 gathers adapters; base whole
+    (dict(tp=2, dp=1, sp_mode="megatron", lora_rank=4, microbatches=2), "fp32"),  # A or B whole, summed over tp
+    (dict(pp=2, dp=1, lora_rank=4, microbatches=2), "fp32"),                    # no root unit: embedding frozen
+    (dict(dp=2, ep=2, lora_rank=4), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0,
+                                                 shared_experts=1)),            # experts frozen, shared adapted
+    (dict(tp=4, dp=1, lora_rank=4, microbatches=2), "fp32"),                    # K/V's B over 2 ranks each
+    (dict(tp=2, dp=2, zero=1, lora_rank=4, microbatches=2, bucket_mb=0.001), "bf16"),
+]
+
+
 def _config(par: dict, dtype: str, model: dict | None = None) -> Config:
     par = dict(par)
-    recompute = par.pop("recompute", "none")   # a train field, listed with the layout
+    recompute = par.pop("recompute", "none")   # train fields, listed with the layout
+    lora_rank = par.pop("lora_rank", 0)
     cfg = tiny_config(**par)
     cfg.train.recompute = recompute
+    cfg.train.lora_rank = lora_rank
     for k, v in (model or {}).items():
         setattr(cfg.model, k, v)
     cfg.train.dtype = dtype
@@ -154,6 +170,11 @@ def mla_runs(tmp_path_factory) -> dict:
     return _run_layouts(MLA_LAYOUTS, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory) -> dict:
+    return _run_layouts(LORA_LAYOUTS, tmp_path_factory)
+
+
 def _run_layouts(layouts: list, tmp_path_factory) -> dict:
     by_world: dict[int, list] = {}
     out = {}
@@ -178,7 +199,7 @@ def _run_layouts(layouts: list, tmp_path_factory) -> dict:
 def _planned(cfg: Config) -> tuple[dict, dict, dict]:
     """(rows per (dim, op) summed over ranks for one step, device model-state bytes of one rank of stage
     0, what that rank keeps on the host and on disk under offload)."""
-    model = from_model_config(cfg.model)
+    model = from_model_config(cfg.model, train=cfg.train)
     layout, work = from_config(cfg)
     row = stage_memory(model, layout, work, 0)
     states = {c: row[c] for c in ("weights", "grads", "optimizer")}
@@ -195,6 +216,12 @@ def test_planner_equals_ledger_and_run_json(case, runs):
 @pytest.mark.ranks
 def test_planner_equals_ledger_and_run_json_mla(case, mla_runs):
     check_planner_equals_run(case, mla_runs)
+
+
+@pytest.mark.parametrize("case", LORA_LAYOUTS, ids=["lora-" + _layout_id(c) for c in LORA_LAYOUTS])
+@pytest.mark.ranks
+def test_planner_equals_ledger_and_run_json_lora(case, lora_runs):
+    check_planner_equals_run(case, lora_runs)
 
 
 def check_planner_equals_run(case, runs):

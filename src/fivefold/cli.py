@@ -575,7 +575,7 @@ def planned_memory(cfg) -> dict:
 
     try:
         layout, work = from_config(cfg)
-        rows = memory(from_model_config(cfg.model), layout, work).stages
+        rows = memory(from_model_config(cfg.model, train=cfg.train), layout, work).stages
     except Exception as e:  # noqa: BLE001 - the prediction is a report, not a precondition
         return {"error": f"{type(e).__name__}: {e}"}
     keys = (*COMPONENTS, "total", "host", "disk")   # host, disk: offloaded optimizer state (off the device)

@@ -56,7 +56,7 @@ def planned_memory(cfg: Config, stage: int) -> dict:
         from .plan.models import from_model_config
 
         layout, work = from_config(cfg, backend="nccl")
-        row = stage_memory(from_model_config(cfg.model), layout, work, stage)
+        row = stage_memory(from_model_config(cfg.model, train=cfg.train), layout, work, stage)
     except Exception:   # noqa: BLE001 - the prediction is a report
         return {}
     return {k: int(row[k]) for k in KINDS if k in row}
@@ -227,7 +227,7 @@ def planned_rows(cfg: Config, stage: int, dp_rank: int, steps: int) -> dict[tupl
         from .plan.traffic import stage_flows
 
         layout, work = from_config(cfg, backend="nccl")
-        flows = stage_flows(from_model_config(cfg.model), layout, work, stage, dp_rank)
+        flows = stage_flows(from_model_config(cfg.model, train=cfg.train), layout, work, stage, dp_rank)
     except Exception:   # noqa: BLE001 - the comparison is a report
         return None
     out: dict[tuple[str, str], dict] = {}

@@ -550,6 +550,9 @@ def check_runtime_support(parallel, train, model=None) -> None:
     `parallel`, `train`, `model`: a ParallelConfig, TrainConfig and ModelConfig (read by attribute)."""
     p, t = parallel, train
     experts = getattr(model, "experts", 0)
+    if getattr(t, "lora_rank", 0) and getattr(model, "mla", False):
+        raise ConfigError("train.lora_rank with latent attention (model.kv_lora_rank > 0) is not supported yet: its "
+                          "projections are not LoRA targets; use train.freeze to train a part of it, or lora_rank = 0")
     split = moe_sequence_group(p.tp, p.sp_mode, p.cp) is not None
     if experts and split and model.capacity_factor > 0:
         raise ConfigError("MoE capacity mode needs whole sequences on a rank (capacity groups are sequences), which "

@@ -22,7 +22,7 @@ from ..flags import MICRO_BATCH_SIZE_HELP, add_renamed
 from .. import rules
 from ..grid import DEFAULT_ORDER
 from ..rules import (INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute,
-                     ScheduleKind, SpMode, check_count, check_real, choices)
+                     ScheduleKind, SpMode, LORA_TARGETS, check_count, check_lora_targets, check_real, choices)
 from .estimate import estimate, fastest_order
 from .layout import GradDtype, Layout, ReduceDtype, Workload, check_route_nodes, from_config, mlp_widths
 from .models import PRESETS, PlanModel, from_model_config, load_model
@@ -84,6 +84,11 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--document-length", dest="document_length", type=float, default=0.0,
                     help="train.document_mask: attention stays inside packed documents of this token-weighted "
                          "mean length, sum(len^2)/sum(len) (README, Document masking; default 0: no mask)")
+    ap.add_argument("--lora-rank", dest="lora_rank", type=int, default=None,
+                    help="LoRA (train.lora_rank): rank-r adapters train, every base weight is frozen (held whole, "
+                         "no gradient, optimizer state or data-parallel traffic; default: the --config's, else 0)")
+    ap.add_argument("--lora-targets", dest="lora_targets", nargs="+", default=None,
+                    help="with --lora-rank: which linear layers get adapters (default: wq wk wv wo gate up down)")
     mech = ap.add_argument_group("mechanisms (docs/plan.md, Mechanisms)")
     mech.add_argument("--reduce-dtype", dest="reduce_dtype", choices=choices(ReduceDtype),
                       help="dtype of the data-parallel gradient reduction (default fp32; the weights' dtype "
@@ -252,7 +257,7 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
     if args.config:
         cfg = training_config(args.config)
         cfg.validate()   # a config the runtime would refuse plans nothing (rules.py; any world size)
-        model = from_model_config(cfg.model, name=Path(args.config).stem)
+        model = from_model_config(cfg.model, name=Path(args.config).stem, train=cfg.train)
         layout, work = from_config(cfg)
         for k in fixed:
             if fixed[k] is None and (k != "offload" or layout.offload != "none"):   # a search may still offload
@@ -263,6 +268,7 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
         layout, work = Layout(), Workload(seq=min(model.max_seq, 4096), global_batch=1024)
     if args.model and args.config:
         model = load_model(args.model)
+    model = with_lora(model, args)
     dtype = args.dtype or (work.dtype if args.config else "bf16")
     reduce_dtype = args.reduce_dtype or ("fp32" if args.grad_dtype == "fp32" or dtype == "fp32" else dtype)
     work = replace(work, seq=args.seq or work.seq, global_batch=args.global_batch or work.global_batch,
@@ -273,6 +279,18 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
                    moe_route_nodes=args.moe_route_nodes or work.moe_route_nodes,
                    fp8_gemm=args.fp8_gemm or work.fp8_gemm, fp8_act_cache=args.fp8_act_cache or work.fp8_act_cache)
     return model, layout, work, fixed
+
+
+def with_lora(model: PlanModel, args) -> PlanModel:
+    """`model` with --lora-rank / --lora-targets applied (unset: as it came, a --config's LoRA included)."""
+    if getattr(args, "lora_rank", None) is None and getattr(args, "lora_targets", None) is None:
+        return model
+    rank = model.lora_rank if args.lora_rank is None else args.lora_rank
+    check_count("--lora-rank", rank, 0)
+    targets = args.lora_targets or model.lora_targets or LORA_TARGETS
+    if not rank:
+        return replace(model, lora_rank=0, lora_targets=())
+    return replace(model, lora_rank=rank, lora_targets=check_lora_targets(targets))
 
 
 def training_config(path: str):

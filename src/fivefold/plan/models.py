@@ -36,6 +36,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..config import MODEL_LIMITS, ConfigError, HeadShapes, ModelConfig
+from .. import rules
 from ..rules import check_count, divisors
 
 
@@ -88,6 +89,11 @@ class PlanModel(HeadShapes):
     # dense) block of the model's own shape, a projection of [norm(h); norm(embedding)] (2h -> h) and the
     # shared LM head once more; embedding and head are the main model's (not counted again)
     mtp_depth: int = 0
+    # LoRA (model/lora.py, train.lora_rank): rank-r adapters on these linear layers of each block (our names,
+    # rules.LORA_TARGETS) are what trains; every base weight is frozen (held whole, no gradient, no optimizer
+    # state, no traffic: plan/units.py counts the adapters as the trained tensors and `frozen_params` apart)
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
 
     def __hash__(self) -> int:     # a cache key everywhere: hash the fields once
         return cached_hash(self)
@@ -312,9 +318,12 @@ PRESETS: dict[str, PlanModel] = {
 }
 
 
-def from_model_config(cfg: ModelConfig, name: str = "custom") -> PlanModel:
-    """The planner's view of our own runtime model (Llama-style; MoE and latent-attention fields carried over)."""
-    return PlanModel(name=name, vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
+def from_model_config(cfg: ModelConfig, name: str = "custom", train=None) -> PlanModel:
+    """The planner's view of our own runtime model (Llama-style; MoE and latent-attention fields carried over);
+    with the run's `train` config, its LoRA adapters (train.lora_rank, lora_targets) too."""
+    lora = dict(lora_rank=train.lora_rank, lora_targets=rules.check_lora_targets(train.lora_targets)) \
+        if train is not None and train.lora_rank else {}
+    return PlanModel(**lora, name=name, vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
                      kv_heads=cfg.kv_heads, ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, max_seq=cfg.max_seq,
                      experts=cfg.experts, top_k=cfg.top_k if cfg.experts else 1,
                      moe_ffn=cfg.moe_ffn or cfg.ffn, shared_experts=cfg.shared_experts,

@@ -595,6 +595,8 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         extra = t_f if L.recompute == "full" else (t_attn if L.recompute == "selective" else 0.0)
         extra += light_recompute_flops(model, L, work, j) / peak_mm
         t_b = 2 * (t_f - t_ew / 3) + t_ew * 2 / 3 + extra   # element-wise work: a third forward
+        if model.lora_rank:   # frozen weights: their GEMMs' backward is the input's gradient only (no wgrad)
+            t_b -= t_lin + t_head
         ring = sum(f.seconds for f in flows if f.dim == "cp" and f.op in ("send", "recv"))
         secs = _per_dim_seconds([f for f in flows if KIND.get(f.dim) == "layer" and f.op not in ("send", "recv")])
         ep = ep_exposed(secs.pop("ep", 0.0) / m, t_f, t_b, passes, L.ep_overlap, m, acc.comm_share)

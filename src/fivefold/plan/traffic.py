@@ -71,7 +71,7 @@ from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
 from ..parallel.zero_reduce import reduce_policy
 from .buffers import offload_units, params_on_disk, streams_grads
-from .units import (exact_tensors, held_root, layout_blocks, mtp_blocks, owned_tagged, root_tensors, root_units,
+from .units import (exact_tensors, held_root, layout_blocks, lora_tensors, mtp_blocks, owned_tagged, root_tensors, root_units,
                     stage_params, unit_sums, unit_tensors, zero_units)
 from .models import PlanModel
 from .topology import Topology, collective_latency, collective_loss, group_bandwidth
@@ -185,6 +185,30 @@ def head_passes(model: PlanModel, L: Layout, stage: int) -> int:
     return 1 + len(mtp_blocks(model, L.pp, stage)) if stage == L.pp - 1 else 0
 
 
+def lora_frozen_prefix(model: PlanModel, n_layers: int) -> tuple[int, int]:
+    """(entries, exits) of the first stage's tensor-parallel regions, from layer 0 on, whose backward
+    collective never runs under LoRA: every weight before the first adapter is frozen (the embedding
+    too), so no gradient flows into those regions' inputs. With attention adapted (the default) that is
+    layer 0's attention entry alone. An MoE layer, which has no region, ends the walk."""
+    if not model.lora_rank:
+        return 0, 0
+    attn = any(t in model.lora_targets for t in ("wq", "wk", "wv", "wo"))
+    mlp = any(t in model.lora_targets for t in ("gate", "up", "down"))
+    entries = exits = 0
+    for i in range(n_layers):
+        entries += 1
+        if attn:
+            return entries, exits
+        exits += 1
+        if model.is_moe_layer(i):
+            return entries, exits
+        entries += 1
+        if mlp:
+            return entries, exits
+        exits += 1
+    return entries, exits
+
+
 def _tp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers: int, moe: int, first: bool,
                     last: int, m: int, T: float) -> None:
     """The tp collectives of a stage holding `n_layers` blocks (`moe` of them MoE), the embedding when
@@ -202,20 +226,23 @@ def _tp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers
     latent = n_layers if model.mla else 0
     entries = regions - (latent if model.q_lora_rank else 0)   # f / SP all-gathers of x
     lat = T * model.mla_latent_width() * e
+    # LoRA on the first stage: nothing before the first adapter needs a gradient, so the backward collectives
+    # of the regions ahead of it never run (autograd prunes them): the entries' (f) and exits' (g)
+    skip_in, skip_out = lora_frozen_prefix(model, n_layers) if first else (0, 0)
     if L.seq_parallel:  # g: reduce-scatter forward, all-gather backward; f: all-gather forward, reduce-scatter back
-        f.add("tp", "all_gather", "tp", t, act, (regions + entries * fwd_passes) * m)
-        f.add("tp", "reduce_scatter", "tp", t, act, (regions * fwd_passes + entries) * m)
+        f.add("tp", "all_gather", "tp", t, act, (regions - skip_out + entries * fwd_passes) * m)
+        f.add("tp", "reduce_scatter", "tp", t, act, (regions * fwd_passes + entries - skip_in) * m)
         f.add("tp", "all_gather", "tp", t, lat, latent * fwd_passes * m)
         f.add("tp", "reduce_scatter", "tp", t, lat, latent * m)
     else:
-        f.add("tp", "all_reduce", "tp", t, act, (regions * fwd_passes + entries) * m)
+        f.add("tp", "all_reduce", "tp", t, act, (regions * fwd_passes + entries - skip_in) * m)
         f.add("tp", "all_reduce", "tp", t, lat, latent * m)
         if moe:  # EP x TP: each rank's sequences' outputs all-gathered (and the input gradient, backward)
             f.add("tp", "all_gather", "tp", t, act, (fwd_passes + 1) * m * moe)
     if first:  # vocab-parallel embedding: g forward (SP: reduce-scatter forward, all-gather backward)
         if L.seq_parallel:
             f.add("tp", "reduce_scatter", "tp", t, act, m)
-            f.add("tp", "all_gather", "tp", t, act, m)
+            f.add("tp", "all_gather", "tp", t, act, 0 if model.lora_rank else m)   # a frozen embedding: no backward
         else:
             f.add("tp", "all_reduce", "tp", t, act, m)
     if last:  # head input: f (SP: all-gather forward, reduce-scatter backward); CE reductions
@@ -262,6 +289,12 @@ def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition
         return ()
     h, rng = model.hidden, layout_blocks(model, Layout(pp=pp, vpp=vpp, partition=partition), stage)
     out = {}
+    if model.lora_rank:   # the adapters whole on every tp rank ("moe") or shared by a K/V head ("kv")
+        for i in rng:
+            for n, _, tag in lora_tensors(model, model.is_moe_layer(i), tp):
+                if tag:
+                    out[tag] = out.get(tag, 0) + n
+        return tuple(out.items())
     moe = sum(1 for i in rng if model.is_moe_layer(i))
     if moe:   # MoE weights, whole on every tp rank, each seeing its own tokens (EP x TP)
         out["moe"] = moe * (model.router_params() + (model.shared_experts + model.experts // ep) * model.expert_params())
@@ -385,7 +418,7 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     to_next, to_prev = pp_hops(stage, p, m, v)
     f.add("pp", "send", "pp", p, act, to_next + to_prev)   # forward to the next stage, backward to the previous
     f.add("pp", "recv", "pp", p, act, to_prev + to_next)   # forward from the previous, backward from the next
-    if model.tie_embeddings and stage in (0, p - 1):
+    if model.tie_embeddings and stage in (0, p - 1) and not model.lora_rank:   # LoRA: the embedding is frozen
         emb = padded_vocab(model.vocab, L.tp) // L.tp * model.hidden
         f.add("embed", "all_reduce", "embed", 2, emb * w.grad_bytes, 1)
 

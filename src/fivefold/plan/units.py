@@ -17,6 +17,7 @@ parallel/zero.py), and `unit_states` / `model_states` turn the units into bytes.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 from .. import rules
@@ -104,6 +105,8 @@ def _layer_rank_params(model: PlanModel, moe: bool, tp: int, ep: int) -> tuple[i
     routed experts stay whole on the tp ranks (EP x TP group-wise dispatch, parallel/tensor.py), routed
     experts split ep ways. MLA: its down-projections and latent norms whole on every tp rank, the
     up-projections and output projection split (parallel/tensor.py `latent_attention`)."""
+    if model.lora_rank:   # the adapters are what trains (frozen_params: the rest)
+        return sum(n for n, _, _ in lora_tensors(model, moe, tp)), 0
     h = model.hidden
     norms = 2 * model._norm(h)
     row_bias = h if model.linear_bias else 0
@@ -131,6 +134,9 @@ def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: 
         for i in rng + mtp_blocks(model, pp, j):
             d, e = block_rank_params(model, i, tp, ep)
             dense, expert, biggest = dense + d, expert + e, max(biggest, d + e)
+        if model.lora_rank:   # embedding, final norm and head frozen
+            rows.append((dense, expert, biggest))
+            continue
         if j == 0:
             dense += vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0)
         if j == pp - 1:
@@ -153,6 +159,54 @@ def _param_table(model: PlanModel, layout: Layout) -> tuple:
     return _stage_param_table(model, L.tp, L.pp, L.vpp, L.partition, L.ep)
 
 
+def frozen_params(model: PlanModel, layout: Layout, stage: int) -> int:
+    """Parameters one rank of `stage` holds frozen (LoRA: every base weight, its tp / pp / ep piece, held
+    whole by each data-parallel rank: no engine shards what has no gradient); 0 without LoRA."""
+    if not model.lora_rank:
+        return 0
+    return sum(stage_params(replace(model, lora_rank=0, lora_targets=()), layout, stage))
+
+
+COLUMN_TARGETS = ("wq", "wk", "wv", "gate", "up")   # column-parallel layers (the rest, wo and down, by rows)
+
+
+def lora_tensors(model: PlanModel, moe: bool, tp: int) -> list[tuple[int, bool, str]]:
+    """(elements on one rank, False, tag) of one layer's LoRA adapters in registration order: A then B of
+    each target, attention's (wq, wk, wv, wo; latent attention: wo) then the dense MLP's or the shared
+    experts' (gate, up, down). Under tp (parallel/tensor.py): a column layer's B split like its weight's
+    rows (K/V: by min(tp, kv_heads), tagged "kv") and its A whole with partial gradients; a row layer's A
+    split like its weight's columns and its B whole with partial gradients (tag "moe": whole on every tp
+    rank, summed over tp). The shared experts' adapters are whole on every tp rank, as the experts are."""
+    r, h = model.lora_rank, model.hidden
+    whole = "moe" if tp > 1 else ""
+    widths = {"wq": model.q_width, "wk": model.kv_width, "wv": model.v_width}
+    out = []
+    attn = ("wo",) if model.mla else ("wq", "wk", "wv", "wo")
+    for t in attn:
+        if t not in model.lora_targets:
+            continue
+        if t == "wo":
+            out += [(r * model.attn_out_width // tp, False, ""), (h * r, False, whole)]
+            continue
+        split = min(tp, model.kv_heads) if t != "wq" else tp
+        tag = "kv" if t != "wq" and tp > model.kv_heads else ""
+        out += [(r * h, False, whole), (widths[t] // split * r, False, tag)]
+    if moe and not model.shared_experts:
+        return out
+    f = model.shared_experts * model.moe_ffn if moe else model.ffn
+    div = 1 if moe else tp                     # shared experts: whole on every tp rank
+    for t in ("gate", "up", "down"):
+        if t not in model.lora_targets:
+            continue
+        if moe:
+            out += [(r * (h if t != "down" else f), False, whole), ((f if t != "down" else h) * r, False, whole)]
+        elif t == "down":
+            out += [(r * f // div, False, ""), (h * r, False, whole)]
+        else:
+            out += [(r * h, False, whole), (f // div * r, False, "")]
+    return out
+
+
 def exact_tensors(model: PlanModel) -> bool:
     """Whether `layer_tensors` lists every layer's tensors one by one (our runtime's blocks: Llama, with
     q/k/v biases, and its MoE layers), none lumped per sub-block."""
@@ -169,6 +223,8 @@ def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int,
     weights and biases, replicated over tp/kv_heads ranks when tp > kv_heads), "moe" (an MoE layer's
     weights under tp: whole on every tp rank, partial gradients), "" otherwise; a lump holding K/V is
     tagged ""."""
+    if model.lora_rank:
+        return lora_tensors(model, model.is_moe_layer(i), tp)
     h = model.hidden
     dense, expert = layer_rank_params(model, i, tp, ep)
     norm = model._norm(h)
@@ -231,6 +287,8 @@ def root_tensors(model: PlanModel, tp: int, pp: int, stage: int) -> list[tuple[i
     (last stage), in registration order; tags as in `layer_tensors`."""
     vocab_rank = padded_vocab(model.vocab, tp) // tp * model.hidden
     out = []
+    if model.lora_rank:   # embedding, final norm and head frozen
+        return out
     if stage == 0:
         out.append((vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0), ""))
     if stage == pp - 1:
@@ -377,7 +435,7 @@ def _model_states(model, tp, pp, vpp, partition, ep, zero, bucket_mb, n_dense, n
     dense, expert = stage_params(model, layout, stage)
     w, g, k = work.param_bytes, work.grad_bytes, optimizer_bytes_per_param(work)
     groups = [(dense, n_dense, False)] + ([(expert, n_expert, True)] if expert else [])
-    out = {"weights": 0, "grads": 0, "optimizer": 0}
+    out = {"weights": w * frozen_params(model, layout, stage), "grads": 0, "optimizer": 0}
     for count, n, is_expert in groups:
         if zero == 0 or n == 1:
             part = zero_states(count, 1, 0, w, g, k)

@@ -375,8 +375,13 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------------
     def model_state_bytes(self) -> dict:
-        """Bytes of model state held by this rank, counted from the tensors that exist."""
-        return self.engine.state_bytes()
+        """Bytes of model state held by this rank, counted from the tensors that exist: the engine's, and
+        the frozen weights beside it (LoRA's base, train.freeze) under "params"."""
+        out = dict(self.engine.state_bytes())
+        frozen = sum(q.numel() * q.element_size() for q in {id(q): q for q in self.frozen().values()}.values())
+        out["params"] += frozen
+        out["total"] += frozen
+        return out
 
     def full_state(self) -> dict:
         """Full model and optimizer state keyed by parameter name (fp32 masters), and the persistent

@@ -90,7 +90,7 @@ class Stage(nn.Module):
         if self.last in self.chunks:
             self.norm, self.head = model.norm, model.head
             if self.tie:  # same init, own storage; the first stage counts the weight in the norm
-                copy = nn.Parameter(model.head.weight.detach().clone())
+                copy = nn.Parameter(model.head.weight.detach().clone(), requires_grad=model.head.weight.requires_grad)
                 copy.placement = placement_of(model.head.weight)
                 self.head.weight = place(copy, tied="embed", counted=False)
         if self.tie and 0 in self.chunks:

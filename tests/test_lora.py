@@ -240,3 +240,40 @@ def test_lora_of_a_mixture_of_experts_under_expert_and_sequence_parallelism_equa
     for k in layouts:
         for rank in r[k]:
             assert rank["losses"] == pytest.approx(one["losses"], rel=1e-5), k
+
+
+@pytest.mark.ranks
+def test_the_readme_walk_from_jsonl_to_a_lora_run_to_a_merged_chat_folder(tmp_path):
+    """README "Fine-tuning": chat records -> `tokenize --format chat` -> `train --init-hf --lora-rank` on tp2 ->
+    `export --hf` (merged, with the run's chat template and the base folder's turn-end id) -> transformers
+    renders the template as the run did, loads the weights with the run's logits, and `generate --chat`
+    stops at the turn's end."""
+    from tests.test_instructions import CHATML, conversation, hf_tokenizer
+
+    from fivefold.train.checkpoint import to_model
+
+    tok = hf_tokenizer(tmp_path / "base", CHATML)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**QWEN2, "vocab_size": 320, "eos_token_id": end})
+                                  ).save_pretrained(tmp_path / "base")
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(60)))
+    steps = [("tokenize", tmp_path / "sft.jsonl", "--format", "chat", "--tokenizer", tmp_path / "base" / "tokenizer.json",
+              "--out", tmp_path / "sft.bin"),
+             ("train", "--nproc", "2", "--tp", "2", "--init-hf", tmp_path / "base", "--data", tmp_path / "sft.bin",
+              "--lora-rank", "8", "--steps", "4", "--global-batch", "4", "--seq-len", "32", "--out", tmp_path / "run"),
+             ("export", tmp_path / "run", "--hf", tmp_path / "merged"),
+             ("generate", tmp_path / "run", "--chat", "--prompt", "the cat", "--max-tokens", "8")]
+    for argv in steps:
+        r = cli(*argv)
+        assert r.returncode == 0, (argv[0], r.stderr[-2000:])
+    merged = tmp_path / "merged"
+    assert end in json.loads((merged / "generation_config.json").read_text())["eos_token_id"]   # the turn's end
+    theirs = transformers.AutoTokenizer.from_pretrained(merged)
+    messages = conversation(3)
+    assert theirs.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(messages, tokenize=False)
+    x_bs = torch.tensor([tok.apply_chat_template(messages, tokenize=True, return_dict=False)[:32]])
+    with torch.no_grad():
+        expected = to_model(tmp_path / "run").eval()(x_bs)
+        got = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(x_bs).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -512,9 +512,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         rundir.clear(out)                                           # only what fivefold wrote
     if lock is not None:
         from .tokenizer import save_to_run
+        from .tools.generate import keep_stop_ids
+        from .train.instructions import keep_in_run
 
         rundir.mark(out)                                            # OUT/.fivefold-run: fivefold's from now on
         save_to_run(cfg.train.tokenizer, out, cfg.train.eos, cfg.train.bos)   # OUT/tokenizer.*: generate and export read it
+        keep_in_run(cfg.train.tokenizer, out)                       # OUT/chat_template.json, when it has one
+        keep_stop_ids(cfg.train.init_hf, out)                       # OUT/generation_config.json: --init-hf's eos ids
         write_run_config(cfg, out)                                  # OUT/config.toml: --config reruns it
     if ckpt and (env is None or env[0] == 0):
         print(f"fivefold train: resuming from {ckpt} (step {start})", file=sys.stderr)

@@ -23,7 +23,8 @@ tokens (0: all), then the smallest set whose probabilities sum to at least top_p
 and draw. Generation stops after max_tokens, at a stop id, at a stop text (`--stop`, cut before it),
 or when the context reaches the model's max_seq. Stop ids: the tokenizer's end-of-text id, and for a
 Hugging Face folder every `eos_token_id` of its `generation_config.json` and `config.json` (an int or a
-list: chat models end a turn with another token than the document's end, e.g. Llama 3's <|eot_id|>).
+list: chat models end a turn with another token than the document's end, e.g. Llama 3's <|eot_id|>); a run
+started with --init-hf keeps its folder's (OUT/generation_config.json) and stops there too.
 `--chat` wraps each prompt as a user message in the chat template (the folder's, or `--chat-template
 DIR`'s) with the assistant's turn opened, as transformers' `apply_chat_template(...,
 add_generation_prompt=True)`; `--prompt` may be given several times (each sampled in turn, the same seed
@@ -195,6 +196,32 @@ def stop_ids(tokenizer, folder: str | Path | None = None) -> set[int]:
     return ids
 
 
+RUN_STOPS = "generation_config.json"   # in a run folder: its --init-hf folder's eos_token_ids (`keep_stop_ids`)
+
+
+def keep_stop_ids(init_hf: str | Path | None, out: str | Path) -> Path | None:
+    """A run started from a Hugging Face folder keeps that folder's `eos_token_id`s (generation_config.json and
+    config.json; a chat model ends its turns with one, e.g. Qwen2's <|im_end|>) as OUT/generation_config.json,
+    which `stop_ids` reads like a folder's: `generate RUN` stops there and `export --hf` names them."""
+    dest = Path(out) / RUN_STOPS
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = Path(init_hf) / name if init_hf else None
+        if path is None or not path.is_file() or path.is_symlink():
+            continue
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            raise ConfigError(f"{path} is not a readable JSON object") from None
+        ids += [v for v in (value if isinstance(value, list) else [value])
+                if isinstance(v, int) and not isinstance(v, bool) and v not in ids]
+    if not ids:
+        dest.unlink(missing_ok=True)
+        return None
+    dest.write_text(json.dumps({"eos_token_id": ids}) + "\n")
+    return dest
+
+
 @torch.no_grad()
 def sample(model: Transformer, prompt: list[int], s: Sampling, eos_id: int | set[int] | None = None,
            vocab: int | None = None) -> list[int]:
@@ -292,9 +319,11 @@ def cmd_generate(args) -> int:
         from ..train.instructions import ChatTemplate
 
         folder = args.chat_template or args.hf
-        if folder is None:
-            raise ConfigError("--chat needs a chat template: --chat-template HF_FOLDER (or --hf HF_FOLDER)")
-        template = ChatTemplate.from_folder(folder)
+        template = ChatTemplate.from_folder(folder) if folder is not None else \
+            ChatTemplate.from_run(run_of(find_checkpoint(args.run, args.checkpoint))) if args.run is not None else None
+        if template is None:
+            raise ConfigError("--chat needs a chat template: the run's (its tokenizer folder had none), "
+                              "--chat-template HF_FOLDER or --hf HF_FOLDER")
     elif args.chat_template:
         raise ConfigError("--chat-template is used by --chat; add --chat")
     if (args.run is None) == (args.hf is None):
@@ -307,7 +336,7 @@ def cmd_generate(args) -> int:
         model, tokenizer = load_hf(args.hf, args.device)
     else:
         model, tokenizer = load_run(args.run, args.checkpoint, args.device)
-    stops = stop_ids(tokenizer, args.hf)
+    stops = stop_ids(tokenizer, args.hf if args.hf is not None else run_of(find_checkpoint(args.run, args.checkpoint)))
     for prompt in args.prompt:
         shown = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True) if template else prompt
         start = time.perf_counter()

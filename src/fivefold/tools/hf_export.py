@@ -5,6 +5,8 @@ loads, with the run's tokenizer.
       (or model-0000k-of-0000n.safetensors + index)              (Llama, Qwen2, Mixtral or Qwen2-MoE:
                                                                    model/hf.py), streamed tensor by tensor
     DIR/tokenizer.json, tokenizer_config.json                    `AutoTokenizer.from_pretrained(DIR)` loads them
+    DIR/chat_template.jinja                                      the run's chat template, when its tokenizer's
+                                                                 folder had one (apply_chat_template reads it)
 
 The tokenizer, by what the run trained with (tokenizer.py):
 - a Hugging Face tokenizer.json: copied as it is, with a minimal tokenizer_config.json
@@ -29,9 +31,10 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..rules import install_hint
-from .generate import find_checkpoint, run_of
+from .generate import find_checkpoint, run_of, stop_ids
 from ..tokenizer import HFTokenizer, load_tokenizer, missing_eos, read_specials
 from ..train import checkpoint, rundir
+from ..train.instructions import TEMPLATE_FILE, ChatTemplate
 
 
 def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None = None,
@@ -55,7 +58,11 @@ def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None 
     dest = Path(dest)
     max_seq = rundir.read_index(ckpt)["config"]["model"]["max_seq"]
     tokenizer = write_tokenizer(rundir.checked_tokenizer_file(ckpt), dest, max_seq, eos, bos)
-    set_special_ids(dest, tokenizer.eos_id, tokenizer.bos_id)
+    stops = sorted(stop_ids(tokenizer, run_of(ckpt)))   # the tokenizer's end, and --init-hf's eos ids the run kept
+    set_special_ids(dest, stops[0] if len(stops) == 1 else (stops or None), tokenizer.bos_id)
+    template = ChatTemplate.from_run(run_of(ckpt))   # the run's chat template (its tokenizer folder's), if any
+    if template is not None:
+        (dest / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
     return dest
 
 
@@ -112,8 +119,9 @@ def byte_level_tokenizer():
     return tok
 
 
-def set_special_ids(dest: Path, eos_id: int | None, bos_id: int | None = None) -> None:
-    """config.json and generation_config.json: eos_token_id = the tokenizer's, bos_token_id only when chosen."""
+def set_special_ids(dest: Path, eos_id: int | list[int] | None, bos_id: int | None = None) -> None:
+    """config.json and generation_config.json: eos_token_id = the tokenizer's (and the ids of the run's --init-hf
+    folder: a list), bos_token_id only when chosen."""
     for name in ("config.json", "generation_config.json"):
         path = dest / name
         if path.is_file():

@@ -58,30 +58,66 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except jinja2.TemplateError as e:
             raise ConfigError(f"{name} is not a valid Jinja template ({e})") from None
-        self.bos_token, self.eos_token, self.name = bos_token, eos_token, name
+        self.bos_token, self.eos_token, self.name, self.source = bos_token, eos_token, name, source
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ChatTemplate":
         """The template of a Hugging Face folder: chat_template.jinja, else tokenizer_config.json's
         `chat_template` (a string, or a list of named templates: the one named "default")."""
-        folder = Path(folder)
-        config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-        specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
-        jinja = folder / TEMPLATE_FILE
-        if jinja.is_file() and not jinja.is_symlink():
-            return cls(jinja.read_text(encoding="utf-8"), **specials, name=str(jinja))
-        source = config.get("chat_template")
-        if isinstance(source, list):
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
-        if not isinstance(source, str) or not source:
+        fields = template_fields(folder)
+        if fields is None:
             raise ConfigError(f"{folder} has no chat template ({TEMPLATE_FILE}, or chat_template in "
                               f"tokenizer_config.json); give --chat-template a Hugging Face folder that has one")
-        return cls(source, **specials, name=f"{folder / 'tokenizer_config.json'}: chat_template")
+        return cls(fields["chat_template"], fields["bos_token"], fields["eos_token"], name=fields["name"])
+
+    @classmethod
+    def from_run(cls, run: str | Path) -> "ChatTemplate | None":
+        """The template a run folder keeps (`keep_in_run`), or None."""
+        path = Path(run) / RUN_TEMPLATE
+        if not path.is_file() or path.is_symlink():   # never followed out of the run folder
+            return None
+        d = _read_json(path)
+        if not all(isinstance(d.get(k), str) for k in ("chat_template", "bos_token", "eos_token")):
+            raise ConfigError(f"{path} is not a chat template fivefold wrote (chat_template, bos_token, eos_token)")
+        return cls(d["chat_template"], d["bos_token"], d["eos_token"], name=str(path))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                     bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+RUN_TEMPLATE = "chat_template.json"   # a run folder's copy of its tokenizer folder's template
+
+
+def template_fields(folder: str | Path) -> dict | None:
+    """{"chat_template", "bos_token", "eos_token", "name"} of a Hugging Face folder's chat template
+    (chat_template.jinja, else tokenizer_config.json's), or None when it has none."""
+    folder = Path(folder)
+    config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
+    jinja = folder / TEMPLATE_FILE
+    if jinja.is_file() and not jinja.is_symlink():
+        return {"chat_template": jinja.read_text(encoding="utf-8"), **specials, "name": str(jinja)}
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if not isinstance(source, str) or not source:
+        return None
+    return {"chat_template": source, **specials, "name": f"{folder / 'tokenizer_config.json'}: chat_template"}
+
+
+def keep_in_run(tokenizer_path: str | Path | None, out: str | Path) -> Path | None:
+    """Keep the chat template of the run's tokenizer folder (train.tokenizer's; --init-hf's folder gives it)
+    in the run folder as RUN_TEMPLATE, for `generate RUN --chat` and `export --hf`; a stale copy goes."""
+    dest = Path(out) / RUN_TEMPLATE
+    fields = template_fields(Path(tokenizer_path).parent) if tokenizer_path else None
+    if fields is None:
+        dest.unlink(missing_ok=True)
+        return None
+    fields.pop("name")
+    dest.write_text(json.dumps(fields, indent=1) + "\n")
+    return dest
 
 
 def _read_json(path: Path) -> dict:

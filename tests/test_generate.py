@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fivefold import cli
-from fivefold.tools.generate import Sampling, load_run, next_token, sample
+from fivefold.tools.generate import Sampling, load_run, next_token, sample, sample_batch
 from fivefold.model.transformer import KVCache
 from fivefold.tokenizer import load_tokenizer, save_to_run
 from fivefold.train import checkpoint
@@ -109,6 +109,34 @@ def test_the_kv_cache_gives_the_tokens_of_a_full_rerun(runs, name):
         parts = [model(tokens_bs[:, a:b], cache=cache) for a, b in ((0, 7), (7, 12), (12, 13), (13, 14))]
         full_bsv = model(tokens_bs[:, :14])
     torch.testing.assert_close(torch.cat(parts, 1), full_bsv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dense", "qwen2_moe"])
+@pytest.mark.ranks
+def test_prompts_in_one_batch_give_each_prompts_own_tokens_and_transformers_greedy_ones(runs, tmp_path, capsys, name):
+    """Prompts of 2, 9 and 5 tokens left-padded into one batch: greedy, each row's tokens are the ones the
+    prompt gets alone and the ones transformers' `generate` gives (greedy, from the exported folder); sampled,
+    each row draws what its prompt draws alone (its own generator, the same seed)."""
+    from transformers import AutoModelForCausalLM
+
+    model, tok = load_run(runs[name])
+    prompts = [tok.encode(t) for t in ("ov", "the lazy dog", "fox j")]
+    assert len({len(p) for p in prompts}) == 3
+    greedy = Sampling(12, temperature=0.0)
+    batch = sample_batch(model, prompts, greedy)
+    assert batch == [sample(model, p, greedy) for p in prompts]
+    hot = Sampling(12, temperature=1.0, top_p=0.95, seed=7)
+    assert sample_batch(model, prompts, hot) == [sample(model, p, hot) for p in prompts]
+    stop = batch[1][3]                                   # one row stops early, the others go on
+    stopped = sample_batch(model, prompts, greedy, eos_id=stop)
+    assert stopped == [sample(model, p, greedy, eos_id=stop) for p in prompts] and len(stopped[1]) <= 4
+    code, _, err = fivefold(capsys, "export", runs[name], "--hf", tmp_path / "hf")
+    assert code == 0, err
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    for p, ours in zip(prompts, batch):
+        theirs = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(p):].tolist()
+        assert theirs == ours
 
 
 @pytest.mark.ranks

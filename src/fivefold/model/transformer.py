@@ -98,7 +98,7 @@ def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor)
 
 
 def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0,
-                   documents_bS: torch.Tensor | None = None) -> torch.Tensor:
+                   documents_bS: torch.Tensor | None = None, pad_b: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (or full) attention; query head i uses kv head i // (n/k): on the CPU SDPA's fused kernel
     reads the k kv heads itself (`enable_gqa`), so only they are saved for the backward, as the planner
     counts them; on CUDA they are repeated first (the flash and memory-efficient kernels' GQA support
@@ -107,9 +107,11 @@ def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0,
     dropout), so on CUDA SDPA takes the flash kernel (bf16/fp16) or the memory-efficient one (fp32).
     `documents_bS` (b, s): the document id of each token, queries and keys being the same tokens
     (model/documents.py); a query then sees only keys of its own document (block-diagonal, causal
-    inside each block), through an explicit mask."""
+    inside each block), through an explicit mask. `pad_b` (b,): a batch of prompts left-padded to one length
+    (generation, `KVCache(pad_b=...)`): row i's first pad_b[i] keys are padding, which no query sees but
+    its own (a padding query attends to itself alone, so nothing is all-masked)."""
     if v_bksd.shape[-1] != q_bnsd.shape[-1] and q_bnsd.device.type == "cpu":
-        return narrow_value_attention(q_bnsd, k_bksd, v_bksd, causal, past, documents_bS)
+        return narrow_value_attention(q_bnsd, k_bksd, v_bksd, causal, past, documents_bS, pad_b)
     n, k = q_bnsd.shape[1], k_bksd.shape[1]
     gqa = n != k and q_bnsd.device.type == "cpu"   # the CPU's fused kernel reads the k kv heads itself
     if n != k and not gqa:
@@ -121,6 +123,13 @@ def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0,
         causal_st = torch.ones(s, s, dtype=torch.bool, device=q_bnsd.device).tril() if causal else None
         mask_b1st = document_mask(documents_bS, documents_bS, causal_st)
         return sdpa(q_bnsd, k_bksd, v_bksd, attn_mask=mask_b1st)
+    if pad_b is not None:
+        s, t, dev = q_bnsd.shape[2], k_bksd.shape[2], q_bnsd.device
+        q_s, k_t = torch.arange(past, past + s, device=dev)[:, None], torch.arange(t, device=dev)
+        real_bt = k_t >= pad_b.to(dev)[:, None]
+        mask_bst = ((q_s >= k_t) if causal else torch.ones(s, t, dtype=torch.bool, device=dev)) & real_bt[:, None, :]
+        mask_bst = mask_bst | (q_s == k_t)      # padding queries see themselves: no row is all -inf
+        return sdpa(q_bnsd, k_bksd, v_bksd, attn_mask=mask_bst[:, None])
     if past and causal:
         s, t = q_bnsd.shape[2], k_bksd.shape[2]
         mask_st = torch.arange(past, past + s, device=q_bnsd.device)[:, None] >= torch.arange(t, device=q_bnsd.device)
@@ -170,28 +179,30 @@ class _NarrowValueAttention(torch.autograd.Function):
 
 
 def narrow_value_attention(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0,
-                           documents_bS: torch.Tensor | None = None) -> torch.Tensor:
+                           documents_bS: torch.Tensor | None = None, pad_b: torch.Tensor | None = None) -> torch.Tensor:
     """`attention_core` on the CPU when v's head dim differs from q's: training's causal attention through
     `_NarrowValueAttention`; a KV cache or document mask through SDPA with v zero-padded to q's dim
     (the output cut back)."""
     n, k = q_bnsd.shape[1], k_bksd.shape[1]
     if n != k:
         k_bksd, v_bksd = k_bksd.repeat_interleave(n // k, dim=1), v_bksd.repeat_interleave(n // k, dim=1)
-    if past == 0 and documents_bS is None and _FLASH is not None:
+    if past == 0 and documents_bS is None and pad_b is None and _FLASH is not None:
         return _NarrowValueAttention.apply(q_bnsd, k_bksd, v_bksd, causal)
     d, dv = q_bnsd.shape[-1], v_bksd.shape[-1]
     wide = max(d, dv)
     o_bnsw = attention_core(_pad_to(q_bnsd, wide) * (wide / d) ** 0.5, _pad_to(k_bksd, wide), _pad_to(v_bksd, wide),
-                            causal, past, documents_bS)
+                            causal, past, documents_bS, pad_b)
     return o_bnsw[..., :dv]
 
 
 class LayerKV:
-    """One layer's cached keys and values, (b, k, t, d) for the t tokens seen so far."""
+    """One layer's cached keys and values, (b, k, t, d) for the t tokens seen so far; `pad_b`: each row's
+    left padding (a batch of prompts of different lengths), or None."""
 
-    def __init__(self):
+    def __init__(self, pad_b: torch.Tensor | None = None):
         self.k_bktd: torch.Tensor | None = None
         self.v_bktd: torch.Tensor | None = None
+        self.pad_b = pad_b
 
     @property
     def length(self) -> int:
@@ -209,10 +220,13 @@ class LayerKV:
 class KVCache:
     """Keys and values of the tokens already run, per layer, for decoding a few tokens at a time:
     `model(tokens_bs, cache=cache)` places its tokens after the cached ones (positions length..), attends
-    to them and to itself, and appends its own. Inference only (under torch.no_grad); single process."""
+    to them and to itself, and appends its own. Inference only (under torch.no_grad); single process.
+    `pad_b` (b,): prompts left-padded to one length, row i by pad_b[i] tokens: row i's positions start
+    after its padding (position 0 is its first real token) and no real token attends to the padding."""
 
-    def __init__(self, layers: int):
-        self.layers = [LayerKV() for _ in range(layers)]
+    def __init__(self, layers: int, pad_b: torch.Tensor | None = None):
+        self.pad_b = pad_b
+        self.layers = [LayerKV(pad_b) for _ in range(layers)]
 
     @property
     def length(self) -> int:
@@ -277,7 +291,7 @@ def attend(core, q_bnsd, k_bksd, v_bksd, kv: LayerKV | None = None, documents_bS
         o_bnsd = core(q_bnsd, k_bksd, v_bksd)
     else:
         k_bktd, v_bktd, past = kv.extend(k_bksd, v_bksd)
-        o_bnsd = attention_core(q_bnsd, k_bktd, v_bktd, past=past)
+        o_bnsd = attention_core(q_bnsd, k_bktd, v_bktd, past=past, pad_b=kv.pad_b)
     return o_bnsd.transpose(1, 2).reshape(b, s, -1)
 
 
@@ -355,6 +369,9 @@ class Transformer(nn.Module):
         offset = cache.length if cache is not None else 0
         if documents is not None:
             positions_s = documents.positions_bs
+        elif cache is not None and cache.pad_b is not None:   # left-padded rows: each counts from its first token
+            steps_s = torch.arange(offset, offset + tokens_bs.shape[1], device=tokens_bs.device)
+            positions_s = (steps_s[None, :] - cache.pad_b.to(tokens_bs.device)[:, None]).clamp(min=0)
         cos_sd, sin_sd = self.rope(tokens_bs.shape[1] if positions_s is None else positions_s, tokens_bs.device, offset)
         ids_bS = None if documents is None else documents.ids_bS
         x_bsh = self.embed(tokens_bs)

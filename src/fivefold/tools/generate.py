@@ -27,8 +27,8 @@ list: chat models end a turn with another token than the document's end, e.g. Ll
 started with --init-hf keeps its folder's (OUT/generation_config.json) and stops there too.
 `--chat` wraps each prompt as a user message in the chat template (the folder's, or `--chat-template
 DIR`'s) with the assistant's turn opened, as transformers' `apply_chat_template(...,
-add_generation_prompt=True)`; `--prompt` may be given several times (each sampled in turn, the same seed
-for each).
+add_generation_prompt=True)`; `--prompt` may be given several times: sampled in one batch (left-padded,
+`sample_batch`), each with its own generator of the same seed, as if alone.
 """
 from __future__ import annotations
 
@@ -250,12 +250,59 @@ def sample(model: Transformer, prompt: list[int], s: Sampling, eos_id: int | set
     return out
 
 
+@torch.no_grad()
+def sample_batch(model: Transformer, prompts: list[list[int]], s: Sampling, eos_id: int | set[int] | None = None,
+                 vocab: int | None = None) -> list[list[int]]:
+    """`sample` for several prompts in one batch: left-padded to the longest (`KVCache(pad_b=...)`: each row's
+    positions start at its first token and no token attends to padding), one forward a step for all rows.
+    Each row draws from its own generator seeded s.seed, as `sample` does for that prompt alone; a row that
+    stopped rides along until every row has. Without the KV cache, or for one prompt, each runs alone."""
+    if len(prompts) == 1 or not s.use_cache:
+        return [sample(model, p, s, eos_id, vocab) for p in prompts]
+    stops = eos_id if isinstance(eos_id, set) else ({eos_id} if eos_id is not None else set())
+    s.validate()
+    for p in prompts:
+        if not p or model.cfg.max_seq - len(p) < 1:
+            raise ConfigError(f"each prompt must be 1..{model.cfg.max_seq - 1} tokens (model.max_seq "
+                              f"{model.cfg.max_seq}), got {len(p)}")
+    device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts)
+    pad_b = torch.tensor([longest - len(p) for p in prompts])
+    cache = KVCache(model.cfg.layers, pad_b=pad_b)
+    gens = [torch.Generator().manual_seed(s.seed) for _ in prompts]
+    limits = [min(s.max_tokens, model.cfg.max_seq - len(p)) for p in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    fresh_bs = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
+    while not all(done):
+        logits_bv = model(fresh_bs, cache=cache)[:, -1, :vocab]
+        step = []
+        for i, logits_v in enumerate(logits_bv):
+            if not done[i]:
+                outs[i].append(next_token(logits_v, s, gens[i]))
+                done[i] = outs[i][-1] in stops or len(outs[i]) >= limits[i]
+            step.append(outs[i][-1])
+        fresh_bs = torch.tensor(step, device=device)[:, None]
+    return outs
+
+
 def generate_text(model: Transformer, tokenizer, prompt: str, s: Sampling, stops: set[int] | None = None,
                   stop_texts: tuple[str, ...] = ()) -> tuple[str, int]:
     """(the prompt's continuation as text, without a final stop token and cut before the first stop
     text; how many tokens were generated); a note on stderr when max_seq cut it short."""
+    return generate_texts(model, tokenizer, [prompt], s, stops, stop_texts)[0]
+
+
+def generate_texts(model: Transformer, tokenizer, prompts: list[str], s: Sampling, stops: set[int] | None = None,
+                   stop_texts: tuple[str, ...] = ()) -> list[tuple[str, int]]:
+    """`generate_text` of several prompts, sampled in one batch (`sample_batch`)."""
     stops = stop_ids(tokenizer) if stops is None else stops
-    out = sample(model, tokenizer.encode(prompt), s, stops, tokenizer.vocab_size)
+    outs = sample_batch(model, [tokenizer.encode(p) for p in prompts], s, stops, tokenizer.vocab_size)
+    return [finish_text(model, tokenizer, out, s, stops, stop_texts) for out in outs]
+
+
+def finish_text(model: Transformer, tokenizer, out: list[int], s: Sampling, stops: set[int],
+                stop_texts: tuple[str, ...]) -> tuple[str, int]:
     ended = bool(out) and out[-1] in stops
     text = tokenizer.decode(out[:-1] if ended else out)
     cuts = [text.find(t) for t in stop_texts if t and t in text]
@@ -283,7 +330,7 @@ def check_utf8(name: str, text: str) -> None:
 def add_generate_args(ap) -> None:
     ap.add_argument("run", nargs="?", help="a run folder (its newest checkpoint) or a checkpoints/step-N folder")
     ap.add_argument("--prompt", required=True, action="append", help="the text to continue (several --prompt: "
-                    "each in turn)")
+                    "sampled in one batch, each as if alone)")
     ap.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop where the continuation "
                     "contains TEXT, cut before it (several allowed; stop ids: the end-of-text token and a Hugging "
                     "Face folder's eos_token_id)")
@@ -337,12 +384,14 @@ def cmd_generate(args) -> int:
     else:
         model, tokenizer = load_run(args.run, args.checkpoint, args.device)
     stops = stop_ids(tokenizer, args.hf if args.hf is not None else run_of(find_checkpoint(args.run, args.checkpoint)))
-    for prompt in args.prompt:
-        shown = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True) if template else prompt
-        start = time.perf_counter()
-        text, n = generate_text(model, tokenizer, shown, s, stops, tuple(args.stop))
-        seconds = time.perf_counter() - start
+    shown = [template.render([{"role": "user", "content": p}], add_generation_prompt=True) if template else p
+             for p in args.prompt]
+    start = time.perf_counter()
+    results = generate_texts(model, tokenizer, shown, s, stops, tuple(args.stop))   # one batch (KV cache)
+    seconds = time.perf_counter() - start
+    for prompt, (text, _) in zip(args.prompt, results):
         print((prompt + "\n" if template else prompt) + text)
-        print(f"generated {n} tokens in {seconds:.2f} s "
-              f"({'KV cache' if s.use_cache else 'no cache'}, {next(model.parameters()).device})", file=sys.stderr)
+    batch = f", {len(results)} prompts in one batch" if len(results) > 1 and s.use_cache else ""
+    print(f"generated {sum(n for _, n in results)} tokens in {seconds:.2f} s "
+          f"({'KV cache' if s.use_cache else 'no cache'}{batch}, {next(model.parameters()).device})", file=sys.stderr)
     return 0

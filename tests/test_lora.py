@@ -92,22 +92,39 @@ def peft_losses(folder, rows, cfg: Config) -> list[float]:
 
 
 LAYOUTS = [dict(tp=2), dict(dp=2, zero=3), dict(pp=2, microbatches=2), dict(dp=2)]
+MOE_LAYOUTS = {"ep": dict(dp=2, ep=2), "sp": dict(tp=2, sp_mode="megatron")}
+
+
+@pytest.fixture(scope="module")
+def spawned(base):
+    """Every multi-rank job of this file's equality tests, in one 1-rank and one 2-rank spawn (process
+    start-up is the slow part): job name -> every rank's result."""
+    from tests.helpers import tiny_config
+
+    frozen = tiny_config(dp=2)
+    frozen.train.steps = 2
+    freeze = Config.from_dict(frozen.to_dict())
+    freeze.train.freeze = ["embed.*", "layers.0.*"]
+    one = spawn_jobs(1, [("peft", lora_steps, (lora_config(base).to_dict(),)),
+                         ("moe", tiny_lora_steps, (tiny_lora().to_dict(),))])
+    two = spawn_jobs(2, [(f"peft-{i}", lora_steps, (lora_config(base, **p).to_dict(),)) for i, p in enumerate(LAYOUTS)]
+                     + [(f"moe-{k}", tiny_lora_steps, (tiny_lora(**p).to_dict(),)) for k, p in MOE_LAYOUTS.items()]
+                     + [("all", frozen_steps, (frozen.to_dict(),)), ("frozen", frozen_steps, (freeze.to_dict(),))])
+    return {**one, **two}
 
 
 @pytest.mark.ranks
-def test_lora_steps_equal_transformers_with_peft_under_one_rank_tp2_zero3_and_pp2(base):
-    single = spawn_jobs(1, [("one", lora_steps, (lora_config(base).to_dict(),))])["one"][0]
-    jobs = [(str(i), lora_steps, (lora_config(base, **p).to_dict(),)) for i, p in enumerate(LAYOUTS)]
-    results = spawn_jobs(2, jobs)
+def test_lora_steps_equal_transformers_with_peft_under_one_rank_tp2_zero3_and_pp2(base, spawned):
+    single = spawned["peft"][0]
     expected = peft_losses(base, single["rows"], lora_config(base))
     assert expected[-1] < expected[0] - 1e-3          # the adapters learn: the equality below means something
     assert single["losses"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
     for i, layout in enumerate(LAYOUTS):
-        for r in results[str(i)]:
+        for r in spawned[f"peft-{i}"]:
             assert r["losses"] == pytest.approx(expected, rel=1e-5, abs=1e-6), layout
             assert r["all_frozen_without_grad"] and r["n_trainable"] == single["n_trainable"], layout
     # data parallelism reduces the adapters alone: the dp2 ledger's bytes are those of the trained tensors
-    dp2 = results[str(LAYOUTS.index(dict(dp=2)))][0]
+    dp2 = spawned[f"peft-{LAYOUTS.index(dict(dp=2))}"][0]
     per_step = dp2["dp_bytes"] / STEPS
     assert per_step == pytest.approx(2 * (2 - 1) / 2 * 4 * single["n_trainable"], rel=0.02)
 
@@ -182,15 +199,8 @@ def frozen_steps(rank, world, cfg_dict):
 
 
 @pytest.mark.ranks
-def test_frozen_weights_keep_their_values_and_data_parallelism_reduces_the_rest_only():
-    from tests.helpers import tiny_config
-
-    cfg = tiny_config(dp=2)
-    cfg.train.steps = 2
-    frozen = Config.from_dict(cfg.to_dict())
-    frozen.train.freeze = ["embed.*", "layers.0.*"]
-    r = spawn_jobs(2, [("all", frozen_steps, (cfg.to_dict(),)), ("frozen", frozen_steps, (frozen.to_dict(),))])
-    full, part = r["all"][0], r["frozen"][0]
+def test_frozen_weights_keep_their_values_and_data_parallelism_reduces_the_rest_only(spawned):
+    full, part = spawned["all"][0], spawned["frozen"][0]
     assert part["frozen"] and all(n.startswith(("embed.", "layers.0.")) for n in part["frozen"])
     assert part["unchanged"] and part["at_init"] and not full["frozen"]
     assert part["losses"][0] == full["losses"][0] and part["losses"][1] != full["losses"][1]
@@ -207,10 +217,16 @@ def test_lora_and_freeze_settings_are_refused_in_one_line(base, tmp_path):
                         (["--freeze", "layer.*"], "train.freeze pattern 'layer.*' matches no parameter")):
         r = cli("train", "--steps", "1", "--out", tmp_path / "x", *flags)
         assert r.returncode == 2 and rule in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    r = cli("train", "--steps", "1", "--out", tmp_path / "plain", "--set", "train.checkpoint=true")
-    assert r.returncode == 0, r.stderr
-    r = cli("export", tmp_path / "plain", "--peft", tmp_path / "adapter")
-    assert r.returncode == 2 and "was not trained with LoRA" in r.stderr
+    from fivefold.train.checkpoint import export_peft
+    from fivefold.train.trainer import Trainer
+    from tests.helpers import tiny_config
+
+    plain = tiny_config()
+    plain.train.steps, plain.train.checkpoint = 1, True
+    Trainer(plain, quiet=True).run(tmp_path / "plain")
+    with pytest.raises(ConfigError, match="was not trained with LoRA"):
+        export_peft(tmp_path / "plain", tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
 
 
 def tiny_lora(**parallel) -> Config:
@@ -231,14 +247,12 @@ def tiny_lora_steps(rank, world, cfg_dict):
 
 
 @pytest.mark.ranks
-def test_lora_of_a_mixture_of_experts_under_expert_and_sequence_parallelism_equals_one_rank():
+def test_lora_of_a_mixture_of_experts_under_expert_and_sequence_parallelism_equals_one_rank(spawned):
     """Adapters on attention and the shared expert; routed experts frozen: dp2 x ep2 and tp2 + SP equal one rank."""
-    one = spawn_jobs(1, [("one", tiny_lora_steps, (tiny_lora().to_dict(),))])["one"][0]
-    layouts = {"ep": dict(dp=2, ep=2), "sp": dict(tp=2, sp_mode="megatron")}
-    r = spawn_jobs(2, [(k, tiny_lora_steps, (tiny_lora(**p).to_dict(),)) for k, p in layouts.items()])
+    one = spawned["moe"][0]
     assert one["experts_frozen"] and one["losses"][2] < one["losses"][0] - 1e-3
-    for k in layouts:
-        for rank in r[k]:
+    for k in MOE_LAYOUTS:
+        for rank in spawned[f"moe-{k}"]:
             assert rank["losses"] == pytest.approx(one["losses"], rel=1e-5), k
 
 

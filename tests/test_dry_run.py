@@ -83,12 +83,12 @@ def check_case(tmp_path, case):
 
 def test_a_layout_that_does_not_fit_is_refused_naming_the_rank(tmp_path):
     """Llama-3 8B on one rank: 8.0B x (2 + 4 + 4 + 8) bytes of bf16 weights, fp32 masters, gradients and
-    Adam = 134 GiB of model state, which the planner also says cannot fit in 80 GiB."""
+    Adam = 134 GiB of model state, which the planner (exact for it) says before anything is built."""
     r, _ = dry(tmp_path, "--model", "llama3-8b", "--seq-len", "512", "--global-batch", "1", "--steps", "1",
                "--device-memory", "80")
     assert r.returncode == 1, r.stderr[-2000:]
     line = r.stderr.strip().splitlines()[-1]
-    assert "rank 0 (pipeline stage 0) needs" in line and "--device-memory 80 GiB" in line and "optimizer" in line
+    assert "rank 0 (pipeline stage 0) holds 134.6 GiB of model state" in line and "--device-memory 80 GiB" in line
 
 
 @pytest.mark.parametrize("args, words", [
@@ -96,6 +96,12 @@ def test_a_layout_that_does_not_fit_is_refused_naming_the_rank(tmp_path):
     (["--model", "llama3-8b", "--init-hf", "/nonexistent"], "--init-hf"),
     (["--ranks", "x"], "--ranks takes stages, all or a list"),
     (["--tp", "3"], "tp"),
+    # absurd sizes: refused from the estimate of the dry run's own cost (dryrun.dry_run_cost), not left to run
+    # for hours: 65,536 layers (9,209 s estimated), hidden 1M (36T parameters in 4 layers: 86,514 s)
+    (["--set", "model.layers=65536"], "is estimated at 9,209 s here (> --max-seconds 1800: 65,536 layers"),
+    (["--set", "model.hidden=1048576", "--set", "model.heads=64", "--set", "model.kv_heads=8", "--set",
+      "model.ffn=2097152"], "(> --max-seconds 1800: 4 layers, 36,284,161,589,248 parameters)"),
+    (["--max-seconds", "0"], "--max-seconds must be a"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(tmp_path, args, words):
     r, _ = dry(tmp_path, *args)

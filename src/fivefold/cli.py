@@ -24,7 +24,7 @@ from typing import Literal
 
 from .config import ConfigError, field_type, load_config, parse_sets, write_run_config
 from .flags import MICRO_BATCH_SIZE_HELP, MICROBATCHES_HELP, OneLineParser, add_renamed
-from .rules import PartitionKind, choices
+from .rules import PartitionKind, check_real, choices
 
 # flag -> dotted config key; each flag's type and choices come from the field's declared type
 TRAIN_FLAGS = {
@@ -158,6 +158,9 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
                     "or a comma-separated list of ranks (default: stages)")
     ap.add_argument("--device-memory", type=float, metavar="GIB", help="with --dry-run: refuse (exit 1) a rank "
                     "that needs more than this many GiB (default: no limit)")
+    ap.add_argument("--max-seconds", type=float, default=1800, metavar="S", help="with --dry-run: refuse (exit 2) "
+                    "a dry run this process is estimated to need longer for, or more host memory than is available "
+                    "(dryrun.dry_run_cost; default: 1800)")
     ap.add_argument("--model", help="with --dry-run: a planner preset (llama3-405b, ...) or a Hugging Face "
                     "config.json as [model] (default: the config's)")
 
@@ -357,15 +360,22 @@ def check_init_hf(cfg) -> None:
         HFWeights(cfg.train.init_hf, cfg.model).check()
 
 
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes, or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def check_host_memory(planned: dict, ranks_here: int, params: int) -> None:
     """Local CPU ranks keep what they hold in this machine's memory, and no rank holds more than its
     pieces (the model is built on the meta device): when the planner's bytes for the `ranks_here` ranks
     (each pipeline stage's total, for its share of the ranks) exceed physical memory, the run is refused
     in one line instead of being left to the kernel's OOM killer."""
     stages = planned.get("stages") or []
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
+    total = physical_memory()
+    if total is None:
         return   # the platform does not say
     need = sum(s.get("total", 0) for s in stages) * ranks_here // max(1, len(stages))
     if stages and need > total:
@@ -422,7 +432,7 @@ def nodes_from_torchrun(cfg, local_world: int | None, announce: bool) -> None:
 
 def cmd_dry_run(args: argparse.Namespace) -> int:
     """`fivefold train --dry-run`: train/dryrun.py, for the layout at its own world size."""
-    from .dryrun import DoesNotFit, check_dry_run, dry_run, model_of_preset, stage_ranks, table
+    from .dryrun import DoesNotFit, check_dry_run, dry_run, dry_run_cost, model_of_preset, stage_ranks, table
 
     cfg = resolve_train_config(args)
     if args.model:   # the preset's shape, then any --set model.* on top of it
@@ -450,9 +460,22 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--ranks {args.ranks}: ranks are 0..{world - 1} for this layout")
     if args.device_memory is not None and not args.device_memory > 0:
         raise ConfigError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
+    check_real("--max-seconds", args.max_seconds, 0)
+    seconds, host = dry_run_cost(cfg, ranks, cfg.train.steps)     # before anything is built
+    if seconds > args.max_seconds:
+        raise ConfigError(f"--dry-run of ranks {ranks[:4]}{'...' if len(ranks) > 4 else ''} is estimated at "
+                          f"{seconds:,.0f} s here (> --max-seconds {args.max_seconds:g}: {cfg.model.layers:,} layers, "
+                          f"{cfg.model.num_params():,} parameters); valid: fewer --ranks or --steps, or a larger "
+                          f"--max-seconds")
+    available = physical_memory()
+    if available is not None and host > available:
+        raise ConfigError(f"--dry-run is estimated to need {host / 2**30:,.1f} GiB of host memory here, "
+                          f"this machine has {available / 2**30:,.1f} GiB ({cfg.model.layers:,} layers, "
+                          f"{cfg.model.num_params():,} parameters); valid: a smaller model or fewer --ranks")
     print(f"fivefold train --dry-run: {world} ranks (tp={cfg.parallel.tp} cp={cfg.parallel.cp} pp={cfg.parallel.pp} "
           f"dp={cfg.parallel.dp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}), {cfg.model.num_params():,} "
-          f"parameters, ranks {ranks}, {cfg.train.steps} step(s)", file=sys.stderr)
+          f"parameters, ranks {ranks}, {cfg.train.steps} step(s), about {seconds:,.0f} s and "
+          f"{host / 2**30:.1f} GiB here", file=sys.stderr)
     try:
         report = dry_run(cfg, ranks, cfg.train.steps, Path(cfg.train.out), args.device_memory)
     except DoesNotFit as e:

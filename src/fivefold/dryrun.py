@@ -163,6 +163,44 @@ def model_of_preset(name: str):
     return replace(cfg)
 
 
+# What a dry run costs this process, fitted on a 2-core machine (torch 2.13, FakeTensorMode; README "Will it
+# fit?"): a fixed start, every layer of the meta model built (all of them, whatever the rank holds), each
+# layer a rank runs for each micro-batch and step (forward and backward op by op), and each slice of
+# STEP_CHUNK elements the step's chunked optimizer, norm and reductions walk over the rank's parameters.
+# Measured: 64 / 256 / 1024 layers of hidden 256 at 1 step: 9.0 / 22.2 / 73.2 s, 331 / 366 / 507 MiB
+# (estimated 9.5 / 22.9 / 76.7 s, 332 / 368 / 510 MiB); 256 layers at 3 steps 62.3 s and at 4 micro-batches
+# 80.3 s (estimated 58.8, 76.7); 2 layers of hidden 65,536 (70.9G parameters: 16.9k slices) 86.9 s and
+# 466 MiB (estimated 89.7 s, 452 MiB). Building the meta model costs memory, not measurable time.
+DRY_START_S, DRY_LAYER_MB_S, DRY_SLICE_S = 5.0, 0.07, 0.005
+DRY_START_BYTES, DRY_LAYER_BYTES, DRY_SLICE_BYTES = 320 * 2**20, 190 * 2**10, 8 * 2**10
+
+
+def dry_run_cost(cfg: Config, ranks: list[int], steps: int) -> tuple[float, float]:
+    """(seconds, peak host bytes) this process will spend on the dry run of `ranks`: DRY_* above, with the
+    planner's layers and parameters of each rank's stage (torch-free; nothing is built)."""
+    from .plan.layout import from_config, microbatches
+    from .plan.models import from_model_config
+    from .plan.units import frozen_params, layout_layers, stage_params
+    from .rules import STEP_CHUNK
+
+    model = from_model_config(cfg.model, train=cfg.train)
+    layout, work = from_config(cfg, backend="nccl")
+    m = microbatches(layout, work)
+    dense, _ = grid_sizes(cfg.parallel)
+    order = parse_order(cfg.parallel.order)
+    stages = layout_layers(model, layout)
+    seconds, peak = DRY_START_S, 0.0
+    for r in ranks:
+        stage = coords(r, dense, order)["pp"]
+        held = sum(stage_params(model, layout, stage)) + frozen_params(model, layout, stage)
+        slices = held / STEP_CHUNK
+        chunks = [c for c in range(len(stages)) if c % layout.pp == stage]   # a rank's (virtual) stages
+        layers = sum(len(stages[c]) for c in chunks)
+        seconds += steps * (DRY_LAYER_MB_S * layers * m + DRY_SLICE_S * slices)
+        peak = max(peak, DRY_START_BYTES + DRY_LAYER_BYTES * cfg.model.layers + DRY_SLICE_BYTES * slices)
+    return seconds, peak
+
+
 def check_dry_run(cfg: Config) -> None:
     """What a dry run cannot run yet, in one line (before anything is built)."""
     if cfg.train.init_hf:
@@ -254,6 +292,16 @@ def dry_run(cfg: Config, ranks: list[int], steps: int, out: Path, device_memory_
     """Run `ranks` one after another; write OUT/dryrun.json (and run.json, comm.json of the first)."""
     check_dry_run(cfg)
     limit = device_memory_gib * 2**30 if device_memory_gib else None
+    if limit:   # the planner's model state is the runtime's to the byte (tests/test_dry_run.py): refuse before building
+        dense, _ = grid_sizes(cfg.parallel)
+        for r in ranks:
+            stage = coords(r, dense, parse_order(cfg.parallel.order))["pp"]
+            plan = planned_memory(cfg, stage)
+            state = sum(plan.get(k, 0) for k in ("weights", "grads", "optimizer"))
+            if state > limit:
+                raise DoesNotFit(f"rank {r} (pipeline stage {stage}) holds {state / 2**30:.1f} GiB of model state "
+                                 f"alone by the planner (exact for the runtime's) > --device-memory "
+                                 f"{device_memory_gib:g} GiB; fivefold plan --search suggests a layout that fits")
     results = [dry_rank(cfg, r, steps, limit) for r in ranks]
     out.mkdir(parents=True, exist_ok=True)
     report = {"ranks": [{k: r[k] for k in ("rank", "stage", "measured", "planned", "ledger_equals_plan")}

@@ -176,3 +176,32 @@ def test_a_folder_without_a_tokenizer_is_refused_unless_its_vocabulary_is_bytes(
     (tmp_path / "m" / "tokenizer.model").write_bytes(b"\x00")
     r = fivefold_cli("train", "--init-hf", str(tmp_path / "m"), "--seq-len", "32", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "SentencePiece tokenizer.model" in r.stderr, r.stderr
+
+
+def test_a_shard_whose_tensors_share_bytes_is_refused(tmp_path):
+    """A shard's last tensor moved to byte 0 in its header: its range still fits its shape and the file, but it
+    would read the first tensor's bytes as its own (safetensors refuses such a header too)."""
+    import struct
+
+    from fivefold.model.hf_weights import SafetensorsFile
+
+    folder = tmp_path / "m"
+    hf_folder(folder, "llama")
+    def header_of(path):
+        raw = path.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        return raw, n, json.loads(raw[8:8 + n])
+
+    shard = next(p for p in sorted(folder.glob("model-*.safetensors")) if len(header_of(p)[2]) > 3)
+    raw, n, header = header_of(shard)
+    SafetensorsFile(shard)   # the written shard reads
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    assert len(names) >= 2
+    lo, hi = header[names[-1]]["data_offsets"]   # the last tensor moved to the start: inside the first one's bytes
+    header[names[-1]]["data_offsets"] = [0, hi - lo]
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (n - len(body)) if len(body) <= n else b""
+    assert len(body) == n
+    shard.write_bytes(raw[:8] + body + raw[8 + n:])
+    with pytest.raises(ConfigError, match="byte ranges must not overlap"):
+        SafetensorsFile(shard)

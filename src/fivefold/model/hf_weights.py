@@ -142,7 +142,17 @@ class SafetensorsFile:
         self.tensors = {}
         for name, info in header.items():
             self.tensors[name] = self._checked(name, info, size - self.start)
+        self._check_disjoint(header)
         self.fd = os.open(path, os.O_RDONLY)
+
+    def _check_disjoint(self, header: dict) -> None:
+        """No two tensors share a byte: sorted by start, each begins at or after the previous one's end (what
+        safetensors and transformers refuse too; a shared range would read one tensor's bytes as another's)."""
+        ranges = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items())
+        for (_, end, before), (start, _, name) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise ConfigError(f"{self.path}: {name} claims bytes from {start}, inside {before}'s (up to "
+                                  f"{end}); the tensors' byte ranges must not overlap")
 
     def _checked(self, name, info, data_bytes: int) -> tuple[tuple[int, ...], str, int]:
         """(shape, dtype code, first byte) of one header entry, once its claims agree with each other."""

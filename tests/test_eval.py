@@ -47,6 +47,16 @@ def test_eval_rules_are_one_line():
         cfg.validate()
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         EvalBatches(np.zeros(100, np.int64), 32, 8, 1000)
+    from fivefold.train.data import check_held_out   # before any rank starts: both parts hold a window
+    cfg.train.eval_fraction = 0.999999
+    with pytest.raises(ConfigError, match=r"train.eval_fraction = 0.999999 of 8,388,608 tokens leaves 8 to train "
+                                          r"and 8,388,600 to evaluate; each needs train.seq_len \+ 2 = 34"):
+        check_held_out(8_388_608, cfg.train)
+    cfg.train.eval_fraction = 1e-7
+    with pytest.raises(ConfigError, match="leaves 8,388,607 to train and 1 to evaluate"):
+        check_held_out(8_388_608, cfg.train)
+    cfg.train.eval_fraction = 0.5
+    check_held_out(8_388_608, cfg.train)
 
 
 def test_evaluation_changes_no_training():

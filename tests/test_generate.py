@@ -2,6 +2,7 @@
 re-running the sequence, top-k/top-p, and the Hugging Face folder loads in transformers with equal
 logits and a working tokenizer."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -277,3 +278,32 @@ def test_a_replaced_tokenizer_is_refused_by_generate_eval_and_export(runs, tmp_p
             code, _, err = fivefold(capsys, *args)
             assert code == 2 and "is not the tokenizer the run trained with" in err and err.count("\n") == 1, (args, err)
         assert not (tmp_path / f"hf-{name}").exists()
+
+
+@pytest.mark.ranks
+def test_export_hf_is_whole_or_absent(runs, tmp_path, capsys, monkeypatch):
+    """The folder appears only once written whole: a failure midway leaves no folder (and no temporary), and a
+    killed export's temporary (its process gone) is removed by the next export into the same folder."""
+    from fivefold.train import checkpoint as ck
+
+    dest = tmp_path / "hf"
+
+    def half(ckpt, folder, *a, **k):
+        (Path(folder)).mkdir(parents=True)
+        (Path(folder) / "config.json").write_text("{}")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck, "export_hf", half)
+    with pytest.raises(OSError):
+        from fivefold.tools.hf_export import export_hf_folder
+        export_hf_folder(runs["dense"], dest)
+    assert not dest.exists() and not list(tmp_path.iterdir())
+    monkeypatch.undo()
+    stale = tmp_path / ".hf.fivefold-export-999999999"   # no such process
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    mine = tmp_path / ".other.fivefold-export-999999999"  # another destination's: not ours to judge here
+    mine.mkdir()
+    code, _, err = fivefold(capsys, "export", runs["dense"], "--hf", dest)
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.fivefold-export-999999999", "hf"]

@@ -8,6 +8,9 @@ loads, with the run's tokenizer.
     DIR/chat_template.jinja                                      the run's chat template, when its tokenizer's
                                                                  folder had one (apply_chat_template reads it)
 
+written into `.DIR.fivefold-export-PID` beside DIR and renamed into place when whole: an export killed midway
+leaves no DIR that transformers would load (the temporary goes at the next export into DIR).
+
 The tokenizer, by what the run trained with (tokenizer.py):
 - a Hugging Face tokenizer.json: copied as it is, with a minimal tokenizer_config.json
   (PreTrainedTokenizerFast, the end-of-text token, model_max_length = model.max_seq). Its
@@ -25,6 +28,7 @@ warning naming `--eos`.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -49,13 +53,44 @@ def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None 
     warning = missing_eos(tokenizer, eos)
     if warning:
         print(warning, file=sys.stderr)
+    final = Path(dest)
+    remove_stale_exports(final)
+    dest = final.parent / f".{final.name}{EXPORT_TMP}{os.getpid()}"   # written whole, then renamed into place
+    try:
+        write_folder(ckpt, dest, max_shard_bytes, eos, bos)
+        os.rename(dest, final)           # onto a missing or empty folder: atomic, a partial export is never seen
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)   # ours alone: the name carries this process's id
+        raise
+    return final
+
+
+EXPORT_TMP = ".fivefold-export-"   # .DEST.fivefold-export-PID: an export in progress beside its destination
+
+
+def remove_stale_exports(final: Path) -> list[Path]:
+    """Remove the temporary folders an export into `final` left when it was killed (their writer's process
+    is gone); nothing else. Returns what was removed."""
+    gone = []
+    parent = final.parent
+    if not parent.is_dir():
+        return gone
+    for p in parent.glob(f".{final.name}{EXPORT_TMP}*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
+
+
+def write_folder(ckpt: Path, dest: Path, max_shard_bytes: int, eos: str, bos: str) -> None:
+    """The Hugging Face folder of checkpoint `ckpt` written into `dest` (module docstring)."""
     try:
         checkpoint.export_hf(ckpt, dest, max_shard_bytes)
     except ImportError as e:   # no transformers
         raise ConfigError(f"cannot export to Hugging Face form: {e}; {install_hint('hf')}") from None
     except ValueError as e:    # a model no HF family matches
         raise ConfigError(f"cannot export to Hugging Face form: {e}") from None
-    dest = Path(dest)
     max_seq = rundir.read_index(ckpt)["config"]["model"]["max_seq"]
     tokenizer = write_tokenizer(rundir.checked_tokenizer_file(ckpt), dest, max_seq, eos, bos)
     stops = sorted(stop_ids(tokenizer, run_of(ckpt)))   # the tokenizer's end, and --init-hf's eos ids the run kept
@@ -63,7 +98,6 @@ def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None 
     template = ChatTemplate.from_run(run_of(ckpt))   # the run's chat template (its tokenizer folder's), if any
     if template is not None:
         (dest / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
-    return dest
 
 
 def check_dest(dest: Path) -> None:

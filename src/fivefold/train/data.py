@@ -343,8 +343,25 @@ def check_data(train: TrainConfig, vocab: int) -> int:
                 open_loss_mask(f, verify=True)
             n += len(part)
         check_length(n, train.seq_len)
+        check_held_out(n, train)
         total += n
     return total
+
+
+def check_held_out(n_tokens: int, train: TrainConfig) -> None:
+    """With train.eval_fraction, both parts of a source's `split_corpus` hold a window (seq_len + 2 tokens),
+    or one line naming the setting (it used to fail inside a rank as a short corpus)."""
+    if not train.eval_fraction:
+        return
+    held = math.ceil(train.eval_fraction * n_tokens)
+    need = train.seq_len + 2
+    if n_tokens - held < need or held < need:
+        lo, hi = need / n_tokens, (n_tokens - need) / n_tokens
+        hint = (f"valid: train.eval_fraction from {lo:.2e} to {hi:.6f}" if lo <= hi else
+                f"valid: at least {2 * need} tokens of data, or eval_fraction = 0")
+        raise ConfigError(f"train.eval_fraction = {train.eval_fraction:g} of {n_tokens:,} tokens leaves "
+                          f"{n_tokens - held:,} to train and {held:,} to evaluate; each needs train.seq_len + 2 = "
+                          f"{need}; {hint}")
 
 
 def data_identity(train: TrainConfig) -> dict:

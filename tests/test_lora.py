@@ -106,10 +106,12 @@ def spawned(base):
     freeze = Config.from_dict(frozen.to_dict())
     freeze.train.freeze = ["embed.*", "layers.0.*"]
     one = spawn_jobs(1, [("peft", lora_steps, (lora_config(base).to_dict(),)),
-                         ("moe", tiny_lora_steps, (tiny_lora().to_dict(),))])
+                         ("moe", tiny_lora_steps, (tiny_lora().to_dict(),)),
+                         ("freeze-one", frozen_steps, (freeze_layout().to_dict(),))])
     two = spawn_jobs(2, [(f"peft-{i}", lora_steps, (lora_config(base, **p).to_dict(),)) for i, p in enumerate(LAYOUTS)]
                      + [(f"moe-{k}", tiny_lora_steps, (tiny_lora(**p).to_dict(),)) for k, p in MOE_LAYOUTS.items()]
-                     + [("all", frozen_steps, (frozen.to_dict(),)), ("frozen", frozen_steps, (freeze.to_dict(),))])
+                     + [("all", frozen_steps, (frozen.to_dict(),)), ("frozen", frozen_steps, (freeze.to_dict(),))]
+                     + [(f"freeze-{k}", frozen_steps, (freeze_layout(**p).to_dict(),)) for k, p in FREEZE_LAYOUTS.items()])
     return {**one, **two}
 
 
@@ -208,13 +210,39 @@ def test_frozen_weights_keep_their_values_and_data_parallelism_reduces_the_rest_
     assert part["dp_bytes"] / full["dp_bytes"] == pytest.approx(part["n_trainable"] / full["n_trainable"], rel=0.02)
 
 
+FREEZE_LAYOUTS = {"tp-sp": dict(tp=2, sp_mode="megatron"), "zero3": dict(dp=2, zero=3),
+                  "pp": dict(pp=2, microbatches=2)}
+
+
+def freeze_layout(**parallel) -> Config:
+    """The embedding and layer 0's attention frozen (every pipeline stage keeps a weight to train)."""
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(**parallel)
+    cfg.train.steps, cfg.train.freeze = 2, ["embed.*", "layers.0.attn.*"]
+    return cfg
+
+
+@pytest.mark.ranks
+def test_frozen_weights_under_tp_sp_zero3_and_pp_equal_one_rank(spawned):
+    one = spawned["freeze-one"][0]
+    assert one["unchanged"] and one["losses"][1] != one["losses"][0]
+    for k in FREEZE_LAYOUTS:
+        for r in spawned[f"freeze-{k}"]:
+            assert r["losses"] == pytest.approx(one["losses"], rel=1e-5), k
+            assert r["unchanged"], k
+
+
 def test_lora_and_freeze_settings_are_refused_in_one_line(base, tmp_path):
     with pytest.raises(ConfigError, match="lora_targets must name linear layers"):
         Config(train=TrainConfig(lora_rank=4, lora_targets=["router"])).validate()
     with pytest.raises(ConfigError, match="lora_rank must be >= 0"):
         Config(train=TrainConfig(lora_rank=-1)).validate()
     for flags, rule in ((["--lora-rank", "4", "--lora-targets", "lm_head"], "lora_targets must name"),
-                        (["--freeze", "layer.*"], "train.freeze pattern 'layer.*' matches no parameter")):
+                        (["--freeze", "layer.*"], "train.freeze pattern 'layer.*' matches no parameter"),
+                        (["--nproc", "2", "--pp", "2", "--microbatches", "2", "--set", "model.layers=2", "--freeze", "embed.*",
+                          "layers.0.*"],
+                         "leaves pipeline stage(s) [0] of 2 nothing to train")):
         r = cli("train", "--steps", "1", "--out", tmp_path / "x", *flags)
         assert r.returncode == 2 and rule in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     from fivefold.train.checkpoint import export_peft

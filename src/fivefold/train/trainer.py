@@ -122,6 +122,30 @@ def supported(cfg: Config) -> None:
         if not unique_params(meta):
             raise ConfigError(f"train.freeze {cfg.train.freeze} freezes every parameter: nothing would train; "
                               f"valid: patterns that leave some parameters out")
+        idle = idle_stages(meta, cfg)
+        if idle:
+            raise ConfigError(f"train.freeze {cfg.train.freeze} leaves pipeline stage(s) {idle} of {cfg.parallel.pp} "
+                              f"nothing to train (a stage's backward needs a trainable weight); valid: patterns that "
+                              f"leave a weight of every stage, or fewer stages")
+
+
+def idle_stages(meta: torch.nn.Module, cfg: Config) -> list[int]:
+    """Pipeline stages (the runtime's split, parallel/pipeline/partition.py) that hold no trainable parameter."""
+    from ..parallel.pipeline.partition import partition_layers
+
+    p = cfg.parallel
+    if p.pp == 1:
+        return []
+    part = partition_layers(cfg.model.layers, p.pp, p.vpp, p.partition)
+    trained = {n for n, q in meta.named_parameters() if q.requires_grad}
+    idle = []
+    for stage in range(p.pp):
+        prefixes = [f"layers.{i}." for i in part.layers_of_rank(stage)]
+        prefixes += ["embed."] if stage == 0 else []
+        prefixes += ["norm.", "head."] if stage == p.pp - 1 else []
+        if not any(n.startswith(tuple(prefixes)) for n in trained):
+            idle.append(stage)
+    return idle
 
 
 STRAGGLER_RANK_BITS = 20      # ranks below 2^20 in the low bits; microseconds of busy time above them

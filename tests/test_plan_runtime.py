@@ -96,7 +96,7 @@ MLA_LAYOUTS = [
 
 
 # LoRA (model/lora.py): the adapters are what the engines hold, reduce and gather; the frozen base weights are
-# held whole beside them. Rank 4 on every linear layer of each block.
+# held whole beside them. Rank 4 on every linear layer of each block. Then train.freeze patterns.
 LORA_LAYOUTS = [
     (dict(dp=2, lora_rank=4, microbatches=2, bucket_mb=0.001), "fp32"),         # DDP: adapters' buckets only
     (dict(dp=2, zero=3, lora_rank=4, microbatches=2), "bf16"),                  # ZeRO-3 gathers adapters; base whole
@@ -106,6 +106,12 @@ LORA_LAYOUTS = [
                                                  shared_experts=1)),            # experts frozen, shared adapted
     (dict(tp=4, dp=1, lora_rank=4, microbatches=2), "fp32"),                    # K/V's B over 2 ranks each
     (dict(tp=2, dp=2, zero=1, lora_rank=4, microbatches=2, bucket_mb=0.001), "bf16"),
+    # train.freeze: the planner filters the runtime's tensors by the same name patterns
+    (dict(dp=2, freeze=("embed.*", "layers.0.*"), microbatches=2, bucket_mb=0.001), "fp32"),  # DDP of the rest
+    (dict(dp=2, zero=3, freeze=("layers.1.mlp.*", "norm.weight"), microbatches=2), "bf16"),     # ZeRO-3 units
+    (dict(tp=2, dp=1, sp_mode="megatron", freeze=("embed.*", "layers.0.attn.*"), microbatches=2), "fp32"),
+    (dict(pp=2, dp=1, freeze=("embed.*", "layers.0.attn.*"), microbatches=2), "fp32"),          # tied copy frozen
+    (dict(tp=2, dp=1, freeze=("*_norm.weight", "norm.weight"), microbatches=2), "fp32"),        # no SP norm sync
 ]
 
 
@@ -113,9 +119,10 @@ def _config(par: dict, dtype: str, model: dict | None = None) -> Config:
     par = dict(par)
     recompute = par.pop("recompute", "none")   # train fields, listed with the layout
     lora_rank = par.pop("lora_rank", 0)
+    freeze = list(par.pop("freeze", ()))
     cfg = tiny_config(**par)
     cfg.train.recompute = recompute
-    cfg.train.lora_rank = lora_rank
+    cfg.train.lora_rank, cfg.train.freeze = lora_rank, freeze
     for k, v in (model or {}).items():
         setattr(cfg.model, k, v)
     cfg.train.dtype = dtype
@@ -129,7 +136,8 @@ def _config(par: dict, dtype: str, model: dict | None = None) -> Config:
 def _layout_id(case) -> str:
     par, dtype, *model = case
     short = {"reshard_after_forward": "reshard", "sp_mode": "sp"}
-    parts = [f"{short.get(k, k)}{v}" for k, v in par.items() if k != "bucket_mb"]
+    parts = [f"{short.get(k, k)}{'+'.join(v) if isinstance(v, tuple) else v}" for k, v in par.items()
+             if k != "bucket_mb"]
     return "-".join(parts + [f"{k}{v}" for k, v in (model[0] if model else {}).items()] + [dtype])
 
 

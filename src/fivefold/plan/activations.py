@@ -35,7 +35,7 @@ from ..rules import GPIPE, INTERLEAVED
 from ..shapes import padded_vocab
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
-from .units import layout_blocks, mtp_blocks, stage_layers
+from .units import frozen_prefix_layers, layout_blocks, mtp_blocks, stage_layers
 
 
 # -- micro-batches in flight -------------------------------------------------------------------------
@@ -200,9 +200,13 @@ def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
     activation bytes per token on one rank."""
     per_layer = {}
     rows = []
+    quiet = frozen_prefix_layers(model)   # train.freeze: leading layers autograd records nothing in
     for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
         vals = []
         for i in rng + mtp_blocks(model, pp, j):
+            if i < quiet:
+                vals.append(0.0)
+                continue
             key = model.is_moe_layer(i)
             if key not in per_layer:
                 per_layer[key] = layer_acts(model, i, work, tp, light).per_rank(tp, sp, with_scores)
@@ -275,8 +279,8 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
     if L.recompute == "full":
         return full_recompute_peak(flight, n_layers, T * e * h / split, max_pt * T, head)
     total = flight * total_pt * T
-    if stage == 0:
-        total += flight * T * e * h / split                     # embedding output
+    if stage == 0 and not frozen_prefix_layers(model):
+        total += flight * T * e * h / split                     # embedding output (stored unless nothing reads its grad)
     return total + flight * head
 
 

@@ -24,6 +24,7 @@ from ..grid import DEFAULT_ORDER
 from ..rules import (INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute,
                      ScheduleKind, SpMode, LORA_TARGETS, check_count, check_lora_targets, check_real, choices)
 from .estimate import estimate, fastest_order
+from .units import layer_names
 from .layout import GradDtype, Layout, ReduceDtype, Workload, check_route_nodes, from_config, mlp_widths
 from .models import PRESETS, PlanModel, from_model_config, load_model
 from .report import estimate_text, plot, search_dict, search_text, to_json
@@ -89,6 +90,9 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                          "no gradient, optimizer state or data-parallel traffic; default: the --config's, else 0)")
     ap.add_argument("--lora-targets", dest="lora_targets", nargs="+", default=None,
                     help="with --lora-rank: which linear layers get adapters (default: wq wk wv wo gate up down)")
+    ap.add_argument("--freeze", nargs="+", default=None, metavar="PATTERN",
+                    help="train.freeze: parameters whose names match these patterns are frozen (e.g. 'embed.*' "
+                         "'layers.[0-9].*'; default: the --config's)")
     mech = ap.add_argument_group("mechanisms (docs/plan.md, Mechanisms)")
     mech.add_argument("--reduce-dtype", dest="reduce_dtype", choices=choices(ReduceDtype),
                       help="dtype of the data-parallel gradient reduction (default fp32; the weights' dtype "
@@ -282,7 +286,14 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
 
 
 def with_lora(model: PlanModel, args) -> PlanModel:
-    """`model` with --lora-rank / --lora-targets applied (unset: as it came, a --config's LoRA included)."""
+    """`model` with --lora-rank / --lora-targets / --freeze applied (unset: as it came, a --config's
+    included)."""
+    if getattr(args, "freeze", None):
+        model = replace(model, frozen=tuple(args.freeze))
+        try:
+            layer_names(model, 0)
+        except ValueError as e:
+            raise ConfigError(f"--freeze: {e}") from None
     if getattr(args, "lora_rank", None) is None and getattr(args, "lora_targets", None) is None:
         return model
     rank = model.lora_rank if args.lora_rank is None else args.lora_rank

@@ -94,6 +94,8 @@ class PlanModel(HeadShapes):
     # state, no traffic: plan/units.py counts the adapters as the trained tensors and `frozen_params` apart)
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
+    # train.freeze: parameters whose names match these patterns are frozen (plan/units.py `layer_names`)
+    frozen: tuple[str, ...] = ()
 
     def __hash__(self) -> int:     # a cache key everywhere: hash the fields once
         return cached_hash(self)
@@ -323,6 +325,8 @@ def from_model_config(cfg: ModelConfig, name: str = "custom", train=None) -> Pla
     with the run's `train` config, its LoRA adapters (train.lora_rank, lora_targets) too."""
     lora = dict(lora_rank=train.lora_rank, lora_targets=rules.check_lora_targets(train.lora_targets)) \
         if train is not None and train.lora_rank else {}
+    if train is not None and train.freeze and not train.lora_rank:
+        lora["frozen"] = tuple(train.freeze)
     return PlanModel(**lora, name=name, vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
                      kv_heads=cfg.kv_heads, ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, max_seq=cfg.max_seq,
                      experts=cfg.experts, top_k=cfg.top_k if cfg.experts else 1,

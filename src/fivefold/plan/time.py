@@ -63,7 +63,7 @@ from ..rules import INTERLEAVED, ZB
 from ..shapes import shard_size
 from .gemm import linear_seconds
 from .layout import Layout, Workload, microbatches, schedule_of
-from .units import held_root, layout_blocks, root_units, stage_layers, zero_units
+from .units import frozen_prefix_layers, frozen_share, held_root, layout_blocks, root_units, stage_layers, zero_units
 from .models import PlanModel
 from .topology import Topology
 from .buffers import streams_grads
@@ -595,8 +595,12 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         extra = t_f if L.recompute == "full" else (t_attn if L.recompute == "selective" else 0.0)
         extra += light_recompute_flops(model, L, work, j) / peak_mm
         t_b = 2 * (t_f - t_ew / 3) + t_ew * 2 / 3 + extra   # element-wise work: a third forward
-        if model.lora_rank:   # frozen weights: their GEMMs' backward is the input's gradient only (no wgrad)
-            t_b -= t_lin + t_head
+        layers_frozen, head_frozen = frozen_share(model, L, j)   # LoRA, train.freeze: no wgrad for frozen weights
+        t_b -= t_lin * layers_frozen + (t_head if head_frozen else 0.0)
+        blocks = layout_blocks(model, L, j)
+        quiet = sum(1 for i in blocks if i < frozen_prefix_layers(model)) / max(1, len(blocks))
+        # a frozen prefix runs no backward at all: beyond its wgrad (above), its dgrad, attention and element-wise
+        t_b -= quiet * (t_lin + 2 * t_attn + t_ew * 2 / 3)
         ring = sum(f.seconds for f in flows if f.dim == "cp" and f.op in ("send", "recv"))
         secs = _per_dim_seconds([f for f in flows if KIND.get(f.dim) == "layer" and f.op not in ("send", "recv")])
         ep = ep_exposed(secs.pop("ep", 0.0) / m, t_f, t_b, passes, L.ep_overlap, m, acc.comm_share)

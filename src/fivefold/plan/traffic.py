@@ -71,7 +71,8 @@ from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
 from ..parallel.zero_reduce import reduce_policy
 from .buffers import offload_units, params_on_disk, streams_grads
-from .units import (exact_tensors, held_root, layout_blocks, lora_tensors, mtp_blocks, owned_tagged, root_tensors, root_units,
+from .units import (exact_tensors, held_root, is_frozen, layer_names, layer_tensors, layout_blocks, lora_tensors,
+                    mtp_blocks, owned_tagged, root_tensors, root_units,
                     stage_params, unit_sums, unit_tensors, zero_units)
 from .models import PlanModel
 from .topology import Topology, collective_latency, collective_loss, group_bandwidth
@@ -187,23 +188,33 @@ def head_passes(model: PlanModel, L: Layout, stage: int) -> int:
 
 def lora_frozen_prefix(model: PlanModel, n_layers: int) -> tuple[int, int]:
     """(entries, exits) of the first stage's tensor-parallel regions, from layer 0 on, whose backward
-    collective never runs under LoRA: every weight before the first adapter is frozen (the embedding
-    too), so no gradient flows into those regions' inputs. With attention adapted (the default) that is
-    layer 0's attention entry alone. An MoE layer, which has no region, ends the walk."""
-    if not model.lora_rank:
+    collective never runs: every weight before the first trained one is frozen (LoRA: all but the
+    adapters; train.freeze: what its patterns match), so no gradient flows into those regions' inputs. A
+    region's entry (f) is needed once anything before it trains, its norm included; its exit (g) once
+    anything in it or before it does. With LoRA on attention (the default) that is layer 0's attention
+    entry alone. An MoE layer, which has no region, ends the walk."""
+    if not (model.lora_rank or model.frozen) or not is_frozen(model, "embed.weight"):
         return 0, 0
-    attn = any(t in model.lora_targets for t in ("wq", "wk", "wv", "wo"))
-    mlp = any(t in model.lora_targets for t in ("gate", "up", "down"))
+    if model.lora_rank:
+        trains = {"attn_norm": False, "mlp_norm": False,
+                  "attn": any(t in model.lora_targets for t in ("wq", "wk", "wv", "wo")),
+                  "mlp": any(t in model.lora_targets for t in ("gate", "up", "down"))}
     entries = exits = 0
     for i in range(n_layers):
+        if not model.lora_rank:
+            names = [n for n in layer_names(model, i) if not is_frozen(model, f"layers.{i}.{n}")]
+            trains = {"attn_norm": "attn_norm.weight" in names, "mlp_norm": "mlp_norm.weight" in names,
+                      "attn": any(n.startswith("attn.") for n in names), "mlp": any(n.startswith("mlp.") for n in names)}
+        if trains["attn_norm"]:
+            return entries, exits
         entries += 1
-        if attn:
+        if trains["attn"]:
             return entries, exits
         exits += 1
-        if model.is_moe_layer(i):
+        if model.is_moe_layer(i) or trains["mlp_norm"]:
             return entries, exits
         entries += 1
-        if mlp:
+        if trains["mlp"]:
             return entries, exits
         exits += 1
     return entries, exits
@@ -242,7 +253,7 @@ def _tp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers
     if first:  # vocab-parallel embedding: g forward (SP: reduce-scatter forward, all-gather backward)
         if L.seq_parallel:
             f.add("tp", "reduce_scatter", "tp", t, act, m)
-            f.add("tp", "all_gather", "tp", t, act, 0 if model.lora_rank else m)   # a frozen embedding: no backward
+            f.add("tp", "all_gather", "tp", t, act, 0 if is_frozen(model, "embed.weight") else m)   # frozen: no backward
         else:
             f.add("tp", "all_reduce", "tp", t, act, m)
     if last:  # head input: f (SP: all-gather forward, reduce-scatter backward); CE reductions
@@ -289,11 +300,13 @@ def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition
         return ()
     h, rng = model.hidden, layout_blocks(model, Layout(pp=pp, vpp=vpp, partition=partition), stage)
     out = {}
-    if model.lora_rank:   # the adapters whole on every tp rank ("moe") or shared by a K/V head ("kv")
-        for i in rng:
-            for n, _, tag in lora_tensors(model, model.is_moe_layer(i), tp):
-                if tag:
-                    out[tag] = out.get(tag, 0) + n
+    if model.lora_rank or model.frozen:   # what trains, by tag: LoRA's adapters, or what train.freeze leaves
+        kv = model_kv_replicas(model, tp) > 1
+        tensors = [(n, tag) for i in rng for n, _, tag in layer_tensors(model, i, tp, ep)]
+        tensors += root_tensors(model, tp, pp, stage) if stage == pp - 1 else []   # the final norm
+        for n, tag in tensors:
+            if (tag == "norm" and sp) or tag == "moe" or (tag == "kv" and kv):
+                out[tag] = out.get(tag, 0) + n
         return tuple(out.items())
     moe = sum(1 for i in rng if model.is_moe_layer(i))
     if moe:   # MoE weights, whole on every tp rank, each seeing its own tokens (EP x TP)
@@ -418,7 +431,7 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     to_next, to_prev = pp_hops(stage, p, m, v)
     f.add("pp", "send", "pp", p, act, to_next + to_prev)   # forward to the next stage, backward to the previous
     f.add("pp", "recv", "pp", p, act, to_prev + to_next)   # forward from the previous, backward from the next
-    if model.tie_embeddings and stage in (0, p - 1) and not model.lora_rank:   # LoRA: the embedding is frozen
+    if model.tie_embeddings and stage in (0, p - 1) and not is_frozen(model, "embed.weight"):
         emb = padded_vocab(model.vocab, L.tp) // L.tp * model.hidden
         f.add("embed", "all_reduce", "embed", 2, emb * w.grad_bytes, 1)
 

@@ -17,6 +17,7 @@ parallel/zero.py), and `unit_states` / `model_states` turn the units into bytes.
 """
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import replace
 from functools import lru_cache
 
@@ -87,7 +88,11 @@ def time_stages(model: PlanModel, pp: int, vpp: int = 1, partition: str = "even"
 
 # -- parameters a rank holds -------------------------------------------------------------------------
 def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, int]:
-    """`_layer_rank_params` of layer i: every dense layer holds the same, and every MoE layer."""
+    """`_layer_rank_params` of layer i: every dense layer holds the same, and every MoE layer (with
+    train.freeze patterns, layer i's own tensors that are not frozen)."""
+    if model.frozen:
+        tensors = layer_tensors(model, i, tp, ep)
+        return sum(n for n, ex, _ in tensors if not ex), sum(n for n, ex, _ in tensors if ex)
     return _layer_rank_params(model, model.is_moe_layer(i), tp, ep)
 
 
@@ -134,15 +139,7 @@ def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: 
         for i in rng + mtp_blocks(model, pp, j):
             d, e = block_rank_params(model, i, tp, ep)
             dense, expert, biggest = dense + d, expert + e, max(biggest, d + e)
-        if model.lora_rank:   # embedding, final norm and head frozen
-            rows.append((dense, expert, biggest))
-            continue
-        if j == 0:
-            dense += vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0)
-        if j == pp - 1:
-            dense += model._norm(model.hidden)
-            if not model.tie_embeddings or pp > 1:
-                dense += vocab_rank
+        dense += sum(n for n, _ in root_tensors(model, tp, pp, j))   # embedding, final norm, head (unless frozen)
         rows.append((dense, expert, biggest))
     return tuple(rows)
 
@@ -160,11 +157,69 @@ def _param_table(model: PlanModel, layout: Layout) -> tuple:
 
 
 def frozen_params(model: PlanModel, layout: Layout, stage: int) -> int:
-    """Parameters one rank of `stage` holds frozen (LoRA: every base weight, its tp / pp / ep piece, held
-    whole by each data-parallel rank: no engine shards what has no gradient); 0 without LoRA."""
-    if not model.lora_rank:
+    """Parameters one rank of `stage` holds frozen (LoRA: every base weight; train.freeze: what its patterns
+    match), each its tp / pp / ep piece, held whole by each data-parallel rank (no engine shards what has
+    no gradient); 0 when everything trains."""
+    if not (model.lora_rank or model.frozen):
         return 0
-    return sum(stage_params(replace(model, lora_rank=0, lora_targets=()), layout, stage))
+    every = sum(stage_params(unfrozen(model), layout, stage))
+    return every if model.lora_rank else every - sum(stage_params(model, layout, stage))   # adapters are extra
+
+
+def frozen_share(model: PlanModel, layout: Layout, stage: int) -> tuple[float, bool]:
+    """(share of the stage's block matrices that are frozen, whether the LM head is): the weight-gradient
+    GEMMs the backward skips (plan/time.py). LoRA: (1, True); nothing frozen: (0, False)."""
+    if model.lora_rank:
+        return 1.0, True
+    if not model.frozen:
+        return 0.0, False
+    every = trained = 0
+    for i in layout_blocks(model, layout, stage):
+        if i >= model.layers:
+            continue
+        every += sum(n for n, _, tag in layer_tensors(unfrozen(model), i, layout.tp, layout.ep) if tag != "norm")
+        trained += sum(n for n, _, tag in layer_tensors(model, i, layout.tp, layout.ep) if tag != "norm")
+    head = is_frozen(model, "embed.weight" if model.tie_embeddings else "head.weight")
+    return (1 - trained / every if every else 0.0), head
+
+
+def frozen_prefix_layers(model: PlanModel) -> int:
+    """Leading layers with every weight frozen behind a frozen embedding (train.freeze): nothing before or in
+    them trains, so autograd records nothing there (no activation stored, no backward run)."""
+    if not model.frozen or not is_frozen(model, "embed.weight"):
+        return 0
+    n = 0
+    while n < model.layers and all(is_frozen(model, f"layers.{n}.{name}") for name in layer_names(model, n)):
+        n += 1
+    return n
+
+
+def unfrozen(model: PlanModel) -> PlanModel:
+    """`model` with every parameter trained (no LoRA, no freeze patterns)."""
+    return replace(model, lora_rank=0, lora_targets=(), frozen=())
+
+
+def is_frozen(model: PlanModel, name: str) -> bool:
+    """Whether parameter `name` is frozen by train.freeze (fnmatch, as model/lora.py `freeze`) or by LoRA."""
+    return bool(model.lora_rank) or any(fnmatch.fnmatchcase(name, p) for p in model.frozen)
+
+
+def layer_names(model: PlanModel, i: int) -> list[str]:
+    """Our parameter names of layer i's tensors, in `layer_tensors`'s order (our runtime's blocks; latent
+    attention's and the lumped variants' are not listed one by one: ValueError)."""
+    if model.mla or not exact_tensors(model):
+        raise ValueError("train.freeze is planned for our runtime's blocks without latent attention")
+    bias = model.qkv_bias
+    out = ["attn_norm.weight"]
+    for k in ("wq", "wk", "wv"):
+        out += [f"attn.{k}.weight"] + ([f"attn.{k}.bias"] if bias else [])
+    out += ["attn.wo.weight", "mlp_norm.weight"]
+    if not model.is_moe_layer(i):
+        return out + ["mlp.gate.weight", "mlp.up.weight", "mlp.down.weight"]
+    out += ["mlp.router.weight", "mlp.experts.w_gate", "mlp.experts.w_up", "mlp.experts.w_down"]
+    if model.shared_experts:
+        out += ["mlp.shared.gate.weight", "mlp.shared.up.weight", "mlp.shared.down.weight"]
+    return out + (["mlp.shared_gate.weight"] if model.shared_expert_gate else [])
 
 
 COLUMN_TARGETS = ("wq", "wk", "wv", "gate", "up")   # column-parallel layers (the rest, wo and down, by rows)
@@ -225,6 +280,9 @@ def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int,
     tagged ""."""
     if model.lora_rank:
         return lora_tensors(model, model.is_moe_layer(i), tp)
+    if model.frozen:   # train.freeze: the layer's tensors that are not frozen
+        every = layer_tensors(unfrozen(model), i, tp, ep)
+        return [t for t, name in zip(every, layer_names(model, i)) if not is_frozen(model, f"layers.{i}.{name}")]
     h = model.hidden
     dense, expert = layer_rank_params(model, i, tp, ep)
     norm = model._norm(h)
@@ -287,13 +345,13 @@ def root_tensors(model: PlanModel, tp: int, pp: int, stage: int) -> list[tuple[i
     (last stage), in registration order; tags as in `layer_tensors`."""
     vocab_rank = padded_vocab(model.vocab, tp) // tp * model.hidden
     out = []
-    if model.lora_rank:   # embedding, final norm and head frozen
-        return out
-    if stage == 0:
+    head = "embed.weight" if model.tie_embeddings else "head.weight"   # a tied head is the embedding
+    if stage == 0 and not is_frozen(model, "embed.weight"):
         out.append((vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0), ""))
     if stage == pp - 1:
-        out.append((model._norm(model.hidden), "norm"))
-        if not model.tie_embeddings or pp > 1:
+        if not is_frozen(model, "norm.weight"):
+            out.append((model._norm(model.hidden), "norm"))
+        if (not model.tie_embeddings or pp > 1) and not is_frozen(model, head):
             out.append((vocab_rank, ""))
     return out
 
@@ -340,7 +398,9 @@ def unit_tensors(model: PlanModel, layout: Layout, grad_bytes: int, stage: int,
 
 def _block_tensors_tagged(model: PlanModel, i: int, tp: int, ep: int, expert: bool) -> tuple[tuple[int, str], ...]:
     """(elements, tag) of block i's tensors (`block_tensors`), routed experts or the others; every dense
-    layer has the same, and every MoE layer, and every MTP module."""
+    layer has the same, and every MoE layer, and every MTP module (not so with train.freeze patterns)."""
+    if model.frozen:
+        return tuple((n, tag) for n, ex, tag in block_tensors(model, i, tp, ep) if ex == expert)
     return _tensors_of_kind(model, model.is_moe_layer(i), i >= model.layers, tp, ep, expert)
 
 
@@ -359,10 +419,11 @@ def _unit_tensors(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, 
     if blocks:
         units = ([tuple(root)] if root else []) + [t for t in per_layer]
         return tuple(u for u in units if sum(n for n, _ in u))
-    first = root[:1] if stage == 0 else []
+    embed = not is_frozen(model, "embed.weight")   # trained: the first root tensor, and a tied head copy the last
+    first = root[:1] if stage == 0 and embed else []
     rest = root[len(first):]
     # backward order (parallel/engine.py backward_order): reverse registration, the tied head copy last
-    tied = rest[-1:] if model.tie_embeddings and pp > 1 and stage == pp - 1 and rest else []
+    tied = rest[-1:] if model.tie_embeddings and pp > 1 and stage == pp - 1 and rest and embed else []
     order = list(reversed(first + [t for ts in per_layer for t in ts] + rest[:len(rest) - len(tied)])) + tied
     buckets = bucket_ranges([n for n, _ in order], int(bucket_mb * 2**20), grad_bytes)  # bucket_mb is MiB
     return tuple(tuple(order[i] for i in b) for b in buckets)

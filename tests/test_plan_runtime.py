@@ -100,6 +100,7 @@ MLA_LAYOUTS = [
 LORA_LAYOUTS = [
     (dict(dp=2, lora_rank=4, microbatches=2, bucket_mb=0.001), "fp32"),         # DDP: adapters' buckets only
     (dict(dp=2, zero=3, lora_rank=4, microbatches=2), "bf16"),                  # ZeRO-3 gathers adapters; base whole
+    (dict(dp=2, zero=2, lora_rank=4, microbatches=2, bucket_mb=0.001), "fp32"), # ZeRO-2: adapters' gradient shards
     (dict(tp=2, dp=1, sp_mode="megatron", lora_rank=4, microbatches=2), "fp32"),  # A or B whole, summed over tp
     (dict(pp=2, dp=1, lora_rank=4, microbatches=2), "fp32"),                    # no root unit: embedding frozen
     (dict(dp=2, ep=2, lora_rank=4), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0,

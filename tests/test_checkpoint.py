@@ -242,3 +242,28 @@ def test_export_to_hugging_face_loads_in_transformers(four, tmp_path):
         torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
     with pytest.raises(ConfigError, match="not empty"):
         checkpoint.export_hf(root / "a", dest)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_partial_save(tmp_path, monkeypatch):
+    """ENOSPC while a rank writes its file: SaveFailed (brief: the launcher prints one line), the save's
+    temporary folder removed, the earlier checkpoint kept and still the newest."""
+    from fivefold.train import checkpoint as ck
+    from fivefold.train.launch import _describe
+
+    cfg = tiny_config()
+    cfg.train.steps, cfg.train.checkpoint, cfg.train.checkpoint_every = 4, True, 2
+    real = ck._write_safetensors
+    calls = []
+
+    def full_after_first(path, tensors, metadata):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return real(path, tensors, metadata)
+
+    monkeypatch.setattr(ck, "_write_safetensors", full_after_first)
+    with pytest.raises(ck.SaveFailed, match=r"the checkpoint of step 4 was not saved: rank 0: No space left on device") as e:
+        Trainer(cfg, quiet=True).run(tmp_path / "run")
+    assert "\n" not in _describe(e.value) and e.value.brief
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["step-00000002"]

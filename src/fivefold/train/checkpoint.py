@@ -127,6 +127,12 @@ class NonFiniteState(RuntimeError):
     brief = True
 
 
+class SaveFailed(RuntimeError):
+    """A rank could not write its part of a checkpoint (a full disk, a quota): nothing of it is kept."""
+
+    brief = True
+
+
 def save(out: str | Path, step: int, cfg: Config, entries: list[tuple[str, torch.Tensor, Box]],
          rng: dict[str, torch.Tensor], meta: dict, keep: int, rank: int, protect: int | None = None) -> Path:
     """Write checkpoint `step` of the run in `out` from every rank's `entries` (key, tensor, the box of
@@ -149,10 +155,23 @@ def save(out: str | Path, step: int, cfg: Config, entries: list[tuple[str, torch
     mine = {_chunk_key(key, box): _region(t, box.sizes).detach().to("cpu").contiguous()
             for key, t, box in entries if writers[(key, box.offsets)] == rank}
     mine.update({f"rng/{k}": v.detach().to("cpu").contiguous() for k, v in rng.items()})
-    tmp.mkdir(parents=True, exist_ok=True)
     claims = {"step": step, "config": cfg.to_dict(), "world_size": len(everyone), **meta}
-    _write_safetensors(tmp / rank_file(rank), mine, {CLAIMS: canonical(claims)} if rank == 0 else {})
-    digests = gather_objects(header_digest(tmp / rank_file(rank)))   # every rank's file is written and synced
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        _write_safetensors(tmp / rank_file(rank), mine, {CLAIMS: canonical(claims)} if rank == 0 else {})
+        written = (header_digest(tmp / rank_file(rank)), None)
+    except OSError as e:   # ENOSPC, EDQUOT, EIO: said in one line, every rank alike, the partial save removed
+        written = (None, f"rank {rank}: {e.strerror or e} ({tmp / rank_file(rank)})")
+    results = gather_objects(written)   # every rank's file is written and synced, or why not
+    failed = [err for _, err in results if err]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)   # our own temporary folder (its name carries the nonce)
+        gather_objects(None)
+        raise SaveFailed(f"the checkpoint of step {step} was not saved: {failed[0]}"
+                         + (f" and {len(failed) - 1} other rank(s)" if len(failed) > 1 else "")
+                         + "; the previous checkpoints are kept")
+    digests = [d for d, _ in results]
     final = rundir.step_dir(out, step)
     if rank == 0:
         index = {"format": FORMAT, "step": step, "config": cfg.to_dict(), "world_size": len(everyone), **meta,

@@ -366,3 +366,16 @@ def test_offload_rules():
         Config.from_dict({"parallel": {"offload": "gpu"}})
     cfg.parallel.offload_dir = "/tmp/x"
     cfg.validate(1)
+
+
+def test_a_disk_offloaded_run_leaves_no_folder_behind(tmp_path):
+    """offload = nvme makes OFFLOAD_DIR/rank-00000 for its (nameless) file; when the run returns the folder is
+    gone again, and a folder someone else put there stays."""
+    from fivefold.train.trainer import train_rank
+
+    cfg = tiny_config(zero=1, offload="nvme")
+    cfg.parallel.offload_dir = str(tmp_path / "nvme")
+    cfg.train.steps = 1
+    (tmp_path / "nvme" / "theirs").mkdir(parents=True)
+    train_rank(0, 1, cfg.to_dict(), str(tmp_path / "run"))
+    assert sorted(p.name for p in (tmp_path / "nvme").iterdir()) == ["theirs"]

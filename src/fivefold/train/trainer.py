@@ -712,5 +712,8 @@ def train_rank(rank: int, world_size: int, cfg_dict: dict, out: str | None = Non
     # a given checkpoint replaces the whole state: no init is drawn first ("auto" may find none)
     trainer = Trainer(Config.from_dict(cfg_dict), rank, world_size, planned=planned,
                       fill=resume in (None, "auto"), speed=speed)
-    result = trainer.run(out, resume)
+    try:
+        result = trainer.run(out, resume)
+    finally:
+        trainer.engine.remove()   # its hooks, and offloaded state: nvme's file and its rank-R folder (when empty)
     return result if rank == 0 else {"state_bytes": result["state_bytes"]}

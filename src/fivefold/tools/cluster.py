@@ -249,12 +249,13 @@ def wait_agents(agents: list[subprocess.Popen], timeout_s: float, stop, grace_s:
 
 
 def _drain(proc: subprocess.Popen, outputs: list[str], i: int, lines: list) -> None:
-    """Echo an agent's output with its node's name, and keep it (and each line's monotonic time)."""
+    """Echo an agent's output on stderr with its node's name (a log: stdout keeps the tool's own report), and
+    keep it (and each line's monotonic time)."""
     for line in proc.stdout:
         outputs[i] += line
         lines.append((time.monotonic(), i, line.rstrip("\n")))
-        sys.stdout.write(f"[node{i}] {line}")
-    sys.stdout.flush()
+        sys.stderr.write(f"[node{i}] {line}")
+    sys.stderr.flush()
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

@@ -168,11 +168,12 @@ def test_a_lora_run_resumes_bit_for_bit_and_its_exports_load_in_transformers_and
     x_bs = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ours(x_bs)
-    r = cli("export", tmp_path / "cut", "--hf", tmp_path / "merged")
-    assert r.returncode == 0, r.stderr
+    from fivefold.train.checkpoint import export_peft
+    from fivefold.tools.hf_export import export_hf_folder
+
+    export_hf_folder(tmp_path / "cut", tmp_path / "merged")      # `export --hf` (the walk below runs the CLI)
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    r = cli("export", tmp_path / "cut", "--peft", tmp_path / "adapter")
-    assert r.returncode == 0, r.stderr
+    export_peft(tmp_path / "cut", tmp_path / "adapter")          # `export --peft`
     base_model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     adapted = peft.PeftModel.from_pretrained(base_model, tmp_path / "adapter").eval()
     with torch.no_grad():
@@ -238,13 +239,20 @@ def test_lora_and_freeze_settings_are_refused_in_one_line(base, tmp_path):
         Config(train=TrainConfig(lora_rank=4, lora_targets=["router"])).validate()
     with pytest.raises(ConfigError, match="lora_rank must be >= 0"):
         Config(train=TrainConfig(lora_rank=-1)).validate()
-    for flags, rule in ((["--lora-rank", "4", "--lora-targets", "lm_head"], "lora_targets must name"),
-                        (["--freeze", "layer.*"], "train.freeze pattern 'layer.*' matches no parameter"),
-                        (["--nproc", "2", "--pp", "2", "--microbatches", "2", "--set", "model.layers=2", "--freeze", "embed.*",
-                          "layers.0.*"],
-                         "leaves pipeline stage(s) [0] of 2 nothing to train")):
-        r = cli("train", "--steps", "1", "--out", tmp_path / "x", *flags)
-        assert r.returncode == 2 and rule in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    from fivefold.train.trainer import supported
+    from tests.helpers import tiny_config
+
+    idle = tiny_config(pp=2, microbatches=2)
+    idle.train.freeze = ["embed.*", "layers.0.*"]
+    with pytest.raises(ConfigError, match=r"leaves pipeline stage\(s\) \[0\] of 2 nothing to train"):
+        supported(idle)
+    idle.train.freeze = ["*"]
+    with pytest.raises(ConfigError, match="freezes every parameter"):
+        supported(idle)
+    # from the command line: one line, exit 2, before any rank starts
+    r = cli("train", "--steps", "1", "--out", tmp_path / "x", "--lora-rank", "4", "--freeze", "layer.*")
+    assert r.returncode == 2 and "train.freeze pattern 'layer.*' matches no parameter" in r.stderr \
+        and len(r.stderr.strip().splitlines()) == 1, r.stderr
     from fivefold.train.checkpoint import export_peft
     from fivefold.train.trainer import Trainer
     from tests.helpers import tiny_config

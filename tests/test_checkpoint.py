@@ -158,7 +158,7 @@ def test_nonfinite_step_is_skipped_then_the_run_stops(two):
     assert r["m1"]["skipped"] and math.isnan(r["m1"]["loss"])
     assert r["same"] and r["t"] == 1                                  # no update, Adam's count kept
     assert "skipped" not in r["m2"] and math.isfinite(r["m2"]["loss"])
-    assert "step 4" in r["stopped"] and "2 non-finite steps in a row" in r["stopped"]
+    assert "step 5:" in r["stopped"] and "2 non-finite steps in a row" in r["stopped"]   # t.step(4): metrics' step 5
     assert "NaN or inf" in r["refused"] and r["saved"] == []          # a NaN state is never written
     assert r["metrics"]["loss"] is None                               # JSON null, not NaN
 

@@ -375,7 +375,7 @@ class Trainer:
         """A non-finite step: no update (its gradients are dropped), or the end of the run."""
         cfg = self.cfg.train
         self.skips += 1
-        what = f"step {step}: loss {loss}, gradient norm {norm}"
+        what = f"step {step + 1}: loss {loss}, gradient norm {norm}"   # 1-based, as the console and metrics.jsonl
         if not cfg.skip_nonfinite:
             raise NonFiniteError(f"{what} (train.skip_nonfinite is off); lower train.lr or raise train.warmup")
         if self.skips >= cfg.max_skips:

@@ -205,3 +205,18 @@ def test_a_shard_whose_tensors_share_bytes_is_refused(tmp_path):
     shard.write_bytes(raw[:8] + body + raw[8 + n:])
     with pytest.raises(ConfigError, match="byte ranges must not overlap"):
         SafetensorsFile(shard)
+
+
+def test_a_folder_of_fp8_weights_or_an_mtp_module_says_so(tmp_path):
+    """DeepSeek-V3's released folder holds FP8 weights with block scales and its MTP layer past
+    num_hidden_layers: the refusal names both instead of only "does not match its config.json"."""
+    folder = tmp_path / "m"
+    hf_folder(folder, "llama")
+    cfg = hf_config(folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    some = next(iter(index["weight_map"].values()))
+    index["weight_map"]["model.layers.0.self_attn.q_proj.weight_scale_inv"] = some
+    index["weight_map"]["model.layers.2.self_attn.q_proj.weight"] = some     # 2 layers: layer 2 is past them
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"FP8 with block scales .* layer\(s\) \[2\] lie past num_hidden_layers = 2"):
+        HFWeights(folder, cfg).check()

@@ -250,7 +250,8 @@ class HFWeights:
         if missing or extra:
             raise ConfigError(f"{self.folder} does not match its config.json: "
                               + "; ".join(f"{what} {len(v)} tensor(s), e.g. {v[:3]}"
-                                          for what, v in (("missing", missing), ("unexpected", extra)) if v))
+                                          for what, v in (("missing", missing), ("unexpected", extra)) if v)
+                              + why_unexpected(extra, self.cfg))
         for name, shape in want.items():
             got, code = self.header(name)
             if got != shape:
@@ -287,6 +288,22 @@ class HFWeights:
         if covered != box.numel:
             raise ConfigError(f"{self.folder}: the tensors of {name} cover {covered} of {box.numel} elements")
         return out
+
+
+def why_unexpected(extra: list[str], cfg: ModelConfig) -> str:
+    """What a folder's unexpected tensors say about it, when they say something we know: FP8 block-quantized
+    weights (DeepSeek-V3's release: each weight with a `weight_scale_inv`), or the multi-token-prediction
+    module's layers past num_hidden_layers; "" otherwise."""
+    notes = []
+    if any(n.endswith("weight_scale_inv") for n in extra):
+        notes.append("its weights are FP8 with block scales (weight_scale_inv), which fivefold does not read: "
+                     "convert them to bf16 first (DeepSeek's inference/fp8_cast_bf16.py)")
+    mtp = sorted({int(n.split(".")[2]) for n in extra if n.startswith("model.layers.") and n.split(".")[2].isdigit()
+                  and int(n.split(".")[2]) >= cfg.layers})
+    if mtp:
+        notes.append(f"layer(s) {mtp} lie past num_hidden_layers = {cfg.layers}: a multi-token-prediction module, "
+                     f"which fivefold does not build (drop those tensors from the index)")
+    return "; " + "; ".join(notes) if notes else ""
 
 
 def ignorable(name: str, cfg: ModelConfig) -> bool:

@@ -89,6 +89,16 @@ def test_config_toml_round_trips_and_json_is_named(tmp_path):
     for wrong in (tmp_path / "run.json", tmp_path):
         with pytest.raises(ConfigError, match=f"pass --config {tmp_path / 'config.toml'}"):
             load_config(wrong)
+    # cut at a line boundary it is still TOML, and would train with defaults for what is gone: refused
+    lines = path.read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.toml"
+    for keep in (len(lines) - 1, len(lines) // 2, 1):
+        cut.write_text("".join(lines[:keep]))
+        with pytest.raises(ConfigError, match="was written by a run but ends before its last line"):
+            load_config(cut)
+    edited = "".join(lines).replace("steps = 200", "steps = 300")   # an edit keeps the last line: the user's to make
+    cut.write_text(edited)
+    assert load_config(cut).train.steps == 300
 
 
 def test_third_party_progress_bars_are_off_in_the_cli(tmp_path):

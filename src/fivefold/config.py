@@ -533,7 +533,10 @@ def read_toml(path: str | Path) -> dict:
                           f"{folder / RUN_CONFIG}: pass --config {folder / RUN_CONFIG}")
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            raw = f.read()
+        text = raw.decode("utf-8")
+        check_whole(path, text)
+        return tomllib.loads(text)
     except OSError as e:
         raise ConfigError(f"config {path}: cannot open it ({e.strerror or type(e).__name__}); give the path of a "
                           f"fivefold TOML config") from None
@@ -574,6 +577,19 @@ def write_run_config(cfg: Config, out: str | Path) -> Path:
     renamed into place."""
     path = Path(out) / RUN_CONFIG
     tmp = path.with_name(f".{RUN_CONFIG}.{os.getpid()}.tmp")
-    tmp.write_text("# the resolved config of this run: fivefold train --config " + str(path) + "\n" + to_toml(cfg))
+    tmp.write_text(RUN_CONFIG_HEAD + str(path) + "\n" + to_toml(cfg) + RUN_CONFIG_END + "\n")
     tmp.replace(path)
     return path
+
+
+RUN_CONFIG_HEAD = "# the resolved config of this run: fivefold train --config "
+RUN_CONFIG_END = "# end of the resolved config"   # a copy cut short (at a line boundary: still TOML) lacks it
+
+
+def check_whole(path: str | Path, text: str) -> None:
+    """A run's config.toml (its first line says so) ends with RUN_CONFIG_END: one cut short would read as
+    TOML and leave the missing keys at their defaults. Edits elsewhere are the user's to make."""
+    if text.startswith(RUN_CONFIG_HEAD) and not text.rstrip().endswith(RUN_CONFIG_END):
+        raise ConfigError(f"config {path} was written by a run but ends before its last line "
+                          f"({RUN_CONFIG_END!r}): it was cut short, and its missing keys would silently take their "
+                          f"defaults; restore it, or remove its first line to use what is left as your own config")

@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS := 1
 export MKL_NUM_THREADS := 1
 
-.PHONY: demo test test-fast layers bench clean
+.PHONY: demo test test-fast fuzz layers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,6 +27,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not ranks" tests
+
+# `make fuzz`: the input fuzzers' long random profile (tests/test_fuzz_inputs.py); what fails is kept in
+# hypothesis's example database (.hypothesis/) and replayed first next time
+fuzz: $(STAMP)
+	FIVEFOLD_FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-1500} $(PY) -m pytest -q -p no:randomly tests/test_fuzz_inputs.py
 
 layers: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache

@@ -158,7 +158,7 @@ class SafetensorsFile:
         """(shape, dtype code, first byte) of one header entry, once its claims agree with each other."""
         try:
             shape, code, (lo, hi) = tuple(info["shape"]), info["dtype"], info["data_offsets"]
-            ok = all(isinstance(d, int) and d >= 0 for d in (*shape, lo, hi))
+            ok = isinstance(code, str) and all(isinstance(d, int) and d >= 0 for d in (*shape, lo, hi))
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:

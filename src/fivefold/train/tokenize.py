@@ -17,7 +17,8 @@ file unless `--overwrite`:
 
     data.bin            the token ids, flat: uint16 when the vocabulary has <= 65536 ids, else uint32
     data.bin.idx.json   the header: format, dtype, vocab_size, tokenizer {name, digest, eos_id, bos_id},
-                        tokens, documents, data_sha256 (of data.bin), inputs, field
+                        tokens, documents, data_sha256 (of data.bin), offsets_sha256 (of the
+                        offsets below; files written before it have none), inputs, field
     data.bin.idx.npy    int64 offsets of the documents' starts, plus the end: documents + 1 values
                         (np.load(..., allow_pickle=False))
 
@@ -211,7 +212,7 @@ def read_offsets(data: str | Path) -> np.ndarray:
         raise ConfigError(f"token file {data}: its document offsets {path} are missing (or a link); {fix}")
     try:
         offsets = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
+    except Exception as e:   # noqa: BLE001 - numpy parses a damaged header with ast/tokenize: any error is "not .npy"
         raise ConfigError(f"token file {data}: {path} is not a .npy array ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                           f"{fix}") from None
     n, tokens = header["documents"], header["tokens"]
@@ -224,9 +225,16 @@ def read_offsets(data: str | Path) -> np.ndarray:
         problem = f"they run from {offsets[0]} to {offsets[-1]}, not from 0 to the header's {tokens} tokens"
     elif (np.diff(offsets) < 0).any():
         problem = f"they decrease at document {int(np.argmax(np.diff(offsets) < 0)) + 1}"
+    elif "offsets_sha256" in header and offsets_digest(offsets) != header["offsets_sha256"]:
+        problem = "their SHA-256 is not the one the header recorded (another file's, or edited)"
     if problem:
         raise ConfigError(f"token file {data}: document offsets {path} do not fit it: {problem}; {fix}")
     return offsets.astype(np.int64)
+
+
+def offsets_digest(offsets: np.ndarray) -> str:
+    """SHA-256 of the document offsets as little-endian int64 (what the header records at tokenize time)."""
+    return hashlib.sha256(np.ascontiguousarray(offsets, dtype="<i8").tobytes()).hexdigest()
 
 
 class TokenFileWriter:
@@ -279,13 +287,14 @@ class TokenFileWriter:
         if self.starts[-1] != self.tokens:    # the last document was not closed
             self.starts.append(self.tokens)
         t = self.tokenizer
+        starts = np.asarray(self.starts, dtype=np.int64)
         header = {"format": FORMAT, "version": VERSION, "dtype": self.dtype.name, "vocab_size": t.vocab_size,
                   "tokenizer": {"name": t.name, "digest": t.digest, "eos_id": t.eos_id, "bos_id": t.bos_id},
                   "tokens": self.tokens, "documents": len(self.starts) - 1,
-                  "data_sha256": self.sha.hexdigest(), **info}
+                  "data_sha256": self.sha.hexdigest(), "offsets_sha256": offsets_digest(starts), **info}
         offsets_tmp = self.tmp.with_name(self.tmp.name + ".npy")
         header_tmp = self.tmp.with_name(self.tmp.name + ".json")
-        np.save(offsets_tmp, np.asarray(self.starts, dtype=np.int64), allow_pickle=False)
+        np.save(offsets_tmp, starts, allow_pickle=False)
         header_tmp.write_text(json.dumps(header, indent=1) + "\n")
         header_path(self.out).unlink(missing_ok=True)   # --overwrite: the old file is never half-replaced
         mask_path(self.out).unlink(missing_ok=True)

@@ -175,6 +175,12 @@ DRY_START_S, DRY_LAYER_MB_S, DRY_SLICE_S = 5.0, 0.07, 0.005
 DRY_START_BYTES, DRY_LAYER_BYTES, DRY_SLICE_BYTES = 320 * 2**20, 190 * 2**10, 8 * 2**10
 
 
+def stage_of(cfg: Config, rank: int) -> int:
+    """The pipeline stage of `rank` in this layout (grid.coords)."""
+    dense, _ = grid_sizes(cfg.parallel)
+    return coords(rank, dense, parse_order(cfg.parallel.order))["pp"]
+
+
 def dry_run_cost(cfg: Config, ranks: list[int], steps: int) -> tuple[float, float]:
     """(seconds, peak host bytes) this process will spend on the dry run of `ranks`: DRY_* above, with the
     planner's layers and parameters of each rank's stage (torch-free; nothing is built)."""
@@ -186,12 +192,10 @@ def dry_run_cost(cfg: Config, ranks: list[int], steps: int) -> tuple[float, floa
     model = from_model_config(cfg.model, train=cfg.train)
     layout, work = from_config(cfg, backend="nccl")
     m = microbatches(layout, work)
-    dense, _ = grid_sizes(cfg.parallel)
-    order = parse_order(cfg.parallel.order)
     stages = layout_layers(model, layout)
     seconds, peak = DRY_START_S, 0.0
     for r in ranks:
-        stage = coords(r, dense, order)["pp"]
+        stage = stage_of(cfg, r)
         held = sum(stage_params(model, layout, stage)) + frozen_params(model, layout, stage)
         slices = held / STEP_CHUNK
         chunks = [c for c in range(len(stages)) if c % layout.pp == stage]   # a rank's (virtual) stages
@@ -293,9 +297,8 @@ def dry_run(cfg: Config, ranks: list[int], steps: int, out: Path, device_memory_
     check_dry_run(cfg)
     limit = device_memory_gib * 2**30 if device_memory_gib else None
     if limit:   # the planner's model state is the runtime's to the byte (tests/test_dry_run.py): refuse before building
-        dense, _ = grid_sizes(cfg.parallel)
         for r in ranks:
-            stage = coords(r, dense, parse_order(cfg.parallel.order))["pp"]
+            stage = stage_of(cfg, r)
             plan = planned_memory(cfg, stage)
             state = sum(plan.get(k, 0) for k in ("weights", "grads", "optimizer"))
             if state > limit:

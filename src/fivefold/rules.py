@@ -11,6 +11,8 @@ The choices a field can take are `Literal` types (`ZeroStage`, `SpMode`, `CpMode
 """
 from __future__ import annotations
 
+import fnmatch
+
 from math import gcd, isfinite
 from typing import Literal, get_args
 
@@ -207,6 +209,17 @@ LORA_ADAPTERS = ("lora_A", "lora_B")   # an adapted layer's two low-rank paramet
 def is_adapter(name: str) -> bool:
     """Whether parameter (or checkpoint key) `name` is a LoRA adapter (…lora_A or …lora_B)."""
     return name.rsplit(".", 1)[-1] in LORA_ADAPTERS
+
+
+def lora_scale(alpha: float, rank: int) -> float:
+    """What the adapters' output is multiplied by (LoRA's alpha / r; the merged export uses it too)."""
+    return alpha / rank
+
+
+def frozen_by(name: str, patterns) -> bool:
+    """Whether parameter `name` matches one of train.freeze's fnmatch `patterns` (the runtime's
+    model/lora.py `freeze` and the planner's plan/units.py `is_frozen` both ask this)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def check_lora_targets(targets) -> tuple[str, ...]:

@@ -25,18 +25,14 @@ x·Aᵀ is a partial sum), summed over tp; the adapter's output joins the base's
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..rules import check_lora_targets, is_adapter
+from ..rules import check_lora_targets, frozen_by, is_adapter, lora_scale
 from .init import normal_rows
-
-def scale_of(alpha: float, rank: int) -> float:
-    return alpha / rank
 
 
 class Adapter(nn.Module):
@@ -91,7 +87,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets)
     other parameter. Works on a meta model (the adapters are then meta too). Returns the adapted modules'
     names; ValueError when no module matches."""
     ours = set(check_lora_targets(targets))
-    scale = scale_of(alpha, rank)
+    scale = lora_scale(alpha, rank)
     for p in model.parameters():
         p.requires_grad_(False)
     done = []
@@ -113,7 +109,7 @@ def freeze(model: nn.Module, patterns) -> list[str]:
     names = [n for n, _ in model.named_parameters()]
     frozen = []
     for pattern in patterns:
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        hits = [n for n in names if frozen_by(n, [pattern])]
         if not hits:
             raise ValueError(f"train.freeze pattern {pattern!r} matches no parameter; names look like "
                              f"{names[0]}, layers.0.attn.wq.weight, norm.weight")
@@ -167,7 +163,3 @@ def choose_trainable(model: nn.Module, train) -> nn.Module:
     if train.freeze:
         freeze(model, train.freeze)
     return model
-
-
-def trainable_names(model: nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.requires_grad]

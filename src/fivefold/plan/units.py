@@ -17,7 +17,6 @@ parallel/zero.py), and `unit_states` / `model_states` turn the units into bytes.
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import replace
 from functools import lru_cache
 
@@ -201,7 +200,7 @@ def unfrozen(model: PlanModel) -> PlanModel:
 
 def is_frozen(model: PlanModel, name: str) -> bool:
     """Whether parameter `name` is frozen by train.freeze (fnmatch, as model/lora.py `freeze`) or by LoRA."""
-    return bool(model.lora_rank) or any(fnmatch.fnmatchcase(name, p) for p in model.frozen)
+    return bool(model.lora_rank) or rules.frozen_by(name, model.frozen)
 
 
 def layer_names(model: PlanModel, i: int) -> list[str]:

@@ -430,8 +430,10 @@ def export_hf(path: str | Path, dest: str | Path, max_shard_bytes: int = DEFAULT
         shapes = [reader.shape(k) for k in keys]
         return shapes[0] if len(shapes) == 1 else (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
 
+    from ..rules import lora_scale
+
     train = Config.from_dict(reader.index["config"]).train
-    scale = train.lora_alpha / train.lora_rank if train.lora_rank else 0.0
+    scale = lora_scale(train.lora_alpha, train.lora_rank) if train.lora_rank else 0.0
 
     def fetch(theirs):
         parts = [reader.full(k) for k in sources[theirs]]

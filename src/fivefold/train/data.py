@@ -43,6 +43,7 @@ files have none, an error at start) and gives each window's per-token document i
 from __future__ import annotations
 
 import math
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,9 +70,24 @@ SOURCE_SEED_STRIDE = 7919     # mixture source i draws its windows from seed + s
 MIX_CHUNK = 1 << 20           # samples whose sources MixtureBatches.drawn counts at a time
 
 
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+def stdlib_files() -> Iterator[Path]:
+    """The standard library's Python sources, in sorted path order, found as they are read: a walk of each
+    folder's sorted entries (not into site-packages or symlinked folders) yields the order sorting every
+    path would, without listing 1,800 files first (0.7 s a run) when the default corpus stops after 8 MiB."""
+    yield from _sorted_sources(Path(sysconfig.get_paths()["stdlib"]))
+
+
+def _sorted_sources(folder: Path) -> Iterator[Path]:
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return
+    for e in entries:
+        if e.is_dir() and not e.is_symlink():
+            if e.name != "site-packages":
+                yield from _sorted_sources(Path(e.path))
+        elif e.name.endswith(".py") and e.is_file():
+            yield Path(e.path)
 
 
 def check_token_ids(tokens: np.ndarray, vocab: int, source: str | Path | None = None) -> None:
@@ -99,12 +115,17 @@ def check_length(n_tokens: int, seq_len: int) -> None:
                           f"add data, raise train.data_limit_mb or use train.seq_len <= {max(n_tokens - 2, 1)}")
 
 
-def corpus_files(paths: list[str | Path] | None) -> list[Path]:
-    """The user's data files, or the standard library's sources when none are given."""
-    files = [Path(p) for p in paths] if paths else stdlib_files()
-    if not files:
+def corpus_files(paths: list[str | Path] | None) -> Iterator[Path]:
+    """The user's data files, or the standard library's sources when none are given (read as found)."""
+    if paths:
+        yield from (Path(p) for p in paths)
+        return
+    found = False
+    for f in stdlib_files():
+        found = True
+        yield f
+    if not found:
         raise ConfigError(f"no training data: pass --data FILE ({FORMATS})")
-    return files
 
 
 def file_tokens(f: Path, budget: int | None = None, tokenizer: Tokenizer | None = None) -> np.ndarray:

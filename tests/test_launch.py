@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from fivefold.train.launch import RankError, _silence_message, heartbeat, last_stop_signal, run_ranks
+from fivefold.train.launch import RankError, _silence_message, _start_time, heartbeat, last_stop_signal, run_ranks
 from fivefold.train.signals import sigint_held
 
 from .helpers import shell_signals
@@ -84,7 +84,16 @@ SCRIPT = textwrap.dedent("""
     import os, sys, time
     from fivefold.train.launch import last_stop_signal, run_ranks, stop_requested
 
+    def semaphores(pid):
+        with open(f"/proc/{pid}/maps") as f:
+            return sum("/dev/shm/sem." in line for line in f)
+
     def note_pid(rank, folder):
+        server = os.getppid()   # the fork server; its parent is the launcher
+        with open(f"/proc/{server}/stat") as f:
+            launcher = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(os.path.join(folder, f"{rank}.sem"), "w") as f:
+            f.write(f"{semaphores(os.getpid())} {semaphores(launcher)}")
         path = os.path.join(folder, f"{rank}.pid")
         with open(path + ".tmp", "w") as f:
             f.write(str(os.getpid()))
@@ -107,10 +116,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _start_launcher(tmp_path, mode):
+def _start_launcher(tmp_path, mode, **env):
     script = tmp_path / "launcher.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     return subprocess.Popen([sys.executable, str(script), mode, str(tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
@@ -163,6 +172,52 @@ def test_ranks_die_when_the_launcher_is_killed(tmp_path):
         while not all(_gone(p) for p in pids) and time.monotonic() < until:
             time.sleep(0.05)
         assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
+    finally:
+        _cleanup(parent, pids)
+
+
+def _unix_sockets_under(folder) -> list[str]:
+    """Bound unix sockets (any process) whose path lies in `folder`: a live fork server keeps one."""
+    with open("/proc/net/unix") as f:
+        return [line.split()[-1] for line in f if str(folder) in line]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/unix"), reason="needs Linux /proc")
+@pytest.mark.ranks
+def test_a_launcher_killed_with_sigkill_leaves_what_the_next_start_removes_and_no_semaphore(tmp_path):
+    """Ranks talk over pipes: no named semaphore is mapped by a rank or the launcher. After `kill -9` of the
+    launcher its folders stay in $TMPDIR with their owner file; the next command removes them, and only
+    them (a look-alike without the owner file, one whose owner lives, a link), and leaves no fork server."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp / "pymp-not-ours").mkdir()
+    (tmp / "fivefold-ranks-alive").mkdir()
+    (tmp / "fivefold-ranks-alive" / "fivefold-owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "fivefold-owner").write_text("1 0\n")   # pid 1 started at another time: an orphan's marker
+    (tmp / "fivefold-ranks-link").symlink_to(elsewhere)
+    keep = sorted(p.name for p in tmp.iterdir())
+    parent = _start_launcher(tmp_path, "sleeper", TMPDIR=str(tmp))
+    pids = []
+    try:
+        pids = _wait_for_pids(tmp_path, parent)
+        for r in range(2):
+            assert (tmp_path / f"{r}.sem").read_text() == "0 0", "a rank or the launcher maps a named semaphore"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=30)
+        until = time.monotonic() + 10
+        while not all(_gone(p) for p in pids) and time.monotonic() < until:
+            time.sleep(0.05)
+        left = sorted(p.name for p in tmp.iterdir() if p.name not in keep)
+        assert any(n.startswith("fivefold-ranks-") for n in left) and any(n.startswith("pymp-") for n in left), left
+        r = subprocess.run([sys.executable, "-m", "fivefold.cli", "train", "--nproc", "2", "--steps", "1",
+                            "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp)))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert sorted(p.name for p in tmp.iterdir()) == keep
+        assert (elsewhere / "fivefold-owner").exists()
+        assert _unix_sockets_under(tmp) == [], "the fork server outlived the command"
     finally:
         _cleanup(parent, pids)
 

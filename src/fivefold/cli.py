@@ -849,6 +849,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fivefold: {e}", file=sys.stderr)
             return 1
         raise
+    finally:
+        stop_rank_server()
+
+
+def stop_rank_server() -> None:
+    """End the local ranks' fork server, if this command started one (train.launch; not imported otherwise)."""
+    launch = sys.modules.get(f"{__package__}.train.launch")
+    if launch is not None:
+        launch.stop_rank_server()
 
 
 def is_rank_failure(e: BaseException) -> bool:

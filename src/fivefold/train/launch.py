@@ -22,6 +22,12 @@ quits at once if either is already gone. A `kill -9` of the launcher leaves no r
 exits once no rank holds its pipe). Torchrun ranks call `die_with_parent()` (their parent is torchrun's
 agent).
 
+Nothing left behind. The CLI ends the fork server when its command returns (`stop_rank_server`). Ranks talk
+to the launcher over one pipe each, so no named semaphore exists in /dev/shm; the launcher's temporary
+folders (its FileStore's `fivefold-ranks-*`, the fork server's `pymp-*`) carry an owner file (pid and start
+time), and a launcher killed with `kill -9` leaves only those, which the next `run_ranks` on the machine
+removes once their owner is gone (`remove_orphans`): never a folder without our owner file.
+
 Stopping. `install_stop_handlers()` makes SIGTERM and SIGINT record their name instead of ending the
 process; `stop_requested()` returns it (or None). Every local rank installs them before `fn` runs and
 the CLI installs them in torchrun ranks; the training loop polls `stop_requested()` between steps, saves
@@ -56,8 +62,8 @@ import contextlib
 import ctypes
 import io
 import os
-import queue as queue_mod
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -66,6 +72,8 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import connection, forkserver
+from multiprocessing import util as mp_util
 
 import torch
 import torch.distributed as dist
@@ -124,7 +132,8 @@ def last_stop_signal() -> str | None:
 
 # ---- progress (inside a run_ranks rank) ------------------------------------------------------------
 
-_progress = None    # (rank, results queue) while a run_ranks rank runs fn; None elsewhere
+_progress = None    # (rank, its pipe to the launcher) while a run_ranks rank runs fn; None elsewhere
+_send_lock = threading.Lock()   # one message at a time on a rank's pipe
 
 
 def heartbeat(step: int | None = None) -> None:
@@ -133,8 +142,8 @@ def heartbeat(step: int | None = None) -> None:
     if _watchdog is not None:
         _watchdog.beat(step)
     if _progress is not None:
-        rank, results = _progress
-        results.put((rank, "progress", step))
+        rank, channel = _progress
+        _send(channel, (rank, "progress", step))
 
 
 # ---- rank side --------------------------------------------------------------------------------------
@@ -237,9 +246,15 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=True)   # results are tensors and plain data: no code
 
 
-def _worker(rank, world_size, store_path, fn, args, results, timeout_s, launcher_pid, waits=None):
-    """One rank: messages to the parent are (rank, kind, payload), kind in started|progress|ok|error.
-    `waits[rank]` is 1 while the rank is blocked in a collective (comm.waits.watch_waits)."""
+def _send(channel, msg) -> None:
+    with _send_lock:
+        channel.send(msg)
+
+
+def _worker(rank, world_size, store_path, fn, args, channel, timeout_s, launcher_pid, waits=None):
+    """One rank: messages to the parent are (rank, kind, payload), kind in started|progress|ok|error, sent
+    on the rank's own pipe (`channel`; a pipe, not a Queue, so no named semaphore exists to outlive a
+    `kill -9`). `waits[rank]` is 1 while the rank is blocked in a collective (comm.waits.watch_waits)."""
     global _progress
     die_with_launcher(launcher_pid)
     install_stop_handlers()
@@ -253,12 +268,12 @@ def _worker(rank, world_size, store_path, fn, args, results, timeout_s, launcher
     try:
         if world_size > 1:
             init_gloo(rank, world_size, store_path, timeout_s)
-        _progress = (rank, results)
-        results.put((rank, "started", None))
+        _progress = (rank, channel)
+        _send(channel, (rank, "started", None))
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", _dumps(out)))
+        _send(channel, (rank, "ok", _dumps(out)))
     except BaseException as e:  # noqa: BLE001 - any failure is reported with its traceback
-        results.put((rank, "error", _describe(e)))
+        _send(channel, (rank, "error", _describe(e)))
     finally:
         _progress = None
         if dist.is_initialized():
@@ -310,8 +325,9 @@ def _silence_message(limit: float, rank: int, started: bool, reported: bool, ste
 class _Ranks:
     """The launcher's view of the running ranks: their messages, clocks, exits and the stop state."""
 
-    def __init__(self, procs, results, timeout_s: float, waits=None):
-        self.procs, self.results, self.timeout_s = procs, results, timeout_s
+    def __init__(self, procs, readers, timeout_s: float, waits=None):
+        self.procs, self.timeout_s = procs, timeout_s
+        self.readers = list(readers)        # each rank's pipe; None once it reached its end
         self.waits = waits or [0] * len(procs)   # 1: the rank is blocked in a collective
         now = time.monotonic()
         self.heard = [now] * len(procs)    # when each rank was last heard from (its spawn at first)
@@ -338,15 +354,24 @@ class _Ranks:
             self.errors.append((rank, payload))
 
     def _read(self, wait: float) -> bool:
-        """Take the messages that arrive within `wait`, then all pending; True once the queue was empty."""
+        """Take the messages that arrive within `wait`, then all pending; True once no pipe had more."""
         until = time.monotonic() + 1.0   # a flood of heartbeats cannot keep us here
         timeout = wait
         while time.monotonic() < until:
-            try:
-                msg = self.results.get(timeout=timeout) if timeout > 0 else self.results.get_nowait()
-            except queue_mod.Empty:
+            pipes = [c for c in self.readers if c is not None]
+            ready = connection.wait(pipes, timeout) if pipes else []
+            if not ready:
+                if not pipes and timeout > 0:
+                    time.sleep(timeout)
                 return True
-            self._take(msg)
+            for c in ready:
+                try:
+                    msg = c.recv()
+                except (EOFError, OSError):   # the rank's end is closed: it exited
+                    self.readers[self.readers.index(c)] = None
+                    c.close()
+                    continue
+                self._take(msg)
             timeout = 0
         return False
 
@@ -358,8 +383,8 @@ class _Ranks:
         return [r for r in range(len(self.procs)) if not self._final(r)]
 
     def _dead(self) -> list[int]:
-        """Ranks that exited without a message. Exits are read before the queue is drained: a rank's
-        last message is in the pipe before its process ends, so it cannot be missed."""
+        """Ranks that exited without a message. Exits are read before the pipes are drained: a rank's
+        last message is in its pipe before its process ends, so it cannot be missed."""
         exited = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
         if not self._read(0):
             return []
@@ -469,6 +494,8 @@ def _catching_stops(handler):
 
 
 PRELOAD = ("torch", "fivefold.train.trainer")   # what the fork server imports once, for every rank
+RANKS_PREFIX = "fivefold-ranks-"                  # a run_ranks call's folder in $TMPDIR (its FileStore)
+OWNER_FILE = "fivefold-owner"                     # in each temporary folder a launcher made: "pid start-time"
 
 
 def rank_context():
@@ -479,7 +506,74 @@ def rank_context():
     launcher and every rank have."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
+    mark_owned(mp_util.get_temp_dir())   # where the server's socket will live (multiprocessing's pymp-*)
     return ctx
+
+
+def stop_rank_server() -> None:
+    """End the fork server now, when the command that started it returns (rather than when every holder of
+    its pipe has gone, up to seconds after the command). Waits for it to exit; a no-op when none runs.
+    multiprocessing has no public call for it: `ForkServer._stop` (CPython 3.8 to 3.14) is what its own
+    tests use, so it is looked up and skipped where missing."""
+    server = getattr(forkserver, "_forkserver", None)
+    if getattr(server, "_forkserver_pid", None) is not None and hasattr(server, "_stop"):
+        server._stop()
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22), or None when there is no
+    such process; "" where /proc is missing. With the pid it names one process, even after pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except FileNotFoundError:
+        return None if os.path.isdir("/proc") else ("" if alive(pid) else None)
+    except (OSError, IndexError):
+        return ""
+
+
+def mark_owned(folder: str) -> None:
+    """Write OWNER_FILE into a temporary folder this process made, so a later launcher can tell it is ours
+    and whether its owner is gone (`remove_orphans`)."""
+    path = os.path.join(folder, OWNER_FILE)
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+
+
+def _orphaned(folder: str) -> bool:
+    """Whether `folder` holds our OWNER_FILE (a plain file of this user) naming a process that is gone."""
+    path = os.path.join(folder, OWNER_FILE)
+    try:
+        st = os.lstat(path)
+        if not os.path.isfile(path) or os.path.islink(path) or st.st_uid != os.getuid():
+            return False
+        with open(path) as f:
+            pid, start = f.read().split()
+        now = _start_time(int(pid))
+    except (OSError, ValueError):
+        return False
+    return now is None or (now != "" and start not in ("", "None") and now != start)
+
+
+def remove_orphans(tmp: str | None = None) -> list[str]:
+    """Remove what launchers killed with `kill -9` left in $TMPDIR: each `fivefold-ranks-*` folder (a run's
+    store) and each multiprocessing `pymp-*` folder (the fork server's socket) that holds our OWNER_FILE
+    naming a process that no longer runs. Nothing else is touched: no folder without our marker, no link.
+    Returns what was removed."""
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(tmp))
+    except OSError:
+        return removed
+    for e in entries:
+        if not e.name.startswith((RANKS_PREFIX, "pymp-")) or not e.is_dir(follow_symlinks=False):
+            continue
+        if _orphaned(e.path):
+            shutil.rmtree(e.path, ignore_errors=True)
+            removed.append(e.path)
+    return removed
 
 
 def run_ranks(fn, nproc: int, args: tuple = (), timeout_s: float = 300) -> list:
@@ -489,19 +583,22 @@ def run_ranks(fn, nproc: int, args: tuple = (), timeout_s: float = 300) -> list:
     _last_stop = None
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the children before torch loads
     ctx = rank_context()
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="fivefold-ranks-") as tmp:
+    remove_orphans()
+    with tempfile.TemporaryDirectory(prefix=RANKS_PREFIX) as tmp:
+        mark_owned(tmp)
         store_path = os.path.join(tmp, "store")
         waits = ctx.Array("b", nproc, lock=False)   # shared: which ranks are blocked in a collective
+        pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]   # (launcher's end, rank's end)
         procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(r, nproc, store_path, fn, args, results, timeout_s, os.getpid(), waits))
+                             args=(r, nproc, store_path, fn, args, pipes[r][1], timeout_s, os.getpid(), waits))
                  for r in range(nproc)]
-        ranks = _Ranks(procs, results, timeout_s, waits)
+        ranks = _Ranks(procs, [reader for reader, _ in pipes], timeout_s, waits)
         with _catching_stops(ranks.on_signal):
             try:
                 with sigint_held():
-                    for p in procs:
+                    for p, (_, writer) in zip(procs, pipes):
                         p.start()
+                        writer.close()   # the rank holds its end now: its exit closes the pipe
                 out = ranks.collect()
                 ranks.join()
                 return out
@@ -510,6 +607,9 @@ def run_ranks(fn, nproc: int, args: tuple = (), timeout_s: float = 300) -> list:
                 for p in procs:
                     if p.pid is not None:
                         p.join(timeout=10)
+                for reader, writer in pipes:
+                    reader.close()
+                    writer.close()
 
 
 def init_torchrun(timeout_s: float = 1800, device: str = "auto") -> tuple[int, int]:

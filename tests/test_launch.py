@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from fivefold.train.launch import RankError, _silence_message, _start_time, heartbeat, last_stop_signal, run_ranks
+from fivefold.train.launch import RankError, _silence_message, _start_time, heartbeat, held_state, last_stop_signal, run_ranks
 from fivefold.train.signals import sigint_held
 
 from .helpers import shell_signals
@@ -316,6 +316,52 @@ def test_the_watchdog_names_the_rank_that_stalled_not_the_one_waiting_for_it():
     assert str(e.value).startswith("no progress for 4 s: rank 1 last reported step 3"), str(e.value)
     assert "rank(s) [0] wait for it in a collective" in str(e.value)
     assert multiprocessing.active_children() == []
+
+
+def _rank1_stopped_inside_a_collective(rank, world):
+    """Rank 0 reports step 3 and waits in a collective; rank 1 reports step 3 later, then is stopped by
+    SIGSTOP while it too is marked as waiting: both look blocked, and rank 0 is heard from least recently."""
+    from fivefold.comm import gather_objects
+    from fivefold.comm.waits import waiting
+
+    if rank == 0:
+        heartbeat(3)
+        gather_objects(rank)
+    else:
+        time.sleep(1.0)
+        heartbeat(3)
+        with waiting():
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+@pytest.mark.ranks
+def test_the_watchdog_names_a_stopped_rank_even_inside_a_collective():
+    with pytest.raises(TimeoutError) as e:
+        run_ranks(_rank1_stopped_inside_a_collective, 2, timeout_s=4)
+    assert str(e.value).startswith("no progress for 4 s: rank 1 last reported step 3 and is stopped (SIGSTOP"), \
+        str(e.value)
+    assert "rank(s) [0] wait for it in a collective" in str(e.value)
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.skipif(not os.access("/sys/fs/cgroup/freezer", os.W_OK), reason="needs a writable cgroup v1 freezer")
+def test_a_process_in_a_frozen_cgroup_is_held():
+    group = f"/sys/fs/cgroup/freezer/fivefold-test-{os.getpid()}"
+    os.mkdir(group)
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        assert held_state(p.pid) is None
+        with open(f"{group}/cgroup.procs", "w") as f:
+            f.write(str(p.pid))
+        with open(f"{group}/freezer.state", "w") as f:
+            f.write("FROZEN")
+        assert held_state(p.pid) == "frozen (cgroup freezer)"
+    finally:
+        with open(f"{group}/freezer.state", "w") as f:
+            f.write("THAWED")
+        p.kill()
+        p.wait(timeout=30)
+        os.rmdir(group)
 
 
 def test_silence_messages():

@@ -293,12 +293,45 @@ def _describe(e: BaseException) -> str:
 
 # ---- launcher side ----------------------------------------------------------------------------------
 
-def stalled_rank(late: list[int], blocked: list[int], running: list[int], heard: list[float]) -> int:
-    """The rank a hang is blamed on: a silent rank blocked in a collective waits for a rank that is not,
-    so of the running ranks not blocked, the one heard from least recently (silent or soon to be);
-    when every running rank is blocked, the silent one heard from least recently."""
+def stalled_rank(late: list[int], blocked: list[int], running: list[int], heard: list[float],
+                 held: dict[int, str] | None = None) -> int:
+    """The rank a hang is blamed on: a rank whose process the system holds (`held`: stopped or frozen) first,
+    since it may have been held inside a collective and so look like one that waits; else a silent rank
+    blocked in a collective waits for a rank that is not, so of the running ranks not blocked, the one
+    heard from least recently (silent or soon to be); when every running rank is blocked, the silent one
+    heard from least recently."""
+    held_running = [r for r in running if r in (held or {})]
     free = [r for r in running if r not in blocked]
-    return min(free or late, key=lambda r: heard[r])
+    return min(held_running or free or late, key=lambda r: heard[r])
+
+
+def held_state(pid: int) -> str | None:
+    """Why the system holds process `pid`, or None: "stopped (SIGSTOP or a debugger)" from its state in
+    /proc/PID/stat, "frozen (cgroup freezer)" when its cgroup is frozen (v1 freezer.state FROZEN, v2
+    cgroup.freeze 1). A held process neither runs nor waits on the network, so a hang is its doing."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cgroup") as f:
+            cgroups = [line.rstrip("\n").split(":", 2) for line in f]
+    except (OSError, IndexError):
+        return None
+    if state in ("T", "t"):
+        return "stopped (SIGSTOP or a debugger)"
+    for _, controllers, path in (c for c in cgroups if len(c) == 3):
+        if controllers == "freezer":
+            check = (f"/sys/fs/cgroup/freezer{path}/freezer.state", "FROZEN")
+        elif controllers == "":
+            check = (f"/sys/fs/cgroup{path}/cgroup.freeze", "1")
+        else:
+            continue
+        try:
+            with open(check[0]) as f:
+                if f.read().strip() == check[1]:
+                    return "frozen (cgroup freezer)"
+        except OSError:
+            continue
+    return None
 
 
 def _exit_reason(code: int) -> str:
@@ -442,9 +475,13 @@ class _Ranks:
         late = [r for r in self._unfinished() if now - self.heard[r] > self._limit(r)]
         if late:
             blocked = [r for r in self._unfinished() if self.waits[r]]
+            held = {r: why for r in self._unfinished() if (why := held_state(self.procs[r].pid))}
             self.kill_all()
-            r = stalled_rank(late, blocked, self._unfinished(), self.heard)
+            r = stalled_rank(late, blocked, self._unfinished(), self.heard, held)
+            blocked = [b for b in blocked if b != r]
             msg = _silence_message(self._limit(r), r, self.started[r], r in self.steps, self.steps.get(r))
+            if r in held:
+                msg += f" and is {held[r]}"
             if blocked and r not in blocked:
                 msg += f"; rank(s) {blocked} wait for it in a collective"
             raise TimeoutError(msg + (f" (finished: {sorted(self.out)})" if self.out else ""))

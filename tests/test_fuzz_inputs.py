@@ -1,5 +1,6 @@
 """Property fuzzing of the inputs fivefold reads besides checkpoints (tests/test_trust.py has those): a Hugging
-Face folder (its index and shard headers), a token file's document offsets, mixture specs. The property:
+Face folder (its index and shard headers), a token file's document offsets, mixture specs, and whole configs
+through `fivefold train`. The property:
 either exactly the clean input's result, or a one-line ConfigError, and nothing written.
 
 The suite runs a fixed, derandomized profile (FUZZ_EXAMPLES examples a test); `make fuzz` runs a long random
@@ -219,6 +220,77 @@ def test_fuzz_mixture_specs(entries):
     if mixture is not None:
         assert all(np.isfinite(w) and w > 0 for _, w in mixture)
         assert len(mixture) == len(data)
+
+
+# ---- a whole config through `fivefold train` -------------------------------------------------------------
+
+CLEAN = dict(model=dict(vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, max_seq=32),
+             parallel=dict(dp=1),
+             train=dict(global_batch=4, seq_len=16, lr=1e-2, warmup=1, data_limit_mb=0.05, checkpoint=False, seed=3))
+# what a user may write: the config's own kinds of value and the usual mistakes (NaN, huge, negative, a path
+# out of the folder, a string for a number); parallel degrees stay small so no example starts many ranks
+CONFIG_VALUES = st.sampled_from([0, 1, 2, 3, -1, 7, 2**31, 2**63 - 1, 0.5, -0.0, 1e-12, 1e308, float("nan"),
+                                 float("inf"), True, False, "", "2", "none", "bf16", "fp8", "cpu", "cuda", "../x",
+                                 "/etc/passwd", "auto", [], [1], {"a": 1}])
+PARALLEL_VALUES = st.sampled_from([0, 1, 2, -1, 1.5, "2", float("nan"), True, "none", "ulysses", "megatron", []])
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return "nan" if v != v else ("inf" if v == float("inf") else ("-inf" if v == -float("inf") else repr(v)))
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def config_text(doc: dict) -> str:
+    return "".join(f"[{part}]\n" + "".join(f"{json.dumps(k)} = {toml_value(v)}\n" for k, v in table.items())
+                   for part, table in doc.items())
+
+
+def listing(folder) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_configs_through_train(tmp_path_factory, monkeypatch, capsys, data):
+    """A config file with one to three keys set to what a user might write (any key of the config, or one it
+    does not have): `fivefold train` either trains (exit 0, finite losses) or refuses in one line with exit
+    2, and writes nothing outside its --out."""
+    from fivefold.cli import main
+    from fivefold.config import Config
+
+    work = tmp_path_factory.mktemp("config")
+    monkeypatch.chdir(work)
+    doc = json.loads(json.dumps(CLEAN))
+    known = {part: sorted(table) for part, table in Config().to_dict().items()}
+    for _ in range(data.draw(st.integers(1, 3))):
+        part = data.draw(st.sampled_from(sorted(known)))
+        key = data.draw(st.one_of(st.sampled_from(known[part]), st.sampled_from(["x", "layer", "Steps"])))
+        doc[part][key] = data.draw(PARALLEL_VALUES if part == "parallel" else CONFIG_VALUES)
+    (work / "run.toml").write_text(config_text(doc))
+    before = listing(work)
+    capsys.readouterr()
+    try:
+        code = main(["train", "--config", "run.toml", "--steps", "1", "--out", "out", "--timeout", "120"])
+    except SystemExit as e:   # argparse
+        code = e.code
+    err = capsys.readouterr().err
+    assert code in (0, 2), (code, err[-3000:], doc)
+    if code == 2:
+        lines = [line for line in err.splitlines() if line.startswith("fivefold")]
+        assert len(lines) == 1 and "Traceback" not in err, (err[-3000:], doc)
+    else:
+        metrics = [json.loads(line) for line in (work / "out" / "metrics.jsonl").read_text().splitlines()]
+        assert metrics and all(m["loss"] is None or np.isfinite(m["loss"]) for m in metrics), doc
+    assert [p for p in listing(work) if not p.startswith("out")] == before, doc
 
 
 def test_the_profile_is_fixed_in_the_suite():

@@ -4,12 +4,15 @@ limit: run_ranks' own watchdog, or a subprocess timeout."""
 import ipaddress
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -188,8 +191,14 @@ def test_a_launcher_killed_with_sigkill_leaves_what_the_next_start_removes_and_n
     """Ranks talk over pipes: no named semaphore is mapped by a rank or the launcher. After `kill -9` of the
     launcher its folders stay in $TMPDIR with their owner file; the next command removes them, and only
     them (a look-alike without the owner file, one whose owner lives, a link), and leaves no fork server."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix="ff-", dir="/tmp"))   # short: the fork server's socket path has 107 bytes
+    try:
+        _leaves_what_the_next_start_removes(tmp_path, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _leaves_what_the_next_start_removes(tmp_path, tmp):
     (tmp / "pymp-not-ours").mkdir()
     (tmp / "fivefold-ranks-alive").mkdir()
     (tmp / "fivefold-ranks-alive" / "fivefold-owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
@@ -457,3 +466,16 @@ def test_processes_started_inside_sigint_held_start_deaf_whatever_multiprocessin
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                          preexec_fn=shell_signals)
     assert out.stdout.strip() == "[True, True] False", out.stderr[-2000:]
+
+
+def test_a_temporary_folder_too_long_for_the_fork_servers_socket_is_one_line(tmp_path):
+    long_tmp = Path(tempfile.mkdtemp(prefix="ff-" + "x" * 100, dir="/tmp"))
+    try:
+        r = subprocess.run([sys.executable, "-m", "fivefold.cli", "train", "--nproc", "2", "--steps", "1",
+                            "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(long_tmp)))
+    finally:
+        shutil.rmtree(long_tmp, ignore_errors=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert "set TMPDIR to a shorter folder" in r.stderr
+    assert not (tmp_path / "run").exists()

@@ -502,7 +502,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train import rundir
     from .train.data import check_data, check_eval_data
     from .train.launch import (die_with_parent, init_torchrun, install_stop_handlers, last_stop_signal, start_watchdog,
-                               leave_torchrun, resolve_device, run_ranks)
+                               leave_torchrun, rank_context, resolve_device, run_ranks)
     from .train.scalars import require_tensorboard
     from .train.wandb_log import require_wandb
     from .train.trainer import supported, train_rank
@@ -511,6 +511,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     require_wandb(cfg.train.wandb)
     supported(cfg)                                                   # before any rank starts: what the runtime
     if env is None:                                                  # does not run, a device it cannot use,
+        rank_context()                                              # a TMPDIR too long for the ranks' socket,
         device = resolve_device(cfg.train.device, "gloo" if world > 1 else None)
         planned = planned_memory(cfg)                   # more than this machine's memory,
         speed = speed_model(cfg, device.type, device_name(device))

@@ -532,6 +532,8 @@ def _catching_stops(handler):
 
 PRELOAD = ("torch", "fivefold.train.trainer")   # what the fork server imports once, for every rank
 RANKS_PREFIX = "fivefold-ranks-"                  # a run_ranks call's folder in $TMPDIR (its FileStore)
+UNIX_PATH_BYTES = 107                             # a unix socket's path (sun_path less its NUL)
+SOCKET_NAME_BYTES = len("/listener-") + 8         # multiprocessing's name for it inside its temporary folder
 OWNER_FILE = "fivefold-owner"                     # in each temporary folder a launcher made: "pid start-time"
 
 
@@ -543,7 +545,11 @@ def rank_context():
     launcher and every rank have."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
-    mark_owned(mp_util.get_temp_dir())   # where the server's socket will live (multiprocessing's pymp-*)
+    folder = mp_util.get_temp_dir()   # where the server's socket will live (multiprocessing's pymp-*)
+    mark_owned(folder)
+    if len(os.fsencode(folder)) + SOCKET_NAME_BYTES > UNIX_PATH_BYTES:
+        raise ConfigError(f"the temporary folder {folder} is too long a path for the ranks' fork server socket "
+                          f"(at most {UNIX_PATH_BYTES - SOCKET_NAME_BYTES} bytes): set TMPDIR to a shorter folder")
     return ctx
 
 

@@ -210,3 +210,14 @@ def test_progress_on_terminal_every_step(monkeypatch):
 
 def test_progress_disabled(monkeypatch):
     assert run_bar(monkeypatch, io.StringIO(), range(5), total=5, enabled=False) == ""
+
+
+def test_a_text_budget_larger_than_the_memory_reads_the_file(tmp_path):
+    """train.data_limit_mb = 50000 on a small file: the file, not a 50 GB allocation (a MemoryError before;
+    found by tests/test_fuzz_inputs.py's config fuzzer)."""
+    from fivefold.train.data import file_tokens
+
+    f = tmp_path / "a.txt"
+    f.write_bytes(b"hello world")
+    assert bytes(file_tokens(f, budget=50_000 * 2**20)) == b"hello world"
+    assert bytes(file_tokens(f, budget=5)) == b"hello"

@@ -18,7 +18,7 @@ from fivefold.config import ConfigError, TrainConfig
 from fivefold.shapes import Box
 
 transformers = pytest.importorskip("transformers")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fivefold.model.hf_weights import HFWeights, hf_config  # noqa: E402
@@ -235,6 +235,19 @@ CONFIG_VALUES = st.sampled_from([0, 1, 2, 3, -1, 7, 2**31, 2**63 - 1, 0.5, -0.0,
 PARALLEL_VALUES = st.sampled_from([0, 1, 2, -1, 1.5, "2", float("nan"), True, "none", "ulysses", "megatron", []])
 
 
+def near(v):
+    """Values next to a valid one: a number off by one, doubled, zeroed, a thousand times; a list emptied."""
+    if isinstance(v, bool) or v is None:
+        return st.sampled_from([not v, None, 1])
+    if isinstance(v, int):
+        return st.sampled_from([v - 1, v + 1, 2 * v, 0, min(v * 1000, 10**6) if v else 1])
+    if isinstance(v, float):
+        return st.sampled_from([-v, v / 2, 2 * v, 0.0, v * 1e6, v + 1.0])
+    if isinstance(v, list):
+        return st.sampled_from([[], v + v, [*v, "x"]])
+    return st.sampled_from([v.upper(), v + "x", ""])
+
+
 def toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -273,8 +286,11 @@ def test_fuzz_configs_through_train(tmp_path_factory, monkeypatch, capsys, data)
     known = {part: sorted(table) for part, table in Config().to_dict().items()}
     for _ in range(data.draw(st.integers(1, 3))):
         part = data.draw(st.sampled_from(sorted(known)))
-        key = data.draw(st.one_of(st.sampled_from(known[part]), st.sampled_from(["x", "layer", "Steps"])))
-        doc[part][key] = data.draw(PARALLEL_VALUES if part == "parallel" else CONFIG_VALUES)
+        kind = data.draw(st.integers(0, 9))   # 0: a key the config lacks; 1-3: a wild value; else a near one
+        key = data.draw(st.sampled_from(["x", "layer", "Steps"] if kind == 0 else known[part]))
+        now = doc[part].get(key, Config().to_dict()[part].get(key))
+        wild = PARALLEL_VALUES if part == "parallel" else CONFIG_VALUES
+        doc[part][key] = data.draw(wild if kind < 4 else near(now))
     (work / "run.toml").write_text(config_text(doc))
     before = listing(work)
     capsys.readouterr()
@@ -283,6 +299,10 @@ def test_fuzz_configs_through_train(tmp_path_factory, monkeypatch, capsys, data)
     except SystemExit as e:   # argparse
         code = e.code
     err = capsys.readouterr().err
+    event(f"exit {code}")
+    if os.environ.get("FUZZ_LOG"):
+        with open(os.environ["FUZZ_LOG"], "a") as f:
+            f.write(f"{code} {json.dumps(doc, default=str)[:0]}{err.strip().splitlines()[-1][:150] if err.strip() else ''}\n")
     assert code in (0, 2), (code, err[-3000:], doc)
     if code == 2:
         lines = [line for line in err.splitlines() if line.startswith("fivefold")]

@@ -148,8 +148,9 @@ def file_tokens(f: Path, budget: int | None = None, tokenizer: Tokenizer | None 
             return _raw_tokens(f, np.dtype(RAW_DTYPES[f.suffix]))
         if f.suffix == ".npy":
             return _npy_tokens(f)
-        with open(f, "rb") as fh:
-            return np.frombuffer(fh.read(-1 if budget is None else budget), dtype=np.uint8)
+        with open(f, "rb") as fh:   # read(n) allocates n bytes first: never ask for more than the file holds
+            size = os.fstat(fh.fileno()).st_size
+            return np.frombuffer(fh.read(-1 if budget is None or budget >= size else budget), dtype=np.uint8)
     except OSError as e:
         raise ConfigError(f"data file {str(f)!r} cannot be read ({e.strerror or e})") from None
 

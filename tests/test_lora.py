@@ -239,6 +239,8 @@ def test_lora_and_freeze_settings_are_refused_in_one_line(base, tmp_path):
         Config(train=TrainConfig(lora_rank=4, lora_targets=["router"])).validate()
     with pytest.raises(ConfigError, match="lora_rank must be >= 0"):
         Config(train=TrainConfig(lora_rank=-1)).validate()
+    with pytest.raises(ConfigError, match=r"train.lora_rank \(10,000\) must be <= model.hidden"):
+        Config(train=TrainConfig(lora_rank=10_000)).validate()   # 1e308 in a config file was an allocation
     from fivefold.train.trainer import supported
     from tests.helpers import tiny_config
 

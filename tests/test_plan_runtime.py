@@ -63,6 +63,8 @@ LAYOUTS = [
     (dict(dp=2, zero=3, offload="nvme", offload_dir="{tmp}", microbatches=2), "bf16"),  # params on disk
     (dict(pp=2, dp=1, zero=3, offload="nvme", offload_dir="{tmp}", microbatches=2), "fp32"),  # root read once a step
     (dict(pp=2, dp=2, zero=3, microbatches=2, partition="llama3"), "fp32", dict(layers=5)),  # root once per step
+    (dict(dp=2, zero=1, microbatches=2, bucket_mb=0.01), "fp32",
+     dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),          # experts at ep = 1: in dp's buckets
     (dict(dp=2, ep=2), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # EP padded buffers
     (dict(dp=2, ep=2, recompute="full"), "fp32", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # a2a x2
     (dict(dp=2, ep=2, fp8_dispatch=True), "bf16", dict(experts=4, top_k=2, moe_ffn=64, capacity_factor=1.0)),  # fp8

@@ -379,6 +379,7 @@ class Config:
         p.validate(world_size)
         t.validate()
         rules.check_seq_len(t.seq_len, m.max_seq)
+        rules.check_lora_rank(t.lora_rank, m.hidden)
         rules.check_global_batch(t.global_batch, p.dp, p.microbatches)
         ffn = {"ffn": m.ffn} if not m.experts else {"ffn": m.ffn, "moe_ffn": m.moe_ffn or m.ffn}
         rules.check_tensor_parallel(p.tp, m.heads, m.kv_heads, ffn)

@@ -557,6 +557,13 @@ def check_ranks_per_node(ranks_per_node: int, world: int) -> None:
                           f"{', '.join(map(str, nearest(ranks_per_node, divisors(world), 4)))}")
 
 
+def check_lora_rank(rank: int, hidden: int) -> None:
+    """LoRA's rank is at most the model's width: A is (rank, in) and B (out, rank), and a rank above a layer's
+    width adds parameters, not expressiveness (nor a sensible allocation: 1e308 was read as an integer)."""
+    if rank > hidden:
+        raise ConfigError(f"train.lora_rank ({rank:,}) must be <= model.hidden ({hidden:,}); typical: 8-64")
+
+
 # -- what the runtime runs today -----------------------------------------------------------------------
 def check_runtime_support(parallel, train, model=None) -> None:
     """Layouts the planner can estimate but the training runtime does not run (yet), named at start.

@@ -130,7 +130,8 @@ def _layer_rank_params(model: PlanModel, moe: bool, tp: int, ep: int) -> tuple[i
 
 @lru_cache(maxsize=4096)
 def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int) -> tuple:
-    """Per stage: (dense, expert, largest block) parameters on one rank (the MTP modules' on the last)."""
+    """Per stage: (dense, expert, largest block) parameters on one rank (the MTP modules' on the last);
+    "expert": the routed experts reduced over their own "edp" group, so none at ep = 1."""
     rows = []
     vocab_rank = padded_vocab(model.vocab, tp) // tp * model.hidden
     for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
@@ -139,6 +140,8 @@ def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: 
             d, e = block_rank_params(model, i, tp, ep)
             dense, expert, biggest = dense + d, expert + e, max(biggest, d + e)
         dense += sum(n for n, _ in root_tensors(model, tp, pp, j))   # embedding, final norm, head (unless frozen)
+        if ep == 1:   # no expert parallelism: the experts are reduced and sharded with the rest
+            dense, expert = dense + expert, 0
         rows.append((dense, expert, biggest))
     return tuple(rows)
 
@@ -397,16 +400,18 @@ def unit_tensors(model: PlanModel, layout: Layout, grad_bytes: int, stage: int,
 
 def _block_tensors_tagged(model: PlanModel, i: int, tp: int, ep: int, expert: bool) -> tuple[tuple[int, str], ...]:
     """(elements, tag) of block i's tensors (`block_tensors`), routed experts or the others; every dense
-    layer has the same, and every MoE layer, and every MTP module (not so with train.freeze patterns)."""
+    layer has the same, and every MoE layer, and every MTP module (not so with train.freeze patterns).
+    At ep = 1 the routed experts are reduced and sharded with the rest (the runtime applies no expert
+    parallelism, so no "edp" group of their own): they count as the others."""
     if model.frozen:
-        return tuple((n, tag) for n, ex, tag in block_tensors(model, i, tp, ep) if ex == expert)
+        return tuple((n, tag) for n, ex, tag in block_tensors(model, i, tp, ep) if (ex and ep > 1) == expert)
     return _tensors_of_kind(model, model.is_moe_layer(i), i >= model.layers, tp, ep, expert)
 
 
 @lru_cache(maxsize=8192)
 def _tensors_of_kind(model: PlanModel, moe: bool, mtp: bool, tp: int, ep: int, expert: bool) -> tuple:
     i = model.layers if mtp else (model.dense_layers if moe else 0)
-    return tuple((n, tag) for n, ex, tag in block_tensors(model, i, tp, ep) if ex == expert)
+    return tuple((n, tag) for n, ex, tag in block_tensors(model, i, tp, ep) if (ex and ep > 1) == expert)
 
 
 @lru_cache(maxsize=8192)

@@ -351,7 +351,9 @@ def test_disk_mode_keeps_resident_memory_below_the_optimizer_state(tmp_path):
     state = r["cpu"]["offloaded"]
     assert state > 64e6
     assert r["nvme"]["offloaded"] == state + 2 * 12 * 2**18   # on disk, and two 1 MiB units' in host buffers
-    assert r["nvme"]["steps"] < state / 8, r
+    # growth over the steps after the first: -5 to +11 MB in repeated quiet runs (the heap's layout moves
+    # with what the rank allocated before), so a quarter of the state: were it kept resident, it would be all
+    assert r["nvme"]["steps"] < state / 4, r
     assert r["cpu"]["peak"] - r["nvme"]["peak"] > 0.75 * state, r
 
 

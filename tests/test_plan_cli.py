@@ -522,3 +522,33 @@ def test_the_error_handler_tells_rank_failures_without_importing_them():
     assert not is_rank_failure(ValueError("not a rank"))
     launch = pytest.importorskip("fivefold.train.launch")
     assert is_rank_failure(launch.RankError("rank 0 failed"))
+
+
+@pytest.mark.parametrize("extra", [[], ["--gpus", "8"], ["--gpus", "8", "--search"]])
+def test_a_given_schedule_and_vpp_follow_one_rule_with_or_without_a_search(extra, capsys):
+    """vpp > 1 under --schedule 1f1b is refused alike whether the layout is given whole, completed from --gpus
+    or searched (the search printed an interleaved layout, exit 0)."""
+    line = one_line_error(["--pp", "2", "--vpp", "2", "--schedule", "1f1b", "--dp", "4", "--tp", "1", "--cp", "1",
+                           *extra], capsys)
+    assert "vpp > 1 needs the interleaved schedule" in line
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved", None])
+def test_the_search_keeps_the_schedule_given(schedule, capsys):
+    rc, out = run(["--model", "llama3-70b", "--gpus", "64", "--top", "5", "--json",
+                   *(["--schedule", schedule] if schedule else [])], capsys)
+    ranked = json.loads(out)["search"]["ranked"]
+    assert rc == 0 and ranked
+    for row in ranked:
+        lay = row["layout"]
+        if schedule in ("1f1b", "gpipe"):
+            assert lay["schedule"] == schedule and lay["vpp"] == 1, lay
+        elif lay["pp"] > 1:
+            assert (lay["schedule"] == "interleaved") == (schedule == "interleaved" or lay["vpp"] > 1), lay
+
+
+def test_the_search_takes_any_vpp_the_rules_allow(capsys):
+    """NVIDIA's recipes use vpp 5, 7 and 12 (a KeyError before: the search knew 1, 2, 4 and 8 only)."""
+    rc, out = run(["--model", "llama3-70b", "--gpus", "64", "--pp", "4", "--vpp", "5", "--search", "--json"], capsys)
+    best = json.loads(out)["search"]["ranked"][0]["layout"]
+    assert rc == 0 and best["vpp"] == 5 and best["schedule"] == "interleaved"

@@ -486,6 +486,13 @@ def check_virtual_stages(pp: int, vpp: int) -> None:
                           f"and vpp = {vpp}; valid: vpp = 1 at pp = 1")
 
 
+def check_vpp_schedule(kind: str, vpp: int) -> None:
+    """vpp > 1 (model chunks per pipeline rank) only under the interleaved schedule."""
+    if vpp != 1 and kind != INTERLEAVED:
+        raise ConfigError(f"vpp > 1 needs the interleaved schedule; schedule {kind!r} takes vpp = 1, got vpp = {vpp}; "
+                          f"valid: schedule {INTERLEAVED}, or vpp = 1")
+
+
 def check_schedule_lists(kind: str, pp: int, vpp: int, microbatches: int, group: int = 0) -> None:
     """The rules without which schedule `kind` has no action lists (what the simulator accepts, for
     any pp and micro-batch count): a known kind; vpp > 1 only with the interleaved schedule; a
@@ -494,9 +501,7 @@ def check_schedule_lists(kind: str, pp: int, vpp: int, microbatches: int, group:
     check_choice("schedule", kind, ScheduleKind)
     if type(group) is not int or group < 0:
         raise ConfigError(f"microbatch_group must be an integer >= 0 (0: pp = {pp}), got {group!r}")
-    if vpp != 1 and kind != INTERLEAVED:
-        raise ConfigError(f"vpp > 1 needs the interleaved schedule; schedule {kind!r} takes vpp = 1, got vpp = {vpp}; "
-                          f"valid: schedule {INTERLEAVED}, or vpp = 1")
+    check_vpp_schedule(kind, vpp)
     if group and not (kind == INTERLEAVED and vpp > 1):
         raise ConfigError(f"microbatch_group applies to the interleaved schedule with vpp > 1 (schedule {kind!r}, "
                           f"vpp {vpp}); got microbatch_group = {group!r}, valid: 0")

@@ -426,6 +426,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     order = args.order or layout.order
     partition = args.partition or ("llama3" if args.uneven else layout.partition)
     check_fixed(model, fixed, args.gpus, work, args.sp_mode, partition)
+    if args.schedule is not None and fixed["vpp"] is not None:   # the rule single-layout mode applies, in both
+        rules.check_vpp_schedule(args.schedule, fixed["vpp"])
     full = _complete(fixed, args.gpus, model) and not args.search
     if full:
         sp_mode = args.sp_mode or ("megatron" if fixed["tp"] > 1 and not args.config else layout.sp_mode)
@@ -450,7 +452,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_searchable(args)
     fixed.update(sp_mode=args.sp_mode, cp_mode=args.cp_mode)
     res = search(model, work, topo, gpus, fixed, top=args.top, order=order, partition=partition,
-                 schedule=args.schedule or ONE_F_ONE_B)
+                 schedule=args.schedule)
     for e in res.best:
         own_order(e, args)
     faster = faster_order(res.best[0], model, work, topo, args) if res.best else None

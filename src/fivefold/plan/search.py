@@ -169,11 +169,28 @@ class _Space:
         return sum(len(reduce_policies({"zero": z, "pp": self.base["pp"]})) for z in self.zeros) * len(recomputes)
 
 
-def _space(model: PlanModel, work: Workload, fixed: dict, structure: tuple, order: str, partition: str) -> _Space:
+def schedule_for(vpp: int, given: str | None) -> str:
+    """The schedule a searched layout with `vpp` runs: the one the user gave, else 1F1B, or the interleaved
+    schedule where vpp > 1 (which needs it)."""
+    return given if given is not None else (INTERLEAVED if vpp > 1 else ONE_F_ONE_B)
+
+
+def _vpp_options(model: PlanModel, pp: int, given: str | None) -> list[int]:
+    """Virtual stages tried when the user fixed none: 1 at pp = 1 or under a given schedule other than the
+    interleaved one; else the powers of two up to a layer a chunk (only > 1 when the interleaved schedule
+    was given)."""
+    if pp == 1 or given not in (None, INTERLEAVED):
+        return [1]
+    vpps = [v for v in POWERS if pp * v <= model.layers and (v > 1 or given is None)]
+    return vpps or [1]
+
+
+def _space(model: PlanModel, work: Workload, fixed: dict, structure: tuple, order: str, partition: str,
+           schedule: str | None = None) -> _Space:
     tp, pp, cp, mode, ep, dp = structure
     per_dp = work.global_batch // dp if work.global_batch % dp == 0 else 0
     mbs = _options("micro_batch", fixed, [b for b in POWERS if per_dp and per_dp % b == 0] or [1])
-    vpps = _options("vpp", fixed, [1] if pp == 1 else [v for v in POWERS if pp * v <= model.layers])
+    vpps = _options("vpp", fixed, _vpp_options(model, pp, schedule))
     offload = fixed.get("offload", "none")
     # offload needs ZeRO's shards: stages 1-3, even over one rank (ZeRO at dp = 1 still makes its units)
     zeros = _options("zero", fixed, [0] if dp * cp == 1 and offload == "none" else [1, 2, 3])
@@ -221,7 +238,6 @@ class _Bound:
         self.rates: dict = {}    # (group, size, op, block) -> (seconds per byte sent, per call)
         self.big: dict = {}      # (tp, ep, expert, MoE layer, bucket) -> (tensors larger, their bytes)
         self.stages: dict = {}   # (tp, pp, vpp, ep, partition, ZeRO stages) -> `_grad_stages`
-        self.sched = {v: INTERLEAVED if v > 1 else schedule for v in POWERS}   # vpp > 1 needs interleaved
 
     def _stage_rows(self, pp: int, v: int):
         key = (pp, v)
@@ -396,10 +412,10 @@ class _Bound:
                         c = x
                 if pp == 1:
                     t = m * c
-                elif self.sched[v] == ZB:
+                elif schedule_for(v, self.schedule) == ZB:
                     t = (m * c + (pp - 1) * min(f * tokens for *_, f in rows)) / self.shared
                 else:
-                    t = c * (m + (pp - 1) / (v if self.sched[v] == INTERLEAVED else 1)) / self.shared
+                    t = c * (m + (pp - 1) / (v if schedule_for(v, self.schedule) == INTERLEAVED else 1)) / self.shared
                 table[v, b] = t * self.SLACK
         return min(table.values()), table
 
@@ -473,10 +489,12 @@ def traffic(stages: Iterable[list], topo: Topology) -> tuple[dict, int]:
 
 
 def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict | None = None,
-           top: int = 5, order: str = DEFAULT_ORDER, partition: str = "even", schedule: str = ONE_F_ONE_B,
+           top: int = 5, order: str = DEFAULT_ORDER, partition: str = "even", schedule: str | None = None,
            bound: bool = True) -> Result:
     """All layouts for `gpus` GPUs with the `fixed` choices (keys of SEARCHED) held, ranks in `order`,
-    layers split by `partition` (even or llama3; counts only with pp fixed); see module doc. With `bound`,
+    layers split by `partition` (even or llama3; counts only with pp fixed), the pipeline `schedule` the user
+    gave (None: 1F1B, interleaved where vpp > 1; a schedule given is kept, so vpp > 1 is tried only under
+    the interleaved one); see module doc. With `bound`,
     structures whose lower bound on step time exceeds the `top`-th best found are skipped, and layouts
     that fit with such a bound are not timed (the best `top` are those of the exhaustive search,
     bound=False)."""
@@ -496,7 +514,7 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
             res.considered += 1
         else:
             structures.append(s)
-    spaces = [_space(model, work, fixed, s, order, partition) for s in structures]
+    spaces = [_space(model, work, fixed, s, order, partition, schedule) for s in structures]
     res.structures = len(structures)
     tables: list = [None] * len(structures)
     best = _Top(top if bound else 0)
@@ -517,7 +535,7 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
         # nothing fits the device: every structure again with the optimizer state offloaded (cpu, then nvme)
         for i in visit:
             for mode in OFFLOADS:
-                sp = _space(model, work, dict(fixed, offload=mode), structures[i], order, partition)
+                sp = _space(model, work, dict(fixed, offload=mode), structures[i], order, partition, schedule)
                 res.offload[mode] = res.offload.get(mode, 0) + 1
                 before = len(ranked[i]) + res.untimed
                 _structure(model, work, topo, gpus, res, limit, recomputes, schedule, sp, ranked[i], rejected[i],
@@ -584,7 +602,7 @@ def _structure(model, work, topo, gpus, res: Result, limit: float, recomputes: l
     (vpp, micro-batch), the layouts of pairs whose bound exceeds the best's limit are not timed."""
     mbs, vpps, zeros, base = sp.mbs, sp.vpps, sp.zeros, sp.base
     for vi, v in enumerate(vpps):
-        kw = dict(base, vpp=v, schedule=INTERLEAVED if v > 1 else schedule)
+        kw = dict(base, vpp=v, schedule=schedule_for(v, schedule))
         for i, mb in enumerate(mbs):
             status = []
             if table is not None and table[v, mb] > best.limit():
@@ -690,4 +708,4 @@ def _reject_all(res: Result, rejected: list, base: dict, pairs: list, zeros: lis
                 for each in reduce_policies({"zero": z, "pp": base["pp"]}):
                     res.considered += 1
                     rejected.append((Layout(zero=z, vpp=v, micro_batch=mb, recompute=rc, reduce_each_microbatch=each,
-                                            schedule=INTERLEAVED if v > 1 else schedule, **base), why))
+                                            schedule=schedule_for(v, schedule), **base), why))

@@ -11,8 +11,9 @@ warm-up steps and peak RSS per implementation, the median over rounds, and ours 
 
 `--malloc` sets glibc's allocator the same way for both sides (fair): `glibc` as it comes (its dynamic mmap
 threshold), `pinned` (MALLOC_MMAP_THRESHOLD_ = 2 MiB, what train/malloc.py sets in fivefold's ranks),
-`high` (256 MiB), or `fivefold` (ours as `fivefold train` runs it, `return_freed_memory()`; the plain loop
-as it comes).
+`high` (256 MiB), or `fivefold` (ours as `fivefold train` runs it: the Trainer fixes the threshold only
+where the layout shards the model state, `rules.pins_mmap_threshold`, so not on one rank; the plain loop as
+it comes).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/one_rank.py [--rounds 3] [--steps 8] [--dtype fp32 bf16]
         [--malloc glibc pinned high fivefold] [--profile]
@@ -51,9 +52,6 @@ if impl == "fivefold":
     from fivefold.config import Config, TrainConfig
     from fivefold.model.hf_weights import hf_config
     from fivefold.train.trainer import Trainer
-    if malloc == "fivefold":
-        from fivefold.train.malloc import return_freed_memory
-        return_freed_memory()
     t = TrainConfig(steps=steps, global_batch=batch, seq_len=seq, lr=1e-4, min_lr=1e-5, warmup=1, checkpoint=False,
                     init_hf=folder, dtype=dtype, weight_decay=0.1, beta2=0.95)
     tr = Trainer(Config(model=hf_config(folder), train=t), quiet=True)

@@ -436,10 +436,20 @@ EAGER_GRAD_NORM_BYTES = 16
 # the norm's fp64 copy of one slice (plan/buffers.py `step_scratch`).
 STEP_CHUNK = 1 << 22
 
-# glibc's mmap threshold each rank fixes (train/malloc.py): a host block of at least this many bytes is a
-# mapping of its own, unmapped when freed, so the next such block is fresh pages the kernel faults in on
-# first touch (plan/time.py `first_touch_bytes` charges ZeRO's at the accelerator's `fresh_bandwidth`).
+# glibc's mmap threshold a rank that shards its model state fixes (train/malloc.py, `pins_mmap_threshold`): a
+# host block of at least this many bytes is a mapping of its own, unmapped when freed, so the next such block
+# is fresh pages the kernel faults in on first touch (plan/time.py `first_touch_bytes` charges ZeRO's at the
+# accelerator's `fresh_bandwidth`).
 MMAP_THRESHOLD_BYTES = 2 << 20
+
+
+def pins_mmap_threshold(tp: int, pp: int, ep: int, zero: int) -> bool:
+    """Whether a rank fixes glibc's mmap threshold (train/malloc.py): where it holds pieces of the model and
+    gathers, frees and makes again large blocks of them (ZeRO, tensor, pipeline or expert parallelism), the
+    blocks glibc would keep resident once freed. A rank that holds the whole model state (one rank, plain
+    DDP, context parallelism) keeps glibc's own dynamic threshold: there the fixed one cost a fifth of a
+    step in page faults on fresh activation blocks (benchmarks/one_rank.py) for no memory it had to give back."""
+    return zero > 0 or tp > 1 or pp > 1 or ep > 1
 
 
 def block_units(zero: int, pp: int, reduce_each_microbatch: bool) -> bool:

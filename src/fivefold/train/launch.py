@@ -80,7 +80,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import ConfigError
-from .malloc import return_freed_memory
 from .signals import alive, release_sigint, sigint_held
 from .torchrun_env import torchrun_env, torchrun_ranks_per_node  # noqa: F401 - part of launch's interface
 
@@ -260,7 +259,6 @@ def _worker(rank, world_size, store_path, fn, args, channel, timeout_s, launcher
     install_stop_handlers()
     release_sigint()   # a Ctrl-C held while the rank started is a stop request now
     one_thread()
-    return_freed_memory()
     if waits is not None:
         from ..comm.waits import watch_waits
 
@@ -658,7 +656,6 @@ def run_ranks(fn, nproc: int, args: tuple = (), timeout_s: float = 300) -> list:
 def init_torchrun(timeout_s: float = 1800, device: str = "auto") -> tuple[int, int]:
     """Join a torchrun job: NCCL when the run's device (train.device: auto | cpu | cuda) is CUDA, else gloo.
     On CUDA each rank takes the GPU of its local rank (torchrun's LOCAL_RANK)."""
-    return_freed_memory()
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"   # the trainer resolves train.device from this backend
     if backend == "nccl":

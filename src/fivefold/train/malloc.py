@@ -1,18 +1,17 @@
-"""A rank's resident memory follows its live tensors: large host buffers go back to the system when freed.
+"""A sharded rank's resident memory follows its live tensors: large host buffers go back to the system when freed.
 
 PyTorch's CPU allocator is the C library's malloc. glibc maps a block of at least M_MMAP_THRESHOLD bytes
 on its own and unmaps it on free, but by default it raises that threshold to the size of every mapped
 block freed (up to 32 MiB), so after the first step the blocks a step makes and frees (ZeRO-3's gathered
-units, gradient buckets, the optimizer's scratch) come from its heap and stay resident once freed. A
-ZeRO-3 rank then held 1.7-2x the bytes of its live tensors (tests/test_start_memory.py: 1.2-1.4 GiB of
-resident memory over the floor against 0.62 GiB of tensors at the step's peak). Fixing the threshold at
-MMAP_THRESHOLD_BYTES keeps large blocks mapped, so what is resident is what the planner counts; smaller
-blocks still come from the heap. The cost is the kernel's page faults on each new large block, so the
-threshold sits above a layer's per-micro-batch activations of small models: at 1 MiB a tp2 step of
-benchmarks/plan_vs_run.py's model (1 MiB activations) spent 158 ms of "other aten ops" (element-wise
-kernels writing fresh pages at 4-5 GB/s) against 49 ms at glibc's own threshold, 656 ms a step against
-480. At 2 MiB the step takes 514 ms and tests/test_start_memory.py's ranks use the same share of their
-bound as at 1 MiB (tp2 x pp2 up to 0.988 against 0.982); at 4 MiB (491 ms) tp2 x pp2 reaches 1.00 of it.
+units, gradient buckets, the optimizer's scratch) come from its heap and stay resident once freed: a ZeRO-3
+rank held 1.7-2x the bytes of its live tensors (tests/test_start_memory.py). Fixing the threshold at
+`rules.MMAP_THRESHOLD_BYTES` keeps large blocks mapped, so what is resident is what the planner counts; the
+cost is the kernel's page faults on each new large block, activations included (2 MiB sits above a small
+model's per-layer activations; `rules.MMAP_THRESHOLD_BYTES` says what the planner charges for it).
+
+Only ranks that shard their model state fix it (`rules.pins_mmap_threshold`, called by the Trainer): one rank
+of the plain loop's model (benchmarks/one_rank.py, Qwen2 hidden 256, 8 x 256 tokens) took 1.18x (fp32) and
+1.12x (bf16) the loop's step with it and 1.04x / 0.99x without, at 0.83 of the loop's peak RSS either way.
 
 A user's own MALLOC_MMAP_THRESHOLD_ (glibc's environment tuning) is left as it is, and so is a C
 library without mallopt."""

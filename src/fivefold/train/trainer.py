@@ -91,6 +91,7 @@ from .optim import AdamW, clip_, global_grad_norm, lr_at
 from .progress import Progress
 from .scalars import ScalarLog
 from .link_counters import LinkCounters
+from .malloc import return_freed_memory
 from .speed import Speed
 from .timeline import draw_pipeline
 from .wandb_log import WandbLog
@@ -174,6 +175,8 @@ class Trainer:
                  planned: dict | None = None, dry: bool = False, fill: bool = True, speed: dict | None = None):
         cfg.validate(world_size)
         supported(cfg)
+        if rules.pins_mmap_threshold(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.zero):
+            return_freed_memory()   # a rank that gathers and frees pieces of the model (train/malloc.py)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.quiet = quiet or rank != 0
         t, p = cfg.train, cfg.parallel

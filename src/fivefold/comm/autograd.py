@@ -117,11 +117,18 @@ class CopyToTensorRegion(torch.autograd.Function):
 
 class ReduceFromTensorRegion(torch.autograd.Function):
     """Megatron's g: all-reduce forward (summing the row-parallel partial outputs), identity backward
-    (one all-reduce of the activation, 2(n-1)/n·S bytes, in the forward pass only)."""
+    (one all-reduce of the activation, 2(n-1)/n·S bytes, in the forward pass only). The partial output is
+    a row-parallel matmul's fresh result that nothing saves, so it is reduced in place, as Megatron does
+    (marked dirty: were it saved after all, autograd's version check would refuse the backward rather
+    than use the sum); a view or a non-contiguous input is reduced in a copy."""
 
     @staticmethod
     def forward(ctx, x, group: Group):
-        return _all_reduce(x, group)
+        if x._base is not None or not x.is_contiguous() or x.requires_grad and x.is_leaf:
+            return _all_reduce(x, group)
+        ops.all_reduce(x, group)
+        ctx.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad):

@@ -271,7 +271,7 @@ def listing(folder) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
-@FUZZ
+@settings(FUZZ, max_examples=LONG or 15)   # an accepted example trains a step on its own ranks
 @given(data=st.data())
 def test_fuzz_configs_through_train(tmp_path_factory, monkeypatch, capsys, data):
     """A config file with one to three keys set to what a user might write (any key of the config, or one it

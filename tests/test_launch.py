@@ -221,7 +221,9 @@ def _leaves_what_the_next_start_removes(tmp_path, tmp):
         left = sorted(p.name for p in tmp.iterdir() if p.name not in keep)
         assert any(n.startswith("fivefold-ranks-") for n in left) and any(n.startswith("pymp-") for n in left), left
         r = subprocess.run([sys.executable, "-m", "fivefold.cli", "train", "--nproc", "2", "--steps", "1",
-                            "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                            "--seq-len", "16", "--global-batch", "2", "--set", "model.layers=1",
+                            "--set", "train.data_limit_mb=0.05", "--out", str(tmp_path / "run")],
+                           capture_output=True, text=True, timeout=300,
                            env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp)))
         assert r.returncode == 0, r.stderr[-2000:]
         assert sorted(p.name for p in tmp.iterdir()) == keep

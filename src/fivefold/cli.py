@@ -850,15 +850,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fivefold: {e}", file=sys.stderr)
             return 1
         raise
+
+
+def command(argv: list[str] | None = None) -> int:
+    """The `fivefold` command (and `python -m fivefold.cli`): `main`, then the local ranks' fork server is
+    ended, if the command started one, so nothing of it outlives the command. `main` called in-process (the
+    tests, a notebook) keeps the server for the next call, which then starts ranks without importing torch
+    again."""
+    try:
+        return main(argv)
     finally:
-        stop_rank_server()
-
-
-def stop_rank_server() -> None:
-    """End the local ranks' fork server, if this command started one (train.launch; not imported otherwise)."""
-    launch = sys.modules.get(f"{__package__}.train.launch")
-    if launch is not None:
-        launch.stop_rank_server()
+        launch = sys.modules.get(f"{__package__}.train.launch")   # imported only by commands that start ranks
+        if launch is not None:
+            launch.stop_rank_server()
 
 
 def is_rank_failure(e: BaseException) -> bool:
@@ -872,4 +876,4 @@ def is_rank_failure(e: BaseException) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

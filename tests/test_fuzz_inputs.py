@@ -245,7 +245,9 @@ def near(v):
         return st.sampled_from([-v, v / 2, 2 * v, 0.0, v * 1e6, v + 1.0])
     if isinstance(v, list):
         return st.sampled_from([[], v + v, [*v, "x"]])
-    return st.sampled_from([v.upper(), v + "x", ""])
+    if isinstance(v, str):
+        return st.sampled_from([v.upper(), v + "x", ""])
+    return st.sampled_from([{}, "", 0])   # a table an earlier edit wrote
 
 
 def toml_value(v) -> str:

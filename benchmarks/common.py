@@ -1,8 +1,11 @@
 """Shared benchmark helpers: run a step function on ranks, median step time, peak RSS per rank."""
 from __future__ import annotations
 
+import json
+import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,6 +15,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from fivefold.config import ModelConfig  # noqa: E402
 
 BENCH_MODEL = ModelConfig(vocab=256, hidden=256, layers=4, heads=8, kv_heads=4, ffn=704, max_seq=256)
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+# ---- one-process races against transformers (lora.py, one_rank.py) --------------------------------------
+
+def add_qwen2_options(ap) -> None:
+    """Rounds, steps and the size of the Qwen2 that `make_qwen2` writes, with the full run's defaults."""
+    for name, default in (("rounds", 3), ("steps", 8), ("hidden", 256), ("layers", 4), ("vocab", 8192),
+                          ("batch", 8), ("seq", 256)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+
+
+QWEN2_SMOKE = dict(rounds=1, steps=3, hidden=64, layers=2, vocab=256, batch=2, seq=32)
+
+
+def make_qwen2(folder: Path, hidden: int, layers: int, vocab: int) -> None:
+    """A transformers-written Qwen2 (q/k/v biases, untied, 8 heads / 4 KV heads) saved to `folder`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                   num_attention_heads=8, num_key_value_heads=4, intermediate_size=hidden * 11 // 4,
+                                   max_position_embeddings=1024, tie_word_embeddings=False)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(folder)
+
+
+def run_child(code: str, argv: list[str], what: str, env: dict | None = None) -> tuple[dict, str]:
+    """Run `code` in a fresh interpreter (one intra-op thread) with `argv`; (the JSON of its `RESULT ` line,
+    its stderr). No such line: RuntimeError naming `what` with the end of its stderr."""
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=1800, env=env)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{what} failed:\n{r.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):]), r.stderr
 
 
 def parse_options(ap, argv=None, **smoke):

@@ -16,10 +16,7 @@ comes (fivefold's launcher pins the mmap threshold, train/malloc.py; here neithe
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -79,41 +76,18 @@ print("RESULT " + json.dumps({"step_s": statistics.median(times[2:] or times), "
 '''
 
 
-def make_model(folder: Path, hidden: int, layers: int, vocab: int) -> None:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                   num_attention_heads=8, num_key_value_heads=4, intermediate_size=hidden * 11 // 4,
-                                   max_position_embeddings=1024, tie_word_embeddings=False)
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(folder)
-
-
 def run(impl: str, folder: Path, steps: int, batch: int, seq: int) -> dict:
     code = CHILD % {"rank": RANK, "alpha": ALPHA, "targets": TARGETS}
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    r = subprocess.run([sys.executable, "-c", code, impl, str(folder), str(steps), src, str(batch), str(seq)],
-                       capture_output=True, text=True, timeout=1800, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{impl} failed:\n{r.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return common.run_child(code, [impl, str(folder), str(steps), common.SRC, str(batch), str(seq)], impl)[0]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
-    a = common.parse_options(ap, rounds=1, steps=3, hidden=64, layers=2, vocab=256, batch=2, seq=32)
+    common.add_qwen2_options(ap)
+    a = common.parse_options(ap, **common.QWEN2_SMOKE)
     with tempfile.TemporaryDirectory(prefix="fivefold-lora-") as tmp:
         folder = Path(tmp) / "qwen2"
-        make_model(folder, a.hidden, a.layers, a.vocab)
+        common.make_qwen2(folder, a.hidden, a.layers, a.vocab)
         got: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
         for i in range(a.rounds):
             for impl in (IMPLS if i % 2 == 0 else tuple(reversed(IMPLS))):

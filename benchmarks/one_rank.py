@@ -21,10 +21,8 @@ it comes).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -85,51 +83,26 @@ print("RESULT " + json.dumps({"step_s": statistics.median(times[2:] or times), "
 '''
 
 
-def make_model(folder: Path, hidden: int, layers: int, vocab: int) -> None:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                   num_attention_heads=8, num_key_value_heads=4, intermediate_size=hidden * 11 // 4,
-                                   max_position_embeddings=1024, tie_word_embeddings=False)
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(folder)
-
-
 def run(impl: str, folder: Path, a, dtype: str, malloc: str) -> dict:
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    env.update(MALLOC_ENV[malloc])
-    r = subprocess.run([sys.executable, "-c", CHILD, impl, str(folder), str(a.steps), src, str(a.batch), str(a.seq),
-                        dtype, malloc, "1" if a.profile else "0"], capture_output=True, text=True, timeout=1800,
-                       env=env)
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | MALLOC_ENV[malloc]
+    result, err = common.run_child(CHILD, [impl, str(folder), str(a.steps), common.SRC, str(a.batch), str(a.seq),
+                                           dtype, malloc, "1" if a.profile else "0"], impl, env)
     if a.profile:
-        print(f"--- {impl} {dtype} {malloc}\n{r.stderr[-6000:]}")
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{impl} failed:\n{r.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+        print(f"--- {impl} {dtype} {malloc}\n{err[-6000:]}")
+    return result
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
+    common.add_qwen2_options(ap)
     ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--malloc", nargs="+", default=["fivefold", "glibc", "pinned"], choices=sorted(MALLOC_ENV))
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table of one step of each")
-    a = common.parse_options(ap, rounds=1, steps=3, hidden=64, layers=2, vocab=256, batch=2, seq=32, dtype=["bf16"],
-                             malloc=["fivefold"])
+    a = common.parse_options(ap, **common.QWEN2_SMOKE, dtype=["bf16"], malloc=["fivefold"])
     rows = []
     with tempfile.TemporaryDirectory(prefix="fivefold-one-rank-") as tmp:
         folder = Path(tmp) / "qwen2"
-        make_model(folder, a.hidden, a.layers, a.vocab)
+        common.make_qwen2(folder, a.hidden, a.layers, a.vocab)
         for dtype in a.dtype:
             for malloc in a.malloc:
                 got: dict[str, list[dict]] = {impl: [] for impl in IMPLS}

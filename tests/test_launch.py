@@ -307,18 +307,23 @@ def test_silence_after_a_heartbeat_is_a_timeout_naming_the_step(tmp_path):
     assert multiprocessing.active_children() == []
 
 
-def _rank1_stalls_while_rank0_waits(rank, world):
-    """Rank 0 reports step 3 and waits for rank 1 in a collective; rank 1 reports step 3 later, then stalls
-    outside any collective (so rank 0 is the one heard from least recently)."""
+def _rank1_stalls_while_rank0_waits(rank, world, stopped=False):
+    """Rank 0 reports step 3 and waits for rank 1 in a collective; rank 1 reports step 3 later (so rank 0 is
+    the one heard from least recently), then stalls outside any collective, or (`stopped`) is stopped by
+    SIGSTOP while it too is marked as waiting, so both look blocked."""
     from fivefold.comm import gather_objects
+    from fivefold.comm.waits import waiting
 
     if rank == 0:
         heartbeat(3)
         gather_objects(rank)
-    else:
-        time.sleep(1.0)
-        heartbeat(3)
-        time.sleep(60)
+        return
+    time.sleep(1.0)
+    heartbeat(3)
+    if stopped:
+        with waiting():
+            os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(60)
 
 
 def test_the_watchdog_names_the_rank_that_stalled_not_the_one_waiting_for_it():
@@ -329,26 +334,10 @@ def test_the_watchdog_names_the_rank_that_stalled_not_the_one_waiting_for_it():
     assert multiprocessing.active_children() == []
 
 
-def _rank1_stopped_inside_a_collective(rank, world):
-    """Rank 0 reports step 3 and waits in a collective; rank 1 reports step 3 later, then is stopped by
-    SIGSTOP while it too is marked as waiting: both look blocked, and rank 0 is heard from least recently."""
-    from fivefold.comm import gather_objects
-    from fivefold.comm.waits import waiting
-
-    if rank == 0:
-        heartbeat(3)
-        gather_objects(rank)
-    else:
-        time.sleep(1.0)
-        heartbeat(3)
-        with waiting():
-            os.kill(os.getpid(), signal.SIGSTOP)
-
-
 @pytest.mark.ranks
 def test_the_watchdog_names_a_stopped_rank_even_inside_a_collective():
     with pytest.raises(TimeoutError) as e:
-        run_ranks(_rank1_stopped_inside_a_collective, 2, timeout_s=4)
+        run_ranks(_rank1_stalls_while_rank0_waits, 2, (True,), timeout_s=4)
     assert str(e.value).startswith("no progress for 4 s: rank 1 last reported step 3 and is stopped (SIGSTOP"), \
         str(e.value)
     assert "rank(s) [0] wait for it in a collective" in str(e.value)

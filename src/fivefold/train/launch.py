@@ -308,8 +308,7 @@ def held_state(pid: int) -> str | None:
     /proc/PID/stat, "frozen (cgroup freezer)" when its cgroup is frozen (v1 freezer.state FROZEN, v2
     cgroup.freeze 1). A held process neither runs nor waits on the network, so a hang is its doing."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+        state = _proc_stat(pid)[0]
         with open(f"/proc/{pid}/cgroup") as f:
             cgroups = [line.rstrip("\n").split(":", 2) for line in f]
     except (OSError, IndexError):
@@ -565,12 +564,17 @@ def _start_time(pid: int) -> str | None:
     """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22), or None when there is no
     such process; "" where /proc is missing. With the pid it names one process, even after pid reuse."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+        return _proc_stat(pid)[19]
     except FileNotFoundError:
         return None if os.path.isdir("/proc") else ("" if alive(pid) else None)
     except (OSError, IndexError):
         return ""
+
+
+def _proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first); OSError when unreadable."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
 
 
 def mark_owned(folder: str) -> None:

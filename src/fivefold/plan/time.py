@@ -635,6 +635,9 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         c = cost_f[slow] + cost_b[slow]
         out.bubble = closed_form_bubble(schedule, L.pp, m, v, cost_f[slow], cost_b[slow])
         out.pipeline_s = m * c / (1 - out.bubble) + 2 * (L.pp - 1) * t_send
+    # the gradients' timeline (when each chunk's last backward ends, against the pipeline's end) is the
+    # simulator's clock: exposure is measured on it, before shared cores shrink the makespan
+    clock = out.pipeline_s
     out.pipeline_s = shared_cores_makespan(out.pipeline_s, [m * (cost_f[j] + cost_b[j]) for j in flows_by_stage],
                                            acc.ranks_per_core)
     out.compute_s = m * (compute_f[slow] + compute_b[slow])
@@ -643,9 +646,9 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     each = L.pp > 1 and L.zero >= 2 and L.reduce_each_microbatch
     grads = []
     for j, flows in flows_by_stage.items():
-        ready = chunk_ready(sim, schedule, L.pp, v, j, out.pipeline_s, cost_b, t_send)
+        ready = chunk_ready(sim, schedule, L.pp, v, j, clock, cost_b, t_send)
         backwards = backward_blocks(sim, j, ready, m, cost_f[j] + cost_b[j]) if each else None
-        grads.append(stage_grad_exposed(flows, L, m, out.pipeline_s, ready, chunk_first_use(sim, L.pp, v, j, cost_f, t_send),
+        grads.append(stage_grad_exposed(flows, L, m, clock, ready, chunk_first_use(sim, L.pp, v, j, cost_f, t_send),
                                         compute_f[j], cost_b[j], backwards, grad_overlap(flows, topo),
                                         acc.comm_share))
     # the slowest stage's reduction ends the step; the latest first forward delays the pipeline

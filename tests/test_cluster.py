@@ -23,6 +23,7 @@ from fivefold.plan.layout import from_config
 from fivefold.plan.models import from_model_config
 from fivefold.plan.topology import load_topology, node_topology, topology_from_dict
 from fivefold.plan.traffic import all_ranks_by_tier, link_bytes
+from fivefold.tools.fabric import MTU
 
 from .helpers import tiny_config
 
@@ -414,7 +415,7 @@ def test_two_nodes_link_bytes_per_step_equal_the_plan(tmp_path):
     """`fivefold cluster` on two nodes of two ranks, one 200 Mbit/s link each, tp2 x dp2 with tp across the
     nodes and Megatron SP (all-gathers, gloo's all-reduce reduce-scatters, the dp all-reduce): the bytes the
     kernel counted on the node links in each step, over the measured TCP/IP overhead, equal the planner's
-    bytes between nodes within 2%; the ledger's inter-node bytes equal the planner's exactly. Nothing is
+    bytes between nodes within 2% (above it, by no more than the TCP segments sent again); the ledger's inter-node bytes equal the planner's exactly. Nothing is
     left behind."""
     before = _listed()
     out = tmp_path / "run"
@@ -432,8 +433,13 @@ def test_two_nodes_link_bytes_per_step_equal_the_plan(tmp_path):
     assert 1.0 < overhead < 1.1
     assert [s["step"] for s in links["steps"]] == [2, 3] and all(s["read"] == "step end" for s in links["steps"])
     for s in links["steps"]:
+        # a retransmitted segment (under load: a rank's socket buffer or the qdisc full) crosses a link
+        # twice; the kernel counts it there, the plan does not: the excess beyond 2% must be those frames
+        resent = s["retrans_segments"] * (MTU + 14)
+        assert s["retrans_segments"] >= 0
         for way in ("tx", "rx"):
-            assert s["by_tier"]["leaf"][way] / overhead == pytest.approx(planned["leaf"], rel=0.02), (s, planned)
+            got = s["by_tier"]["leaf"][way] / overhead
+            assert planned["leaf"] * 0.98 <= got <= planned["leaf"] * 1.02 + resent, (s, planned)
     comm = json.loads((out / "comm.json").read_text())
     assert comm["by_tier"]["inter"] == pytest.approx(3 * planned["leaf"], rel=1e-9)
     assert comm["by_tier"]["intra"] == pytest.approx(3 * planned["node"], rel=1e-9)
@@ -551,3 +557,23 @@ def test_ctrl_c_stops_the_job_and_removes_the_fabric(tmp_path):
     assert proc.returncode != 0 and max(_losses(out)) < 500, err[-2000:]
     assert json.loads((out / "links.json").read_text())["returncode"] == proc.returncode
     assert not _left_behind(before)
+
+
+def test_step_ends_carry_the_links_bytes_and_the_segments_sent_again(tmp_path):
+    """Rank 0's read at a step's end (this process's namespace, its loopback, as a link): byte counters and
+    the namespace's retransmitted TCP segments (/proc/PID/net/snmp); links.json's steps take their
+    differences, per tier and in all."""
+    from fivefold.tools.cluster import read_step_ends, step_bytes
+    from fivefold.train.link_counters import LinkCounters, read_tcp_retrans
+
+    reads = LinkCounters(0, json.dumps({"node0": [os.getpid(), "lo"]})).read()
+    assert set(reads["links"]["node0"]) == {"tx", "rx"} and reads["retrans"] == read_tcp_retrans(os.getpid()) >= 0
+    assert LinkCounters(1, json.dumps({"node0": [os.getpid(), "lo"]})).read() == {}   # only rank 0 reads
+    lines = [{"step": 1, "loss": 5.0, "time": 10.0, "links": {"node0": {"tx": 100, "rx": 90}}, "retrans": 7},
+             {"step": 2, "loss": 4.0, "time": 11.0, "links": {"node0": {"tx": 1100, "rx": 2090}}, "retrans": 9},
+             {"step": 3, "loss": 3.0, "time": 12.0, "links": {"node0": {"tx": 1600, "rx": 2590}}}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    fabric = {"links": [{"name": "node0", "tier": "leaf"}]}
+    steps = step_bytes({"fabric": fabric}, read_step_ends(tmp_path / "metrics.jsonl"))
+    assert [(s["step"], s["by_tier"]["leaf"]["tx"], s["by_tier"]["leaf"]["rx"], s["retrans_segments"])
+            for s in steps] == [(2, 1000, 2000, 2), (3, 500, 500, None)]

@@ -336,14 +336,17 @@ def links_by_tier(result: dict) -> dict[str, dict[str, float]]:
 def step_bytes(result: dict, step_ends: list[tuple[int, float, dict | None]]) -> list[dict]:
     """Per training step (from the previous step's end to its own), bytes per tier and direction on the
     links, from the counters the trainer read at the step ends (metrics.jsonl "links"; a 50 ms sampler
-    read between two of its samples missed by up to 10% a step); the first step (no start) is left out."""
+    read between two of its samples missed by up to 10% a step); the first step (no start) is left out.
+    "retrans_segments": TCP segments sent again in the step (None where a read lacks them)."""
     links = result["fabric"]["links"]
-    return [{"step": step, "t": t1, "by_tier": tier_delta(links, c0, c1), "read": "step end"}
+    return [{"step": step, "t": t1, "by_tier": tier_delta(links, c0["links"], c1["links"]), "read": "step end",
+             "retrans_segments": None if None in (c0["retrans"], c1["retrans"]) else c1["retrans"] - c0["retrans"]}
             for (_, _, c0), (step, t1, c1) in zip(step_ends, step_ends[1:]) if c0 and c1]
 
 
 def read_step_ends(metrics: Path | None) -> list[tuple[int, float, dict | None]]:
-    """(step, unix end time, link counters or None) of each line of a run's metrics.jsonl that has a time."""
+    """(step, unix end time, {"links": counters, "retrans": segments} or None) of each line of a run's
+    metrics.jsonl that has a time."""
     if metrics is None or not metrics.is_file():
         return []
     ends = []
@@ -353,7 +356,8 @@ def read_step_ends(metrics: Path | None) -> list[tuple[int, float, dict | None]]
         except ValueError:
             continue
         if isinstance(rec, dict) and "time" in rec and "step" in rec and "loss" in rec:
-            ends.append((int(rec["step"]), float(rec["time"]), rec.get("links")))
+            reads = {"links": rec["links"], "retrans": rec.get("retrans")} if rec.get("links") else None
+            ends.append((int(rec["step"]), float(rec["time"]), reads))
     return ends
 
 

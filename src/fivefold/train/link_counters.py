@@ -4,7 +4,8 @@
 namespace; it names each link's holder pid and device in `FIVEFOLD_LINKS` (JSON: {"node0": [pid, "up0"],
 ...}). The ranks share the machine's process table, so global rank 0 reads every link's kernel counters
 from `/proc/<pid>/net/dev` (that namespace's own view) right after each step's last collective, and the
-trainer writes them into the step's metrics line ("links": {name: {"tx": bytes, "rx": bytes}}, cumulative):
+trainer writes them into the step's metrics line ("links": {name: {"tx": bytes, "rx": bytes}}, cumulative,
+and "retrans": the namespaces' retransmitted TCP segments, cumulative):
 the bytes of one step are the difference of two lines, taken at the step boundary rather than between two
 samples of a poller. Without the variable (any other run) it reads nothing and costs nothing.
 """
@@ -24,17 +25,21 @@ class LinkCounters:
             self.links = {name: (int(pid), str(dev)) for name, (pid, dev) in json.loads(spec).items()}
 
     def read(self) -> dict:
-        """{"links": {name: {"tx", "rx"}}} now, or {} when there is nothing to read (or a holder is gone)."""
+        """{"links": {name: {"tx", "rx"}}, "retrans": segments} now, or {} when there is nothing to read (or
+        a holder is gone). "retrans": the TCP segments every link namespace has sent again (a node's: its
+        ranks' retransmissions, which its links carry twice; a switch's: none), the links' bytes beyond
+        the messages' own."""
         if not self.links:
             return {}
-        out = {}
+        out, retrans = {}, {}
         for name, (pid, dev) in self.links.items():
             try:
                 stats = read_net_dev(pid)[dev]
-            except (OSError, KeyError):
+                retrans[pid] = read_tcp_retrans(pid)
+            except (OSError, KeyError, ValueError, IndexError):
                 return {}
             out[name] = {"rx": stats["rx"], "tx": stats["tx"]}
-        return {"links": out}
+        return {"links": out, "retrans": sum(retrans.values())}
 
 
 def read_net_dev(pid: int) -> dict[str, dict[str, int]]:
@@ -46,3 +51,12 @@ def read_net_dev(pid: int) -> dict[str, dict[str, int]]:
             v = rest.split()
             out[name.strip()] = {"rx": int(v[0]), "rx_packets": int(v[1]), "tx": int(v[8]), "tx_packets": int(v[9])}
     return out
+
+
+def read_tcp_retrans(pid: int) -> int:
+    """The TCP segments a process's network namespace has retransmitted (/proc/PID/net/snmp, Tcp
+    RetransSegs: counted in segments of at most one MSS each)."""
+    with open(f"/proc/{pid}/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    head, values = rows[0], rows[1]
+    return int(values[head.index("RetransSegs")])

@@ -9,6 +9,7 @@ from torch import nn
 from fivefold.comm import Group
 from fivefold.parallel.offload import DiskState, HostState
 from fivefold.parallel.zero_reduce import EachMicrobatch, OncePerStep, reduce_policy
+from fivefold.parallel.zero_spec import ZeroSpec
 from fivefold.parallel.zero_state import DeviceState, state_store
 from fivefold.parallel.zero_unit import Unit
 from fivefold.rules import block_units
@@ -27,9 +28,9 @@ def test_reduce_policy_by_stage_and_pipeline(stage, pipeline, each):
     under a pipeline needs units a chunk's backward completes: blocks (rules.block_units)."""
     if each and stage == 1:
         with pytest.raises(Exception, match="reduce_each_microbatch"):
-            reduce_policy(stage, pipeline, each)
+            reduce_policy(ZeroSpec(stage, pipeline, each))
         return
-    policy = reduce_policy(stage, pipeline, each)
+    policy = reduce_policy(ZeroSpec(stage, pipeline, each))
     once = stage == 1 or (pipeline and not each)
     assert isinstance(policy, OncePerStep if once else EachMicrobatch)
     assert policy.keeps_full_grads == once

@@ -19,7 +19,7 @@ Modes (`train.recompute`), for any layout:
   checkpoint, which is what the planner counts (plan/activations.py `full_recompute_peak`: each layer's
   input, 2·s·b·h in 16 bits, plus one layer's working set while it is re-run). The block's forward hooks
   (ZeRO-3's gather) stay outside the checkpoint: the block is re-run inside its own backward, after
-  ZeRO-3's pre-backward gather, so no extra all-gather (plan/traffic.py `zero3_gathers`: 2m per block).
+  ZeRO-3's pre-backward gather, so no extra all-gather (`ZeroSpec.gathers`: 2m per block).
 * "full" under the zero bubble schedule (zb, pp > 1): its split backward (I, then W) needs an ordinary
   graph of the weight-holding modules, so the pipeline runtime runs a chunk's F without autograd, keeps
   only the chunk's input and `rng_state`, and re-runs the whole chunk at I (chunk granularity: the

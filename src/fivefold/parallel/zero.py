@@ -73,11 +73,12 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .. import comm, rules
+from .. import comm
 from ..comm import Group
 from .engine import Engine, counted, decays, held, nbytes, unique_params
 from .zero_order import MAX_INFLIGHT
-from .zero_reduce import ReducePolicy, reduce_policy, streams_grads
+from .zero_reduce import ReducePolicy, reduce_policy
+from .zero_spec import ZeroSpec
 from .zero_stage import Stage3, ZeroStage
 from .zero_state import StateStore, state_store
 from .zero_unit import Unit, block_slots, bucket_units, modules_to_gather
@@ -94,18 +95,20 @@ class ZeroEngine(Engine):
                  decay_embeddings: bool = True):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+        # the setting, as the planner reads it too (zero_spec.py)
+        self.spec = spec = ZeroSpec(stage, pipeline, reduce_each_microbatch, offload, reshard_after_forward)
         self.model, self.pipeline = model, pipeline
-        self.policy: ReducePolicy = reduce_policy(stage, pipeline, reduce_each_microbatch)
+        self.policy: ReducePolicy = reduce_policy(spec)
         self.params = unique_params(model)
         self.names = {id(p): n for n, p in model.named_parameters()}
-        self.norm_group = groups[rules.grad_norm_group(stage)]   # shards differ on every rank
+        self.norm_group = groups[spec.norm_group()]   # shards differ on every rank
         self.param_dtype, self.device = self.params[0].dtype, self.params[0].device
         self.master_dtype, self.grad_dtype = master_dtype, grad_dtype or master_dtype
         self._sync = True
         self._inflight: list = []   # (unit, handle, reduced shard, source) not yet folded in
         self._hooks = []
         slots = []
-        if rules.block_units(stage, 2 if pipeline else 1, reduce_each_microbatch):
+        if spec.block_units:
             slots = block_slots(model, self.params, self.names, groups, pipeline)
             self.units = [u for slot in slots for u in slot]
         else:
@@ -114,7 +117,7 @@ class ZeroEngine(Engine):
             u.pos = j
             u.held = pipeline and any(held(p) for p in u.params)   # reduced once, after the tied sum
         self.unit_of = {p: u for u in self.units for p in u.params}
-        if stage == 3:
+        if spec.shards_params:
             modules = [holders for _, _, holders in modules_to_gather(model, self.params, pipeline)]
             self.stage: ZeroStage = Stage3(self.units, slots, modules, self.param_dtype, self.device, pipeline,
                                            self.policy.keeps_full_grads, reshard_after_forward)
@@ -126,8 +129,8 @@ class ZeroEngine(Engine):
         # ZeRO-Offload streams the gradients of the stages that shard them (2, 3) to the host in the backward
         self.state: StateStore = state_store(offload, self.units, decay, self.stage.param_shards, master_dtype,
                                              self.grad_dtype, make_optimizer, world.ledger, offload_dir,
-                                             world.global_rank(world.rank), offload == "nvme" and stage == 3,
-                                             streams_grads=streams_grads(stage, offload))
+                                             world.global_rank(world.rank), spec.params_on_disk,
+                                             streams_grads=spec.streams_grads)
         self.stage.use(self.state)
         self.grad_buffer_bytes = self.grad_buffer_peak = 0   # device: units' full gradients, results in flight
         # stage 1 keeps full gradients; its shard is its slice of them (the reduced values copied in)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .. import rules
+from .zero_spec import ZeroSpec
 
 
 class ReducePolicy(Protocol):
@@ -56,12 +56,11 @@ class OncePerStep:
         return sync
 
 
-def reduce_policy(stage: int, pipeline: bool, reduce_each_microbatch: bool) -> ReducePolicy:
-    """The policy of ZeRO `stage` (1, 2, 3), under a pipeline or not (`parallel.reduce_each_microbatch`)."""
-    rules.check_reduce_each_microbatch(reduce_each_microbatch, stage)
-    if stage == 1 or (pipeline and not reduce_each_microbatch):
+def reduce_policy(spec: ZeroSpec) -> ReducePolicy:
+    """The policy of a ZeRO setting (stage 1, 2, 3, under a pipeline or not, `each_microbatch`)."""
+    if spec.once_per_step:
         return OncePerStep()
-    return EachMicrobatch(pipeline)
+    return EachMicrobatch(spec.pipeline)
 
 
 # ZeRO-Offload's streamed gradients (parallel/offload.py): host buffers of the largest shard a reduced shard
@@ -69,9 +68,3 @@ def reduce_policy(stage: int, pipeline: bool, reduce_each_microbatch: bool) -> R
 # comes. The planner counts them in host memory (plan/buffers.py `offload_bytes`).
 LANDING = 2
 
-
-def streams_grads(stage: int, offload: str) -> bool:
-    """Whether the reduced gradient shards go to host memory during the backward (ZeRO-Offload, Ren et al.
-    2021): offloaded ("cpu", "nvme") stages that shard gradients (2, 3). ZeRO-1 keeps the whole gradient
-    on the device anyway; its shards are copied down at the step."""
-    return offload != "none" and stage >= 2

@@ -12,7 +12,7 @@ runtime's to the byte (tests/test_plan_memory.py measures it from the runtime's 
 
 Offload (`Layout.offload`, docs/plan.md "Offload"): the optimizer state leaves the device (`offloaded`)
 for host memory or a file (`offload_bytes`, the runtime's parallel/offload.py to the byte); the device's
-total no longer counts it, the row's `host` and `disk` do. ZeRO-3 with nvme (`params_on_disk`) moves the
+total no longer counts it, the row's `host` and `disk` do. ZeRO-3 with nvme (`ZeroSpec.params_on_disk`) moves the
 parameter shards to the file too: the device's `weights` are 0 (`offloaded_params`: what left), and only
 the gathered units `zero_buffers` replays hold parameters on the device.
 """
@@ -24,7 +24,6 @@ from .. import rules
 from ..parallel.zero_order import (MAX_INFLIGHT, backward_prefetch, backward_slots, forward_prefetch,
                                    frees_after_forward)
 from ..parallel.zero_reduce import LANDING
-from ..parallel.zero_reduce import streams_grads as _streams
 from ..shapes import padded, padded_vocab, shard_size
 from .activations import hidden_tensor_bytes, rank_tokens, routed_per_token
 from .layout import Layout, Workload, microbatches
@@ -194,10 +193,10 @@ def _replay_each_microbatch(slots: tuple, w: int, g: int, held: bool) -> int:
 
 @lru_cache(maxsize=16384)
 def _zero3_buffers(model: PlanModel, layout: Layout, stage: int, w: int, g: int, micro: int) -> int:
-    slots = zero3_slots(model, layout, stage)
-    if layout.pp > 1 and layout.reduce_each_microbatch:
-        return _replay_each_microbatch(slots, w if layout.zero >= 3 else 0, g, held_root(model, layout, stage))
-    if layout.pp > 1:
+    slots, z = zero3_slots(model, layout, stage), layout.zero_spec
+    if z.pipeline and z.each_microbatch:
+        return _replay_each_microbatch(slots, w if z.shards_params else 0, g, held_root(model, layout, stage))
+    if z.pipeline:
         return _replay_pipeline(slots, w, g, micro, head_first=stage == layout.pp - 1)
     return _replay_direct(slots, w, g, layout.reshard_after_forward, micro)
 
@@ -226,15 +225,16 @@ def zero_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     gradient; without offload the shards, g·Φ/n, dominate them and they are not counted). With
     `reduce_each_microbatch` under a pipeline (ZeRO-2 or 3) see `_replay_each_microbatch`: about
     w·(R + B) (ZeRO-3) + g·R (a tied root) + g·B + 2·g·(B + b), no full gradient."""
-    if layout.zero < 2:
+    z = layout.zero_spec
+    if not z.shards_grads:
         return 0.0
-    if layout.zero == 2 and layout.pp == 1 and streams_grads(layout):
+    if not z.shards_params and not z.pipeline and z.streams_grads:
         micro = min(microbatches(layout, work), 2)
         return float(_replay_buckets(offload_units(model, layout, work, stage), work.grad_bytes, micro))
-    if layout.zero == 3 or (layout.pp > 1 and layout.reduce_each_microbatch):
+    if z.block_units:   # ZeRO-3, or ZeRO-2 reducing every micro-batch under a pipeline
         micro = min(microbatches(layout, work), 2)
         return float(_zero3_buffers(model, _buffer_key(layout), stage, work.param_bytes, work.grad_bytes, micro))
-    if layout.pp == 1:
+    if not z.pipeline:
         return 0.0
     dense, expert = stage_params(model, layout, stage)
     return float(dense + expert) * work.grad_bytes
@@ -245,7 +245,7 @@ def zero_at_loss(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     (its gradient buffer comes with the head's backward, after the loss's) and, from the second
     micro-batch on, the previous one's last two reductions in flight (the root's and the first block's);
     elsewhere the step's peak (`zero_buffers`: under a pipeline the gradients accumulate all step)."""
-    if layout.zero != 3 or layout.pp > 1:
+    if not layout.zero_spec.shards_params or layout.zero_spec.pipeline:
         return zero_buffers(model, layout, work, stage)
     slots = zero3_slots(model, _buffer_key(layout), stage)
     w, g = work.param_bytes, work.grad_bytes
@@ -259,7 +259,7 @@ def zero_at_edge(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     """ZeRO's buffers while the embedding's (or head's) gradient is made: ZeRO-3 outside a pipeline holds
     no gathered block then (the step's peak has two), elsewhere the step's peak (`zero_buffers`)."""
     peak = zero_buffers(model, layout, work, stage)
-    if layout.zero != 3 or layout.pp > 1:
+    if not layout.zero_spec.shards_params or layout.zero_spec.pipeline:
         return peak
     blocks = sorted((sum(padded(*u) for u in slot) for slot in zero3_slots(model, _buffer_key(layout), stage)[1:]),
                     reverse=True)
@@ -286,17 +286,6 @@ def offload_units(model: PlanModel, layout: Layout, work: Workload, stage: int) 
     return tuple(units)
 
 
-def streams_grads(layout: Layout) -> bool:
-    """ZeRO-Offload's gradient streaming (parallel/zero_reduce.py `streams_grads`): with offload, ZeRO-2/3
-    send each reduced gradient shard to host memory during the backward and keep none on the device."""
-    return _streams(layout.zero, layout.offload)
-
-
-def params_on_disk(layout: Layout) -> bool:
-    """ZeRO-Infinity's parameter offload: ZeRO-3 with nvme keeps the parameter shards in the file between
-    uses (the state store `holds_params`: parallel/zero_state.py), read before each all-gather."""
-    return layout.offload == "nvme" and layout.zero == 3
-
 
 def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
     """What rank 0 of `stage` keeps off the device under `layout.offload`, as the runtime's offloaded state
@@ -307,10 +296,10 @@ def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) 
         cpu   host  Σ (3·mb + g + s)·k        master, exp_avg, exp_avg_sq, the reduced gradient shard, staging
         nvme  disk  Σ 3·mb·k                  master, exp_avg, exp_avg_sq in one file
               host  2·(3·mb + g + s)·k_max    two slots of the largest unit: the one updated, the one read ahead
-        ZeRO-2/3 (`streams_grads`), the gradients instead:
+        ZeRO-2/3 (`ZeroSpec.streams_grads`), the gradients instead:
               host  grads g·Σ k + LANDING·g·k_max   every reduced shard (streamed in during the backward,
                                                     both modes) and the buffers a shard lands in first
-        ZeRO-3 nvme, in addition (`params_on_disk`):
+        ZeRO-3 nvme, in addition (`ZeroSpec.params_on_disk`):
               disk  params Σ w·k              the parameter shards
               host  params w·k_max            the buffer a shard passes through on its way to an all-gather
     The device keeps ZeRO's weights (none with ZeRO-3 nvme) and gradients and no optimizer state."""
@@ -321,9 +310,9 @@ def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) 
     s = work.param_bytes if work.param_bytes != mb else 0
     shards = [shard_size(u, n) for u, n in offload_units(model, layout, work, stage)]
     k = sum(shards) if layout.offload == "cpu" else 2 * max(shards, default=0)
-    on_disk = params_on_disk(layout)
+    on_disk = layout.zero_spec.params_on_disk
     w = work.param_bytes
-    grads = g * (sum(shards) + LANDING * max(shards, default=0)) if streams_grads(layout) else g * k
+    grads = g * (sum(shards) + LANDING * max(shards, default=0)) if layout.zero_spec.streams_grads else g * k
     host = {"params": s * k + (w * max(shards, default=0) if on_disk else 0), "grads": grads, "optimizer": 3 * mb * k}
     disk = {"params": w * sum(shards) if on_disk else 0, "grads": 0,
             "optimizer": 3 * mb * sum(shards) if layout.offload == "nvme" else 0}

@@ -31,12 +31,13 @@ valid values; the rules are `fivefold.rules`', the ones `Config.validate` applie
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Callable, Literal
 
 from .. import rules
 from ..config import Config
 from ..grid import DEFAULT_ORDER, check_grids_agree, parse_order
+from ..parallel.zero_spec import ZeroSpec
 from ..rules import INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Offload, Recompute, ScheduleKind, SpMode, ZeroStage
 from ..parallel.pipeline.spec import Schedule
 from .models import PlanModel, cached_hash
@@ -95,6 +96,12 @@ class Layout:
     def seq_parallel(self) -> bool:
         """Whether activations between blocks are split over tp (Megatron SP with tp > 1)."""
         return self.sp_mode == "megatron" and self.tp > 1
+
+    @cached_property
+    def zero_spec(self) -> ZeroSpec:
+        """ZeRO's composition (stage, pipeline, reduce policy, offload, resharding), the value the runtime's
+        engine is built from (parallel/zero_spec.py)."""
+        return ZeroSpec.of(self)
 
     def short(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]

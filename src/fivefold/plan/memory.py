@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .activations import stage_activations
-from .buffers import (backward_scratch, edge_scratch, loss_scratch, offload_memory, params_on_disk, step_scratch,
-                      streams_grads, zero_at_edge, zero_at_loss, zero_buffers)
+from .buffers import (backward_scratch, edge_scratch, loss_scratch, offload_memory, step_scratch,
+                      zero_at_edge, zero_at_loss, zero_buffers)
 from .layout import Layout, Workload
 from .models import PlanModel
 from .units import candidate_stages, layout_layers, model_states, optimizer_bytes_per_param
@@ -61,9 +61,9 @@ def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     row["offloaded"] = row["offloaded_params"] = row["offloaded_grads"] = 0.0
     if layout.offload != "none":
         row["offloaded"], row["optimizer"] = row["optimizer"], 0
-    if streams_grads(layout):   # ZeRO-2/3 offload: the reduced shards go to the host during the backward
+    if layout.zero_spec.streams_grads:   # ZeRO-2/3 offload: the reduced shards go to the host during the backward
         row["offloaded_grads"], row["grads"] = row["grads"], 0
-    if params_on_disk(layout):
+    if layout.zero_spec.params_on_disk:
         row["offloaded_params"], row["weights"] = row["weights"], 0
     row.update(offload_memory(model, layout, work, stage))
     row["activations"] = stage_activations(model, layout, work, stage)

@@ -565,7 +565,7 @@ def mechanisms(layout: Layout) -> dict[str, str]:
     """The mechanisms a layout runs with, as the search chose them: the gradient reduction (once per
     step, or every micro-batch: ZeRO-2/3 without a pipeline always, under one with
     `reduce_each_microbatch`), recompute, and offload of ZeRO's optimizer state."""
-    each = layout.zero >= 2 and (layout.pp == 1 or layout.reduce_each_microbatch)
+    each = layout.zero_spec.reduces_each_microbatch
     return {"gradient reduction": "every micro-batch" if each else "once per step", "recompute": layout.recompute,
             "offload": layout.offload}
 

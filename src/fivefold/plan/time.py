@@ -41,7 +41,7 @@ Communication: a collective takes bytes_sent / (tier bandwidth / oversubscriptio
   bound at the host's bandwidth, `host_step_seconds`) updates it, the updated parameter shard goes back
   (h2d); nvme reads each unit's state ahead and writes it behind. `offload_exposed`: all of it is past
   the backward (the runtime copies after clipping), only the copies and updates of different units overlap;
-  ZeRO-2/3 stream the gradients down during the backward instead (`streams_grads`): only the last copy waits.
+  ZeRO-2/3 stream the gradients down during the backward instead (`ZeroSpec.streams_grads`): only the last copy waits.
   ZeRO-3 nvme also reads each parameter shard from disk and copies it up before each all-gather, on the
   gather's critical path (the host reads, copies up with a blocking copy, then issues the gather): every
   such read and copy is exposed, the slowest stage's (`stage_param_reads`).
@@ -66,8 +66,7 @@ from .layout import Layout, Workload, microbatches, schedule_of
 from .units import frozen_prefix_layers, frozen_share, held_root, layout_blocks, root_units, stage_layers, zero_units
 from .models import PlanModel
 from .topology import Topology
-from .buffers import streams_grads
-from .traffic import KIND, Flow, zero3_gathers, zero_reductions
+from .traffic import KIND, Flow
 
 SIMULATE_MAX_ACTIONS = 4096   # 2·p·m·v compute actions; longer schedules use the closed forms (speed)
 
@@ -305,7 +304,7 @@ def stage_grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, re
     if overlap >= 1.0:
         return reduction, gather
     rs, _, ag, _ = grad_totals(flows)
-    if layout.zero == 3 and layout.pp == 1:   # one figure for both (prefetched gathers and reductions)
+    if layout.zero_spec.shards_params and not layout.zero_spec.pipeline:   # one figure for both (prefetched gathers and reductions)
         return reduction + (1.0 - overlap) * max(0.0, rs + ag - reduction), gather
     return (reduction + (1.0 - overlap) * max(0.0, rs - reduction),
             gather + (1.0 - overlap) * max(0.0, ag - gather))
@@ -324,20 +323,20 @@ def _grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: 
     reductions, the per-micro-batch reduce-scatters) cost `share` of their time in slower compute at least
     (`interfered`); the once-per-step reduction, the part of it that runs beside the last backwards
     (`beside_backward`), not what runs in the drain, where the stage is idle."""
-    L = layout
+    L, z = layout, layout.zero_spec
     rs, calls, ag, ag_calls = grad_totals(flows)
-    if L.zero == 3:
-        if L.pp == 1:   # per micro-batch: gathers prefetched behind the previous unit's compute
+    if z.shards_params:
+        if not z.pipeline:   # per micro-batch: gathers prefetched behind the previous unit's compute
             return m * (interfered(max(0.0, ag / (2 * m) - t_f), ag / (2 * m), share)
                         + interfered(max(0.0, ag / (2 * m) + rs / m - t_b), ag / (2 * m) + rs / m, share)), 0.0
         gather = ag     # under a pipeline each use gathers, not prefetched (the next module is not known)
     else:               # ZeRO-1/2: the updated parameters, behind the next step's first forwards
         gather = gather_delay(first_use, ag, ag_calls) if L.overlap_param_gather else ag
-    if L.zero >= 2 and L.pp > 1 and L.reduce_each_microbatch and backwards:
+    if z.reduces_each_microbatch and z.pipeline and backwards:
         k = len(backwards)
         late = max(0.0, reduction_end(float("-inf"), [(t, d, rs / k, calls / k) for t, d in backwards]) - end)
         return interfered(late, rs, share), gather
-    if L.zero >= 2 and L.pp == 1:   # per micro-batch, behind its own backward
+    if z.reduces_each_microbatch and not z.pipeline:   # per micro-batch, behind its own backward
         return m * interfered(max(0.0, reduction_end(0.0, [(t_b, t_b, rs / m, calls / m)]) - t_b), rs / m, share), gather
     # once per step: buckets of each chunk as its last backward makes them final, or all at the end of
     # the stage's schedule (overlap_grad_reduce=False); either way inside the drain other stages still run
@@ -500,7 +499,7 @@ def stage_offload_exposed(flows: list[Flow], work: Workload, acc, streamed: int 
     nvme_write includes the parameter shards; the gathers' reads are `stage_param_reads`).
 
     `streamed` > 0: ZeRO-2/3 gradients streamed to the host during the backward, `streamed` copies per unit
-    (traffic.py `zero_reductions`; ZeRO-Offload, Ren et al. 2021, §4.1): each copy runs behind its bucket's
+    (`ZeroSpec.reductions`; ZeRO-Offload, Ren et al. 2021, §4.1): each copy runs behind its bucket's
     reduce-scatter while the backward goes on, so the step waits only for the last one (d2h / calls), and
     the host's step starts with every gradient in host memory. Taken as hidden: the backward makes a
     bucket's gradient no faster than PCIe moves its shard (true when PCIe bandwidth · backward time
@@ -528,13 +527,13 @@ def first_touch_bytes(model: PlanModel, layout: Layout, work: Workload, stage: i
     A host block of at least `rules.MMAP_THRESHOLD_BYTES` is mapped on its own and unmapped when freed
     (train/malloc.py), so every such block allocated anew is faulted in page by page on first touch. ZeRO-3
     frees each gathered unit and re-gathers it into a re-grown storage (parallel/zero_stage.py `free_bytes`,
-    `regather_buffer`) `traffic.zero3_gathers` times a step (the root once under a pipeline); ZeRO-2 and
+    `regather_buffer`) `ZeroSpec.gathers` times a step (the root once under a pipeline); ZeRO-2 and
     3 make each unit's whole gradient buffer (parallel/zero.py `_unit_grad`, zeroed) for every reduction
-    and free it after (`traffic.zero_reductions` a step). Units under the threshold come from the heap,
+    and free it after (`ZeroSpec.reductions` a step). Units under the threshold come from the heap,
     whose pages stay. Without ZeRO-2/3 nothing is fresh: DDP's buckets and ZeRO-1's gradients live for
     the run. Activations above the threshold are fresh too and are not counted here."""
-    L = layout
-    if L.zero < 2:
+    L, z = layout, layout.zero_spec
+    if not z.shards_grads:
         return 0.0, 0.0
     m = microbatches(L, work)
     gathered = grads = 0.0
@@ -545,11 +544,11 @@ def first_touch_bytes(model: PlanModel, layout: Layout, work: Workload, stage: i
         units = zero_units(model, L, work.grad_bytes, stage, expert)
         for i, u in enumerate(units):
             padded = shard_size(u, n) * n
-            if L.zero == 3 and padded * work.param_bytes >= rules.MMAP_THRESHOLD_BYTES:
-                gathered += padded * work.param_bytes * zero3_gathers(L, m, not expert and i < root)
+            if z.shards_params and padded * work.param_bytes >= rules.MMAP_THRESHOLD_BYTES:
+                gathered += padded * work.param_bytes * z.gathers(m, not expert and i < root)
             if padded * work.grad_bytes >= rules.MMAP_THRESHOLD_BYTES:
-                grads += padded * work.grad_bytes * zero_reductions(L, m, held=not expert and i < root
-                                                                    and held_root(model, L, stage))
+                grads += padded * work.grad_bytes * z.reductions(m, held=not expert and i < root
+                                                                 and held_root(model, L, stage))
     return gathered, grads
 
 
@@ -643,7 +642,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     out.compute_s = m * (compute_f[slow] + compute_b[slow])
     out.layer_comm_s = m * layer_comm[slow]
     out.first_touch_s = touch[slow]
-    each = L.pp > 1 and L.zero >= 2 and L.reduce_each_microbatch
+    each = L.zero_spec.pipeline and L.zero_spec.reduces_each_microbatch
     grads = []
     for j, flows in flows_by_stage.items():
         ready = chunk_ready(sim, schedule, L.pp, v, j, clock, cost_b, t_send)
@@ -662,7 +661,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         out.optimizer_s = 0.0 if work.fused_optimizer else \
             owned * (rules.EAGER_GRAD_NORM_BYTES + work.grad_bytes) / acc.hbm_bandwidth
         # each stage's host step follows its own reduction (r) and clipping; the step ends with the latest
-        streamed = zero_reductions(L, m) if streams_grads(L) else 0   # ZeRO-2/3: d2h during the backward
+        streamed = L.zero_spec.reductions(m) if L.zero_spec.streams_grads else 0   # ZeRO-2/3: d2h during the backward
         ends = [r + stage_offload_exposed(flows, work, acc, streamed) for (r, _), flows in zip(grads, flows_by_stage.values())]
         out.offload_s = max(0.0, max(ends) - max(r for r, _ in grads))
         # ZeRO-3 nvme: the parameter reads before the gathers, on the slowest stage's path

@@ -54,7 +54,7 @@ Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation eleme
   network tiers. Per ZeRO unit (shard of k elements) per step: "d2h" k·g (the reduced gradient shard),
   "h2d" k·w (the updated parameter shard); nvme adds "nvme_read" and "nvme_write" of 3·k·mb (master,
   exp_avg, exp_avg_sq). ZeRO-3 nvme keeps the parameter shards on disk: before each of the unit's G
-  all-gathers (`zero3_gathers`, the counts of the dp all_gather rows) "nvme_read" and "h2d" of k·w,
+  all-gathers (`ZeroSpec.gathers`, the counts of the dp all_gather rows) "nvme_read" and "h2d" of k·w,
   after the step "nvme_write" of k·w instead of the step's h2d. bytes sent = message (`comm.volume.copy`).
 """
 from __future__ import annotations
@@ -65,12 +65,11 @@ from functools import lru_cache
 
 from .. import grid
 from ..comm import volume
-from ..rules import (STEP_CHUNK, cp_degrees, grad_norm_group, kv_replicas, moe_capacity, moe_sequence_group,
+from ..rules import (STEP_CHUNK, cp_degrees, kv_replicas, moe_capacity, moe_sequence_group,
                      moe_sequence_parts, moe_splits_rows)
 from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
-from ..parallel.zero_reduce import reduce_policy
-from .buffers import offload_units, params_on_disk, streams_grads
+from .buffers import offload_units
 from .units import (exact_tensors, held_root, is_frozen, layer_names, layer_tensors, layout_blocks, lora_tensors,
                     mtp_blocks, owned_tagged, root_tensors, root_units,
                     stage_params, unit_sums, unit_tensors, zero_units)
@@ -335,7 +334,7 @@ def _tp_sync_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: in
     if not parts:
         return
     r = model_kv_replicas(model, L.tp)
-    n_zero = L.dp * L.cp if L.zero else 1
+    n_zero = L.dp * L.cp if L.zero_spec.shards_states else 1
     if n_zero > 1 and dp_rank is not None and exact_tensors(model):
         owned = owned_tagged(unit_tensors(model, L, w.grad_bytes, stage), n_zero, dp_rank)
         if not L.seq_parallel:
@@ -436,28 +435,6 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
         f.add("embed", "all_reduce", "embed", 2, emb * w.grad_bytes, 1)
 
 
-def zero3_gathers(L: Layout, m: int, root: bool) -> int:
-    """All-gathers of one ZeRO-3 unit per step on one rank (parallel/zero_stage.py `Stage3`), whatever the group
-    size (a group of one "gathers" too, a copy the ledger does not record): without a pipeline before each
-    micro-batch's forward and again before its backward (once with reshard_after_forward off), the root
-    unit included; under one, a block before every forward and backward it runs, the root unit once for
-    the step. Full recompute adds none: parallel/recompute.py re-runs a block inside its backward, after
-    its pre-backward gather (the chunk-level recompute of zb does not run with ZeRO-3)."""
-    if L.pp > 1:
-        return 1 if root else 2 * m
-    return (2 if L.reshard_after_forward else 1) * m
-
-
-def zero_reductions(L: Layout, m: int, held: bool = False) -> int:
-    """Reduce-scatters of one ZeRO unit per step on one rank (the runtime's reduce policy,
-    parallel/zero_reduce.py), whatever the group size: once (ZeRO-1; ZeRO-2/3 under a pipeline unless
-    reduce_each_microbatch; a held unit, a tied copy's, reduced after the copies' sum) or once per
-    micro-batch."""
-    if held or reduce_policy(L.zero, L.pp > 1, L.reduce_each_microbatch).keeps_full_grads:
-        return 1
-    return m
-
-
 def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, w: Workload, m: int,
                 units: tuple[int, ...], root: int = 0, held: bool = False) -> None:
     """Gradient reduction and ZeRO gathers for `params` parameters over n ranks: one call per bucket
@@ -468,43 +445,44 @@ def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, 
         return
     u = len(units) or 1
     r = w.reduce_bytes
-    if L.zero == 0:
+    z = L.zero_spec
+    if not z.shards_states:
         f.add_total(dim, "all_reduce", group, n, params * r, u)
         return
     padded = unit_sums(units, n)[0]
-    if L.pp > 1 and L.reduce_each_microbatch:
+    if z.pipeline and z.each_microbatch:
         # every micro-batch's backward reduce-scatters the units it completes; a held root (tied copy)
         # accumulates and goes once, after the copies' sum
         once = root if held else 0
         once_padded = unit_sums(units[:once], n)[0] if once else 0
         f.add_total(dim, "reduce_scatter", group, n, (once_padded + m * (padded - once_padded)) * r,
                     once + m * (u - once))
-        if L.zero == 2:
+        if not z.shards_params:
             f.add_total(dim, "all_gather", group, n, padded * w.param_bytes, u)
             return
-        per_use = zero3_gathers(L, m, False)
+        per_use = z.gathers(m)
         root_padded = unit_sums(units[:root], n)[0] if root else 0
         f.add_total(dim, "all_gather", group, n, (root_padded + per_use * (padded - root_padded)) * w.param_bytes,
                     root + per_use * (u - root))
         return
-    if L.zero == 1 or (L.zero == 2 and L.pp > 1):
+    if not z.shards_params and z.once_per_step:
         # once per step: ZeRO-1 always; ZeRO-2 under a pipeline accumulates over the micro-batches
         f.add_total(dim, "reduce_scatter", group, n, padded * r, u)
         f.add_total(dim, "all_gather", group, n, padded * w.param_bytes, u)
-    elif L.zero == 2:
+    elif not z.shards_params:
         f.add_total(dim, "reduce_scatter", group, n, m * padded * r, m * u)
         f.add_total(dim, "all_gather", group, n, padded * w.param_bytes, u)
-    elif L.pp > 1:
+    elif z.pipeline:
         # under a pipeline: each block gathered before every forward and backward it runs, the root
         # unit once for the step; each unit reduce-scattered once
-        per_use = zero3_gathers(L, m, False)
+        per_use = z.gathers(m)
         root_padded = unit_sums(units[:root], n)[0] if root else 0
         gathers = root + per_use * (u - root)
         f.add_total(dim, "all_gather", group, n, (root_padded + per_use * (padded - root_padded)) * w.param_bytes,
                     gathers)
         f.add_total(dim, "reduce_scatter", group, n, padded * r, u)
     else:  # gathered before each forward and (resharded after it) again before each backward
-        gathers = zero3_gathers(L, m, False)
+        gathers = z.gathers(m)
         f.add_total(dim, "all_gather", group, n, gathers * padded * w.param_bytes, gathers * u)
         f.add_total(dim, "reduce_scatter", group, n, m * padded * r, m * u)
 
@@ -533,7 +511,7 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
         f.add("moe_stats", "all_reduce", "world", group_size(L, "world"), model.layers * (model.experts + 1) * 8, 1)
     f.add("loss", "all_reduce", "pp", L.pp, 8, 1)      # only the last stage computed it
     # (dense gradients are reduced over dp×cp when cp > 1, expert ones over expert-dp when ep > 1)
-    norm_group = grad_norm_group(L.zero, only_dp=L.cp == 1 and L.ep == 1)
+    norm_group = L.zero_spec.norm_group(only_dp=L.cp == 1 and L.ep == 1)
     f.add("grad_norm", "all_reduce", norm_group, group_size(L, norm_group), 8, 1)
     # whether a stop signal arrived and the ranks' largest peak memory: two int64, max over the world
     # (train/trainer.py agree_stop)
@@ -570,7 +548,7 @@ def eval_stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: in
         to_next, to_prev = pp_hops(stage, L.pp, m, L.vpp)      # forward only: sends on, receives from before
         f.add("pp", "send", "pp", L.pp, act, to_next)
         f.add("pp", "recv", "pp", L.pp, act, to_prev)
-    if L.zero == 3:
+    if L.zero_spec.shards_params:
         _eval_gather_flows(f, model, L, work, stage, m)
     f.add("loss", "all_reduce", "dp_cp", L.dp * L.cp, 8, 1)
     f.add("loss", "all_reduce", "pp", L.pp, 8, 1)
@@ -607,7 +585,7 @@ def _eval_gather_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage
         padded = [unit_sums((u,), n)[0] for u in units]
         f.add_total("dp", "all_gather", "dp_cp", n, sum(g * p for g, p in zip(per_unit, padded)) * w.param_bytes,
                     sum(per_unit))
-    if params_on_disk(L):
+    if L.zero_spec.params_on_disk:
         shards = [shard_size(u, k) for u, k in offload_units(model, L, w, stage)]
         read = sum(g * k for g, k in zip(per_unit, shards)) * w.param_bytes
         f.add_copy("offload", "nvme_read", "nvme", read, sum(per_unit))
@@ -629,29 +607,29 @@ def _offload_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: in
     """Offload copies of one rank of `stage` in one step (parallel/offload.py): once per ZeRO unit
     (`buffers.offload_units`, shard k elements), "d2h" of the reduced gradient shard (k·g bytes) and "h2d"
     of the updated parameter shard (k·w); with nvme also "nvme_read" and "nvme_write" of the master,
-    exp_avg and exp_avg_sq (3·k·mb each way). ZeRO-2/3 stream the gradients (`buffers.streams_grads`):
-    a "d2h" of k·g after each of the unit's reduce-scatters (`zero_reductions`: m per step outside a
-    pipeline, 1 under one; a held root once), during the backward. ZeRO-3 nvme (`buffers.params_on_disk`):
+    exp_avg and exp_avg_sq (3·k·mb each way). ZeRO-2/3 stream the gradients (`ZeroSpec.streams_grads`):
+    a "d2h" of k·g after each of the unit's reduce-scatters (`ZeroSpec.reductions`: m per step outside a
+    pipeline, 1 under one; a held root once), during the backward. ZeRO-3 nvme (`ZeroSpec.params_on_disk`):
     no h2d after the step but an "nvme_write" of k·w, and before each of the unit's all-gathers
-    (`zero3_gathers`; the first `root` units are the root) an "nvme_read" and an "h2d" of k·w."""
+    (`ZeroSpec.gathers`; the first `root` units are the root) an "nvme_read" and an "h2d" of k·w."""
     if L.offload == "none":
         return
     units = offload_units(model, L, w, stage)
     shards = [shard_size(u, n) for u, n in units]
     k = sum(shards)
-    if streams_grads(L):
+    if L.zero_spec.streams_grads:
         held = held_root(model, L, stage)
-        copies = [zero_reductions(L, m, held and i < root) for i in range(len(shards))]
+        copies = [L.zero_spec.reductions(m, held and i < root) for i in range(len(shards))]
         f.add_copy("offload", "d2h", "pcie", sum(c * ku for c, ku in zip(copies, shards)) * w.grad_bytes, sum(copies))
     else:
         f.add_copy("offload", "d2h", "pcie", k * w.grad_bytes, len(units))
     if L.offload == "nvme":
         f.add_copy("offload", "nvme_read", "nvme", 3 * k * w.master_bytes, len(units))
         f.add_copy("offload", "nvme_write", "nvme", 3 * k * w.master_bytes, len(units))
-    if not params_on_disk(L):
+    if not L.zero_spec.params_on_disk:
         f.add_copy("offload", "h2d", "pcie", k * w.param_bytes, len(units))
         return
-    gathers = [zero3_gathers(L, m, i < root) for i in range(len(shards))]
+    gathers = [L.zero_spec.gathers(m, i < root) for i in range(len(shards))]
     read = sum(g * ku for g, ku in zip(gathers, shards)) * w.param_bytes
     f.add_copy("offload", "nvme_read", "nvme", read, sum(gathers))
     f.add_copy("offload", "h2d", "pcie", read, sum(gathers))
@@ -890,7 +868,7 @@ def _rank_flow_ranks(model: PlanModel, layout: Layout, work: Workload, order: st
     stage, and under ZeRO with tp > 1 each data-parallel index's (`_rank_flows`)."""
     L = layout
     n = L.dp * L.cp
-    per_dp = L.zero >= 1 and n > 1 and L.tp > 1
+    per_dp = L.zero_spec.shards_states and n > 1 and L.tp > 1
     dense, _ = grid.grid_sizes(L)
     dims = grid.parse_order(order)
     dp_cp = {r: g.index(r) for g in grid.spec_groups(L, "dp_cp", dims) for r in g}
@@ -909,7 +887,7 @@ def _rank_flows(model: PlanModel, layout: Layout, work: Workload):
     L = layout
     n = L.dp * L.cp
     ranks_per_stage = L.gpus // L.pp
-    per_dp = L.zero >= 1 and n > 1 and L.tp > 1
+    per_dp = L.zero_spec.shards_states and n > 1 and L.tp > 1
     for j in range(L.pp):
         if per_dp:
             yield from ((stage_flows(model, L, work, j, r), ranks_per_stage // n) for r in range(n))

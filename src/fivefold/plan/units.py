@@ -370,7 +370,7 @@ def zero_units(model: PlanModel, layout: Layout, grad_bytes: int, stage: int, ex
 
 def block_units(layout: Layout) -> bool:
     """ZeRO units are blocks plus a root unit (ZeRO-3; ZeRO-2 reducing every micro-batch under pp)."""
-    return rules.block_units(layout.zero, layout.pp, layout.reduce_each_microbatch)
+    return layout.zero_spec.block_units
 
 
 def root_units(model: PlanModel, layout: Layout, stage: int) -> int:

@@ -35,6 +35,10 @@ def test_by_hand():
     assert shared_cores_makespan(0.4, [0.3] * 4, 4.0) == pytest.approx(0.325)
     assert 0.4 / 2 <= shared_cores_makespan(0.4, [0.1] * 4, 2.0) and 0.1 <= shared_cores_makespan(0.4, [0.1] * 4, 2.0)
     assert shared_cores_makespan(0.4, [0.3] * 4, 1.0) == 0.4                  # a core each: unchanged
+    # 8 ranks on 2 cores (o = 4) in 2 stages: the bubble's busy stage has 4 ranks on the 2 cores, 2x not 4x
+    assert shared_cores_makespan(0.4, [0.3] * 2, 4.0, stages=2) == pytest.approx(0.35)
+    assert shared_cores_makespan(0.4, [0.3] * 4, 4.0, stages=4) == pytest.approx(0.325)
+    assert shared_cores_makespan(0.4, [0.3] * 4, 2.0, stages=4) == pytest.approx(0.35)
     assert ranks_per_core(4, 2) == 2.0 and ranks_per_core(2, 2) == 1.0 and ranks_per_core(2, 8) == 1.0
 
 

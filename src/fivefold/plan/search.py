@@ -218,7 +218,7 @@ class _Bound:
     placement of that dimension's group) and scaled. The tp gradient sync, pipeline sends, gradient
     reduction, step collectives and the optimizer count as 0. The bound is the minimum over v and the
     micro-batch size. Where local ranks share cores (`ranks_per_core` o > 1) a pipeline's bound is divided
-    by o, as `time.shared_cores_makespan` may divide its makespan."""
+    by min(o, pp), as `time.shared_cores_makespan` may divide its makespan."""
 
     SLACK = 1 - 1e-9   # floating-point sums in another order must not lift the bound above a real time
 
@@ -413,9 +413,9 @@ class _Bound:
                 if pp == 1:
                     t = m * c
                 elif schedule_for(v, self.schedule) == ZB:
-                    t = (m * c + (pp - 1) * min(f * tokens for *_, f in rows)) / self.shared
+                    t = (m * c + (pp - 1) * min(f * tokens for *_, f in rows)) / min(self.shared, pp)
                 else:
-                    t = c * (m + (pp - 1) / (v if schedule_for(v, self.schedule) == INTERLEAVED else 1)) / self.shared
+                    t = c * (m + (pp - 1) / (v if schedule_for(v, self.schedule) == INTERLEAVED else 1)) / min(self.shared, pp)
                 table[v, b] = t * self.SLACK
         return min(table.values()), table
 

@@ -552,24 +552,28 @@ def first_touch_bytes(model: PlanModel, layout: Layout, work: Workload, stage: i
     return gathered, grads
 
 
-def shared_cores_makespan(makespan: float, busy: list[float], ranks_per_core: float) -> float:
+def shared_cores_makespan(makespan: float, busy: list[float], ranks_per_core: float, stages: int = 0) -> float:
     """The pipeline's makespan when local ranks share cores (`Accelerator.ranks_per_core` = o > 1: N ranks
     on N/o cores, every rate measured with all N busy, so each action's cost is at 1/o of a core). The
     simulated makespan M is a rank's busy time B (the mean over stages of `busy`, at the shared rate) plus
     its bubble M − B. In the steady phase every rank is busy and shares its core; the bubble is the fill
-    and drain, where a rank waiting on a receive leaves its core to the few busy ones, which then run at a
-    whole core, o times faster (the kernel's scheduler is work-conserving). So the bubble shrinks by o:
+    and drain, where a rank waiting on a receive leaves its core to the few busy ones, which then run up
+    to o times faster (the kernel's scheduler is work-conserving). At least one stage's ranks, N/p of them,
+    are busy in the bubble, so they gain at most p: the bubble shrinks by s = min(o, p) (`stages` = p; 0:
+    o alone):
 
-        B + (M − B) / o
+        B + (M − B) / s
 
-    which lies between the two lower bounds, the cores' work B and the critical path at whole cores M / o
-    (the search's bound divides by o). Exact when no more ranks than cores are busy in fill and drain. The
-    bubble reported (the idle share of each rank's timeline) is the simulator's. o = 1 (a device or core
-    per rank): M unchanged."""
-    if ranks_per_core <= 1.0 or not busy:
+    which lies between the two lower bounds, the cores' work B and the critical path at whole cores M / s
+    (the search's bound divides by s). Exact when no more ranks than cores are busy in fill and drain. (8
+    ranks on 2 cores in two stages: in the bubble 4 ranks share the 2 cores, twice, not four times, the
+    calibrated rate.) The bubble reported (the idle share of each rank's timeline) is the simulator's.
+    o = 1 (a device or core per rank): M unchanged."""
+    speedup = min(ranks_per_core, stages) if stages else ranks_per_core
+    if speedup <= 1.0 or not busy:
         return makespan
     mean = min(makespan, sum(busy) / len(busy))
-    return mean + (makespan - mean) / ranks_per_core
+    return mean + (makespan - mean) / speedup
 
 
 def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
@@ -638,7 +642,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     # simulator's clock: exposure is measured on it, before shared cores shrink the makespan
     clock = out.pipeline_s
     out.pipeline_s = shared_cores_makespan(out.pipeline_s, [m * (cost_f[j] + cost_b[j]) for j in flows_by_stage],
-                                           acc.ranks_per_core)
+                                           acc.ranks_per_core, L.pp)
     out.compute_s = m * (compute_f[slow] + compute_b[slow])
     out.layer_comm_s = m * layer_comm[slow]
     out.first_touch_s = touch[slow]

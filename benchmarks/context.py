@@ -105,7 +105,7 @@ def deepspeed_core(model, rank, world, x, y, seq, batch):
     import deepspeed.comm as dist
     from deepspeed.sequence.layer import DistributedAttention
 
-    from fivefold.model.transformer import attention_core
+    from fivefold.model.attention import attention_core
 
     deepspeed.init_distributed(dist_backend="gloo")   # wraps torch's group; first call JIT-builds a shm op
     group = dist.new_group(ranks=list(range(world)))

@@ -14,7 +14,7 @@ import torch
 from fivefold.comm import CommLedger, volume
 from fivefold.config import Config, ConfigError, ParallelConfig
 from fivefold.mesh import ParallelMesh
-from fivefold.model.transformer import attention_core
+from fivefold.model.attention import attention_core
 from fivefold.parallel.context import ContextAttention, token_indices
 from fivefold.train.trainer import Trainer
 

@@ -390,7 +390,7 @@ def test_a_cuda_device_without_cuda_fails_at_start_in_one_line(tmp_path):
 def test_planned_memory_plans_the_attention_the_runtime_runs():
     """SDPA takes its fused kernel on the CPU too (causal, or with the document mask), which saves o and
     the log-sum-exp and no s x s scores: the plan of a run is the flash one on every device."""
-    from fivefold.model.transformer import attention_core
+    from fivefold.model.attention import attention_core
 
     q = torch.randn(1, 4, 64, 16, requires_grad=True)
     mask = torch.zeros(1, 64, dtype=torch.long)

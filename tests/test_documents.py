@@ -14,7 +14,7 @@ from fivefold.config import Config, ConfigError, ModelConfig, ParallelConfig
 from fivefold.mesh import ParallelMesh
 from fivefold.model import Transformer, loss_sum
 from fivefold.model.documents import Documents, document_positions
-from fivefold.model.transformer import attention_core
+from fivefold.model.attention import attention_core
 from fivefold.parallel.context import ContextAttention, token_indices
 from fivefold.tokenizer import load_tokenizer
 from fivefold.train.data import Batches, check_data, make_batches

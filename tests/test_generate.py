@@ -10,7 +10,7 @@ import torch
 
 from fivefold import cli
 from fivefold.tools.generate import Sampling, load_run, next_token, sample, sample_batch
-from fivefold.model.transformer import KVCache
+from fivefold.model.attention import KVCache
 from fivefold.tokenizer import load_tokenizer, save_to_run
 from fivefold.train import checkpoint
 from fivefold.train.trainer import Trainer

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fivefold.model import Transformer
-from fivefold.model.transformer import attention_core
+from fivefold.model.attention import attention_core
 
 from .helpers import assert_states_close, spawn_jobs, tiny_config
 from .test_data_parallel import reference, run_steps

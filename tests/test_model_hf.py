@@ -8,7 +8,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from fivefold.model import Transformer, loss_sum  # noqa: E402
-from fivefold.model.hf import config_from_hf, from_hf, hf_family, name_map, to_hf  # noqa: E402
+from fivefold.model.hf import from_hf, to_hf  # noqa: E402
+from fivefold.model.hf_map import config_from_hf, hf_family, name_map  # noqa: E402
 
 CONFIGS = [
     dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0),
@@ -211,7 +212,7 @@ def test_qwen2_moe_sparse_step_with_a_dense_prefix_is_supported():
 
 def test_export_refuses_models_without_a_family():
     from fivefold.config import ModelConfig
-    from fivefold.model.hf import hf_family
+    from fivefold.model.hf_map import hf_family
 
     base = dict(vocab=97, hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, experts=4, moe_ffn=32)
     assert hf_family(ModelConfig(**base)) == "mixtral"
@@ -337,7 +338,7 @@ def test_deepseek_v3_logits_grads_and_round_trip(case):
 
 def test_deepseek_v3_generate_with_cache_matches_full_forward():
     """The KV cache (per-head k, v) gives the logits of the full forward."""
-    from fivefold.model.transformer import KVCache
+    from fivefold.model.attention import KVCache
 
     ours = from_hf(hf_deepseek("q_lora")).eval()
     tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(2))

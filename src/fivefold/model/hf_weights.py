@@ -40,10 +40,10 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from ..rules import install_hint
-from .hf import PACKED_NAMES, name_map
+from ..safetensors_header import read_header
+from .hf_map import PACKED_NAMES, config_from_hf, name_map
 
 INDEX = "model.safetensors.index.json"
-MAX_HEADER = 100 * 2**20   # a safetensors header larger than this is refused (the format's own limit)
 SINGLE = "model.safetensors"
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 CODES = {v: k for k, v in DTYPES.items()}
@@ -125,25 +125,16 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = path
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-            if not 0 < n <= min(MAX_HEADER, size - 8):
-                raise ConfigError(f"{path} is not a safetensors file (header length {n})")
-            try:
-                header = json.loads(f.read(n))
-            except ValueError as e:
-                raise ConfigError(f"{path} is not a safetensors file ({e})") from None
-        if not isinstance(header, dict):
-            raise ConfigError(f"{path} is not a safetensors file (its header is not a JSON object)")
-        header.pop("__metadata__", None)
-        self.start = 8 + n
-        self.tensors = {}
-        for name, info in header.items():
-            self.tensors[name] = self._checked(name, info, size - self.start)
-        self._check_disjoint(header)
         self.fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(self.fd).st_size
+            header, self.start = read_header(self.fd, path, ConfigError)
+            header.pop("__metadata__", None)
+            self.tensors = {name: self._checked(name, info, size - self.start) for name, info in header.items()}
+            self._check_disjoint(header)
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def _check_disjoint(self, header: dict) -> None:
         """No two tensors share a byte: sorted by start, each begins at or after the previous one's end (what
@@ -313,8 +304,6 @@ def ignorable(name: str, cfg: ModelConfig) -> bool:
 
 def hf_config(folder: str | Path) -> ModelConfig:
     """Our ModelConfig from a Hugging Face folder's config.json (transformers fills the family's defaults)."""
-    from .hf import config_from_hf
-
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ConfigError(f"--init-hf {folder}: no config.json (a folder written by save_pretrained)")

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .transformer import LayerKV, RMSNorm, apply_rope, attend, attention_core
+from .attention import LayerKV, apply_rope, attend, attention_core
+from .layers import RMSNorm
 
 LATENT_NORM_EPS = 1e-6   # Hugging Face's DeepseekV3RMSNorm default, used by q_a_layernorm and kv_a_layernorm
 

@@ -86,3 +86,64 @@ class SwiGLU(nn.Module):
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
         x_bsh = self.enter(x_bsh)
         return self.down(silu_mul(self.gate(x_bsh), self.up(x_bsh)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """weight · (x / rms(x)) with the normalisation in fp32 (as Hugging Face's LlamaRMSNorm), storing for
+    the backward only x and the fp32 inverse rms per token, as fused RMSNorm kernels do (apex, Megatron):
+    autograd of the eager expression would keep x's fp32 copy and the normalised x as well (three
+    times x's bytes in bf16). The backward recomputes x / rms(x) and applies, step for step, the
+    gradients autograd would: the weight's product, the cast, the scaling, rsqrt, mean and square."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = x.float()
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, inv_rms)
+        return weight * (x32 * inv_rms).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, inv_rms = ctx.saved_tensors
+        x32 = x.float()
+        d_weight = None
+        if ctx.needs_input_grad[1]:
+            d_weight = (dy * (x32 * inv_rms).to(x.dtype)).sum_to_size(weight.shape)
+        d_x32 = (dy * weight).float()                                      # through the cast to x.dtype
+        d_mean = (d_x32 * x32).sum(-1, keepdim=True) * (-0.5) * inv_rms.pow(3)   # rsqrt
+        d_x32.mul_(inv_rms)                                                # through x32 · inv_rms
+        d_x32.addcmul_(x32, d_mean / x32.shape[-1], value=2)                # through the mean of squares
+        return d_x32.to(x.dtype), d_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class Dropout(nn.Module):
+    """Inverted dropout whose mask is drawn from `generator` (None: torch's default stream).
+
+    Parallel layouts hand it a generator so that masks agree across ranks that hold the same
+    activations and differ across ranks that hold different ones (see parallel/tensor.py)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.generator: torch.Generator | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        g = self.generator   # drawn where the generator lives (CPU for parallel layouts), so masks match any device
+        keep = (torch.rand(x.shape, generator=g, device=g.device if g is not None else x.device) >= self.p).to(x.device)
+        return x * keep.to(x.dtype) / (1.0 - self.p)

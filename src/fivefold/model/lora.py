@@ -41,7 +41,7 @@ class Adapter(nn.Module):
 
     def __init__(self, scale: float, dropout: float):
         super().__init__()
-        from .transformer import Dropout   # the model's dropout (tensor parallelism hands it its stream)
+        from .layers import Dropout   # the model's dropout (tensor parallelism hands it its stream)
 
         self.scale = scale
         self.drop = Dropout(dropout)

@@ -41,7 +41,7 @@ from torch import nn
 
 from .. import rules
 from ..comm.autograd import heads_to_seq, seq_to_heads
-from ..model.transformer import attention_core
+from ..model.attention import attention_core
 from .dimension import Dimension
 from .placement import place
 from .ring import ring_attention, zigzag_host

@@ -50,7 +50,7 @@ RECOMPUTE = ("none", "full", "selective")
 
 # -- random streams ----------------------------------------------------------------------------------
 def generators(module: nn.Module | None) -> list[torch.Generator]:
-    """The dropout generators of `module`'s submodules (model/transformer.py `Dropout.generator`)."""
+    """The dropout generators of `module`'s submodules (model/layers.py `Dropout.generator`)."""
     if module is None:
         return []
     return [m.generator for m in module.modules() if isinstance(getattr(m, "generator", None), torch.Generator)]

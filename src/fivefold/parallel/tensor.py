@@ -54,7 +54,8 @@ from ..comm.autograd import (GatherRows, ScatterRows, copy_to_tensor_region, gat
 from ..model.latent_attention import LatentAttention
 from ..model.lora import attach, low_rank
 from ..model.moe import MoE
-from ..model.transformer import IGNORE_INDEX, Dropout, Transformer
+from ..model.layers import Dropout
+from ..model.transformer import IGNORE_INDEX, Transformer
 from ..shapes import padded_vocab
 from .dimension import ShardedState
 from .placement import Shard, add_shard, place, placement_of

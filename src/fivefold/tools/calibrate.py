@@ -23,7 +23,7 @@ figures are then the median over repetitions and over ranks; collectives as in 2
    (`peak_tflops`) the median over the grid's shapes of FLOPs / (time − 3 · floor) (`gemm_curve`; one
    shape disturbed by a neighbour's burst does not move it): fp32, bf16 (CPU bf16 may be faster or slower
    than fp32), fp64. The plain median rate (the flat figure) is a comment. The attention core
-   (`model.transformer.attention_core`: causal SDPA, K/V heads repeated) forward + backward, FLOPs counted
+   (`model.attention.attention_core`: causal SDPA, K/V heads repeated) forward + backward, FLOPs counted
    as the planner counts them (forward 2·s·heads·(d_qk + d_v)/2 per token, backward twice that), is
    written beside it: `attention_tflops` (median; the planner charges attention FLOPs at it) and
    `attention_tflops_by_seq` (a record).
@@ -184,7 +184,7 @@ def _attention_step(batch: int, heads: int, kv_heads: int, seq: int, head_dim: i
     """Forward + backward of the model's attention core (causal), and its FLOPs."""
     import torch
 
-    from ..model.transformer import attention_core
+    from ..model.attention import attention_core
 
     q = torch.randn(batch, heads, seq, head_dim, requires_grad=True)
     k = torch.randn(batch, kv_heads, seq, head_dim, requires_grad=True)

@@ -10,7 +10,7 @@ one single-process `Transformer`. `load_hf(DIR)` loads a Hugging Face folder ins
 sampler (the same seed gives the same text from a run and from its export).
 
 Decoding: the prompt runs once, then one token at a time against the model's KV cache
-(model/transformer.py's `KVCache`); `use_cache=False` re-runs the whole sequence for every token (the
+(model/attention.py's `KVCache`); `use_cache=False` re-runs the whole sequence for every token (the
 reference the cache is tested against). MoE layers run dropless here, as in Hugging Face: capacity is a
 training-time limit, and per-step capacity would make the cached and uncached paths disagree.
 
@@ -43,7 +43,8 @@ import torch
 
 from ..config import ConfigError
 from ..rules import install_hint
-from ..model.transformer import KVCache, Transformer
+from ..model.attention import KVCache
+from ..model.transformer import Transformer
 from ..train import checkpoint, rundir
 
 

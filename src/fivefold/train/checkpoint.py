@@ -411,7 +411,7 @@ def export_hf(path: str | Path, dest: str | Path, max_shard_bytes: int = DEFAULT
     by the model's config (model/hf.py). Streamed tensor by tensor from the chunk files: one Hugging
     Face tensor is held at a time (a packed expert gate_up_proj: both halves). Needs `transformers`
     for the config; never writes into a non-empty folder."""
-    from ..model.hf import config_to_hf, name_map, packed_map
+    from ..model.hf_map import config_to_hf, name_map, packed_map
     from ..model.hf_weights import write_sharded
 
     dest = Path(dest)
@@ -464,7 +464,7 @@ def export_peft(path: str | Path, dest: str | Path) -> Path:
     Hugging Face's names, bias "none", the base folder train.init_hf) and adapter_model.safetensors with
     `base_model.model.<Hugging Face module>.lora_A.weight` / `.lora_B.weight`. Never writes into a
     non-empty folder."""
-    from ..model.hf import name_map
+    from ..model.hf_map import name_map
     from ..model.hf_weights import stream_safetensors
     from ..rules import HF_LORA_TARGETS
 

@@ -36,13 +36,13 @@ from pathlib import Path
 
 from ..config import Config, ConfigError
 from ..rules import is_adapter
+from ..safetensors_header import read_header as read_header_of
 from . import rundir
 
 CLAIMS = "fivefold_claims"   # rank 0's safetensors metadata: the index's claims, as canonical JSON
 CLAIMED = ("step", "config", "world_size", "opt_t", "skips", "data")
 SECTIONS = ("model", "exp_avg", "exp_avg_sq", "buffers")
 RANK_FILE = re.compile(r"rank-(\d{5})\.safetensors")
-MAX_HEADER = 100_000_000     # bytes; safetensors' own limit
 # safetensors dtype names -> torch's (the index's names) and item sizes
 DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
           "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
@@ -110,23 +110,13 @@ def read_header(path: str | Path) -> dict:
     fd = open_plain(path)
     try:
         size = os.fstat(fd).st_size
-        first = os.pread(fd, 8, 0)
-        n = int.from_bytes(first, "little") if len(first) == 8 else -1
-        if not 2 <= n <= min(MAX_HEADER, size - 8):
-            raise Bad(f"{path} is not a safetensors file (header length {n}, file size {size})")
-        raw = os.pread(fd, n, 8)
+        header, start = read_header_of(fd, path, Bad)
     finally:
         os.close(fd)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError):
-        raise Bad(f"{path} is not a safetensors file (its header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise Bad(f"{path} is not a safetensors file (its header is not an object)")
     meta = header.get("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise Bad(f"{path}: header metadata is not a table of strings")
-    _check_tiling(path, {k: v for k, v in header.items() if k != "__metadata__"}, size - 8 - n)
+    _check_tiling(path, {k: v for k, v in header.items() if k != "__metadata__"}, size - start)
     return header
 
 

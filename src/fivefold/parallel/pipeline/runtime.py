@@ -56,7 +56,7 @@ from torch import nn
 from ... import comm
 from ...comm import Group
 from ...model.documents import documents_of
-from ...model.transformer import rope_cos_sin
+from ...model.attention import rope_cos_sin
 from ..placement import full_shape, place, placement_of
 from ..recompute import RECOMPUTE, apply_recompute, rng_state, set_rng_state
 from .partition import Partition

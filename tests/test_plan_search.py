@@ -45,6 +45,12 @@ def test_fixed_degrees_are_kept_and_rules_reported():
     assert any("global_batch (12) must divide by dp*micro_batch" in why for why in rules)
 
 
+def test_a_fixed_key_the_search_does_not_hold_is_refused():
+    """`fixed` keys are the layout choices the search varies (SEARCHED); a misspelt one is not ignored."""
+    with pytest.raises(ValueError, match="valid keys: tp, pp"):
+        search(PRESETS["llama3-8b"], Workload(seq=4096, global_batch=16), TOPOLOGIES["dgx-h100"], 8, fixed={"t": 2})
+
+
 def test_search_best_matches_its_estimate_and_moe_searches_ep():
     w = Workload(seq=4096, global_batch=256)
     res = search(PRESETS["mixtral-8x7b"], w, TOPOLOGIES["dgx-h100"], 64, top=2)

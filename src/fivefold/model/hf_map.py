@@ -68,7 +68,6 @@ SHARED_NAMES = {
 SHARED_GATE_NAMES = {"mlp.shared_gate.weight": "mlp.shared_expert_gate.weight"}
 # Hugging Face's packed tensor -> our tensors, concatenated along dim 1
 PACKED_NAMES = {"mlp.experts.gate_up_proj": ("mlp.experts.w_gate", "mlp.experts.w_up")}
-LAYER_NAMES = {**ATTN_NAMES, **DENSE_NAMES}   # a dense (Llama) layer
 # DeepSeek-V3: latent attention (model/latent_attention.py), shared experts named "shared_experts"
 MLA_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",

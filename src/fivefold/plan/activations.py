@@ -10,7 +10,7 @@ Models", §4): per layer, for s·b tokens, GPT-3 style (GeLU, dropout, 16-bit):
     full recompute           2·s·b·h per layer (/t with sequence parallel), plus one layer's working
                              set or the head's tensors, whichever is larger (`full_recompute_peak`)
 
-`layer_activation_bytes` derives these constants from the layer's tensors instead of hard-coding 34, so
+`layer_acts` derives these constants from the layer's tensors instead of hard-coding 34, so
 Llama-style layers (SwiGLU, GQA, RMSNorm, no dropout) and MoE layers get their own; on the GPT-3 shape it
 reproduces the table exactly (tests/test_plan_literature.py). Context parallelism (ring or Ulysses)
 divides the tokens a rank holds by cp. Pipeline schedules multiply by the micro-batches in flight:
@@ -157,13 +157,6 @@ def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1, recompute_
     per_expert = n_act * 1 if fp8 else (n_act + 1) * e              # FP8: activation output recomputed
     acts.sharded += (k + model.shared_experts) * per_expert * model.moe_ffn
     return acts
-
-
-def layer_activation_bytes(model: PlanModel, i: int, layout: Layout, work: Workload, tokens: float) -> float:
-    """Stored activation bytes of layer i for `tokens` tokens on one rank (without recompute storage)."""
-    a = layer_acts(model, i, work, layout.tp, layout.recompute_norm_mla)
-    with_scores = not work.flash and layout.recompute == "none"
-    return tokens * a.per_rank(layout.tp, layout.seq_parallel, with_scores)
 
 
 def korthikanti(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none") -> float:

@@ -500,6 +500,9 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
     bound=False)."""
     t0, c0 = _time.perf_counter(), _time.process_time()
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
+    unknown = sorted(set(fixed) - set(SEARCHED))
+    if unknown:
+        raise ValueError(f"search: {unknown} are not layout choices the search holds; valid keys: {', '.join(SEARCHED)}")
     bound = bound and top >= 1
     if not 1 <= gpus <= MAX_GPUS:
         raise ConfigError(f"gpus must be between 1 and {MAX_GPUS} (the planner's limit), got {gpus}; "

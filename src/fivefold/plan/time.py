@@ -132,12 +132,6 @@ def _light_weights(model: PlanModel, layout: Layout) -> int:
         model.kv_lora_rank * model.heads * (model.qk_nope_dim + model.v_head_dim)
 
 
-def stage_forward_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) -> tuple[float, float]:
-    """(all, attention-core) forward FLOPs of one micro-batch on one rank of `stage`."""
-    lin, attn, head = stage_flops(model, layout, work, stage)
-    return lin + attn + head, attn
-
-
 @lru_cache(maxsize=4096)
 def _stage_active_weights(model: PlanModel, pp: int, vpp: int, partition: str) -> tuple:
     """Per stage, (layer weights, LM-head weights) one token multiplies by (top_k routed experts; the head

@@ -224,7 +224,6 @@ def layer_names(model: PlanModel, i: int) -> list[str]:
     return out + (["mlp.shared_gate.weight"] if model.shared_expert_gate else [])
 
 
-COLUMN_TARGETS = ("wq", "wk", "wv", "gate", "up")   # column-parallel layers (the rest, wo and down, by rows)
 
 
 def lora_tensors(model: PlanModel, moe: bool, tp: int) -> list[tuple[int, bool, str]]:

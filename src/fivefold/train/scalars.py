@@ -20,7 +20,6 @@ from pathlib import Path
 from ..config import ConfigError
 
 FOLDER = "tensorboard"
-SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s")
 OPTIONAL_SCALARS = ("tflops", "mfu", "expert_imbalance", "dropped_fraction")   # where the record has them
 EVAL_SCALARS = ("eval_loss", "eval_ppl")   # only at the steps that evaluate
 

@@ -171,20 +171,6 @@ def interleaved_table(microbatches: int, vpp: int, group: int) -> list[tuple[int
     return table
 
 
-def interleaved_step(k: int, pp: int, vpp: int, forward: bool, group: int = 0,
-                     microbatches: int | None = None) -> tuple[int, int]:
-    """The k-th forward (or backward) on a rank in Megatron's interleaved order: (micro-batch, local chunk).
-    Micro-batches go in groups of `group` (0: pp) through local chunk 0, then chunk 1, ...; backwards
-    visit the local chunks in reverse. A last, shorter group needs `microbatches`."""
-    n = group or pp
-    if microbatches is not None and microbatches % n:
-        mb, local = interleaved_table(microbatches, vpp, n)[k]
-    else:
-        g, within = divmod(k, n * vpp)
-        mb, local = g * n + within % n, within // n
-    return mb, (local if forward else vpp - 1 - local)
-
-
 def interleaved_order(pp: int, microbatches: int, vpp: int, group: int = 0) -> list[list[Action]]:
     """Megatron interleaved 1F1B: (pp-r-1)*2 + (vpp-1)*N warm-up forwards on rank r, then one forward one
     backward, then cooldown backwards; N = `group` micro-batches per group (0: pp; see

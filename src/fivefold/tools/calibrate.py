@@ -75,11 +75,12 @@ figures are then the median over repetitions and over ranks; collectives as in 2
    batched P2P, waiting on receives, a sleeping rank waking late). The planner adds it to each action.
 7. Shared cores (`ranks_per_core`): N ranks over the cores this process may use (its affinity), at least
    1. Every rate above is measured with all N ranks busy; with more ranks than cores, a pipeline rank
-   idle in its bubble leaves its core to the busy ones, which the planner counts (`time.shared_cores_makespan`).
+   idle in its bubble leaves its core to the busy ones, which the planner counts (`time.shared_cores_makespan`:
+   a bubble up to min(ranks_per_core, pp) times faster).
 8. First touch (`fresh_gbps`): filling a fresh 8 MiB block, above the mmap threshold the ranks fix
-   (train/malloc.py), so each is a new mapping whose pages the kernel faults in on first write (on this
-   VM 2.1 GB/s against 74 GB/s for the same fill of warm memory). The planner charges ZeRO-2/3's blocks
-   made anew each step at it (`time.first_touch_bytes`).
+   (train/malloc.py), so each is a new mapping whose pages the kernel faults in on first write, far
+   slower than the same fill of warm memory (docs/plan.md, "First touch"). The planner charges ZeRO-2/3's
+   blocks made anew each step at it (`time.first_touch_bytes`).
 
 The peaks written are achieved rates, not datasheet peaks: plan with `--efficiency 1.0` against this
 topology (the TOML says so).

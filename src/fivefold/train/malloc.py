@@ -3,15 +3,15 @@
 PyTorch's CPU allocator is the C library's malloc. glibc maps a block of at least M_MMAP_THRESHOLD bytes
 on its own and unmaps it on free, but by default it raises that threshold to the size of every mapped
 block freed (up to 32 MiB), so after the first step the blocks a step makes and frees (ZeRO-3's gathered
-units, gradient buckets, the optimizer's scratch) come from its heap and stay resident once freed: a ZeRO-3
-rank held 1.7-2x the bytes of its live tensors (tests/test_start_memory.py). Fixing the threshold at
+units, gradient buckets, the optimizer's scratch) come from its heap and stay resident once freed, well
+beyond the bytes of its live tensors (tests/test_start_memory.py holds the bound). Fixing the threshold at
 `rules.MMAP_THRESHOLD_BYTES` keeps large blocks mapped, so what is resident is what the planner counts; the
 cost is the kernel's page faults on each new large block, activations included (2 MiB sits above a small
 model's per-layer activations; `rules.MMAP_THRESHOLD_BYTES` says what the planner charges for it).
 
-Only ranks that shard their model state fix it (`rules.pins_mmap_threshold`, called by the Trainer): one rank
-of the plain loop's model (benchmarks/one_rank.py, Qwen2 hidden 256, 8 x 256 tokens) took 1.18x (fp32) and
-1.12x (bf16) the loop's step with it and 1.04x / 0.99x without, at 0.83 of the loop's peak RSS either way.
+Only ranks that shard their model state fix it (`rules.pins_mmap_threshold`, called by the Trainer): a
+rank holding the whole model gains nothing from it and pays the faults (benchmarks/README.md, "One rank
+against the plain transformers loop").
 
 A user's own MALLOC_MMAP_THRESHOLD_ (glibc's environment tuning) is left as it is, and so is a C
 library without mallopt."""

@@ -113,3 +113,22 @@ def test_evaluation_and_generation_do_not_checkpoint():
         assert torch.equal(plain(x_bs), full(x_bs))
     with pytest.raises(ValueError, match="recompute must be one of"):
         apply_recompute(full, "some")
+
+
+def test_dropout_keeps_one_byte_masks_and_the_plan_counts_them():
+    """Residual dropout (model.dropout > 0) keeps a boolean mask per branch for the backward, one byte an
+    element (model/layers.py `Dropout`): two per layer, h bytes a token each, which the planner counts
+    (`from_model_config` carries dropout; plan/activations.py); the ActivationMeter's peak rises by them."""
+    peaks, planned = {}, {}
+    for p in (0.0, 0.1):
+        c = tiny_config()
+        c.model.layers, c.model.dropout = 4, p
+        tr = Trainer(c, 0, 1, quiet=True)
+        tr.step(0)
+        peaks[p], planned[p] = tr.activations.peak, planned_memory(c)["stages"][0]["activations"]
+    c = tiny_config()
+    tokens = c.train.global_batch // c.parallel.microbatches * c.train.seq_len
+    masks = 4 * 2 * c.model.hidden * tokens
+    assert planned[0.1] - planned[0.0] == masks
+    assert peaks[0.1] - peaks[0.0] == masks
+    assert planned[0.1] == pytest.approx(peaks[0.1], rel=0.10)

@@ -130,8 +130,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
+class _MaskedScale(torch.autograd.Function):
+    """x · keep / (1 − p), keeping only the boolean mask for the backward (one byte an element, as
+    Megatron's dropout does and the planner counts: plan/activations.py), not a copy of it in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, keep, p: float):
+        ctx.save_for_backward(keep)
+        ctx.p = p
+        return x * keep.to(x.dtype) / (1.0 - p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return grad * keep.to(grad.dtype) / (1.0 - ctx.p), None, None
+
+
 class Dropout(nn.Module):
-    """Inverted dropout whose mask is drawn from `generator` (None: torch's default stream).
+    """Inverted dropout whose mask is drawn from `generator` (None: torch's default stream); the backward
+    keeps the boolean mask only.
 
     Parallel layouts hand it a generator so that masks agree across ranks that hold the same
     activations and differ across ranks that hold different ones (see parallel/tensor.py)."""
@@ -146,4 +163,4 @@ class Dropout(nn.Module):
             return x
         g = self.generator   # drawn where the generator lives (CPU for parallel layouts), so masks match any device
         keep = (torch.rand(x.shape, generator=g, device=g.device if g is not None else x.device) >= self.p).to(x.device)
-        return x * keep.to(x.dtype) / (1.0 - self.p)
+        return _MaskedScale.apply(x, keep, self.p)

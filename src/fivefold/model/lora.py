@@ -33,6 +33,7 @@ from torch import nn
 
 from ..rules import check_lora_targets, frozen_by, is_adapter, lora_scale
 from .init import normal_rows
+from .layers import Dropout
 
 
 class Adapter(nn.Module):
@@ -41,8 +42,6 @@ class Adapter(nn.Module):
 
     def __init__(self, scale: float, dropout: float):
         super().__init__()
-        from .layers import Dropout   # the model's dropout (tensor parallelism hands it its stream)
-
         self.scale = scale
         self.drop = Dropout(dropout)
 

@@ -332,6 +332,7 @@ def from_model_config(cfg: ModelConfig, name: str = "custom", train=None) -> Pla
                      experts=cfg.experts, top_k=cfg.top_k if cfg.experts else 1,
                      moe_ffn=cfg.moe_ffn or cfg.ffn, shared_experts=cfg.shared_experts,
                      dense_layers=cfg.dense_layers, qkv_bias=cfg.qkv_bias, shared_expert_gate=cfg.shared_expert_gate,
+                     dropout=cfg.dropout > 0,
                      q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_dim=cfg.qk_nope_dim,
                      qk_rope_dim=cfg.qk_rope_dim, v_head_dim=cfg.v_head_dim)
 

@@ -140,27 +140,12 @@ def live_bytes(saved=None):
 
 def model_of_preset(name: str):
     """Our ModelConfig for a planner preset or a Hugging Face config.json (`fivefold plan --model`), when
-    the runtime builds that architecture (a Llama-style decoder: gated MLP, RMSNorm, rotary, no biases
-    but q/k/v's; grouped-query or latent attention). DeepSeek-V3's score-correction bias makes the router
-    sigmoid_bias (the bias a buffer, as in the runtime); its routing groups and scaling factor change no
-    shape and are left at their defaults."""
-    from dataclasses import replace
+    the runtime builds that architecture (`plan.models.to_model_config`: one field table both ways).
+    DeepSeek-V3's score-correction bias makes the router sigmoid_bias (the bias a buffer, as in the
+    runtime); its routing groups and scaling factor change no shape and are left at their defaults."""
+    from .plan.models import load_model, to_model_config
 
-    from .config import ModelConfig
-    from .plan.models import load_model
-
-    m = load_model(name)
-    if (m.mlp, m.norm, m.linear_bias, m.learned_pos, m.parallel_residual) != ("swiglu", "rms", False, False, False):
-        raise ConfigError(f"--model {name}: the runtime builds Llama-style decoders (gated MLP, RMSNorm, rotary); "
-                          f"this one is not (plan it with fivefold plan)")
-    cfg = ModelConfig(vocab=m.vocab, hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, ffn=m.ffn,
-                      tie_embeddings=m.tie_embeddings, max_seq=m.max_seq, qkv_bias=m.qkv_bias,
-                      experts=m.experts, top_k=m.top_k if m.experts else 2, moe_ffn=m.moe_ffn if m.experts else 0,
-                      shared_experts=m.shared_experts, dense_layers=m.dense_layers,
-                      shared_expert_gate=m.shared_expert_gate, router="sigmoid_bias" if m.router_bias else
-                      "softmax_topk_norm", q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
-                      qk_nope_dim=m.qk_nope_dim, qk_rope_dim=m.qk_rope_dim, v_head_dim=m.v_head_dim)
-    return replace(cfg)
+    return to_model_config(load_model(name), where=f"--model {name}")
 
 
 # What a dry run costs this process, fitted on a 2-core machine (torch 2.13, FakeTensorMode; README "Will it

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields, replace
+from typing import Any, Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -320,21 +321,100 @@ PRESETS: dict[str, PlanModel] = {
 }
 
 
+# -- one model, two descriptions ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelField:
+    """What the planner makes of one `ModelConfig` field: the `PlanModel` field it becomes (`plan`; None:
+    it changes no shape, FLOP or byte the planner counts, `why`), how its value is read from the whole
+    config (`to_plan`; default: the field's own value) and back (`to_runtime`; default: the PlanModel
+    field's value, or ModelConfig's default where `plan` is None and no `to_runtime` is given)."""
+
+    plan: str | None
+    to_plan: Callable[[ModelConfig], Any] | None = None
+    to_runtime: Callable[["PlanModel"], Any] | None = None
+    why: str = ""
+
+
+def _same(name: str) -> ModelField:
+    return ModelField(name)
+
+
+def _runtime_only(why: str) -> ModelField:
+    return ModelField(None, why=why)
+
+
+_RUNTIME_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
+
+# Every ModelConfig field and what the planner reads of it; tests/test_plan_model_fields.py fails when
+# ModelConfig gains a field without a row here, or PlanModel one that is neither made here nor in PLAN_ONLY.
+MODEL_FIELDS: dict[str, ModelField] = {
+    **{name: _same(name) for name in (
+        "vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "tie_embeddings", "max_seq", "experts",
+        "shared_experts", "dense_layers", "shared_expert_gate", "qkv_bias", "q_lora_rank", "kv_lora_rank",
+        "qk_nope_dim", "qk_rope_dim", "v_head_dim")},
+    # a dense model routes nothing: the planner's top_k is then 1, the runtime keeps its own default
+    "top_k": ModelField("top_k", lambda c: c.top_k if c.experts else 1,
+                        lambda m: m.top_k if m.experts else _RUNTIME_DEFAULTS["top_k"]),
+    # the runtime's 0 means "ffn"; the planner's width is explicit
+    "moe_ffn": ModelField("moe_ffn", lambda c: (c.moe_ffn or c.ffn) if c.experts else 0,
+                          lambda m: m.moe_ffn if m.experts else 0),
+    # DeepSeek-V3's score-correction bias: in the runtime a buffer per expert (the sigmoid_bias router's:
+    # no gradient, no optimizer state, no reduction); a planned model's router_bias counts it with the
+    # weights, as Hugging Face's checkpoints hold it, so a runtime model plans without it
+    "router": ModelField(None, to_runtime=lambda m: "sigmoid_bias" if m.router_bias else _RUNTIME_DEFAULTS["router"],
+                         why="the sigmoid router's bias is a buffer: nothing the planner counts as trained state"),
+    # residual dropout keeps a boolean mask per branch (model/layers.py); a planned model's dropout
+    # becomes no rate the runtime could use, so it trains without
+    "dropout": ModelField("dropout", lambda c: c.dropout > 0, lambda m: _RUNTIME_DEFAULTS["dropout"]),
+    "rope_theta": _runtime_only("the rotary base: the same FLOPs and bytes for any value"),
+    "norm_eps": _runtime_only("numerics only"),
+    "init_std": _runtime_only("initialisation only"),
+    "rope_interleave": _runtime_only("the order of RoPE's pairs: the same work"),
+    "router_groups": _runtime_only("group-limited routing picks experts, it moves no more tokens (planned "
+                                   "balanced); node-limited dispatch is the planner's Workload option"),
+    "router_group_limit": _runtime_only("as router_groups"),
+    "capacity_factor": _runtime_only("read as Workload.capacity_factor (plan/layout.py from_config): how "
+                                     "many rows an expert takes is the batch's, not the model's"),
+    "aux_loss_coef": _runtime_only("a loss weight"),
+    "z_loss_coef": _runtime_only("a loss weight"),
+    "bias_update_rate": _runtime_only("the expert bias's step size"),
+    "routed_scaling_factor": _runtime_only("a scale on the routed experts' weights"),
+}
+
+# PlanModel fields no ModelConfig field makes, and the value the runtime's architecture has (a model
+# the runtime builds must have it: `to_model_config`), or None where the run's train config gives it.
+PLAN_ONLY: dict[str, Any] = {
+    "name": None,                 # a label
+    "mlp": "swiglu", "norm": "rms", "linear_bias": False, "learned_pos": False, "parallel_residual": False,
+    "mtp_depth": None,            # DeepSeek-V3's multi-token prediction: planned, not built (left out)
+    "router_bias": None,          # the runtime's model.router (sigmoid_bias) holds it as a buffer
+    "lora_rank": None, "lora_targets": None, "frozen": None,   # train.lora_rank, lora_targets, freeze
+}
+
+
 def from_model_config(cfg: ModelConfig, name: str = "custom", train=None) -> PlanModel:
-    """The planner's view of our own runtime model (Llama-style; MoE and latent-attention fields carried over);
-    with the run's `train` config, its LoRA adapters (train.lora_rank, lora_targets) too."""
+    """The planner's view of our own runtime model, field by field from MODEL_FIELDS; with the run's
+    `train` config, its LoRA adapters (train.lora_rank, lora_targets) or frozen weights (train.freeze)."""
     lora = dict(lora_rank=train.lora_rank, lora_targets=rules.check_lora_targets(train.lora_targets)) \
         if train is not None and train.lora_rank else {}
     if train is not None and train.freeze and not train.lora_rank:
         lora["frozen"] = tuple(train.freeze)
-    return PlanModel(**lora, name=name, vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
-                     kv_heads=cfg.kv_heads, ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, max_seq=cfg.max_seq,
-                     experts=cfg.experts, top_k=cfg.top_k if cfg.experts else 1,
-                     moe_ffn=cfg.moe_ffn or cfg.ffn, shared_experts=cfg.shared_experts,
-                     dense_layers=cfg.dense_layers, qkv_bias=cfg.qkv_bias, shared_expert_gate=cfg.shared_expert_gate,
-                     dropout=cfg.dropout > 0,
-                     q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_dim=cfg.qk_nope_dim,
-                     qk_rope_dim=cfg.qk_rope_dim, v_head_dim=cfg.v_head_dim)
+    made = {f.plan: (f.to_plan(cfg) if f.to_plan else getattr(cfg, key))
+            for key, f in MODEL_FIELDS.items() if f.plan is not None}
+    return PlanModel(**lora, **made, name=name)
+
+
+def to_model_config(m: PlanModel, where: str = "") -> ModelConfig:
+    """Our ModelConfig for a planned model, field by field from MODEL_FIELDS (the runtime's defaults for
+    what the planner does not describe), when the runtime builds its architecture (PLAN_ONLY's values:
+    a Llama-style decoder, gated MLP, RMSNorm, rotary, no biases but q/k/v's). Multi-token prediction
+    modules are left out: the runtime builds none."""
+    other = [k for k, v in PLAN_ONLY.items() if v is not None and getattr(m, k) != v]
+    if other:
+        raise ConfigError(f"{where or m.name}: the runtime builds Llama-style decoders (gated MLP, RMSNorm, rotary, "
+                          f"q/k/v biases only); this one differs in {', '.join(other)} (plan it with fivefold plan)")
+    return ModelConfig(**{key: (f.to_runtime(m) if f.to_runtime else getattr(m, f.plan))
+                          for key, f in MODEL_FIELDS.items() if f.plan is not None or f.to_runtime})
 
 
 # -- Hugging Face config.json ---------------------------------------------------------------------

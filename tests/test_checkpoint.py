@@ -9,6 +9,7 @@ import torch
 
 from fivefold.config import ConfigError
 from fivefold.train import checkpoint, rundir
+from fivefold.train.outputs import finite_or_null
 from fivefold.train.trainer import NonFiniteError, Trainer
 
 from .helpers import FP32, TIMEOUT_S, assert_states_close, run_jobs, run_ranks, tiny_config
@@ -135,7 +136,7 @@ def nonfinite(rank, world, out):
     except checkpoint.NonFiniteState as e:
         refused = str(e)
     return {"m1": m1, "same": same, "t": t_adam, "m2": m2, "stopped": stopped, "refused": refused,
-            "saved": [p.name for p in rundir.checkpoints(out)], "metrics": T.finite_or_null(m1)}
+            "saved": [p.name for p in rundir.checkpoints(out)], "metrics": finite_or_null(m1)}
 
 
 @pytest.fixture(scope="module")

@@ -121,3 +121,19 @@ def test_a_resume_with_other_weights_is_warned_about(tmp_path):
     cfg.train.data = [f"{files[0]}:0.5", f"{files[1]}:0.5"]
     errors, warnings = compare_data(before, data_identity(cfg.train))
     assert not errors and warnings and "'weight': 0.5" in warnings[0]
+
+
+def test_every_batch_source_is_what_the_trainer_reads(tmp_path):
+    """One source, several, and a dry run's stand-ins all keep `BatchSource` (train/data.py), the one
+    interface the trainer reads; only a mixture reports weights and tokens per source."""
+    from fivefold.train.data import BatchSource, SyntheticBatches
+
+    cfg = tiny_config()
+    one = make_batches(cfg.train, cfg.model.vocab)
+    cfg.train.data = [f"{f}:{w}" for f, w in zip(sources(tmp_path, 2), (0.25, 0.75))]
+    mixed = make_batches(cfg.train, cfg.model.vocab)
+    for source in (one, mixed, SyntheticBatches(cfg.train)):
+        assert isinstance(source, BatchSource), type(source).__name__
+    assert one.mixture(0) is None and SyntheticBatches(cfg.train).mixture(0) is None
+    m = mixed.mixture(0, 4)
+    assert set(m) == {"weights", "tokens"} and sum(m["tokens"].values()) == 4 * one.tokens_per_step()

@@ -219,7 +219,7 @@ class ExpertParallelism(ShardedState):
         return model
 
 
-def moe_step_stats(model: nn.Module, group, layers: int, values: bool = True, n_experts: int | None = None) -> dict:
+def moe_step_stats(model: nn.Module, group, layers: int, read=torch.Tensor.tolist, n_experts: int | None = None) -> dict:
     """The step's routing statistics over every MoE layer and rank, then each layer's balancing update.
 
     Each MoE layer of this rank contributes its (E + 1,) step counts (tokens per expert, dropped) at its
@@ -230,7 +230,8 @@ def moe_step_stats(model: nn.Module, group, layers: int, values: bool = True, n_
     dropped_fraction: dropped assignments over all the step's assignments (kept + dropped).
     Empty when the model has no MoE layer. `n_experts` (the model config's) lets a pipeline stage that
     holds no MoE layer (DeepSeek-V3's dense first layers) still join the world's all-reduce, which every
-    other rank waits in; without it the experts are read from this rank's MoE layers."""
+    other rank waits in; without it the experts are read from this rank's MoE layers. `read` turns the
+    global table into numbers (a dry run's reads zeros: fake tensors hold none)."""
     from ..model.moe import MoE
 
     mine = [(int(name.split(".")[1]), m) for name, m in model.named_modules()
@@ -248,14 +249,13 @@ def moe_step_stats(model: nn.Module, group, layers: int, values: bool = True, n_
     comm.all_reduce(table, group, dim="moe_stats")
     for i, moe in mine:
         moe.update_bias(table[i, :n_experts])
-    if not values:   # a dry run: the exchange and the update ran; there are no counts to report
+    rows = read(table)
+    counts = [c for row in rows for c in row[:n_experts] if sum(row[:n_experts]) > 0]   # the MoE layers' experts
+    if not counts:
         return {}
-    moe_rows = table[table[:, :n_experts].sum(1) > 0, :n_experts]
-    if moe_rows.numel() == 0:
-        return {}
-    mean, dropped = float(moe_rows.mean()), float(table[:, n_experts].sum())
-    assigned = float(table.sum())   # every assignment routed this step: run by an expert or dropped
-    return {"expert_tokens_min": float(moe_rows.min()), "expert_tokens_max": float(moe_rows.max()),
+    mean, dropped = sum(counts) / len(counts), sum(row[n_experts] for row in rows)
+    assigned = sum(map(sum, rows))   # every assignment routed this step: run by an expert or dropped
+    return {"expert_tokens_min": min(counts), "expert_tokens_max": max(counts),
             "expert_tokens_mean": mean, "dropped_tokens": dropped,
             "dropped_fraction": dropped / assigned if assigned else 0.0,
-            "expert_imbalance": float(moe_rows.max()) / mean if mean else 0.0}
+            "expert_imbalance": max(counts) / mean if mean else 0.0}

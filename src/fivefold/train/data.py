@@ -47,7 +47,7 @@ import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -533,6 +533,26 @@ class Joined:
         return self[:].tolist()
 
 
+@runtime_checkable
+class BatchSource(Protocol):
+    """What the trainer reads of a run's batches, whatever makes them (`Batches` and `ShuffledBatches` from
+    one source, `MixtureBatches` from several, a dry run's `SyntheticBatches`): this rank's rows of step k
+    (`local`, and their document ids, `local_documents`), the step's tokens (`tokens_per_step`) and the
+    targets its loss averages over (`loss_tokens`; fewer when `masked`), and the mixture's weights and
+    tokens per source (`mixture`; None from one source)."""
+
+    global_batch: int
+    seq_len: int
+
+    @property
+    def masked(self) -> bool: ...
+    def local(self, step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def local_documents(self, step: int, dp_rank: int, dp: int) -> torch.Tensor: ...
+    def tokens_per_step(self) -> int: ...
+    def loss_tokens(self, step: int) -> int: ...
+    def mixture(self, first_step: int, steps: int = 1) -> dict | None: ...
+
+
 class Batches:
     """Layout-independent batches: `local(step, dp_rank, dp)` gives this rank's (inputs, targets)."""
 
@@ -554,6 +574,10 @@ class Batches:
         win = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in offs])
         win_bs = torch.from_numpy(win)
         return win_bs[:, :-1].contiguous(), masked_targets(win_bs[:, 1:].contiguous(), self.mask_rows(offs))
+
+    def mixture(self, first_step: int, steps: int = 1) -> dict | None:
+        """One source: no mixture to report (MixtureBatches: its weights and tokens per source)."""
+        return None
 
     @property
     def masked(self) -> bool:
@@ -704,6 +728,10 @@ class MixtureBatches:
             counts += np.bincount(self.source_of(lo, n), minlength=len(self.sources))
         return {name: int(c) * self.seq_len for name, c in zip(self.names, counts)}
 
+    def mixture(self, first_step: int, steps: int = 1) -> dict:
+        """The sources' weights and the tokens each gave over `steps` steps from `first_step`."""
+        return {"weights": dict(zip(self.names, self.weights)), "tokens": self.drawn(first_step, steps)}
+
 
 class EvalBatches(Batches):
     """The fixed batches of an evaluation: batch b holds the non-overlapping windows b·B .. b·B + B - 1
@@ -781,6 +809,9 @@ class SyntheticBatches:
 
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+    def mixture(self, first_step: int, steps: int = 1) -> None:
+        return None
 
     masked = False
 

@@ -55,7 +55,6 @@ reports it.
 """
 from __future__ import annotations
 
-import json
 import math
 import platform
 import sys
@@ -84,17 +83,16 @@ from ..parallel.parallelize import (checkpoint_aliases, gather_state, loss_funct
 from ..parallel.zero import Zero
 from . import checkpoint, rundir
 from .activations import ActivationMeter
-from .data import SyntheticBatches, data_identity, make_batches, make_eval_batches
+from .data import BatchSource, SyntheticBatches, data_identity, make_batches, make_eval_batches
 from .checkpoint import SECTIONS, Box, box_of
 from .launch import heartbeat, resolve_device, stop_requested
 from .optim import AdamW, clip_, global_grad_norm, lr_at
 from .progress import Progress
-from .scalars import ScalarLog
 from .link_counters import LinkCounters
 from .malloc import return_freed_memory
+from .outputs import RunOutputs
 from .speed import Speed
 from .timeline import draw_pipeline
-from .wandb_log import WandbLog
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 # Each rank's default torch stream (dropout without a generator, sampling) is seeded seed + stride·rank;
@@ -221,9 +219,9 @@ class Trainer:
         self.activations = ActivationMeter()
         # --dry-run (train/dryrun.py): fake tensors hold no values, so batches are token-less stand-ins and
         # scalars read back from the step (loss, norm, stop flag) are 0
-        self.dry = dry
-        self.value = (lambda _t: 0.0) if dry else float
-        self.batches = SyntheticBatches(t) if dry else make_batches(t, cfg.model.vocab, tokens)
+        self.read = zeros_of_shape if dry else torch.Tensor.tolist   # a tensor's numbers (fake ones: zeros)
+        self.value = lambda t: float(self.read(t.reshape(())) if isinstance(t, torch.Tensor) else t)   # one number
+        self.batches: BatchSource = SyntheticBatches(t) if dry else make_batches(t, cfg.model.vocab, tokens)
         self.data_id = data_identity(t)   # saved in checkpoints: a resume on other data is warned about
         self.eval_batches = None if dry else make_eval_batches(t, cfg.model.vocab, tokens)   # None: no evaluation
         self.evaluations = 0
@@ -282,9 +280,7 @@ class Trainer:
         with self.activations:   # counts what autograd saves for backward (peak over the run)
             loss_local = self.forward_backward(self.model, self.loss_sum, self.engine, self.micro_batches(step),
                                                n_loss, self.positions)
-        if self.dry:
-            self.model.aux.values = []
-        self.model.aux.take()   # auxiliary losses were trained in that backward; their values are not reported yet
+        self.model.aux.take(self.value)   # auxiliary losses were trained in that backward; not reported yet
         self.engine.finish()
         sum_partial_grads(self.engine, self.mesh)                  # e.g. SP norms, replicated K/V
         norm = global_grad_norm(self.engine.norm_grads(), self.engine.norm_group, self.device, self.value)
@@ -299,7 +295,7 @@ class Trainer:
         else:
             self.skip(step, loss, norm)
         self.engine.zero_grad()
-        routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers, not self.dry,
+        routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers, self.read,
                                  self.cfg.model.experts) if self.cfg.model.experts else {}
         busy = time.perf_counter() - t0 - (self.ledger.total(field="seconds") - comm_s0)
         self.stop, peak, slowest = self.agree_stop(self.peak_memory(), busy)
@@ -558,24 +554,20 @@ class Trainer:
                     print(f"note: branching at step {start}: removed {gone.name}, a checkpoint of the run it "
                           f"leaves", file=sys.stderr)
         bar = Progress(cfg.steps, enabled=not self.quiet, log_every=cfg.log_every, start=start, speed=self.speed)
-        scalars = ScalarLog(out, cfg.tensorboard and self.rank == 0, start)   # OUT/tensorboard/ (scalars.py)
-        wandb = WandbLog(out, cfg.wandb and self.rank == 0, self.cfg, start)  # train.wandb (wandb_log.py)
+        outputs = RunOutputs(out, self.cfg, self.rank, start)   # metrics.jsonl, TensorBoard, W&B (outputs.py)
         history, stopped, saved = [], None, start if ckpt else None
         for step in range(start, cfg.steps):
             m = self.step(step)
-            if hasattr(self.batches, "drawn"):   # a data mixture: the step's tokens per source
-                m["data_tokens"] = self.batches.drawn(step)
+            mixture = self.batches.mixture(step)
+            if mixture:   # the step's tokens per source
+                m["data_tokens"] = mixture["tokens"]
             improved = False
             if self.evaluates_after(step):
                 m.update(self.evaluate())
                 improved = self.judge(step + 1, m["eval_loss"])
             m["eta_s"] = bar.eta_seconds(step + 1)
             history.append(m)
-            if self.rank == 0:
-                with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(finite_or_null(m), allow_nan=False) + "\n")
-                scalars.add(m)
-                wandb.add(m)
+            outputs.log(m)
             bar.update(m)
             heartbeat(step)
             stopped = self.stop or self.patience_out(step + 1)
@@ -588,8 +580,7 @@ class Trainer:
             if stopped:
                 break
         bar.close()
-        scalars.close()
-        wandb.close()
+        outputs.close()
         if history:
             for d in self.dims:
                 d.write(out, gather_objects, self.rank, draw=draw_pipeline)
@@ -600,14 +591,11 @@ class Trainer:
         self.all_memory = gather_objects(self.memory_info())
         if cfg.checkpoint and history and saved != self.step_count:
             self.save(out, self.step_count)
-        if self.rank == 0:
-            total.write(out / "comm.json")
-            if evals is not None:   # the evaluations' traffic, apart from the training steps' rows
-                info = json.loads((out / "comm.json").read_text())
-                info["eval"] = {**evals.to_dict(), "evaluations": self.evaluations,
-                                "batches": self.eval_batches.count}   # global batches per evaluation
-                (out / "comm.json").write_text(json.dumps(info, indent=1))
-            (out / "run.json").write_text(json.dumps(self.run_info(), indent=1))
+        comm = total.to_dict()
+        if evals is not None:   # the evaluations' traffic, apart from the training steps' rows
+            comm["eval"] = {**evals.to_dict(), "evaluations": self.evaluations,
+                            "batches": self.eval_batches.count}   # global batches per evaluation
+        outputs.finish(comm, self.run_info() if self.rank == 0 else {})
         return {"history": history, "comm": total.to_dict(), "state_bytes": self.model_state_bytes(),
                 "stopped": stopped, "step": self.step_count}
 
@@ -634,10 +622,8 @@ class Trainer:
         mem = getattr(self, "all_memory", None) or [self.memory_info()]
         stages = (self.planned or {}).get("stages")
         planned = [stages[m["pp_stage"]]["total"] if stages else None for m in mem]
-        mixture = ({"data_mixture": {"weights": dict(zip(self.batches.names, self.batches.weights)),
-                                     "tokens": self.batches.drawn(0, self.step_count)}}
-                   if hasattr(self.batches, "drawn") else {})   # tokens per source over steps 0 .. step_count - 1
-        return {**mixture, "config": self.cfg.to_dict(), "data": self.data_id, "params": self.n_params,
+        mixture = self.batches.mixture(0, self.step_count)   # tokens per source over steps 0 .. step_count - 1
+        return {**({"data_mixture": mixture} if mixture else {}), "config": self.cfg.to_dict(), "data": self.data_id, "params": self.n_params,
                 "trainable_params": self.n_trainable,
                 "world_size": self.world_size, "model_state_bytes_per_rank": self.model_state_bytes(),
                 "model_state_bytes_by_rank": self.all_state_bytes,
@@ -650,6 +636,14 @@ class Trainer:
                 "planned_memory_bytes_by_rank": planned, "planned_memory": self.planned,
                 "versions": {"fivefold": __version__, "torch": torch.__version__,
                              "python": sys.version.split()[0], "platform": platform.platform()}}
+
+
+def zeros_of_shape(t: torch.Tensor):
+    """A dry run's reading of a tensor: zeros in its shape, as `tolist` gives (fake tensors hold no values)."""
+    out = 0.0
+    for n in reversed(t.shape):
+        out = [out] * n if not isinstance(out, list) else [list(out) for _ in range(n)]
+    return out
 
 
 def weight_source(cfg: Config):
@@ -702,9 +696,6 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 709 or not math.isfinite(loss) else math.inf
 
 
-def finite_or_null(m: dict) -> dict:
-    """A metrics record with NaN/inf written as null (JSON has no NaN)."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in m.items()}
 
 
 def train_rank(rank: int, world_size: int, cfg_dict: dict, out: str | None = None, resume: str | None = None,

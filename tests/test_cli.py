@@ -53,7 +53,7 @@ def test_train_help_gives_every_flag_a_text_and_its_default():
     missing = [a.option_strings[0] for a in shown if not a.help or "default" not in a.help]
     assert not missing, missing
     sets = next(a for a in shown if a.dest == "set").help
-    assert "README 'Config keys'" in sets and "config.py" in sets
+    assert "docs/training.md 'Config keys'" in sets and "config.py" in sets
 
 
 @pytest.mark.parametrize("command", [["train"], ["plan", "--model", "llama3-8b"]])

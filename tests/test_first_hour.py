@@ -63,7 +63,8 @@ def test_banner_outputs_and_export(tmp_path):
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
 def test_readme_output_paths_are_ignored():
-    readme = (ROOT / "README.md").read_text()
+    """The paths the README and docs/ write into are git-ignored."""
+    readme = "\n".join(p.read_text() for p in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))))
     paths = set(re.findall(r"--out ((?:data|runs|hf-)[\w./-]*)", readme)) | set(re.findall(r"--hf (hf-[\w-]+)", readme))
     paths |= set(re.findall(r"export runs/\w+ ([\w-]+\.safetensors)", readme))
     assert {"data/train.bin", "hf-mine", "model.safetensors"} <= paths
@@ -76,7 +77,7 @@ def test_install_hints_name_the_checkout_extra():
     """fivefold is not on a package index: every install hint, in the code and the README, is
     `pip install -e '.[extra]'` (from the checkout), never `pip install fivefold[extra]`."""
     bad = re.compile(r"pip install(?! -e '\.\[)")
-    files = [*sorted((ROOT / "src" / "fivefold").rglob("*.py")), ROOT / "README.md"]
+    files = [*sorted((ROOT / "src" / "fivefold").rglob("*.py")), ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     found = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
              if bad.search(line)]
     assert not found, found

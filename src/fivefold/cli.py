@@ -146,7 +146,7 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
                     "(removes its metrics and checkpoints; default: off)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any config key, e.g. --set model.hidden=256 (repeatable); the keys and their defaults: "
-                         "README 'Config keys', or the dataclasses ModelConfig / ParallelConfig / TrainConfig in "
+                         "docs/training.md 'Config keys', or the dataclasses ModelConfig / ParallelConfig / TrainConfig in "
                          "src/fivefold/config.py (default: none)")
     ap.add_argument("--timeout", type=float, default=600, help="hang watchdog: local ranks that make no "
                     "progress (no finished step) for this many seconds are killed; a torchrun rank ends itself with one "

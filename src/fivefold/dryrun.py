@@ -148,7 +148,7 @@ def model_of_preset(name: str):
     return to_model_config(load_model(name), where=f"--model {name}")
 
 
-# What a dry run costs this process, fitted on a 2-core machine (torch 2.13, FakeTensorMode; README "Will it
+# What a dry run costs this process, fitted on a 2-core machine (torch 2.13, FakeTensorMode; docs/dry-run.md "Will it
 # fit?"): a fixed start, every layer of the meta model built (all of them, whatever the rank holds), each
 # layer a rank runs for each micro-batch and step (forward and backward op by op), and each slice of
 # STEP_CHUNK elements the step's chunked optimizer, norm and reductions walk over the rank's parameters.

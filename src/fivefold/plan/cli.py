@@ -84,7 +84,7 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                          "or flat: every GEMM at --efficiency of peak")
     ap.add_argument("--document-length", dest="document_length", type=float, default=0.0,
                     help="train.document_mask: attention stays inside packed documents of this token-weighted "
-                         "mean length, sum(len^2)/sum(len) (README, Document masking; default 0: no mask)")
+                         "mean length, sum(len^2)/sum(len) (docs/data.md, Document masking; default 0: no mask)")
     ap.add_argument("--lora-rank", dest="lora_rank", type=int, default=None,
                     help="LoRA (train.lora_rank): rank-r adapters train, every base weight is frozen (held whole, "
                          "no gradient, optimizer state or data-parallel traffic; default: the --config's, else 0)")

@@ -101,13 +101,23 @@ class Transformer(nn.Module):
             positions_s = (steps_s[None, :] - cache.pad_b.to(tokens_bs.device)[:, None]).clamp(min=0)
         cos_sd, sin_sd = self.rope(tokens_bs.shape[1] if positions_s is None else positions_s, tokens_bs.device, offset)
         ids_bS = None if documents is None else documents.ids_bS
-        x_bsh = self.embed(tokens_bs)
-        for i, layer in enumerate(self.layers):
-            if cache is None:
-                x_bsh = layer(x_bsh, cos_sd, sin_sd, documents_bS=ids_bS)
-            else:
-                x_bsh = layer(x_bsh, cos_sd, sin_sd, cache.layers[i])
-        return self.head(self.norm(x_bsh))
+        kv = cache.layers if cache is not None else None
+        return run_blocks(tokens_bs, self.layers, cos_sd, sin_sd, ids_bS, kv, self.embed, self.norm, self.head)
+
+
+def run_blocks(x, blocks, cos_sd, sin_sd, documents_bS: torch.Tensor | None = None, kv: list | None = None,
+               embed: nn.Module | None = None, norm: nn.Module | None = None, head: nn.Module | None = None):
+    """The model's forward over a run of its blocks, the one both the whole model (`Transformer.forward`)
+    and a pipeline stage's chunk (parallel/pipeline/runtime.py) run: tokens through `embed` first when it
+    is given, then each block (with its layer's KV cache from `kv` when generating), then `norm` and
+    `head` when given (the last chunk: logits)."""
+    if embed is not None:
+        x = embed(x)
+    for i, block in enumerate(blocks):
+        x = block(x, cos_sd, sin_sd, documents_bS=documents_bS) if kv is None else block(x, cos_sd, sin_sd, kv[i])
+    if head is not None:
+        x = head(norm(x))
+    return x
 
 
 IGNORE_INDEX = -100     # a target the loss skips (a loss mask's context token): transformers' labels = -100

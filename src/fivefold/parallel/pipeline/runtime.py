@@ -55,8 +55,9 @@ from torch import nn
 
 from ... import comm
 from ...comm import Group
-from ...model.documents import documents_of
 from ...model.attention import rope_cos_sin
+from ...model.documents import documents_of
+from ...model.transformer import run_blocks
 from ..placement import full_shape, place, placement_of
 from ..recompute import RECOMPUTE, apply_recompute, rng_state, set_rng_state
 from .partition import Partition
@@ -122,13 +123,10 @@ class Stage(nn.Module):
     def forward_chunk(self, chunk: int, x: torch.Tensor, cos_sd, sin_sd, documents_bS=None) -> torch.Tensor:
         """Tokens (chunk 0) or hidden states -> hidden states (or logits for the last chunk);
         `documents_bS`: the micro-batch's document ids (model/documents.py), None without a document mask."""
-        if chunk == 0:
-            x = self.embed(x)
-        for i in self.partition.layers_of(chunk):
-            x = self.layers[str(i)](x, cos_sd, sin_sd, documents_bS=documents_bS)
-        if chunk == self.last:
-            x = self.head(self.norm(x))
-        return x
+        last = chunk == self.last
+        return run_blocks(x, [self.layers[str(i)] for i in self.partition.layers_of(chunk)], cos_sd, sin_sd,
+                          documents_bS, embed=self.embed if chunk == 0 else None,
+                          norm=self.norm if last else None, head=self.head if last else None)
 
 
 def stage_names(model: nn.Module, partition: Partition) -> list[list[tuple[str, torch.Size]]]:

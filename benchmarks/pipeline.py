@@ -36,7 +36,9 @@ def data(cfg, batch, seq, microbatches):
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab, (batch, seq), generator=gen)
     y = torch.roll(x, -1, 1)
-    return x, y, list(zip(x.chunk(microbatches), y.chunk(microbatches)))
+    from fivefold.parallel.microbatch import cut
+
+    return x, y, cut(x, y, microbatches, y.numel())
 
 
 def ours(rank, world, cfg, schedule, vpp, batch, seq, microbatches):
@@ -60,7 +62,7 @@ def ours(rank, world, cfg, schedule, vpp, batch, seq, microbatches):
     _, y, mbs = data(cfg, batch, seq, microbatches)
 
     def step():
-        runtime.run(mbs, y.numel(), loss_sum)
+        runtime.run(mbs, loss_sum)
         if stage.tied is not None:
             comm.all_reduce(stage.tied.grad, mesh["embed"], dim="embed")
         opt.step()

@@ -66,9 +66,9 @@ def _accumulation(rank, world):
     mbs = tr.micro_batches(0)
     from fivefold.model import loss_sum
     sent = []
-    for i, (x, y) in enumerate(mbs):
+    for i, mb in enumerate(mbs):
         tr.engine.set_sync(i == len(mbs) - 1)
-        loss_sum(tr.model(x), y).backward()
+        loss_sum(tr.model(mb.tokens), mb.targets).backward()
         tr.engine.end_backward()
         sent.append(tr.ledger.total("dp"))
     tr.engine.finish()

@@ -15,6 +15,7 @@ from fivefold.comm import Group, volume
 from fivefold.config import Config, ConfigError
 from fivefold.mesh import coords, grid_sizes
 from fivefold.model import Transformer, loss_sum
+from fivefold.parallel.microbatch import MicroBatch, cut
 from fivefold.parallel.pipeline import build_schedule, partition_layers
 from fivefold.parallel.pipeline.runtime import PipelineRuntime, Stage, stage_names
 from fivefold.train.trainer import Trainer
@@ -453,7 +454,7 @@ def one_stage(schedule: str, recompute: str = "none", m: int = 4):
     y = torch.roll(x, -1, 1)
     live = LiveSaved()
     with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
-        loss = runtime.run(list(zip(x.chunk(m), y.chunk(m))), y.numel(), loss_sum)
+        loss = runtime.run(cut(x, y, m, y.numel()), loss_sum)
     grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
     return float(loss), grads, live.peak, runtime
 
@@ -488,7 +489,7 @@ def test_weight_gradient_waits_for_w():
     assert [a.kind for a in actions] == ["F", "I", "W"]
     runtime = PipelineRuntime(stage, actions[:2], Group.single("pp"))
     x = torch.randint(0, c.model.vocab, (2, 16))
-    runtime.begin([(x, torch.roll(x, -1, 1))], x.numel(), loss_sum, None)   # the state a step starts from
+    runtime.begin([MicroBatch(x, torch.roll(x, -1, 1), loss_tokens=x.numel())], loss_sum, None)   # a step's start
     runtime.timeline = []
     for a in actions:
         runtime.compute(a)

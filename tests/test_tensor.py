@@ -66,7 +66,7 @@ def dropout_probe(rank, world, cfg_dict):
     masks = torch.stack([drop(torch.ones(64)) for _ in range(3)]) != 0
     acts = {}
     tr.model.layers[0].register_forward_hook(lambda m, i, o: acts.setdefault("x", o.detach().clone()))
-    x_bs, _ = tr.micro_batches(0)[0]
+    x_bs = tr.micro_batches(0)[0].tokens
     tr.model(x_bs)
     tr.step(0)
     tr.step(1)

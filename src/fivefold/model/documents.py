@@ -9,8 +9,7 @@ it, because every cp rank reads the same rows — so any rank computes, locally,
 rank's tokens (the ring's K/V blocks) and nothing extra crosses the network.
 
 Query i sees key j iff j <= i (sequence order) and ids[j] == ids[i]: causal attention, block-diagonal
-over the documents (`document_mask`). A micro-batch is (tokens, targets) or (tokens, targets,
-Documents) (`documents_of`).
+over the documents (`document_mask`). A micro-batch holds its Documents (parallel/microbatch.py).
 """
 from __future__ import annotations
 
@@ -30,11 +29,6 @@ class Documents:
 
     def to(self, device) -> "Documents":
         return Documents(self.positions_bs.to(device), self.ids_bS.to(device))
-
-
-def documents_of(micro_batch: tuple) -> Documents | None:
-    """The micro-batch's Documents, None when it has none (no document mask)."""
-    return micro_batch[2] if len(micro_batch) > 2 else None
 
 
 def document_positions(ids_bS: torch.Tensor) -> torch.Tensor:

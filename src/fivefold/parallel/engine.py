@@ -4,9 +4,9 @@ An engine owns the parameters' gradients and the optimizer. It partitions the pa
 their gradient is summed over (`placement.reduce`: dp, dp×cp, expert-dp, ...) and reduces each
 partition over its own group; buckets and ZeRO units never mix groups. One step, explicitly:
 
-    for i, (x, y) in enumerate(micro_batches):
+    for i, mb in enumerate(micro_batches):   # parallel/microbatch.py
         engine.set_sync(i == last)     # are this backward's gradients the step's final ones?
-        loss(model(x), y).backward()   # hooks accumulate, and reduce what is final (overlapped)
+        mb.loss(loss_sum, model(mb.tokens)).backward()   # hooks accumulate, reduce what is final
         engine.end_backward()          # reduce what the backward left pending (grad-less params)
     engine.finish()                    # wait for every reduction
     ... sum partial gradients (placement.partial), norm over engine.norm_group, clip ...

@@ -33,10 +33,10 @@ from torch import nn
 
 from .. import comm, rules
 from ..config import Config
-from ..model.documents import documents_of
 from ..model.moe import MoE
 from .dimension import Dimension
 from .engine import Engine, sum_tied_grads
+from .microbatch import MicroBatch
 
 LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -165,24 +165,24 @@ class PipelineParallelism(Dimension):
         self.runtime = PipelineRuntime(self.stage, self.actions, self.mesh["pp"], self.cfg.train.recompute, dtype)
         return self.stage
 
-    def forward_backward(self, model: nn.Module, loss_sum: LossSum, engine: Engine, micro_batches: list,
-                         n_tokens: int, positions=None) -> torch.Tensor:
+    def forward_backward(self, model: nn.Module, loss_sum: LossSum, engine: Engine,
+                         micro_batches: list[MicroBatch], positions=None) -> torch.Tensor:
         """Every micro-batch's forward and backward by the schedule, gradients accumulating locally and
         each chunk's reduced after its last backward (`parallel.overlap_grad_reduce`; engine.py); then the
         tied copies' gradients are summed (dim "embed") and the engine reduces what is left."""
         sync = engine.set_sync if self.cfg.parallel.overlap_grad_reduce else None
         engine.set_sync(False)
-        loss_local = self.runtime.run(micro_batches, n_tokens, loss_sum, positions, sync=sync)
+        loss_local = self.runtime.run(micro_batches, loss_sum, positions, sync=sync)
         sum_tied_grads(engine, self.mesh)
         engine.set_sync(True)
         engine.end_backward()
         return loss_local
 
-    def forward_only(self, model: nn.Module, loss_sum: LossSum, micro_batches: list, n_tokens: int,
+    def forward_only(self, model: nn.Module, loss_sum: LossSum, micro_batches: list[MicroBatch],
                      positions=None) -> torch.Tensor:
         """An evaluation: every micro-batch's forward through the stages (the forward-only action list),
         no gradient; this rank's share of the loss (nonzero on the last stage)."""
-        return self.runtime.run_forward(micro_batches, n_tokens, loss_sum, positions)
+        return self.runtime.run_forward(micro_batches, loss_sum, positions)
 
     def gather_state(self, state: dict) -> dict:
         from .pipeline.runtime import gather_stages
@@ -215,14 +215,13 @@ class PipelineParallelism(Dimension):
                 draw(out, info)
 
 
-def direct_forward_backward(model: nn.Module, loss_sum: LossSum, engine: Engine, micro_batches: list,
-                            n_tokens: int, positions=None) -> torch.Tensor:
+def direct_forward_backward(model: nn.Module, loss_sum: LossSum, engine: Engine, micro_batches: list[MicroBatch],
+                            positions=None) -> torch.Tensor:
     """Forward and backward of each micro-batch in turn; only the last one's backward reduces."""
-    loss_local = torch.zeros(1, dtype=torch.float64, device=micro_batches[0][0].device)
+    loss_local = torch.zeros(1, dtype=torch.float64, device=micro_batches[0].tokens.device)
     for i, mb in enumerate(micro_batches):
         engine.set_sync(i == len(micro_batches) - 1)
-        x_bs, y_bs = mb[0], mb[1]
-        loss = loss_sum(model(x_bs, positions, documents=documents_of(mb)), y_bs) / n_tokens
+        loss = mb.loss(loss_sum, model(mb.tokens, positions, documents=mb.documents))
         loss.backward()
         engine.end_backward()
         loss_local += loss.detach().double()
@@ -230,13 +229,13 @@ def direct_forward_backward(model: nn.Module, loss_sum: LossSum, engine: Engine,
 
 
 @torch.no_grad()
-def direct_forward(model: nn.Module, loss_sum: LossSum, micro_batches: list, n_tokens: int,
+def direct_forward(model: nn.Module, loss_sum: LossSum, micro_batches: list[MicroBatch],
                    positions=None) -> torch.Tensor:
-    """An evaluation's forward of each micro-batch in turn, no gradient: the sum of their token losses
-    over `n_tokens`, as `direct_forward_backward` reports it."""
-    loss_local = torch.zeros(1, dtype=torch.float64, device=micro_batches[0][0].device)
+    """An evaluation's forward of each micro-batch in turn, no gradient: the sum of their shares of the
+    mean token loss, as `direct_forward_backward` reports it."""
+    loss_local = torch.zeros(1, dtype=torch.float64, device=micro_batches[0].tokens.device)
     for mb in micro_batches:
-        loss_local += (loss_sum(model(mb[0], positions, documents=documents_of(mb)), mb[1]) / n_tokens).double()
+        loss_local += mb.loss(loss_sum, model(mb.tokens, positions, documents=mb.documents)).double()
     return loss_local
 
 

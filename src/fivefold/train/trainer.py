@@ -77,6 +77,7 @@ from ..model.transformer import Block
 from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
 from ..parallel.expert import moe_step_stats
+from ..parallel.microbatch import MicroBatch, cut as cut_micro_batches
 from ..parallel.placement import placement_of
 from ..parallel.parallelize import (checkpoint_aliases, gather_state, loss_function, parallelize, positions_of,
                                     shard_batch, split_state, step_functions, sum_loss)
@@ -252,10 +253,11 @@ class Trainer:
                     decay_embeddings=t.decay_embeddings)
 
     # -- one step ----------------------------------------------------------------------------
-    def micro_batches(self, step: int, batches=None):
-        """This rank's micro-batches of step `step`: (tokens, targets), and with train.document_mask their
-        `Documents` (model/documents.py: positions restarting per document, sharded like the tokens, and
-        the document ids of the whole rows, which every cp rank keeps)."""
+    def micro_batches(self, step: int, batches=None, loss_tokens: int | None = None) -> list[MicroBatch]:
+        """This rank's micro-batches of step `step` (parallel/microbatch.py): tokens, targets, with
+        train.document_mask their `Documents` (model/documents.py: positions restarting per document,
+        sharded like the tokens, and the document ids of the whole rows, which every cp rank keeps), and
+        the loss's divisor, `loss_tokens` (default: the step's targets that count)."""
         p = self.cfg.parallel
         batches = self.batches if batches is None else batches
         x_bs, y_bs = batches.local(step, self.mesh.coords["dp"], p.dp)
@@ -265,11 +267,9 @@ class Trainer:
             tensors_bs += (document_positions(ids_bS),)
         tensors_bs = shard_batch(self.dims, *tensors_bs)
         x_bs, y_bs = tensors_bs[0].to(self.device), tensors_bs[1].to(self.device)
-        m = p.microbatches
-        if not self.cfg.train.document_mask:
-            return list(zip(x_bs.chunk(m), y_bs.chunk(m)))
-        docs = Documents(tensors_bs[2], ids_bS).to(self.device)
-        return list(zip(x_bs.chunk(m), y_bs.chunk(m), docs.chunk(m)))
+        docs = Documents(tensors_bs[2], ids_bS).to(self.device) if self.cfg.train.document_mask else None
+        n_loss = batches.loss_tokens(step) if loss_tokens is None else loss_tokens
+        return cut_micro_batches(x_bs, y_bs, p.microbatches, n_loss, docs)
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
@@ -278,8 +278,8 @@ class Trainer:
         n_tokens = self.batches.tokens_per_step()
         n_loss = self.batches.loss_tokens(step)      # the targets the loss averages over (a loss mask keeps fewer)
         with self.activations:   # counts what autograd saves for backward (peak over the run)
-            loss_local = self.forward_backward(self.model, self.loss_sum, self.engine, self.micro_batches(step),
-                                               n_loss, self.positions)
+            loss_local = self.forward_backward(self.model, self.loss_sum, self.engine,
+                                               self.micro_batches(step, loss_tokens=n_loss), self.positions)
         self.model.aux.take(self.value)   # auxiliary losses were trained in that backward; not reported yet
         self.engine.finish()
         sum_partial_grads(self.engine, self.mesh)                  # e.g. SP norms, replicated K/V
@@ -356,7 +356,7 @@ class Trainer:
         with self.ledger.section("eval"), torch.no_grad():
             loss_local = torch.zeros(1, dtype=torch.float64, device=self.device)
             for b in range(batches.count):
-                loss_local += forward(self.model, self.loss_sum, self.micro_batches(b, batches), n_tokens,
+                loss_local += forward(self.model, self.loss_sum, self.micro_batches(b, batches, n_tokens),
                                       self.positions)
                 heartbeat(self.step_count - 1 if self.step_count else None)   # progress, not a hang (watchdog)
             self.engine.release_params()   # ZeRO-3: free what the forwards gathered

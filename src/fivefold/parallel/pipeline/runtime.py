@@ -18,8 +18,8 @@ actions into one batch, posted with one `comm.send_recv` (batch_isend_irecv, led
   s sequence, h hidden) per micro-batch per chunk boundary each way; RECV_F / RECV_B post a receive
   into a fresh buffer. Receives are waited for only just before the compute that uses them (looked up by
   `message_key`), sends at the end of the step — so interleaving keeps its overlap.
-* F runs the chunk's forward (the last chunk adds `loss_fn(logits, y) / n_tokens`: the loss is the
-  sum over micro-batches of token-loss sums over the global token count, whatever the schedule).
+* F runs the chunk's forward (the last chunk adds `MicroBatch.loss`, its token-loss sum over the global
+  count of targets: the loss is their sum over micro-batches, whatever the schedule).
 * B runs the chunk's full backward: weight gradients accumulate (the DP/ZeRO engine's hooks see them),
   the input gradient goes out with the next SEND_B.
 * I (zero bubble) computes only gradients of activations: `autograd.grad` with respect to the chunk
@@ -56,8 +56,8 @@ from torch import nn
 from ... import comm
 from ...comm import Group
 from ...model.attention import rope_cos_sin
-from ...model.documents import documents_of
 from ...model.transformer import run_blocks
+from ..microbatch import MicroBatch
 from ..placement import full_shape, place, placement_of
 from ..recompute import RECOMPUTE, apply_recompute, rng_state, set_rng_state
 from .partition import Partition
@@ -210,16 +210,15 @@ class PipelineRuntime:
             self._install_recording()
 
     # -- one step ------------------------------------------------------------------------------
-    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int, loss_fn: Callable,
-            positions: torch.Tensor | None = None, sync: Callable[[bool], None] | None = None) -> torch.Tensor:
-        """Run every action for the step's micro-batches [(tokens, targets)], whose tokens sit at
-        `positions` (position ids, default 0..s-1), or [(tokens, targets, Documents)] with packed
-        documents (model/documents.py: each micro-batch's positions and document ids, which stay on the
-        rank: every stage reads them from its own copy of the micro-batch, so nothing more crosses a
-        stage boundary); return this rank's share of the loss (nonzero on the last stage only) as a
+    def run(self, micro_batches: list[MicroBatch], loss_fn: Callable, positions: torch.Tensor | None = None,
+            sync: Callable[[bool], None] | None = None) -> torch.Tensor:
+        """Run every action for the step's micro-batches (parallel/microbatch.py), whose tokens sit at
+        `positions` (position ids, default 0..s-1), or with packed documents their own (each micro-batch's
+        positions and document ids, which stay on the rank: every stage reads them from its own copy of
+        the micro-batch, so nothing more crosses a stage boundary); return this rank's share of the loss (nonzero on the last stage only) as a
         float64 tensor of one element. `loss_fn(logits, targets)`: the sum of token losses; `sync`: the
         engine's set_sync, called around each chunk's last weight-gradient action (None: never)."""
-        self.begin(micro_batches, n_tokens, loss_fn, positions, sync)
+        self.begin(micro_batches, loss_fn, positions, sync)
         self.timeline = []
         for item in steps(self.actions):
             if isinstance(item, list):
@@ -232,33 +231,33 @@ class PipelineRuntime:
         self.sending = []
         return self.loss
 
-    def begin(self, micro_batches: list, n_tokens: int, loss_fn: Callable, positions: torch.Tensor | None,
+    def begin(self, micro_batches: list[MicroBatch], loss_fn: Callable, positions: torch.Tensor | None,
               sync: Callable[[bool], None] | None = None) -> None:
         """The state one pass over the micro-batches starts from (no message, no saved forward)."""
-        self.mbs, self.n_tokens, self.loss_fn, self.sync = micro_batches, n_tokens, loss_fn, sync
-        self.device = micro_batches[0][0].device
-        b, s = micro_batches[0][0].shape
+        self.mbs, self.loss_fn, self.sync = micro_batches, loss_fn, sync
+        self.device = micro_batches[0].tokens.device
+        b, s = micro_batches[0].tokens.shape
         self.shape = self.stage.boundary_shape(b, s)
         self.cos_sd, self.sin_sd = self.stage.rope(s if positions is None else positions, self.device, self.dtype)
         # packed documents: each micro-batch's own positions (restarting per document) and ids
-        self.documents = [documents_of(mb) for mb in micro_batches]
+        self.documents = [mb.documents for mb in micro_batches]
         self.ropes = [None if d is None else self.stage.rope(d.positions_bs, self.device, self.dtype) for d in self.documents]
         self.inbox: dict = {}      # message key -> (buffer, receive handle)
         self.outbox: dict = {}     # message key -> tensor waiting for its SEND
         self.sending: list = []    # (send handle, tensor) until the send is seen complete (`release_sent`)
         self.saved: dict = {}      # (micro-batch, chunk) -> Saved
         self.deferred: dict = {}   # (micro-batch, chunk) -> [(weights, output, d_output)] for W
-        self.loss = torch.zeros(1, dtype=torch.float64, device=micro_batches[0][0].device)
+        self.loss = torch.zeros(1, dtype=torch.float64, device=self.device)
 
     @torch.no_grad()
-    def run_forward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int, loss_fn: Callable,
+    def run_forward(self, micro_batches: list[MicroBatch], loss_fn: Callable,
                     positions: torch.Tensor | None = None) -> torch.Tensor:
         """An evaluation's pass: the forward-only action list (`schedules.forward_only`: F, SEND_F, RECV_F)
         without autograd, keeping nothing for a backward and leaving `timeline` (the last training step's)
         alone; returns this rank's share of the loss (nonzero on the last stage only), as `run` does."""
         from .schedules import forward_only
 
-        self.begin(micro_batches, n_tokens, loss_fn, positions)
+        self.begin(micro_batches, loss_fn, positions)
         actions = forward_only(self.pp, len(micro_batches), self.chunks // self.pp)[self.stage.rank]
         for item in steps(actions):
             if isinstance(item, list):
@@ -266,7 +265,7 @@ class PipelineRuntime:
                 continue
             got = {key: self.receive(key) for key in input_messages(item, self.pp, self.chunks)}
             mb, c = item.microbatch, item.chunk
-            out = self.run_chunk(c, mb, self.mbs[mb][0] if c == 0 else got[("F", mb, c - 1)])
+            out = self.run_chunk(c, mb, self.mbs[mb].tokens if c == 0 else got[("F", mb, c - 1)])
             if c == self.last:
                 self.loss += out.double()
             else:
@@ -326,7 +325,7 @@ class PipelineRuntime:
     # -- compute -------------------------------------------------------------------------------
     def forward(self, a: Action, got: dict) -> None:
         mb, c = a.microbatch, a.chunk
-        x = self.mbs[mb][0] if c == 0 else got[("F", mb, c - 1)].requires_grad_()
+        x = self.mbs[mb].tokens if c == 0 else got[("F", mb, c - 1)].requires_grad_()
         full = self.chunk_recompute
         rng = rng_state(self.stage, self.device) if full else None
         with torch.no_grad() if full else nullcontext(), self.recording(self.split and not full) as ops:
@@ -374,7 +373,7 @@ class PipelineRuntime:
         else:
             out = self.stage.forward_chunk(chunk, x, *self.ropes[mb], docs.ids_bS)
         if chunk == self.last:
-            out = self.loss_fn(out, self.mbs[mb][1]) / self.n_tokens
+            out = self.mbs[mb].loss(self.loss_fn, out)
         return out
 
     def restore(self, mb: int, c: int, record: bool) -> tuple[torch.Tensor, torch.Tensor, list]:

@@ -1,0 +1,36 @@
+"""One micro-batch of one rank, as one value: `MicroBatch(tokens, targets, documents, loss_tokens)`.
+
+The trainer cuts this rank's share of a step's batch into micro-batches (after every dimension has taken
+its slice of the tokens: `Dimension.shard_batch`), and every forward reads them the same way: the direct
+loop (parallelize.py) and the pipeline's actions (pipeline/runtime.py). `documents`: the packed documents
+(model/documents.py) with train.document_mask, else None. `loss_tokens`: the global count of targets
+that count (the whole global batch's, a loss mask's fewer), which each micro-batch's summed token loss is
+divided by, so the losses of every micro-batch on every rank add up to the batch's mean.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..model.documents import Documents
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    tokens: torch.Tensor                  # (b, s) this rank's tokens
+    targets: torch.Tensor                 # (b, s) the next tokens (IGNORE_INDEX where the loss skips one)
+    documents: Documents | None = None    # train.document_mask: positions and document ids
+    loss_tokens: int = 1                  # the global batch's targets that count: the loss's divisor
+
+    def loss(self, loss_sum: Callable, logits_bsv: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the step's mean token loss."""
+        return loss_sum(logits_bsv, self.targets) / self.loss_tokens
+
+
+def cut(tokens_bs: torch.Tensor, targets_bs: torch.Tensor, count: int, loss_tokens: int,
+        documents: Documents | None = None) -> list[MicroBatch]:
+    """A rank's rows cut into `count` micro-batches along the batch."""
+    docs = documents.chunk(count) if documents is not None else [None] * count
+    return [MicroBatch(x, y, d, loss_tokens) for x, y, d in zip(tokens_bs.chunk(count), targets_bs.chunk(count), docs)]

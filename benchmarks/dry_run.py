@@ -1,4 +1,4 @@
-"""Wall time and peak host RSS of `fivefold train --dry-run --ranks stages` (fivefold/dryrun.py), and the
+"""Wall time and peak host RSS of `fivefold train --dry-run --ranks stages` (fivefold/tools/dryrun.py), and the
 measured-vs-planned memory per stage it prints.
 
     PYTHONPATH=src python benchmarks/dry_run.py                 # Llama-3 405B, tp8 x pp16 x dp128, every stage
@@ -25,7 +25,7 @@ def main() -> None:
     a = common.parse_options(ap, model="tiny", layout="tp=2,pp=2,microbatches=2", seq=32, global_batch=2,
                              stages=[0])
     from fivefold.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from fivefold.dryrun import dry_run, model_of_preset, stage_ranks, table
+    from fivefold.tools.dryrun import dry_run, model_of_preset, stage_ranks, table
 
     if a.model == "tiny":   # --smoke: the suite's tiny Llama
         model_of_preset = lambda _: ModelConfig(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128,  # noqa: E731

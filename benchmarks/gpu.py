@@ -14,7 +14,7 @@ One command, one GPU (an H100/H200-class device; under 8 minutes there):
    train.device = "cuda", dp = 1 (DataParallelOptimizer with a group of one: no communication).
    `--quick`: hidden 1024, 8 layers, seq 1024, 10 steps: a smoke run of the same path.
 2. Micro-batch: the largest power of two whose planned memory (`fivefold.plan.memory.memory` for this
-   layout, flash attention: cli.planned_memory) fits in 85% of the GPU's memory; if a step still runs out
+   layout, flash attention: tools/run_plan.py planned_memory) fits in 85% of the GPU's memory; if a step still runs out
    of memory the trainer is rebuilt with half the micro-batch. `--micro-batch-size N` fixes it. Each optimizer
    step runs `--accum` micro-batches (gradient accumulation) on random tokens.
 3. Measured over `--steps` steps after 3 warm-up steps (compilation, allocator): median step seconds,
@@ -96,7 +96,7 @@ def config(model: dict, seq: int, micro_batch: int, accum: int, steps: int, comp
 
 
 def planned_total(cfg) -> tuple[float, dict]:
-    from fivefold.cli import planned_memory
+    from fivefold.tools.run_plan import planned_memory
 
     plan = planned_memory(cfg)
     if "error" in plan:

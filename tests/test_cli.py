@@ -4,7 +4,8 @@ import argparse
 
 import pytest
 
-from fivefold.cli import add_train_args, main
+from fivefold.cli import main
+from fivefold.tools.training import add_train_args
 from fivefold.plan.cli import add_plan_args
 from fivefold.plan.layout import GradDtype
 from fivefold.rules import LrSchedule, CpMode, Device, Dtype, Recompute, ScheduleKind, SpMode, ZeroStage, choices
@@ -66,7 +67,7 @@ def test_old_micro_batch_flag_names_the_new_one(command, capsys):
 
 
 def test_micro_batch_size_means_sequences_in_train_too():
-    from fivefold.cli import resolve_train_config
+    from fivefold.tools.training import resolve_train_config
     from fivefold.config import ConfigError
 
     ap = argparse.ArgumentParser()

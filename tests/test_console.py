@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from fivefold.cli import peak_text, speed_model
+from fivefold.tools.run_plan import peak_text, speed_model
 from fivefold.config import Config, ConfigError
 from fivefold.plan.models import from_model_config
 from fivefold.plan.topology import ACCELERATORS

@@ -28,7 +28,7 @@ import torch.utils._device as torch_device
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fivefold import cli
+from fivefold.tools import run_plan
 from fivefold.comm import CommLedger, Group
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.train import launch, optim
@@ -396,7 +396,7 @@ def test_planned_memory_plans_the_attention_the_runtime_runs():
     mask = torch.zeros(1, 64, dtype=torch.long)
     for o in (attention_core(q, q[:, :2], q[:, :2]), attention_core(q, q[:, :2], q[:, :2], documents_bS=mask)):
         assert "FlashAttention" in o.grad_fn.name(), o.grad_fn.name()
-    assert cli.planned_memory(tiny_config(dp=2))["flash"] is True
+    assert run_plan.planned_memory(tiny_config(dp=2))["flash"] is True
 
 
 def test_planned_memory_never_fails_a_run(monkeypatch):
@@ -405,7 +405,7 @@ def test_planned_memory_never_fails_a_run(monkeypatch):
     def broken(cfg):
         raise ConfigError("the planner cannot do this")
     monkeypatch.setattr(layout, "from_config", broken)
-    assert cli.planned_memory(tiny_config()) == {"error": "ConfigError: the planner cannot do this"}
+    assert run_plan.planned_memory(tiny_config()) == {"error": "ConfigError: the planner cannot do this"}
 
 
 def test_model_config_for_the_gpu_benchmark_is_about_a_billion_parameters():

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fivefold.cli import FINE_TUNE_LR, fine_tuning_lr, fine_tuning_note
+from fivefold.tools.training import FINE_TUNE_LR, fine_tuning_lr, fine_tuning_note
 from fivefold.comm import CommLedger, Group
 from fivefold.config import ConfigError, TrainConfig
 from fivefold.model import Transformer
@@ -84,7 +84,7 @@ def test_both_engines_decay_by_the_one_rule(kind):
 def test_the_optimizer_flags_have_help_and_reach_the_config(tmp_path):
     import argparse
 
-    from fivefold.cli import add_train_args, resolve_train_config
+    from fivefold.tools.training import add_train_args, resolve_train_config
 
     out = subprocess.run([sys.executable, "-m", "fivefold.cli", "train", "--help"], capture_output=True, text=True).stdout
     text = " ".join(out.split())

@@ -313,7 +313,7 @@ def test_zero_under_pipeline_reduces_once_per_step(name, two, four):
 def test_full_recompute_keeps_what_the_planner_plans(two):
     """Under a pipeline full recompute checkpoints each block too (parallel/recompute.py): every stage's
     ActivationMeter peak is within 10% of the planner's activations (the dry run's tolerance)."""
-    from fivefold.cli import planned_memory
+    from fivefold.tools.run_plan import planned_memory
 
     c = case_config("pp2_1f1b_full")
     planned = planned_memory(c)["stages"]

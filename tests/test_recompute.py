@@ -8,7 +8,7 @@ chunk-level recompute is tests/test_pipeline_runtime.py's."""
 import pytest
 import torch
 
-from fivefold.cli import planned_memory
+from fivefold.tools.run_plan import planned_memory
 from fivefold.model import Transformer, loss_sum
 from fivefold.model.documents import Documents, document_positions
 from fivefold.parallel.recompute import apply_recompute

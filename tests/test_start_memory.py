@@ -29,7 +29,7 @@ def config(**parallel) -> Config:
 
 
 def peak_over_floor(rank, world, cfg_dict):
-    from fivefold.cli import planned_memory
+    from fivefold.tools.run_plan import planned_memory
     from fivefold.train.trainer import Trainer, peak_rss_bytes
 
     floor = peak_rss_bytes()   # imports and the process group: the process before any model exists

@@ -1,6 +1,7 @@
 """Trust nothing on disk: a checkpoint's claims are checked against its own bytes, a run folder's
 names are never followed out of it, only fivefold's own files are removed, and a branch never mixes
 with the run it leaves. Most cases call the checks in-process; a few spawn the CLI."""
+import argparse
 import json
 import os
 import shutil
@@ -411,6 +412,7 @@ def test_the_cli_refuses_mutations_in_one_line(run, tmp_path):
 # ---- fuzz: config TOML into train, HF config.json and TOML into plan -----------------------------
 
 from fivefold import cli  # noqa: E402
+from fivefold.tools import training  # noqa: E402
 
 HF_LLAMA = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
             "num_key_value_heads": 4, "vocab_size": 1000, "intermediate_size": 512, "max_position_embeddings": 2048,
@@ -485,11 +487,11 @@ def test_fuzz_config_toml_into_train_and_plan(tmp_path_factory, capsys, data):
         doc = edit_config(doc, data)
     path = tmp_path_factory.mktemp("toml") / "run.toml"
     path.write_text(toml_text(doc) if data.draw(st.integers(0, 9)) else toml_text(doc)[:-4] + "= [")
-    ap = cli.argparse.ArgumentParser()
-    cli.add_train_args(ap)
+    ap = argparse.ArgumentParser()
+    training.add_train_args(ap)
     args = ap.parse_args(["--config", str(path), "--out", str(path.parent / "out")])
     try:
-        cfg = cli.resolve_train_config(args)
+        cfg = training.resolve_train_config(args)
         cfg.validate(cfg.parallel.world_size)
         supported(cfg)
     except ConfigError as e:
@@ -557,20 +559,20 @@ def test_an_offload_dir_that_cannot_hold_the_state_fails_at_start(tmp_path, monk
     cfg = tiny_config(dp=2, zero=1, offload="nvme")
     (tmp_path / "file").write_text("")
     cfg.parallel.offload_dir = str(tmp_path / "file")
-    planned = cli.planned_memory(cfg)
+    planned = training.planned_memory(cfg)
     with pytest.raises(ConfigError, match="is not a folder"):
-        cli.check_offload_dir(cfg, 2, planned)
+        training.check_offload_dir(cfg, 2, planned)
     cfg.parallel.offload_dir = str(tmp_path / "file" / "under")
     with pytest.raises(ConfigError, match="not writable"):
-        cli.check_offload_dir(cfg, 2, planned)
+        training.check_offload_dir(cfg, 2, planned)
     cfg.parallel.offload_dir = str(tmp_path / "nvme")
     per_rank = max(s["disk"] for s in planned["stages"])
     assert per_rank > 0
-    cli.check_offload_dir(cfg, 2, planned)                 # room enough here
+    training.check_offload_dir(cfg, 2, planned)                 # room enough here
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=2 * per_rank - 1))
     with pytest.raises(ConfigError, match=r"needs .* GiB \(2 rank\(s\)"):
-        cli.check_offload_dir(cfg, 2, planned)
+        training.check_offload_dir(cfg, 2, planned)
 
 
 def test_an_offload_dir_that_is_a_file_is_one_line_in_the_cli(tmp_path):

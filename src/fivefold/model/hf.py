@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import ModelConfig
 from .hf_map import CLASSES, buffer_map, config_from_hf, config_to_hf, hf_family, name_map, packed_map
 from .hf_weights import load_hf_model
 from .transformer import Transformer

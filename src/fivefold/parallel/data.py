@@ -243,7 +243,7 @@ class DataParallelOptimizer(Engine):
     @torch.no_grad()
     def load_local_state(self, read_into, opt_t: int) -> None:
         for p, m, a, s in zip(self.params, self.master, self.optimizer.exp_avg, self.optimizer.exp_avg_sq):
-            name, n = self.names[id(p)], p.numel()
+            name = self.names[id(p)]
             read_into(m.view(-1), name, 0, "model")
             p.copy_(m)
             read_into(a.view(-1), name, 0, "exp_avg")

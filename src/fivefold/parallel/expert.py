@@ -107,7 +107,7 @@ class AllToAllDispatch:
 
 
 class ShapeDispatch(AllToAllDispatch):
-    """A dry run's dispatch (fivefold/dryrun.py). Capacity mode: the (E, B, C) buffers of `padded`, of the
+    """A dry run's dispatch (fivefold/tools/dryrun.py). Capacity mode: the (E, B, C) buffers of `padded`, of the
     same sizes, through the same all-to-alls (forward, and in backward through autograd) and the same
     expert matmuls — but filled from no index, since fake tensors have no routed values; its bytes,
     shapes and graph are `padded`'s. Dropless: routed as perfectly balanced (`balanced`), since the

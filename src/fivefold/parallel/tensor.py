@@ -42,7 +42,6 @@ also gathers full tensors for checkpoints (dim "checkpoint") and slices them bac
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn

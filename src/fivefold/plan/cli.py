@@ -21,7 +21,7 @@ from ..config import load_config
 from ..flags import MICRO_BATCH_SIZE_HELP, add_renamed
 from .. import rules
 from ..grid import DEFAULT_ORDER
-from ..rules import (INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute,
+from ..rules import (INTERLEAVED, ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute,
                      ScheduleKind, SpMode, LORA_TARGETS, check_count, check_lora_targets, check_real, choices)
 from .estimate import estimate, fastest_order
 from .units import layer_names

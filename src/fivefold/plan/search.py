@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import heapq
 import time as _time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from .. import rules

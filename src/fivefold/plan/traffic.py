@@ -70,7 +70,7 @@ from ..rules import (STEP_CHUNK, cp_degrees, kv_replicas, moe_capacity, moe_sequ
 from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
 from .buffers import offload_units
-from .units import (exact_tensors, held_root, is_frozen, layer_names, layer_tensors, layout_blocks, lora_tensors,
+from .units import (exact_tensors, held_root, is_frozen, layer_names, layer_tensors, layout_blocks,
                     mtp_blocks, owned_tagged, root_tensors, root_units,
                     stage_params, unit_sums, unit_tensors, zero_units)
 from .models import PlanModel

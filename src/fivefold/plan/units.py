@@ -133,7 +133,6 @@ def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: 
     """Per stage: (dense, expert, largest block) parameters on one rank (the MTP modules' on the last);
     "expert": the routed experts reduced over their own "edp" group, so none at ep = 1."""
     rows = []
-    vocab_rank = padded_vocab(model.vocab, tp) // tp * model.hidden
     for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
         dense = expert = biggest = 0
         for i in rng + mtp_blocks(model, pp, j):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..config import Config, ConfigError, ParallelConfig, apply_overrides, parse_sets
+from ..config import Config, ConfigError, ParallelConfig, apply_overrides, field_type, parse_sets
+from .training import HELP, check_init_hf, flag_kwargs, model_from_hf, vocab_from_tokenizer
 
 # eval's flags: the layout and the shape of its windows (dotted config keys, typed like train's flags)
 EVAL_FLAGS = {
@@ -81,3 +82,60 @@ def eval_rank(rank: int, world_size: int, cfg_dict: dict, ckpt: str | None) -> d
     if ckpt:
         trainer.restore(ckpt)
     return trainer.evaluate()
+
+
+HF_EVAL_SEQ = 2048     # eval of a Hugging Face folder: windows of its max_position_embeddings, at most this
+
+
+def add_eval_args(ap: argparse.ArgumentParser) -> None:
+
+    ap.add_argument("source", help="a run folder (its newest checkpoint), a checkpoints/step-N folder, or a "
+                    "Hugging Face model folder (config.json + safetensors)")
+    ap.add_argument("--data", nargs="+", required=True, help="text files, or token files (fivefold tokenize's, "
+                    ".u16/.bin, .u32, .npy), read with the model's tokenizer")
+    ap.add_argument("--nproc", type=int, help="local gloo ranks to spawn (default: the layout's world size)")
+    for flag, key in EVAL_FLAGS.items():
+        default = ("the run's train.seq_len; a Hugging Face folder's max_position_embeddings, at most "
+                   f"{HF_EVAL_SEQ}" if flag == "seq_len" else f"the run's {key}")
+        text = HELP[flag].split(" (default")[0]
+        ap.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help=f"{text} (default: {default})",
+                        **flag_kwargs(field_type(key)))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
+    ap.add_argument("--timeout", type=float, default=600, help="hang watchdog (seconds without progress)")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """`fivefold eval` (tools/evaluate.py): every rule checked here, then the ranks evaluate."""
+    from ..config import Config
+    from ..train.data import check_data, check_eval_data
+    from ..train.launch import resolve_device, run_ranks
+    from ..train.trainer import supported
+
+    source = Path(args.source)
+    if not source.is_dir():
+        raise ConfigError(f"{source}: no such run, checkpoint or Hugging Face folder")
+    if is_hf_folder(source):   # --init-hf semantics: config.json sets [model], its tokenizer is the run's
+        cfg, ckpt = Config(), None
+        cfg.train.init_hf = str(source)
+        model_from_hf(cfg, set())
+        vocab_from_tokenizer(cfg, True)
+        cfg.train.seq_len = min(cfg.model.max_seq, HF_EVAL_SEQ)   # what the model was made for, within reason
+    else:
+        cfg, ckpt = run_config(source)
+    cfg = eval_config(cfg, args)
+    world = args.nproc or cfg.parallel.world_size
+    cfg.validate(world)
+    supported(cfg)
+    resolve_device(cfg.train.device, "gloo" if world > 1 else None)
+    check_data(cfg.train, cfg.model.vocab)
+    check_eval_data(cfg.train, cfg.model.vocab)
+    check_init_hf(cfg)
+    result = run_ranks(eval_rank, world, (cfg.to_dict(), ckpt), timeout_s=args.timeout)[0]
+    print(f"eval loss {result['eval_loss']:.6f}  perplexity {result['eval_ppl']:.4f}  "
+          f"({result['eval_tokens']:,} tokens in windows of {cfg.train.seq_len}, {ckpt or args.source})")
+    return 0
+
+
+# third-party progress bars (tqdm: transformers' "Loading checkpoint shards", huggingface_hub, datasets)
+# would interleave with our console line; each library reads these at import, so they are set before any
+# is imported; a variable the user set is kept (TQDM_DISABLE=0 brings the bars back)

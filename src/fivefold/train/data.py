@@ -793,7 +793,7 @@ def permute(i: int, n: int, key: int, rounds: int = 4) -> int:
 
 
 class SyntheticBatches:
-    """A dry run's batches (train/dryrun.py): the shapes of `Batches.local` (global_batch/dp sequences of
+    """A dry run's batches (tools/dryrun.py): the shapes of `Batches.local` (global_batch/dp sequences of
     seq_len tokens, inputs and targets), token 0 everywhere; under a FakeTensorMode they hold no memory."""
 
     def __init__(self, train: TrainConfig):

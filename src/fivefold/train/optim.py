@@ -176,7 +176,7 @@ def global_grad_norm(owned: list[torch.Tensor], group: Group | None = None, devi
     is counted exactly once across `group` (the ranks holding different pieces: tensor, pipeline and
     ZeRO shards). Replicated gradients must be passed by one rank only. `device` places the sum when
     this rank owns no gradient (its collective still runs). `value` reads the result (a dry run's
-    fake tensors have none: train/dryrun.py).
+    fake tensors have none: tools/dryrun.py).
     """
     sq = torch.zeros(1, dtype=torch.float64, device=owned[0].device if owned else device)
     for g in owned:

@@ -419,7 +419,7 @@ def _pyarrow():
         import pyarrow.parquet  # noqa: F401 (the submodule)
     except ImportError:
         raise ConfigError("reading Parquet, Arrow or datasets folders needs pyarrow "
-                          "({install_hint('data')})") from None
+                          f"({install_hint('data')})") from None
     return pa
 
 

@@ -182,8 +182,8 @@ class Trainer:
         self.device = resolve_device(t.device, dist.get_backend() if dist.is_initialized() else None)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)   # run.json's peak: this trainer's, not the process's
-        self.planned = planned   # the planner's memory for this layout (cli.planned_memory), written to run.json
-        self.speed = Speed.from_dict(speed, world_size)   # FLOPs per token and peak from the CLI (cli.speed_model)
+        self.planned = planned   # the planner's memory for this layout (tools/run_plan.py planned_memory), written to run.json
+        self.speed = Speed.from_dict(speed, world_size)   # FLOPs per token and peak from the CLI (tools/run_plan.py speed_model)
         self.link_counters = LinkCounters(rank)          # an emulated cluster's links (tools/cluster.py), else none
         torch.manual_seed(t.seed + RANK_SEED_STRIDE * rank)
         self.ledger = CommLedger(rank, world_size)
@@ -218,7 +218,7 @@ class Trainer:
         if fill:   # fill=False: a checkpoint will be restored (run), so the init is not drawn only to be replaced
             self.fill_from_source()
         self.activations = ActivationMeter()
-        # --dry-run (train/dryrun.py): fake tensors hold no values, so batches are token-less stand-ins and
+        # --dry-run (tools/dryrun.py): fake tensors hold no values, so batches are token-less stand-ins and
         # scalars read back from the step (loss, norm, stop flag) are 0
         self.read = zeros_of_shape if dry else torch.Tensor.tolist   # a tensor's numbers (fake ones: zeros)
         self.value = lambda t: float(self.read(t.reshape(())) if isinstance(t, torch.Tensor) else t)   # one number
@@ -616,7 +616,7 @@ class Trainer:
         """run.json. Besides the config and the model-state bytes: `device` (rank 0's; `device_by_rank`),
         `peak_device_memory_bytes_by_rank` (torch.cuda.max_memory_allocated per rank; null on the CPU),
         `peak_rss_bytes_by_rank` (each process's peak RSS: see `memory_info`) and, when the caller passed
-        the planner's prediction for this layout (the CLI does: cli.planned_memory), `planned_memory`
+        the planner's prediction for this layout (the CLI does: tools/run_plan.py planned_memory), `planned_memory`
         (the planner's rows per pipeline stage) and `planned_memory_bytes_by_rank` (each rank's stage
         total, the number to hold against the measured peak; null without a prediction)."""
         mem = getattr(self, "all_memory", None) or [self.memory_info()]
@@ -701,8 +701,8 @@ def perplexity(loss: float) -> float:
 def train_rank(rank: int, world_size: int, cfg_dict: dict, out: str | None = None, resume: str | None = None,
                planned: dict | None = None, speed: dict | None = None) -> dict:
     """Entry point for one rank (used by the launcher and the tests). `planned`: the planner's memory for
-    this layout, written to run.json beside the measured peaks (cli.planned_memory); `speed`: FLOPs per
-    token and the device peak for TFLOP/s and MFU (cli.speed_model, train/speed.py)."""
+    this layout, written to run.json beside the measured peaks (tools/run_plan.py planned_memory); `speed`: FLOPs per
+    token and the device peak for TFLOP/s and MFU (tools/run_plan.py speed_model, train/speed.py)."""
     # a given checkpoint replaces the whole state: no init is drawn first ("auto" may find none)
     trainer = Trainer(Config.from_dict(cfg_dict), rank, world_size, planned=planned,
                       fill=resume in (None, "auto"), speed=speed)

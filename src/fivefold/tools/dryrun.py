@@ -24,7 +24,7 @@ Measured per rank, by kind (the planner's names):
                                it; `total` is the peak of their sum, which may fall below the sum of
                                the peaks (on the last stage the loss's peak and the layers' do not meet)
 and the ledger's rows per (dim, op, tier), next to the planner's prediction for the rank's stage
-(`cli.planned_memory`, `plan.traffic`). Values are never read: loss, norm and the stop flag read as 0
+(`run_plan.planned_memory`, `plan.traffic`). Values are never read: loss, norm and the stop flag read as 0
 (the step's collectives all run). Every MoE layer dispatches by shape (parallel/expert.py
 `ShapeDispatch`): in capacity mode the same (E, B, C) buffers through the same all-to-alls and expert
 matmuls, filled from no index (exact); dropless routing, whose counts are values fake tensors do not
@@ -37,8 +37,8 @@ import json
 import weakref
 from pathlib import Path
 
-from .config import Config, ConfigError
-from .grid import coords, grid_sizes, parse_order
+from ..config import Config, ConfigError
+from ..grid import coords, grid_sizes, parse_order
 
 KINDS = ("weights", "grads", "optimizer", "activations", "buffers", "total")
 
@@ -51,9 +51,9 @@ def planned_memory(cfg: Config, stage: int) -> dict:
     """The planner's bytes by kind for one rank of `stage` (plan.memory.stage_memory, with the fused
     attention the runtime runs: plan.layout.from_config), or {} when the planner cannot estimate it."""
     try:
-        from .plan.layout import from_config
-        from .plan.memory import stage_memory
-        from .plan.models import from_model_config
+        from ..plan.layout import from_config
+        from ..plan.memory import stage_memory
+        from ..plan.models import from_model_config
 
         layout, work = from_config(cfg, backend="nccl")
         row = stage_memory(from_model_config(cfg.model, train=cfg.train), layout, work, stage)
@@ -143,7 +143,7 @@ def model_of_preset(name: str):
     the runtime builds that architecture (`plan.models.to_model_config`: one field table both ways).
     DeepSeek-V3's score-correction bias makes the router sigmoid_bias (the bias a buffer, as in the
     runtime); its routing groups and scaling factor change no shape and are left at their defaults."""
-    from .plan.models import load_model, to_model_config
+    from ..plan.models import load_model, to_model_config
 
     return to_model_config(load_model(name), where=f"--model {name}")
 
@@ -169,10 +169,10 @@ def stage_of(cfg: Config, rank: int) -> int:
 def dry_run_cost(cfg: Config, ranks: list[int], steps: int) -> tuple[float, float]:
     """(seconds, peak host bytes) this process will spend on the dry run of `ranks`: DRY_* above, with the
     planner's layers and parameters of each rank's stage (torch-free; nothing is built)."""
-    from .plan.layout import from_config, microbatches
-    from .plan.models import from_model_config
-    from .plan.units import frozen_params, layout_layers, stage_params
-    from .rules import STEP_CHUNK
+    from ..plan.layout import from_config, microbatches
+    from ..plan.models import from_model_config
+    from ..plan.units import frozen_params, layout_layers, stage_params
+    from ..rules import STEP_CHUNK
 
     model = from_model_config(cfg.model, train=cfg.train)
     layout, work = from_config(cfg, backend="nccl")
@@ -216,7 +216,7 @@ def dry_rank(cfg: Config, rank: int, steps: int, limit: float | None = None) -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .train.trainer import Trainer
+    from ..train.trainer import Trainer
 
     world = cfg.parallel.world_size
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
@@ -249,9 +249,9 @@ def planned_rows(cfg: Config, stage: int, dp_rank: int, steps: int) -> dict[tupl
     """The planner's (dim, op) rows for one rank of `stage` over `steps` steps (plan.traffic.stage_flows),
     or None when the planner cannot estimate the layout."""
     try:
-        from .plan.layout import from_config
-        from .plan.models import from_model_config
-        from .plan.traffic import stage_flows
+        from ..plan.layout import from_config
+        from ..plan.models import from_model_config
+        from ..plan.traffic import stage_flows
 
         layout, work = from_config(cfg, backend="nccl")
         flows = stage_flows(from_model_config(cfg.model, train=cfg.train), layout, work, stage, dp_rank)

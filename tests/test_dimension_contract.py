@@ -21,7 +21,8 @@ from fivefold.model.moe import MoE
 from fivefold.parallel.context import ContextParallelism
 from fivefold.parallel.dimension import HOOKS, Dimension
 from fivefold.parallel.expert import AllToAllDispatch, ExpertParallelism
-from fivefold.parallel.parallelize import (PipelineParallelism, configure_moe, direct_forward,
+from fivefold.parallel.pipeline.dimension import PipelineParallelism
+from fivefold.parallel.parallelize import (configure_moe, direct_forward,
                                            direct_forward_backward, gather_state, loss_function, positions_of,
                                            split_state, step_functions)
 from fivefold.parallel.tensor import TensorParallelism

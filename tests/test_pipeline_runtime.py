@@ -16,6 +16,7 @@ from fivefold.config import Config, ConfigError
 from fivefold.mesh import coords, grid_sizes
 from fivefold.model import Transformer, loss_sum
 from fivefold.parallel.microbatch import MicroBatch, cut
+from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.pipeline import build_schedule, partition_layers
 from fivefold.parallel.pipeline.runtime import PipelineRuntime, Stage, stage_names
 from fivefold.train.trainer import Trainer
@@ -448,6 +449,7 @@ def one_stage(schedule: str, recompute: str = "none", m: int = 4):
     c.model.tie_embeddings = False   # on one stage a tied weight would have two modules
     model = Transformer(c.model, seed=3)
     stage = Stage(model, partition_layers(2, 1), 0)
+    apply_recompute(stage, "none" if schedule == "zb" and recompute == "full" else recompute)   # as parallelize
     runtime = PipelineRuntime(stage, build_schedule(schedule, 1, m)[0], Group.single("pp"), recompute)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, c.model.vocab, (8, 32), generator=gen)

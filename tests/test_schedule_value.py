@@ -101,7 +101,7 @@ def test_schedule_value_resolves_the_group_and_round_trips():
 def test_planner_runtime_report_and_pipeline_json_carry_the_same_schedule(tmp_path):
     """One value from the config to the plan, the runtime's action lists, its report and pipeline.json."""
     from fivefold.mesh import ParallelMesh
-    from fivefold.parallel.parallelize import PipelineParallelism
+    from fivefold.parallel.pipeline.dimension import PipelineParallelism
     from fivefold.parallel.pipeline.runtime import report, write_report
 
     cfg = _interleaved_cfg(3)

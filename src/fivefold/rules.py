@@ -610,6 +610,14 @@ def check_runtime_support(parallel, train, model=None) -> None:
                           "all-gathers); set it to true")
 
 
+def block_recompute(recompute: str, pp: int, schedule: str) -> str:
+    """The recompute each block gets (parallel/recompute.py), applied once after every dimension: the
+    run's `train.recompute`, except full recompute under the zero-bubble schedule with a pipeline, whose
+    split backward (I, then W) needs a chunk's whole graph: there the pipeline runtime re-runs whole
+    chunks instead and the blocks keep no checkpoint of their own."""
+    return "none" if pp > 1 and schedule == ZB and recompute == "full" else recompute
+
+
 def grad_norm_group(zero: int, only_dp: bool = True) -> str:
     """The group the global gradient norm's sum of squares is all-reduced over. ZeRO shards differ on
     every rank: "world". DDP gradients reduced over dp are replicated across it, so only the ranks that

@@ -16,6 +16,8 @@ import torch
 
 from ..model.documents import Documents
 
+LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (logits, targets) -> the summed token loss
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -24,7 +26,7 @@ class MicroBatch:
     documents: Documents | None = None    # train.document_mask: positions and document ids
     loss_tokens: int = 1                  # the global batch's targets that count: the loss's divisor
 
-    def loss(self, loss_sum: Callable, logits_bsv: torch.Tensor) -> torch.Tensor:
+    def loss(self, loss_sum: LossSum, logits_bsv: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the step's mean token loss."""
         return loss_sum(logits_bsv, self.targets) / self.loss_tokens
 

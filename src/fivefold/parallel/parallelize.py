@@ -25,7 +25,6 @@ load-balance loss goes through `model.aux`.
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -35,10 +34,10 @@ from .. import comm, rules
 from ..config import Config
 from ..model.moe import MoE
 from .dimension import Dimension
-from .engine import Engine, sum_tied_grads
-from .microbatch import MicroBatch
+from .engine import Engine
+from .microbatch import LossSum, MicroBatch
+from .pipeline.dimension import PipelineParallelism
 
-LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def parallelize(model: nn.Module, mesh, cfg: Config, dry: bool = False) -> tuple[nn.Module, list[Dimension]]:
@@ -62,9 +61,8 @@ def parallelize(model: nn.Module, mesh, cfg: Config, dry: bool = False) -> tuple
     for d in dims:
         model = d.apply(model)
     configure_moe(model, mesh, cfg, dry)
-    if p.pp == 1:   # the pipeline runtime recomputes its own stages (recompute.py names both)
-        from .recompute import apply_recompute
-        apply_recompute(model, t.recompute)
+    from .recompute import apply_recompute
+    apply_recompute(model, rules.block_recompute(t.recompute, p.pp, p.schedule))   # once, after every dimension
     return model, dims
 
 
@@ -131,88 +129,6 @@ def split_state(dims: list[Dimension], state: dict) -> dict:
 def checkpoint_aliases(dims: list[Dimension]) -> dict[str, str]:
     """{local name: checkpoint name} of every dimension's copies."""
     return {k: v for d in dims for k, v in d.checkpoint_aliases.items()}
-
-
-class PipelineParallelism(Dimension):
-    """The pipeline dimension (pipeline/runtime.py): cuts the (tp-sharded) model to this rank's stage,
-    runs the step's forward and backward by the schedule's action list, sums tied embedding copies,
-    and gathers the stages' states into one."""
-
-    name = "pp"
-    loss_group = "pp"          # only the last stage computes the loss
-    schedules_backward = True  # micro-batch backwards spread over the step: engines reduce once, at its end
-
-    def __init__(self, mesh, cfg: Config):
-        from .pipeline import Schedule
-
-        self.mesh, self.cfg = mesh, cfg
-        self.schedule = Schedule.of(cfg)            # one value: the lists, the report and pipeline.json
-        self.partition = self.schedule.partition
-        self.rank = mesh.coords["pp"]
-        self.actions = self.schedule.actions()[self.rank]
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        from .pipeline.runtime import Stage, stage_names
-
-        self.names = stage_names(model, self.partition)   # (name, piece shape) per stage, before the cut
-        from .pipeline.runtime import PipelineRuntime
-
-        p = self.cfg.parallel
-        self.stage = Stage(model, self.partition, self.rank, seq_split=p.tp if p.sp_mode == "megatron" else 1)
-        # the last stage's copy of a tied embedding is the embedding in a checkpoint
-        self.checkpoint_aliases = {"head.weight": "embed.weight"} if self.stage.tied_copy is not None else {}
-        dtype = next(self.stage.parameters()).dtype
-        self.runtime = PipelineRuntime(self.stage, self.actions, self.mesh["pp"], self.cfg.train.recompute, dtype)
-        return self.stage
-
-    def forward_backward(self, model: nn.Module, loss_sum: LossSum, engine: Engine,
-                         micro_batches: list[MicroBatch], positions=None) -> torch.Tensor:
-        """Every micro-batch's forward and backward by the schedule, gradients accumulating locally and
-        each chunk's reduced after its last backward (`parallel.overlap_grad_reduce`; engine.py); then the
-        tied copies' gradients are summed (dim "embed") and the engine reduces what is left."""
-        sync = engine.set_sync if self.cfg.parallel.overlap_grad_reduce else None
-        engine.set_sync(False)
-        loss_local = self.runtime.run(micro_batches, loss_sum, positions, sync=sync)
-        sum_tied_grads(engine, self.mesh)
-        engine.set_sync(True)
-        engine.end_backward()
-        return loss_local
-
-    def forward_only(self, model: nn.Module, loss_sum: LossSum, micro_batches: list[MicroBatch],
-                     positions=None) -> torch.Tensor:
-        """An evaluation: every micro-batch's forward through the stages (the forward-only action list),
-        no gradient; this rank's share of the loss (nonzero on the last stage)."""
-        return self.runtime.run_forward(micro_batches, loss_sum, positions)
-
-    def gather_state(self, state: dict) -> dict:
-        from .pipeline.runtime import gather_stages
-
-        return gather_stages(self._stage_state(state, with_copy=False), self.names, self.mesh["pp"])
-
-    def split_state(self, state: dict) -> dict:
-        return self._stage_state(state, with_copy=True)
-
-    def _stage_state(self, state: dict, with_copy: bool) -> dict:
-        """This stage's entries of a full state; with_copy adds the tied head copy (= the embedding),
-        without it the copy is dropped (the checkpoint holds the embedding once)."""
-        names = {n: n for n, _ in self.names[self.rank]}
-        if self.stage.tied_copy is not None and with_copy:
-            names["head.weight"] = "embed.weight"
-        return {k: ({n: v[src] for n, src in names.items()} if isinstance(v, dict) else v) for k, v in state.items()}
-
-    def write(self, out: Path, gather_objects, rank: int, draw=None) -> None:
-        """OUT/pipeline.json: the last step's measured timeline of the pp ranks of rank 0's group beside
-        the simulated one (call on every rank: gathers the timelines); then `draw(out, info)`, when
-        given, draws it (the trainer passes train/timeline.py's `draw_pipeline`: OUT/pipeline.svg)."""
-        from .pipeline.runtime import report, write_report
-
-        timelines = gather_objects([tuple(b) for b in self.runtime.timeline])
-        if rank == 0:
-            rows = [timelines[r] for r in self.mesh["pp"].ranks]
-            info = report(rows, self.schedule)
-            write_report(out, info)
-            if draw is not None:
-                draw(out, info)
 
 
 def direct_forward_backward(model: nn.Module, loss_sum: LossSum, engine: Engine, micro_batches: list[MicroBatch],

@@ -59,7 +59,7 @@ from ...model.attention import rope_cos_sin
 from ...model.transformer import run_blocks
 from ..microbatch import MicroBatch
 from ..placement import full_shape, place, placement_of
-from ..recompute import RECOMPUTE, apply_recompute, rng_state, set_rng_state
+from ..recompute import RECOMPUTE, rng_state, set_rng_state
 from .partition import Partition
 from .schedules import (B, F, I, SEND_B, SEND_F, W, Action, Block, input_messages, message_key, simulate, steps,
                         timeline_stats)
@@ -204,8 +204,9 @@ class PipelineRuntime:
         self.timeline: list[Block] = []
         self.finals = final_weight_actions(actions)
         self._ops: list | None = None
-        self.chunk_recompute = recompute == "full" and self.split   # zb: whole chunks (recompute.py)
-        apply_recompute(stage, "none" if self.chunk_recompute else recompute)
+        # zb with full recompute re-runs whole chunks (rules.block_recompute: then the blocks, which
+        # parallelize checkpoints once for every layout, keep none of their own)
+        self.chunk_recompute = recompute == "full" and self.split
         if self.split:
             self._install_recording()
 

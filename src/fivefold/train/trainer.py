@@ -78,17 +78,15 @@ from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
 from ..parallel.expert import moe_step_stats
 from ..parallel.microbatch import MicroBatch, cut as cut_micro_batches
-from ..parallel.placement import placement_of
-from ..parallel.parallelize import (checkpoint_aliases, gather_state, loss_function, parallelize, positions_of,
-                                    shard_batch, split_state, step_functions, sum_loss)
+from ..parallel.parallelize import loss_function, parallelize, positions_of, shard_batch, step_functions, sum_loss
 from ..parallel.zero import Zero
 from . import checkpoint, rundir
 from .activations import ActivationMeter
 from .data import BatchSource, SyntheticBatches, data_identity, make_batches, make_eval_batches
-from .checkpoint import SECTIONS, Box, box_of
 from .launch import heartbeat, resolve_device, stop_requested
 from .optim import AdamW, clip_, global_grad_norm, lr_at
 from .progress import Progress
+from .rank_state import RankState
 from .link_counters import LinkCounters
 from .malloc import return_freed_memory
 from .outputs import RunOutputs
@@ -101,7 +99,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 RANK_SEED_STRIDE = 7919
 STOP_SIGNALS = ("SIGINT", "SIGTERM")   # agreed over the ranks as an index + 1 (0: keep going)
 COMPILE_BACKEND = "inductor"           # train.compile's torch.compile backend (CPU tests may swap in aot_eager)
-FILL_CHUNK = 2**22   # elements a weight source is asked for at once when filling a rank's pieces (16 MiB fp32)
 
 
 class NonFiniteError(RuntimeError):
@@ -208,11 +205,13 @@ class Trainer:
         self.loss_sum = loss_function(self.dims, loss_sum)
         self.forward_backward, self.forward_only = step_functions(self.dims)   # pp: its schedule, else direct
         self.params = unique_params(self.model)
-        # checkpoint layout: recorded before the engine exists (ZeRO-3 frees the parameters' storage)
-        self.layout = self.checkpoint_layout()
+        # what this rank holds and how it meets a checkpoint; its layout is recorded before the engine
+        # exists (ZeRO-3 frees the parameters' storage)
+        self.state = RankState(self.model, self.mesh, self.dims)
         positions = positions_of(self.dims)
         self.positions = None if positions is None else positions.to(self.device)   # (cp: not contiguous)
         self.engine = self.make_engine()
+        self.state.attach(self.engine)
         self.source = weight_source(cfg)   # the seeded init, or a Hugging Face folder (--init-hf)
         self.filled = dry                   # a dry run's fake tensors take no values
         if fill:   # fill=False: a checkpoint will be restored (run), so the init is not drawn only to be replaced
@@ -407,90 +406,37 @@ class Trainer:
         return out
 
     def full_state(self) -> dict:
-        """Full model and optimizer state keyed by parameter name (fp32 masters), and the persistent
-        buffers of every rank merged by name (replicas are equal). Call on every rank."""
-        state = gather_state(self.dims, self.engine.full_state())
-        buffers = {}
-        for part in gather_objects(checkpoint.persistent_buffers(self.model)):   # bookkeeping exchange
-            buffers.update(part)
-        return {**state, "buffers": buffers}
+        """Full model and optimizer state keyed by parameter name (`RankState.full_state`)."""
+        return self.state.full_state()
 
     def load_full_state(self, state: dict) -> None:
-        state = dict(state)
-        checkpoint.load_buffers(self.model, state.pop("buffers", {}))
-        self.engine.load_full_state(split_state(self.dims, state))
+        self.state.load_full_state(state)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def checkpoint_layout(self) -> dict[str, tuple[str, tuple, Box, bool]]:
-        """Local parameter name -> (its single-process name, local shape, the box of the full tensor
-        this rank's piece holds, whether it is a copy). A copy (a dimension's `checkpoint_aliases`: the
-        last stage's tied head) is read from its original and never written."""
-        aliases = checkpoint_aliases(self.dims)
-        return {name: (aliases.get(name, name), tuple(p.shape), box_of(p.shape, placement_of(p), self.mesh),
-                       name in aliases)
-                for name, p in self.model.named_parameters()}
-
-    def checkpoint_keys(self) -> set[str]:
-        """Every section of what the engine trains, the weights alone of what is frozen, the buffers."""
-        frozen = {self.layout[n][0] for n in self.frozen()}
-        names = {full for full, _, _, _ in self.layout.values()} - frozen
-        return ({f"{s}/{n}" for s in SECTIONS for n in names} | {f"model/{n}" for n in frozen}
-                | {f"buffers/{n}" for n in checkpoint.persistent_buffers(self.model)})
+    @property
+    def layout(self) -> dict:
+        """Local parameter name -> (single-process name, local shape, box, copy) (`RankState.layout`)."""
+        return self.state.layout
 
     def frozen(self) -> dict[str, torch.nn.Parameter]:
-        """This rank's frozen parameters by local name (LoRA's base weights, train.freeze): whole pieces
-        no engine holds, each written to and read from checkpoints as its own tensor (no moments)."""
-        return {n: q for n, q in self.model.named_parameters() if not q.requires_grad}
-
-    def rng_state(self) -> dict[str, torch.Tensor]:
-        """This rank's random streams: the default generator (dropout), CUDA's, the modules' own."""
-        state = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        for name, m in self.model.named_modules():
-            if isinstance(getattr(m, "generator", None), torch.Generator):
-                state[f"gen/{name}"] = m.generator.get_state()
-        return state
-
-    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda"], self.device)
-        for name, m in self.model.named_modules():
-            if f"gen/{name}" in state:
-                m.generator.set_state(state[f"gen/{name}"])
+        return self.state.frozen()
 
     def save(self, out: Path, step: int) -> Path:
         """Checkpoint `step` (steps done) into OUT/checkpoints: every rank writes the pieces of state it
         holds (its ZeRO shards as they are), nothing gathered."""
-        segments, opt_t = self.engine.local_state()
-        entries = []
-        for name, start, tensors in segments:
-            full, shape, piece, copy = self.layout[name]
-            if copy:
-                continue
-            length = next(iter(tensors.values())).numel()
-            for box, sizes, o in checkpoint.segment_chunks(piece, shape, start, length):
-                n = math.prod(sizes)
-                entries += [(f"{section}/{full}", flat[o:o + n].view(sizes), box) for section, flat in tensors.items()]
-        for name, q in self.frozen().items():
-            full, _, piece, copy = self.layout[name]
-            if not copy:                    # replicas: checkpoint.assign_writers picks one writer
-                entries.append((f"model/{full}", q.detach(), piece))
-        for name, b in checkpoint.persistent_buffers(self.model).items():
-            entries.append((f"buffers/{name}", b, Box.whole(b.shape)))
+        entries, opt_t = self.state.entries()
         meta = {"opt_t": opt_t, "skips": self.skips, "data": self.data_id, "best": self.best,
                 "evals_since_best": self.evals_since_best}
         protect = self.best["step"] if self.best and self.cfg.train.keep_best else None
-        return checkpoint.save(out, step, self.cfg, entries, self.rng_state(), meta,
+        return checkpoint.save(out, step, self.cfg, entries, self.state.rng_state(self.device), meta,
                                self.cfg.train.keep_checkpoints, self.rank, protect)
 
     def restore(self, ckpt: str | Path) -> int:
         """Load a checkpoint written by any layout; returns its step. Each rank reads only the boxes its
         own state covers. Random streams are restored when the layout is the same (then a resumed run
         is bit-exact, dropout included)."""
-        reader = checkpoint.open_matching(ckpt, self.checkpoint_keys())
-        self.fill(reader, reader.index["opt_t"])
+        reader = checkpoint.open_matching(ckpt, self.state.keys())
+        self.state.fill(reader, reader.index["opt_t"])
         self.skips = reader.index.get("skips", 0)
         self.best = reader.index.get("best")   # the lowest eval loss so far (train.keep_best, stop_after)
         self.evals_since_best = reader.index.get("evals_since_best", 0)
@@ -499,7 +445,7 @@ class Trainer:
         same_layout = (reader.index["world_size"] == self.world_size
                        and layout(reader.index["config"]["parallel"]) == layout(self.cfg.to_dict()["parallel"]))
         if same_layout:
-            self.set_rng_state(reader.rng(self.rank))
+            self.state.set_rng_state(reader.rng(self.rank), self.device)
         elif self.cfg.model.dropout and not self.quiet:
             print("note: the checkpoint was written by another layout: dropout's random streams start afresh",
                   file=sys.stderr)
@@ -508,31 +454,9 @@ class Trainer:
     def fill_from_source(self) -> None:
         """A fresh start: the state from the seeded init or the Hugging Face folder (once)."""
         if not self.filled:
-            self.fill(self.source)
+            self.state.fill(self.source)
             self.filled = True
         self.ledger.reset()   # the ledger counts training: filling the state (offload: its first disk writes) is set-up
-
-    def fill(self, source, opt_t: int = 0) -> None:
-        """Fill what this rank holds — its parameters' pieces and ZeRO shards, their fp32 masters and
-        Adam moments, its persistent buffers — from `source` (model/init.py's protocol: the seeded init,
-        a checkpoint's Reader, Hugging Face files), box by box, straight into the engine's tensors
-        (engines' `load_local_state`). A rank reads only the boxes of its own pieces, and a fill holds
-        beyond the rank's state only the source's buffers for at most FILL_CHUNK elements (ZeRO-1/2,
-        which hold whole parameters, also one parameter's staging copy)."""
-        def read_into(dst: torch.Tensor, name: str, start: int, section: str) -> None:
-            """dst (1-D) = elements start.. of this rank's piece of `name` (flat, row-major)."""
-            full, shape, piece, _ = self.layout[name]
-            for lo in range(0, dst.numel(), FILL_CHUNK):   # the source's own buffers stay within FILL_CHUNK elements
-                n = min(FILL_CHUNK, dst.numel() - lo)
-                for box, sizes, o in checkpoint.segment_chunks(piece, shape, start + lo, n):
-                    dst[lo + o:lo + o + math.prod(sizes)].copy_(source.read(f"{section}/{full}", box, sizes).reshape(-1))
-
-        self.engine.load_local_state(read_into, opt_t)
-        with torch.no_grad():
-            for name, q in self.frozen().items():
-                read_into(q.view(-1), name, 0, "model")
-            for name, b in checkpoint.persistent_buffers(self.model).items():
-                b.copy_(source.read(f"buffers/{name}", Box.whole(b.shape), b.shape))
 
     # -- the run -----------------------------------------------------------------------------
     def run(self, out: str | Path | None = None, resume: str | Path | None = None) -> dict:

@@ -67,7 +67,7 @@ def train(rank, world, cfg_dict, out, resume=None, steps=4):
 def zero3_gathers(engine, unit, m: int) -> int:
     """All-gathers of a ZeRO-3 unit per step (parallel/zero.py): without a pipeline before each micro-batch's
     forward and backward (once without resharding); under one a block per use, the root once."""
-    if engine.pipeline:
+    if engine.spec.pipeline:
         return 1 if unit.name == "root" else 2 * m
     return (2 if engine.stage.reshard_after_forward else 1) * m
 

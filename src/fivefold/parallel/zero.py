@@ -97,7 +97,7 @@ class ZeroEngine(Engine):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         # the setting, as the planner reads it too (zero_spec.py)
         self.spec = spec = ZeroSpec(stage, pipeline, reduce_each_microbatch, offload, reshard_after_forward)
-        self.model, self.pipeline = model, pipeline
+        self.model = model
         self.policy: ReducePolicy = reduce_policy(spec)
         self.params = unique_params(model)
         self.names = {id(p): n for n, p in model.named_parameters()}

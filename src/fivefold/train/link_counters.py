@@ -35,7 +35,8 @@ class LinkCounters:
         for name, (pid, dev) in self.links.items():
             try:
                 stats = read_net_dev(pid)[dev]
-                retrans[pid] = read_tcp_retrans(pid)
+                if pid not in retrans:   # one count per namespace, however many links it holds
+                    retrans[pid] = read_tcp_retrans(pid)
             except (OSError, KeyError, ValueError, IndexError):
                 return {}
             out[name] = {"rx": stats["rx"], "tx": stats["tx"]}

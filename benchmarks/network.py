@@ -95,11 +95,10 @@ def measured(out: Path, res: dict) -> dict:
     per_tier_dim: dict[tuple[str, str], float] = {}
     for r in comm["tiers"]:
         per_tier_dim[(r["dim"], r["tier"])] = per_tier_dim.get((r["dim"], r["tier"]), 0.0) + r["bytes_sent"] / steps
-    ov = res["links"]["overhead"]["ratio"] if res["links"]["overhead"] else 1.0
     links = {}
     for s in res["links"]["steps"]:
-        for tier, d in s["by_tier"].items():
-            links.setdefault(tier, []).append(d["tx"] / ov)
+        for tier, d in s.get("payload", s["by_tier"]).items():
+            links.setdefault(tier, []).append(d["tx"])
     return {"step_s": statistics.median(x["seconds"] for x in m[1:]), "steps": steps, "dim_tier": per_tier_dim,
             "links": {t: statistics.median(v) for t, v in links.items()},
             "config": json.loads((out / "run.json").read_text())["config"]}

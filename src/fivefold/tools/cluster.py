@@ -13,17 +13,21 @@ While it runs, every link's kernel counters are sampled (`--sample-ms`, default 
 
     {"fabric": {"topology": ..., "nodes": 2, "ranks_per_node": 2, "links": [{"name": "node0", "tier": ...,
                 "rate_bps": ..., "delay_s": ...}, ...]},
-     "overhead": {"payload": 8388608, "sent": ..., "acks": ..., "ratio": ...},  # a known transfer: TCP/IP cost
+     "overhead": {"payload": 8388608, "sent": ..., "acks": ..., "ratio": ...,  # a known transfer: TCP/IP cost
+                  "packets": ..., "frame_header": 66.0},              # bytes per counted packet beside payload
      "samples": [{"t": unix seconds, "links": {"node0": {"rx": ..., "tx": ...}, ...}}, ...],
      "totals": {"node0": {"rx": ..., "tx": ...}, ...},        # over the whole command
      "by_tier": {"leaf": {"tx": ..., "rx": ...}, ...},        # totals summed over a tier's links
-     "steps": [{"step": 2, "by_tier": {"leaf": {"tx": ...}}}, ...]}   # per training step: the counters the
-                                # trainer read at each step's end (metrics.jsonl "links", train/link_counters.py)
+     "steps": [{"step": 2, "by_tier": {"leaf": {"tx": ...}}, "payload": {"leaf": {"tx": ...}}}, ...]}
+                     # per training step: the counters the trainer read at each step's end (metrics.jsonl
+                     # "links", train/link_counters.py), and the payload they carried
 
 The overhead is measured before the command: `--overhead-mb` MiB sent over TCP from node 0 to node 1, the
-bytes the two node links counted against the payload ("ratio": link bytes per payload byte, both
-directions' headers and ACKs included). Bytes per tier held against the planner divide by it
-(`plan.traffic.link_bytes` predicts the payload).
+bytes and packets the two node links counted against the payload ("ratio": link bytes per payload byte,
+both directions' headers and ACKs included; "frame_header": bytes per packet beside its payload). A
+step's "payload" is its bytes less one frame header per packet: what `plan.traffic.link_bytes` predicts.
+It is exact however the ranks' messages are cut into segments and however often they are acknowledged
+(a loaded machine sends smaller segments and more ACKs, which a fixed ratio charges at the probe's rate).
 
 Everything the tool made (namespaces, links, qdiscs, holder processes) is removed when the command ends, on
 Ctrl-C and on failure; namespaces a killed run left (the tool's marker, a dead pid) are removed at the next
@@ -296,7 +300,11 @@ c.shutdown(socket.SHUT_WR); c.recv(1); c.close()
 
 def measure_overhead(fab: Fabric, payload: int, port: int = 29399) -> dict:
     """Send `payload` bytes over TCP from node 0 to node 1 and read both node links: link bytes per payload
-    byte (the data's headers on the way out, the ACKs on the way back)."""
+    byte (the data's headers on the way out, the ACKs on the way back), and the bytes each packet the
+    kernel counted adds beside its payload ("frame_header": Ethernet, IP and TCP with its timestamp
+    option, 66 on Linux; a segmentation-offloaded packet counts once with one header). The ratio holds
+    for messages like the probe's; the per-packet header holds for any: a run whose ranks write small
+    messages, or that an ACK answers more often, moves more packets per payload byte."""
     before = fab.counters()
     sink = subprocess.Popen(fab.exec_argv(1, [sys.executable, "-c", _SINK, fab.address(1), str(port)]),
                             stdout=subprocess.PIPE, text=True)
@@ -313,19 +321,31 @@ def measure_overhead(fab: Fabric, payload: int, port: int = 29399) -> dict:
     after = fab.counters()
     sent = after["node0"]["tx"] - before["node0"]["tx"]
     acks = after["node1"]["tx"] - before["node1"]["tx"]
+    packets = sum(after[n]["tx_packets"] - before[n]["tx_packets"] for n in ("node0", "node1"))
     if got != payload:
         raise FabricError(f"the overhead probe received {got} bytes of {payload}")
-    return {"payload": payload, "sent": sent, "acks": acks, "ratio": (sent + acks) / payload}
+    return {"payload": payload, "sent": sent, "acks": acks, "ratio": (sent + acks) / payload,
+            "packets": packets, "frame_header": (sent + acks - payload) / max(packets, 1)}
 
 
-def tier_delta(links: list[dict], before: dict, after: dict) -> dict[str, dict[str, float]]:
-    """Bytes per tier and direction between two reads of every link's counters ({name: {"tx", "rx"}})."""
+def tier_delta(links: list[dict], before: dict, after: dict, keys=("tx", "rx")) -> dict[str, dict[str, float]]:
+    """Bytes (or, with `keys`, packets) per tier and direction between two reads of every link's counters
+    ({name: {"tx", "rx", "tx_packets", "rx_packets"}})."""
     out: dict[str, dict[str, float]] = {}
     for lk in links:
-        d = out.setdefault(lk["tier"], {"tx": 0, "rx": 0})
-        for k in ("tx", "rx"):
+        d = out.setdefault(lk["tier"], {k: 0 for k in keys})
+        for k in keys:
             d[k] += after[lk["name"]][k] - before[lk["name"]][k]
     return out
+
+
+def tier_payload(links: list[dict], before: dict, after: dict, frame_header: float) -> dict[str, dict[str, float]]:
+    """Payload per tier and direction between two reads: the bytes less one `frame_header` per packet
+    (`measure_overhead`); a retransmitted segment's payload still counts twice."""
+    data = tier_delta(links, before, after)
+    packets = tier_delta(links, before, after, ("tx_packets", "rx_packets"))
+    return {tier: {way: d[way] - frame_header * packets[tier][f"{way}_packets"] for way in ("tx", "rx")}
+            for tier, d in data.items()}
 
 
 def links_by_tier(result: dict) -> dict[str, dict[str, float]]:
@@ -337,11 +357,20 @@ def step_bytes(result: dict, step_ends: list[tuple[int, float, dict | None]]) ->
     """Per training step (from the previous step's end to its own), bytes per tier and direction on the
     links, from the counters the trainer read at the step ends (metrics.jsonl "links"; a 50 ms sampler
     read between two of its samples missed by up to 10% a step); the first step (no start) is left out.
-    "retrans_segments": TCP segments sent again in the step (None where a read lacks them)."""
+    "payload": the same less each packet's header (where the overhead was measured and the reads hold
+    packets). "retrans_segments": TCP segments sent again in the step (None where a read lacks them)."""
     links = result["fabric"]["links"]
-    return [{"step": step, "t": t1, "by_tier": tier_delta(links, c0["links"], c1["links"]), "read": "step end",
+    header = (result.get("overhead") or {}).get("frame_header")
+    steps = []
+    for (_, _, c0), (step, t1, c1) in zip(step_ends, step_ends[1:]):
+        if not (c0 and c1):
+            continue
+        s = {"step": step, "t": t1, "by_tier": tier_delta(links, c0["links"], c1["links"]), "read": "step end",
              "retrans_segments": None if None in (c0["retrans"], c1["retrans"]) else c1["retrans"] - c0["retrans"]}
-            for (_, _, c0), (step, t1, c1) in zip(step_ends, step_ends[1:]) if c0 and c1]
+        if header is not None and all("tx_packets" in c["links"][lk["name"]] for c in (c0, c1) for lk in links):
+            s["payload"] = tier_payload(links, c0["links"], c1["links"], header)
+        steps.append(s)
+    return steps
 
 
 def read_step_ends(metrics: Path | None) -> list[tuple[int, float, dict | None]]:

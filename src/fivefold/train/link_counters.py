@@ -4,7 +4,8 @@
 namespace; it names each link's holder pid and device in `FIVEFOLD_LINKS` (JSON: {"node0": [pid, "up0"],
 ...}). The ranks share the machine's process table, so global rank 0 reads every link's kernel counters
 from `/proc/<pid>/net/dev` (that namespace's own view) right after each step's last collective, and the
-trainer writes them into the step's metrics line ("links": {name: {"tx": bytes, "rx": bytes}}, cumulative,
+trainer writes them into the step's metrics line ("links": {name: {"tx", "rx": bytes, "tx_packets",
+"rx_packets": the kernel's packets, each one header}}, cumulative,
 and "retrans": the namespaces' retransmitted TCP segments, cumulative):
 the bytes of one step are the difference of two lines, taken at the step boundary rather than between two
 samples of a poller. Without the variable (any other run) it reads nothing and costs nothing.
@@ -25,7 +26,7 @@ class LinkCounters:
             self.links = {name: (int(pid), str(dev)) for name, (pid, dev) in json.loads(spec).items()}
 
     def read(self) -> dict:
-        """{"links": {name: {"tx", "rx"}}, "retrans": segments} now, or {} when there is nothing to read (or
+        """{"links": {name: {"tx", "rx", "tx_packets", "rx_packets"}}, "retrans": segments} now, or {} when there is nothing to read (or
         a holder is gone). "retrans": the TCP segments every link namespace has sent again (a node's: its
         ranks' retransmissions, which its links carry twice; a switch's: none), the links' bytes beyond
         the messages' own."""
@@ -39,7 +40,7 @@ class LinkCounters:
                     retrans[pid] = read_tcp_retrans(pid)
             except (OSError, KeyError, ValueError, IndexError):
                 return {}
-            out[name] = {"rx": stats["rx"], "tx": stats["tx"]}
+            out[name] = stats
         return {"links": out, "retrans": sum(retrans.values())}
 
 

@@ -55,11 +55,11 @@ def run_child(code: str, argv: list[str], what: str, env: dict | None = None) ->
 
 def parse_options(ap, argv=None, **smoke):
     """`ap`'s options plus --smoke. With --smoke the values in `smoke` replace the options: one timed step of
-    one round at the smallest sizes that still run every implementation once, so tests/test_benchmarks.py
+    one round at the smallest sizes that still run every implementation once, so tests/ranks/test_benchmarks.py
     runs each script in seconds; a script then treats any implementation's failure as an error (its
     `keep_going` is off) instead of reporting it and going on."""
     ap.add_argument("--smoke", action="store_true",
-                    help="one step of one round at a tiny size; any failure is an error (tests/test_benchmarks.py)")
+                    help="one step of one round at a tiny size; any failure is an error (tests/ranks/test_benchmarks.py)")
     a = ap.parse_args(argv)
     if a.smoke:
         vars(a).update(smoke)

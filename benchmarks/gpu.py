@@ -31,7 +31,7 @@ One command, one GPU (an H100/H200-class device; under 8 minutes there):
    the host and gradients streamed there during the backward (offload = "cpu": the CUDA side-stream
    path) against ZeRO-2 on the device, equal exactly. A miss exits with status 1.
 
-Without a CUDA device it prints one line and exits with status 2 (with `--smoke`, tests/test_benchmarks.py:
+Without a CUDA device it prints one line and exits with status 2 (with `--smoke`, tests/ranks/test_benchmarks.py:
 it plans the `--quick` micro-batch and exits 0; on CUDA `--smoke` is `--quick` for one eager step without
 the loss check). Results go to `--out` as JSON.
 """
@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's bf16 dense peak, for MFU on "
                     "GPUs plan/topology.py does not know")
     ap.add_argument("--skip-check", action="store_true", help="skip the CUDA-vs-CPU loss check")
-    # --smoke (tests/test_benchmarks.py): the --quick path for one eager step; without CUDA, the planner side only
+    # --smoke (tests/ranks/test_benchmarks.py): the --quick path for one eager step; without CUDA, the planner side only
     return common.parse_options(ap, argv, quick=True, steps=1, micro_batch=1, no_compile=True, skip_check=True)
 
 
@@ -219,7 +219,7 @@ def train_big(args, model: dict, seq: int, steps: int, capacity: float) -> dict:
 
 # the CUDA side of ZeRO-Offload's gradient streaming (parallel/offload.py: d2h copies on a side stream
 # behind the reduce-scatter, pinned landing buffers): ZeRO-2 with the state on the host must give the
-# losses of ZeRO-2 on the device bit for bit, as the CPU path does in tests/test_offload.py
+# losses of ZeRO-2 on the device bit for bit, as the CPU path does in tests/ranks/test_offload.py
 OFFLOAD_RUNS = ("cuda fp32 zero2", "cuda fp32 zero2 offload cpu")
 
 

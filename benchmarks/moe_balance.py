@@ -10,7 +10,7 @@ the script prints its mean, its maximum, and the share of steps under the 1.3 bo
 test: the figures go to benchmarks/README.md ("MoE balance at the defaults").
 
 The metric counts the step's whole global batch (every micro-batch and rank: 16 x 128 tokens, 4096
-assignments a layer, 512 an expert on average; tests/test_expert.py). The script also prints what a
+assignments a layer, 512 an expert on average; tests/ranks/test_expert.py). The script also prints what a
 perfectly uniform random router would read on that many tokens (`uniform_floor`, about 1.07): the part
 of any figure that is sampling noise. (On one micro-batch of 32 tokens the same router would read 1.58,
 under 1.3 in 2% of steps: a bound no router could meet.)

@@ -20,15 +20,7 @@ import sys
 
 from .config import ConfigError
 from .flags import OneLineParser
-
-QUIET_THIRD_PARTY = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-
-
-def quiet_third_party_bars() -> None:
-    """Third-party progress bars off for this process and the ranks it spawns (QUIET_THIRD_PARTY)."""
-    for name, value in QUIET_THIRD_PARTY.items():
-        os.environ.setdefault(name, value)
-
+from .process import is_rank_failure, quiet_third_party_bars
 
 # command -> (help, module of its add_*_args and cmd_* functions (None: this file), their name); a command's
 # module is imported only when that command runs (`fivefold plan` never imports tokenize's numpy)
@@ -103,16 +95,6 @@ def command(argv: list[str] | None = None) -> int:
         launch = sys.modules.get(f"{__package__}.train.launch")   # imported only by commands that start ranks
         if launch is not None:
             launch.stop_rank_server()
-
-
-def is_rank_failure(e: BaseException) -> bool:
-    """A failed rank (`train.launch.RankError`) or the hang watchdog (TimeoutError). Decided without importing
-    train.launch, which needs torch: a RankError exists only once that module has been imported, so when it
-    is not in sys.modules the error is not one (`fivefold plan` and `schedule` run without torch)."""
-    if isinstance(e, TimeoutError):
-        return True
-    launch = sys.modules.get(f"{__package__}.train.launch")
-    return launch is not None and isinstance(e, launch.RankError)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ master shard (the parameter shard itself when the parameters are fp32) and AdamW
   and host <-> disk transfers they record in the ledger under dim "offload".
 
 All three run AdamW's own arithmetic on the same per-parameter segments in the same order, so where the
-state lives changes no number (tests/test_zero_parts.py holds the stores equal bit for bit).
+state lives changes no number (tests/unit/test_zero_parts.py holds the stores equal bit for bit).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Models", §4): per layer, for s·b tokens, GPT-3 style (GeLU, dropout, 16-bit):
 
 `layer_acts` derives these constants from the layer's tensors instead of hard-coding 34, so
 Llama-style layers (SwiGLU, GQA, RMSNorm, no dropout) and MoE layers get their own; on the GPT-3 shape it
-reproduces the table exactly (tests/test_plan_literature.py). Context parallelism (ring or Ulysses)
+reproduces the table exactly (tests/unit/test_plan_literature.py). Context parallelism (ring or Ulysses)
 divides the tokens a rank holds by cp. Pipeline schedules multiply by the micro-batches in flight:
 GPipe m; 1F1B min(p - j, m) on stage j (p on the first); interleaved (Narayanan et al. 2021) holds
 min(2(p-j-1) + (v-1)·N + 1, m·v) chunks of L_j/v layers with N micro-batches per group

@@ -8,7 +8,7 @@ backward on the last stage (`loss_scratch` beside `zero_at_loss`), the embedding
 rules.STEP_CHUNK elements). `zero_buffers` is what ZeRO-2/3 hold during a step beyond the states between steps. ZeRO-3's
 gathered units (the root unit of embedding, final norm and head included), gradient buffers and
 reduce-scatters in flight are replayed in the runtime's order (parallel/zero.py), so the peak is the
-runtime's to the byte (tests/test_plan_memory.py measures it from the runtime's tensors).
+runtime's to the byte (tests/ranks/test_plan_memory.py measures it from the runtime's tensors).
 
 Offload (`Layout.offload`, docs/plan.md "Offload"): the optimizer state leaves the device (`offloaded`)
 for host memory or a file (`offload_bytes`, the runtime's parallel/offload.py to the byte); the device's

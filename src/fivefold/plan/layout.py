@@ -10,7 +10,7 @@ builds both from a runtime `Config`, so the planner and a real run describe the 
 from one table, `LAYOUT_SOURCES`, giving each `Layout` field its source (a `ParallelConfig` or
 `TrainConfig` field copied, a value computed from some, or the planner's own choice), with
 `PARALLEL_ELSEWHERE` placing the `ParallelConfig` fields no layout field is made from
-(tests/test_plan_layout_fields.py keeps both whole as either class gains a field).
+(tests/unit/test_plan_layout_fields.py keeps both whole as either class gains a field).
 
 Mechanism options (docs/plan.md, "Mechanisms"): `Layout.overlap_grad_reduce` (a stage's bucketed
 gradient reduction starts during each chunk's last backward, as Megatron-Core and FSDP do; False: when
@@ -255,7 +255,7 @@ def _copy(key: str) -> Source:
     return Source((key,))
 
 
-# Every `Layout` field and its source; tests/test_plan_layout_fields.py fails when a field of `Layout` has
+# Every `Layout` field and its source; tests/unit/test_plan_layout_fields.py fails when a field of `Layout` has
 # no row here, or a `ParallelConfig` field is neither read here nor placed in PARALLEL_ELSEWHERE.
 LAYOUT_SOURCES: dict[str, Source] = {
     **{name: _copy(f"parallel.{name}") for name in (

@@ -8,7 +8,7 @@ DeepSeek's multi-head latent attention (MLA). It answers three questions for the
 - the shapes activations and messages are made of (hidden, q/k/v widths, ffn, expert widths);
 - FLOPs per token (`flops_per_token`), from the matmul parameters and causal attention.
 
-Parameter counts equal the published totals (tests/test_plan_models.py): Llama-3 8B/70B/405B
+Parameter counts equal the published totals (tests/unit/test_plan_models.py): Llama-3 8B/70B/405B
 (Dubey et al. 2024, Table 3 shapes; exact totals of the released checkpoints), GPT-3 175B
 (Brown et al. 2020, Table 2.1), Mixtral 8x7B (Jiang et al. 2024, 46.7B total / 12.9B active),
 DeepSeek-V3 (DeepSeek-AI 2024, 671B total / 37B active, without the 14B multi-token-prediction module,
@@ -17,7 +17,7 @@ which `mtp_depth` = 1 describes apart: `mtp_params`, and its FLOPs in `flops_per
 Hugging Face `config.json` files are read by family (`model_type`): the gated-MLP decoders (Llama,
 Mistral, Qwen2, Mixtral, Qwen2-MoE, DeepSeek-V2/V3) and the GELU ones, GPT-NeoX (Pythia: MLP of width
 intermediate_size, biases, LayerNorm, untied head, parallel attention and MLP) and GPT-2; their totals
-equal those of `transformers` models built from the same config (tests/test_plan_models.py; DeepSeek-V3's
+equal those of `transformers` models built from the same config (tests/unit/test_plan_models.py; DeepSeek-V3's
 per-expert score-correction bias is counted, as the checkpoint stores it, though `transformers` and our
 runtime keep it as a buffer). Any other family, activation or variant the shapes here cannot express is
 refused, naming the supported ones.
@@ -345,7 +345,7 @@ def _runtime_only(why: str) -> ModelField:
 
 _RUNTIME_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
-# Every ModelConfig field and what the planner reads of it; tests/test_plan_model_fields.py fails when
+# Every ModelConfig field and what the planner reads of it; tests/unit/test_plan_model_fields.py fails when
 # ModelConfig gains a field without a row here, or PlanModel one that is neither made here nor in PLAN_ONLY.
 MODEL_FIELDS: dict[str, ModelField] = {
     **{name: _same(name) for name in (

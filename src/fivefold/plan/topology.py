@@ -231,7 +231,7 @@ def node_topology(ranks_per_node: int, accelerator: str = "h100") -> Topology:
     """Nodes of `ranks_per_node` GPUs, its tiers named as the runtime's ledger names them (comm/ledger.py):
     "intra" (inside a node, NVLink 4) and "inter" (between nodes, a 400 Gb/s NIC per GPU); one tier,
     "intra", when ranks_per_node is 0 (one node). `traffic.by_tier` of flows placed on it predicts a run's
-    comm.json "by_tier" under the same `parallel.ranks_per_node` (tests/test_tiers.py)."""
+    comm.json "by_tier" under the same `parallel.ranks_per_node` (tests/ranks/test_tiers.py)."""
     accel = ACCELERATORS[accelerator]
     if ranks_per_node <= 0:
         return Topology("one-node", accel, (Tier("intra", None, NVLINK4, 2e-6),))

@@ -281,7 +281,7 @@ def dry_run(cfg: Config, ranks: list[int], steps: int, out: Path, device_memory_
     """Run `ranks` one after another; write OUT/dryrun.json (and run.json, comm.json of the first)."""
     check_dry_run(cfg)
     limit = device_memory_gib * 2**30 if device_memory_gib else None
-    if limit:   # the planner's model state is the runtime's to the byte (tests/test_dry_run.py): refuse before building
+    if limit:   # the planner's model state is the runtime's to the byte (tests/ranks/test_dry_run.py): refuse before building
         for r in ranks:
             stage = stage_of(cfg, r)
             plan = planned_memory(cfg, stage)

@@ -4,7 +4,7 @@ PyTorch's CPU allocator is the C library's malloc. glibc maps a block of at leas
 on its own and unmaps it on free, but by default it raises that threshold to the size of every mapped
 block freed (up to 32 MiB), so after the first step the blocks a step makes and frees (ZeRO-3's gathered
 units, gradient buckets, the optimizer's scratch) come from its heap and stay resident once freed, well
-beyond the bytes of its live tensors (tests/test_start_memory.py holds the bound). Fixing the threshold at
+beyond the bytes of its live tensors (tests/ranks/test_start_memory.py holds the bound). Fixing the threshold at
 `rules.MMAP_THRESHOLD_BYTES` keeps large blocks mapped, so what is resident is what the planner counts; the
 cost is the kernel's page faults on each new large block, activations included (2 MiB sits above a small
 model's per-layer activations; `rules.MMAP_THRESHOLD_BYTES` says what the planner charges for it).

@@ -32,7 +32,7 @@ class AdamW:
     and chunk of tensors instead of one per op and tensor: what the CUDA path needs, where a ~1B-parameter
     model has ~150 tensors and launches would dominate). Op by op they are the same (decay mul, lerp,
     mul + addcmul, sqrt, divide, add eps, addcdiv), so the results are bit-identical on the CPU, where
-    torch's foreach ops run the per-tensor kernels (tests/test_device.py holds them equal); on CUDA the
+    torch's foreach ops run the per-tensor kernels (tests/ranks/test_device.py holds them equal); on CUDA the
     fused kernels may round a scalar division differently (~1 ulp). `foreach`: None (default) uses
     `update_many` everywhere; False keeps the eager loop."""
 

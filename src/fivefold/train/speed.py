@@ -8,7 +8,7 @@ FLOPs per token are the planner's (`plan.models.PlanModel.flops_per_token`: 6 x 
 token + causal attention, halved as FlashAttention computes and Megatron-LM counts; MoE counts its
 active experts), and the peak is the device's (`plan.topology.ACCELERATORS` by CUDA device name) or on
 the CPU the one `fivefold calibrate` measured. The trainer may not import the planner (the layers
-contract, tests/test_layers.py): the CLI computes both (`tools/run_plan.py` `speed_model`) and hands them in as a
+contract, tests/ranks/test_layers.py): the CLI computes both (`tools/run_plan.py` `speed_model`) and hands them in as a
 plain dict, as it does the planned memory. Without FLOPs per token there is no TFLOP/s, without a peak
 no MFU.
 """

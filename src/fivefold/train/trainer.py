@@ -40,7 +40,7 @@ or busy node shows there; a slow link shows as every rank's waiting instead.
 Devices: the full model is built and parallelized on the host, then moved to the rank's device
 (train.device, `launch.resolve_device`: CUDA under torchrun/NCCL or a single process, else the CPU);
 every tensor the engines, the dimensions and the loop make after that is made on the model's device
-(tests/test_device.py walks them). On the host by design: the token batches and the context-parallel
+(tests/ranks/test_device.py walks them). On the host by design: the token batches and the context-parallel
 indices that shard them (moved per step), the offload store's state, and the generators that draw the
 same dropout masks on every device. With `train.dtype = "bf16"` the model
 computes in bf16 while the engine keeps fp32 master weights and fp32 main gradients; `train.compile`

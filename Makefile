@@ -1,6 +1,6 @@
 # `make demo` trains the embedded default model on 2 local ranks; `make test` runs the test suite (CI) on 3
 # pytest workers, an xdist group each at a time (pytest-xdist --dist loadgroup; tests/conftest.py puts each
-# test in its file's group unless it names one, so a file's shared spawns and fixtures stay on one worker;
+# test in its file's group unless its id ends with "@name", so a file's shared spawns and fixtures stay on one worker;
 # most tests wait on ranks they spawned, so 3 workers keep 2 cores busy);
 # `make test-fast` runs the tests that spawn no ranks or processes (`-m "not ranks"`, about a minute);
 # `make layers` checks DESIGN.md's import arrows (import-linter; tests/ranks/test_layers.py runs it too).

@@ -3,15 +3,29 @@ cases of every file that needs that world size (process start-up dominates the s
 import pytest
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items):
-    """pytest-xdist's `--dist loadgroup` (the Makefile's) runs an xdist group on one worker: every test
-    without a group of its own joins its file's, so a file's module fixtures and shared spawns run once
-    per worker, and a long file spreads over workers by naming groups for some of its tests
-    (test_benchmarks.py's smoke shards, test_dry_run.py's 405B cases). Runs before xdist reads the marks."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (the Makefile's), our way: a worker takes a whole group at a time, and a test's
+    group is its file, so a file's module fixtures and shared spawns run once per worker; a long file
+    spreads over workers by ending some tests' ids with "@name", a group of their own within the file
+    (test_benchmarks.py's smoke shards, test_dry_run.py's 405B cases). pytest-xdist's own loadgroup reads
+    `xdist_group` marks but cannot tag the node ids it schedules by under pytest 9 (`Item._nodeid` is
+    gone), so it would run every test alone."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return FileGroups(config, log)
+
+
+def group_of(nodeid: str) -> str:
+    """A test's xdist group: its file, or "file@name" when its parameter id ends with "@name"."""
+    file = nodeid.split("::")[0]
+    ident = nodeid[nodeid.rfind("[") + 1:-1] if nodeid.endswith("]") else ""
+    return f"{file}@{ident.rsplit('@', 1)[1]}" if "@" in ident else file
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ from tests.support.paths import ROOT
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if p.name != "common.py")
 TIMEOUT_S = 600   # a hang, not a budget: a smoke run takes seconds to a minute on 2 shared cores
-# The smoke runs are spread over SHARDS xdist groups (conftest.py: a test's group is its file's unless it
-# names one), so that pytest-xdist runs them side by side instead of one worker running them all at the
+# The smoke runs are spread over SHARDS xdist groups (conftest.py: a test's group is its file's unless its
+# id ends with "@name"), so that pytest-xdist runs them side by side instead of one worker running them all at the
 # suite's end. Rough relative costs place them (longest first, each to the lightest shard); a script not
 # listed counts as 30.
 SHARDS = 3
@@ -71,7 +71,7 @@ def run_one_step(script: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("script", [pytest.param(script, marks=pytest.mark.xdist_group(f"benchmarks-smoke-{shard}"))
+@pytest.mark.parametrize("script", [pytest.param(script, id=f"{script}@smoke-{shard}")
                                     for shard in range(SHARDS) for script in shard_scripts(shard)])
 def test_benchmark_runs_one_step(script, tmp_path):
     run_one_step(script, tmp_path)

@@ -64,8 +64,7 @@ CASES = {
 SECOND = [name for name in CASES if name.startswith("llama3-405b")]
 
 
-@pytest.mark.parametrize("case", [pytest.param(name, marks=[pytest.mark.xdist_group("dry_run-405b")] if name in SECOND else [])
-                                  for name in CASES])
+@pytest.mark.parametrize("case", [pytest.param(name, id=f"{name}@405b" if name in SECOND else name) for name in CASES])
 def test_model_state_and_ledger_equal_the_planner(tmp_path, case):
     check_case(tmp_path, case)
 

@@ -50,3 +50,13 @@ def test_no_test_file_imports_another_and_the_cli_only_through_main():
 def test_no_file_is_split_in_numbered_parts():
     for path in _test_files("unit") + _test_files("ranks"):
         assert not re.search(r"_(\d+|smoke_\d+)\.py$", path.name), f"{path.name}: use an xdist group instead"
+
+
+def test_a_tests_xdist_group_is_its_file_unless_its_id_names_one():
+    from tests.conftest import group_of
+
+    assert group_of("tests/unit/test_x.py::test_a") == "tests/unit/test_x.py"
+    assert group_of("tests/unit/test_x.py::test_a[2-fp32]") == "tests/unit/test_x.py"
+    assert group_of("tests/ranks/test_benchmarks.py::test_benchmark_runs_one_step[ddp.py@smoke-1]") == \
+        "tests/ranks/test_benchmarks.py@smoke-1"
+    assert group_of("tests/ranks/test_x.py::TestA::test_b[a@b@c]") == "tests/ranks/test_x.py@c"

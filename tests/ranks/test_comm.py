@@ -60,7 +60,7 @@ def _collectives(rank, world):
     got = torch.empty(5)
     comm.send_recv([(torch.full((5,), float(rank)), right)], [(got, left)], g, dim="pp")
     assert torch.all(got == left)
-    h = comm.all_reduce(torch.ones(3), g, op="avg", async_op=True)
+    h = comm.all_reduce(torch.ones(3), g, reduce_op="avg", async_op=True)
     h.wait()
     return mesh.ledger.rows(), sum(in_splits) * 12, in_splits[rank] * 12
 

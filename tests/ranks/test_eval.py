@@ -128,7 +128,7 @@ def test_train_cli_evaluates(tmp_path):
     assert r.returncode == 0, r.stderr
     m = metrics(out)
     assert [("eval_loss" in x) for x in m] == [False, False, True, True]   # every 3 steps, and the last
-    assert m[2]["eval_tokens"] == 256 and math.isclose(m[2]["eval_ppl"], math.exp(m[2]["eval_loss"]))
+    assert m[2]["eval_loss_tokens"] == 256 and math.isclose(m[2]["eval_ppl"], math.exp(m[2]["eval_loss"]))
     assert "eval " in r.stderr and "ppl" in r.stderr
     comm = json.loads((out / "comm.json").read_text())
     assert comm["eval"]["evaluations"] == 2

@@ -470,3 +470,16 @@ def test_a_temporary_folder_too_long_for_the_fork_servers_socket_is_one_line(tmp
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert "set TMPDIR to a shorter folder" in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_both_watchdogs_name_the_step_metrics_jsonl_names():
+    """The local launcher and a torchrun rank's watchdog read the same heartbeat, `steps_done` (1-based,
+    metrics.jsonl's "step"), and name the same number: before, one printed the 0-based index and the
+    other that plus one, so one hang read a step apart depending on the launcher."""
+    from fivefold.train.watchdog import Watchdog
+
+    dog = Watchdog(5, rank=0, node=0, addresses={})
+    assert "before its first step" in dog.report()
+    dog.beat(4)
+    assert "after step 4," in dog.report()
+    assert _silence_message(5, 0, True, True, 4).endswith("last reported step 4")

@@ -26,13 +26,13 @@ def test_estimate_json_has_the_promised_keys(capsys):
                    "--seq", "4096", "--global-batch", "64", "--json"], capsys)
     assert rc == 0
     d = json.loads(out)
-    for key in ("memory", "traffic", "bubble", "step_time_s", "mfu", "order"):
+    for key in ("memory", "traffic", "bubble", "step_time_s", "mfu", "order_recommended", "layout_order"):
         assert key in d
     assert set(d["memory"]) >= {"weights", "grads", "optimizer", "activations", "total"}
     assert d["layout"]["dp"] == 4                         # derived from --gpus
     assert d["traffic"]["tp"][0]["tier"] == "nvlink"
     for rows in d["traffic"].values():
-        assert {"op", "bytes", "tier"} <= set(rows[0])
+        assert {"op", "bytes_sent", "message_bytes", "tier"} <= set(rows[0])   # comm.json's names
     assert 0 < d["mfu"] < 1 and d["step_time_s"] > 0
 
 

@@ -189,7 +189,7 @@ def test_llama3_405b_mfu_is_near_reported(gpus, tp, cp, pp, dp, seq, gb, reporte
     e = llama3_estimate(gpus, tp, cp, pp, dp, seq, gb)
     assert e.time.mfu == pytest.approx(reported, rel=0.2)
     assert e.placement["tp"] == "nvlink"
-    assert e.order.startswith("tp") and e.order.endswith("dp")
+    assert e.recommended_order.startswith("tp") and e.recommended_order.endswith("dp")
 
 
 @pytest.mark.parametrize("gpus, tp, cp, pp, dp, seq, gb, reported", LLAMA3_LAYOUTS)

@@ -123,8 +123,8 @@ def test_order_for_a_large_moe_model_is_the_fields_practice():
                            ("deepseek-v3", Layout(tp=2, cp=2, ep=32, pp=8, dp=64, zero=1, sp_mode="megatron"), 4096)):
         e = estimate(PRESETS[name], lay, Workload(seq=seq, global_batch=1024), TOPOLOGIES["dgx-h100"])
         volume = by_dim(e.flows)
-        inner = e.order.split("-")[:3]
-        assert set(inner) == {"tp", "cp", "ep"} and e.order.endswith("dp-pp"), (name, volume)
+        inner = e.recommended_order.split("-")[:3]
+        assert set(inner) == {"tp", "cp", "ep"} and e.recommended_order.endswith("dp-pp"), (name, volume)
     dense = estimate(LLAMA8, Layout(tp=4, pp=2, dp=4, sp_mode="megatron", zero=1), Workload(seq=4096, global_batch=64),
                      TOPOLOGIES["dgx-h100"])
     assert recommend_order(dense.flows) == "tp-cp-ep-pp-dp"

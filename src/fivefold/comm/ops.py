@@ -123,14 +123,15 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False,
+def all_reduce(t: torch.Tensor, group: Group, reduce_op: str = "sum", async_op: bool = False,
                dim: str | None = None) -> Handle:
-    """In-place all-reduce of t over group (op: sum | max | min | avg)."""
+    """In-place all-reduce of t over group (reduce_op: sum | max | min | avg; the ledger's op is
+    "all_reduce" whichever)."""
     if group.size == 1:
         return DONE
-    avg = op == "avg"
+    avg = reduce_op == "avg"
     then = (lambda: t.div_(group.size)) if avg else None
-    red = _REDUCE["sum" if avg else op]
+    red = _REDUCE["sum" if avg else reduce_op]
     return _issue(group, dim, "all_reduce", nbytes(t),
                   lambda: dist.all_reduce(t, red, group=group.pg, async_op=True), async_op, then)
 

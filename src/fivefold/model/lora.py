@@ -68,25 +68,25 @@ class LoRALinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) + low_rank(self, x)
 
 
-def adapt_linear(linear: nn.Linear, rank: int, scale: float, dropout: float) -> LoRALinear:
+def adapt_linear(linear: nn.Linear, r: int, scale: float, dropout: float) -> LoRALinear:
     """A LoRALinear holding `linear`'s (frozen) parameters and new adapters on their device and dtype."""
     new = LoRALinear.__new__(LoRALinear)
     nn.Module.__init__(new)
     new.in_features, new.out_features = linear.in_features, linear.out_features
     new.weight, new.bias = linear.weight, linear.bias
     w = linear.weight
-    a = nn.Parameter(torch.zeros(rank, linear.in_features, dtype=w.dtype, device=w.device))
-    b = nn.Parameter(torch.zeros(linear.out_features, rank, dtype=w.dtype, device=w.device))
+    a = nn.Parameter(torch.zeros(r, linear.in_features, dtype=w.dtype, device=w.device))
+    b = nn.Parameter(torch.zeros(linear.out_features, r, dtype=w.dtype, device=w.device))
     attach(new, a, b, Adapter(scale, dropout))
     return new
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets) -> list[str]:
+def add_lora(model: nn.Module, r: int, alpha: float, dropout: float, targets) -> list[str]:
     """Replace every target nn.Linear inside `model`'s blocks by a LoRALinear (in place) and freeze every
     other parameter. Works on a meta model (the adapters are then meta too). Returns the adapted modules'
     names; ValueError when no module matches."""
     ours = set(check_lora_targets(targets))
-    scale = lora_scale(alpha, rank)
+    scale = lora_scale(alpha, r)
     for p in model.parameters():
         p.requires_grad_(False)
     done = []
@@ -95,7 +95,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets)
             continue
         for child_name, child in list(parent.named_children()):
             if child_name in ours and type(child) is nn.Linear:
-                setattr(parent, child_name, adapt_linear(child, rank, scale, dropout))
+                setattr(parent, child_name, adapt_linear(child, r, scale, dropout))
                 done.append(f"{name}.{child_name}")
     if not done:
         raise ValueError(f"train.lora_targets {sorted(ours)} match no linear layer of this model")

@@ -191,7 +191,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             max_t = logits_tv[:, :real].max(dim=-1).values.contiguous()
         else:
             max_t = torch.full(logits_tv.shape[:1], float("-inf"), dtype=logits_tv.dtype, device=logits_tv.device)
-        comm.all_reduce(max_t, group, op="max")
+        comm.all_reduce(max_t, group, reduce_op="max")
         shifted_tv = logits_tv - max_t.unsqueeze(-1)
         if real < v_local:
             shifted_tv[:, real:] = float("-inf")

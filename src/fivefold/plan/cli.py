@@ -503,7 +503,7 @@ def faster_order(est, model: PlanModel, work: Workload, topo: Topology, args: ar
     own_order(est, args)
     if not planners_order(args):
         return None
-    order, alt = fastest_order(model, est.layout, work, topo, args.gpus, first=est.order)
+    order, alt = fastest_order(model, est.layout, work, topo, args.gpus, first=est.recommended_order)
     if order == est.layout.order or placement(est.layout, topo, order) == est.placement:
         return None
     return alt if alt.time.step_time_s * (1 + TIE) < est.time.step_time_s else None

@@ -42,7 +42,7 @@ class Estimate:
     flows: list[Flow]                 # the most-loaded stage's rows (one rank, one step)
     flows_by_stage: dict[int, list[Flow]]
     time: StepTime
-    order: str                        # recommended
+    recommended_order: str            # the byte ranking's (layout.order is the one planned)
     placement: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -87,7 +87,7 @@ class Estimate:
         out: dict[str, list] = {}
         for fl in self.flows:
             out.setdefault(fl.dim, []).append({"op": fl.op, "calls": fl.calls, "message_bytes": fl.message_bytes,
-                                               "bytes": fl.bytes_sent, "group_size": fl.n, "tier": fl.tier,
+                                               "bytes_sent": fl.bytes_sent, "group_size": fl.n, "tier": fl.tier,
                                                "seconds": fl.seconds})
         return out
 
@@ -107,8 +107,8 @@ class Estimate:
             "bubble": t.bubble, "bubble_source": t.bubble_source, "step_time_s": t.step_time_s,
             "tokens_per_s": t.tokens_per_s, "mfu": t.mfu, "mfu_attention_full": self.mfu_attention_full,
             "mfu_convention": MFU_CONVENTIONS, "hfu": t.hfu, "time": t.to_dict(),
-            "order": self.order, "layout_order": self.layout.order, "placement": self.placement,
-            "placement_recommended": placement(self.layout, self.topo, self.order),
+            "order_recommended": self.recommended_order, "layout_order": self.layout.order, "placement": self.placement,
+            "placement_recommended": placement(self.layout, self.topo, self.recommended_order),
             "warnings": self.warnings,
         }
 
@@ -209,7 +209,7 @@ def fastest_order(model: PlanModel, layout: Layout, work: Workload, topo: Topolo
     parallelism outermost because its reduction overlaps the backward; on a network slow enough that the
     reduction no longer hides, the step times say otherwise (benchmarks/network.py: pp2 x dp2 on two
     nodes of a 200 Mbit/s link runs 2.4x faster with dp inside the nodes)."""
-    first = first or estimate(model, layout, work, topo, gpus).order
+    first = first or estimate(model, layout, work, topo, gpus).recommended_order
     best = None
     for order in order_candidates(layout, topo, first):
         est = estimate(model, replace(layout, order=order), work, topo, gpus)

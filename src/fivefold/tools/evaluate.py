@@ -132,7 +132,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_init_hf(cfg)
     result = run_ranks(eval_rank, world, (cfg.to_dict(), ckpt), timeout_s=args.timeout)[0]
     print(f"eval loss {result['eval_loss']:.6f}  perplexity {result['eval_ppl']:.4f}  "
-          f"({result['eval_tokens']:,} tokens in windows of {cfg.train.seq_len}, {ckpt or args.source})")
+          f"(over {result['eval_loss_tokens']:,} target tokens in windows of {cfg.train.seq_len}, "
+          f"{ckpt or args.source})")
     return 0
 
 

@@ -40,8 +40,8 @@ handlers are in, then asks them to stop like any other (and one that reaches the
 ranks waits too, rather than being lost); a rank that has not joined the group yet gets the SIGTERM when it
 has. Since ranks only note SIGTERM, the launcher ends them with SIGKILL whenever it has to.
 
-Hang watchdog. `timeout_s` is a limit on silence, not on the run: a rank calls `heartbeat(step)` (the
-training loop does, once per step; outside `run_ranks` it does nothing) and the launcher restarts that
+Hang watchdog. `timeout_s` is a limit on silence, not on the run: a rank calls `heartbeat(steps_done)` (the
+training loop does, once per step, with the steps finished: metrics.jsonl's step; outside `run_ranks` it does nothing) and the launcher restarts that
 rank's clock at each heartbeat and at its result. A rank's clock starts once it has joined the group;
 starting up and joining may take max(timeout_s, 60 s), which is also gloo's own timeout. When a rank
 that has not finished stays silent for timeout_s, every rank is killed and `TimeoutError` says which
@@ -135,14 +135,15 @@ _progress = None    # (rank, its pipe to the launcher) while a run_ranks rank ru
 _send_lock = threading.Lock()   # one message at a time on a rank's pipe
 
 
-def heartbeat(step: int | None = None) -> None:
-    """Tell the launcher this rank is making progress (at `step`), or a torchrun rank's watchdog
-    (`start_watchdog`); a no-op otherwise."""
+def heartbeat(steps_done: int | None = None) -> None:
+    """Tell the launcher this rank is making progress (`steps_done` steps finished, 1-based as
+    metrics.jsonl and checkpoints count them; None before the first), or a torchrun rank's watchdog
+    (`start_watchdog`); a no-op otherwise. Both name that number when a rank goes silent."""
     if _watchdog is not None:
-        _watchdog.beat(step)
+        _watchdog.beat(steps_done)
     if _progress is not None:
         rank, channel = _progress
-        _send(channel, (rank, "progress", step))
+        _send(channel, (rank, "progress", steps_done))
 
 
 # ---- rank side --------------------------------------------------------------------------------------
@@ -340,15 +341,15 @@ def _exit_reason(code: int) -> str:
     return f"exited with code {code} without a result"
 
 
-def _silence_message(limit: float, rank: int, started: bool, reported: bool, step) -> str:
+def _silence_message(limit: float, rank: int, started: bool, reported: bool, steps_done) -> str:
     if not started:
         what = "did not start"
     elif not reported:
         what = "never reported"
-    elif step is None:
+    elif steps_done is None:
         what = "last reported progress (no step number)"
     else:
-        what = f"last reported step {step}"
+        what = f"last reported step {steps_done}"
     return f"no progress for {limit:g} s: rank {rank} {what}"
 
 
@@ -362,7 +363,7 @@ class _Ranks:
         now = time.monotonic()
         self.heard = [now] * len(procs)    # when each rank was last heard from (its spawn at first)
         self.started = [False] * len(procs)
-        self.steps: dict[int, object] = {}  # rank -> last heartbeat's step
+        self.steps: dict[int, object] = {}  # rank -> last heartbeat's steps done
         self.out: dict[int, object] = {}
         self.errors: list[tuple[int, str]] = []
         self.signal: str | None = None      # the first stop signal: forwarded

@@ -4,7 +4,7 @@ engine, mesh, dims)`.
 Over the engine (its ZeRO shards or whole replicas, masters and moments), the layout (each parameter's
 placement: which box of the single-process tensor this rank's piece is) and the dimensions (their state
 gathering and the copies they alias), it knows:
-- `layout`: local parameter name -> (its single-process name, local shape, its box, whether it is a copy;
+- `param_boxes`: local parameter name -> (its single-process name, local shape, its box, whether it is a copy;
   a copy, the last pipeline stage's tied head, is read from its original and never written), recorded
   before the engine exists (ZeRO-3 frees the parameters' storage);
 - `keys()`: every tensor a checkpoint of this layout must hold (the engine's sections, the frozen weights'
@@ -36,7 +36,7 @@ class RankState:
         self.model, self.mesh, self.dims = model, mesh, dims
         self.engine = None   # set once built (`attach`): the layout is recorded before it exists
         aliases = checkpoint_aliases(dims)
-        self.layout: dict[str, tuple[str, tuple, Box, bool]] = {
+        self.param_boxes: dict[str, tuple[str, tuple, Box, bool]] = {
             name: (aliases.get(name, name), tuple(p.shape), box_of(p.shape, placement_of(p), mesh), name in aliases)
             for name, p in model.named_parameters()}
 
@@ -50,8 +50,8 @@ class RankState:
 
     def keys(self) -> set[str]:
         """Every section of what the engine trains, the weights alone of what is frozen, the buffers."""
-        frozen = {self.layout[n][0] for n in self.frozen()}
-        names = {full for full, _, _, _ in self.layout.values()} - frozen
+        frozen = {self.param_boxes[n][0] for n in self.frozen()}
+        names = {full for full, _, _, _ in self.param_boxes.values()} - frozen
         return ({f"{s}/{n}" for s in SECTIONS for n in names} | {f"model/{n}" for n in frozen}
                 | {f"buffers/{n}" for n in checkpoint.persistent_buffers(self.model)})
 
@@ -60,7 +60,7 @@ class RankState:
         segments, opt_t = self.engine.local_state()
         entries = []
         for name, start, tensors in segments:
-            full, shape, piece, copy = self.layout[name]
+            full, shape, piece, copy = self.param_boxes[name]
             if copy:
                 continue
             length = next(iter(tensors.values())).numel()
@@ -68,7 +68,7 @@ class RankState:
                 n = math.prod(sizes)
                 entries += [(f"{section}/{full}", flat[o:o + n].view(sizes), box) for section, flat in tensors.items()]
         for name, q in self.frozen().items():
-            full, _, piece, copy = self.layout[name]
+            full, _, piece, copy = self.param_boxes[name]
             if not copy:                    # replicas: checkpoint.assign_writers picks one writer
                 entries.append((f"model/{full}", q.detach(), piece))
         for name, b in checkpoint.persistent_buffers(self.model).items():
@@ -84,7 +84,7 @@ class RankState:
         which hold whole parameters, also one parameter's staging copy)."""
         def read_into(dst: torch.Tensor, name: str, start: int, section: str) -> None:
             """dst (1-D) = elements start.. of this rank's piece of `name` (flat, row-major)."""
-            full, shape, piece, _ = self.layout[name]
+            full, shape, piece, _ = self.param_boxes[name]
             for lo in range(0, dst.numel(), FILL_CHUNK):   # the source's own buffers stay within FILL_CHUNK elements
                 n = min(FILL_CHUNK, dst.numel() - lo)
                 for box, sizes, o in checkpoint.segment_chunks(piece, shape, start + lo, n):

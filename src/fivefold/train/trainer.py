@@ -12,7 +12,7 @@ data. `step(k)` runs one optimizer step over the global batch of step k and retu
                        mfu where known (speed.py), peak_memory_bytes (the largest rank's so far), eta_s
                        (seconds left at the run's pace: the console's ETA) (NaN/inf: null);
                        with experts the routing counts, expert_imbalance and dropped_fraction;
-                       eval_loss, eval_ppl, eval_tokens on the steps followed by an evaluation
+                       eval_loss, eval_ppl, eval_loss_tokens on the steps followed by an evaluation
                        (`evaluate`); data_tokens (tokens per source) when the data is a mixture;
                        a resumed run keeps the lines of the steps before its start and appends
     OUT/comm.json      the communication ledger summed over ranks (see comm/ledger.py); the
@@ -357,7 +357,7 @@ class Trainer:
             for b in range(batches.count):
                 loss_local += forward(self.model, self.loss_sum, self.micro_batches(b, batches, n_tokens),
                                       self.positions)
-                heartbeat(self.step_count - 1 if self.step_count else None)   # progress, not a hang (watchdog)
+                heartbeat(self.step_count or None)   # progress, not a hang (watchdog)
             self.engine.release_params()   # ZeRO-3: free what the forwards gathered
             sum_loss(loss_local, self.mesh, self.dims)
         self.model.train(was_training)
@@ -367,7 +367,7 @@ class Trainer:
                 m.take_step_stats()
         self.evaluations += 1
         loss = float(loss_local)
-        return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_tokens": n_tokens}
+        return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_loss_tokens": n_tokens}
 
     def skip(self, step: int, loss: float, norm: float) -> None:
         """A non-finite step: no update (its gradients are dropped), or the end of the run."""
@@ -390,7 +390,7 @@ class Trainer:
         busy = straggler_key(busy_s, self.rank)
         flags = torch.tensor([STOP_SIGNALS.index(name) + 1 if name in STOP_SIGNALS else 0, peak_bytes or 0, busy],
                              dtype=torch.int64, device=self.device)
-        comm.all_reduce(flags, self.mesh["world"], op="max", dim="control")
+        comm.all_reduce(flags, self.mesh["world"], reduce_op="max", dim="control")
         agreed, peak = int(self.value(flags[0])), int(self.value(flags[1]))
         return (STOP_SIGNALS[agreed - 1] if agreed else None), (peak or None), \
             straggler(int(self.value(flags[2])), self.cfg.parallel.ranks_per_node, self.world_size)
@@ -413,11 +413,6 @@ class Trainer:
         self.state.load_full_state(state)
 
     # -- checkpoints -------------------------------------------------------------------------
-    @property
-    def layout(self) -> dict:
-        """Local parameter name -> (single-process name, local shape, box, copy) (`RankState.layout`)."""
-        return self.state.layout
-
     def frozen(self) -> dict[str, torch.nn.Parameter]:
         return self.state.frozen()
 
@@ -493,7 +488,7 @@ class Trainer:
             history.append(m)
             outputs.log(m)
             bar.update(m)
-            heartbeat(step)
+            heartbeat(step + 1)
             stopped = self.stop or self.patience_out(step + 1)
             every = cfg.checkpoint_every
             if cfg.checkpoint and (stopped or (every and (step + 1) % every == 0) or (improved and cfg.keep_best)):

@@ -64,7 +64,7 @@ class Watchdog:
                  exit=os._exit):
         self.timeout_s, self.rank, self.node, self.addresses = timeout_s, rank, node, addresses
         self.blocked, self.exit = blocked, exit
-        self.step: int | None = None
+        self.steps_done: int | None = None
         self.last = time.monotonic()
         self.fired: str | None = None
         self._stop = threading.Event()
@@ -74,9 +74,9 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def beat(self, step: int | None = None) -> None:
-        """Progress: `step` (0-based, as the trainer's heartbeat gives it) has finished."""
-        self.step, self.last = step, time.monotonic()
+    def beat(self, steps_done: int | None = None) -> None:
+        """Progress: `steps_done` steps have finished (1-based, as `launch.heartbeat` gives it)."""
+        self.steps_done, self.last = steps_done, time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
@@ -102,7 +102,7 @@ class Watchdog:
         for t in threads:
             t.join(PROBE_S + 1)
         lost = [f"node {i} ({others[i]})" for i in sorted(others) if not answers.get(i, False)]
-        after = f"after step {self.step + 1}" if self.step is not None else "before its first step"   # 1-based
+        after = f"after step {self.steps_done}" if self.steps_done else "before its first step"
         where = "blocked in a collective" if self.blocked() else "not in a collective"
         why = (f"cannot reach {', '.join(lost)}" if lost else
                "every node answers: a rank stalled (a frozen or busy process), not the network")

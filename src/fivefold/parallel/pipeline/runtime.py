@@ -78,23 +78,23 @@ class Stage(nn.Module):
     def __init__(self, model: nn.Module, partition: Partition, rank: int, seq_split: int = 1):
         super().__init__()
         self.partition, self.rank = partition, rank
-        self.chunks = partition.chunks_of(rank)
+        self.chunk_ids = partition.chunks_of(rank)
         self.last = partition.chunks - 1
         self.hidden = model.cfg.hidden
         self.aux = model.aux   # the auxiliary-loss channel of this stage's blocks
         self.rope_args = (model.cfg.rope_dim, model.cfg.rope_theta)
         self.seq_split = seq_split
         self.tie = model.cfg.tie_embeddings and partition.pp > 1
-        if 0 in self.chunks:
+        if 0 in self.chunk_ids:
             self.embed = model.embed
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in partition.layers_of_rank(rank)})
-        if self.last in self.chunks:
+        if self.last in self.chunk_ids:
             self.norm, self.head = model.norm, model.head
             if self.tie:  # same init, own storage; the first stage counts the weight in the norm
                 copy = nn.Parameter(model.head.weight.detach().clone(), requires_grad=model.head.weight.requires_grad)
                 copy.placement = placement_of(model.head.weight)
                 self.head.weight = place(copy, tied="embed", counted=False)
-        if self.tie and 0 in self.chunks:
+        if self.tie and 0 in self.chunk_ids:
             place(self.embed.weight, tied="embed")
 
     @property
@@ -103,12 +103,12 @@ class Stage(nn.Module):
         the last), whose gradient is summed over the embed group; None elsewhere or when untied."""
         if not self.tie:
             return None
-        return self.embed.weight if 0 in self.chunks else self.tied_copy
+        return self.embed.weight if 0 in self.chunk_ids else self.tied_copy
 
     @property
     def tied_copy(self) -> nn.Parameter | None:
         """The last stage's copy, left out of the grad norm and the checkpoint."""
-        return self.head.weight if self.tie and self.last in self.chunks else None
+        return self.head.weight if self.tie and self.last in self.chunk_ids else None
 
     def boundary_shape(self, batch: int, seq: int) -> tuple[int, ...]:
         """Shape of the activation (and its gradient) crossing a chunk boundary: b·s·h (s/tp with

@@ -56,7 +56,7 @@ def first_step(rank, world, cfg_dict):
     t = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
     x_bs, y_bs = t.batches.local(0, 0, 1)
     loss = t.step(0)["loss"]
-    held = sum(box.numel * 4 for _, _, box, _ in t.layout.values())   # the boxes of this rank's pieces, fp32
+    held = sum(box.numel * 4 for _, _, box, _ in t.state.param_boxes.values())   # the boxes of this rank's pieces, fp32
     return {"loss": loss, "bytes": dict(t.source.bytes_read), "held": held, "x": x_bs, "y": y_bs}
 
 

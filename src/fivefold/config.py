@@ -30,7 +30,7 @@ import typing
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from . import rules
 from .grid import DEFAULT_ORDER, check_grids_agree, parse_order
@@ -83,8 +83,72 @@ class HeadShapes:
         return self.experts > 0 and i >= self.dense_layers
 
 
+class ParameterCounts:
+    """How many parameters a decoder of this shape has: the one formula for the runtime's `ModelConfig`
+    (what it builds) and the planner's `PlanModel` (which also describes GPT-3's variants). Reads the
+    shape fields and the variants `mlp` ("swiglu": gate, up, down; "gelu": up, down), `norm` ("rms": a
+    weight; "layer": weight and bias), `linear_bias`, `learned_pos`, `router_bias` (a per-expert bias
+    counted as a parameter) and `expert_ffn` (one routed expert's width); ModelConfig states its
+    variants as class constants (the only architecture it builds). Tied weights count once."""
+
+    def _norm(self, width: int) -> int:
+        return width * (2 if self.norm == "layer" else 1)
+
+    def _linear(self, n_in: int, n_out: int, bias: bool = False) -> int:
+        return n_in * n_out + (n_out if (bias or self.linear_bias) else 0)
+
+    def attention_params(self) -> int:
+        h = self.hidden
+        if self.mla:
+            q = (self._linear(h, self.q_lora_rank) + self.q_lora_rank
+                 + self._linear(self.q_lora_rank, self.heads * self.qk_head_dim)) if self.q_lora_rank \
+                else self._linear(h, self.heads * self.qk_head_dim)
+            kv = (self._linear(h, self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank
+                  + self._linear(self.kv_lora_rank, self.heads * (self.qk_nope_dim + self.v_head_dim)))
+            return q + kv + self._linear(self.heads * self.v_head_dim, h)
+        kv = self.kv_heads * self.head_dim
+        return (self._linear(h, h, self.qkv_bias) + 2 * self._linear(h, kv, self.qkv_bias)
+                + self._linear(h, h))
+
+    def mlp_params(self, width: int) -> int:
+        h = self.hidden
+        if self.mlp == "gelu":
+            return self._linear(h, width) + self._linear(width, h)
+        return 2 * self._linear(h, width) + self._linear(width, h)
+
+    def expert_params(self) -> int:
+        """One routed (or shared) expert."""
+        return self.mlp_params(self.expert_ffn)
+
+    def router_params(self) -> int:
+        """The router (and Qwen2-MoE's shared-expert gate): whole on every tensor-parallel rank."""
+        gate = self.hidden if self.shared_expert_gate else 0
+        return self.experts * self.hidden + (self.experts if self.router_bias else 0) + gate
+
+    def layer_params(self, i: int, experts_held: int | None = None) -> int:
+        """Parameters of layer i; `experts_held` routed experts instead of all (expert parallelism)."""
+        base = self.attention_params() + 2 * self._norm(self.hidden)
+        if not self.is_moe_layer(i):
+            return base + self.mlp_params(self.ffn)
+        e = self.experts if experts_held is None else experts_held
+        return base + self.router_params() + (self.shared_experts + e) * self.expert_params()
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden + (self.max_seq * self.hidden if self.learned_pos else 0)
+
+    @property
+    def head_params(self) -> int:
+        """Final norm plus the output projection (zero extra when tied to the embedding)."""
+        return self._norm(self.hidden) + (0 if self.tie_embeddings else self.vocab * self.hidden)
+
+    def num_params(self) -> int:
+        """Total parameters, tied weights once."""
+        return self.embed_params + sum(self.layer_params(i) for i in range(self.layers)) + self.head_params
+
+
 @dataclass
-class ModelConfig(HeadShapes):
+class ModelConfig(HeadShapes, ParameterCounts):
     """A Llama-style decoder. MoE fields are used when `experts > 0` (model/moe.py explains each), MLA
     fields when `kv_lora_rank > 0` (multi-head latent attention, model/latent_attention.py)."""
 
@@ -124,34 +188,21 @@ class ModelConfig(HeadShapes):
     v_head_dim: int = 0           # per-head value dim
     rope_interleave: bool = True  # MLA: RoPE dims in interleaved pairs (DeepSeek's layout; false: rotate-half)
 
-    def attention_params(self) -> int:
-        h = self.hidden
-        if self.mla:
-            n, r = self.heads, self.q_lora_rank
-            q = h * r + r + r * n * self.qk_head_dim if r else h * n * self.qk_head_dim
-            kv = h * (self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank \
-                + self.kv_lora_rank * n * (self.qk_nope_dim + self.v_head_dim)
-            return q + kv + n * self.v_head_dim * h
-        kv = self.kv_heads * self.head_dim
-        return h * h + 2 * h * kv + h * h + ((h + 2 * kv) if self.qkv_bias else 0)
+    # the architecture the runtime builds, in the planner's names (ParameterCounts reads them; plan/models.py
+    # PLAN_ONLY takes a runtime model's values from here): SwiGLU MLPs, RMSNorm, no biases beside Qwen2's
+    # q/k/v, rotary positions, sequential residuals; the sigmoid router's expert bias is a buffer (no
+    # parameter)
+    mlp: ClassVar[str] = "swiglu"
+    norm: ClassVar[str] = "rms"
+    linear_bias: ClassVar[bool] = False
+    learned_pos: ClassVar[bool] = False
+    parallel_residual: ClassVar[bool] = False
+    router_bias: ClassVar[bool] = False
 
     @property
     def expert_ffn(self) -> int:
         """Hidden width of one routed (or shared) expert."""
         return self.moe_ffn or self.ffn
-
-
-    def num_params(self) -> int:
-        """Parameters of the model as built (each tied weight counted once; the sigmoid router's expert
-        bias is a buffer, not a parameter)."""
-        h, v, m = self.hidden, self.vocab, self.expert_ffn
-        attn = self.attention_params()
-        dense = attn + 3 * h * self.ffn + 2 * h
-        moe = (attn + 2 * h + self.experts * h + self.experts * 3 * h * m + 3 * h * self.shared_experts * m
-               + (h if self.shared_expert_gate else 0))
-        n_moe = sum(self.is_moe_layer(i) for i in range(self.layers))
-        embed = v * h * (1 if self.tie_embeddings else 2)
-        return (self.layers - n_moe) * dense + n_moe * moe + embed + h
 
     def validate_mla(self) -> None:
         """Latent attention: positive rope/nope/value dims, an even rope part (RoPE rotates pairs), one K/V
@@ -434,7 +485,8 @@ def field_type(key: str) -> Any:
 
 @cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """The declared types of a config part's fields (its class constants, ClassVar, are none)."""
+    return {name: kind for name, kind in typing.get_type_hints(cls).items() if typing.get_origin(kind) is not ClassVar}
 
 
 def _check_choices(obj: Any, part: str) -> None:

@@ -44,6 +44,24 @@ def test_a_runtime_model_planned_and_back_is_itself(cfg):
     assert from_model_config(back) == dataclasses.replace(from_model_config(cfg), dropout=False)
 
 
+def test_one_parameter_formula_for_both_descriptions():
+    """ModelConfig and PlanModel count parameters with the same methods (config.ParameterCounts), the
+    runtime's variants (SwiGLU, RMSNorm, no biases, no learned positions) being its class constants, which
+    are also what the planner's PLAN_ONLY table says a runtime model has; and the runtime's count is what
+    it builds (model/transformer.py: a dense, an MoE and an MLA model)."""
+    from fivefold.config import ParameterCounts
+    from fivefold.model import Transformer
+
+    for name, member in vars(ParameterCounts).items():
+        if not name.startswith("__"):
+            assert getattr(ModelConfig, name) is member and getattr(PlanModel, name) is member, name
+    for name in ("mlp", "norm", "linear_bias", "learned_pos", "parallel_residual"):
+        assert PLAN_ONLY[name] == getattr(ModelConfig, name) == getattr(from_model_config(ModelConfig()), name)
+    for cfg in (ModelConfig(), CONFIGS[-1], ModelConfig(experts=4, shared_experts=1, dense_layers=1, moe_ffn=64),
+                ModelConfig(**TINY_MLA, heads=4, hidden=64, ffn=128, router="sigmoid_bias", experts=4)):
+        assert cfg.num_params() == sum(p.numel() for p in Transformer(cfg).parameters())
+
+
 @pytest.mark.parametrize("name", ["llama3-8b", "mixtral-8x7b", "deepseek-v3"])
 def test_a_preset_the_runtime_builds_is_one_model_both_ways(name):
     """A preset as the runtime builds it (the dry run's `--model`) is the planned model, less what only the

@@ -36,7 +36,7 @@ from typing import Any, Callable
 from functools import lru_cache
 from pathlib import Path
 
-from ..config import MODEL_LIMITS, ConfigError, HeadShapes, ModelConfig
+from ..config import MODEL_LIMITS, ConfigError, HeadShapes, ModelConfig, ParameterCounts
 from .. import rules
 from ..rules import check_count, divisors
 
@@ -51,7 +51,7 @@ def cached_hash(obj) -> int:
 
 
 @dataclass(frozen=True)
-class PlanModel(HeadShapes):
+class PlanModel(HeadShapes, ParameterCounts):
     """Shape of a decoder-only transformer, as far as memory, bytes and FLOPs depend on it."""
 
     name: str
@@ -124,27 +124,12 @@ class PlanModel(HeadShapes):
     def moe(self) -> bool:
         return self.experts > 0
 
+    @property
+    def expert_ffn(self) -> int:
+        """Hidden width of one routed (or shared) expert (`moe_ffn`: explicit here, 0 in a dense model)."""
+        return self.moe_ffn
 
-    # -- parameters -----------------------------------------------------------------------------
-    def _norm(self, width: int) -> int:
-        return width * (2 if self.norm == "layer" else 1)
-
-    def _linear(self, n_in: int, n_out: int, bias: bool = False) -> int:
-        return n_in * n_out + (n_out if (bias or self.linear_bias) else 0)
-
-    def attention_params(self) -> int:
-        h = self.hidden
-        if self.mla:
-            q = (self._linear(h, self.q_lora_rank) + self.q_lora_rank
-                 + self._linear(self.q_lora_rank, self.heads * self.qk_head_dim)) if self.q_lora_rank \
-                else self._linear(h, self.heads * self.qk_head_dim)
-            kv = (self._linear(h, self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank
-                  + self._linear(self.kv_lora_rank, self.heads * (self.qk_nope_dim + self.v_head_dim)))
-            return q + kv + self._linear(self.attn_out_width, h)
-        kv = self.kv_heads * self.head_dim
-        return (self._linear(h, h, self.qkv_bias) + 2 * self._linear(h, kv, self.qkv_bias)
-                + self._linear(h, h))
-
+    # -- parameters (the formula: config.ParameterCounts) ----------------------------------------
     def mla_replicated_params(self) -> int:
         """Latent attention's parameters whole on every tensor-parallel rank: the down-projections q_a
         and kv_a and the latent norms (model/latent_attention.py, parallel/tensor.py); 0 without MLA."""
@@ -167,38 +152,6 @@ class PlanModel(HeadShapes):
         """Width of the latents latent attention enters the tensor-parallel region with: c_q (when there is
         a q latent), c_kv and k_pe."""
         return self.q_lora_rank + self.kv_lora_rank + self.qk_rope_dim
-
-    def mlp_params(self, width: int) -> int:
-        h = self.hidden
-        if self.mlp == "gelu":
-            return self._linear(h, width) + self._linear(width, h)
-        return 2 * self._linear(h, width) + self._linear(width, h)
-
-    def expert_params(self) -> int:
-        """One routed expert."""
-        return self.mlp_params(self.moe_ffn)
-
-    def router_params(self) -> int:
-        """The router (and Qwen2-MoE's shared-expert gate): whole on every tensor-parallel rank."""
-        gate = self.hidden if self.shared_expert_gate else 0
-        return self.experts * self.hidden + (self.experts if self.router_bias else 0) + gate
-
-    def layer_params(self, i: int, experts_held: int | None = None) -> int:
-        """Parameters of layer i; `experts_held` routed experts instead of all (expert parallelism)."""
-        return _layer_params(self, self.is_moe_layer(i), experts_held)
-
-    @property
-    def embed_params(self) -> int:
-        return self.vocab * self.hidden + (self.max_seq * self.hidden if self.learned_pos else 0)
-
-    @property
-    def head_params(self) -> int:
-        """Final norm plus the output projection (zero extra when tied to the embedding)."""
-        return self._norm(self.hidden) + (0 if self.tie_embeddings else self.vocab * self.hidden)
-
-    def num_params(self) -> int:
-        """Total parameters, tied weights once."""
-        return self.embed_params + sum(self.layer_params(i) for i in range(self.layers)) + self.head_params
 
     def mtp_params(self) -> int:
         """Parameters of the multi-token-prediction modules beyond the shared embedding and head (DeepSeek-V3
@@ -275,14 +228,6 @@ class PlanModel(HeadShapes):
 
 
 @lru_cache(maxsize=1024)
-def _layer_params(model: PlanModel, moe: bool, experts_held: int | None) -> int:
-    base = model.attention_params() + 2 * model._norm(model.hidden)
-    if not moe:
-        return base + model.mlp_params(model.ffn)
-    e = model.experts if experts_held is None else experts_held
-    return base + model.router_params() + model.shared_experts * model.expert_params() + e * model.expert_params()
-
-
 @lru_cache(maxsize=256)
 def _matmul_params_per_token(model: PlanModel) -> int:
     head = model.vocab * model.hidden
@@ -385,7 +330,8 @@ MODEL_FIELDS: dict[str, ModelField] = {
 # the runtime builds must have it: `to_model_config`), or None where the run's train config gives it.
 PLAN_ONLY: dict[str, Any] = {
     "name": None,                 # a label
-    "mlp": "swiglu", "norm": "rms", "linear_bias": False, "learned_pos": False, "parallel_residual": False,
+    # the architecture the runtime builds: ModelConfig's class constants, which the parameter formula reads
+    **{name: getattr(ModelConfig, name) for name in ("mlp", "norm", "linear_bias", "learned_pos", "parallel_residual")},
     "mtp_depth": None,            # DeepSeek-V3's multi-token prediction: planned, not built (left out)
     "router_bias": None,          # the runtime's model.router (sigmoid_bias) holds it as a buffer
     "lora_rank": None, "lora_targets": None, "frozen": None,   # train.lora_rank, lora_targets, freeze

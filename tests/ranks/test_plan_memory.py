@@ -139,14 +139,14 @@ def test_parallel_block_stores_the_block_input_once():
     from dataclasses import replace
 
     neox = PlanModel(name="neox", vocab=50432, hidden=4096, layers=32, heads=32, kv_heads=32, ffn=16384,
-                     mlp="gelu", norm="layer", linear_bias=True, parallel_residual=True)
+                     tie_embeddings=False, max_seq=8192, mlp="gelu", norm="layer", linear_bias=True, parallel_residual=True)
     seq = replace(neox, parallel_residual=False)
     w = Workload(seq=2048)
     assert (layer_acts(seq, 0, w).replicated - layer_acts(neox, 0, w).replicated) == 2 * 4096
 
 # -- ZeRO-3 buffers: the root unit (embedding, final norm, head) held as the runtime holds it -----------
 BIG_VOCAB = PlanModel(name="big-vocab", vocab=32000, hidden=256, layers=4, heads=4, kv_heads=4, ffn=512,
-                      max_seq=512)
+                      tie_embeddings=False, max_seq=512)
 
 
 def test_zero3_buffers_hold_the_root_unit_and_its_gradient():

@@ -14,7 +14,7 @@ from fivefold.plan.units import optimizer_bytes_per_param
 
 # h = 8, 2 heads of 4, ffn 16: a layer is 4·h² (attention) + 2h (norms) + 3·h·16 (SwiGLU) = 656 parameters;
 # the MTP module adds M (2h·h = 128) and three norms (24): mtp_params = 808
-DENSE = PlanModel(name="tiny-mtp", vocab=64, hidden=8, layers=4, heads=2, kv_heads=2, ffn=16, max_seq=64,
+DENSE = PlanModel(name="tiny-mtp", vocab=64, hidden=8, layers=4, heads=2, kv_heads=2, ffn=16, tie_embeddings=False, max_seq=64,
                   mtp_depth=1)
 # the same shape with 4 routed experts of width 8 (top 2) after one dense layer: the MTP block is an MoE layer
 MOE = replace(DENSE, name="tiny-mtp-moe", experts=4, top_k=2, moe_ffn=8, dense_layers=1)

@@ -119,7 +119,8 @@ def test_zero_offload_trains_13b_on_one_32gb_gpu():
     buckets, and fits; had the 2Φ gradient stayed on the device (as before streaming: the gradient shard
     is the whole gradient at dp = 1) it would need 52 GB. Where it came from moves the other way: the
     host holds the 2Φ gradient beside the 12Φ of state."""
-    model = PlanModel(name="llama2-13b", vocab=32000, hidden=5120, layers=40, heads=40, kv_heads=40, ffn=13824)
+    model = PlanModel(name="llama2-13b", vocab=32000, hidden=5120, layers=40, heads=40, kv_heads=40, ffn=13824,
+                      tie_embeddings=False, max_seq=8192)
     phi = model.num_params()
     assert 12.8e9 < phi < 13.1e9
     v100 = replace(DGX, accelerator=replace(DGX.accelerator, memory=32 * GiB))

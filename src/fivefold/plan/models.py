@@ -50,6 +50,10 @@ def cached_hash(obj) -> int:
     return h
 
 
+# the runtime's defaults: PlanModel takes the one it shares (top_k), the field table the ones it restores
+_RUNTIME_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
+
+
 @dataclass(frozen=True)
 class PlanModel(HeadShapes, ParameterCounts):
     """Shape of a decoder-only transformer, as far as memory, bytes and FLOPs depend on it."""
@@ -61,12 +65,12 @@ class PlanModel(HeadShapes, ParameterCounts):
     heads: int
     kv_heads: int
     ffn: int
-    tie_embeddings: bool = False
-    max_seq: int = 8192
+    tie_embeddings: bool           # no default: a planned model says whether its head is its embedding
+    max_seq: int                   # ... and its context (the runtime's defaults describe its tiny demo model)
     # MoE: `experts` routed experts of width `moe_ffn`, `top_k` per token, `shared_experts` always on;
     # the first `dense_layers` layers use the dense MLP of width `ffn`.
     experts: int = 0
-    top_k: int = 1
+    top_k: int = _RUNTIME_DEFAULTS["top_k"]        # the runtime's default (ModelConfig): a dense model never reads it
     moe_ffn: int = 0
     shared_experts: int = 0
     dense_layers: int = 0
@@ -238,7 +242,7 @@ def _matmul_params_per_token(model: PlanModel) -> int:
 # -- presets ------------------------------------------------------------------------------------
 def _llama3(name, hidden, layers, heads, ffn, vocab=128256):
     return PlanModel(name=name, vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=8, ffn=ffn,
-                     max_seq=8192)
+                     tie_embeddings=False, max_seq=8192)
 
 
 PRESETS: dict[str, PlanModel] = {
@@ -253,14 +257,14 @@ PRESETS: dict[str, PlanModel] = {
                            linear_bias=True, learned_pos=True, dropout=True),
     # Jiang et al. 2024, "Mixtral of Experts": Mistral-7B shapes, 8 experts, top-2.
     "mixtral-8x7b": PlanModel(name="mixtral-8x7b", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8,
-                              ffn=14336, max_seq=32768, experts=8, top_k=2, moe_ffn=14336),
+                              ffn=14336, tie_embeddings=False, max_seq=32768, experts=8, top_k=2, moe_ffn=14336),
     # DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §4.2: 61 layers, hidden 7168, MLA (128 heads,
     # q rank 1536, kv rank 512, 128+64 qk dims, 128 v dims), first 3 layers dense (ffn 18432), then
     # 1 shared + 256 routed experts of width 2048, top-8, a score-correction bias per expert; §2.2 and
     # §4.2: one multi-token-prediction module (D = 1), its block an MoE layer (the released checkpoint's
     # layer 61).
     "deepseek-v3": PlanModel(name="deepseek-v3", vocab=129280, hidden=7168, layers=61, heads=128, kv_heads=128,
-                             ffn=18432, max_seq=4096, experts=256, top_k=8, moe_ffn=2048, shared_experts=1,
+                             ffn=18432, tie_embeddings=False, max_seq=4096, experts=256, top_k=8, moe_ffn=2048, shared_experts=1,
                              dense_layers=3, router_bias=True, q_lora_rank=1536, kv_lora_rank=512,
                              qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, mtp_depth=1),
 }
@@ -288,18 +292,14 @@ def _runtime_only(why: str) -> ModelField:
     return ModelField(None, why=why)
 
 
-_RUNTIME_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
 # Every ModelConfig field and what the planner reads of it; tests/unit/test_plan_model_fields.py fails when
 # ModelConfig gains a field without a row here, or PlanModel one that is neither made here nor in PLAN_ONLY.
 MODEL_FIELDS: dict[str, ModelField] = {
     **{name: _same(name) for name in (
-        "vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "tie_embeddings", "max_seq", "experts",
+        "vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "tie_embeddings", "max_seq", "experts", "top_k",
         "shared_experts", "dense_layers", "shared_expert_gate", "qkv_bias", "q_lora_rank", "kv_lora_rank",
         "qk_nope_dim", "qk_rope_dim", "v_head_dim")},
-    # a dense model routes nothing: the planner's top_k is then 1, the runtime keeps its own default
-    "top_k": ModelField("top_k", lambda c: c.top_k if c.experts else 1,
-                        lambda m: m.top_k if m.experts else _RUNTIME_DEFAULTS["top_k"]),
     # the runtime's 0 means "ffn"; the planner's width is explicit
     "moe_ffn": ModelField("moe_ffn", lambda c: (c.moe_ffn or c.ffn) if c.experts else 0,
                           lambda m: m.moe_ffn if m.experts else 0),

@@ -415,14 +415,18 @@ SHAPE = ["--set", "model.vocab=256", "--set", "model.hidden=128", "--set", "mode
 def test_two_nodes_link_bytes_per_step_equal_the_plan(tmp_path):
     """`fivefold cluster` on two nodes of two ranks, one 200 Mbit/s link each, tp2 x dp2 with tp across the
     nodes and Megatron SP (all-gathers, gloo's all-reduce reduce-scatters, the dp all-reduce): the bytes the
-    kernel counted on the node links in each step, less a measured header per packet, equal the planner's
-    bytes between nodes within 2% (above it, by no more than the TCP segments sent again); the ledger's inter-node bytes equal the planner's exactly. Nothing is
-    left behind."""
+    kernel counted on the node links, less a measured header per packet, equal the planner's bytes between
+    nodes within 2% over the measured steps (above it, by no more than the TCP segments sent again), and
+    within 5% in each step; the ledger's inter-node bytes equal the planner's exactly. Nothing is left
+    behind. Why a step alone is held looser: rank 0 reads the links at its step end, when the other tp
+    pair may still have its last messages in flight or have sent the next step's first ones. Twice under
+    a loaded suite (here and on CI) step 2 read +199 KB, about three of this shape's 65.5 KB SP messages,
+    2.5% of the step; four busy loops beside an 8-step run moved no step by more than 30 bytes."""
     before = _listed()
     out = tmp_path / "run"
     r = _cli("cluster", "--topology", str(TWO_NODES), "--nodes", "2", "--overhead-mb", "2", "--",
              "train", *SHAPE, "--tp", "2", "--dp", "2", "--sp-mode", "megatron", "--order", "dp-tp-cp-ep-pp",
-             "--steps", "3", "--out", str(out))
+             "--steps", "5", "--out", str(out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert not _left_behind(before)
     links = json.loads((out / "links.json").read_text())
@@ -432,18 +436,20 @@ def test_two_nodes_link_bytes_per_step_equal_the_plan(tmp_path):
     planned = link_bytes(from_model_config(cfg.model), layout, work, load_topology(str(TWO_NODES)), cfg.parallel.order)
     assert 1.0 < links["overhead"]["ratio"] < 1.1
     assert 52 <= links["overhead"]["frame_header"] <= 80     # Ethernet 14 + IP 20 + TCP 20 + options
-    assert [s["step"] for s in links["steps"]] == [2, 3] and all(s["read"] == "step end" for s in links["steps"])
-    for s in links["steps"]:
-        # a retransmitted segment (under load: a rank's socket buffer or the qdisc full) crosses a link
-        # twice; the kernel counts it there, the plan does not: the excess beyond 2% must be those frames
-        resent = s["retrans_segments"] * MTU
-        assert s["retrans_segments"] >= 0
-        for way in ("tx", "rx"):
-            got = s["payload"]["leaf"][way]
-            assert planned["leaf"] * 0.98 <= got <= planned["leaf"] * 1.02 + resent, (s, planned)
+    steps = links["steps"]
+    assert [s["step"] for s in steps] == [2, 3, 4, 5] and all(s["read"] == "step end" for s in steps)
+    # a retransmitted segment (under load: a rank's socket buffer or the qdisc full) crosses a link twice;
+    # the kernel counts it there, the plan does not: an excess beyond the bound must be those frames
+    assert all(s["retrans_segments"] >= 0 for s in steps)
+    resent = sum(s["retrans_segments"] for s in steps) * MTU
+    for way in ("tx", "rx"):
+        got = [s["payload"]["leaf"][way] for s in steps]
+        assert planned["leaf"] * 0.98 * len(got) <= sum(got) <= planned["leaf"] * 1.02 * len(got) + resent, \
+            (got, planned)
+        assert all(planned["leaf"] * 0.95 <= g <= planned["leaf"] * 1.05 + resent for g in got), (got, planned)
     comm = json.loads((out / "comm.json").read_text())
-    assert comm["by_tier"]["inter"] == pytest.approx(3 * planned["leaf"], rel=1e-9)
-    assert comm["by_tier"]["intra"] == pytest.approx(3 * planned["node"], rel=1e-9)
+    assert comm["by_tier"]["inter"] == pytest.approx(5 * planned["leaf"], rel=1e-9)
+    assert comm["by_tier"]["intra"] == pytest.approx(5 * planned["node"], rel=1e-9)
     if importlib.util.find_spec("matplotlib"):     # `fivefold report` draws the links per step
         from fivefold.tools.report import read_run, write_report
         names = {p.name for p in write_report([read_run(out)], tmp_path / "report", "svg")}

@@ -6,7 +6,7 @@ process, imports included. Per preset, best of `--rounds` runs (the machine is s
   inflates less than the wall clock;
 - wall: its wall-clock seconds;
 - search: the seconds the search itself reports ("searched N layouts in X s").
-The first row is the imports alone (`import fivefold.plan.cli` and the presets), the floor under every
+The first row is the imports alone (`import fivefold.tools.plan` and the presets), the floor under every
 other row. Goal (issues 6 and 13): every preset under 1 s of CPU.
 
     OMP_NUM_THREADS=1 python benchmarks/plan_search.py [--rounds 3] [--models llama3-405b,deepseek-v3] [--gpus 16384]
@@ -25,7 +25,7 @@ from pathlib import Path
 import common
 
 SRC = Path(common.__file__).resolve().parents[1] / "src"
-IMPORTS = "import fivefold.plan.cli, fivefold.cli"
+IMPORTS = "import fivefold.tools.plan, fivefold.cli"
 
 
 def run_process(argv: list[str]) -> tuple[float, float, str]:

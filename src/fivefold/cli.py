@@ -32,10 +32,10 @@ COMMANDS = {
              ".tools.evaluate", "eval"),
     "report": ("draw runs' loss, grad norm, tokens/s, lr, traffic, pipeline", ".tools.report", "report"),
     "tokenize": ("tokenize text / JSONL / Parquet / datasets folders into a token file for training",
-                 ".train.tokenize", "tokenize"),
+                 ".tools.tokenize", "tokenize"),
     "calibrate": ("measure this machine and write a topology TOML for plan", ".tools.calibrate", "calibrate"),
     "schedule": ("simulate and draw a pipeline schedule", ".tools.schedule", "schedule"),
-    "plan": ("estimate memory, traffic and step time of a layout, or search", ".plan.cli", "plan"),
+    "plan": ("estimate memory, traffic and step time of a layout, or search", ".tools.plan", "plan"),
     "cluster": ("run a command on an emulated multi-node cluster (network namespaces, shaped links) and measure "
                 "its links", ".tools.cluster", "cluster"),
 }

@@ -8,7 +8,7 @@ import pytest
 
 @pytest.mark.ranks
 def test_planner_and_the_shared_facts_do_not_import_torch():
-    code = ("import sys, fivefold.plan.search, fivefold.plan.estimate, fivefold.plan.report, fivefold.plan.cli, "
+    code = ("import sys, fivefold.plan.search, fivefold.plan.estimate, fivefold.plan.report, fivefold.tools.plan, "
             "fivefold.config, fivefold.rules, fivefold.grid, fivefold.shapes, fivefold.comm.volume, "
             "fivefold.parallel.pipeline.partition, fivefold.parallel.pipeline.schedules; "
             "assert 'torch' not in sys.modules, 'torch imported'")

@@ -1,4 +1,4 @@
-"""`fivefold plan` (plan/cli.py): estimate, search, --json keys, --plot, bad input."""
+"""`fivefold plan` (tools/plan.py): estimate, search, --json keys, --plot, bad input."""
 import argparse
 import json
 import os
@@ -10,7 +10,7 @@ import pytest
 
 from fivefold.config import ConfigError
 from fivefold.cli import main
-from fivefold.plan.cli import add_plan_args, cmd_plan
+from fivefold.tools.plan import add_plan_args, cmd_plan
 from fivefold.plan.models import PRESETS
 
 
@@ -139,7 +139,7 @@ def test_capacity_factor_is_bounded_by_the_moe_model(capsys):
 
 def test_options_are_checked_before_any_work(capsys, monkeypatch):
     """A bad number is refused before the model, topology or search is touched."""
-    import fivefold.plan.cli as plan_cli
+    import fivefold.tools.plan as plan_cli
 
     def boom(*a, **k):
         raise AssertionError("work started")
@@ -152,7 +152,7 @@ def test_options_are_checked_before_any_work(capsys, monkeypatch):
 
 def test_a_huge_gpu_count_answers_at_once(capsys, monkeypatch):
     """Refused before the model, the topology or the search is touched (not timed: no work starts)."""
-    import fivefold.plan.cli as plan_cli
+    import fivefold.tools.plan as plan_cli
 
     for name in ("load_model", "load_topology", "search", "estimate"):
         monkeypatch.setattr(plan_cli, name, lambda *a, **k: pytest.fail("work started"))
@@ -233,7 +233,7 @@ def test_bad_sizes_in_an_hf_config_are_refused(change, message, tmp_path, capsys
 
 
 def test_a_plot_into_a_missing_folder_is_refused_before_the_search(tmp_path, capsys, monkeypatch):
-    import fivefold.plan.cli as plan_cli
+    import fivefold.tools.plan as plan_cli
 
     monkeypatch.setattr(plan_cli, "search", lambda *a, **k: pytest.fail("searched first"))
     png = tmp_path / "no" / "such" / "plan.png"
@@ -267,7 +267,7 @@ def test_a_plot_that_is_a_folder_is_refused(tmp_path, capsys):
 def test_a_plot_of_an_unknown_type_is_refused_before_the_search(name, tmp_path, capsys, monkeypatch):
     """matplotlib raised its ValueError after the search (a traceback); a bare name was saved as NAME.png."""
     pytest.importorskip("matplotlib")
-    import fivefold.plan.cli as plan_cli
+    import fivefold.tools.plan as plan_cli
 
     monkeypatch.setattr(plan_cli, "search", lambda *a, **k: pytest.fail("searched first"))
     line = one_line_error(["--gpus", "8", "--plot", str(tmp_path / name)], capsys)
@@ -333,7 +333,7 @@ def test_a_missing_topology_file_or_a_folder_is_refused(spec, message, tmp_path,
 def test_a_fixed_degree_no_layout_can_take_is_refused(argv, message, capsys, monkeypatch):
     """It searched and answered "no layout fits; rejected, by reason: rule 84" (exit 1), or --ep on a dense
     model failed inside the search naming a dp*cp nobody gave."""
-    import fivefold.plan.cli as plan_cli
+    import fivefold.tools.plan as plan_cli
 
     monkeypatch.setattr(plan_cli, "search", lambda *a, **k: pytest.fail("searched first"))
     model = [] if "--model" in argv else ["--model", "llama3-8b"]
@@ -348,7 +348,7 @@ def test_a_fixed_degree_no_layout_can_take_is_refused(argv, message, capsys, mon
 def test_a_mechanism_of_one_layout_is_refused_in_a_search(flag, capsys, monkeypatch):
     """A search keeps Layout's mechanism defaults: these flags changed nothing in it (the same best layout
     and step with and without --ep-overlap), silently."""
-    import fivefold.plan.cli as plan_cli
+    import fivefold.tools.plan as plan_cli
 
     monkeypatch.setattr(plan_cli, "search", lambda *a, **k: pytest.fail("searched"))
     line = one_line_error(["--gpus", "8", *flag], capsys)

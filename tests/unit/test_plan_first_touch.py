@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from fivefold.config import ConfigError, ModelConfig
-from fivefold.plan.cli import check_topology
+from fivefold.tools.plan import check_topology
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import from_config
 from fivefold.plan.models import from_model_config

@@ -5,7 +5,7 @@ core or device per rank nothing changes."""
 import pytest
 
 from fivefold.config import ConfigError, ModelConfig
-from fivefold.plan.cli import check_topology
+from fivefold.tools.plan import check_topology
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import from_config
 from fivefold.plan.models import from_model_config

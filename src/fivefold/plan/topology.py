@@ -323,7 +323,7 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
 
 
 def _times(value, unit: float):
-    """value · unit for a number; anything else as it is, for plan/cli.py's check_topology to name."""
+    """value · unit for a number; anything else as it is, for tools/plan.py's check_topology to name."""
     return value * unit if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 

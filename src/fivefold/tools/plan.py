@@ -23,14 +23,14 @@ from .. import rules
 from ..grid import DEFAULT_ORDER
 from ..rules import (INTERLEAVED, ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute,
                      ScheduleKind, SpMode, LORA_TARGETS, check_count, check_lora_targets, check_real, choices)
-from .estimate import estimate, fastest_order
-from .units import layer_names
-from .layout import GradDtype, Layout, ReduceDtype, Workload, check_route_nodes, from_config, mlp_widths
-from .models import PRESETS, PlanModel, from_model_config, load_model
-from .report import estimate_text, plot, search_dict, search_text, to_json
-from .search import MAX_GPUS, TIE, search
-from .topology import ACCELERATORS, GB, TOPOLOGIES, GiB, Topology, load_topology
-from .traffic import COPY_TIERS, placement
+from ..plan.estimate import estimate, fastest_order
+from ..plan.units import layer_names
+from ..plan.layout import GradDtype, Layout, ReduceDtype, Workload, check_route_nodes, from_config, mlp_widths
+from ..plan.models import PRESETS, PlanModel, from_model_config, load_model
+from ..plan.report import estimate_text, plot, search_dict, search_text, to_json
+from ..plan.search import MAX_GPUS, TIE, search
+from ..plan.topology import ACCELERATORS, GB, TOPOLOGIES, GiB, Topology, load_topology
+from ..plan.traffic import COPY_TIERS, placement
 
 
 def add_plan_args(ap: argparse.ArgumentParser) -> None:

@@ -70,7 +70,7 @@ def zero3_gathers(engine, unit, m: int) -> int:
     forward and backward (once without resharding); under one a block per use, the root once."""
     if engine.spec.pipeline:
         return 1 if unit.name == "root" else 2 * m
-    return (2 if engine.stage.reshard_after_forward else 1) * m
+    return (2 if engine.sharding.reshard_after_forward else 1) * m
 
 
 def contract(r, mode: str) -> dict:

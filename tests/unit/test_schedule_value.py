@@ -89,7 +89,7 @@ def _interleaved_cfg(group: int) -> Config:
 
 def test_schedule_value_resolves_the_group_and_round_trips():
     default, wide = Schedule.of(_interleaved_cfg(0)), Schedule.of(_interleaved_cfg(3))
-    assert default.group == 2 and wide.group == 3 and default != wide
+    assert default.microbatch_group == 2 and wide.microbatch_group == 3 and default != wide
     assert Schedule.of(_interleaved_cfg(2)) == default            # N = 0 means N = pp: one value
     assert wide.partition.counts == (1, 2, 2, 1) and wide.pp == 2
     assert Schedule.from_dict(json.loads(json.dumps(wide.to_dict()))) == wide

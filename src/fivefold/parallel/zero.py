@@ -85,8 +85,9 @@ from .zero_unit import Unit, block_slots, bucket_units, modules_to_gather
 
 
 class ZeroEngine(Engine):
-    """ZeRO over the placement groups: units of this model's parameters, composed of a stage (`stage`),
-    a reduce policy (`policy`) and a state store (`state`). An `Engine` (engine.py)."""
+    """ZeRO over the placement groups: units of this model's parameters, composed of what its stage shards
+    (`sharding`: a `ZeroStage` or `Stage3`; the stage number is `spec.stage`), a reduce policy (`policy`)
+    and a state store (`state`). An `Engine` (engine.py)."""
 
     def __init__(self, model: nn.Module, groups: Mapping[str, Group], stage: int, make_optimizer,
                  bucket_mb: float = 25.0, master_dtype: torch.dtype = torch.float32,
@@ -119,22 +120,22 @@ class ZeroEngine(Engine):
         self.unit_of = {p: u for u in self.units for p in u.params}
         if spec.shards_params:
             modules = [holders for _, _, holders in modules_to_gather(model, self.params, pipeline)]
-            self.stage: ZeroStage = Stage3(self.units, slots, modules, self.param_dtype, self.device, pipeline,
-                                           self.policy.keeps_full_grads, reshard_after_forward)
+            self.sharding: ZeroStage = Stage3(self.units, slots, modules, self.param_dtype, self.device, pipeline,
+                                              self.policy.keeps_full_grads, reshard_after_forward)
         else:
-            self.stage = ZeroStage(stage, self.units, self.param_dtype, self.device)
+            self.sharding = ZeroStage(stage, self.units, self.param_dtype, self.device)
         decay = [[decays(u.names[i], u.shapes[i], decay_embeddings) for i, _, _ in u.segments]
                  for u in self.units]
         world = self.norm_group
         # ZeRO-Offload streams the gradients of the stages that shard them (2, 3) to the host in the backward
-        self.state: StateStore = state_store(offload, self.units, decay, self.stage.param_shards, master_dtype,
+        self.state: StateStore = state_store(offload, self.units, decay, self.sharding.param_shards, master_dtype,
                                              self.grad_dtype, make_optimizer, world.ledger, offload_dir,
                                              world.global_rank(world.rank), spec.params_on_disk,
                                              streams_grads=spec.streams_grads)
-        self.stage.use(self.state)
+        self.sharding.use(self.state)
         self.grad_buffer_bytes = self.grad_buffer_peak = 0   # device: units' full gradients, results in flight
         # stage 1 keeps full gradients; its shard is its slice of them (the reduced values copied in)
-        self.grad_shards = self.state.grad_shards() if self.stage.shards_grads else \
+        self.grad_shards = self.state.grad_shards() if self.sharding.shards_grads else \
             [self._unit_grad(u)[u.lo:u.hi] for u in self.units]
         self.optimizer = self.state.optimizer
         for p in self.unit_of:
@@ -159,7 +160,7 @@ class ZeroEngine(Engine):
         self._unit_grad(u)
         u.grad_view(p).add_(p.grad)
         p.grad = None
-        self.stage.after_grad(u, p)
+        self.sharding.after_grad(u, p)
         if self.policy.reduces(self._sync) and not u.held:
             u.pending.discard(p)
             if not u.pending:
@@ -171,11 +172,11 @@ class ZeroEngine(Engine):
         self._count(tmp.numel())
         handle = comm.reduce_scatter(tmp, u.grad, u.group, async_op=True)
         self._inflight.append((u, handle, tmp, u.grad))
-        if self.stage.shards_grads:
+        if self.sharding.shards_grads:
             u.grad = None
         if self.policy.restarts_at_reduce:
             u.pending = set(u.params)   # the next micro-batch's backward of this chunk starts over
-        self.stage.after_reduce(u)
+        self.sharding.after_reduce(u)
         while len(self._inflight) > MAX_INFLIGHT:
             self._fold(self._inflight.pop(0))
 
@@ -183,7 +184,7 @@ class ZeroEngine(Engine):
         u, handle, tmp, grad = item
         handle.wait()
         self._count(-tmp.numel())
-        if self.stage.shards_grads:   # reduced every micro-batch (or once), summed into the shard (offload:
+        if self.sharding.shards_grads:   # reduced every micro-batch (or once), summed into the shard (offload:
             self.state.add_grad(u.pos, tmp)   # streamed to the host); the unit's full gradient goes
             self._count(-grad.numel())
         else:                         # stage 1: reduced once per step, into the slice that held the local sum
@@ -207,12 +208,12 @@ class ZeroEngine(Engine):
 
     def finish(self) -> None:
         """Wait for every reduce-scatter; afterwards `owned_grads()` holds the reduced shards."""
-        if self.stage.shards_grads and any(u.grad is not None and u.pending != set(u.params) for u in self.units):
+        if self.sharding.shards_grads and any(u.grad is not None and u.pending != set(u.params) for u in self.units):
             raise RuntimeError("a unit holds gradients never reduced: call end_backward() after each backward")
         while self._inflight:
             self._fold(self._inflight.pop(0))
         self.state.settle()
-        self.stage.finish()
+        self.sharding.finish()
 
     def owned_grads(self, params: list[nn.Parameter] | None = None) -> list[torch.Tensor]:
         """This rank's gradient segments (no padding) of `params` (default: all): each element of the
@@ -230,7 +231,7 @@ class ZeroEngine(Engine):
         during the step have one: stage 1, and stages 2/3 under a pipeline."""
         u = self.unit_of[p]
         if not (self.policy.keeps_full_grads or u.held):
-            raise RuntimeError(f"ZeRO-{self.stage.number} reducing every micro-batch keeps no full local gradient")
+            raise RuntimeError(f"ZeRO-{self.sharding.number} reducing every micro-batch keeps no full local gradient")
         self._unit_grad(u)
         return u.grad_view(p)
 
@@ -238,8 +239,8 @@ class ZeroEngine(Engine):
     def step(self, lr: float) -> None:
         """AdamW on this rank's shards where the state lives, then the stage's after-step (stages 1, 2:
         all-gather the parameters)."""
-        self.state.step(self.grad_shards, self.stage.param_shards, lr)
-        self.stage.after_step()
+        self.state.step(self.grad_shards, self.sharding.param_shards, lr)
+        self.sharding.after_step()
 
     def zero_grad(self) -> None:
         for g in self.grad_shards:
@@ -247,7 +248,7 @@ class ZeroEngine(Engine):
         for u in self.units:
             u.pending = set(u.params)
             u.seen = set()
-            if self.stage.shards_grads:
+            if self.sharding.shards_grads:
                 if u.grad is not None:   # a unit whose gradient was never reduced
                     self._count(-u.grad.numel())
                 u.grad = None
@@ -257,24 +258,24 @@ class ZeroEngine(Engine):
     def release_params(self) -> None:
         """After forwards without a backward (an evaluation): stage 3 frees every gathered unit (the
         stage's `release`; stages 1 and 2 have nothing to free)."""
-        self.stage.release()
+        self.sharding.release()
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self.stage.remove()
+        self.sharding.remove()
         self.state.close()
 
     # -- accounting and checkpoints ------------------------------------------------------------
     def state_bytes(self) -> dict:
         """Model-state bytes this rank holds between steps on the device, counted from the tensors; with
         offload also "host" and "disk": {params, grads, optimizer, total} kept there (offload.py)."""
-        params = self.stage.param_bytes()
+        params = self.sharding.param_bytes()
         # stage 1 holds full gradients (its shards are slices of them); the others hold shards
         full = nbytes(u.grad for u in self.units if u.grad is not None)
         shards = 0 if self.state.streams_grads else nbytes(self.grad_shards)   # streamed: in host memory
-        grads = shards + full if self.stage.shards_grads else full
+        grads = shards + full if self.sharding.shards_grads else full
         off_device = self.state.bytes()
         opt = off_device.pop("optimizer")
         return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt, **off_device}
@@ -301,7 +302,7 @@ class ZeroEngine(Engine):
         holds it (ZeRO-3 nvme)."""
         self.state.put(j, master, exp_avg, exp_avg_sq)
         if not self.state.holds_params:
-            self.stage.param_shards[j].copy_(master)
+            self.sharding.param_shards[j].copy_(master)
 
     @torch.no_grad()
     def load_full_state(self, state: dict) -> None:
@@ -310,8 +311,8 @@ class ZeroEngine(Engine):
             avg, avg_sq = (u.flatten([state[key][n] for n in u.names], self.master_dtype, self.device)[u.lo:u.hi]
                            for key in ("exp_avg", "exp_avg_sq"))
             self._put(j, flat[u.lo:u.hi], avg, avg_sq)
-            if self.stage.loads_full_params:
-                self.stage.load_params(j, flat)
+            if self.sharding.loads_full_params:
+                self.sharding.load_params(j, flat)
         self.optimizer.t = state["opt_t"]
 
     def local_state(self) -> tuple[list, int]:
@@ -339,11 +340,11 @@ class ZeroEngine(Engine):
                 for t, section in zip(state, ("model", "exp_avg", "exp_avg_sq")):
                     read_into(t[a:a + n], name, start, section)
             self._put(j, *state)
-            if self.stage.loads_full_params:
+            if self.sharding.loads_full_params:
                 whole = [torch.empty(shape.numel(), dtype=self.master_dtype, device=self.device) for shape in u.shapes]
                 for name, t in zip(u.names, whole):
                     read_into(t, name, 0, "model")
-                self.stage.load_params(j, u.flatten(whole, self.param_dtype, self.device))
+                self.sharding.load_params(j, u.flatten(whole, self.param_dtype, self.device))
         self.optimizer.t = opt_t
 
 

@@ -1,4 +1,5 @@
-"""The pipeline schedule as one value: `Schedule(kind, vpp, microbatches, group, partition)`.
+"""The pipeline schedule as one value: `Schedule(kind, vpp, microbatches, microbatch_group,
+partition)`.
 
 A run's (or a plan's) pipeline is built once, from the config (`Schedule.of(cfg)`) or from the planner's
 layout (`plan.layout.schedule_of`), and every consumer takes that value instead of re-reading loose
@@ -27,21 +28,22 @@ def title(kind: str, pp: int, microbatches: int, vpp: int = 1, group: int = 0) -
 @dataclass(frozen=True)
 class Schedule:
     """What a pipeline runs in one step: schedule `kind`, `vpp` chunks per rank, `microbatches` per step,
-    the interleaved schedule's micro-batches per `group` (N, resolved; 0 for the other schedules) and
+    the interleaved schedule's micro-batches per group (`microbatch_group`, N, resolved; 0 for the other
+    schedules; `parallel.microbatch_group` and pipeline.json name it so) and
     the layer `partition` (whose `pp` is the number of pipeline ranks)."""
 
     kind: ScheduleKind
     vpp: int
     microbatches: int
-    group: int
+    microbatch_group: int
     partition: Partition
 
     def __post_init__(self):
-        check_schedule(self.kind, self.pp, self.vpp, self.microbatches, self.group)
+        check_schedule(self.kind, self.pp, self.vpp, self.microbatches, self.microbatch_group)
         if self.partition.vpp != self.vpp:
             raise ValueError(f"a Schedule's partition has vpp {self.partition.vpp}, the schedule {self.vpp}")
         if self.interleaved:   # N = pp when the config says 0: one schedule, one value
-            object.__setattr__(self, "group", self.group or self.pp)
+            object.__setattr__(self, "microbatch_group", self.microbatch_group or self.pp)
 
     @staticmethod
     def of(cfg) -> "Schedule":
@@ -74,7 +76,7 @@ class Schedule:
     @property
     def config_group(self) -> int:
         """The group as `parallel.microbatch_group` / `build_schedule` take it (0: the default, pp)."""
-        return self.group if self.interleaved else 0
+        return self.microbatch_group if self.interleaved else 0
 
     def actions(self, communication: bool = True) -> list:
         """Every pipeline rank's action list (`schedules.build_schedule`)."""
@@ -92,12 +94,12 @@ class Schedule:
 
     def title(self) -> str:
         """A timeline drawing's title (`title`)."""
-        return title(self.kind, self.pp, self.microbatches, self.vpp, self.group)
+        return title(self.kind, self.pp, self.microbatches, self.vpp, self.microbatch_group)
 
     def to_dict(self) -> dict:
         """The keys pipeline.json carries at its top level."""
         return {"schedule": self.kind, "pp": self.pp, "vpp": self.vpp, "microbatches": self.microbatches,
-                "microbatch_group": self.group, "partition": list(self.partition.counts)}
+                "microbatch_group": self.microbatch_group, "partition": list(self.partition.counts)}
 
     @staticmethod
     def from_dict(d: dict) -> "Schedule":

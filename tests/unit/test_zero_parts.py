@@ -97,12 +97,12 @@ def test_engine_is_composed_of_its_parts(stage, offload, tmp_path):
         cfg.parallel.offload_dir = str(tmp_path)
     tr = Trainer(cfg, quiet=True)
     e = tr.engine
-    assert e.stage.number == stage and e.stage.shards_grads == (stage >= 2)
+    assert e.sharding.number == stage and e.sharding.shards_grads == (stage >= 2)
     assert isinstance(e.policy, OncePerStep if stage == 1 else EachMicrobatch)
     assert isinstance(e.state, {"none": DeviceState, "cpu": HostState, "nvme": DiskState}[offload])
     on_disk = stage == 3 and offload == "nvme"
     assert e.state.holds_params == on_disk
-    assert (e.stage.param_shards == []) == on_disk
+    assert (e.sharding.param_shards == []) == on_disk
     tr.step(0)
     e.remove()
 

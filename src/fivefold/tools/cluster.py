@@ -26,8 +26,9 @@ The overhead is measured before the command: `--overhead-mb` MiB sent over TCP f
 bytes and packets the two node links counted against the payload ("ratio": link bytes per payload byte,
 both directions' headers and ACKs included; "frame_header": bytes per packet beside its payload). A
 step's "payload" is its bytes less one frame header per packet: what `plan.traffic.link_bytes` predicts.
-It is exact however the ranks' messages are cut into segments and however often they are acknowledged
-(a loaded machine sends smaller segments and more ACKs, which a fixed ratio charges at the probe's rate).
+Its header count holds however the ranks' messages are cut into segments and however often they are
+acknowledged (a loaded machine sends smaller segments and more ACKs, which a fixed ratio charges at the
+probe's rate); what stays in it beyond the plan is gloo's own framing, a preamble per message.
 
 Everything the tool made (namespaces, links, qdiscs, holder processes) is removed when the command ends, on
 Ctrl-C and on failure; namespaces a killed run left (the tool's marker, a dead pid) are removed at the next

@@ -164,10 +164,8 @@ LAYOUTS = {   # name -> (parallel, model overrides); each trains one step on 2 r
 
 
 def _layout_config(parallel, model):
-    cfg = tiny_config(**parallel)
+    cfg = tiny_config(model=model, **parallel)
     cfg.train.device = "cpu"
-    for k, v in model.items():
-        setattr(cfg.model, k, v)
     return cfg
 
 

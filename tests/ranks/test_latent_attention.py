@@ -41,10 +41,8 @@ def case_config(name: str):
     machine's SIMD width: on an AVX-512 EPYC, tp2_sp and cp2_ring had 0.1002% of elements beyond
     rtol 1e-5 + atol 1e-6, just over FP32's 0.1% allowance, all within 1e-4.)"""
     parallel, model = CASES[name]
-    c = tiny_config(mla=True, **parallel)
+    c = tiny_config(mla=True, model=model, **parallel)
     c.train.dtype = "fp64"
-    for k, v in model.items():
-        setattr(c.model, k, v)
     return c
 
 

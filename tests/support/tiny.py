@@ -11,11 +11,12 @@ from fivefold.config import Config, ModelConfig, ParallelConfig, TrainConfig
 TINY_MLA = dict(kv_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=12)
 
 
-def tiny_config(mla: bool = False, **parallel) -> Config:
-    """A model small enough to train a few steps on several ranks in seconds (`mla`: with latent attention)."""
+def tiny_config(mla: bool = False, model: dict | None = None, **parallel) -> Config:
+    """A model small enough to train a few steps on several ranks in seconds (`mla`: with latent attention;
+    `model`: fields changed beside that)."""
     return Config(
         model=ModelConfig(**{**dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, max_seq=64),
-                             **(TINY_MLA if mla else {})}),
+                             **(TINY_MLA if mla else {}), **(model or {})}),
         parallel=ParallelConfig(**parallel),
         train=TrainConfig(steps=3, global_batch=8, seq_len=32, lr=1e-2, min_lr=1e-3, warmup=1, seed=7,
                           data_limit_mb=0.25, grad_clip=0.5, checkpoint=False),

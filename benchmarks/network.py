@@ -16,9 +16,9 @@ UB-Mesh's: bytes per dimension per tier from the ledger, beside what the links c
 Faults, on two nodes, dp = 4: a cut link (seconds from the cut until every rank has stopped with its
 line), node 1's link at half rate (the slowdown measured against the planner's with that tier at half
 bandwidth), node 1's CPU throttled (the share of steps whose straggler is on node 1), node 1 frozen
-(seconds until node 0's ranks stop), node 1's ranks killed under `--max-restarts 1 --resume auto`
-(torchrun restarts every worker, the job resumes from its checkpoint and ends with the uninterrupted
-run's losses).
+(seconds until node 0's ranks stop), node 1 killed whole (agent and ranks) and replaced by a fresh agent
+as a scheduler would, under `--max-restarts 1 --resume auto` (node 0's agent restarts its workers, the two
+re-form the job, it resumes from its checkpoint and ends with the uninterrupted run's losses).
 
     sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/network.py [--steps 6] [--quick-calibration]
         [--only tp2-dp2] [--no-faults] [--out runs/network]
@@ -69,14 +69,15 @@ def planned_topology(fab, cal):
 
 
 def run_case(fab_name: str, nodes: int, argv: list[str], out: Path, steps: int, during=None, extra=(),
-             max_restarts: int = 0, timeout_s: float = 900, impair=None) -> dict:
+             max_restarts: int = 0, timeout_s: float = 900, impair=None, replace_nodes: int = 0) -> dict:
     from fivefold.tools.cluster import run_on_fabric
 
     fresh = [] if "--resume" in extra else ["--overwrite"]     # a restarted worker must not wipe its checkpoints
     train = ["train", *FLAGS, *argv, "--steps", str(steps), "--out", str(out), *fresh, *extra]
     t0 = time.monotonic()
     res = run_on_fabric(str(FABRICS / f"{fab_name}.toml"), nodes, train, overhead_bytes=4 << 20, during=during,
-                        max_restarts=max_restarts, timeout_s=timeout_s, grace_s=10, impair=impair)
+                        max_restarts=max_restarts, timeout_s=timeout_s, grace_s=10, impair=impair,
+                        replace_nodes=replace_nodes)
     res["wall_s"] = time.monotonic() - t0
     from fivefold.tools.cluster import write_links
     if (out / "metrics.jsonl").is_file():
@@ -292,27 +293,33 @@ def _frozen(out: Path, steps: int) -> dict:
 
 
 def _killed(out: Path, steps: int) -> dict:
-    """Node 1's ranks killed: torchrun restarts every worker and the job resumes from its checkpoint."""
-    import os
-    import signal
-    import subprocess
+    """Node 1 killed whole after step 3 (its agent and its ranks at once, `Fabric.kill_node`); the tool starts a
+    fresh agent there as a scheduler replaces a failed node (`replace_nodes=1`), node 0's agent restarts its
+    workers (`--max-restarts 1`), the two re-form the job and it resumes from its last checkpoint."""
+    from fivefold.train.rundir import clear, holds_run
+
+    killed_at = []
+    if holds_run(out / "killed"):    # an earlier run's steps would trigger the kill at once (and --resume it)
+        clear(out / "killed")
 
     def kill(fab, agents):
         wait_step(out / "killed", 3)
-        pids = subprocess.run(["ip", "netns", "pids", fab.node_ns[1]], capture_output=True, text=True).stdout.split()
-        agent = agents[1].pid
-        for pid in map(int, pids):
-            if pid != agent and pid != fab.holders[fab.node_ns[1]].pid and _is_rank(pid):
-                os.kill(pid, signal.SIGKILL)
+        killed_at.append((time.monotonic(), len(fab.kill_node(1))))
 
     dp4 = ["--dp", "4"]
-    killed = run_case("two-nodes", 2, dp4, out / "killed", steps, during=kill, max_restarts=1,
+    killed = run_case("two-nodes", 2, dp4, out / "killed", steps, during=kill, max_restarts=1, replace_nodes=1,
                       extra=["--set", "train.checkpoint=true", "--set", "train.checkpoint_every=2", "--resume", "auto",
                              "--timeout", "30"])
     ref = run_case("two-nodes", 2, dp4, out / "uninterrupted", steps)
     lk = {m["step"]: m["loss"] for m in metrics(out / "killed")}
     lr = {m["step"]: m["loss"] for m in metrics(out / "uninterrupted")}
-    return {"returncode": killed["returncode"], "steps": max(lk) if lk else 0,
+    after = [(t, line) for t, node, line in killed["lines"] if t > killed_at[0][0]]
+    resumed = [t for t, line in after if "resuming from" in line]
+    stepped = [t for t, line in after if resumed and t > resumed[0] and line.lstrip().startswith("step ")]
+    return {"returncode": killed["returncode"], "steps": max(lk) if lk else 0, "processes_killed": killed_at[0][1],
+            "replaced": [node for _, node in killed["replaced"]],
+            "resumed_after_kill_s": resumed[0] - killed_at[0][0] if resumed else None,
+            "first_step_after_kill_s": stepped[0] - killed_at[0][0] if stepped else None,
             "losses_equal_uninterrupted": lk == lr, "wall_s": killed["wall_s"], "uninterrupted_wall_s": ref["wall_s"]}
 
 
@@ -372,14 +379,6 @@ def loss_probe(latency_s: float = EXTRA_LATENCY_S, loss: float = LOSS, calls: in
     recovery = extra / (loss * frames)
     return {"ops": rows, "latency_s": latency_s, "loss": loss, "recovery_s": recovery,
             "recovery_over_latency": recovery / (latency_s + fabric("two-nodes").tiers[1].latency)}
-
-
-def _is_rank(pid: int) -> bool:
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"fivefold.cli" in cmd and b"torch.distributed.run" not in cmd
 
 
 def main() -> int:

@@ -156,7 +156,9 @@ def test_cluster_command_refuses_bad_input_in_one_line():
                         (["--topology", str(TWO_NODES), "--nodes", "2", "--loss", "0.7", "--", "train", "--out", "x"],
                          "--loss is a fraction"),
                         (["--topology", str(TWO_NODES), "--nodes", "2", "--extra-latency-ms", "-1", "--", "train",
-                          "--out", "x"], "--extra-latency-ms must be")):
+                          "--out", "x"], "--extra-latency-ms must be"),
+                        (["--topology", str(TWO_NODES), "--nodes", "2", "--replace-nodes", "-1", "--", "train",
+                          "--out", "x"], "--replace-nodes and --max-restarts are counts")):
         r = _cli("cluster", *args)
         assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -517,6 +519,38 @@ def test_a_slow_node_is_named_then_a_cut_link_stops_every_rank_and_resume_contin
              "--out", str(ref))
     assert r.returncode == 0, r.stderr[-2000:]
     assert _losses(out) == _losses(ref)
+
+
+@needs_netns
+@pytest.mark.ranks
+def test_a_killed_node_is_replaced_and_the_job_resumes_bit_for_bit(tmp_path):
+    """Node 1 killed whole after step 3 (its torchrun agent and ranks at once, as a node lost); `fivefold
+    cluster`'s node replacement starts a fresh agent there as a scheduler would, node 0's agent restarts its
+    workers (--max-restarts 1), the two re-form the job, and it resumes from the step-2 checkpoint: every loss
+    equals an uninterrupted run's bit for bit. (With torch's shared rendezvous store, or the restart count as
+    the ranks' key prefix, the fresh node and the old one wait on each other until the store's timeout.)"""
+    from fivefold.tools.cluster import run_on_fabric
+
+    out = tmp_path / "run"
+    train = ["train", *SHAPE, "--set", "train.checkpoint=true", "--set", "train.checkpoint_every=2", "--dp", "4",
+             "--steps", "5", "--timeout", "20", "--resume", "auto", "--out", str(out)]
+    killed = []
+
+    def kill(fab, agents):
+        _wait_for_step(out / "metrics.jsonl", 3)
+        killed.extend(fab.kill_node(1))
+
+    result = run_on_fabric(str(TWO_NODES), 2, train, during=kill, overhead_bytes=0, timeout_s=240, grace_s=5,
+                           max_restarts=1, replace_nodes=1)
+    assert not _ours()
+    text = "".join(result["outputs"])
+    assert len(killed) == 3 and [node for _, node in result["replaced"]] == [1], (killed, result["replaced"])
+    assert result["returncode"] == 0 and "resuming from" in text and "(step 2)" in text, text[-3000:]
+    ref = tmp_path / "ref"
+    r = _cli("train", *SHAPE, "--dp", "4", "--nproc", "4", "--steps", "5", "--set", "parallel.ranks_per_node=2",
+             "--out", str(ref))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _losses(out) == _losses(ref) and max(_losses(out)) == 5
 
 
 @needs_netns

@@ -69,6 +69,10 @@ def add_cluster_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--loss", type=float, default=0.0,
                     help="fraction of frames lost on every node-to-node path, each way (e.g. 0.01)")
     ap.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts for each agent")
+    ap.add_argument("--replace-nodes", type=int, default=0,
+                    help="start a fresh agent on a node whose agent died, up to N times in all, as a scheduler "
+                         "replaces a failed node (the other agents re-form the job with it: give --max-restarts >= 1 "
+                         "and the command --resume auto)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole command is stopped")
     ap.add_argument("--exec", action="store_true", help="run the command after -- as a program, not a fivefold "
                     "command")
@@ -81,6 +85,9 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         raise ConfigError("fivefold cluster needs a command after --, e.g. -- train --tp 2 --dp 2 --out runs/x")
     topo = load_topology(args.topology)
     Fabric.layout(topo, args.nodes)
+    if args.replace_nodes < 0 or args.max_restarts < 0:
+        raise ConfigError(f"--replace-nodes and --max-restarts are counts >= 0, got {args.replace_nodes} and "
+                          f"{args.max_restarts}")
     if args.sample_ms <= 0:
         raise ConfigError(f"--sample-ms must be > 0, got {args.sample_ms:g}")
     if not 0 <= args.loss < 0.5:
@@ -98,7 +105,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"removed namespace {ns}, left by a run that was killed", file=sys.stderr)
     result = run_on_fabric(topo, args.nodes, argv, fivefold=not args.exec, sample_s=args.sample_ms / 1e3,
                            overhead_bytes=int(args.overhead_mb * 2**20), max_restarts=args.max_restarts,
-                           timeout_s=args.timeout,
+                           timeout_s=args.timeout, replace_nodes=args.replace_nodes,
                            impair=(args.extra_latency_ms / 1e3, args.loss) if args.extra_latency_ms or args.loss else None)
     path = out / "links.json" if out.suffix != ".json" else out
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,11 +140,16 @@ def agent_argv(fab: Fabric, node: int, argv: list[str], fivefold: bool = True, m
 
 
 def agent_env(fab: Fabric) -> dict[str, str]:
-    """The agents' environment: gloo on the node's uplink, one thread per rank, no proxy, and every link's
-    holder pid and device for the trainer to read at step ends (train/link_counters.py)."""
+    """The agents' environment: gloo on the node's uplink, one thread per rank, no proxy, every link's holder
+    pid and device for the trainer to read at step ends (train/link_counters.py), and the ranks' store made
+    afresh each rendezvous round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). With torch's shared store (the
+    default since 2.4) a node that joins a later round as another than rank 0, a replaced node, waits for a
+    master address the unchanged rank 0 never writes again, and both agents hang until the store's timeout
+    (seen here with torch 2.13; pytorch/pytorch#135712 is the same class)."""
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
     links = {lk.name: [fab.holders[lk.ns].pid, lk.dev] for lk in fab.links}
-    env.update(GLOO_SOCKET_IFNAME="up0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FIVEFOLD_LINKS=json.dumps(links))
+    env.update(GLOO_SOCKET_IFNAME="up0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FIVEFOLD_LINKS=json.dumps(links),
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     return env
 
 
@@ -173,13 +185,16 @@ class Sampler:
 
 def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: bool = True, sample_s: float = 0.05,
                   overhead_bytes: int = 8 << 20, max_restarts: int = 0, timeout_s: float = 1800.0,
-                  during=None, grace_s: float = GRACE_S, impair: tuple[float, float] | None = None) -> dict:
+                  during=None, grace_s: float = GRACE_S, impair: tuple[float, float] | None = None,
+                  replace_nodes: int = 0) -> dict:
     """Build the fabric, measure header overhead, run one agent per node, sample the links, remove the fabric.
     `impair`: (seconds, loss fraction) added to every node-to-node path once the overhead is measured
     (`Fabric.impair_paths`; (0, 0): relays that add nothing), on a fabric of jumbo frames. `during(fab, agents)`: called once the agents started (a fault to inject); its
     return value is kept as "during". Returns {"returncode", "fabric", "overhead", "samples", "outputs",
     "lines" ((monotonic time, node, line) of every output line), "during", "wires" (each relay's counts:
-    frames relayed and dropped each way)}."""
+    frames relayed and dropped each way), "replaced" ((monotonic time, node) of each node given a fresh agent)}.
+    `replace_nodes`: a node whose agent ends while others run gets a fresh agent, up to this many times in all,
+    as a scheduler replaces a failed node (the others re-form the job with it if their --max-restarts allow)."""
     topo = load_topology(topo)
     fab = Fabric.build(topo, nodes, mtu=JUMBO if impair is not None else MTU)   # relays move fewer, bigger frames
     agents: list[subprocess.Popen] = []
@@ -201,18 +216,27 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
         overhead = measure_overhead(fab, overhead_bytes) if overhead_bytes else None
         if impair is not None:
             fab.impair_paths(*impair)
+        outputs, lines, readers, replaced = [""] * nodes, [], [], []
+
+        def start(node: int) -> subprocess.Popen:
+            agent = subprocess.Popen(agent_argv(fab, node, argv, fivefold, max_restarts), env=agent_env(fab),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+            readers.append(threading.Thread(target=_drain, args=(agent, outputs, node, lines), daemon=True))
+            readers[-1].start()
+            return agent
+
+        def replace(node: int) -> subprocess.Popen | None:
+            if len(replaced) >= replace_nodes:
+                return None
+            replaced.append((time.monotonic(), node))
+            return start(node)
+
         with Sampler(fab, sample_s) as sampler:
             for node in range(nodes):
-                agents.append(subprocess.Popen(agent_argv(fab, node, argv, fivefold, max_restarts), env=agent_env(fab),
-                                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                               text=True, start_new_session=True))
-            outputs, lines = [""] * nodes, []
-            readers = [threading.Thread(target=_drain, args=(a, outputs, i, lines), daemon=True)
-                       for i, a in enumerate(agents)]
-            for r in readers:
-                r.start()
+                agents.append(start(node))
             during_result = during(fab, agents) if during else None
-            wait_agents(agents, timeout_s, stop, grace_s)
+            wait_agents(agents, timeout_s, stop, grace_s, replace)
             fab.thaw_all()              # a frozen node's processes die only once thawed
             for a in agents:
                 _signal(a, signal.SIGKILL)
@@ -224,7 +248,7 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
         code = next((c for c in codes if c), 0)
         return {"returncode": code if code >= 0 else 128 - code, "returncodes": codes, "fabric": describe(fab),
                 "overhead": overhead, "samples": sampler.samples, "outputs": outputs, "lines": lines,
-                "during": during_result, "wires": wires}
+                "during": during_result, "wires": wires, "replaced": replaced}
     finally:
         fab.thaw_all()
         for a in agents:
@@ -235,12 +259,20 @@ def run_on_fabric(topo: Topology | str, nodes: int, argv: list[str], fivefold: b
         fab.remove()
 
 
-def wait_agents(agents: list[subprocess.Popen], timeout_s: float, stop, grace_s: float = GRACE_S) -> None:
-    """Wait for every agent, as a scheduler runs a job step: once one fails, the others get `grace_s` to end
-    (their ranks' watchdogs stop them; an agent whose rendezvous store is out of reach would wait minutes
-    for it), then SIGTERM, and SIGKILL `grace_s` later; the same after `timeout_s` in all."""
+def wait_agents(agents: list[subprocess.Popen], timeout_s: float, stop, grace_s: float = GRACE_S,
+                replace=None) -> None:
+    """Wait for every agent, as a scheduler runs a job step: an agent that fails while another still runs is
+    first offered to `replace(node)` (a fresh agent in its place, or None), as a scheduler replaces a failed
+    node; once one has failed for good, the others get `grace_s` to end (their ranks' watchdogs stop them; an
+    agent whose rendezvous store is out of reach would wait minutes for it), then SIGTERM, and SIGKILL
+    `grace_s` later; the same after `timeout_s` in all."""
     end = time.monotonic() + timeout_s
-    while any(a.poll() is None for a in agents):
+    while [a.poll() for a in agents].count(None):          # every agent polled, each round
+        for node, a in enumerate(agents):
+            if a.returncode not in (None, 0) and replace is not None:
+                fresh = replace(node)
+                if fresh is not None:
+                    agents[node] = fresh
         failed = any(a.returncode not in (None, 0) for a in agents)
         if failed:
             end = min(end, time.monotonic() + grace_s)

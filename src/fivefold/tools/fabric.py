@@ -34,7 +34,7 @@ the leaf's.
 Faults: `set_up(link, False)` cuts a link, `shape(link, rate_scale=0.5)` slows it, `impair(link, delay_s,
 loss)` makes it long and lossy, `throttle(node, cores)`
 limits a node's processes to a CPU share (cgroup v1 `cpu`), `freeze(node)` stops them (cgroup v1
-`freezer`); the cgroups are named as the namespaces and removed with them.
+`freezer`), `kill_node(node)` kills them all at once (a node lost); the cgroups are named as the namespaces and removed with them.
 
 Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and `ip` / `tc` from iproute2; `check()` says in one line
 what is missing.
@@ -318,6 +318,19 @@ class Fabric:
         """Stop (or resume) every process of node `node` at once (the freezer): a hung node whose network lives."""
         path = self.node_cgroup(node, "freezer")
         (path / "freezer.state").write_text("FROZEN" if frozen else "THAWED")
+
+    def kill_node(self, node: int) -> list[int]:
+        """SIGKILL every process of node `node` (its torchrun agent and ranks) at once, as a node that loses power
+        or is fenced: nothing of it runs on, its link stays. Its namespace holder is kept (it holds the namespace
+        for a new agent). Returns the pids killed."""
+        holder, killed = self.holders[self.node_ns[node]].pid, []
+        for _ in range(20):                 # again, for a child started while the list was read
+            pids = [pid for pid in _pids_in(self.node_ns[node]) if pid != holder and pid not in killed]
+            if not pids:
+                break
+            _kill_pids(pids)
+            killed += pids
+        return killed
 
     def thaw_all(self) -> None:
         """Resume every frozen node (a frozen process cannot die of SIGKILL until it is thawed)."""

@@ -688,17 +688,23 @@ def start_watchdog(timeout_s: float) -> None:
 
 
 def torchrun_store(rank: int, world: int, timeout: timedelta):
-    """The job's store, with this attempt's keys apart from earlier attempts'. torchrun keeps its store
-    across `--max-restarts` and torch's env:// rendezvous adds no per-attempt prefix, so restarted gloo
-    ranks read the addresses the killed workers published and fail ("Gloo connectFullMesh failed ...
-    Connection refused"). The prefix is torchrun's TORCHELASTIC_RESTART_COUNT."""
+    """The job's store, with this attempt's keys apart from earlier attempts'.
+    - Under torchrun's shared store (TORCHELASTIC_USE_AGENT_STORE, the default since torch 2.4) the agent's
+      store outlives the workers across `--max-restarts`, and torch's env:// rendezvous adds no per-attempt
+      prefix, so restarted gloo ranks would read the addresses the killed workers published and fail ("Gloo
+      connectFullMesh failed ... Connection refused"). The prefix is torchrun's TORCHELASTIC_RESTART_COUNT,
+      which agents that restart together agree on.
+    - Otherwise (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) rank 0 hosts a store of its own on a port the
+      rendezvous round chose; it ends with the attempt, so no key of an earlier attempt is left to read. The
+      restart count must not be used there: a node replaced under a restart (a fresh agent) counts from 0 while
+      the others count 1, and the ranks would wait on each other's keys under two prefixes."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":   # the agent hosts the store
         store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
-    else:
-        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"fivefold/attempt_{attempt}", store)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"fivefold/attempt_{attempt}", store)
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore("fivefold/attempt", store)
 
 
 def leave_torchrun(code: int) -> None:

@@ -6,7 +6,8 @@ nodes x 2) and on all 4, at 64 bytes and 1 MiB, printed by rank 0 as one JSON li
     latency_probe.py --mean 60 1048576    # means of 60 calls at 1 MiB only (a lost frame's cost: the
                                           # rare slow call is the point, so the mean, not the median)
 
-Stdlib and torch only; run under torchrun on an emulated fabric."""
+Torch, and fivefold's reduce-scatter (comm/ops.py: gloo's own is an all-reduce, not what fivefold runs);
+run under torchrun on an emulated fabric."""
 import json
 import statistics
 import sys
@@ -14,6 +15,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from fivefold.comm.ops import Group, reduce_scatter
 
 REPS, SKIP = 15, 3
 MEAN = "--mean" in sys.argv
@@ -56,7 +59,8 @@ def main() -> None:
 
             for op, fn in (("all_reduce", lambda: dist.all_reduce(x, group=group)),
                            ("all_gather", lambda: dist.all_gather_into_tensor(torch.empty(n * k), x, group=group)),
-                           ("reduce_scatter", lambda: dist.reduce_scatter_tensor(torch.empty(n // k), x, group=group)),
+                           ("reduce_scatter", lambda: reduce_scatter(torch.empty(n // k), x, Group(
+                               name, members, members.index(rank), group or dist.group.WORLD, backend="gloo"))),
                            ("all_to_all", lambda: dist.all_to_all_single(torch.empty(n), x, group=group)),
                            ("send", send)):
                 out[f"{name}/{op}/{nbytes}"] = timed(fn)

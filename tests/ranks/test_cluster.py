@@ -35,17 +35,19 @@ TWO_LEAVES = ROOT / "examples" / "fabrics" / "two-leaves.toml"
 # -- torch-free -----------------------------------------------------------------------------------------------
 def test_each_backend_sends_to_the_peers_of_its_algorithm():
     """gloo (read from its source, measured on the links): the ring all-reduce sends 2(n-1)/n S to rank i-1,
-    the all-gather (n-1)/n S to i+1, the reduce-scatter is an all-reduce of the whole input, the all-to-all
-    each chunk straight to its rank. NCCL: rings to i+1, the reduce-scatter half an all-reduce."""
+    the all-gather (n-1)/n S to i+1, the all-to-all each chunk straight to its rank, and so fivefold's
+    reduce-scatter on gloo (its chunks exchanged pairwise, comm/ops.py). NCCL: rings to i+1, the
+    reduce-scatter half an all-reduce."""
     S, n = 64.0, 4
     assert volume.peer_bytes("all_reduce", S, n, 0, "gloo") == [(3, 96.0)]
-    assert volume.peer_bytes("reduce_scatter", S, n, 2, "gloo") == [(1, 96.0)]
+    assert volume.peer_bytes("reduce_scatter", S, n, 2, "gloo") == [(0, 16.0), (1, 16.0), (3, 16.0)]
     assert volume.peer_bytes("all_gather", S, n, 3, "gloo") == [(0, 48.0)]
     assert volume.peer_bytes("all_to_all", S, n, 1, "gloo") == [(0, 16.0), (2, 16.0), (3, 16.0)]
     assert volume.peer_bytes("all_to_all", S, n, 1, "gloo", chunks=[5, 6, 7, 8]) == [(0, 5.0), (2, 7.0), (3, 8.0)]
     assert volume.peer_bytes("reduce_scatter", S, n, 0, "nccl") == [(1, 48.0)]
     assert volume.peer_bytes("send", S, 2, 0, "gloo") == [(-1, 64.0)]
-    assert volume.bytes_sent("reduce_scatter", S, n, "gloo") == volume.all_reduce(S, n) == 2 * volume.reduce_scatter(S, n)
+    assert volume.bytes_sent("reduce_scatter", S, n, "gloo") == volume.reduce_scatter(S, n) == volume.all_reduce(S, n) / 2
+    assert volume.latency_hops("reduce_scatter", n, "gloo") == volume.latency_hops("all_to_all", n, "gloo") == 2
     assert volume.backend_of("gloo") == "gloo" and volume.backend_of("fake") == volume.backend_of("nccl") == "nccl"
     assert volume.peer_bytes("all_reduce", S, 1, 0) == []
 

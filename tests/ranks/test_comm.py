@@ -47,6 +47,14 @@ def _collectives(rank, world):
     rs = torch.empty(4)
     comm.reduce_scatter(rs, torch.arange(4 * n).float(), g)
     assert torch.equal(rs, n * torch.arange(4 * rank, 4 * rank + 4).float())
+    # asynchronous: the sum lands at wait(); into a strided out (a column of a (4, 2) tensor); bf16 too
+    cols = torch.zeros(4, 2)
+    h = comm.reduce_scatter(cols[:, 1], torch.arange(4 * n).float(), g, async_op=True)
+    h.wait()
+    assert torch.equal(cols[:, 1], rs) and not cols[:, 0].any()
+    half = torch.empty(4, dtype=torch.bfloat16)
+    comm.reduce_scatter(half, torch.arange(4 * n).to(torch.bfloat16) + rank, g)
+    assert torch.equal(half, (rs + sum(range(n))).to(torch.bfloat16))
     a2a = torch.empty(2 * n)
     comm.all_to_all(a2a, torch.full((2 * n,), float(rank)), g)
     assert torch.equal(a2a, torch.arange(n).float().repeat_interleave(2))
@@ -75,8 +83,10 @@ def test_ledger_bytes_match_formula():
         assert r[("dp", "all_reduce")]["bytes_sent"] == volume.all_reduce(8 * 4, n) + volume.all_reduce(3 * 4, n)
         assert r[("dp", "all_gather")]["message_bytes"] == 4 * n * 4
         assert r[("dp", "all_gather")]["bytes_sent"] == volume.all_gather(4 * n * 4, n)
-        # gloo's reduce-scatter is an all-reduce of the whole input (comm/volume.py ALGORITHMS)
-        assert r[("dp", "reduce_scatter")]["bytes_sent"] == volume.all_reduce(4 * n * 4, n)
+        # on gloo the chunks are exchanged pairwise and summed: a ring's bytes (comm/volume.py ALGORITHMS)
+        assert r[("dp", "reduce_scatter")]["calls"] == 3
+        assert r[("dp", "reduce_scatter")]["bytes_sent"] == (2 * volume.reduce_scatter(4 * n * 4, n)   # fp32
+                                                             + volume.reduce_scatter(4 * n * 2, n))   # bf16
         assert r[("dp", "all_to_all")]["bytes_sent"] == volume.all_to_all(2 * n * 4, n)
         assert r[("ep", "all_to_all")]["bytes_sent"] == uneven_bytes - kept
         assert r[("pp", "send")]["bytes_sent"] == 20 and r[("pp", "recv")]["bytes_sent"] == 0

@@ -215,18 +215,18 @@ def test_ledger_tp_bytes_match_the_formula(name, two, four):
 
 @pytest.mark.ranks
 def test_sp_sends_the_bytes_of_tp(two):
-    """Activations: SP's all-gathers plus reduce-scatters send exactly TP's all-reduce bytes with a ring
-    reduce-scatter (NCCL's); gloo's reduce-scatter is a whole all-reduce (comm/volume.py), so on these gloo
-    ranks SP sends 1.5x TP's activation bytes. SP's remaining all-reduces are the loss statistics and, once
-    per step, the norm weights' gradients."""
+    """Activations: SP's all-gathers plus reduce-scatters send exactly TP's all-reduce bytes, with a ring
+    reduce-scatter (NCCL's) and with fivefold's pairwise one on gloo (comm/ops.py; gloo's own, a whole
+    all-reduce, would send 1.5x). SP's remaining all-reduces are the loss statistics and, once per step,
+    the norm weights' gradients."""
     tp, sp = tp_rows(two[0]["tp2"][0]["ledger"][0]), tp_rows(two[0]["tp2_sp"][0]["ledger"][0])
     c = case_config("tp2")
     tokens = c.train.global_batch // c.parallel.microbatches * c.train.seq_len
     loss = c.parallel.microbatches * (volume.all_reduce(4 * tokens, 2) + volume.all_reduce(8 * tokens, 2))
     norm_sync = volume.all_reduce((2 * c.model.layers + 1) * c.model.hidden * 4, 2)
     act_tp = tp["all_reduce"]["bytes_sent"] - loss
-    assert sp["all_gather"]["bytes_sent"] + sp["reduce_scatter"]["bytes_sent"] / 2 == act_tp > 0
-    assert sp["all_gather"]["bytes_sent"] == sp["reduce_scatter"]["bytes_sent"] / 2
+    assert sp["all_gather"]["bytes_sent"] + sp["reduce_scatter"]["bytes_sent"] == act_tp > 0
+    assert sp["all_gather"]["bytes_sent"] == sp["reduce_scatter"]["bytes_sent"]
     assert sp["all_reduce"]["bytes_sent"] == loss + norm_sync
     assert tp["all_reduce"]["calls"] == c.parallel.microbatches * (4 * c.model.layers + 2 + 2)
 

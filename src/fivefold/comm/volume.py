@@ -30,9 +30,10 @@ node's link equal these to 0.2% (its TCP/IP headers):
 |         |                | (gloo/allreduce.cc `ring`, the default; torch never picks |                   |
 |         |                | bcube), 1 MiB segments, nothing padded on the wire        |                   |
 | gloo    | all_gather     | ring (gloo/allgather.cc `allgather`)                      | i+1: (n-1)/n S    |
-| gloo    | reduce_scatter | an all-reduce of a clone of the whole input, then the own | i-1: 2(n-1)/n S   |
-|         |                | chunk copied out (ProcessGroupGloo::                      |                   |
-|         |                | reduce_scatter_tensor_coalesced): twice a ring's bytes    |                   |
+| gloo    | reduce_scatter | fivefold's: the chunks exchanged pairwise (one all-to-all) | j: chunk j, S/n  |
+|         |                | and summed by their owner (comm/ops.py `_sum_chunks`);    |                   |
+|         |                | gloo's own all-reduces a clone of the whole input (twice   |                   |
+|         |                | a ring's bytes, ProcessGroupGloo), so it is not used       |                   |
 | gloo    | all_to_all     | pairwise, direct (gloo/alltoall.cc, alltoallv.cc)         | j: its chunk j    |
 | nccl    | all_reduce,    | ring over the group (NCCL_ALGO=Ring; NCCL picks a tree for | i+1 (ring order) |
 |         | all_gather,    | small all-reduces across nodes: the ring's bytes are what  |                  |
@@ -57,7 +58,7 @@ import math
 BACKENDS = ("gloo", "nccl")
 # op -> (the algorithm a backend runs for it, the ring's direction: group rank i sends to i + step)
 ALGORITHMS = {
-    "gloo": {"all_reduce": ("ring", -1), "all_gather": ("ring", 1), "reduce_scatter": ("all_reduce_ring", -1),
+    "gloo": {"all_reduce": ("ring", -1), "all_gather": ("ring", 1), "reduce_scatter": ("pairwise", 0),
              "all_to_all": ("pairwise", 0), "send": ("direct", 0), "recv": ("direct", 0)},
     "nccl": {"all_reduce": ("ring", 1), "all_gather": ("ring", 1), "reduce_scatter": ("ring", 1),
              "all_to_all": ("pairwise", 0), "send": ("direct", 0), "recv": ("direct", 0)},
@@ -109,8 +110,6 @@ def backend_of(name: str) -> str:
 
 def bytes_sent(op: str, message_bytes: float, n: int, backend: str = "nccl", **kw) -> float:
     """Dispatch by op name (one of OPS or COPIES); `backend` picks the algorithm (`ALGORITHMS`)."""
-    if op == "reduce_scatter" and ALGORITHMS[backend]["reduce_scatter"][0] == "all_reduce_ring":
-        op = "all_reduce"
     try:
         fn = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
               "all_to_all": all_to_all, "send": send, "recv": recv, **{c: copy for c in COPIES}}[op]
@@ -127,9 +126,9 @@ def latency_hops(op: str, n: int, backend: str = "nccl") -> float:
       messages across nodes); all-gather, reduce-scatter and pairwise all-to-all n-1; a send 1.
     - gloo: a message moves only once its receiver has posted the buffer and said so (gloo's TCP pair:
       NOTIFY_RECV_READY, then the data), so a step whose receive is posted as it starts costs two
-      latencies: a send 2, all-gather's ring 2(n-1), the pairwise all-to-all 2 (every pair at once), the
-      all-reduce ring (and reduce-scatter, which is one on gloo) 3n - 2: 2(n-1) for the reduce-scatter
-      half, then n-1 for the all-gather half whose receives were posted ahead, and one more.
+      latencies: a send 2, all-gather's ring 2(n-1), the pairwise all-to-all 2 (every pair at once) and so
+      fivefold's reduce-scatter on gloo (comm/ops.py), the all-reduce ring 3n - 2: 2(n-1) for its
+      reduce-scatter half, then n-1 for the all-gather half whose receives were posted ahead, and one more.
       Measured with `benchmarks/network.py --latency-hops` (two nodes of two ranks, 10 ms added to the path
       between them, 64-byte messages, median of 12 calls): send 2.12, all-to-all 2.10 (n=2) and 1.90 (n=4),
       all-gather 2.09 and 6.00, all-reduce 4.01 and 10.03, reduce-scatter 4.18 and 10.35.
@@ -139,7 +138,7 @@ def latency_hops(op: str, n: int, backend: str = "nccl") -> float:
     if op == "recv":
         return 0.0
     if backend == "gloo":
-        return {"all_reduce": 3 * n - 2, "reduce_scatter": 3 * n - 2, "all_gather": 2 * (n - 1),
+        return {"all_reduce": 3 * n - 2, "reduce_scatter": 2, "all_gather": 2 * (n - 1),
                 "all_to_all": 2, "send": 2}[op]
     if op == "all_reduce":
         return min(2 * (n - 1), 2 * math.ceil(math.log2(n)))

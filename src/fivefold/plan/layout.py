@@ -175,7 +175,7 @@ class Workload:
     fused_optimizer: bool = True   # the optimizer reads and writes each state once (False: the runtime's eager
                                    # AdamW and grad norm, rules.EAGER_ADAMW_ACCESSES passes)
     backend: str = "nccl"          # whose collective algorithms send the bytes (comm/volume.py ALGORITHMS): "nccl"
-                                   # on GPUs, "gloo" for CPU ranks (its reduce-scatter is a whole all-reduce)
+                                   # on GPUs, "gloo" for CPU ranks (fivefold's reduce-scatter there: pairwise)
     document_length: float = 0.0   # train.document_mask: attention stays inside each packed document of this
                                    # token-weighted mean length, sum(len^2)/sum(len) of the pieces a sequence
                                    # holds (0: no mask; attention spans the sequence)

@@ -135,8 +135,8 @@ class Topology:
     accelerator: Accelerator
     tiers: tuple[Tier, ...]
     backend: str = "nccl"    # whose collective algorithms the ranks run (comm/volume.py ALGORITHMS): "nccl" on
-                             # GPUs; "gloo" for CPU ranks (`fivefold calibrate` writes it; its reduce-scatter
-                             # sends an all-reduce's bytes, and the calibration's fits count them so)
+                             # GPUs; "gloo" for CPU ranks (`fivefold calibrate` writes it; fivefold's
+                             # reduce-scatter there is a pairwise exchange, and the fits count it so)
 
     @property
     def max_gpus(self) -> int | None:

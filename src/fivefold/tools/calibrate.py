@@ -912,7 +912,7 @@ def to_toml(cal: dict) -> str:
         "# hbm_gbps: in-place add bandwidth per rank (planner's optimizer term); latency_us, bandwidth_gbps:",
         "# joint least-squares fit (relative error) of t = hops * latency + bytes_sent / bandwidth over every",
         "# collective below, hops as topology.collective_latency, bytes_sent as comm/volume.py counts gloo's",
-        "# (backend = \"gloo\": its reduce-scatter is an all-reduce of the whole input); the tier's",
+        "# (backend = \"gloo\": fivefold's reduce-scatter is a pairwise exchange, an all-to-all); the tier's",
         "# ops table holds each op's own fit, which the planner uses for that op: a layer's collectives",
         "# (all_reduce, all_gather, reduce_scatter) fitted from real tensor-parallel steps, the others from the",
         "# burst probe.",

@@ -63,6 +63,16 @@ def _all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether nothing but this reference holds `t` (its TensorImpl's use count is 1) and it is a plain,
+    contiguous tensor of its own: then it may be reduced in place. A gradient autograd hands a backward
+    is usually fresh (a matmul's input gradient, or the sum of several), but an add's backward hands the
+    same tensor to both its inputs (use count 2), and a view or a retained gradient shares storage: those
+    are reduced in a copy. Without `_use_count` (another torch) every gradient is copied."""
+    count = getattr(t, "_use_count", None)
+    return count is not None and t._base is None and t.is_contiguous() and count() == 1
+
+
 def _gather_seq(x_bsh: torch.Tensor, group: Group, ordered: bool = True) -> torch.Tensor:
     """(b, s/n, ...) on each rank -> (b, s, ...): rank r's tokens land at [r·s/n, (r+1)·s/n). Not
     `ordered`: the rank-major (n·b, s/n, ...) the all-gather writes, with no copy (token-wise work only)."""
@@ -103,7 +113,9 @@ def rank_major(x_bsh: torch.Tensor, n: int) -> torch.Tensor:
 
 class CopyToTensorRegion(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce of the input gradient backward (one all-reduce of
-    the activation, 2(n-1)/n·S bytes, in the backward pass only)."""
+    the activation, 2(n-1)/n·S bytes, in the backward pass only). The gradient is reduced in place when
+    this backward holds the only reference to it (`_sole_owner`), as Megatron does unconditionally; else
+    in a copy."""
 
     @staticmethod
     def forward(ctx, x, group: Group):
@@ -112,6 +124,9 @@ class CopyToTensorRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if _sole_owner(grad):
+            ops.all_reduce(grad, ctx.group)
+            return grad, None
         return _all_reduce(grad, ctx.group), None
 
 

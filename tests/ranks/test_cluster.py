@@ -418,7 +418,7 @@ SHAPE = ["--set", "model.vocab=256", "--set", "model.hidden=128", "--set", "mode
 @pytest.mark.ranks
 def test_two_nodes_link_bytes_per_step_equal_the_plan(tmp_path):
     """`fivefold cluster` on two nodes of two ranks, one 200 Mbit/s link each, tp2 x dp2 with tp across the
-    nodes and Megatron SP (all-gathers, gloo's all-reduce reduce-scatters, the dp all-reduce): the bytes the
+    nodes and Megatron SP (all-gathers, fivefold's pairwise reduce-scatters on gloo, the dp all-reduce): the bytes the
     kernel counted on the node links, less a measured header per packet, equal the planner's bytes between
     nodes within 2% over the measured steps (above it, by no more than the TCP segments sent again), and
     within 5% in each step; the ledger's inter-node bytes equal the planner's exactly. Nothing is left

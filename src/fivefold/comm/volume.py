@@ -131,7 +131,8 @@ def latency_hops(op: str, n: int, backend: str = "nccl") -> float:
       reduce-scatter half, then n-1 for the all-gather half whose receives were posted ahead, and one more.
       Measured with `benchmarks/network.py --latency-hops` (two nodes of two ranks, 10 ms added to the path
       between them, 64-byte messages, median of 12 calls): send 2.12, all-to-all 2.10 (n=2) and 1.90 (n=4),
-      all-gather 2.09 and 6.00, all-reduce 4.01 and 10.03, reduce-scatter 4.18 and 10.35.
+      all-gather 2.09 and 6.00, all-reduce 4.01 and 10.03; fivefold's pairwise reduce-scatter 2.05 and 1.98
+      (gloo's own, an all-reduce, read 4.18 and 10.35).
     A recv waits on its send's hops and adds none."""
     if n <= 1 and op != "send":
         return 0.0

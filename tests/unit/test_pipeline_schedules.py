@@ -312,3 +312,49 @@ def test_micro_batch_group_rules():
         build_schedule("1f1b", 4, 8, microbatch_group=4)
     with pytest.raises(ConfigError, match="vpp > 1"):
         build_schedule("interleaved", 4, 8, 1, microbatch_group=4)
+
+
+
+@pytest.mark.parametrize("name,p,m,v", all_cases())
+def test_receives_posted_ahead_are_never_needed_by_the_compute_they_skip(name, p, m, v):
+    """Overlap mode posts, with each batch, the receives of the batch after the next compute
+    (`early_receives`): that compute never consumes them, every compute's inputs are posted before it,
+    and each peer's receives are posted in list order (FIFO matching pairs the right tensors)."""
+    from fivefold.parallel.pipeline.schedules import steps_ahead
+
+    for actions in build_schedule(name, p, m, v):
+        posted, just_ahead = [], set()
+        for item, ahead in steps_ahead(actions):
+            if isinstance(item, list):
+                posted += [a for a in item if a.kind in (RECV_F, RECV_B) and a not in posted] + ahead
+                just_ahead = {message_key(a) for a in ahead}
+                continue
+            needed = set(input_messages(item, p, p * v))
+            assert needed <= {message_key(a) for a in posted} and not needed & just_ahead, (item, ahead)
+            just_ahead = set()
+        order = [a for a in actions if a.kind in (RECV_F, RECV_B)]
+        assert sorted(posted, key=order.index) == order
+        for peer in {a.peer for a in order}:
+            assert [a for a in posted if a.peer == peer] == [a for a in order if a.peer == peer]
+
+
+def test_receives_posted_ahead_let_a_slow_message_cross_during_compute(monkeypatch):
+    """With transfers that take time, posting receives one compute ahead never lengthens a step and
+    shortens most: interleaved pp 4 x vpp 2 with a transfer 0.8 of a stage's forward, 68.2 against 76.2
+    (the message crosses while the receiver still computes). The same lists without it (`early_receives`
+    returning none) are the baseline."""
+    from fivefold.parallel.pipeline import schedules
+
+    def makespans(name, p, m, v, comm):
+        actions = build_schedule(name, p, m, v)
+        with_ahead = simulate(actions, 1, 2, 1, 1, comm=comm).makespan
+        with monkeypatch.context() as mp:
+            mp.setattr(schedules, "early_receives", lambda actions, end: [])
+            without = simulate(actions, 1, 2, 1, 1, comm=comm).makespan
+        return with_ahead, without
+
+    ahead, late = makespans("interleaved", 4, 8, 2, 0.8)
+    assert ahead == pytest.approx(68.2) and late == pytest.approx(76.2), (ahead, late)
+    for name, p, m, v in [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("zb", 4, 8, 1), ("gpipe", 3, 6, 1)]:
+        ahead, late = makespans(name, p, m, v, 0.4)
+        assert ahead <= late + 1e-9, (name, ahead, late)

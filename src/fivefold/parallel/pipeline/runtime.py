@@ -16,7 +16,9 @@ actions into one batch, posted with one `comm.send_recv` (batch_isend_irecv, led
 
 * SEND_F / SEND_B send a chunk's output activation / input gradient, b·s·h elements (b micro-batch,
   s sequence, h hidden) per micro-batch per chunk boundary each way; RECV_F / RECV_B post a receive
-  into a fresh buffer. Receives are waited for only just before the compute that uses them (looked up by
+  into a fresh buffer, one compute ahead of their batch (`schedules.early_receives`: posted with the batch
+  before, so on gloo, which moves a message only once its receiver has posted, it crosses during that
+  compute). Receives are waited for only just before the compute that uses them (looked up by
   `message_key`), sends at the end of the step — so interleaving keeps its overlap.
 * F runs the chunk's forward (the last chunk adds `MicroBatch.loss`, its token-loss sum over the global
   count of targets: the loss is their sum over micro-batches, whatever the schedule).
@@ -61,7 +63,7 @@ from ..microbatch import MicroBatch
 from ..placement import full_shape, place, placement_of
 from ..recompute import RECOMPUTE, rng_state, set_rng_state
 from .partition import Partition
-from .schedules import (B, F, I, SEND_B, SEND_F, W, Action, Block, input_messages, message_key, simulate, steps,
+from .schedules import (B, F, I, SEND_B, SEND_F, W, Action, Block, input_messages, message_key, simulate, steps_ahead,
                         timeline_stats)
 from .spec import Schedule
 
@@ -221,9 +223,9 @@ class PipelineRuntime:
         engine's set_sync, called around each chunk's last weight-gradient action (None: never)."""
         self.begin(micro_batches, loss_fn, positions, sync)
         self.timeline = []
-        for item in steps(self.actions):
+        for item, ahead in steps_ahead(self.actions):
             if isinstance(item, list):
-                self.post(item)
+                self.post(item, ahead)
             else:
                 self.compute(item)
         for handle, _ in self.sending:
@@ -260,9 +262,9 @@ class PipelineRuntime:
 
         self.begin(micro_batches, loss_fn, positions)
         actions = forward_only(self.pp, len(micro_batches), self.chunks // self.pp)[self.stage.rank]
-        for item in steps(actions):
+        for item, ahead in steps_ahead(actions):
             if isinstance(item, list):
-                self.post(item)
+                self.post(item, ahead)
                 continue
             got = {key: self.receive(key) for key in input_messages(item, self.pp, self.chunks)}
             mb, c = item.microbatch, item.chunk
@@ -277,15 +279,22 @@ class PipelineRuntime:
         self.sending = []
         return self.loss
 
-    def post(self, batch: list[Action]) -> None:
-        """Post one batch of sends and receives together (one batch_isend_irecv); do not wait."""
+    def post(self, batch: list[Action], ahead: list[Action] = ()) -> None:
+        """Post one batch of sends and receives together (one batch_isend_irecv), with the receives of the
+        next batch posted `ahead` (`schedules.early_receives`); do not wait. A receive already posted
+        ahead is not posted again."""
         sends, recvs, keys = [], [], []
         for a in batch:
             if a.kind in (SEND_F, SEND_B):
                 sends.append((self.outbox.pop(message_key(a)).contiguous(), a.peer))
-            else:
+            elif message_key(a) not in self.inbox:
                 recvs.append((torch.empty(self.shape, dtype=self.dtype, device=self.device), a.peer))
                 keys.append(message_key(a))
+        for a in ahead:
+            recvs.append((torch.empty(self.shape, dtype=self.dtype, device=self.device), a.peer))
+            keys.append(message_key(a))
+        if not sends and not recvs:     # every receive of the batch was posted ahead
+            return
         handle = comm.send_recv(sends, recvs, self.group, async_op=True, dim="pp")
         self.release_completed()
         self.sending += [(h, t) for h, (t, _) in zip(handle.parts[:len(sends)], sends)]

@@ -50,7 +50,11 @@ execute, both proven by the simulator to finish for every generated schedule:
 
 * overlap (what `simulate` times by default, as torch.distributed.pipelining does): after posting a
   batch go on; before a compute action wait for the receives of its inputs (look them up by
-  `message_key`); wait for all sends at the end of the step.
+  `message_key`); wait for all sends at the end of the step. A batch also posts, ahead, the receives of
+  the batch after the next compute action (`early_receives`): gloo moves a message only once its
+  receiver has posted the buffer (its TCP pair's ready-to-receive notice), so a receive posted after the
+  compute that precedes it let the message cross only then, while the next compute waited; posted one
+  compute ahead, it crosses during that compute. The buffer is allocated one compute earlier.
 * blocking (`simulate(..., blocking=True)`): wait for the whole batch before the next action, with
   sends that finish only when received (rendezvous, NCCL-like). Simplest, never deadlocks, but loses
   most of interleaving's gain because early receives are waited for early.
@@ -333,6 +337,31 @@ def steps(actions: Sequence[Action]) -> Iterator[Action | list[Action]]:
         yield batch
 
 
+def early_receives(actions: Sequence[Action], end: int) -> list[Action]:
+    """The receives a rank posts ahead with the batch that ends before index `end` of its list (overlap
+    mode): those of the next batch when one compute action lies between the two. The compute in between
+    never needs them (a message a round produces is used in a later round: `add_communication`), and
+    each peer's receives keep their order, so FIFO matching still pairs the right tensors. Blocking
+    execution posts none ahead: a batch it waits on would hold a receive whose send comes later."""
+    if end >= len(actions) or actions[end].is_comm:
+        return []
+    out = []
+    for a in actions[end + 1:]:
+        if not a.is_comm:
+            break
+        if a.kind in (RECV_F, RECV_B):
+            out.append(a)
+    return out
+
+
+def steps_ahead(actions: Sequence[Action]) -> Iterator[tuple[Action | list[Action], list[Action]]]:
+    """`steps`, each batch paired with the receives it posts ahead (`early_receives`; a compute: none)."""
+    end = 0
+    for item in steps(actions):
+        end += len(item) if isinstance(item, list) else 1
+        yield item, early_receives(actions, end) if isinstance(item, list) else []
+
+
 def message_key(a: Action) -> tuple[str, int, int]:
     """The message a comm action moves: (direction, micro-batch, sending chunk)."""
     if a.kind == SEND_F:
@@ -547,7 +576,8 @@ def simulate(actions_per_rank: list[list[Action]], cost_f: Cost = 1.0, cost_b: C
     another rank arrives `comm` after both its send and its receive are posted (lists without comm
     actions: `comm` after it was produced). A batch (consecutive comm actions) is posted at once.
     blocking=False (default): the rank goes on at once; sends finish in the background and a receive is
-    waited for by the compute that uses it. blocking=True: the rank waits for every op of the batch, and
+    waited for by the compute that uses it; a batch also posts the next batch's receives ahead
+    (`early_receives`), as the runtime does. blocking=True: the rank waits for every op of the batch, and
     a send finishes only when the peer has posted the receive (rendezvous; the strictest runtime).
 
     Raises DeadlockError naming each blocked rank, action and what it waits for; ScheduleError when a
@@ -562,6 +592,7 @@ def simulate(actions_per_rank: list[list[Action]], cost_f: Cost = 1.0, cost_b: C
     posted: dict[tuple[str, tuple], tuple[int, float, Action]] = {}
     pc, clock = [0] * ranks, [0.0] * ranks
     batch_end: list[int | None] = [None] * ranks
+    ahead: list[set] = [set() for _ in range(ranks)]     # receives posted ahead (`early_receives`)
     timeline: list[list[Block]] = [[] for _ in range(ranks)]
 
     def latency(message: tuple[str, int, int]) -> float:
@@ -599,16 +630,23 @@ def simulate(actions_per_rank: list[list[Action]], cost_f: Cost = 1.0, cost_b: C
         clock[r] = end
         return True
 
+    def post(r: int, a: Action) -> None:
+        key = ("send" if a.kind.startswith("SEND") else "recv", message_key(a))
+        if key in posted:
+            raise ScheduleError(f"rank {r}: {a} is posted twice (also on rank {posted[key][0]})")
+        posted[key] = (r, clock[r], a)
+
     def post_batch(r: int) -> None:
         j, actions = pc[r], actions_per_rank[r]
         while j < len(actions) and actions[j].is_comm:
-            side = "send" if actions[j].kind.startswith("SEND") else "recv"
-            key = (side, message_key(actions[j]))
-            if key in posted:
-                raise ScheduleError(f"rank {r}: {actions[j]} is posted twice (also on rank {posted[key][0]})")
-            posted[key] = (r, clock[r], actions[j])
+            if actions[j] not in ahead[r]:
+                post(r, actions[j])
             j += 1
         batch_end[r] = j
+        if not blocking:
+            for a in early_receives(actions, j):
+                post(r, a)
+                ahead[r].add(a)
 
     def finish_batch(r: int) -> bool:
         if blocking:

@@ -358,3 +358,23 @@ def test_receives_posted_ahead_let_a_slow_message_cross_during_compute(monkeypat
     for name, p, m, v in [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("zb", 4, 8, 1), ("gpipe", 3, 6, 1)]:
         ahead, late = makespans(name, p, m, v, 0.4)
         assert ahead <= late + 1e-9, (name, ahead, late)
+
+
+@pytest.mark.parametrize("name,p,v,group", [("1f1b", 2, 1, 0), ("1f1b", 4, 1, 0), ("1f1b", 7, 1, 0),
+                                            ("gpipe", 4, 1, 0), ("zb", 5, 1, 0), ("interleaved", 2, 3, 0),
+                                            ("interleaved", 4, 2, 0), ("interleaved", 4, 2, 6),
+                                            ("interleaved", 8, 2, 0), ("interleaved", 3, 2, 5)])
+def test_receives_alive_reach_their_steady_state_where_the_planner_stops_counting(name, p, v, group):
+    """The planner counts the receive buffers alive in a backward (`receives_alive_in_backward`) on lists
+    of `plan.buffers.steady_microbatches` micro-batches, not the step's (the search plans thousands of
+    layouts): up to 8x more micro-batches give the same count on every stage."""
+    from fivefold.parallel.pipeline.schedules import receives_alive_in_backward
+    from fivefold.plan.buffers import steady_microbatches
+
+    cap = steady_microbatches(p, 10 ** 6, name == "interleaved", group)
+
+    def counts(m):
+        return [receives_alive_in_backward(a, p, p * v)
+                for a in build_schedule(name, p, m, v, microbatch_group=group)]
+
+    assert all(counts(k * cap) == counts(cap) for k in (2, 3, 8))

@@ -18,11 +18,13 @@ the gathered units `zero_buffers` replays hold parameters on the device.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from .. import rules
 from ..parallel.zero_order import (MAX_INFLIGHT, backward_prefetch, backward_slots, forward_prefetch,
                                    frees_after_forward)
+from ..parallel.pipeline.schedules import build_schedule, receives_alive_in_backward
 from ..parallel.zero_reduce import LANDING
 from ..shapes import padded, padded_vocab, shard_size
 from .activations import hidden_tensor_bytes, rank_tokens, routed_per_token
@@ -320,15 +322,34 @@ def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) 
 
 
 # -- scratch: the backward's, the loss's, the edges' and the step's working sets --------------------
-def pipeline_receives(layout: Layout, stage: int) -> int:
+def pipeline_receives(layout: Layout, work: Workload, stage: int) -> int:
     """Receive buffers of one micro-batch's boundary alive beside a backward on `stage` (not saved
-    activations): the output gradient the backward consumes (every stage but the last) and the next
-    forward's input, posted ahead (every stage but the first); with interleaving every rank has both."""
+    activations), counted on the runtime's own action list: the most posted and not yet consumed while
+    one of the stage's backwards runs, with the receives posted one compute ahead
+    (`schedules.receives_alive_in_backward`). 1F1B: 2 on the first stage (the gradient it consumes and the
+    next one, posted ahead), 2 in the middle, 1 on the last; interleaved: 2-9 by the schedule."""
     if layout.pp == 1:
         return 0
-    if layout.interleaved:
-        return 2
-    return (stage > 0) + (stage < layout.pp - 1)
+    return _receives_alive(layout.schedule, layout.pp, steady_microbatches(
+        layout.pp, microbatches(layout, work), layout.interleaved, layout.microbatch_group), layout.vpp,
+        layout.microbatch_group)[stage]
+
+
+def steady_microbatches(pp: int, m: int, interleaved: bool, group: int = 0) -> int:
+    """`m` micro-batches, or fewer where the count of receives alive no longer changes: the lists reach
+    their steady state by 2·pp micro-batches (two whole groups of N for interleaving), and from there
+    more micro-batches repeat it (tests/unit/test_pipeline_schedules.py holds this up to 8x). The search
+    plans thousands of layouts; building their whole lists cost it 4x its time."""
+    if interleaved:
+        unit = math.lcm(pp, group or pp)
+        return min(m, 2 * unit * -(-pp // unit))
+    return min(m, 2 * pp)
+
+
+@lru_cache(maxsize=1024)
+def _receives_alive(kind: str, pp: int, micro: int, vpp: int, group: int) -> tuple[int, ...]:
+    return tuple(receives_alive_in_backward(actions, pp, pp * vpp)
+                 for actions in build_schedule(kind, pp, micro, vpp, microbatch_group=group))
 
 
 def mlp_width_per_token(model: PlanModel, work: Workload, tp: int) -> float:
@@ -356,7 +377,7 @@ def backward_scratch(model: PlanModel, layout: Layout, work: Workload, stage: in
     `edge_scratch`, the loss's `loss_scratch`: moments of their own, with ZeRO's buffers of that moment."""
     e, T = work.act_bytes, rank_tokens(layout, work)
     hidden = hidden_tensor_bytes(model, layout, work)
-    receives = pipeline_receives(layout, stage) * hidden
+    receives = pipeline_receives(layout, work, stage) * hidden
     fp32 = 8 + (4 if e != 4 else 0)
     norm = hidden * (1 + fp32 / e)                 # its incoming gradient and the fp32 set
     mlp = 4 * e * T * mlp_width_per_token(model, work, layout.tp)
@@ -385,7 +406,7 @@ def edge_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -
         return 0.0
     hidden = hidden_tensor_bytes(model, layout, work)
     table = work.param_bytes * model.hidden * padded_vocab(model.vocab, layout.tp) / layout.tp
-    return (pipeline_receives(layout, stage) + 1) * hidden + table
+    return (pipeline_receives(layout, work, stage) + 1) * hidden + table
 
 
 def loss_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
@@ -396,7 +417,7 @@ def loss_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -
         return 0.0
     vocab = padded_vocab(model.vocab, layout.tp) / layout.tp
     hidden = hidden_tensor_bytes(model, layout, work)
-    return pipeline_receives(layout, stage) * hidden + (work.act_bytes + 8) * rank_tokens(layout, work) * vocab
+    return pipeline_receives(layout, work, stage) * hidden + (work.act_bytes + 8) * rank_tokens(layout, work) * vocab
 
 
 def step_scratch(owned: float, work: Workload) -> float:

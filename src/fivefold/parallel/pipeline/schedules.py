@@ -354,6 +354,22 @@ def early_receives(actions: Sequence[Action], end: int) -> list[Action]:
     return out
 
 
+def receives_alive_in_backward(actions: Sequence[Action], pp: int, chunks: int) -> int:
+    """The most receive buffers a rank holds, posted and not yet consumed, while one of its backwards (B or
+    I) runs, executing `actions` in overlap mode (receives posted ahead: `early_receives`): the pipeline's
+    part of the backward's working set, which the planner counts from the same lists (plan/buffers.py)."""
+    alive: set = set()
+    most = 0
+    for item, ahead in steps_ahead(actions):
+        if isinstance(item, list):
+            alive |= {message_key(a) for a in (*item, *ahead) if a.kind in (RECV_F, RECV_B)}
+            continue
+        if item.kind in (B, I):
+            most = max(most, len(alive))
+        alive -= set(input_messages(item, pp, chunks))
+    return most
+
+
 def steps_ahead(actions: Sequence[Action]) -> Iterator[tuple[Action | list[Action], list[Action]]]:
     """`steps`, each batch paired with the receives it posts ahead (`early_receives`; a compute: none)."""
     end = 0

@@ -30,6 +30,10 @@ Its header count holds however the ranks' messages are cut into segments and how
 acknowledged (a loaded machine sends smaller segments and more ACKs, which a fixed ratio charges at the
 probe's rate); what stays in it beyond the plan is gloo's own framing, a preamble per message.
 
+`--replace-nodes N` starts a fresh agent on a node whose agent died (`Fabric.kill_node` kills a node
+whole), up to N times, as a scheduler replaces a failed node; with `--max-restarts` >= 1 the other agents
+re-form the job with it (docs/multi-node.md).
+
 Everything the tool made (namespaces, links, qdiscs, holder processes) is removed when the command ends, on
 Ctrl-C and on failure; namespaces a killed run left (the tool's marker, a dead pid) are removed at the next
 start. Exit status: the command's (the first failing agent's), 2 for bad input or a machine that cannot

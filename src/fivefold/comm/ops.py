@@ -150,7 +150,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False,
                    dim: str | None = None) -> Handle:
     """Sum `inp` over the group and leave this rank's 1/n chunk (along dim 0) in `out`. On gloo a pairwise
-    exchange of the chunks, then their sum (`_exchange_and_sum`); elsewhere the backend's reduce-scatter."""
+    exchange of the chunks, then their sum (`_sum_chunks`); elsewhere the backend's reduce-scatter."""
     if group.size == 1:
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp.view_as(out))

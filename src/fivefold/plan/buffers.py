@@ -327,7 +327,7 @@ def pipeline_receives(layout: Layout, work: Workload, stage: int) -> int:
     activations), counted on the runtime's own action list: the most posted and not yet consumed while
     one of the stage's backwards runs, with the receives posted one compute ahead
     (`schedules.receives_alive_in_backward`). 1F1B: 2 on the first stage (the gradient it consumes and the
-    next one, posted ahead), 2 in the middle, 1 on the last; interleaved: 2-9 by the schedule."""
+    next one, posted ahead), 2 in the middle, 1 on the last; interleaved: 2-5 by stage (pp <= 8)."""
     if layout.pp == 1:
         return 0
     return _receives_alive(layout.schedule, layout.pp, steady_microbatches(

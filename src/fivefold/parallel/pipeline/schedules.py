@@ -345,12 +345,11 @@ def early_receives(actions: Sequence[Action], end: int) -> list[Action]:
     execution posts none ahead: a batch it waits on would hold a receive whose send comes later."""
     if end >= len(actions) or actions[end].is_comm:
         return []
-    out = []
-    for a in actions[end + 1:]:
-        if not a.is_comm:
-            break
-        if a.kind in (RECV_F, RECV_B):
-            out.append(a)
+    out, j = [], end + 1
+    while j < len(actions) and actions[j].is_comm:     # by index: no copy of the list's tail per batch
+        if actions[j].kind in (RECV_F, RECV_B):
+            out.append(actions[j])
+        j += 1
     return out
 
 

@@ -302,9 +302,20 @@ class Trainer:
         seconds = time.perf_counter() - t0
         return {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,   # step: 1-based
                 **({"loss_tokens": n_loss} if self.batches.masked else {}),
-                "seconds": seconds, "time": time.time(), **self.link_counters.read(),
+                "seconds": seconds, "time": time.time(), **self.read_links(),
                 **self.speed.scalars(n_tokens, seconds),
                 "peak_memory_bytes": peak, **slowest, **({} if finite else {"skipped": True}), **routing}
+
+    def read_links(self) -> dict:
+        """An emulated cluster's link counters at this step's end (train/link_counters.py), read by rank 0
+        right after `agree_stop`'s world all-reduce, then the gate: an 8-byte all-reduce over the world
+        (ledger dim "links") that holds every rank's next step until the read is done, outside the step's
+        seconds. {} and no gate in any other run."""
+        if not self.link_counters.gated:
+            return {}
+        reads = self.link_counters.read()
+        comm.all_reduce(torch.zeros(1, dtype=torch.int64, device=self.device), self.mesh["world"], dim="links")
+        return reads
 
     def peak_memory(self) -> int | None:
         """This rank's peak memory so far: the device's (max_memory_allocated) on CUDA, the process's

@@ -15,8 +15,8 @@ from fivefold.plan.activations import layer_acts, stage_activations
 from fivefold.plan.memory import stage_memory
 from fivefold.plan.units import layer_rank_params
 from fivefold.plan.models import PRESETS
-from fivefold.plan.time import (chunk_first_use, chunk_ready, ep_exposed, gather_delay, reduction_end,
-                                stage_flops, stage_grad_exposed)
+from fivefold.plan.time import (chunk_first_use, chunk_ready, ep_exposed, fp8_cast_seconds, gather_delay,
+                                reduction_end, stage_flops, stage_grad_exposed)
 from fivefold.plan.topology import TOPOLOGIES, GiB, topology_from_dict
 from fivefold.plan.traffic import Flow, ep_nodes, place, stage_flows
 
@@ -227,14 +227,19 @@ def test_node_limited_routing_splits_the_all_to_all_by_tier():
     assert t_lim < t_plain
 
 
-def test_fp8_gemms_run_linear_layers_at_the_fp8_peak():
+def test_fp8_gemms_run_linear_layers_at_the_fp8_rate_plus_their_casts():
+    """Linear layers at efficiency × fp8_gemm_ratio × the FP8 peak (tests/unit/test_plan_fp8.py: the ratio's
+    source), attention and the LM head at the BF16 peak, and FP8's casts (`fp8_cast_seconds`) on top."""
     topo = TOPOLOGIES["dgx-h100"]
     lay, w = Layout(tp=8, dp=1), Workload(seq=4096, global_batch=8, gemm="flat")   # GEMMs at the flat efficiency
     bf16 = estimate(LLAMA8, lay, w, topo).time
     fp8 = estimate(LLAMA8, lay, replace(w, fp8_gemm=True), topo).time
     lin, attn, head = stage_flops(LLAMA8, lay, w, 0)
     acc, m = topo.accelerator, 8
-    expect = m * 3 * (lin / acc.peak("fp8") + (attn + head) / acc.peak("bf16")) / w.efficiency
+    cast_f, cast_b = fp8_cast_seconds(LLAMA8, lay, replace(w, fp8_gemm=True), acc, 0, m)
+    assert cast_f > 0 and cast_b > 0
+    expect = m * (3 * (lin / (acc.peak("fp8") * acc.fp8_gemm_ratio) + (attn + head) / acc.peak("bf16")) / w.efficiency
+                  + cast_f + cast_b)
     assert fp8.compute_s == pytest.approx(expect)
     assert bf16.compute_s == pytest.approx(m * 3 * (lin + attn + head) / acc.peak("bf16") / w.efficiency)
     a100 = topology_from_dict({"accelerator": "a100", "tier": [{"name": "nvlink", "size": 8, "bandwidth_gbps": 300}]})

@@ -161,9 +161,10 @@ def test_branch_and_bound_keeps_the_exhaustive_best(case):
 
 
 def test_bound_compute_is_the_step_times():
-    """The bound's forward seconds are step_time's: 3·m·F is the compute of a layout without recompute."""
+    """The bound's forward seconds are step_time's: 3·m·F is the compute of a layout without recompute; with
+    FP8 GEMMs the step adds FP8's casts (`fp8_cast_seconds`), which the bound leaves out (still a bound)."""
     from fivefold.plan.layout import Layout, microbatches
-    from fivefold.plan.time import forward_seconds, stage_weights
+    from fivefold.plan.time import forward_seconds, fp8_cast_seconds, stage_weights
     model, topo = PRESETS["mixtral-8x7b"], TOPOLOGIES["dgx-h100"]
     # the bound is flat (GEMMs at the flat efficiency); by shape compute only grows (tests/unit/test_plan_gemm.py)
     for work in (Workload(seq=4096, global_batch=64, gemm="flat"),
@@ -173,7 +174,10 @@ def test_bound_compute_is_the_step_times():
         body, head = stage_weights(model, 4, 2)[3]
         tokens = lay.micro_batch * work.seq / lay.tp
         f = forward_seconds(model, work, topo, tokens, body, est.memory.stages[3]["layers"], head)   # the slowest: head
-        assert est.time.compute_s == pytest.approx(3 * microbatches(lay, work) * f, rel=1e-12)
+        m = microbatches(lay, work)
+        casts = sum(fp8_cast_seconds(model, lay, work, topo.accelerator, 3, m))
+        assert (casts > 0) == work.fp8_gemm
+        assert est.time.compute_s == pytest.approx(3 * m * f + m * casts, rel=1e-12)
 
 
 def test_search_report_says_what_the_bound_skipped():

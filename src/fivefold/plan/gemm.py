@@ -77,13 +77,35 @@ def shaped(work, acc) -> bool:
     return work.gemm == "shape" and acc.gemm_kernel is not None
 
 
+def linear_rate(acc, work) -> float:
+    """FLOP/s the linear layers' large GEMMs reach: efficiency × the dtype's peak; with `fp8_gemm`,
+    efficiency × `Accelerator.fp8_gemm_ratio` × the FP8 peak (an FP8 GEMM reaches a smaller share of its
+    peak than a BF16 one of its own; docs/plan.md "FP8")."""
+    if work.fp8_gemm:
+        return acc.peak("fp8") * work.efficiency * acc.fp8_gemm_ratio
+    return acc.peak(work.dtype) * work.efficiency
+
+
+def fp8_cast_elements(model: PlanModel, moe: bool, tokens: float, tp: int, ep: int) -> tuple[float, float, float]:
+    """What FP8 quantizes in one layer's linear GEMMs for `tokens` rows (`layer_gemms`), in elements:
+    (forward inputs Σ M·K, output gradients Σ M·N, weights Σ K·N). Transformer Engine's recipe (per-tensor
+    scaling, Micikevicius et al. 2022, "FP8 Formats for Deep Learning"; TE's cast_transpose): in the forward
+    each GEMM's input is read in the activation dtype and written in FP8 twice, as is for the forward GEMM
+    and transposed for the weight gradient's; in the backward each output gradient likewise; each weight
+    once a step (TE keeps its FP8 copy for the step's later micro-batches). The per-tensor amax is a
+    reduction over what the cast reads anyway."""
+    shapes = layer_gemms(model, moe, tokens, tp, ep)
+    return (sum(m * k for m, _, k in shapes), sum(m * n for m, n, _ in shapes), sum(k * n for _, n, k in shapes))
+
+
 def linear_seconds(model: PlanModel, work, acc, rows: float, tp: int, ep: int, dense: float, moe: float,
                    head: float) -> tuple[float, float]:
     """(linear layers, LM head) seconds of `dense`, `moe` and `head` forward FLOPs on one rank whose GEMMs
-    have `rows` rows (a micro-batch's tokens on its cp rank): flat at efficiency × peak (the FP8 peak for the
-    layers with `fp8_gemm`), times `gemm_factor` of each kind when `shaped`."""
+    have `rows` rows (a micro-batch's tokens on its cp rank): flat at `linear_rate` (the FP8 rate for the
+    layers with `fp8_gemm`; the LM head stays in the model's dtype), times `gemm_factor` of each kind when
+    `shaped`."""
     rate = acc.peak(work.dtype) * work.efficiency
-    rate_mm = acc.peak("fp8") * work.efficiency if work.fp8_gemm else rate
+    rate_mm = linear_rate(acc, work)
     if not shaped(work, acc):
         return (dense + moe) / rate_mm, head / rate
     b_mm = 1 if work.fp8_gemm else work.act_bytes

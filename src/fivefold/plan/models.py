@@ -258,6 +258,11 @@ PRESETS: dict[str, PlanModel] = {
     # Jiang et al. 2024, "Mixtral of Experts": Mistral-7B shapes, 8 experts, top-2.
     "mixtral-8x7b": PlanModel(name="mixtral-8x7b", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=8,
                               ffn=14336, tie_embeddings=False, max_seq=32768, experts=8, top_k=2, moe_ffn=14336),
+    # NVIDIA 2024, "Nemotron-4 340B Technical Report", Table 1 (and Parmar et al. 2024, "Nemotron-4 15B"):
+    # 96 layers, hidden 18432, 96 heads with 8 KV heads, seq 4096, a 256k vocabulary, untied embeddings,
+    # squared-ReLU MLP of 4·hidden (two matrices, no gate), LayerNorm, no biases, no dropout.
+    "nemotron4-340b": PlanModel(name="nemotron4-340b", vocab=256000, hidden=18432, layers=96, heads=96, kv_heads=8,
+                                ffn=4 * 18432, tie_embeddings=False, max_seq=4096, mlp="gelu", norm="layer"),
     # DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §4.2: 61 layers, hidden 7168, MLA (128 heads,
     # q rank 1536, kv rank 512, 128+64 qk dims, 128 v dims), first 3 layers dense (ffn 18432), then
     # 1 shared + 256 routed experts of width 2048, top-8, a score-correction bias per expert; §2.2 and

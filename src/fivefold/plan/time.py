@@ -61,7 +61,7 @@ from .. import rules
 from ..parallel.pipeline import schedules as _schedules
 from ..rules import INTERLEAVED, ZB
 from ..shapes import shard_size
-from .gemm import linear_seconds
+from .gemm import fp8_cast_elements, linear_rate, linear_seconds
 from .layout import Layout, Workload, microbatches, schedule_of
 from .units import frozen_prefix_layers, frozen_share, held_root, layout_blocks, root_units, stage_layers, zero_units
 from .models import PlanModel
@@ -115,6 +115,26 @@ def stage_gemm_seconds(model: PlanModel, layout: Layout, work: Workload, acc, st
                           lin - moe, moe, head)
 
 
+def fp8_cast_seconds(model: PlanModel, layout: Layout, work: Workload, acc, stage: int, m: int) -> tuple[float, float]:
+    """(forward, backward) seconds of FP8's quantization in one micro-batch on one rank of `stage` with
+    `fp8_gemm` (`gemm.fp8_cast_elements`, memory bound at `hbm_bandwidth`): the inputs' and the output
+    gradients' casts, each read in the activation dtype and written twice in FP8 (as is and transposed),
+    and the weights' (read in the parameter dtype, written twice) once a step of `m` micro-batches, a 1/m
+    share in each forward. (0, 0) without FP8 GEMMs."""
+    if not work.fp8_gemm:
+        return 0.0, 0.0
+    rows = layout.micro_batch * work.seq / layout.cp
+    blocks = layout_blocks(model, layout, stage)
+    n_moe = sum(1 for i in blocks if model.is_moe_layer(i))
+    fwd = bwd = 0.0
+    for moe, n in ((False, len(blocks) - n_moe), (True, n_moe)):
+        if n:
+            x, dy, w = fp8_cast_elements(model, moe, rows, layout.tp, layout.ep)
+            fwd += n * ((work.act_bytes + 2) * x + (work.param_bytes + 2) * w / m)
+            bwd += n * (work.act_bytes + 2) * dy
+    return fwd / acc.hbm_bandwidth, bwd / acc.hbm_bandwidth
+
+
 def light_recompute_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
     """Forward FLOPs `recompute_norm_mla` repeats in one micro-batch's backward on one rank of `stage`
     (DeepSeek-V3 §3.4): MLA's up-projections, q (q_lora_rank → heads·d_qk) and kv (kv_lora_rank →
@@ -151,7 +171,7 @@ def forward_seconds(model: PlanModel, work: Workload, topo: Topology, tokens: fl
     sum to `body` (and `head` LM-head weights), every GEMM at the flat rate: `step_time`'s t_f with flat GEMMs,
     a lower bound on it by shape (`gemm.gemm_factor` >= 1), from `_stage_active_weights` directly."""
     peak = topo.accelerator.peak(work.dtype) * work.efficiency
-    peak_mm = topo.accelerator.peak("fp8") * work.efficiency if work.fp8_gemm else peak
+    peak_mm = linear_rate(topo.accelerator, work)
     attn = model.attention_flops_per_token(work.attention_span, work.causal) / model.layers
     return tokens * 2.0 * body / peak_mm + (tokens * attn * n_layers + tokens * 2.0 * head) / peak
 
@@ -580,7 +600,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     m = microbatches(L, work)
     acc = topo.accelerator
     peak = acc.peak(work.dtype) * work.efficiency
-    peak_mm = acc.peak("fp8") * work.efficiency if work.fp8_gemm else peak   # linear-layer GEMMs
+    peak_mm = linear_rate(acc, work)   # linear-layer GEMMs
     passes = 2 if L.recompute == "full" else 1
     cost_f, cost_b, compute_f, compute_b, layer_comm, touch = {}, {}, {}, {}, {}, {}
     for j, flows in flows_by_stage.items():
@@ -588,10 +608,12 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         t_lin, t_head = stage_gemm_seconds(model, L, work, acc, j)
         t_attn = attn / (acc.attention_peak(work.dtype) * work.efficiency)
         t_ew = elementwise_seconds(model, L, work, acc, j)
-        t_f = t_lin + t_head + t_attn + t_ew / 3
+        cast_f, cast_b = fp8_cast_seconds(model, L, work, acc, j, m)   # FP8's quantization (0 without)
+        t_f = t_lin + t_head + t_attn + t_ew / 3 + cast_f
         extra = t_f if L.recompute == "full" else (t_attn if L.recompute == "selective" else 0.0)
         extra += light_recompute_flops(model, L, work, j) / peak_mm
-        t_b = 2 * (t_f - t_ew / 3) + t_ew * 2 / 3 + extra   # element-wise work: a third forward
+        # element-wise work: a third forward; the backward casts its output gradients, not the inputs again
+        t_b = 2 * (t_f - t_ew / 3 - cast_f) + t_ew * 2 / 3 + extra + cast_b
         layers_frozen, head_frozen = frozen_share(model, L, j)   # LoRA, train.freeze: no wgrad for frozen weights
         t_b -= t_lin * layers_frozen + (t_head if head_frozen else 0.0)
         blocks = layout_blocks(model, L, j)

@@ -75,6 +75,8 @@ class Accelerator:
     sms: int = 0                     # streaming multiprocessors (compute units)
     comm_sms: int = 0                # of them, those a collective running beside compute occupies (time.interfered)
     ranks_per_core: float = 1.0      # local ranks per core (> 1: ranks share cores; time.shared_cores_makespan)
+    fp8_gemm_ratio: float = 1.0      # share of the FP8 peak large FP8 GEMMs reach, over the share BF16 ones reach
+                                     # of theirs (gemm.linear_rate; 1.0: the same share, not measured)
     fresh_bandwidth: float = 0.0     # bytes/s writing freshly mapped host pages (first touch); 0: not charged
                                      # (a GPU's caching allocator reuses its blocks; time.first_touch_bytes)
 
@@ -187,18 +189,24 @@ def _tier_index(block: int, world: int, sizes: tuple) -> int:
 #   compute holds 20 SMs: DeepSeek-V3 (DeepSeek-AI 2024, §3.2.2) gives 20 of the H800's 132 SMs to its
 #   all-to-alls ("only 20 SMs are sufficient to fully utilize the bandwidths of IB and NVLink"); NCCL runs
 #   each channel of a collective as one thread block on its own SM (NCCL_MIN/MAX_NCHANNELS), of the same order.
+# - FP8 GEMMs (`fp8_gemm_ratio`, Hopper): fitted to NVIDIA's published BF16 and FP8 step times of one recipe,
+#   Nemotron-4 340B on 256 H100 (TP 8, PP 8, VP 12, GBS 64: 4.67 s and 3.21 s; NVIDIA/dgxc-benchmarking,
+#   nemotron/README_340b.md, NeMo 24.11), with FP8's casts charged (time.fp8_cast_seconds): 0.88, i.e. large
+#   FP8 GEMMs reach 0.88 of the share of the FP8 peak that BF16 ones reach of theirs. Held out: the same
+#   recipe's other sizes and Llama 3.1 70B on 64 H100 (tests/unit/test_plan_fp8.py). B200: not measured (1.0).
 GEMM_KERNEL = 4e-6
 COMM_SMS = 20
+FP8_GEMM_RATIO_HOPPER = 0.88
 ACCELERATORS: dict[str, Accelerator] = {
     # NVIDIA H100 SXM5 datasheet: dense (no sparsity) tensor-core peaks.
     "h100": Accelerator("H100-SXM-80GB", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 495e12,
                                           "fp32": 67e12}, 80 * GiB, 3.35e12,
                         pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=60 * GB, nvme_bandwidth=3.5 * GB,
-                        gemm_kernel=GEMM_KERNEL, sms=132, comm_sms=COMM_SMS),
+                        gemm_kernel=GEMM_KERNEL, sms=132, comm_sms=COMM_SMS, fp8_gemm_ratio=FP8_GEMM_RATIO_HOPPER),
     "h200": Accelerator("H200-SXM-141GB", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 495e12,
                                            "fp32": 67e12}, 141 * GB, 4.8e12,
                         pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=60 * GB, nvme_bandwidth=3.5 * GB,
-                        gemm_kernel=GEMM_KERNEL, sms=132, comm_sms=COMM_SMS),
+                        gemm_kernel=GEMM_KERNEL, sms=132, comm_sms=COMM_SMS, fp8_gemm_ratio=FP8_GEMM_RATIO_HOPPER),
     "a100": Accelerator("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
                         80 * GiB, 2.04e12,
                         pcie_bandwidth=25 * GB, host_memory=256 * GiB, host_bandwidth=40 * GB, nvme_bandwidth=3.5 * GB,
@@ -239,6 +247,14 @@ def node_topology(ranks_per_node: int, accelerator: str = "h100") -> Topology:
                                                           Tier("inter", None, NIC_400G, 5e-6)))
 
 
+def _fp8_ratio(value) -> float:
+    """[accelerator] fp8_gemm_ratio: a number in (0, 2]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 2:
+        raise ConfigError(f"[accelerator] fp8_gemm_ratio must be a number in (0, 2] (the share of the FP8 peak FP8 "
+                          f"GEMMs reach over BF16's share of its own; 1: the same), got {value!r}")
+    return float(value)
+
+
 def topology_from_dict(d: dict, name: str = "custom") -> Topology:
     """Build a topology from a TOML/dict form::
 
@@ -265,7 +281,7 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
         mtu = 9000
 
     and, in [accelerator], `attention_tflops = { fp32 = 0.03 }`, `layer_overhead_us`, `elementwise`,
-    `action_overhead_us`, `ranks_per_core`, `fresh_gbps` (see `Accelerator`), and the host side of one GPU for offload: `pcie_gbps`
+    `action_overhead_us`, `ranks_per_core`, `fresh_gbps`, `fp8_gemm_ratio` (see `Accelerator`), and the host side of one GPU for offload: `pcie_gbps`
     (GB/s each way), `host_memory_gib` (or `host_memory_gb`), `host_gbps` (host memory bandwidth),
     `nvme_gbps`; for GEMMs by shape `gemm_kernel_us` (the per-kernel floor; absent: flat efficiency) and
     for overlap's cost `sms` and `comm_sms` (absent: overlap is free). A custom accelerator without them is taken to be its own host (a CPU-only machine, as
@@ -295,7 +311,8 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
                                 gemm_kernel=_times(acc["gemm_kernel_us"], 1e-6) if "gemm_kernel_us" in acc else None,
                                 sms=acc.get("sms", 0), comm_sms=acc.get("comm_sms", 0),
                                 ranks_per_core=acc.get("ranks_per_core", 1.0),
-                                fresh_bandwidth=_times(acc.get("fresh_gbps", 0.0), GB))
+                                fresh_bandwidth=_times(acc.get("fresh_gbps", 0.0), GB),
+                                fp8_gemm_ratio=_fp8_ratio(acc.get("fp8_gemm_ratio", 1.0)))
         except KeyError as e:
             raise ConfigError(f"[accelerator] needs {e.args[0]!r} (peak_tflops, memory_gb or memory_gib)") from None
     raw = d.get("tier") or d.get("tiers")

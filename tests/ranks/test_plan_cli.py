@@ -369,7 +369,7 @@ def test_a_search_where_nothing_fits_shows_the_layouts_closest_to_fitting(capsys
     first (it showed the first three tried, tp1 pp1, at 3093 GiB, while tp8 needed 854)."""
     rc, out = run(["--model", "llama3-405b", "--gpus", "8", "--offload", "none"], capsys)
     assert rc == 1 and "no layout fits" in out and "closest to fitting:" in out
-    shown = [float(g) for g in re.findall(r"^  tp\d+ .*needs ([\d.]+) GiB > 80 GiB$", out, re.M)]
+    shown = [float(g) for g in re.findall(r"^  tp\d+ .*needs ([\d.]+) GiB > 78\.7 GiB free$", out, re.M)]
     assert len(shown) == 3 and shown == sorted(shown), out
     from fivefold.plan.layout import Workload
     from fivefold.plan.report import _needs

@@ -24,6 +24,7 @@ from ..grid import check_grids_agree
 from ..parallel.pipeline.spec import Schedule
 from .layout import Layout, Workload, check, microbatches, schedule_of
 from .memory import Memory, memory
+from .reserve import device_reserve
 from .units import candidate_stages, optimizer_bytes_per_param
 from .models import PlanModel
 from .time import StepTime, step_time
@@ -57,9 +58,15 @@ class Estimate:
         return mfu_attention_full(self.model, self.work, self.time.mfu)
 
     @property
+    def reserve(self) -> dict:
+        """Device bytes kept free beyond the planned tensors (plan/reserve.py: CUDA context, framework buffers)."""
+        return device_reserve(self.topo.accelerator, self.work)
+
+    @property
     def device_fits(self) -> bool:
-        """The most loaded stage's device bytes (COMPONENTS; offloaded state excluded) fit the accelerator."""
-        return self.memory.most_loaded["total"] <= self.topo.accelerator.memory
+        """The most loaded stage's device bytes (COMPONENTS; offloaded state excluded) and the device reserve
+        fit the accelerator."""
+        return self.memory.most_loaded["total"] + self.reserve["total"] <= self.topo.accelerator.memory
 
     @property
     def host_fits(self) -> bool:
@@ -101,6 +108,7 @@ class Estimate:
             "schedule": self.schedule.to_dict(),
             "workload": {f: getattr(self.work, f) for f in self.work.__dataclass_fields__},
             "memory": self.memory.to_dict(), "memory_limit": self.topo.accelerator.memory, "fits": self.fits,
+            "reserve": self.reserve,
             "device_fits": self.device_fits, "offload": self.offload(),
             "traffic": self.traffic(), "bytes_per_dim": by_dim(self.flows),
             "bytes_per_tier": by_tier(self.flows, self.topo),
@@ -152,9 +160,11 @@ def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, g
     if mem.host > topo.accelerator.host_memory:
         warnings.insert(0, f"does not fit the host: offload needs {mem.host / GiB:.1f} GiB of host memory per GPU, "
                            f"the topology gives {topo.accelerator.host_memory / GiB:.0f} GiB")
-    if mem.most_loaded["total"] > topo.accelerator.memory:
+    reserve = device_reserve(topo.accelerator, work)["total"]
+    if mem.most_loaded["total"] + reserve > topo.accelerator.memory:
         warnings.insert(0, f"does not fit: stage {mem.most_loaded['stage']} needs "
-                           f"{mem.most_loaded['total'] / GiB:.1f} GiB, {topo.accelerator.name} has "
+                           f"{mem.most_loaded['total'] / GiB:.1f} GiB and the device reserve "
+                           f"{reserve / GiB:.2f} GiB, {topo.accelerator.name} has "
                            f"{topo.accelerator.memory / GiB:.0f} GiB")
     return Estimate(model, layout, work, topo, mem, by_stage[worst], by_stage, st, order,
                     placement(layout, topo, layout.order), warnings)

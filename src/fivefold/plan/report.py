@@ -10,6 +10,7 @@ from ..comm.ledger import fmt_bytes
 from .estimate import Estimate
 from .layout import microbatches
 from .memory import COMPONENTS
+from .reserve import reserve_text
 from .search import Result, mechanisms
 from .topology import GiB
 
@@ -85,6 +86,7 @@ def estimate_text(est: Estimate, summary: bool = True, faster: Estimate | None =
         f"memory per rank (GiB; limit {gib(est.topo.accelerator.memory)}), most loaded: stage "
         f"{est.memory.most_loaded['stage']}",
         memory_table(est),
+        reserve_text(est.reserve),
         *offload,
         "",
         f"traffic per rank per step (stage {_flows_stage(est)})",
@@ -143,9 +145,10 @@ def summary_text(est: Estimate, head: str = "best layout", faster: Estimate | No
     time, MFU with the assumed efficiency beside it, and the bytes a rank sends per step on each tier; then,
     where the planner's default order is not the fastest, the order that is (`faster_order_text`)."""
     t, mem, acc = est.time, est.memory.most_loaded, est.topo.accelerator
-    fits = "fits" if mem["total"] <= acc.memory else "does NOT fit"
-    line_mem = (f"memory per device: {gib(mem['total'])} GiB of {gib(acc.memory)} GiB ({fits}; most loaded: stage "
-                f"{mem['stage']})")
+    fits = "fits" if est.device_fits else "does NOT fit"
+    reserve = est.reserve["total"]
+    line_mem = (f"memory per device: {gib(mem['total'])} GiB + reserve {gib(reserve)} GiB of {gib(acc.memory)} GiB "
+                f"({fits}; most loaded: stage {mem['stage']})")
     if est.layout.offload != "none":
         o = est.offload()
         line_mem += f"; host {gib(o['host'])} GiB of {gib(o['host_limit'])} GiB (offload {est.layout.offload})"

@@ -64,6 +64,7 @@ from .memory import Memory, stage_memory
 from .units import (block_tensors, candidate_stages, mtp_blocks, root_tensors, stage_layers, stage_params,
                     time_stages)
 from .models import PlanModel
+from .reserve import device_reserve
 from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology
 from ..comm import volume
@@ -508,7 +509,8 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
         raise ConfigError(f"gpus must be between 1 and {MAX_GPUS} (the planner's limit), got {gpus}; "
                           f"valid: 1..{MAX_GPUS}")
     topo.check(gpus)
-    res, limit = Result(bounded=bound, top=top), topo.accelerator.memory
+    # what a layout's planned bytes may fill: the device less its reserve (plan/reserve.py)
+    res, limit = Result(bounded=bound, top=top), topo.accelerator.memory - device_reserve(topo.accelerator, work)["total"]
     recomputes = _options("recompute", fixed, list(choices(Recompute)))
     structures, early = [], {}     # early[i]: rejections met before structure i
     for s in _structures(model, work, topo, gpus, fixed):
@@ -652,7 +654,7 @@ def _over(model, lay: Layout, work, limit: float) -> tuple[list, dict | None]:
 def _memory_why(over: dict, limit: float, lean: bool = False) -> str:
     head = "memory: does not fit even with the least memory (full recompute, per-micro-batch reduction): " if lean \
         else "memory: "
-    return f"{head}stage {over['stage']} needs {over['total'] / GiB:.1f} GiB > {limit / GiB:.0f} GiB"
+    return f"{head}stage {over['stage']} needs {over['total'] / GiB:.1f} GiB > {limit / GiB:.1f} GiB free"
 
 
 def _one_layout(model, work, topo, gpus, res: Result, ranked: list, rejected: list, limit: float, recomputes: list,

@@ -599,7 +599,6 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     L, out = layout, StepTime()
     m = microbatches(L, work)
     acc = topo.accelerator
-    peak = acc.peak(work.dtype) * work.efficiency
     peak_mm = linear_rate(acc, work)   # linear-layer GEMMs
     passes = 2 if L.recompute == "full" else 1
     cost_f, cost_b, compute_f, compute_b, layer_comm, touch = {}, {}, {}, {}, {}, {}

@@ -75,6 +75,7 @@ class Accelerator:
     sms: int = 0                     # streaming multiprocessors (compute units)
     comm_sms: int = 0                # of them, those a collective running beside compute occupies (time.interfered)
     ranks_per_core: float = 1.0      # local ranks per core (> 1: ranks share cores; time.shared_cores_makespan)
+    context_bytes: float = 0.0       # device bytes the CUDA context and kernels hold before any tensor (plan/reserve.py)
     fp8_gemm_ratio: float = 1.0      # share of the FP8 peak large FP8 GEMMs reach, over the share BF16 ones reach
                                      # of theirs (gemm.linear_rate; 1.0: the same share, not measured)
     fresh_bandwidth: float = 0.0     # bytes/s writing freshly mapped host pages (first touch); 0: not charged
@@ -197,24 +198,29 @@ def _tier_index(block: int, world: int, sizes: tuple) -> int:
 GEMM_KERNEL = 4e-6
 COMM_SMS = 20
 FP8_GEMM_RATIO_HOPPER = 0.88
+# - CUDA context and kernels (`context_bytes`, plan/reserve.py): 1,343 MB measured with PyTorch (Hugging Face
+#   Transformers docs, "Model training anatomy"), the same figure on every GPU until one of ours is measured.
+CUDA_CONTEXT = 1343e6
 ACCELERATORS: dict[str, Accelerator] = {
     # NVIDIA H100 SXM5 datasheet: dense (no sparsity) tensor-core peaks.
     "h100": Accelerator("H100-SXM-80GB", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 495e12,
                                           "fp32": 67e12}, 80 * GiB, 3.35e12,
                         pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=60 * GB, nvme_bandwidth=3.5 * GB,
-                        gemm_kernel=GEMM_KERNEL, sms=132, comm_sms=COMM_SMS, fp8_gemm_ratio=FP8_GEMM_RATIO_HOPPER),
+                        gemm_kernel=GEMM_KERNEL, sms=132, comm_sms=COMM_SMS, fp8_gemm_ratio=FP8_GEMM_RATIO_HOPPER,
+                        context_bytes=CUDA_CONTEXT),
     "h200": Accelerator("H200-SXM-141GB", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 495e12,
                                            "fp32": 67e12}, 141 * GB, 4.8e12,
                         pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=60 * GB, nvme_bandwidth=3.5 * GB,
-                        gemm_kernel=GEMM_KERNEL, sms=132, comm_sms=COMM_SMS, fp8_gemm_ratio=FP8_GEMM_RATIO_HOPPER),
+                        gemm_kernel=GEMM_KERNEL, sms=132, comm_sms=COMM_SMS, fp8_gemm_ratio=FP8_GEMM_RATIO_HOPPER,
+                        context_bytes=CUDA_CONTEXT),
     "a100": Accelerator("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
                         80 * GiB, 2.04e12,
                         pcie_bandwidth=25 * GB, host_memory=256 * GiB, host_bandwidth=40 * GB, nvme_bandwidth=3.5 * GB,
-                        gemm_kernel=GEMM_KERNEL, sms=108, comm_sms=COMM_SMS),
+                        gemm_kernel=GEMM_KERNEL, sms=108, comm_sms=COMM_SMS, context_bytes=CUDA_CONTEXT),
     "b200": Accelerator("B200-180GB", {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "tf32": 1100e12,
                                        "fp32": 75e12}, 180 * GB, 8e12,
                         pcie_bandwidth=55 * GB, host_memory=256 * GiB, host_bandwidth=70 * GB, nvme_bandwidth=3.5 * GB,
-                        gemm_kernel=GEMM_KERNEL, sms=148, comm_sms=COMM_SMS),
+                        gemm_kernel=GEMM_KERNEL, sms=148, comm_sms=COMM_SMS, context_bytes=CUDA_CONTEXT),
 }
 
 NVLINK4 = 450 * GB        # per GPU, each direction
@@ -281,7 +287,7 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
         mtu = 9000
 
     and, in [accelerator], `attention_tflops = { fp32 = 0.03 }`, `layer_overhead_us`, `elementwise`,
-    `action_overhead_us`, `ranks_per_core`, `fresh_gbps`, `fp8_gemm_ratio` (see `Accelerator`), and the host side of one GPU for offload: `pcie_gbps`
+    `action_overhead_us`, `ranks_per_core`, `fresh_gbps`, `fp8_gemm_ratio`, `context_mb` (see `Accelerator`; a GPU's default 1,343, a host-is-device one's 0), and the host side of one GPU for offload: `pcie_gbps`
     (GB/s each way), `host_memory_gib` (or `host_memory_gb`), `host_gbps` (host memory bandwidth),
     `nvme_gbps`; for GEMMs by shape `gemm_kernel_us` (the per-kernel floor; absent: flat efficiency) and
     for overlap's cost `sms` and `comm_sms` (absent: overlap is free). A custom accelerator without them is taken to be its own host (a CPU-only machine, as
@@ -312,7 +318,9 @@ def topology_from_dict(d: dict, name: str = "custom") -> Topology:
                                 sms=acc.get("sms", 0), comm_sms=acc.get("comm_sms", 0),
                                 ranks_per_core=acc.get("ranks_per_core", 1.0),
                                 fresh_bandwidth=_times(acc.get("fresh_gbps", 0.0), GB),
-                                fp8_gemm_ratio=_fp8_ratio(acc.get("fp8_gemm_ratio", 1.0)))
+                                fp8_gemm_ratio=_fp8_ratio(acc.get("fp8_gemm_ratio", 1.0)),
+                                context_bytes=_times(acc.get("context_mb", 0.0 if "pcie_gbps" not in acc
+                                                             else CUDA_CONTEXT / 1e6), 1e6))
         except KeyError as e:
             raise ConfigError(f"[accelerator] needs {e.args[0]!r} (peak_tflops, memory_gb or memory_gib)") from None
     raw = d.get("tier") or d.get("tiers")

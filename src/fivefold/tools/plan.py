@@ -27,6 +27,7 @@ from ..plan.estimate import estimate, fastest_order
 from ..plan.units import layer_names
 from ..plan.layout import GradDtype, Layout, ReduceDtype, Workload, check_route_nodes, from_config, mlp_widths
 from ..plan.models import PRESETS, PlanModel, from_model_config, load_model
+from ..plan.reserve import DEEPSPEED_BUCKET, FRAMEWORKS
 from ..plan.report import estimate_text, plot, search_dict, search_text, to_json
 from ..plan.search import MAX_GPUS, TIE, search
 from ..plan.topology import ACCELERATORS, GB, TOPOLOGIES, GiB, Topology, load_topology
@@ -121,6 +122,12 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                       help="ZeRO's optimizer state and step in host memory (cpu) or on NVMe (nvme), with --zero 1-3 "
                            "(default: a --config's parallel.offload; a search tries cpu, then nvme, only when "
                            "nothing fits the device; none: never)")
+    ap.add_argument("--framework", choices=FRAMEWORKS, default="fivefold",
+                    help="whose training process the plan is for: its device reserve (CUDA context; DeepSpeed's "
+                         "overlap_comm buckets; plan/reserve.py) (default fivefold)")
+    ap.add_argument("--ds-bucket", dest="ds_bucket", type=float,
+                    help="with --framework deepspeed: allgather_bucket_size = reduce_bucket_size, in elements "
+                         "(default DeepSpeed's 5e8)")
     ap.add_argument("--search", action="store_true", help="search even when every degree is given")
     ap.add_argument("--top", type=int, default=10, help="layouts to show when searching")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -156,6 +163,12 @@ def check_args(args: argparse.Namespace) -> None:
         check_real("--bucket-mb", args.bucket_mb, 0, meaning=" (MiB of gradients per reduction bucket)")
     if args.zero is not None:
         check_count("--zero", args.zero, 0, 3)
+    if args.ds_bucket is not None:
+        if args.framework != "deepspeed":
+            raise ConfigError(f"--ds-bucket sizes DeepSpeed's buckets; it needs --framework deepspeed (got "
+                              f"--framework {args.framework}); valid: --framework deepspeed --ds-bucket 2e8")
+        check_real("--ds-bucket", args.ds_bucket, 0, 1e12, meaning=" (elements in each of DeepSpeed's allgather "
+                                                                   "and reduce buckets; its default 5e8)")
     check_real("--efficiency", args.efficiency, 0, 1, meaning=" (the fraction of peak FLOP/s kernels reach)")
     check_real("--capacity-factor", args.capacity_factor, 0, low_open=False,
                meaning=" (MoE tokens per expert relative to perfect balance; 0: dropless)")
@@ -187,6 +200,8 @@ def check_topology(topo: Topology) -> None:
         check_real(f"{where}: accelerator peak_tflops.{dtype}", _scaled(peak, 1e12), 0)
     check_real(f"{where}: accelerator memory_gib", _scaled(acc.memory, GiB), 0)
     check_real(f"{where}: accelerator hbm_gbps", _scaled(acc.hbm_bandwidth, GB), 0)
+    check_real(f"{where}: accelerator context_mb", _scaled(acc.context_bytes, 1e6), 0, low_open=False,
+               meaning=" (device MB the CUDA context and kernels hold; 0 on a CPU)")
     if not topo.tiers:
         raise ConfigError(f"{where} needs at least one [[tier]] (name, size, bandwidth_gbps)")
     for i, t in enumerate(topo.tiers):
@@ -281,7 +296,8 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
                    capacity_factor=args.capacity_factor, efficiency=args.efficiency, gemm=args.gemm,
                    document_length=args.document_length,
                    moe_route_nodes=args.moe_route_nodes or work.moe_route_nodes,
-                   fp8_gemm=args.fp8_gemm or work.fp8_gemm, fp8_act_cache=args.fp8_act_cache or work.fp8_act_cache)
+                   fp8_gemm=args.fp8_gemm or work.fp8_gemm, fp8_act_cache=args.fp8_act_cache or work.fp8_act_cache,
+                   framework=args.framework, ds_bucket=args.ds_bucket or DEEPSPEED_BUCKET)
     return model, layout, work, fixed
 
 

@@ -342,12 +342,12 @@ def test_a_fixed_degree_no_layout_can_take_is_refused(argv, message, capsys, mon
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
 
 
-@pytest.mark.parametrize("flag", [["--ep-overlap"], ["--bucket-mb", "1"], ["--no-overlap-grad-reduce"],
+@pytest.mark.parametrize("flag", [["--bucket-mb", "1"], ["--no-overlap-grad-reduce"],
                                   ["--overlap-param-gather"], ["--ulysses", "2"], ["--microbatch-group", "8"],
-                                  ["--recompute-norm-mla"], ["--reduce-each-microbatch"]])
+                                  ["--reduce-each-microbatch"]])
 def test_a_mechanism_of_one_layout_is_refused_in_a_search(flag, capsys, monkeypatch):
-    """A search keeps Layout's mechanism defaults: these flags changed nothing in it (the same best layout
-    and step with and without --ep-overlap), silently."""
+    """A search keeps Layout's defaults for these: they changed nothing in it, silently. (--[no-]ep-overlap
+    and --[no-]recompute-norm-mla are search dimensions: tests/unit/test_plan_search_mechanisms.py.)"""
     import fivefold.tools.plan as plan_cli
 
     monkeypatch.setattr(plan_cli, "search", lambda *a, **k: pytest.fail("searched"))

@@ -158,6 +158,9 @@ class Workload:
     global_batch: int = 512        # sequences per optimizer step
     dtype: str = "bf16"            # parameters and activations
     grad_dtype: GradDtype = "fp32"  # gradient accumulation: "fp32" main grads, or "param" (= dtype)
+    optimizer_dtype: str = "fp32"  # Adam's moments: "fp32" (the master dtype, with a master copy of 16-bit weights;
+                                   # the runtime's AdamW, Megatron's optimizers), or "bf16": both moments in bf16
+                                   # and no master copy (Apex DistributedFusedAdam dtype=bf16, store_params=False)
     flash: bool = True             # flash attention: no s^2 score matrix stored
     fp8_dispatch: bool = False     # MoE dispatch all-to-all in FP8 (combine stays in dtype)
     capacity_factor: float = 1.0   # MoE tokens per expert relative to perfect balance (0: dropless,

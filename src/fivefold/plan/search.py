@@ -70,7 +70,8 @@ from .topology import GiB, Topology
 from ..comm import volume
 from .traffic import Flow, group_block_of, layer_flows, place, ring_flows, stage_flows
 
-SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode", "offload")
+SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode", "offload",
+            "ep_overlap", "recompute_norm_mla")
 OFFLOADS = ("cpu", "nvme")   # tried in this order, per structure, when nothing fits the device
 POWERS = (1, 2, 4, 8)   # micro-batch sizes and virtual stages tried
 MAX_GPUS = 2**20        # the largest GPU count planned (about a million; larger clusters do not exist yet)
@@ -100,6 +101,7 @@ class Result:
     traffic: dict = field(default_factory=dict)   # timed layout -> `traffic` (bytes per tier, crossings)
     tied: int = 0                 # timed layouts within TIE of the fastest (ordered by `tie_break`)
     seconds: float = 0.0          # wall clock
+    norm_mla: list = field(default_factory=lambda: [False])   # recompute_norm_mla choices (`norm_mla_options`)
     cpu_seconds: float = 0.0      # this process's CPU time (what a loaded machine does not inflate)
 
     @property
@@ -162,12 +164,14 @@ class _Space:
     sp_mode: str
     base: dict         # the Layout fields the structure fixes
 
-    def size(self, recomputes: list) -> int:
-        return len(self.mbs) * len(self.vpps) * self.pair_size(recomputes)
+    def size(self, recomputes: list, norm_mla: list) -> int:
+        return len(self.mbs) * len(self.vpps) * self.pair_size(recomputes, norm_mla)
 
-    def pair_size(self, recomputes: list) -> int:
-        """Layouts of one (vpp, micro-batch): ZeRO stages × reduction policies × recompute."""
-        return sum(len(reduce_policies({"zero": z, "pp": self.base["pp"]})) for z in self.zeros) * len(recomputes)
+    def pair_size(self, recomputes: list, norm_mla: list) -> int:
+        """Layouts of one (vpp, micro-batch): ZeRO stages × reduction policies × recompute rungs (with the
+        norm/MLA recompute's choices)."""
+        rungs = sum(len(_norm_mla_rungs(rc, norm_mla)) for rc in recomputes)
+        return sum(len(reduce_policies({"zero": z, "pp": self.base["pp"]})) for z in self.zeros) * rungs
 
 
 def schedule_for(vpp: int, given: str | None) -> str:
@@ -197,8 +201,25 @@ def _space(model: PlanModel, work: Workload, fixed: dict, structure: tuple, orde
     zeros = _options("zero", fixed, [0] if dp * cp == 1 and offload == "none" else [1, 2, 3])
     sp_mode = fixed.get("sp_mode", "megatron") if tp > 1 else "none"
     base = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp_mode=sp_mode, cp_mode=mode, order=order,
-                partition=partition if pp > 1 else "even", offload=offload)
+                partition=partition if pp > 1 else "even", offload=offload,
+                ep_overlap=ep_overlap_of(model, ep, fixed))
     return _Space(per_dp, mbs, vpps, zeros, sp_mode, base)
+
+
+def ep_overlap_of(model: PlanModel, ep: int, fixed: dict) -> bool:
+    """Expert all-to-alls overlapped with another micro-batch's compute (`Layout.ep_overlap`; DeepSeek-V3
+    §3.2.1, DualPipe; Megatron-Core's --overlap-moe-expert-parallel-comm): on for a MoE layout with ep > 1
+    unless fixed off. It never adds time or memory in the plan (`time.ep_exposed`: the exposed part is
+    max(excess, comm_share x a2a) <= a2a), so trying it off as well could not rank better."""
+    return bool(model.moe and ep > 1 and fixed.get("ep_overlap", True))
+
+
+def norm_mla_options(model: PlanModel, fixed: dict) -> list[bool]:
+    """`recompute_norm_mla` choices (DeepSeek-V3 §3.4: norms and MLA up-projections recomputed in the
+    backward): off, then on, for an MLA model unless fixed; off for any other (it changes nothing there)."""
+    if "recompute_norm_mla" in fixed:
+        return [bool(fixed["recompute_norm_mla"])]
+    return [False, True] if model.mla else [False]
 
 
 class _Bound:
@@ -212,8 +233,8 @@ class _Bound:
         step >= (m + (p-1)/v)·(F_j + B_j + C_j)       (ZB-H1: m·(F_j + B_j + C_j) + (p-1)·F_j)
 
     with B >= 2F (recompute only adds) and C_j at least the rows of `traffic.layer_flows` (tp, Ulysses
-    and expert all-to-alls; without recompute, which only adds calls; the search's layouts keep
-    ep_overlap off, so expert all-to-alls are exposed) plus ring sends beyond what the attention hides,
+    and expert all-to-alls; without recompute, which only adds calls; the expert all-to-alls whole, or with
+    ep_overlap the share `comm_share` of them that shows at least) plus ring sends beyond what the attention hides,
     max(0, ring - 3·attention). All are linear in the layers of each kind, so they are
     computed per dense layer, MoE layer, embedding and head, per dimension, once per (degrees, micro-batch,
     placement of that dimension's group) and scaled. The tp gradient sync, pipeline sends, gradient
@@ -274,9 +295,11 @@ class _Bound:
         return plain + max(parts.values())
 
     def _basis(self, tp: int, pp: int, dp: int, cp: int, mode: str, ep: int, sp_mode: str, b: int,
-               blocks: tuple) -> tuple:
+               blocks: tuple, ep_factor: float = 1.0) -> tuple:
         """(dense layer, MoE layer, embedding, head) seconds of one micro-batch of b sequences; `blocks`:
-        the tp, cp and ep groups' blocks (`group_block_of`), which place them."""
+        the tp, cp and ep groups' blocks (`group_block_of`), which place them. `ep_factor`: the share of
+        the expert all-to-alls that shows at least (1 exposed; with ep_overlap the SMs' share they take
+        from the compute beside them, `time.interfered`)."""
         probe = None
         k_tp = (tp, cp, sp_mode, b, blocks[0])
         k_cp = (tp, cp, mode, b, blocks[1])
@@ -296,7 +319,7 @@ class _Bound:
             self.ep[k_ep] = self._seconds(probe, "ep", 1, 1, False, False) if self.model.moe else 0.0
         dense, moe, first, last = self.tp[k_tp]
         layer = self.cp[k_cp]
-        return dense + layer, moe + layer + self.ep[k_ep], first, last
+        return dense + layer, moe + layer + ep_factor * self.ep[k_ep], first, last
 
     def _grad(self, tp: int, pp: int, dp: int, cp: int, ep: int, v: int, zeros: list) -> float:
         """The least seconds of the timed stages' gradient reductions (dp·cp and expert-dp), the most
@@ -402,8 +425,10 @@ class _Bound:
             return 0.0, None
         blocks = tuple(group_block_of(tp, pp, dp, cp, ep, g, self.order) for g in ("tp", "cp", "ep"))
         table = {}
+        # with ep_overlap the all-to-alls show at least comm_share of themselves (`time.ep_exposed`)
+        ep_factor = self.topo.accelerator.comm_share if sp.base.get("ep_overlap") else 1.0
         for b in sp.mbs:
-            per_layer, per_moe, first, last = self._basis(tp, pp, dp, cp, mode, ep, sp.sp_mode, b, blocks)
+            per_layer, per_moe, first, last = self._basis(tp, pp, dp, cp, mode, ep, sp.sp_mode, b, blocks, ep_factor)
             m, tokens = sp.per_dp // b, b * per_token
             for v, rows in rows_v:
                 c = 0.0                           # the slowest timed stage (a plain loop: the search's hottest)
@@ -512,6 +537,7 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
     # what a layout's planned bytes may fill: the device less its reserve (plan/reserve.py)
     res, limit = Result(bounded=bound, top=top), topo.accelerator.memory - device_reserve(topo.accelerator, work)["total"]
     recomputes = _options("recompute", fixed, list(choices(Recompute)))
+    res.norm_mla = norm_mla_options(model, fixed)
     structures, early = [], {}     # early[i]: rejections met before structure i
     for s in _structures(model, work, topo, gpus, fixed):
         if isinstance(s[0], Layout):
@@ -535,7 +561,7 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
     if bound:
         rest = [i for i in range(len(structures)) if i not in ranked]
         res.skipped = len(rest)
-        res.skipped_layouts += sum(spaces[k].size(recomputes) for k in rest)
+        res.skipped_layouts += sum(spaces[k].size(recomputes, res.norm_mla) for k in rest)
     if fixed.get("offload") is None and fixed.get("zero") != 0 and not any(ranked.values()) and not res.untimed:
         # nothing fits the device: every structure again with the optimizer state offloaded (cpu, then nvme)
         for i in visit:
@@ -571,8 +597,13 @@ def mechanisms(layout: Layout) -> dict[str, str]:
     step, or every micro-batch: ZeRO-2/3 without a pipeline always, under one with
     `reduce_each_microbatch`), recompute, and offload of ZeRO's optimizer state."""
     each = layout.zero_spec.reduces_each_microbatch
-    return {"gradient reduction": "every micro-batch" if each else "once per step", "recompute": layout.recompute,
-            "offload": layout.offload}
+    out = {"gradient reduction": "every micro-batch" if each else "once per step", "recompute": layout.recompute,
+           "offload": layout.offload}
+    if layout.ep > 1:
+        out["expert all-to-all"] = "overlapped" if layout.ep_overlap else "exposed"
+    if layout.recompute_norm_mla:
+        out["recompute"] += " + norms and MLA up-projections"
+    return out
 
 
 TIE = 0.01   # step times within 1% of the fastest are a tie
@@ -611,7 +642,7 @@ def _structure(model, work, topo, gpus, res: Result, limit: float, recomputes: l
         for i, mb in enumerate(mbs):
             status = []
             if table is not None and table[v, mb] > best.limit():
-                res.skipped_layouts += sp.pair_size(recomputes)   # none can rank: not tried
+                res.skipped_layouts += sp.pair_size(recomputes, res.norm_mla)   # none can rank: not tried
                 continue
             for z in zeros:
                 # timed only when it could still rank (the limit falls as layouts are timed)
@@ -633,6 +664,12 @@ def _structure(model, work, topo, gpus, res: Result, limit: float, recomputes: l
 
 
 FIT_NO_RECOMPUTE, FIT, NO_FIT, RULE = "fit-no-recompute", "fit", "no-fit", "rule"
+
+
+def _norm_mla_rungs(recompute: str, options: list[bool]) -> list[bool]:
+    """The norm/MLA recompute choices at one recompute rung: all of them, except under full recompute, which
+    repeats the whole forward already (the option changes nothing there: its first choice only)."""
+    return options[:1] if recompute == "full" else options
 
 
 def reduce_policies(kw: dict) -> list[bool]:
@@ -663,10 +700,11 @@ def _one_layout(model, work, topo, gpus, res: Result, ranked: list, rejected: li
     the gradient reduction once per step, then every micro-batch (`reduce_policies`); keep the first that
     fits. When the first does not fit, the option holding the least memory (the last) is checked next: if it
     does not fit either, none does."""
-    ladder = [(rc, each) for rc in recomputes for each in reduce_policies(kw)]
-    for i, (rc, each) in enumerate(ladder):
+    ladder = [(rc, nm, each) for rc in recomputes for nm in _norm_mla_rungs(rc, res.norm_mla)
+              for each in reduce_policies(kw)]
+    for i, (rc, nm, each) in enumerate(ladder):
         res.considered += 1
-        lay = Layout(recompute=rc, reduce_each_microbatch=each, **kw)
+        lay = Layout(recompute=rc, recompute_norm_mla=nm, reduce_each_microbatch=each, **kw)
         if i == 0:  # the rules do not depend on recompute or the reduction
             try:
                 check(model, lay, work, gpus)
@@ -674,14 +712,16 @@ def _one_layout(model, work, topo, gpus, res: Result, ranked: list, rejected: li
                 rejected.append((lay, f"rule: {e}"))
                 return RULE
         if i == 1 and len(ladder) > 2:
-            _, lean = _over(model, Layout(recompute=ladder[-1][0], reduce_each_microbatch=ladder[-1][1], **kw),
+            rc_l, nm_l, each_l = ladder[-1]
+            _, lean = _over(model, Layout(recompute=rc_l, recompute_norm_mla=nm_l, reduce_each_microbatch=each_l, **kw),
                             work, limit)
             if lean is not None:   # the least memory does not fit: neither does anything above it
                 why = _memory_why(lean, limit, lean=True)
                 rejected.append((lay, why))
-                for rc2, each2 in ladder[2:]:
+                for rc2, nm2, each2 in ladder[2:]:
                     res.considered += 1
-                    rejected.append((Layout(recompute=rc2, reduce_each_microbatch=each2, **kw), why))
+                    rejected.append((Layout(recompute=rc2, recompute_norm_mla=nm2, reduce_each_microbatch=each2,
+                                            **kw), why))
                 return NO_FIT
         rows, over = _over(model, lay, work, limit)
         if over is not None:
@@ -701,7 +741,7 @@ def _one_layout(model, work, topo, gpus, res: Result, ranked: list, rejected: li
             best.push(t)
         else:
             res.untimed += 1
-        return FIT_NO_RECOMPUTE if rc == "none" else FIT
+        return FIT_NO_RECOMPUTE if rc == "none" and not nm else FIT
     return NO_FIT
 
 
@@ -710,7 +750,9 @@ def _reject_all(res: Result, rejected: list, base: dict, pairs: list, zeros: lis
     for v, mb in pairs:
         for z in zeros:
             for rc in recomputes:
-                for each in reduce_policies({"zero": z, "pp": base["pp"]}):
-                    res.considered += 1
-                    rejected.append((Layout(zero=z, vpp=v, micro_batch=mb, recompute=rc, reduce_each_microbatch=each,
-                                            schedule=schedule_for(v, schedule), **base), why))
+                for nm in _norm_mla_rungs(rc, res.norm_mla):
+                    for each in reduce_policies({"zero": z, "pp": base["pp"]}):
+                        res.considered += 1
+                        rejected.append((Layout(zero=z, vpp=v, micro_batch=mb, recompute=rc, recompute_norm_mla=nm,
+                                                reduce_each_microbatch=each, schedule=schedule_for(v, schedule),
+                                                **base), why))

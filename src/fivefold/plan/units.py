@@ -453,7 +453,12 @@ def unit_sums(units: tuple[int, ...], n: int) -> tuple[int, int, int]:
 
 
 def optimizer_bytes_per_param(work: Workload) -> int:
-    """Adam m and v in the master dtype, plus a master copy when weights are lower precision."""
+    """Adam m and v in the master dtype, plus a master copy when weights are lower precision; with
+    `optimizer_dtype` "bf16" both moments in bf16 and no master copy: 4 (NeMo's distributed_fused_adam with
+    `dtype: bf16`, which Apex's DistributedFusedAdam keeps as bf16 moments with store_params=False when the
+    model is bf16, as in NVIDIA's Nemotron-4 340B benchmark; tests/unit/test_plan_reserve.py)."""
+    if work.optimizer_dtype == "bf16":
+        return 2 * 2
     return 2 * work.master_bytes + (work.master_bytes if work.param_bytes != work.master_bytes else 0)
 
 
@@ -470,7 +475,8 @@ def unit_states(units: tuple[int, ...], n: int, zero: int, work: Workload, rank:
     """Model-state bytes of group rank `rank` for ZeRO units (flat buffers padded to a multiple of n;
     rank r owns elements [r·k, (r+1)·k)): stage 1/2 keep the padded parameters, stage 1 the padded
     gradients too, stage 2/3 a gradient shard of k; Adam m, v over the real elements owned, the
-    master copy (when weights are 16-bit) over the whole shard k."""
+    master copy (when weights are 16-bit) over the whole shard k; with `optimizer_dtype` "bf16" m and v
+    in bf16 and no master copy."""
     w, g, mb = work.param_bytes, work.grad_bytes, work.master_bytes
     if rank == 0:
         total, k, owned = unit_sums(units, n)
@@ -478,8 +484,11 @@ def unit_states(units: tuple[int, ...], n: int, zero: int, work: Workload, rank:
         total, k = sum(padded(u, n) for u in units), sum(shard_size(u, n) for u in units)
         owned = sum(max(0, min(shard_size(u, n), u - rank * shard_size(u, n))) for u in units)
     master = k * mb if work.param_bytes != mb else 0
+    moment = mb
+    if work.optimizer_dtype == "bf16":   # bf16 moments, no master copy (`optimizer_bytes_per_param`)
+        master, moment = 0, 2
     return {"weights": w * (k if zero >= 3 else total), "grads": g * (total if zero == 1 else k),
-            "optimizer": 2 * mb * owned + master}
+            "optimizer": 2 * moment * owned + master}
 
 
 def model_states(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:

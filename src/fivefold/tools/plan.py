@@ -71,6 +71,10 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                                         f"counts like 3,5,5,3 (default even)")
     ap.add_argument("--uneven", action="store_true", help="the same as --partition llama3")
     ap.add_argument("--dtype", choices=choices(Dtype), default=None, help="weights and activations (bf16)")
+    ap.add_argument("--optimizer-dtype", dest="optimizer_dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="Adam's moments: fp32 with an fp32 master copy (default), or bf16 with none (NeMo's "
+                         "distributed_fused_adam with dtype bf16, as NVIDIA's Nemotron-4 340B benchmark; needs "
+                         "--dtype bf16)")
     ap.add_argument("--grad-dtype", dest="grad_dtype", choices=choices(GradDtype), default="fp32",
                     help="gradient accumulation: fp32 main grads, or the weights' dtype")
     ap.add_argument("--no-flash", dest="flash", action="store_false", help="store the s^2 attention scores")
@@ -107,8 +111,9 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     mech.add_argument("--reduce-each-microbatch", dest="reduce_each_microbatch", action="store_true",
                       help="ZeRO-2/3 under a pipeline: reduce-scatter every micro-batch and keep only the gradient "
                            "shard (FSDP without no_sync) instead of accumulating the full gradient")
-    mech.add_argument("--ep-overlap", dest="ep_overlap", action="store_true",
-                      help="MoE all-to-alls overlap another micro-batch's compute (DualPipe-style)")
+    mech.add_argument("--ep-overlap", dest="ep_overlap", action=argparse.BooleanOptionalAction,
+                      help="MoE all-to-alls overlap another micro-batch's compute (DualPipe-style; one layout: off "
+                           "unless given; a search: on for ep > 1 unless --no-ep-overlap)")
     mech.add_argument("--moe-route-nodes", dest="moe_route_nodes", type=int,
                       help="node-limited routing: each token's experts on at most M nodes (DeepSeek-V3: 4)")
     mech.add_argument("--fp8-gemm", dest="fp8_gemm", action="store_true", help="linear-layer GEMMs at the FP8 peak")
@@ -116,8 +121,9 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                       help="cache the linear layers' inputs in FP8 for the backward")
     mech.add_argument("--microbatch-group", dest="microbatch_group", type=int,
                       help="interleaved: micro-batches per group N, pp <= N <= m (default pp)")
-    mech.add_argument("--recompute-norm-mla", dest="recompute_norm_mla", action="store_true",
-                      help="recompute norms and MLA up-projections in the backward (DeepSeek-V3)")
+    mech.add_argument("--recompute-norm-mla", dest="recompute_norm_mla", action=argparse.BooleanOptionalAction,
+                      help="recompute norms and MLA up-projections in the backward (DeepSeek-V3; one layout: off "
+                           "unless given; a search tries both for an MLA model unless given)")
     mech.add_argument("--offload", choices=choices(Offload),
                       help="ZeRO's optimizer state and step in host memory (cpu) or on NVMe (nvme), with --zero 1-3 "
                            "(default: a --config's parallel.offload; a search tries cpu, then nvme, only when "
@@ -297,7 +303,16 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
                    document_length=args.document_length,
                    moe_route_nodes=args.moe_route_nodes or work.moe_route_nodes,
                    fp8_gemm=args.fp8_gemm or work.fp8_gemm, fp8_act_cache=args.fp8_act_cache or work.fp8_act_cache,
-                   framework=args.framework, ds_bucket=args.ds_bucket or DEEPSPEED_BUCKET)
+                   framework=args.framework, ds_bucket=args.ds_bucket or DEEPSPEED_BUCKET,
+                   optimizer_dtype=args.optimizer_dtype)
+    if work.optimizer_dtype == "bf16":
+        if work.dtype != "bf16":
+            raise ConfigError(f"--optimizer-dtype bf16 keeps no master copy, so the weights must be bf16 too (got "
+                              f"--dtype {work.dtype}); valid: --dtype bf16 --optimizer-dtype bf16, or --optimizer-dtype fp32")
+        if fixed.get("offload") not in (None, "none"):
+            raise ConfigError(f"--optimizer-dtype bf16 is planned on the device only (offload plans fp32 state); "
+                              f"valid: --offload none, or --optimizer-dtype fp32 --offload {fixed['offload']}")
+        fixed["offload"] = "none"
     return model, layout, work, fixed
 
 
@@ -365,8 +380,8 @@ def mechanism_options(args, layout: Layout) -> dict:
     pick = {k: getattr(args, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "bucket_mb",
                                           "microbatch_group")}
     out = {k: getattr(layout, k) if v is None else v for k, v in pick.items()}
-    out["ep_overlap"] = args.ep_overlap or layout.ep_overlap
-    out["recompute_norm_mla"] = args.recompute_norm_mla or layout.recompute_norm_mla
+    out["ep_overlap"] = layout.ep_overlap if args.ep_overlap is None else args.ep_overlap
+    out["recompute_norm_mla"] = layout.recompute_norm_mla if args.recompute_norm_mla is None else args.recompute_norm_mla
     out["reduce_each_microbatch"] = args.reduce_each_microbatch or layout.reduce_each_microbatch
     return out
 
@@ -466,7 +481,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not gpus:
         raise ConfigError("searching needs --gpus (or give every degree: --tp --pp --cp --dp)")
     check_searchable(args)
-    fixed.update(sp_mode=args.sp_mode, cp_mode=args.cp_mode)
+    fixed.update(sp_mode=args.sp_mode, cp_mode=args.cp_mode, ep_overlap=args.ep_overlap,
+                 recompute_norm_mla=args.recompute_norm_mla)
     res = search(model, work, topo, gpus, fixed, top=args.top, order=order, partition=partition,
                  schedule=args.schedule)
     for e in res.best:
@@ -481,14 +497,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if res.best else 1
 
 
-ONE_LAYOUT = ("ulysses", "bucket_mb", "overlap_grad_reduce", "overlap_param_gather", "microbatch_group", "ep_overlap",
-              "recompute_norm_mla", "reduce_each_microbatch")   # Layout fields a search holds at their defaults
+ONE_LAYOUT = ("ulysses", "bucket_mb", "overlap_grad_reduce", "overlap_param_gather", "microbatch_group",
+              "reduce_each_microbatch")   # Layout fields a search holds at their defaults
 
 
 def check_searchable(args: argparse.Namespace) -> None:
-    """A search builds its layouts with Layout's mechanism defaults (its bound assumes ep_overlap off; it tries
-    both gradient reductions itself), so the mechanism flags of ONE_LAYOUT apply only to one layout: given to a
-    search they were silently ignored, the plan the same with or without them. Refused, naming the flag."""
+    """A search builds its layouts with Layout's defaults for the mechanism flags of ONE_LAYOUT (it tries both
+    gradient reductions itself; ep_overlap and recompute_norm_mla are search dimensions, held where given),
+    so those flags apply only to one layout: given to a search they were silently ignored, the plan the
+    same with or without them. Refused, naming the flag."""
     for name in ONE_LAYOUT:
         value = getattr(args, name)   # store_true flags are False when not given; --[no-]overlap-* are None
         if value is not None and (value is not False or name.startswith("overlap_")):

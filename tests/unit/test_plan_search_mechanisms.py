@@ -3,11 +3,8 @@
 for an MLA model unless fixed; what the user gives is held; the bound stays a bound."""
 from dataclasses import replace
 
-import pytest
-
 from fivefold.cli import main
-from fivefold.plan.estimate import estimate
-from fivefold.plan.layout import Layout, Workload
+from fivefold.plan.layout import Workload
 from fivefold.plan.models import PRESETS
 from fivefold.plan.search import mechanisms, search
 from fivefold.plan.topology import TOPOLOGIES

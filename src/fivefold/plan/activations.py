@@ -35,7 +35,7 @@ from ..rules import GPIPE, INTERLEAVED
 from ..shapes import padded_vocab
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
-from .units import frozen_prefix_layers, layout_blocks, mtp_blocks, stage_layers
+from .units import frozen_prefix_layers, head_stage, layout_blocks, mtp_blocks, stage_layers
 
 
 # -- micro-batches in flight -------------------------------------------------------------------------
@@ -188,15 +188,16 @@ def rank_tokens(layout: Layout, work: Workload) -> float:
 
 @lru_cache(maxsize=16384)
 def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_scores: bool, pp: int, vpp: int,
-                     partition: str, light: bool = False) -> tuple:
-    """Per stage: (sum, max) over its blocks (its layers, and the MTP modules' on the last) of stored
-    activation bytes per token on one rank."""
+                     partition: str, light: bool = False, head_first: bool = False) -> tuple:
+    """Per stage: (sum, max) over its blocks (its layers, and the MTP modules' on the last; with
+    `head_first` the layers only: `_stage_activations` counts the MTP modules once) of stored activation
+    bytes per token on one rank."""
     per_layer = {}
     rows = []
     quiet = frozen_prefix_layers(model)   # train.freeze: leading layers autograd records nothing in
     for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
         vals = []
-        for i in rng + mtp_blocks(model, pp, j):
+        for i in rng + (() if head_first else mtp_blocks(model, pp, j)):
             if i < quiet:
                 vals.append(0.0)
                 continue
@@ -245,14 +246,15 @@ def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: i
     L = layout
     return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.schedule,
                               L.micro_batch, L.recompute, L.partition, stage, L.microbatch_group,
-                              L.recompute_norm_mla)
+                              L.recompute_norm_mla, L.head_first)
 
 
 @lru_cache(maxsize=65536)
 def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micro_batch, recompute, partition, stage,
-                       group=0, light=False):
+                       group=0, light=False, head_first=False):
     L = Layout(tp=tp, sp_mode=sp_mode, cp=cp, pp=pp, dp=dp, vpp=vpp, schedule=schedule, micro_batch=micro_batch,
-               recompute=recompute, partition=partition, microbatch_group=group, recompute_norm_mla=light)
+               recompute=recompute, partition=partition, microbatch_group=group, recompute_norm_mla=light,
+               head_first=head_first)
     T = rank_tokens(L, work)
     e, h = work.act_bytes, model.hidden
     n_layers = len(layout_blocks(model, L, stage))
@@ -261,20 +263,30 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
     split = L.tp if L.seq_parallel else 1
     with_scores = not work.flash and L.recompute == "none"
     total_pt, max_pt = _stage_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp,
-                                        L.partition, L.recompute_norm_mla and L.recompute != "full")[stage]
+                                        L.partition, L.recompute_norm_mla and L.recompute != "full", head_first)[stage]
     if L.interleaved:   # chunks may differ: walk the schedule
         chunks = _chunk_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp, L.partition,
                                   L.recompute_norm_mla and L.recompute != "full", L.recompute == "full")[stage]
         return interleaved_peak(L.pp, stage, m, L.vpp, L.microbatch_group, chunks) * T + (max_pt * T if
                                                                                         L.recompute == "full" else 0.0)
     vocab = padded_vocab(model.vocab, L.tp) / L.tp
-    head = T * (head_acts(e, h, split, vocab) + mtp_acts(model, e, split, vocab)) if stage == L.pp - 1 else 0.0
+    head = T * (head_acts(e, h, split, vocab) + mtp_acts(model, e, split, vocab)) \
+        if stage == head_stage(L.pp, head_first) else 0.0
+    once = 0.0
+    if head_first and head:
+        # DualPipe's placement: the head's and MTP modules' chunk is the last in the data flow, so, as on a
+        # last stage, one micro-batch's head and MTP activations are alive at a time, not the first stage's
+        # micro-batches in flight
+        light_on = L.recompute_norm_mla and L.recompute != "full"
+        once = head + T * sum(layer_acts(model, i, work, L.tp, light_on).per_rank(L.tp, L.seq_parallel, with_scores)
+                              for i in mtp_blocks(model, L.pp, stage, head_first))
+        head = 0.0
     if L.recompute == "full":
-        return full_recompute_peak(flight, n_layers, T * e * h / split, max_pt * T, head)
+        return full_recompute_peak(flight, n_layers, T * e * h / split, max_pt * T, head) + once
     total = flight * total_pt * T
     if stage == 0 and not frozen_prefix_layers(model):
         total += flight * T * e * h / split                     # embedding output (stored unless nothing reads its grad)
-    return total + flight * head
+    return total + flight * head + once
 
 
 def head_acts(e: float, h: int, split: int, vocab: float) -> float:

@@ -30,7 +30,7 @@ from ..shapes import padded, padded_vocab, shard_size
 from .activations import hidden_tensor_bytes, rank_tokens, routed_per_token
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
-from .units import block_rank_params, held_root, layout_blocks, root_tensors, stage_params, zero_units
+from .units import block_rank_params, head_stage, held_root, layout_blocks, root_tensors, stage_params, zero_units
 
 
 # -- ZeRO's buffers during a step ---------------------------------------------------------------------
@@ -71,7 +71,7 @@ def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tup
     multiple of its group size."""
     L = layout
     n_dense, n_expert = L.dp * L.cp, L.edp
-    root = sum(n for n, _ in root_tensors(model, L.tp, L.pp, stage))
+    root = sum(n for n, _ in root_tensors(model, L.tp, L.pp, stage, L.head_first))
     slots = [((root, n_dense),) if root else ()]
     for i in layout_blocks(model, L, stage):
         dense, expert = block_rank_params(model, i, L.tp, L.ep)
@@ -199,7 +199,7 @@ def _zero3_buffers(model: PlanModel, layout: Layout, stage: int, w: int, g: int,
     if z.pipeline and z.each_microbatch:
         return _replay_each_microbatch(slots, w if z.shards_params else 0, g, held_root(model, layout, stage))
     if z.pipeline:
-        return _replay_pipeline(slots, w, g, micro, head_first=stage == layout.pp - 1)
+        return _replay_pipeline(slots, w, g, micro, head_first=stage == head_stage(layout.pp, layout.head_first))
     return _replay_direct(slots, w, g, layout.reshard_after_forward, micro)
 
 
@@ -272,7 +272,8 @@ def _buffer_key(layout: Layout) -> Layout:
     """The layout fields ZeRO-3's buffers depend on (a smaller cache key)."""
     L = layout
     return Layout(tp=L.tp, pp=L.pp, dp=L.dp, cp=L.cp, ep=L.ep, zero=L.zero, vpp=L.vpp, partition=L.partition,
-                  reshard_after_forward=L.reshard_after_forward, reduce_each_microbatch=L.reduce_each_microbatch)
+                  reshard_after_forward=L.reshard_after_forward, reduce_each_microbatch=L.reduce_each_microbatch,
+                  head_first=L.head_first)
 
 
 # -- offload: optimizer state in host memory or on disk ----------------------------------------------------
@@ -402,7 +403,7 @@ def edge_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     """The embedding's backward on the first stage, the head's on the last (0 elsewhere): the table's
     dense gradient, whole in the weights' dtype (vocab/t x hidden), beside the residual gradient and the
     posted receives."""
-    if stage not in (0, layout.pp - 1):
+    if stage not in (0, head_stage(layout.pp, layout.head_first)):
         return 0.0
     hidden = hidden_tensor_bytes(model, layout, work)
     table = work.param_bytes * model.hidden * padded_vocab(model.vocab, layout.tp) / layout.tp
@@ -413,7 +414,7 @@ def loss_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     """The loss's backward on the last stage (0 elsewhere): the logits and two fp32 vocab-wide tensors
     (the upcast and the softmax gradient) per token, beside the posted receives; the layers' working set
     (`backward_scratch`) comes later, and so do most of ZeRO's buffers (`zero_at_loss`)."""
-    if stage < layout.pp - 1:
+    if stage != head_stage(layout.pp, layout.head_first):
         return 0.0
     vocab = padded_vocab(model.vocab, layout.tp) / layout.tp
     hidden = hidden_tensor_bytes(model, layout, work)

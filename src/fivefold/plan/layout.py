@@ -75,6 +75,8 @@ class Layout:
     overlap_param_gather: bool = True    # ZeRO-1/2: the updated parameters gathered behind the next step's
                                          # first forwards (Megatron-Core); False: at the step's end (runtime)
     ep_overlap: bool = False             # MoE all-to-alls overlap another micro-batch's compute (DualPipe)
+    head_first: bool = False             # the final norm, LM head and MTP modules on the first stage with the
+                                         # embedding (DualPipe's placement, DeepSeek-V3 §3.2.1/§3.2.3); False: last
     microbatch_group: int = 0            # interleaved: micro-batches per group N, pp <= N <= m (0: pp, depth-
                                          # first; Llama 3 §3.3.2, Megatron-Core microbatch_group_size_per_vp_stage)
     recompute_norm_mla: bool = False     # norms' outputs and MLA up-projections recomputed in the backward:
@@ -125,6 +127,8 @@ class Layout:
             parts.append("rc-norm-mla")
         if self.ep_overlap and self.ep > 1:
             parts.append("a2a-overlap")
+        if self.head_first and self.pp > 1:
+            parts.append("head-first")
         if not self.overlap_grad_reduce:
             parts.append("reduce-after")
         if self.reduce_each_microbatch and self.pp > 1:
@@ -142,7 +146,8 @@ class Layout:
                 "partition": self.partition, "bucket_mb": self.bucket_mb,
                 "reshard_after_forward": self.reshard_after_forward,
                 "overlap_grad_reduce": self.overlap_grad_reduce, "overlap_param_gather": self.overlap_param_gather,
-                "ep_overlap": self.ep_overlap, "microbatch_group": self.microbatch_group,
+                "ep_overlap": self.ep_overlap, "head_first": self.head_first,
+                "microbatch_group": self.microbatch_group,
                 "recompute_norm_mla": self.recompute_norm_mla, "reduce_each_microbatch": self.reduce_each_microbatch,
                 "offload": self.offload}
 
@@ -276,6 +281,8 @@ LAYOUT_SOURCES: dict[str, Source] = {
     "overlap_param_gather": Source(make=lambda: False, why="the runtime gathers ZeRO-1/2's updated parameters "
                                                            "at the step's end"),
     "ep_overlap": Source(why="DualPipe-style all-to-all overlap: a mechanism the planner weighs, not the runtime"),
+    "head_first": Source(why="DualPipe's placement of head and MTP with the embedding: planned; the runtime keeps "
+                             "them on the last stage"),
     "recompute_norm_mla": Source(why="DeepSeek-V3's norm/MLA recompute: planned, the runtime recomputes by "
                                      "train.recompute only"),
 }
@@ -357,10 +364,14 @@ def check_mechanisms(model: PlanModel, layout: Layout, work: Workload) -> None:
     """The mechanism options (docs/plan.md "Mechanisms") take values that mean something."""
     rules.check_choice("reduce_dtype", work.reduce_dtype, ReduceDtype)
     for obj, name in ((layout, "overlap_grad_reduce"), (layout, "overlap_param_gather"), (layout, "ep_overlap"),
-                      (layout, "recompute_norm_mla"), (layout, "reduce_each_microbatch"), (work, "fp8_gemm"), (work, "fp8_act_cache")):
+                      (layout, "head_first"), (layout, "recompute_norm_mla"), (layout, "reduce_each_microbatch"), (work, "fp8_gemm"), (work, "fp8_act_cache")):
         if type(getattr(obj, name)) is not bool:
             raise ConfigError(f"{name} must be true or false, got {getattr(obj, name)!r}")
     check_route_nodes(model, work)
+    if layout.head_first and (layout.pp == 1 or layout.vpp > 1):
+        raise ConfigError(f"head_first places the head and MTP modules on the first of several stages without "
+                          f"virtual stages (DualPipe's placement); got pp={layout.pp}, vpp={layout.vpp}; valid: "
+                          f"pp > 1 with vpp 1, or head_first false")
     rules.check_reduce_each_microbatch(layout.reduce_each_microbatch, layout.zero)
     rules.check_choice("offload", layout.offload, Offload)
     # the planner writes no files: the offload_dir rule is the run's (Config.validate), not the plan's

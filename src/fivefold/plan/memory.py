@@ -19,7 +19,7 @@ from .buffers import (backward_scratch, edge_scratch, loss_scratch, offload_memo
                       zero_at_edge, zero_at_loss, zero_buffers)
 from .layout import Layout, Workload
 from .models import PlanModel
-from .units import candidate_stages, layout_layers, model_states, optimizer_bytes_per_param
+from .units import candidate_stages, head_stage, layout_layers, model_states, optimizer_bytes_per_param
 
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "buffers")
 
@@ -69,10 +69,11 @@ def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     row["activations"] = stage_activations(model, layout, work, stage)
     owned = (row["optimizer"] + row["offloaded"]) / optimizer_bytes_per_param(work)
     backward = zero_buffers(model, layout, work, stage) + backward_scratch(model, layout, work, stage)
+    head = head_stage(layout.pp, layout.head_first)
     loss = zero_at_loss(model, layout, work, stage) + loss_scratch(model, layout, work, stage) if \
-        stage == layout.pp - 1 else 0.0
+        stage == head else 0.0
     edge = zero_at_edge(model, layout, work, stage) + edge_scratch(model, layout, work, stage) if \
-        stage in (0, layout.pp - 1) else 0.0
+        stage in (0, head) else 0.0
     row["buffers"] = max(backward, loss, edge, step_scratch(owned, work))
     row["total"] = sum(row[c] for c in COMPONENTS)
     row["stage"] = stage

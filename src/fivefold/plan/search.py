@@ -11,10 +11,13 @@ bubble that is already small.
 GPU counts go up to `MAX_GPUS` (2**20; a larger one is refused at once, as is one above the topology's
 size), and the degrees that divide them come from `rules.divisors` (prime factorisation, not a scan).
 
-Mechanisms are choices of the search, per layout (`_one_layout`): recompute none → selective → full, at
-each the gradient reduction once per step, then every micro-batch (`reduce_policies`: ZeRO-2/3 under a
-pipeline), the first that fits kept (each later one only adds time or bytes); offload below. The best
-layout's choices are `mechanisms(layout)`, which the report prints.
+Mechanisms are choices of the search, per layout (`_one_layout`): recompute none → selective → full (for
+an MLA model each with and without the norm/MLA recompute, `norm_mla_options`), at each the gradient
+reduction once per step, then every micro-batch (`reduce_policies`: ZeRO-2/3 under a pipeline), the first
+that fits kept (each later one only adds time or bytes); the expert all-to-all overlap on for ep > 1
+(`ep_overlap_of`: it never costs time or memory in the plan); for a model with MTP modules both
+placements of head and MTP (`head_options`: last stage, or DualPipe's with the embedding); offload below.
+What the user gives is held. The best layout's choices are `mechanisms(layout)`, which the report prints.
 
 Prunings, none of which drops a layout that could rank first: the mechanism ladder above; once a ZeRO
 stage fits without recompute, higher stages are skipped (they only add traffic); and only the stages
@@ -61,7 +64,7 @@ from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB, ConfigError, Recompute, choice
 from .estimate import Estimate, estimate, owned_elements
 from .layout import Layout, Workload, check, valid_tp
 from .memory import Memory, stage_memory
-from .units import (block_tensors, candidate_stages, mtp_blocks, root_tensors, stage_layers, stage_params,
+from .units import (block_tensors, candidate_stages, head_stage, mtp_blocks, root_tensors, stage_layers, stage_params,
                     time_stages)
 from .models import PlanModel
 from .reserve import device_reserve
@@ -71,7 +74,7 @@ from ..comm import volume
 from .traffic import Flow, group_block_of, layer_flows, place, ring_flows, stage_flows
 
 SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode", "offload",
-            "ep_overlap", "recompute_norm_mla")
+            "ep_overlap", "recompute_norm_mla", "head_first")
 OFFLOADS = ("cpu", "nvme")   # tried in this order, per structure, when nothing fits the device
 POWERS = (1, 2, 4, 8)   # micro-batch sizes and virtual stages tried
 MAX_GPUS = 2**20        # the largest GPU count planned (about a million; larger clusters do not exist yet)
@@ -163,15 +166,21 @@ class _Space:
     zeros: list
     sp_mode: str
     base: dict         # the Layout fields the structure fixes
+    heads: list = field(default_factory=lambda: [False])   # head_first choices at vpp 1 (`head_options`)
+
+    def heads_at(self, v: int) -> list:
+        """head_first choices at `v` virtual stages: DualPipe's placement needs one chunk a stage."""
+        return self.heads if v == 1 else [False]
 
     def size(self, recomputes: list, norm_mla: list) -> int:
-        return len(self.mbs) * len(self.vpps) * self.pair_size(recomputes, norm_mla)
+        return len(self.mbs) * sum(self.pair_size(recomputes, norm_mla, v) for v in self.vpps)
 
-    def pair_size(self, recomputes: list, norm_mla: list) -> int:
-        """Layouts of one (vpp, micro-batch): ZeRO stages × reduction policies × recompute rungs (with the
-        norm/MLA recompute's choices)."""
+    def pair_size(self, recomputes: list, norm_mla: list, v: int = 1) -> int:
+        """Layouts of one (vpp, micro-batch): head placements × ZeRO stages × reduction policies × recompute
+        rungs (with the norm/MLA recompute's choices)."""
         rungs = sum(len(_norm_mla_rungs(rc, norm_mla)) for rc in recomputes)
-        return sum(len(reduce_policies({"zero": z, "pp": self.base["pp"]})) for z in self.zeros) * rungs
+        return len(self.heads_at(v)) * sum(len(reduce_policies({"zero": z, "pp": self.base["pp"]}))
+                                           for z in self.zeros) * rungs
 
 
 def schedule_for(vpp: int, given: str | None) -> str:
@@ -203,7 +212,17 @@ def _space(model: PlanModel, work: Workload, fixed: dict, structure: tuple, orde
     base = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp_mode=sp_mode, cp_mode=mode, order=order,
                 partition=partition if pp > 1 else "even", offload=offload,
                 ep_overlap=ep_overlap_of(model, ep, fixed))
-    return _Space(per_dp, mbs, vpps, zeros, sp_mode, base)
+    return _Space(per_dp, mbs, vpps, zeros, sp_mode, base, head_options(model, pp, fixed))
+
+
+def head_options(model: PlanModel, pp: int, fixed: dict) -> list[bool]:
+    """`Layout.head_first` choices: DualPipe's placement of the final norm, head and MTP modules with the
+    embedding on the first stage (DeepSeek-V3 §3.2.1, §3.2.3), tried beside the last stage for a model with
+    MTP modules under a pipeline (the published run that places them so), unless fixed; at vpp 1 only
+    (`_Space.heads_at`)."""
+    if "head_first" in fixed:
+        return [bool(fixed["head_first"]) and pp > 1]
+    return [False, True] if model.mtp_depth and pp > 1 else [False]
 
 
 def ep_overlap_of(model: PlanModel, ep: int, fixed: dict) -> bool:
@@ -261,23 +280,23 @@ class _Bound:
         self.big: dict = {}      # (tp, ep, expert, MoE layer, bucket) -> (tensors larger, their bytes)
         self.stages: dict = {}   # (tp, pp, vpp, ep, partition, ZeRO stages) -> `_grad_stages`
 
-    def _stage_rows(self, pp: int, v: int):
-        key = (pp, v)
+    def _stage_rows(self, pp: int, v: int, head_first: bool = False):
+        key = (pp, v, head_first)
         if key not in self.rows:
             model, part = self.model, self.partition if pp > 1 else "even"
             try:
                 ranks = stage_layers(model.layers, pp, v, part)
-                weights = stage_weights(model, pp, v, part)
+                weights = stage_weights(model, pp, v, part, head_first)
                 timed = time_stages(model, pp, v, part)
             except (ConfigError, ValueError):   # the partition rule rejects every such layout
                 self.rows[key] = None
                 return None
             out = []
             for j in timed:
-                blocks = ranks[j] + mtp_blocks(model, pp, j)   # the MTP modules' on the last stage
+                blocks = ranks[j] + mtp_blocks(model, pp, j, head_first)   # the MTP modules' with the head
                 n = len(blocks)
                 body, head = weights[j]
-                out.append((n, sum(1 for i in blocks if model.is_moe_layer(i)), j == 0, j == pp - 1,
+                out.append((n, sum(1 for i in blocks if model.is_moe_layer(i)), j == 0, j == head_stage(pp, head_first),
                             forward_seconds(model, self.work, self.topo, 1.0, body, n, head)))
             self.rows[key] = tuple(out)
         return self.rows[key]
@@ -321,7 +340,7 @@ class _Bound:
         layer = self.cp[k_cp]
         return dense + layer, moe + layer + ep_factor * self.ep[k_ep], first, last
 
-    def _grad(self, tp: int, pp: int, dp: int, cp: int, ep: int, v: int, zeros: list) -> float:
+    def _grad(self, tp: int, pp: int, dp: int, cp: int, ep: int, v: int, zeros: list, heads: tuple = (False,)) -> float:
         """The least seconds of the timed stages' gradient reductions (dp·cp and expert-dp), the most
         loaded of them: each stage's reductions run one at a time on one stream inside the step, so the
         step lasts at least their sum whatever hides behind what. At least the stage's parameters once
@@ -330,33 +349,36 @@ class _Bound:
         buckets at least one per tensor larger than bucket_mb plus the rest's bytes over bucket_mb (`_big`),
         reduce-scattered (ZeRO 1-3) or all-reduced (ZeRO-0), whichever is cheaper among the stages
         searched."""
-        key = (tp, pp, dp, cp, ep, v, tuple(zeros))
+        key = (tp, pp, dp, cp, ep, v, tuple(zeros), tuple(heads))
         if key not in self.grad:
-            probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, partition=self.partition if pp > 1 else "even",
-                           order=self.order)
             ops = sorted({"all_reduce" if z == 0 else "reduce_scatter" for z in zeros})
-            groups = (("dp_cp", dp * cp), ("edp", probe.edp))
-            worst = 0.0
-            for stage in self._grad_stages(probe, tuple(zeros)):   # per timed stage: (message, calls) per group
-                each = [sum(self._one_call(probe, group, n, op, message, calls)
-                            for (group, n), (message, calls) in zip(groups, stage)) for op in ops]
-                worst = max(worst, min(each, default=0.0))
-            self.grad[key] = worst
+            least = []   # per head placement: the most loaded timed stage's least reduction seconds
+            for hf in heads:
+                probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, partition=self.partition if pp > 1 else "even",
+                               order=self.order, head_first=hf)
+                groups = (("dp_cp", dp * cp), ("edp", probe.edp))
+                worst = 0.0
+                for stage in self._grad_stages(probe, tuple(zeros)):   # per timed stage: (message, calls) per group
+                    each = [sum(self._one_call(probe, group, n, op, message, calls)
+                                for (group, n), (message, calls) in zip(groups, stage)) for op in ops]
+                    worst = max(worst, min(each, default=0.0))
+                least.append(worst)
+            self.grad[key] = min(least)
         return self.grad[key]
 
     def _grad_stages(self, probe: Layout, zeros: tuple) -> list:
         """Per timed stage of `probe`'s pipeline, ((bytes, least calls) of the dense gradients, (bytes,
         least calls) of the expert ones): the same for every dp and cp (cached without them)."""
-        tp, pp, v, ep, part = probe.tp, probe.pp, probe.vpp, probe.ep, probe.partition
-        key = (tp, pp, v, ep, part, zeros)
+        tp, pp, v, ep, part, hf = probe.tp, probe.pp, probe.vpp, probe.ep, probe.partition, probe.head_first
+        key = (tp, pp, v, ep, part, zeros, hf)
         if key not in self.stages:
             blocks = {rules.block_units(z, pp, each) for z in zeros for each in reduce_policies({"zero": z, "pp": pp})}
             bucket, r, g = probe.bucket_mb * 2**20, self.work.reduce_bytes, self.work.grad_bytes
             out = []
-            for j, (n_layers, n_moe, *_) in zip(time_stages(self.model, pp, v, part), self._stage_rows(pp, v)):
-                roots = [n for n, _ in root_tensors(self.model, tp, pp, j)]
+            for j, (n_layers, n_moe, *_) in zip(time_stages(self.model, pp, v, part), self._stage_rows(pp, v, hf)):
+                roots = [n for n, _ in root_tensors(self.model, tp, pp, j, hf)]
                 row = []
-                mtp = len(mtp_blocks(self.model, pp, j))
+                mtp = len(mtp_blocks(self.model, pp, j, hf))
                 mtp_moe = mtp if self.model.is_moe_layer(self.model.layers) else 0
                 for expert, k in zip((False, True), stage_params(self.model, probe, j)):
                     units = n_moe if expert else n_layers   # blocks: one per block holding such parameters
@@ -371,7 +393,7 @@ class _Bound:
     def refine(self, structure: tuple, sp: _Space, table: dict) -> tuple[float, dict]:
         """`__call__`'s bound and table raised to the gradient reductions' least seconds (`_grad`)."""
         tp, pp, cp, mode, ep, dp = structure
-        reduce = {v: self._grad(tp, pp, dp, cp, ep, v, sp.zeros) * self.SLACK for v in sp.vpps}
+        reduce = {v: self._grad(tp, pp, dp, cp, ep, v, sp.zeros, tuple(sp.heads_at(v))) * self.SLACK for v in sp.vpps}
         table = {(v, b): max(t, reduce[v]) for (v, b), t in table.items()}
         return min(table.values()), table
 
@@ -420,7 +442,7 @@ class _Bound:
         if not sp.per_dp or any(sp.per_dp % b for b in sp.mbs):
             return 0.0, None    # a rule rejects these at once: examine them
         per_token = self.work.seq / (tp * cp)
-        rows_v = [(v, self._stage_rows(pp, v)) for v in sp.vpps]
+        rows_v = [(v, self._stage_rows(pp, v, hf)) for v in sp.vpps for hf in sp.heads_at(v)]
         if any(rows is None for _, rows in rows_v):
             return 0.0, None
         blocks = tuple(group_block_of(tp, pp, dp, cp, ep, g, self.order) for g in ("tp", "cp", "ep"))
@@ -442,7 +464,8 @@ class _Bound:
                     t = (m * c + (pp - 1) * min(f * tokens for *_, f in rows)) / min(self.shared, pp)
                 else:
                     t = c * (m + (pp - 1) / (v if schedule_for(v, self.schedule) == INTERLEAVED else 1)) / min(self.shared, pp)
-                table[v, b] = t * self.SLACK
+                # the least over the head placements a (vpp, micro-batch) pair holds
+                table[v, b] = min(table.get((v, b), float("inf")), t * self.SLACK)
         return min(table.values()), table
 
 
@@ -603,6 +626,8 @@ def mechanisms(layout: Layout) -> dict[str, str]:
         out["expert all-to-all"] = "overlapped" if layout.ep_overlap else "exposed"
     if layout.recompute_norm_mla:
         out["recompute"] += " + norms and MLA up-projections"
+    if layout.head_first:
+        out["head"] = "with the embedding on the first stage (DualPipe's placement)"
     return out
 
 
@@ -642,20 +667,21 @@ def _structure(model, work, topo, gpus, res: Result, limit: float, recomputes: l
         for i, mb in enumerate(mbs):
             status = []
             if table is not None and table[v, mb] > best.limit():
-                res.skipped_layouts += sp.pair_size(recomputes, res.norm_mla)   # none can rank: not tried
+                res.skipped_layouts += sp.pair_size(recomputes, res.norm_mla, v)   # none can rank: not tried
                 continue
-            for z in zeros:
-                # timed only when it could still rank (the limit falls as layouts are timed)
-                timed = table is None or table[v, mb] <= best.limit()
-                status.append(_one_layout(model, work, topo, gpus, res, ranked, rejected, limit, recomputes,
-                                          dict(kw, zero=z, micro_batch=mb), best, timed))
-                if status[-1] in (FIT_NO_RECOMPUTE, RULE):
-                    break  # higher ZeRO stages only add traffic; a broken rule breaks them all
+            for hf in sp.heads_at(v):
+                for z in zeros:
+                    # timed only when it could still rank (the limit falls as layouts are timed)
+                    timed = table is None or table[v, mb] <= best.limit()
+                    status.append(_one_layout(model, work, topo, gpus, res, ranked, rejected, limit, recomputes,
+                                              dict(kw, zero=z, micro_batch=mb, head_first=hf), best, timed))
+                    if status[-1] in (FIT_NO_RECOMPUTE, RULE):
+                        break  # higher ZeRO stages only add traffic; a broken rule breaks them all
             if status and all(st == NO_FIT for st in status):
                 # activations grow with the micro-batch and with v: the rest cannot fit either
                 why = f"memory: does not fit even with micro_batch {mb}, vpp {v}, every ZeRO stage and recompute"
                 rest = [(v, b) for b in mbs[i + 1:]] + ([(w, b) for w in vpps[vi + 1:] for b in mbs] if i == 0 else [])
-                _reject_all(res, rejected, base, rest, zeros, recomputes, schedule, why)
+                _reject_all(res, rejected, base, rest, zeros, recomputes, schedule, why, sp)
                 break
         else:
             continue
@@ -746,13 +772,14 @@ def _one_layout(model, work, topo, gpus, res: Result, ranked: list, rejected: li
 
 
 def _reject_all(res: Result, rejected: list, base: dict, pairs: list, zeros: list, recomputes: list, schedule: str,
-                why: str) -> None:
+                why: str, sp: _Space) -> None:
     for v, mb in pairs:
-        for z in zeros:
-            for rc in recomputes:
-                for nm in _norm_mla_rungs(rc, res.norm_mla):
-                    for each in reduce_policies({"zero": z, "pp": base["pp"]}):
-                        res.considered += 1
-                        rejected.append((Layout(zero=z, vpp=v, micro_batch=mb, recompute=rc, recompute_norm_mla=nm,
-                                                reduce_each_microbatch=each, schedule=schedule_for(v, schedule),
-                                                **base), why))
+        for hf in sp.heads_at(v):
+            for z in zeros:
+                for rc in recomputes:
+                    for nm in _norm_mla_rungs(rc, res.norm_mla):
+                        for each in reduce_policies({"zero": z, "pp": base["pp"]}):
+                            res.considered += 1
+                            rejected.append((Layout(zero=z, vpp=v, micro_batch=mb, recompute=rc, recompute_norm_mla=nm,
+                                                    reduce_each_microbatch=each, schedule=schedule_for(v, schedule),
+                                                    head_first=hf, **base), why))

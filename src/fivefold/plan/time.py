@@ -63,7 +63,8 @@ from ..rules import INTERLEAVED, ZB
 from ..shapes import shard_size
 from .gemm import fp8_cast_elements, linear_rate, linear_seconds
 from .layout import Layout, Workload, microbatches, schedule_of
-from .units import frozen_prefix_layers, frozen_share, held_root, layout_blocks, root_units, stage_layers, zero_units
+from .units import (frozen_prefix_layers, frozen_share, head_stage, held_root, layout_blocks, root_units, stage_layers,
+                    zero_units)
 from .models import PlanModel
 from .topology import Topology
 from .traffic import KIND, Flow
@@ -77,7 +78,7 @@ def stage_flops(model: PlanModel, layout: Layout, work: Workload, stage: int) ->
     tokens = layout.micro_batch * work.seq / (layout.tp * layout.cp)
     n_layers = stage_blocks(model, layout, stage)
     attn = model.attention_flops_per_token(work.attention_span, work.causal) / model.layers
-    body, head = _stage_active_weights(model, layout.pp, layout.vpp, layout.partition)[stage]
+    body, head = _stage_active_weights(model, layout.pp, layout.vpp, layout.partition, layout.head_first)[stage]
     return tokens * 2.0 * body, tokens * attn * n_layers, tokens * 2.0 * head
 
 
@@ -153,13 +154,13 @@ def _light_weights(model: PlanModel, layout: Layout) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _stage_active_weights(model: PlanModel, pp: int, vpp: int, partition: str) -> tuple:
+def _stage_active_weights(model: PlanModel, pp: int, vpp: int, partition: str, head_first: bool = False) -> tuple:
     """Per stage, (layer weights, LM-head weights) one token multiplies by (top_k routed experts; the head
-    on the last stage, with the MTP modules' blocks, projections and extra head passes)."""
+    on `units.head_stage`, with the MTP modules' blocks, projections and extra head passes)."""
     out = []
     for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
         w = sum(model.layer_params(i, model.top_k if model.is_moe_layer(i) else None) for i in rng)
-        last = j == pp - 1
+        last = j == head_stage(pp, head_first)
         out.append((w + (model.mtp_active_weights() if last else 0),
                     model.vocab * model.hidden + model.mtp_head_weights if last else 0))
     return tuple(out)
@@ -176,9 +177,9 @@ def forward_seconds(model: PlanModel, work: Workload, topo: Topology, tokens: fl
     return tokens * 2.0 * body / peak_mm + (tokens * attn * n_layers + tokens * 2.0 * head) / peak
 
 
-def stage_weights(model: PlanModel, pp: int, vpp: int = 1, partition: str = "even") -> tuple:
+def stage_weights(model: PlanModel, pp: int, vpp: int = 1, partition: str = "even", head_first: bool = False) -> tuple:
     """Per stage, (layer weights, LM-head weights) one token multiplies (`_stage_active_weights`)."""
-    return _stage_active_weights(model, pp, vpp, partition)
+    return _stage_active_weights(model, pp, vpp, partition, head_first)
 
 
 def closed_form_bubble(schedule: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 2.0) -> float:

@@ -71,7 +71,7 @@ from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
 from .buffers import offload_units
 from .units import (exact_tensors, held_root, is_frozen, layer_names, layer_tensors, layout_blocks,
-                    mtp_blocks, owned_tagged, root_tensors, root_units,
+                    head_stage, mtp_blocks, owned_tagged, root_tensors, root_units,
                     stage_params, unit_sums, unit_tensors, zero_units)
 from .models import PlanModel
 from .topology import Topology, collective_latency, collective_loss, group_bandwidth
@@ -182,7 +182,7 @@ def _tp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
 def head_passes(model: PlanModel, L: Layout, stage: int) -> int:
     """Passes of the output head on one rank of `stage`: on the last stage one, and one more per MTP module
     (`units.mtp_blocks`); none elsewhere."""
-    return 1 + len(mtp_blocks(model, L.pp, stage)) if stage == L.pp - 1 else 0
+    return 1 + len(mtp_blocks(model, L.pp, stage, L.head_first)) if stage == head_stage(L.pp, L.head_first) else 0
 
 
 def lora_frozen_prefix(model: PlanModel, n_layers: int) -> tuple[int, int]:
@@ -289,20 +289,22 @@ def partial_grad_params(model: PlanModel, L: Layout, stage: int) -> dict[str, in
     (replicated on every tp rank and seeing only its sequence shard under SP: norm weights, and
     row-parallel biases and MoE routers where the model has them) and "kv" (K/V weights of a head
     shared by tp/kv_heads ranks, each computing the part of its own query heads)."""
-    return dict(_partial_grad_params(model, L.tp, L.pp, L.vpp, L.partition, L.seq_parallel, stage, L.ep))
+    return dict(_partial_grad_params(model, L.tp, L.pp, L.vpp, L.partition, L.seq_parallel, stage, L.ep, L.head_first))
 
 
 @lru_cache(maxsize=16384)
 def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, sp: bool, stage: int,
-                         ep: int = 1) -> tuple:
+                         ep: int = 1, head_first: bool = False) -> tuple:
     if tp == 1:
         return ()
-    h, rng = model.hidden, layout_blocks(model, Layout(pp=pp, vpp=vpp, partition=partition), stage)
+    h, rng = model.hidden, layout_blocks(model, Layout(pp=pp, vpp=vpp, partition=partition, head_first=head_first),
+                                         stage)
+    last = stage == head_stage(pp, head_first)   # the final norm's stage
     out = {}
     if model.lora_rank or model.frozen:   # what trains, by tag: LoRA's adapters, or what train.freeze leaves
         kv = model_kv_replicas(model, tp) > 1
         tensors = [(n, tag) for i in rng for n, _, tag in layer_tensors(model, i, tp, ep)]
-        tensors += root_tensors(model, tp, pp, stage) if stage == pp - 1 else []   # the final norm
+        tensors += root_tensors(model, tp, pp, stage, head_first) if last else []   # the final norm
         for n, tag in tensors:
             if (tag == "norm" and sp) or tag == "moe" or (tag == "kv" and kv):
                 out[tag] = out.get(tag, 0) + n
@@ -314,7 +316,7 @@ def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition
         per = {False: 2 * model._norm(h) + (2 * h if model.linear_bias else 0),
                True: 2 * model._norm(h) + (h if model.linear_bias else 0)}
         out["norm"] = sum(per[model.is_moe_layer(i)] + model.mla_replicated_params() for i in rng) + \
-            (model._norm(h) if stage == pp - 1 else 0) + \
+            (model._norm(h) if last else 0) + \
             model.mtp_projection_params() * sum(1 for i in rng if i >= model.layers)   # MTP's M and norms
     if model_kv_replicas(model, tp) > 1:
         out["kv"] = len(rng) * 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias) // model.kv_heads
@@ -413,12 +415,16 @@ def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int
     f.add("ep", "all_to_all", "ep", L.ep, msg, (fwd_passes + 2 * backward) * calls, part, route)  # combine fwd; both bwd
 
 
-def pp_hops(stage: int, p: int, m: int, v: int) -> tuple[int, int]:
+def pp_hops(stage: int, p: int, m: int, v: int, head_first: bool = False) -> tuple[int, int]:
     """(to_next, to_prev): how many of `stage`'s micro-batch chunks cross its boundary with the next stage
     (activations forward; under interleaving the last stage's chunks go on to the first) and with the
     previous one (gradients backward), out of m·v each: the last chunk of the last stage sends nothing
     forward, nor the first chunk of the first stage backward. The stage receives the same counts the
-    other way: to_prev forward from the previous stage, to_next backward from the next."""
+    other way: to_prev forward from the previous stage, to_next backward from the next. With `head_first`
+    (the head on the first stage) the last stage sends its final hidden states on to the first, which
+    sends their gradient back: every stage crosses both boundaries m·v times."""
+    if head_first:
+        return m * v, m * v
     return m * v - (m if stage == p - 1 else 0), m * v - (m if stage == 0 else 0)
 
 
@@ -427,10 +433,10 @@ def _pp_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
     if p == 1:
         return
     act = T * model.hidden * w.act_bytes / (L.tp if L.seq_parallel else 1)
-    to_next, to_prev = pp_hops(stage, p, m, v)
+    to_next, to_prev = pp_hops(stage, p, m, v, L.head_first)
     f.add("pp", "send", "pp", p, act, to_next + to_prev)   # forward to the next stage, backward to the previous
     f.add("pp", "recv", "pp", p, act, to_prev + to_next)   # forward from the previous, backward from the next
-    if model.tie_embeddings and stage in (0, p - 1) and not is_frozen(model, "embed.weight"):
+    if model.tie_embeddings and not L.head_first and stage in (0, p - 1) and not is_frozen(model, "embed.weight"):
         emb = padded_vocab(model.vocab, L.tp) // L.tp * model.hidden
         f.add("embed", "all_reduce", "embed", 2, emb * w.grad_bytes, 1)
 
@@ -545,7 +551,7 @@ def eval_stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: in
         _cp_layer_flows(f, model, L, work, len(rng), m, T, backward=False)
     if L.pp > 1:
         act = T * model.hidden * work.act_bytes / (L.tp if L.seq_parallel else 1)
-        to_next, to_prev = pp_hops(stage, L.pp, m, L.vpp)      # forward only: sends on, receives from before
+        to_next, to_prev = pp_hops(stage, L.pp, m, L.vpp, L.head_first)   # forward only: sends on, receives from before
         f.add("pp", "send", "pp", L.pp, act, to_next)
         f.add("pp", "recv", "pp", L.pp, act, to_prev)
     if L.zero_spec.shards_params:
@@ -579,7 +585,7 @@ def _eval_gather_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage
     """ZeRO-3's all-gathers in an evaluation (and, with params on disk, the reads before them)."""
     n = L.dp * L.cp
     units = zero_units(model, L, w.grad_bytes, stage)
-    root = 1 if any(k for k, _ in root_tensors(model, L.tp, L.pp, stage)) else 0
+    root = 1 if any(k for k, _ in root_tensors(model, L.tp, L.pp, stage, L.head_first)) else 0
     per_unit = [(m if L.reshard_after_forward and not (L.pp > 1 and i < root) else 1) for i in range(len(units))]
     if n > 1:
         padded = [unit_sums((u,), n)[0] for u in units]
@@ -858,7 +864,7 @@ class _Links:
         nxt, prv = (i + 1) % n, (i - 1) % n
         if fl.dim != "pp":
             return [(nxt if fl.op == "send" else prv, 1.0)]
-        to_next, to_prev = pp_hops(i, n, self.m, self.layout.vpp)
+        to_next, to_prev = pp_hops(i, n, self.m, self.layout.vpp, self.layout.head_first)
         total = to_next + to_prev
         return [(nxt, to_next / total), (prv, to_prev / total)] if total else []   # sends and receives alike
 

@@ -42,18 +42,25 @@ def layout_layers(model: PlanModel, layout: Layout) -> tuple[tuple[int, ...], ..
     return stage_layers(model.layers, layout.pp, layout.vpp, layout.partition)
 
 
-def mtp_blocks(model: PlanModel, pp: int, stage: int) -> tuple[int, ...]:
+def head_stage(pp: int, head_first: bool = False) -> int:
+    """The stage holding the final norm, the LM head and the MTP modules: the last, or with `head_first`
+    (`Layout.head_first`, DualPipe's placement: DeepSeek-V3 §3.2.1 keeps the shallowest and the deepest
+    layers, embedding and output head, on one pipeline rank) the first, beside the embedding."""
+    return 0 if head_first else pp - 1
+
+
+def mtp_blocks(model: PlanModel, pp: int, stage: int, head_first: bool = False) -> tuple[int, ...]:
     """The multi-token-prediction modules one rank of `stage` runs (DeepSeek-V3 §2.2, `PlanModel.mtp_depth`):
     all of them on the last stage, with the output head whose weights they share (DeepSeek-V3 §3.2.3 keeps
     embedding, head and MTP on one pipeline rank), none elsewhere. Each is named by the layer index
     `model.layers` (its block is a layer of that kind: MoE where the model has them, as the released
     checkpoint's layer 61); `block_rank_params` and `block_tensors` add the module's own M and norms."""
-    return (model.layers,) * model.mtp_depth if stage == pp - 1 else ()
+    return (model.layers,) * model.mtp_depth if stage == head_stage(pp, head_first) else ()
 
 
 def layout_blocks(model: PlanModel, layout: Layout, stage: int) -> tuple[int, ...]:
     """The blocks one rank of `stage` runs: its layers (`layout_layers`), then the MTP modules' (`mtp_blocks`)."""
-    return layout_layers(model, layout)[stage] + mtp_blocks(model, layout.pp, stage)
+    return layout_layers(model, layout)[stage] + mtp_blocks(model, layout.pp, stage, layout.head_first)
 
 
 @lru_cache(maxsize=4096)
@@ -129,16 +136,17 @@ def _layer_rank_params(model: PlanModel, moe: bool, tp: int, ep: int) -> tuple[i
 
 
 @lru_cache(maxsize=4096)
-def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int) -> tuple:
+def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int,
+                       head_first: bool = False) -> tuple:
     """Per stage: (dense, expert, largest block) parameters on one rank (the MTP modules' on the last);
     "expert": the routed experts reduced over their own "edp" group, so none at ep = 1."""
     rows = []
     for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
         dense = expert = biggest = 0
-        for i in rng + mtp_blocks(model, pp, j):
+        for i in rng + mtp_blocks(model, pp, j, head_first):
             d, e = block_rank_params(model, i, tp, ep)
             dense, expert, biggest = dense + d, expert + e, max(biggest, d + e)
-        dense += sum(n for n, _ in root_tensors(model, tp, pp, j))   # embedding, final norm, head (unless frozen)
+        dense += sum(n for n, _ in root_tensors(model, tp, pp, j, head_first))   # embedding, final norm, head (unless frozen)
         if ep == 1:   # no expert parallelism: the experts are reduced and sharded with the rest
             dense, expert = dense + expert, 0
         rows.append((dense, expert, biggest))
@@ -154,7 +162,7 @@ def stage_params(model: PlanModel, layout: Layout, stage: int) -> tuple[int, int
 
 def _param_table(model: PlanModel, layout: Layout) -> tuple:
     L = layout
-    return _stage_param_table(model, L.tp, L.pp, L.vpp, L.partition, L.ep)
+    return _stage_param_table(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.head_first)
 
 
 def frozen_params(model: PlanModel, layout: Layout, stage: int) -> int:
@@ -340,18 +348,19 @@ def _attn_rank(model: PlanModel, tp: int) -> int:
     return (attn - kv - row_bias) // tp + kv // min(tp, model.kv_heads) + row_bias
 
 
-def root_tensors(model: PlanModel, tp: int, pp: int, stage: int) -> list[tuple[int, str]]:
+def root_tensors(model: PlanModel, tp: int, pp: int, stage: int, head_first: bool = False) -> list[tuple[int, str]]:
     """(elements on one rank, tag) of the embedding (first stage), final norm ("norm") and untied head
-    (last stage), in registration order; tags as in `layer_tensors`."""
+    (`head_stage`: the last, or the first with `head_first`, where a tied head is the embedding itself), in
+    registration order; tags as in `layer_tensors`."""
     vocab_rank = padded_vocab(model.vocab, tp) // tp * model.hidden
     out = []
     head = "embed.weight" if model.tie_embeddings else "head.weight"   # a tied head is the embedding
     if stage == 0 and not is_frozen(model, "embed.weight"):
         out.append((vocab_rank + (model.max_seq * model.hidden if model.learned_pos else 0), ""))
-    if stage == pp - 1:
+    if stage == head_stage(pp, head_first):
         if not is_frozen(model, "norm.weight"):
             out.append((model._norm(model.hidden), "norm"))
-        if (not model.tie_embeddings or pp > 1) and not is_frozen(model, head):
+        if (not model.tie_embeddings or (pp > 1 and not head_first)) and not is_frozen(model, head):
             out.append((vocab_rank, ""))
     return out
 
@@ -363,7 +372,7 @@ def zero_units(model: PlanModel, layout: Layout, grad_bytes: int, stage: int, ex
     `expert` selects the routed-expert parameters instead."""
     L = layout
     return _zero_units(model, L.tp, L.pp, L.vpp, L.partition, L.ep, block_units(L), L.bucket_mb, grad_bytes, stage,
-                       expert)
+                       expert, L.head_first)
 
 
 def block_units(layout: Layout) -> bool:
@@ -374,13 +383,14 @@ def block_units(layout: Layout) -> bool:
 def root_units(model: PlanModel, layout: Layout, stage: int) -> int:
     """ZeRO root units on one rank of `stage` (the first of `zero_units`): 1 where the units are blocks plus a
     root and the stage holds parameters outside its blocks (embedding, final norm, head), else 0."""
-    return 1 if block_units(layout) and any(n for n, _ in root_tensors(model, layout.tp, layout.pp, stage)) else 0
+    return 1 if block_units(layout) and any(n for n, _ in root_tensors(model, layout.tp, layout.pp, stage,
+                                                                         layout.head_first)) else 0
 
 
 def held_root(model: PlanModel, layout: Layout, stage: int) -> bool:
     """Whether `stage`'s root unit holds a tied copy of the embedding (first and last stage, pp > 1):
     such a unit is reduced once per step, after the copies' gradients are summed (parallel/engine.py)."""
-    return model.tie_embeddings and layout.pp > 1 and stage in (0, layout.pp - 1)
+    return model.tie_embeddings and layout.pp > 1 and not layout.head_first and stage in (0, layout.pp - 1)
 
 
 @lru_cache(maxsize=8192)
@@ -393,7 +403,7 @@ def unit_tensors(model: PlanModel, layout: Layout, grad_bytes: int, stage: int,
     """`zero_units` tensor by tensor: per unit, its tensors' (elements, tag) in flat-buffer order."""
     L = layout
     return _unit_tensors(model, L.tp, L.pp, L.vpp, L.partition, L.ep, block_units(L), L.bucket_mb, grad_bytes, stage,
-                         expert)
+                         expert, L.head_first)
 
 
 def _block_tensors_tagged(model: PlanModel, i: int, tp: int, ep: int, expert: bool) -> tuple[tuple[int, str], ...]:
@@ -414,10 +424,10 @@ def _tensors_of_kind(model: PlanModel, moe: bool, mtp: bool, tp: int, ep: int, e
 
 @lru_cache(maxsize=8192)
 def _unit_tensors(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int, blocks: bool,
-                  bucket_mb: float, grad_bytes: int, stage: int, expert: bool) -> tuple:
-    rng = stage_layers(model.layers, pp, vpp, partition)[stage] + mtp_blocks(model, pp, stage)
+                  bucket_mb: float, grad_bytes: int, stage: int, expert: bool, head_first: bool = False) -> tuple:
+    rng = stage_layers(model.layers, pp, vpp, partition)[stage] + mtp_blocks(model, pp, stage, head_first)
     per_layer = [_block_tensors_tagged(model, i, tp, ep, expert) for i in rng]
-    root = [] if expert else root_tensors(model, tp, pp, stage)
+    root = [] if expert else root_tensors(model, tp, pp, stage, head_first)
     if blocks:
         units = ([tuple(root)] if root else []) + [t for t in per_layer]
         return tuple(u for u in units if sum(n for n, _ in u))
@@ -425,7 +435,7 @@ def _unit_tensors(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, 
     first = root[:1] if stage == 0 and embed else []
     rest = root[len(first):]
     # backward order (parallel/engine.py backward_order): reverse registration, the tied head copy last
-    tied = rest[-1:] if model.tie_embeddings and pp > 1 and stage == pp - 1 and rest and embed else []
+    tied = rest[-1:] if model.tie_embeddings and pp > 1 and not head_first and stage == pp - 1 and rest and embed else []
     order = list(reversed(first + [t for ts in per_layer for t in ts] + rest[:len(rest) - len(tied)])) + tied
     buckets = bucket_ranges([n for n, _ in order], int(bucket_mb * 2**20), grad_bytes)  # bucket_mb is MiB
     return tuple(tuple(order[i] for i in b) for b in buckets)

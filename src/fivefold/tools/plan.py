@@ -114,6 +114,10 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     mech.add_argument("--ep-overlap", dest="ep_overlap", action=argparse.BooleanOptionalAction,
                       help="MoE all-to-alls overlap another micro-batch's compute (DualPipe-style; one layout: off "
                            "unless given; a search: on for ep > 1 unless --no-ep-overlap)")
+    mech.add_argument("--head-first", dest="head_first", action=argparse.BooleanOptionalAction,
+                      help="the final norm, head and MTP modules on the first stage with the embedding (DualPipe's "
+                           "placement; pp > 1, vpp 1; one layout: off unless given; a search tries both for a model "
+                           "with MTP modules unless given)")
     mech.add_argument("--moe-route-nodes", dest="moe_route_nodes", type=int,
                       help="node-limited routing: each token's experts on at most M nodes (DeepSeek-V3: 4)")
     mech.add_argument("--fp8-gemm", dest="fp8_gemm", action="store_true", help="linear-layer GEMMs at the FP8 peak")
@@ -382,6 +386,7 @@ def mechanism_options(args, layout: Layout) -> dict:
     out = {k: getattr(layout, k) if v is None else v for k, v in pick.items()}
     out["ep_overlap"] = layout.ep_overlap if args.ep_overlap is None else args.ep_overlap
     out["recompute_norm_mla"] = layout.recompute_norm_mla if args.recompute_norm_mla is None else args.recompute_norm_mla
+    out["head_first"] = layout.head_first if args.head_first is None else args.head_first
     out["reduce_each_microbatch"] = args.reduce_each_microbatch or layout.reduce_each_microbatch
     return out
 
@@ -482,7 +487,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError("searching needs --gpus (or give every degree: --tp --pp --cp --dp)")
     check_searchable(args)
     fixed.update(sp_mode=args.sp_mode, cp_mode=args.cp_mode, ep_overlap=args.ep_overlap,
-                 recompute_norm_mla=args.recompute_norm_mla)
+                 recompute_norm_mla=args.recompute_norm_mla, head_first=args.head_first)
     res = search(model, work, topo, gpus, fixed, top=args.top, order=order, partition=partition,
                  schedule=args.schedule)
     for e in res.best:

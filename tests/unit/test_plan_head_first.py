@@ -14,7 +14,7 @@ from fivefold.plan.memory import stage_memory
 from fivefold.plan.search import search
 from fivefold.plan.traffic import pp_hops, stage_flows
 from fivefold.plan.units import mtp_blocks, root_tensors, stage_params
-from tests.unit.test_plan_mechanisms import DSV3, DSV3_LAYOUT, DSV3_WORK, H800
+from tests.support.deepseek import DSV3, DSV3_LAYOUT, DSV3_WORK, H800
 
 SMALL = replace(DSV3, name="deepseek-v3-8l", layers=8, dense_layers=1, experts=16, top_k=4)   # MTP depth 1
 WORK = Workload(seq=1024, global_batch=16)

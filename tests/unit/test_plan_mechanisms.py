@@ -20,11 +20,11 @@ from fivefold.plan.time import (chunk_first_use, chunk_ready, ep_exposed, fp8_ca
 from fivefold.plan.topology import TOPOLOGIES, GiB, topology_from_dict
 from fivefold.plan.traffic import Flow, ep_nodes, place, stage_flows
 
+from tests.support.deepseek import DSV3, DSV3_LAYOUT, DSV3_WORK, H800
 from tests.support.tiny import tiny_config
 
 LLAMA8 = PRESETS["llama3-8b"]
 MIXTRAL = PRESETS["mixtral-8x7b"]
-DSV3 = PRESETS["deepseek-v3"]
 
 
 def rows(flows):
@@ -247,17 +247,6 @@ def test_fp8_gemms_run_linear_layers_at_the_fp8_rate_plus_their_casts():
         estimate(LLAMA8, lay, replace(w, fp8_gemm=True), a100)
 
 
-# DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", §3.1-3.4: 2048 H800 GPUs, 8 a node on NVLink/NVSwitch
-# (400 GB/s both ways), 400 Gb/s InfiniBand per GPU; 16-way pipeline (DualPipe), 64-way expert
-# parallelism over 8 nodes, ZeRO-1 data parallelism, no tensor parallelism; sequence 4096, batch 15360
-# sequences (after the ramp); tokens to at most 4 nodes; FP8 dispatch, GEMMs and activation caching;
-# RMSNorm and MLA up-projections recomputed in the backward (§3.4).
-H800 = topology_from_dict({"name": "h800", "accelerator": "h100", "tier": [
-    {"name": "nvlink", "size": 8, "bandwidth_gbps": 200, "latency_us": 2},
-    {"name": "ib", "bandwidth_gbps": 50, "latency_us": 5}]})
-DSV3_LAYOUT = Layout(pp=16, dp=128, ep=64, zero=1, micro_batch=1, ep_overlap=True, recompute_norm_mla=True)
-DSV3_WORK = Workload(seq=4096, global_batch=15360, capacity_factor=0, fp8_dispatch=True, moe_route_nodes=4,
-                     fp8_gemm=True, fp8_act_cache=True)
 
 
 def test_deepseek_v3_layout_is_expressible_and_its_mechanisms_act():

@@ -25,7 +25,7 @@ that can be the most loaded (`units.candidate_stages`) or end the step last (`un
 evaluated, with the closed-form bubble.
 
 Branch and bound (`bound=True`, the default): every structure (tp, pp, cp, cp mode, ep, dp) gets a lower
-bound on the step time of each of its layouts, per (vpp, micro-batch) whatever the ZeRO stage, reduction
+bound on the step time of each of its layouts, per (vpp, micro-batch, head placement) whatever the ZeRO stage, reduction
 and recompute (`_Bound`): compute, in-layer tp/Ulysses/expert communication and exposed ring sends, which
 are on the critical path whatever the rest, plus the bubble they imply; and, since a stage's gradient
 reductions run one at a time inside the step, their least seconds (`_Bound._grad`; at 16,384 GPUs often
@@ -393,8 +393,9 @@ class _Bound:
     def refine(self, structure: tuple, sp: _Space, table: dict) -> tuple[float, dict]:
         """`__call__`'s bound and table raised to the gradient reductions' least seconds (`_grad`)."""
         tp, pp, cp, mode, ep, dp = structure
-        reduce = {v: self._grad(tp, pp, dp, cp, ep, v, sp.zeros, tuple(sp.heads_at(v))) * self.SLACK for v in sp.vpps}
-        table = {(v, b): max(t, reduce[v]) for (v, b), t in table.items()}
+        reduce = {(v, hf): self._grad(tp, pp, dp, cp, ep, v, sp.zeros, (hf,)) * self.SLACK
+                  for v in sp.vpps for hf in sp.heads_at(v)}
+        table = {(v, b, hf): max(t, reduce[v, hf]) for (v, b, hf), t in table.items()}
         return min(table.values()), table
 
     def _big(self, tp: int, ep: int, expert: bool, dense: int, moe: int, mtp: int, roots: tuple | list,
@@ -436,14 +437,14 @@ class _Bound:
         return volume.bytes_sent(op, message, n, self.work.backend) * per_byte + calls * per_call
 
     def __call__(self, structure: tuple, sp: _Space) -> tuple[float, dict | None]:
-        """(bound of the structure, bound per (vpp, micro-batch) or None: examine every one), the
+        """(bound of the structure, bound per (vpp, micro-batch, head placement) or None: examine every one), the
         gradient reductions counted 0 (`refine` adds them)."""
         tp, pp, cp, mode, ep, dp = structure
         if not sp.per_dp or any(sp.per_dp % b for b in sp.mbs):
             return 0.0, None    # a rule rejects these at once: examine them
         per_token = self.work.seq / (tp * cp)
-        rows_v = [(v, self._stage_rows(pp, v, hf)) for v in sp.vpps for hf in sp.heads_at(v)]
-        if any(rows is None for _, rows in rows_v):
+        rows_v = [(v, hf, self._stage_rows(pp, v, hf)) for v in sp.vpps for hf in sp.heads_at(v)]
+        if any(rows is None for *_, rows in rows_v):
             return 0.0, None
         blocks = tuple(group_block_of(tp, pp, dp, cp, ep, g, self.order) for g in ("tp", "cp", "ep"))
         table = {}
@@ -452,7 +453,7 @@ class _Bound:
         for b in sp.mbs:
             per_layer, per_moe, first, last = self._basis(tp, pp, dp, cp, mode, ep, sp.sp_mode, b, blocks, ep_factor)
             m, tokens = sp.per_dp // b, b * per_token
-            for v, rows in rows_v:
+            for v, hf, rows in rows_v:
                 c = 0.0                           # the slowest timed stage (a plain loop: the search's hottest)
                 for n, moe, fst, lst, f in rows:
                     x = 3 * f * tokens + (n - moe) * per_layer + moe * per_moe + fst * first + lst * last
@@ -464,8 +465,7 @@ class _Bound:
                     t = (m * c + (pp - 1) * min(f * tokens for *_, f in rows)) / min(self.shared, pp)
                 else:
                     t = c * (m + (pp - 1) / (v if schedule_for(v, self.schedule) == INTERLEAVED else 1)) / min(self.shared, pp)
-                # the least over the head placements a (vpp, micro-batch) pair holds
-                table[v, b] = min(table.get((v, b), float("inf")), t * self.SLACK)
+                table[v, b, hf] = t * self.SLACK   # per (vpp, micro-batch, head placement)
         return min(table.values()), table
 
 
@@ -666,13 +666,17 @@ def _structure(model, work, topo, gpus, res: Result, limit: float, recomputes: l
         kw = dict(base, vpp=v, schedule=schedule_for(v, schedule))
         for i, mb in enumerate(mbs):
             status = []
-            if table is not None and table[v, mb] > best.limit():
-                res.skipped_layouts += sp.pair_size(recomputes, res.norm_mla, v)   # none can rank: not tried
+            heads = sp.heads_at(v)
+            if table is not None:      # a head placement whose bound exceeds the limit cannot rank: not tried
+                kept = [hf for hf in heads if table[v, mb, hf] <= best.limit()]
+                res.skipped_layouts += sp.pair_size(recomputes, res.norm_mla, v) * (len(heads) - len(kept)) // len(heads)
+                heads = kept
+            if not heads:
                 continue
-            for hf in sp.heads_at(v):
+            for hf in heads:
                 for z in zeros:
                     # timed only when it could still rank (the limit falls as layouts are timed)
-                    timed = table is None or table[v, mb] <= best.limit()
+                    timed = table is None or table[v, mb, hf] <= best.limit()
                     status.append(_one_layout(model, work, topo, gpus, res, ranked, rejected, limit, recomputes,
                                               dict(kw, zero=z, micro_batch=mb, head_first=hf), best, timed))
                     if status[-1] in (FIT_NO_RECOMPUTE, RULE):

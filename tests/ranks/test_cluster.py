@@ -454,6 +454,8 @@ def test_two_nodes_link_bytes_per_step_equal_the_plan(tmp_path):
             (got, planned)
     ledger = CommLedger.read(out / "comm.json")
     assert ledger.total(dim="links", field="calls") == 5 * 4          # the gate: once a step on each rank
+    # its bytes are comm/volume.py's for an 8-byte all-reduce over the world (gloo's ring), each call
+    assert ledger.total(dim="links") == pytest.approx(5 * 4 * volume.bytes_sent("all_reduce", 8, 4, "gloo"))
     gate = ledger.total(dim="links", tier="inter")
     assert 0 < gate < 1e-4 * planned["leaf"]
     assert ledger.total(tier="inter") - gate == pytest.approx(5 * planned["leaf"], rel=1e-9)

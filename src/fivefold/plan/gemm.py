@@ -86,6 +86,7 @@ def linear_rate(acc, work) -> float:
     return acc.peak(work.dtype) * work.efficiency
 
 
+@lru_cache(maxsize=16384)
 def fp8_cast_elements(model: PlanModel, moe: bool, tokens: float, tp: int, ep: int) -> tuple[float, float, float]:
     """What FP8 quantizes in one layer's linear GEMMs for `tokens` rows (`layer_gemms`), in elements:
     (forward inputs Σ M·K, output gradients Σ M·N, weights Σ K·N). Transformer Engine's recipe (per-tensor

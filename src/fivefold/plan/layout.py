@@ -185,7 +185,8 @@ class Workload:
     backend: str = "nccl"          # whose collective algorithms send the bytes (comm/volume.py ALGORITHMS): "nccl"
                                    # on GPUs, "gloo" for CPU ranks (fivefold's reduce-scatter there: pairwise)
     framework: str = "fivefold"    # whose process the plan is for: its device reserve (plan/reserve.py FRAMEWORKS)
-    ds_bucket: float = 5e8         # DeepSpeed's allgather_bucket_size = reduce_bucket_size, elements (framework deepspeed)
+    ds_bucket: float = 0.0         # DeepSpeed's allgather_bucket_size = reduce_bucket_size, elements (framework
+                                   # deepspeed; 0: its default, plan/reserve.py DEEPSPEED_BUCKET)
     document_length: float = 0.0   # train.document_mask: attention stays inside each packed document of this
                                    # token-weighted mean length, sum(len^2)/sum(len) of the pieces a sequence
                                    # holds (0: no mask; attention spans the sequence)

@@ -13,7 +13,7 @@ parts, each with its source:
   recipes' setting, e.g. the ZeRO-Offload tutorial's) holds 4.5 × 2 bytes × (allgather_bucket_size + reduce_bucket_size) elements (Hugging Face
   Transformers docs, DeepSpeed integration: "overlap_comm uses 4.5x the allgather_bucket_size and
   reduce_bucket_size values. So if they are set to 5e8, this requires a 9GB footprint"); both buckets
-  are `Workload.ds_bucket` elements (DeepSpeed's default 5e8). fivefold's own buckets and Megatron's grad
+  are `Workload.ds_bucket` elements (0: DeepSpeed's default, 5e8). fivefold's own buckets and Megatron's grad
   buffers are planned rows already ("buffers", "grads"), so they add nothing here.
 - **Allocator fragmentation**: not counted. No GPU run of ours has measured it yet (benchmarks/gpu.py
   reads allocated against reserved when a GPU is lent); the output says so.
@@ -34,7 +34,7 @@ def device_reserve(acc: Accelerator, work: Workload) -> dict:
     and "framework_name" (see the module docstring for each part's source)."""
     framework = 0.0
     if work.framework == "deepspeed":
-        framework = DEEPSPEED_OVERLAP_FACTOR * work.param_bytes * 2 * work.ds_bucket
+        framework = DEEPSPEED_OVERLAP_FACTOR * work.param_bytes * 2 * (work.ds_bucket or DEEPSPEED_BUCKET)
     context = acc.context_bytes
     return {"context": context, "framework": framework, "fragmentation": 0.0, "total": context + framework,
             "framework_name": work.framework}

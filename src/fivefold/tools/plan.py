@@ -27,7 +27,7 @@ from ..plan.estimate import estimate, fastest_order
 from ..plan.units import layer_names
 from ..plan.layout import GradDtype, Layout, ReduceDtype, Workload, check_route_nodes, from_config, mlp_widths
 from ..plan.models import PRESETS, PlanModel, from_model_config, load_model
-from ..plan.reserve import DEEPSPEED_BUCKET, FRAMEWORKS
+from ..plan.reserve import FRAMEWORKS
 from ..plan.report import estimate_text, plot, search_dict, search_text, to_json
 from ..plan.search import MAX_GPUS, TIE, search
 from ..plan.topology import ACCELERATORS, GB, TOPOLOGIES, GiB, Topology, load_topology
@@ -307,7 +307,7 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
                    document_length=args.document_length,
                    moe_route_nodes=args.moe_route_nodes or work.moe_route_nodes,
                    fp8_gemm=args.fp8_gemm or work.fp8_gemm, fp8_act_cache=args.fp8_act_cache or work.fp8_act_cache,
-                   framework=args.framework, ds_bucket=args.ds_bucket or DEEPSPEED_BUCKET,
+                   framework=args.framework, ds_bucket=args.ds_bucket or 0.0,
                    optimizer_dtype=args.optimizer_dtype)
     if work.optimizer_dtype == "bf16":
         if work.dtype != "bf16":

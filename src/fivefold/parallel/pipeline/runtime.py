@@ -283,16 +283,11 @@ class PipelineRuntime:
         """Post one batch of sends and receives together (one batch_isend_irecv), with the receives of the
         next batch posted `ahead` (`schedules.early_receives`); do not wait. A receive already posted
         ahead is not posted again."""
-        sends, recvs, keys = [], [], []
-        for a in batch:
-            if a.kind in (SEND_F, SEND_B):
-                sends.append((self.outbox.pop(message_key(a)).contiguous(), a.peer))
-            elif message_key(a) not in self.inbox:
-                recvs.append((torch.empty(self.shape, dtype=self.dtype, device=self.device), a.peer))
-                keys.append(message_key(a))
-        for a in ahead:
-            recvs.append((torch.empty(self.shape, dtype=self.dtype, device=self.device), a.peer))
-            keys.append(message_key(a))
+        sends = [(self.outbox.pop(message_key(a)).contiguous(), a.peer) for a in batch if a.kind in (SEND_F, SEND_B)]
+        posting = [a for a in batch if a.kind not in (SEND_F, SEND_B) and message_key(a) not in self.inbox]
+        posting += ahead
+        recvs = [(torch.empty(self.shape, dtype=self.dtype, device=self.device), a.peer) for a in posting]
+        keys = [message_key(a) for a in posting]
         if not sends and not recvs:     # every receive of the batch was posted ahead
             return
         handle = comm.send_recv(sends, recvs, self.group, async_op=True, dim="pp")

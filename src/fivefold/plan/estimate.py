@@ -59,8 +59,9 @@ class Estimate:
 
     @property
     def reserve(self) -> dict:
-        """Device bytes kept free beyond the planned tensors (plan/reserve.py: CUDA context, framework buffers)."""
-        return device_reserve(self.topo.accelerator, self.work)
+        """Device bytes kept free beyond the planned tensors (plan/reserve.py: CUDA context, framework buffers,
+        the allocator's slack on the most loaded stage)."""
+        return device_reserve(self.topo.accelerator, self.work, self.memory.most_loaded["total"])
 
     @property
     def device_fits(self) -> bool:
@@ -160,7 +161,7 @@ def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, g
     if mem.host > topo.accelerator.host_memory:
         warnings.insert(0, f"does not fit the host: offload needs {mem.host / GiB:.1f} GiB of host memory per GPU, "
                            f"the topology gives {topo.accelerator.host_memory / GiB:.0f} GiB")
-    reserve = device_reserve(topo.accelerator, work)["total"]
+    reserve = device_reserve(topo.accelerator, work, mem.most_loaded["total"])["total"]
     if mem.most_loaded["total"] + reserve > topo.accelerator.memory:
         warnings.insert(0, f"does not fit: stage {mem.most_loaded['stage']} needs "
                            f"{mem.most_loaded['total'] / GiB:.1f} GiB and the device reserve "

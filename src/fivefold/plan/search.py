@@ -67,7 +67,7 @@ from .memory import Memory, stage_memory
 from .units import (block_tensors, candidate_stages, head_stage, mtp_blocks, root_tensors, stage_layers, stage_params,
                     time_stages)
 from .models import PlanModel
-from .reserve import device_reserve
+from .reserve import planned_limit
 from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology
 from ..comm import volume
@@ -558,7 +558,7 @@ def search(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: d
                           f"valid: 1..{MAX_GPUS}")
     topo.check(gpus)
     # what a layout's planned bytes may fill: the device less its reserve (plan/reserve.py)
-    res, limit = Result(bounded=bound, top=top), topo.accelerator.memory - device_reserve(topo.accelerator, work)["total"]
+    res, limit = Result(bounded=bound, top=top), planned_limit(topo.accelerator, work)
     recomputes = _options("recompute", fixed, list(choices(Recompute)))
     res.norm_mla = norm_mla_options(model, fixed)
     structures, early = [], {}     # early[i]: rejections met before structure i

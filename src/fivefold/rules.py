@@ -31,6 +31,10 @@ Offload = Literal["none", "cpu", "nvme"]             # where ZeRO's optimizer st
 
 # The schedule names, from the Literal: code compares against these, never against a spelt-out string.
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB = get_args(ScheduleKind)
+# Schedules the planner models but the runtime does not run: DeepSeek-V3's bidirectional DualPipe
+# (plan/dualpipe.py). `fivefold plan --schedule` takes these too; `fivefold train` refuses them.
+PlannedScheduleKind = Literal["gpipe", "1f1b", "interleaved", "zb", "dualpipe"]
+DUALPIPE = get_args(PlannedScheduleKind)[-1]
 
 
 class ConfigError(ValueError):
@@ -487,6 +491,24 @@ def check_schedule(kind: str, pp: int, vpp: int, microbatches: int, group: int =
     if pp > 1 and kind != GPIPE and microbatches < pp:
         raise ConfigError(f"schedule {kind} needs microbatches >= pp ({pp}), got {microbatches}; "
                           f"valid: microbatches >= {pp}, or schedule {GPIPE}")
+
+
+def check_dualpipe(pp: int, vpp: int, microbatches: int) -> None:
+    """DualPipe (DeepSeek-V3 report, §3.2.1; deepseek-ai/DualPipe dualpipe.py's step() asserts): micro-batches
+    enter from both ends, so pp is even, each direction takes half of an even count of at least 2·pp
+    micro-batches, and each rank holds two stages (no virtual stages). At pp = 1 there is nothing to
+    schedule."""
+    if pp == 1:
+        return   # no pipeline: nothing to schedule (as for every schedule)
+    if pp % 2:
+        raise ConfigError(f"schedule {DUALPIPE} feeds micro-batches from both ends of the pipeline: pp must be even, "
+                          f"got pp = {pp}; valid: pp in {pp - 1}, {pp + 1}")
+    if vpp != 1:
+        raise ConfigError(f"schedule {DUALPIPE} places two stages on each rank itself: vpp must be 1, got {vpp}")
+    if microbatches % 2 or microbatches < 2 * pp:
+        low = max(2 * pp, microbatches + microbatches % 2)
+        raise ConfigError(f"schedule {DUALPIPE} splits the micro-batches between its two directions: microbatches "
+                          f"must be even and >= 2·pp ({2 * pp}), got {microbatches}; valid: {low}, {low + 2}, ...")
 
 
 def check_virtual_stages(pp: int, vpp: int) -> None:

@@ -8,7 +8,8 @@ from fivefold.cli import main
 from fivefold.tools.training import add_train_args
 from fivefold.tools.plan import add_plan_args
 from fivefold.plan.layout import GradDtype
-from fivefold.rules import LrSchedule, CpMode, Device, Dtype, Recompute, ScheduleKind, SpMode, ZeroStage, choices
+from fivefold.rules import (LrSchedule, CpMode, Device, Dtype, PlannedScheduleKind, Recompute, ScheduleKind, SpMode,
+                            ZeroStage, choices)
 
 
 def _choices(add) -> dict:
@@ -24,7 +25,7 @@ def test_choices_are_the_literals():
                      "device": choices(Device), "lr_schedule": choices(LrSchedule)}
     plan = _choices(add_plan_args)
     assert {k: plan[k] for k in ("sp_mode", "cp_mode", "schedule", "recompute", "dtype", "grad_dtype")} == {
-        "sp_mode": choices(SpMode), "cp_mode": choices(CpMode), "schedule": choices(ScheduleKind),
+        "sp_mode": choices(SpMode), "cp_mode": choices(CpMode), "schedule": choices(PlannedScheduleKind),
         "recompute": choices(Recompute), "dtype": choices(Dtype), "grad_dtype": choices(GradDtype)}
 
 

@@ -1,7 +1,7 @@
 """DualPipe's placement (issue 38, point 2): the final norm, LM head and MTP modules on the first stage with
 the embedding (`Layout.head_first`; DeepSeek-V3 §3.2.1 and §3.2.3), planned in memory, traffic and time, and
-a search dimension for a model with MTP modules. DualPipe's own bidirectional schedule is not modelled: the
-pipeline is simulated as 1F1B with these stage costs."""
+a search dimension for a model with MTP modules, under a one-way schedule (1F1B simulated with these
+stage costs). DualPipe's bidirectional schedule, which places them so itself: tests/unit/test_plan_dualpipe.py."""
 from dataclasses import replace
 
 import pytest
@@ -65,7 +65,8 @@ def test_deepseek_v3_search_and_the_published_layout_by_named_terms():
     layers cut to 1 (1 + 15 x 4) 15.6 s. The search (all-to-all overlap, the norm/MLA recompute and the
     placement as dimensions) picks TP2 PP2 EP128 at 13.6 s: faster by the pipeline bubble, 0.31 of the
     published layout's step under 1F1B against under 0.05. DualPipe's bidirectional schedule, which
-    DeepSeek-V3 §3.2.1 builds to remove that bubble, is not modelled (the named term)."""
+    DeepSeek-V3 §3.2.1 builds to remove that bubble, brings the published layout within 1% of the pick
+    (tests/unit/test_plan_dualpipe.py)."""
     plain = estimate(DSV3, DSV3_LAYOUT, DSV3_WORK, H800, 2048)
     placed = estimate(DSV3, replace(DSV3_LAYOUT, head_first=True), DSV3_WORK, H800, 2048)
     cut = estimate(DSV3, replace(DSV3_LAYOUT, head_first=True, partition=",".join(["1"] + ["4"] * 15)),

@@ -238,20 +238,22 @@ def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
     return tuple(rows)
 
 
-def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+def stage_activations(model: PlanModel, layout: Layout, work: Workload, stage: int, flight: float = 0.0) -> float:
     """Peak activation bytes of one rank of `stage`: layers × micro-batches in flight, embedding on the
     first stage, final norm, head and fp32 logits on the last, with the MTP modules' blocks and what they
     keep beyond them (`mtp_acts`); full recompute keeps each layer's input
-    plus one layer's working set (`full_recompute_peak`)."""
+    plus one layer's working set (`full_recompute_peak`). `flight` > 0 gives the micro-batches in flight
+    instead of the schedule's (a one-way schedule's stage; DualPipe, plan/dualpipe.py), the head's for one
+    micro-batch (its forward and backward run back to back, as on a 1F1B last stage)."""
     L = layout
     return _stage_activations(model, work, L.tp, L.sp_mode, L.cp, L.pp, L.dp, L.vpp, L.schedule,
                               L.micro_batch, L.recompute, L.partition, stage, L.microbatch_group,
-                              L.recompute_norm_mla, L.head_first)
+                              L.recompute_norm_mla, L.head_first, flight)
 
 
 @lru_cache(maxsize=65536)
 def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micro_batch, recompute, partition, stage,
-                       group=0, light=False, head_first=False):
+                       group=0, light=False, head_first=False, flight=0.0):
     L = Layout(tp=tp, sp_mode=sp_mode, cp=cp, pp=pp, dp=dp, vpp=vpp, schedule=schedule, micro_batch=micro_batch,
                recompute=recompute, partition=partition, microbatch_group=group, recompute_norm_mla=light,
                head_first=head_first)
@@ -259,7 +261,9 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
     e, h = work.act_bytes, model.hidden
     n_layers = len(layout_blocks(model, L, stage))
     m = microbatches(L, work)
-    flight = in_flight(L.schedule, L.pp, stage, m, L.vpp, L.microbatch_group)
+    head_flight = 1.0 if flight else None
+    flight = flight or in_flight(L.schedule, L.pp, stage, m, L.vpp, L.microbatch_group)
+    head_flight = head_flight or flight
     split = L.tp if L.seq_parallel else 1
     with_scores = not work.flash and L.recompute == "none"
     total_pt, max_pt = _stage_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp,
@@ -282,11 +286,12 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
                               for i in mtp_blocks(model, L.pp, stage, head_first))
         head = 0.0
     if L.recompute == "full":
-        return full_recompute_peak(flight, n_layers, T * e * h / split, max_pt * T, head) + once
+        return full_recompute_peak(flight, n_layers, T * e * h / split, max_pt * T, head) + once \
+            - (flight - head_flight) * head
     total = flight * total_pt * T
     if stage == 0 and not frozen_prefix_layers(model):
         total += flight * T * e * h / split                     # embedding output (stored unless nothing reads its grad)
-    return total + flight * head + once
+    return total + head_flight * head + once
 
 
 def head_acts(e: float, h: int, split: int, vocab: float) -> float:

@@ -24,6 +24,7 @@ from ..grid import check_grids_agree
 from ..parallel.pipeline.spec import Schedule
 from .layout import Layout, Workload, check, microbatches, schedule_of
 from .memory import Memory, memory
+from .dualpipe import rank_flows, ranks_or
 from .reserve import device_reserve
 from .units import candidate_stages, optimizer_bytes_per_param
 from .models import PlanModel
@@ -150,8 +151,9 @@ def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, g
     check(model, layout, work, gpus)
     topo.check(layout.gpus)
     mem = memory(model, layout, work, all_stages)
-    stages = range(layout.pp) if all_stages else candidate_stages(model, layout.pp, layout.vpp, layout.partition)
-    by_stage = {j: place(stage_flows(model, layout, work, j), layout, topo) for j in stages}
+    stages = ranks_or(layout, range(layout.pp) if all_stages else
+                      candidate_stages(model, layout.pp, layout.vpp, layout.partition))
+    by_stage = {j: place(rank_flows(stage_flows, model, layout, work, j), layout, topo) for j in stages}
     worst = max(by_stage, key=lambda j: sum(f.bytes_sent for f in by_stage[j]))
     states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
     owned = owned_elements(mem, work)

@@ -38,7 +38,8 @@ from .. import rules
 from ..config import Config
 from ..grid import DEFAULT_ORDER, check_grids_agree, parse_order
 from ..parallel.zero_spec import ZeroSpec
-from ..rules import INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Offload, Recompute, ScheduleKind, SpMode, ZeroStage
+from ..rules import (DUALPIPE, INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Offload, PlannedScheduleKind, Recompute,
+                     SpMode, ZeroStage)
 from ..parallel.pipeline.spec import Schedule
 from .models import PlanModel, cached_hash
 
@@ -60,7 +61,8 @@ class Layout:
     ulysses: int = 0               # hybrid: Ulysses degree of the inner ranks (0: the largest possible)
     vpp: int = 1
     micro_batch: int = 1           # sequences per micro-batch per data-parallel rank (a size, not a count)
-    schedule: ScheduleKind = ONE_F_ONE_B   # with vpp, microbatch_group, partition: `schedule_of` (rules.check_schedule)
+    schedule: PlannedScheduleKind = ONE_F_ONE_B   # with vpp, microbatch_group, partition: `schedule_of`
+                                   # (rules.check_schedule); "dualpipe": planned only (plan/dualpipe.py)
     recompute: Recompute = "none"
     order: str = DEFAULT_ORDER
     partition: str = "even"        # layers to stages, as parallel.partition: even | llama3 | counts "3,5,5,3"
@@ -129,6 +131,8 @@ class Layout:
             parts.append("a2a-overlap")
         if self.head_first and self.pp > 1:
             parts.append("head-first")
+        if self.schedule == DUALPIPE:
+            parts.append("dualpipe")
         if not self.overlap_grad_reduce:
             parts.append("reduce-after")
         if self.reduce_each_microbatch and self.pp > 1:
@@ -236,8 +240,11 @@ def microbatches(layout: Layout, work: Workload) -> int:
 
 
 def schedule_of(model: PlanModel, layout: Layout, work: Workload) -> Schedule:
-    """The pipeline `Schedule` the layout runs: the value `Schedule.of(cfg)` gives the runtime."""
-    return Schedule.build(layout.schedule, layout.pp, layout.vpp, microbatches(layout, work),
+    """The pipeline `Schedule` the layout runs: the value `Schedule.of(cfg)` gives the runtime. DualPipe,
+    which the runtime does not run, gives the one-way 1F1B schedule of the stages its ranks hold (their
+    layers; plan/dualpipe.py prices the two directions)."""
+    kind = ONE_F_ONE_B if layout.schedule == DUALPIPE else layout.schedule
+    return Schedule.build(kind, layout.pp, layout.vpp, microbatches(layout, work),
                           layout.microbatch_group, model.layers, layout.partition)
 
 
@@ -337,8 +344,8 @@ def check(model: PlanModel, layout: Layout, work: Workload, gpus: int | None = N
         rules.check_positive(name, getattr(L, name))
     if gpus is not None:
         rules.check_world_size(gpus, L.tp, L.cp, L.dp, L.pp)
-    for name, kind in (("zero", ZeroStage), ("sp_mode", SpMode), ("cp_mode", CpMode), ("schedule", ScheduleKind),
-                       ("recompute", Recompute)):
+    for name, kind in (("zero", ZeroStage), ("sp_mode", SpMode), ("cp_mode", CpMode),
+                       ("schedule", PlannedScheduleKind), ("recompute", Recompute)):
         rules.check_choice(name, getattr(L, name), kind)
     parse_order(L.order)
     check_grids_agree(L, L.order)
@@ -348,7 +355,10 @@ def check(model: PlanModel, layout: Layout, work: Workload, gpus: int | None = N
     rules.check_context_parallel(L.cp_mode, L.cp, L.tp, model.heads, work.seq, L.ulysses)
     rules.check_expert_parallel(L.ep, L.dp, L.cp, model.experts)
     rules.check_global_batch(work.global_batch, L.dp, L.micro_batch, what="micro_batch")
-    rules.check_schedule(L.schedule, L.pp, L.vpp, microbatches(L, work), L.microbatch_group)
+    if L.schedule == DUALPIPE:
+        rules.check_dualpipe(L.pp, L.vpp, microbatches(L, work))
+    else:
+        rules.check_schedule(L.schedule, L.pp, L.vpp, microbatches(L, work), L.microbatch_group)
     check_mechanisms(model, L, work)
 
 
@@ -369,6 +379,10 @@ def check_mechanisms(model: PlanModel, layout: Layout, work: Workload) -> None:
         if type(getattr(obj, name)) is not bool:
             raise ConfigError(f"{name} must be true or false, got {getattr(obj, name)!r}")
     check_route_nodes(model, work)
+    if layout.head_first and layout.schedule == DUALPIPE:
+        raise ConfigError("head_first moves the head and MTP modules to the first stage under a one-way schedule; "
+                          "dualpipe places them with the embedding itself (each rank holds stages j and pp-1-j); "
+                          "valid: head_first false with schedule dualpipe")
     if layout.head_first and (layout.pp == 1 or layout.vpp > 1):
         raise ConfigError(f"head_first places the head and MTP modules on the first of several stages without "
                           f"virtual stages (DualPipe's placement); got pp={layout.pp}, vpp={layout.vpp}; valid: "

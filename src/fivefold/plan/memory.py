@@ -19,6 +19,7 @@ from .buffers import (backward_scratch, edge_scratch, loss_scratch, offload_memo
                       zero_at_edge, zero_at_loss, zero_buffers)
 from .layout import Layout, Workload
 from .models import PlanModel
+from .dualpipe import device_memory, devices, is_dualpipe
 from .units import candidate_stages, head_stage, layout_layers, model_states, optimizer_bytes_per_param
 
 COMPONENTS = ("weights", "grads", "optimizer", "activations", "buffers")
@@ -82,7 +83,12 @@ def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -
 
 
 def memory(model: PlanModel, layout: Layout, work: Workload, all_stages: bool = True) -> Memory:
-    """Bytes per rank on every pipeline stage (or only the candidates for the most loaded)."""
+    """Bytes per rank on every pipeline stage (or only the candidates for the most loaded); under DualPipe
+    per distinct rank (plan/dualpipe.py: rank j holds stages j and pp-1-j)."""
+    if is_dualpipe(layout):
+        out = Memory([device_memory(stage_memory, model, layout, work, d) for d in devices(layout)])
+        out.worst = max(range(len(out.stages)), key=lambda k: out.stages[k]["total"])
+        return out
     stages = range(layout.pp) if all_stages else candidate_stages(model, layout.pp, layout.vpp, layout.partition)
     out = Memory([stage_memory(model, layout, work, j) for j in stages])
     out.worst = max(range(len(out.stages)), key=lambda k: out.stages[k]["total"])

@@ -60,13 +60,14 @@ from typing import Iterable
 
 from .. import rules
 from ..grid import DEFAULT_ORDER
-from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB, ConfigError, Recompute, choices, cp_degrees, divisors
+from ..rules import DUALPIPE, INTERLEAVED, ONE_F_ONE_B, ZB, ConfigError, Recompute, choices, cp_degrees, divisors
 from .estimate import Estimate, estimate, owned_elements
 from .layout import Layout, Workload, check, valid_tp
-from .memory import Memory, stage_memory
+from .memory import Memory, memory, stage_memory
 from .units import (block_tensors, candidate_stages, head_stage, mtp_blocks, root_tensors, stage_layers, stage_params,
                     time_stages)
 from .models import PlanModel
+from .dualpipe import is_dualpipe, rank_flows, ranks_or
 from .reserve import planned_limit
 from .time import forward_seconds, stage_weights, step_time
 from .topology import GiB, Topology
@@ -212,14 +213,16 @@ def _space(model: PlanModel, work: Workload, fixed: dict, structure: tuple, orde
     base = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp_mode=sp_mode, cp_mode=mode, order=order,
                 partition=partition if pp > 1 else "even", offload=offload,
                 ep_overlap=ep_overlap_of(model, ep, fixed))
-    return _Space(per_dp, mbs, vpps, zeros, sp_mode, base, head_options(model, pp, fixed))
+    return _Space(per_dp, mbs, vpps, zeros, sp_mode, base, head_options(model, pp, fixed, schedule))
 
 
-def head_options(model: PlanModel, pp: int, fixed: dict) -> list[bool]:
+def head_options(model: PlanModel, pp: int, fixed: dict, schedule: str | None = None) -> list[bool]:
     """`Layout.head_first` choices: DualPipe's placement of the final norm, head and MTP modules with the
     embedding on the first stage (DeepSeek-V3 §3.2.1, §3.2.3), tried beside the last stage for a model with
     MTP modules under a pipeline (the published run that places them so), unless fixed; at vpp 1 only
-    (`_Space.heads_at`)."""
+    (`_Space.heads_at`). DualPipe places them with the embedding itself (plan/dualpipe.py): False."""
+    if schedule == DUALPIPE:
+        return [False]
     if "head_first" in fixed:
         return [bool(fixed["head_first"]) and pp > 1]
     return [False, True] if model.mtp_depth and pp > 1 else [False]
@@ -454,13 +457,21 @@ class _Bound:
             per_layer, per_moe, first, last = self._basis(tp, pp, dp, cp, mode, ep, sp.sp_mode, b, blocks, ep_factor)
             m, tokens = sp.per_dp // b, b * per_token
             for v, hf, rows in rows_v:
-                c = 0.0                           # the slowest timed stage (a plain loop: the search's hottest)
+                c = c_first = c_last = 0.0        # the slowest timed stage (a plain loop: the search's hottest)
                 for n, moe, fst, lst, f in rows:
                     x = 3 * f * tokens + (n - moe) * per_layer + moe * per_moe + fst * first + lst * last
                     if x > c:
                         c = x
+                    if fst:
+                        c_first = x
+                    if lst:
+                        c_last = x
                 if pp == 1:
                     t = m * c
+                elif schedule_for(v, self.schedule) == DUALPIPE:
+                    # rank 0 holds the first and last stages, each for half the micro-batches (plan/dualpipe.py)
+                    c = (c_first + c_last) / 2
+                    t = (m * c + (pp // 2 - 1) * c / 2) / min(self.shared, pp)
                 elif schedule_for(v, self.schedule) == ZB:
                     t = (m * c + (pp - 1) * min(f * tokens for *_, f in rows)) / min(self.shared, pp)
                 else:
@@ -512,8 +523,8 @@ class _Top:
 def _fast_time(model, layout, work, topo, mem) -> tuple[float, tuple]:
     """Step time from the stages that can end the step last (`units.time_stages`) and the closed-form
     bubble, and those stages' `traffic`."""
-    stages = time_stages(model, layout.pp, layout.vpp, layout.partition)
-    flows = {j: place(stage_flows(model, layout, work, j), layout, topo) for j in stages}
+    stages = ranks_or(layout, time_stages(model, layout.pp, layout.vpp, layout.partition))
+    flows = {j: place(rank_flows(stage_flows, model, layout, work, j), layout, topo) for j in stages}
     states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
     t = step_time(model, layout, work, topo, flows, states, simulate=False, owned=owned_elements(mem, work))
     return t.step_time_s, traffic(flows.values(), topo)
@@ -711,6 +722,10 @@ def reduce_policies(kw: dict) -> list[bool]:
 def _over(model, lay: Layout, work, limit: float) -> tuple[list, dict | None]:
     """(memory rows of the stages that can be the most loaded, the first over `limit` or None)."""
     rows = []
+    if is_dualpipe(lay):
+        rows = memory(model, lay, work).stages
+        over = max(rows, key=lambda r: r["total"])
+        return rows, over if over["total"] > limit else None
     for j in candidate_stages(model, lay.pp, lay.vpp, lay.partition):
         rows.append(stage_memory(model, lay, work, j))
         if rows[-1]["total"] > limit:

@@ -59,8 +59,10 @@ from functools import lru_cache
 
 from .. import rules
 from ..parallel.pipeline import schedules as _schedules
-from ..rules import INTERLEAVED, ZB
+from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB
 from ..shapes import shard_size
+from .dualpipe import is_dualpipe, one_way, stages_of
+from .dualpipe import pipeline_seconds as dualpipe_seconds
 from .gemm import fp8_cast_elements, linear_rate, linear_seconds
 from .layout import Layout, Workload, microbatches, schedule_of
 from .units import (frozen_prefix_layers, frozen_share, head_stage, held_root, layout_blocks, root_units, stage_layers,
@@ -591,6 +593,28 @@ def shared_cores_makespan(makespan: float, busy: list[float], ranks_per_core: fl
     return mean + (makespan - mean) / speedup
 
 
+def stage_compute_seconds(model: PlanModel, L: Layout, work: Workload, acc, j: int, m: int) -> tuple[float, float, float]:
+    """(forward, backward, attention core) compute seconds of one micro-batch on one rank of stage `j`:
+    GEMMs, attention, element-wise work, FP8's casts, recompute; frozen weights and prefixes skip theirs."""
+    _, attn, _ = stage_flops(model, L, work, j)
+    t_lin, t_head = stage_gemm_seconds(model, L, work, acc, j)
+    t_attn = attn / (acc.attention_peak(work.dtype) * work.efficiency)
+    t_ew = elementwise_seconds(model, L, work, acc, j)
+    cast_f, cast_b = fp8_cast_seconds(model, L, work, acc, j, m)   # FP8's quantization (0 without)
+    t_f = t_lin + t_head + t_attn + t_ew / 3 + cast_f
+    extra = t_f if L.recompute == "full" else (t_attn if L.recompute == "selective" else 0.0)
+    extra += light_recompute_flops(model, L, work, j) / linear_rate(acc, work)
+    # element-wise work: a third forward; the backward casts its output gradients, not the inputs again
+    t_b = 2 * (t_f - t_ew / 3 - cast_f) + t_ew * 2 / 3 + extra + cast_b
+    layers_frozen, head_frozen = frozen_share(model, L, j)   # LoRA, train.freeze: no wgrad for frozen weights
+    t_b -= t_lin * layers_frozen + (t_head if head_frozen else 0.0)
+    blocks = layout_blocks(model, L, j)
+    quiet = sum(1 for i in blocks if i < frozen_prefix_layers(model)) / max(1, len(blocks))
+    # a frozen prefix runs no backward at all: beyond its wgrad (above), its dgrad, attention and element-wise
+    t_b -= quiet * (t_lin + 2 * t_attn + t_ew * 2 / 3)
+    return t_f, t_b, t_attn
+
+
 def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
               flows_by_stage: dict[int, list[Flow]], states_bytes: float, simulate: bool = True,
               owned: float = 0.0) -> StepTime:
@@ -600,26 +624,17 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     L, out = layout, StepTime()
     m = microbatches(L, work)
     acc = topo.accelerator
-    peak_mm = linear_rate(acc, work)   # linear-layer GEMMs
     passes = 2 if L.recompute == "full" else 1
     cost_f, cost_b, compute_f, compute_b, layer_comm, touch = {}, {}, {}, {}, {}, {}
+    dual = is_dualpipe(L)   # each rank holds two one-way stages: per micro-batch their mean (plan/dualpipe.py)
+
+    def per_rank(fn, j):
+        if not dual:
+            return fn(L, j)
+        return tuple(sum(x) / 2 for x in zip(*(fn(one_way(L), s) for s in stages_of(L, j))))
+
     for j, flows in flows_by_stage.items():
-        _, attn, _ = stage_flops(model, L, work, j)
-        t_lin, t_head = stage_gemm_seconds(model, L, work, acc, j)
-        t_attn = attn / (acc.attention_peak(work.dtype) * work.efficiency)
-        t_ew = elementwise_seconds(model, L, work, acc, j)
-        cast_f, cast_b = fp8_cast_seconds(model, L, work, acc, j, m)   # FP8's quantization (0 without)
-        t_f = t_lin + t_head + t_attn + t_ew / 3 + cast_f
-        extra = t_f if L.recompute == "full" else (t_attn if L.recompute == "selective" else 0.0)
-        extra += light_recompute_flops(model, L, work, j) / peak_mm
-        # element-wise work: a third forward; the backward casts its output gradients, not the inputs again
-        t_b = 2 * (t_f - t_ew / 3 - cast_f) + t_ew * 2 / 3 + extra + cast_b
-        layers_frozen, head_frozen = frozen_share(model, L, j)   # LoRA, train.freeze: no wgrad for frozen weights
-        t_b -= t_lin * layers_frozen + (t_head if head_frozen else 0.0)
-        blocks = layout_blocks(model, L, j)
-        quiet = sum(1 for i in blocks if i < frozen_prefix_layers(model)) / max(1, len(blocks))
-        # a frozen prefix runs no backward at all: beyond its wgrad (above), its dgrad, attention and element-wise
-        t_b -= quiet * (t_lin + 2 * t_attn + t_ew * 2 / 3)
+        t_f, t_b, t_attn = per_rank(lambda lay, s: stage_compute_seconds(model, lay, work, acc, s, m), j)
         ring = sum(f.seconds for f in flows if f.dim == "cp" and f.op in ("send", "recv"))
         secs = _per_dim_seconds([f for f in flows if KIND.get(f.dim) == "layer" and f.op not in ("send", "recv")])
         ep = ep_exposed(secs.pop("ep", 0.0) / m, t_f, t_b, passes, L.ep_overlap, m, acc.comm_share)
@@ -630,8 +645,8 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         action = acc.action_overhead * L.vpp if L.pp > 1 else 0.0   # vpp > 1: interleaved (rules.check_schedule)
         # fresh host pages of ZeRO's buffers (0 off a calibrated host): gathers before forward and backward,
         # gradient buffers in the backward
-        gathers_s, grads_s = (b / acc.fresh_bandwidth for b in first_touch_bytes(model, L, work, j)) \
-            if acc.fresh_bandwidth else (0.0, 0.0)
+        gathers_s, grads_s = (b / acc.fresh_bandwidth for b in per_rank(
+            lambda lay, s: first_touch_bytes(model, lay, work, s), j)) if acc.fresh_bandwidth else (0.0, 0.0)
         touch[j] = gathers_s + grads_s
         cost_f[j] = t_f + comm_mb / 2 + action + gathers_s / 2 / m
         cost_b[j] = t_b + comm_mb / 2 + action * (2 if L.schedule == ZB else 1) + (gathers_s / 2 + grads_s) / m
@@ -641,15 +656,18 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     send = [f for f in first if f.dim == "pp" and f.op == "send"] if L.pp > 1 else []
     t_send = send[0].seconds / send[0].calls if send else 0.0
     slow = max(flows_by_stage, key=lambda j: cost_f[j] + cost_b[j])
-    pipeline = schedule_of(model, L, work)   # the runtime's Schedule value (parallel/pipeline/spec.py)
-    schedule, v = pipeline.kind, pipeline.vpp
+    pipeline = None if dual else schedule_of(model, L, work)   # the runtime's Schedule (parallel/pipeline/spec.py)
+    schedule, v = (ONE_F_ONE_B, 1) if dual else (pipeline.kind, pipeline.vpp)
     sim = None
-    if simulate and len(flows_by_stage) == L.pp:
+    if simulate and not dual and len(flows_by_stage) == L.pp:
         sim = _simulate(pipeline.actions, L.pp, m, v, [cost_f[j] for j in range(L.pp)],
                         [cost_b[j] for j in range(L.pp)], t_send)
     if sim is not None:
         out.pipeline_s, out.bubble = float(sim.makespan), float(sim.bubble)
         out.bubble_source = "simulator"
+    elif dual:
+        out.pipeline_s, out.bubble, slow = dualpipe_seconds(cost_f, cost_b, m, L.pp, t_send)
+        out.bubble_source = "DualPipe's closed form"
     else:
         c = cost_f[slow] + cost_b[slow]
         out.bubble = closed_form_bubble(schedule, L.pp, m, v, cost_f[slow], cost_b[slow])

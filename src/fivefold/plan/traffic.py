@@ -80,7 +80,7 @@ VOLUME = {op: getattr(volume, op) for op in volume.OPS}   # comm/volume.py's for
 VOLUME.update({op: volume.copy for op in volume.COPIES})   # offload copies: every byte moves
 
 # how exposed a dimension's time is (see time.py)
-KIND = {"tp": "layer", "cp": "layer", "ep": "layer", "pp": "pipeline", "dp": "grad", "edp": "grad",
+KIND = {"tp": "layer", "cp": "layer", "ep": "layer", "pp": "pipeline", "dp": "grad", "edp": "grad", "dualpipe": "grad",
         "loss": "step", "grad_norm": "step", "embed": "step", "moe_stats": "step", "offload": "offload"}
 # the accelerator's own links that offload copies cross (not network tiers): tier name -> Accelerator field
 COPY_TIERS = {"pcie": "pcie_bandwidth", "nvme": "nvme_bandwidth"}

@@ -22,7 +22,7 @@ from ..flags import MICRO_BATCH_SIZE_HELP, add_renamed
 from .. import rules
 from ..grid import DEFAULT_ORDER
 from ..rules import (INTERLEAVED, ConfigError, CpMode, Dtype, Offload, PartitionKind, Recompute,
-                     ScheduleKind, SpMode, LORA_TARGETS, check_count, check_lora_targets, check_real, choices)
+                     PlannedScheduleKind, SpMode, LORA_TARGETS, check_count, check_lora_targets, check_real, choices)
 from ..plan.estimate import estimate, fastest_order
 from ..plan.units import layer_names
 from ..plan.layout import GradDtype, Layout, ReduceDtype, Workload, check_route_nodes, from_config, mlp_widths
@@ -64,8 +64,9 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     add_renamed(ap)   # --micro-batch: one line naming --micro-batch-size
     ap.add_argument("--recompute", choices=choices(Recompute), help="activation checkpointing: selective "
                     "(attention), full (each block; each chunk under pp) (default: searched, none for one layout)")
-    ap.add_argument("--schedule", choices=choices(ScheduleKind), default=None, help="pipeline schedule (default: "
-                    "1f1b, interleaved with --vpp > 1; searched when searching)")
+    ap.add_argument("--schedule", choices=choices(PlannedScheduleKind), default=None, help="pipeline schedule "
+                    "(default: 1f1b, interleaved with --vpp > 1; searched when searching); dualpipe: DeepSeek-V3's "
+                    "bidirectional schedule, planned only (fivefold train does not run it)")
     ap.add_argument("--order", help=f"rank order, innermost first (default {DEFAULT_ORDER})")
     ap.add_argument("--partition", help=f"layers to pipeline stages: {' | '.join(choices(PartitionKind))} | "
                                         f"counts like 3,5,5,3 (default even)")

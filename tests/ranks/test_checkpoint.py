@@ -95,6 +95,19 @@ def test_keep_checkpoints_and_atomic_publish(four):
 def dropout_resume(rank, world, out):
     cfg = cfg_of(steps=4, every=2, dp=2)
     cfg.model.dropout = 0.1
+    return split_run(rank, world, out, cfg)
+
+
+def bf16_zero1_resume(rank, world, out):
+    """ZeRO-1 in bf16: a load reads each whole parameter through one fp32 staging copy into its bf16
+    buffer (parallel/zero.py read_param)."""
+    cfg = cfg_of(steps=4, every=2, dp=2, zero=1)
+    cfg.train.dtype = "bf16"
+    return split_run(rank, world, out, cfg)
+
+
+def split_run(rank, world, out, cfg):
+    """Four steps whole, and two, saved, then resumed to four: (whole losses, resumed losses, metrics steps)."""
     whole = train(rank, world, cfg.to_dict(), out + "/whole")
     cfg.train.steps = 2
     train(rank, world, cfg.to_dict(), out + "/part")
@@ -143,7 +156,8 @@ def nonfinite(rank, world, out):
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     root = tmp_path_factory.mktemp("ck2")
-    jobs = [("dropout", dropout_resume, (str(root),)), ("nonfinite", nonfinite, (str(root / "nan"),))]
+    jobs = [("dropout", dropout_resume, (str(root),)), ("nonfinite", nonfinite, (str(root / "nan"),)),
+            ("bf16-zero1", bf16_zero1_resume, (str(root / "bf16"),))]
     return run_ranks(run_jobs, 2, (jobs,), timeout_s=TIMEOUT_S)[0]
 
 
@@ -152,6 +166,12 @@ def test_resume_is_bit_exact_with_dropout_and_appends_metrics(two):
     whole, rest, lines = two["dropout"]
     assert rest == whole[2:]            # random streams restored: exactly equal
     assert lines == [1, 2, 3, 4]        # the resumed run appended to the same metrics
+
+
+@pytest.mark.ranks
+def test_bf16_zero1_resume_is_bit_exact(two):
+    whole, rest, _ = two["bf16-zero1"]
+    assert rest == whole[2:]
 
 
 @pytest.mark.ranks

@@ -80,8 +80,8 @@ class RankState:
         Adam moments, its persistent buffers — from `source` (model/init.py's protocol: the seeded init,
         a checkpoint's Reader, Hugging Face files), box by box, straight into the engine's tensors
         (engines' `load_local_state`). A rank reads only the boxes of its own pieces, and a fill holds
-        beyond the rank's state only the source's buffers for at most FILL_CHUNK elements (ZeRO-1/2,
-        which hold whole parameters, also one parameter's staging copy)."""
+        beyond the rank's state only the source's buffers for at most FILL_CHUNK elements (ZeRO-1/2 in a
+        16-bit dtype, which hold whole parameters, also one parameter's fp32 staging copy)."""
         def read_into(dst: torch.Tensor, name: str, start: int, section: str) -> None:
             """dst (1-D) = elements start.. of this rank's piece of `name` (flat, row-major)."""
             full, shape, piece, _ = self.param_boxes[name]

@@ -110,7 +110,6 @@ def pipeline_seconds(cost_f: dict[int, float], cost_b: dict[int, float], m: int,
     return busy + idle + p * t_send, idle / (busy + idle) if busy + idle > 0 else 0.0, slow
 
 
-
 def rank_flows(stage_flows, model: PlanModel, layout: Layout, work: Workload, rank: int) -> list[Flow]:
     """`stage_flows` of pipeline rank `rank`: under DualPipe its two stages' (`device_flows`)."""
     if is_dualpipe(layout):

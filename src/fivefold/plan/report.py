@@ -10,6 +10,7 @@ from ..comm.ledger import fmt_bytes
 from .estimate import Estimate
 from .layout import microbatches
 from .memory import COMPONENTS
+from .dualpipe import is_dualpipe, stages_of
 from .reserve import reserve_text
 from .search import Result, mechanisms
 from .topology import GiB
@@ -34,6 +35,9 @@ def memory_table(est: Estimate, max_stages: int = 16) -> str:
         stages = [s for s in stages if s["stage"] in keep]
     rows = [[s["stage"], s["layers"]] + [gib(s[c]) for c in COMPONENTS] + [gib(s["total"])] for s in stages]
     header = ["stage", "layers"] + list(COMPONENTS) + ["total GiB"]
+    if is_dualpipe(est.layout):   # a row is pipeline ranks j and pp-1-j, each holding stages j and pp-1-j
+        header[0] = "ranks"
+        rows = [[",".join(map(str, stages_of(est.layout, r[0])))] + r[1:] for r in rows]
     if est.layout.offload != "none":   # off the device: not in the total
         header += ["host GiB", "disk GiB"]
         rows = [r + [gib(s.get("host", 0.0)), gib(s.get("disk", 0.0))] for r, s in zip(rows, stages)]

@@ -107,7 +107,7 @@ class Estimate:
                       "active_params": self.model.active_params()},
             "topology": self.topo.name, "gpus": self.layout.gpus,
             "layout": {**self.layout.to_dict(), "microbatches": microbatches(self.layout, self.work)},
-            "schedule": self.schedule.to_dict(),
+            "schedule": {**self.schedule.to_dict(), "schedule": self.layout.schedule},   # dualpipe: its one-way split
             "workload": {f: getattr(self.work, f) for f in self.work.__dataclass_fields__},
             "memory": self.memory.to_dict(), "memory_limit": self.topo.accelerator.memory, "fits": self.fits,
             "reserve": self.reserve,

@@ -2,8 +2,11 @@
 2026-12-04; benchmarks/README.md "GPU"): a 1.07 B Llama, bf16 with fp32 masters and main gradients, seq 2048,
 micro-batch 16 × 2, compiled blocks. Measured: 70.04 GiB peak allocated, 864-876 ms a step (two runs of 20
 steps; eager 1,187-1,196 ms). The 0.16 B `--quick` model (micro-batch 128 × seq 1024) measured 90.14 GiB and
-603-622 ms: the planner over-plans its memory by 6% (the components' peaks added, not coinciding) and
-under-plans its step (0.74: small GEMMs and element-wise work the datasheet rates do not see)."""
+603-622 ms. The plan's total is the peak of the sum, with the loss keeping only its two fp32 tensors beside
+the activations' peak (`buffers.loss_beside_activations`; it added the peaks before, 70.05 and 96.13 GiB):
+68.10 and 88.32 GiB, against the dry run's 67.98 and 88.08 and the H200's 70.04 and 90.14 (the GPU's ~2 GiB
+more: cuBLAS and attention workspaces the plan does not count). `--quick`'s step plans at 0.74 of the
+measured: small GEMMs and element-wise work run below the datasheet rates."""
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -31,9 +34,9 @@ def _plan(model, seq, micro_batch):
 
 def test_the_planned_memory_is_the_h200s_peak():
     cfg, _ = _plan(gpu.BIG, 2048, 16)
-    assert planned_memory(cfg)["stages"][0]["total"] / GIB == pytest.approx(70.04, rel=0.01)
+    assert planned_memory(cfg)["stages"][0]["total"] / GIB / 70.04 == pytest.approx(1, abs=0.05)     # 0.972
     quick, _ = _plan(gpu.QUICK, 1024, 128)
-    assert planned_memory(quick)["stages"][0]["total"] / GIB / 90.14 == pytest.approx(1, abs=0.1)   # 1.066: the goal
+    assert planned_memory(quick)["stages"][0]["total"] / GIB / 90.14 == pytest.approx(1, abs=0.05)   # 0.980
 
 
 def test_the_planned_step_is_within_the_goal_of_the_h200s():

@@ -33,7 +33,7 @@ Offload = Literal["none", "cpu", "nvme"]             # where ZeRO's optimizer st
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB = get_args(ScheduleKind)
 # Schedules the planner models but the runtime does not run: DeepSeek-V3's bidirectional DualPipe
 # (plan/dualpipe.py). `fivefold plan --schedule` takes these too; `fivefold train` refuses them.
-PlannedScheduleKind = Literal["gpipe", "1f1b", "interleaved", "zb", "dualpipe"]
+PlannedScheduleKind = Literal[ScheduleKind, "dualpipe"]
 DUALPIPE = get_args(PlannedScheduleKind)[-1]
 
 

@@ -131,7 +131,7 @@ class Layout:
             parts.append("a2a-overlap")
         if self.head_first and self.pp > 1:
             parts.append("head-first")
-        if self.schedule == DUALPIPE:
+        if self.schedule == DUALPIPE and self.pp > 1:
             parts.append("dualpipe")
         if not self.overlap_grad_reduce:
             parts.append("reduce-after")

@@ -88,7 +88,7 @@ def test_each_stage_runs_half_the_micro_batches_and_the_pair_sums_its_gradients(
 def test_deepseek_v3_published_layout_is_the_searchs_best_under_its_schedule():
     """DeepSeek-V3 on 2,048 H800 with its own mechanisms: PP16 × EP64 under 1F1B reads 24.1 s (bubble 0.56);
     under DualPipe with its even split 16.2 s (bubble 0.04), and with the stages balanced for DualPipe's pairs
-    (4 × 15 + 1 layers: rank 0 holds the embedding, 4 layers, the last layer, MTP and head) 13.4 s at 70 GiB,
+    (4 × 15 + 1 layers: rank 0 holds the embedding, 4 layers, the last layer, MTP and head) 13.4 s at 69 GiB,
     which fits. The search under the same schedule and split finds that layout (dp128 × ep64, ZeRO-1 or 2)
     among its best, within the tie margin; the unrestricted search's pick (TP2 PP2 interleaved, 13.5 s) is
     no faster than it by more than 1%."""

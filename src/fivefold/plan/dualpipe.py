@@ -71,7 +71,10 @@ def device_memory(stage_memory, model: PlanModel, layout: Layout, work: Workload
     flight = (layout.pp + 1) / 2   # each stage's share of the rank's pp + 1 micro-batches
     out["activations"] = sum(stage_activations(model, L1, work, s, flight) for s in stages_of(layout, device))
     out["buffers"] = max(r["buffers"] for r in rows)
-    out["total"] = sum(out[c] for c in ("weights", "grads", "optimizer", "activations", "buffers"))
+    # the total is the peak of the sum, as for a stage: each stage's buffers as they stand beside its
+    # activations' peak (`memory.stage_memory`: its total less its other columns)
+    beside = max(r["total"] - sum(r[c] for c in ("weights", "grads", "optimizer", "activations")) for r in rows)
+    out["total"] = sum(out[c] for c in ("weights", "grads", "optimizer", "activations")) + beside
     out["stage"] = device
     out["layers"] = sum(r["layers"] for r in rows)
     return out

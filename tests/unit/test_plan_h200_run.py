@@ -3,7 +3,7 @@
 micro-batch 16 × 2, compiled blocks. Measured: 70.04 GiB peak allocated, 864-876 ms a step (two runs of 20
 steps; eager 1,187-1,196 ms). The 0.16 B `--quick` model (micro-batch 128 × seq 1024) measured 90.14 GiB and
 603-622 ms. The plan's total is the peak of the sum, with the loss keeping only its two fp32 tensors beside
-the activations' peak (`buffers.loss_beside_activations`; it added the peaks before, 70.05 and 96.13 GiB):
+the activations' peak (`buffers.loss_logits`; it added the peaks before, 70.05 and 96.13 GiB):
 68.10 and 88.32 GiB, against the dry run's 67.98 and 88.08 and the H200's 70.04 and 90.14 (the GPU's ~2 GiB
 more: cuBLAS and attention workspaces the plan does not count). `--quick`'s step plans at 0.74 of the
 measured: small GEMMs and element-wise work run below the datasheet rates."""

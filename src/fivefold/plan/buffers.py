@@ -437,19 +437,17 @@ def loss_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     return pipeline_receives(layout, work, stage) * hidden + (work.act_bytes + 8) * rank_tokens(layout, work) * vocab
 
 
-def loss_beside_activations(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
-    """What of `loss_scratch` is alive at the stage's activation peak, the loss's backward: the logits are
-    gone by then (nothing reads them in the backward; the log-probabilities the forward saved, counted as
-    activations, stand in their place), the two fp32 vocab-wide tensors remain. The scratch's own peak
-    (with the logits) comes in the forward, before the log-probabilities exist, so the stage's total is
-    its activations plus this, not plus the scratch's peak (`memory.stage_memory`). Measured with the dry
-    run of benchmarks/gpu.py's --quick model (131,072 tokens × 32,000 vocab, bf16): at the total's peak the
-    saved activations were their own peak, 58.16 GB, and the rest 33.56 GB, 8 bytes × tokens × vocab."""
-    scratch = loss_scratch(model, layout, work, stage)
-    if not scratch:
+def loss_logits(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """The logits' bytes in `loss_scratch` (0 off the head stage): gone by the stage's activation peak, the
+    loss's backward (nothing reads them there; the log-probabilities the forward saved, counted as
+    activations, stand in their place), while the two fp32 vocab-wide tensors remain. The scratch's own
+    peak (with the logits) comes in the forward, before the log-probabilities exist, so a stage's total is
+    its activations plus the scratch less this (`memory.stage_memory`). Measured with the dry run of
+    benchmarks/gpu.py's --quick model (131,072 tokens × 32,000 vocab, bf16): at the total's peak the saved
+    activations were their own peak, 58.16 GB, and the rest 33.56 GB, 8 bytes × tokens × vocab."""
+    if stage != head_stage(layout.pp, layout.head_first):
         return 0.0
-    vocab = padded_vocab(model.vocab, layout.tp) / layout.tp
-    return scratch - work.act_bytes * rank_tokens(layout, work) * vocab
+    return work.act_bytes * rank_tokens(layout, work) * padded_vocab(model.vocab, layout.tp) / layout.tp
 
 
 def step_scratch(owned: float, work: Workload) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .activations import stage_activations
-from .buffers import (backward_scratch, edge_scratch, loss_beside_activations, loss_scratch, offload_memory, step_scratch,
+from .buffers import (backward_scratch, edge_scratch, loss_logits, loss_scratch, offload_memory, step_scratch,
                       zero_at_edge, zero_at_loss, zero_buffers)
 from .layout import Layout, Workload
 from .models import PlanModel
@@ -75,13 +75,12 @@ def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -
         stage == head else 0.0
     edge = zero_at_edge(model, layout, work, stage) + edge_scratch(model, layout, work, stage) if \
         stage in (0, head) else 0.0
-    row["buffers"] = max(backward, loss, edge, step_scratch(owned, work))
+    others = max(backward, edge, step_scratch(owned, work))
+    row["buffers"] = max(others, loss)
     # the total is the peak of the sum: at the activations' peak (the loss's backward on the head stage)
-    # the loss keeps less than its own peak (`loss_beside_activations`)
-    beside = loss - loss_scratch(model, layout, work, stage) + loss_beside_activations(model, layout, work, stage) \
-        if loss else 0.0
-    row["total"] = sum(row[c] for c in COMPONENTS) - row["buffers"] + max(backward, beside, edge,
-                                                                          step_scratch(owned, work))
+    # the loss no longer holds its logits (`loss_logits`)
+    beside = max(others, loss - loss_logits(model, layout, work, stage) if loss else 0.0)
+    row["total"] = sum(row[c] for c in COMPONENTS) - row["buffers"] + beside
     row["stage"] = stage
     row["layers"] = len(layout_layers(model, layout)[stage])
     return row

@@ -627,11 +627,12 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     passes = 2 if L.recompute == "full" else 1
     cost_f, cost_b, compute_f, compute_b, layer_comm, touch = {}, {}, {}, {}, {}, {}
     dual = is_dualpipe(L)   # each rank holds two one-way stages: per micro-batch their mean (plan/dualpipe.py)
+    one = one_way(L) if dual else L
 
     def per_rank(fn, j):
         if not dual:
             return fn(L, j)
-        return tuple(sum(x) / 2 for x in zip(*(fn(one_way(L), s) for s in stages_of(L, j))))
+        return tuple(sum(x) / 2 for x in zip(*(fn(one, s) for s in stages_of(L, j))))
 
     for j, flows in flows_by_stage.items():
         t_f, t_b, t_attn = per_rank(lambda lay, s: stage_compute_seconds(model, lay, work, acc, s, m), j)

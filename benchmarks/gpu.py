@@ -131,16 +131,18 @@ def is_oom(e: BaseException) -> bool:
 
 
 def flash_accepts(model: dict, seq: int) -> str:
-    """Whether SDPA's flash kernel runs the model's attention shapes (bf16, causal): yes, or why not."""
+    """Whether SDPA's flash kernel runs the model's attention shapes (bf16, causal) with the kv heads as
+    they are (`enable_gqa`, what model/attention.py `kernel_reads_kv_heads` gives it): yes, or why not."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     d = model["hidden"] // model["heads"]
     q = torch.randn(1, model["heads"], seq, d, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, model["kv_heads"], seq, d, device="cuda", dtype=torch.bfloat16)
     try:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=model["kv_heads"] != model["heads"])
         return "yes"
     except RuntimeError as e:
         return f"no ({str(e).splitlines()[0][:120]})"
@@ -322,7 +324,7 @@ def main(argv=None) -> int:
     print(f"CUDA context and kernels: {context / 2**20:,.0f} MiB (device memory in use less the allocator's "
           f"reserve after a first tensor and a cuBLAS GEMM; plan/reserve.py counts {CONTEXT_PLANNED / 2**20:,.0f} MiB)")
     flash = flash_accepts(model, seq)
-    print(f"SDPA flash kernel for these shapes (bf16, causal, head dim {model['hidden'] // model['heads']}): {flash}")
+    print(f"SDPA flash kernel for these shapes (bf16, causal, head dim {model['hidden'] // model['heads']}, {model['heads']} query / {model['kv_heads']} kv heads as they are): {flash}")
 
     big = train_big(args, model, seq, steps, capacity)
     mfu = big["flops_per_token"] * big["tokens_per_s"] / peak if peak else None

@@ -48,12 +48,29 @@ def apply_rope(x_bnsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor)
     return x_bnsd * cos + rotate_half(x_bnsd) * sin
 
 
+FLASH_MAX_HEAD_DIM = 256   # the largest head dim SDPA's CUDA flash kernel takes
+
+
+def kernel_reads_kv_heads(device_type: str, dtype: torch.dtype, head_dim: int, masked: bool) -> bool:
+    """Whether SDPA is given the k kv heads as they are (`enable_gqa=True`) rather than repeated to the n
+    query heads. On the CPU always: its fused kernel and its math path both take them. On CUDA only
+    where the flash kernel runs, the one CUDA kernel that reads grouped heads itself: bf16 (which needs
+    an Ampere or newer GPU, as flash does), no mask, head dim at most 256. Elsewhere (fp32 and fp16,
+    which take the memory-efficient kernel, or a mask) `enable_gqa` would send SDPA to its math path,
+    which holds the whole (s, s) score matrix, so the heads are repeated first instead. Seen on an H200
+    before this rule (the heads were always repeated on CUDA): the peak held 2 bytes × (n − k) × head
+    dim × 2 more per layer per token than the plan (1.94 GiB at hidden 2048, 16 layers, 32,768 tokens)."""
+    if device_type != "cuda":
+        return True
+    return dtype == torch.bfloat16 and not masked and head_dim <= FLASH_MAX_HEAD_DIM
+
+
 def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0,
                    documents_bS: torch.Tensor | None = None, pad_b: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal (or full) attention; query head i uses kv head i // (n/k): on the CPU SDPA's fused kernel
-    reads the k kv heads itself (`enable_gqa`), so only they are saved for the backward, as the planner
-    counts them; on CUDA they are repeated first (the flash and memory-efficient kernels' GQA support
-    differs by version and dtype). With `past` > 0 (a KV cache) the keys are the `past` cached tokens followed by the
+    """Causal (or full) attention; query head i uses kv head i // (n/k). Where the kernel reads the k kv
+    heads itself (`kernel_reads_kv_heads`: SDPA's `enable_gqa`), only they are saved for the backward, as
+    the planner counts them; elsewhere they are repeated to n heads first, and the backward keeps the
+    repeated copies (n/k times the keys and values). With `past` > 0 (a KV cache) the keys are the `past` cached tokens followed by the
     queries' own s tokens, and query i sees keys 0..past+i. Training passes no mask (is_causal, no
     dropout), so on CUDA SDPA takes the flash kernel (bf16/fp16) or the memory-efficient one (fp32).
     `documents_bS` (b, s): the document id of each token, queries and keys being the same tokens
@@ -64,7 +81,8 @@ def attention_core(q_bnsd, k_bksd, v_bksd, causal: bool = True, past: int = 0,
     if v_bksd.shape[-1] != q_bnsd.shape[-1] and q_bnsd.device.type == "cpu":
         return narrow_value_attention(q_bnsd, k_bksd, v_bksd, causal, past, documents_bS, pad_b)
     n, k = q_bnsd.shape[1], k_bksd.shape[1]
-    gqa = n != k and q_bnsd.device.type == "cpu"   # the CPU's fused kernel reads the k kv heads itself
+    masked = documents_bS is not None or pad_b is not None or bool(past and causal)
+    gqa = n != k and kernel_reads_kv_heads(q_bnsd.device.type, q_bnsd.dtype, q_bnsd.shape[-1], masked)
     if n != k and not gqa:
         k_bksd = k_bksd.repeat_interleave(n // k, dim=1)
         v_bksd = v_bksd.repeat_interleave(n // k, dim=1)

@@ -8,7 +8,9 @@ model (hidden 256, 4 layers, seq 128, global batch 16, fp32) on a fabric from ex
   and tier (comm.json);
 - planned: `plan.estimate` at efficiency 1.0 on the fabric's topology whose accelerator and node tier are
   `fivefold calibrate`'s for as many ranks as the fabric has (they share this machine's cores as the
-  fabric's ranks do), and `plan.traffic.link_bytes`.
+  fabric's ranks do), calibrated in the minute before each case's run (this machine's speed drifts by a
+  third within minutes; `--reuse-calibration` plans with OUT/local-cpu-N.toml instead), and
+  `plan.traffic.link_bytes`.
 Printed: the time table (predicted / measured, goal 0.8-1.25), each layout's orders ranked by measured
 and by planned step time and the planner's recommended order, and a traffic table in the manner of
 UB-Mesh's: bytes per dimension per tier from the ledger, beside what the links counted.
@@ -124,12 +126,13 @@ def plan(cfg_dict: dict, topo) -> dict:
 
 
 def time_table(rows: list[dict]) -> str:
-    lines = ["| case | order | fabric | planned step | measured step | planned / measured | link bytes / step, measured / planned |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| case | order | fabric | calibrated fp32 GFLOP/s a rank | planned step | measured step | planned / measured | "
+             "link bytes / step, measured / planned |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         links = ", ".join(f"{t} {r['measured']['links'][t] / 1e6:.2f} MB ({r['measured']['links'][t] / r['plan']['links'][t]:.3f})"
                           for t in r["measured"]["links"] if r["plan"]["links"].get(t))
-        lines.append(f"| {r['case']} | {r['order']} | {r['fabric']} | {r['plan']['step_s']:.3f} s | "
+        lines.append(f"| {r['case']} | {r['order']} | {r['fabric']} | {1e3 * r.get('calibrated_fp32_tflops', 0.0):.1f} | "
+                     f"{r['plan']['step_s']:.3f} s | "
                      f"{r['measured']['step_s']:.3f} s | {r['plan']['step_s'] / r['measured']['step_s']:.2f} | {links} |")
     return "\n".join(lines)
 
@@ -424,18 +427,26 @@ def main() -> int:
         fab = fabric(fab_name)
         world = nodes * fab.tiers[0].size
         saved = out / f"local-cpu-{world}.toml"
-        if world not in cals:   # --smoke: the fabric file's own accelerator (its figures mean nothing)
-            cals[world] = (fab if a.smoke else load_topology(str(saved)) if a.reuse_calibration and saved.is_file()
-                           else calibrated(world, a.quick_calibration, saved, max_load=1.0))
-        topo = planned_topology(fab, cals[world])
         for order in (orders[:1] if a.smoke else orders):
             run_out = out / f"{name}-{order}"
+            # calibrated in the minute before each run: this machine's speed drifts by a third within
+            # minutes (benchmarks/README.md), so a calibration an hour old misplans by as much.
+            # --smoke: the fabric file's own accelerator (its figures mean nothing)
+            if a.smoke:
+                cals[world] = fab
+            elif a.reuse_calibration and saved.is_file():
+                cals[world] = cals.get(world) or load_topology(str(saved))
+            else:
+                cals[world] = calibrated(world, a.quick_calibration, out / f"{name}-{order}.local-cpu-{world}.toml",
+                                         max_load=1.0)
+            topo = planned_topology(fab, cals[world])
             res = run_case(fab_name, nodes, [*argv, "--order", order], run_out, a.steps)
             if res["returncode"]:
                 print("".join(res["outputs"])[-3000:], file=sys.stderr)
                 return 1
             m = measured(run_out, res)
-            rows.append({"case": name, "order": order, "fabric": fab_name, "measured": m, "plan": plan(m["config"], topo)})
+            rows.append({"case": name, "order": order, "fabric": fab_name, "measured": m, "plan": plan(m["config"], topo),
+                         "calibrated_fp32_tflops": topo.accelerator.peak_flops.get("fp32", 0.0) / 1e12})
             r = rows[-1]
             print(f"{name} {order}: planned {r['plan']['step_s']:.3f} s, measured {m['step_s']:.3f} s", flush=True)
     print("\n" + time_table(rows) + "\n\n" + orders_table(rows) + "\n\n" + traffic_table(rows))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -437,8 +438,9 @@ def main() -> int:
             elif a.reuse_calibration and saved.is_file():
                 cals[world] = cals.get(world) or load_topology(str(saved))
             else:
-                cals[world] = calibrated(world, a.quick_calibration, out / f"{name}-{order}.local-cpu-{world}.toml",
-                                         max_load=1.0)
+                fresh = out / f"{name}-{order}.local-cpu-{world}.toml"
+                cals[world] = calibrated(world, a.quick_calibration, fresh, max_load=1.0)
+                shutil.copyfile(fresh, saved)     # the newest, for a later --reuse-calibration
             topo = planned_topology(fab, cals[world])
             res = run_case(fab_name, nodes, [*argv, "--order", order], run_out, a.steps)
             if res["returncode"]:

@@ -55,7 +55,7 @@ def train_bpe(vocab: int, folder: Path, limit_mb: float) -> Path:
     """A byte-level BPE of `vocab` ids trained on the run's default text (the standard library's source)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from fivefold.train.data import stdlib_files
+    from fivefold.train.corpus import stdlib_files
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

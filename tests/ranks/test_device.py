@@ -24,6 +24,7 @@ import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.utils._device as torch_device
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -238,6 +239,20 @@ def test_resolve_device_with_cuda(cuda_present):
         launch.resolve_device("cuda", "gloo")
 
 
+@pytest.mark.parametrize("driver", [False, True])
+def test_launcher_device_asks_torch_only_where_a_gpu_can_be(monkeypatch, cuda_present, driver):
+    """The launcher's device type: cpu without asking torch for cpu, for auto over gloo and for auto where no
+    GPU driver exists (torch can find no device there); otherwise resolve_device's answer."""
+    asked = []
+    monkeypatch.setattr(launch, "gpu_driver_present", lambda: driver)
+    monkeypatch.setattr(launch, "resolve_device", lambda name, backend: asked.append(name) or torch.device("cuda", 0))
+    assert launch.launcher_device("cpu", None) == "cpu"
+    assert launch.launcher_device("auto", "gloo") == "cpu"
+    assert launch.launcher_device("auto", None) == ("cuda" if driver else "cpu")
+    assert launch.launcher_device("cuda", None) == "cuda"            # a bad request is resolve_device's to refuse
+    assert asked == (["auto", "cuda"] if driver else ["cuda"])
+
+
 @pytest.mark.parametrize("device,cuda,backend", [("auto", True, "nccl"), ("cuda", True, "nccl"),
                                                  ("auto", False, "gloo"), ("cpu", True, "gloo")])
 def test_torchrun_picks_nccl_for_cuda(monkeypatch, device, cuda, backend):
@@ -246,9 +261,9 @@ def test_torchrun_picks_nccl_for_cuda(monkeypatch, device, cuda, backend):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: seen.setdefault("gpu", i))
     monkeypatch.setattr(launch, "torchrun_store", lambda rank, world, timeout: None)
-    monkeypatch.setattr(launch.dist, "init_process_group", lambda backend, **kw: seen.setdefault("backend", backend))
-    monkeypatch.setattr(launch.dist, "get_rank", lambda: 3)
-    monkeypatch.setattr(launch.dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.setdefault("backend", backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 8)
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -16,7 +16,8 @@ from fivefold.model import Transformer, loss_sum
 from fivefold.model.documents import Documents, document_positions
 from fivefold.model.attention import attention_core
 from fivefold.parallel.context import ContextAttention, token_indices
-from fivefold.train.data import Batches, check_data, make_batches
+from fivefold.train.data import Batches, make_batches
+from fivefold.train.corpus import check_data
 
 from tests.support.spawn import spawn_jobs
 from tests.support.tiny import TOL, assert_states_close, tiny_config

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from fivefold.config import Config, ConfigError
-from fivefold.train.data import EvalBatches, make_batches, make_eval_batches, split_corpus
+from fivefold.train.data import EvalBatches, make_batches, make_eval_batches
+from fivefold.train.corpus import split_corpus
 from fivefold.train.trainer import Trainer
 
 from tests.support.spawn import spawn_jobs
@@ -48,7 +49,7 @@ def test_eval_rules_are_one_line():
         cfg.validate()
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         EvalBatches(np.zeros(100, np.int64), 32, 8, 1000)
-    from fivefold.train.data import check_held_out   # before any rank starts: both parts hold a window
+    from fivefold.train.corpus import check_held_out  # before any rank starts: both parts hold a window
     cfg.train.eval_fraction = 0.999999
     with pytest.raises(ConfigError, match=r"train.eval_fraction = 0.999999 of 8,388,608 tokens leaves 8 to train "
                                           r"and 8,388,600 to evaluate; each needs train.seq_len \+ 2 = 34"):

@@ -163,7 +163,8 @@ def test_generate_stops_where_the_folder_says_and_chats_through_its_template(fol
     import shutil
 
     from fivefold import cli
-    from fivefold.tools.generate import Sampling, load_hf, sample, stop_ids
+    from fivefold.tools.generate import Sampling, load_hf, sample
+    from fivefold.tools.stops import stop_ids
 
     folder, fast = folders["chatml"]
     torch.manual_seed(1)

@@ -483,3 +483,57 @@ def test_both_watchdogs_name_the_step_metrics_jsonl_names():
     dog.beat(4)
     assert "after step 4," in dog.report()
     assert _silence_message(5, 0, True, True, 4).endswith("last reported step 4")
+
+
+# ---- the launcher imports no torch --------------------------------------------------------------------
+
+NO_TORCH_LAUNCHER = """
+import sys
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"the launcher imported {name}")
+
+if __name__ == "__main__":
+    sys.meta_path.insert(0, NoTorch())   # this process only: the ranks' fork server is a fresh interpreter
+    from fivefold.cli import main
+    code = main(sys.argv[1:])
+    print("launcher imported torch:", "torch" in sys.modules)
+    sys.exit(code)
+"""
+
+
+def test_train_launcher_never_imports_torch(tmp_path):
+    """`fivefold train --nproc 2` checks the run, starts its ranks and reads their results with torch
+    unimportable in the launcher (only the ranks import it), and the ranks train as usual."""
+    from tests.support.cli import TINY
+
+    script = tmp_path / "launch_without_torch.py"
+    script.write_text(NO_TORCH_LAUNCHER)
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(script), "train", "--nproc", "2", "--dp", "2", *TINY, "--out", str(out)],
+                       capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "launcher imported torch: False" in r.stdout
+    assert "loss " in r.stdout and (out / "metrics.jsonl").read_text().count("\n") == 4
+
+
+def test_rank_results_come_back_plain_or_through_torch():
+    """A plain result travels as a pickle of built-in data, which the launcher reads refusing any class or
+    function; one with tensors travels through torch.save and weights_only."""
+    import pickle
+
+    import torch
+
+    from fivefold.train.launch import _dumps, _loads
+
+    plain = {"history": [{"loss": 1.5, "step": 1}], "stopped": None, "tags": {1, 2}, "pair": (1, "a")}
+    data = _dumps(plain)
+    assert data[:1] == b"P" and _loads(data) == plain
+    tensors = {"x": torch.arange(3)}
+    data = _dumps(tensors)
+    assert data[:1] == b"T" and torch.equal(_loads(data)["x"], tensors["x"])
+    hostile = b"P" + pickle.dumps(os.getcwd)   # any global (a function, a class) is refused: no code runs
+    with pytest.raises(pickle.UnpicklingError, match="not plain data"):
+        _loads(hostile)

@@ -87,7 +87,7 @@ def test_train_keeps_eos_for_generate_and_export(tok_file, tmp_path):
 
 
 def test_train_text_gets_bos_and_eos(tok_file):
-    from fivefold.train.data import text_tokens
+    from fivefold.train.corpus import text_tokens
 
     raw = np.frombuffer(DOCS[0].encode(), dtype=np.uint8)
     tok = load_tokenizer(tok_file, "<EOT>", "<BOS>")

@@ -18,7 +18,8 @@ from fivefold.config import ConfigError
 from fivefold.tokenizer import (ByteTokenizer, HFTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer,
                                 run_tokenizer, save_to_run)
 from fivefold.train import rundir
-from fivefold.train.data import ShuffledBatches, read_tokens
+from fivefold.train.data import ShuffledBatches
+from fivefold.train.corpus import read_tokens
 from fivefold.train.tokenize import (TokenFileWriter, header_path, offsets_path, read_header, read_offsets,
                                      token_dtype, tokenize)
 

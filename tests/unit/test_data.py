@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from fivefold.config import ConfigError, TrainConfig
-from fivefold.train import data, progress
-from fivefold.train.data import Batches, check_data, check_token_ids, read_tokens
+from fivefold.train import corpus, progress
+from fivefold.train.data import Batches
+from fivefold.train.corpus import check_data, check_token_ids, read_tokens
 from fivefold.train.progress import Progress
 
 N_BIG = (1 << 20) + 1000      # past the 2^20 tokens the old check looked at
@@ -48,7 +49,7 @@ def test_bad_id_past_first_mib_in_batches(late_bad_u16):
 
 
 def test_first_bad_id_across_chunks(monkeypatch):
-    monkeypatch.setattr(data, "CHECK_CHUNK", 7)
+    monkeypatch.setattr(corpus, "CHECK_CHUNK", 7)
     ids = np.zeros(50, dtype=np.int64)
     ids[23], ids[40] = 9, 12
     with pytest.raises(ConfigError, match=r"^token id 9 at position 23 >= model\.vocab \(8\); .* at least 10$"):
@@ -215,7 +216,7 @@ def test_progress_disabled(monkeypatch):
 def test_a_text_budget_larger_than_the_memory_reads_the_file(tmp_path):
     """train.data_limit_mb = 50000 on a small file: the file, not a 50 GB allocation (a MemoryError before;
     found by tests/unit/test_fuzz_inputs.py's config fuzzer)."""
-    from fivefold.train.data import file_tokens
+    from fivefold.train.corpus import file_tokens
 
     f = tmp_path / "a.txt"
     f.write_bytes(b"hello world")

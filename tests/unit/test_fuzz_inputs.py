@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fivefold.model.hf_weights import HFWeights, hf_config  # noqa: E402
-from fivefold.train.data import mixture_of  # noqa: E402
+from fivefold.train.corpus import mixture_of  # noqa: E402
 from fivefold.train.tokenize import offsets_path, read_offsets, tokenize  # noqa: E402
 
 from tests.support.mutate import mutate, values  # noqa: E402

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from fivefold.config import ConfigError
-from fivefold.train.data import make_batches, mixture_of, parse_source
+from fivefold.train.data import make_batches
+from fivefold.train.corpus import mixture_of, parse_source
 from fivefold.train.trainer import Trainer
 
 from tests.support.tiny import tiny_config
@@ -110,7 +111,7 @@ def test_each_source_keeps_its_own_held_out_tail(tmp_path):
 
 
 def test_a_resume_with_other_weights_is_warned_about(tmp_path):
-    from fivefold.train.data import data_identity
+    from fivefold.train.corpus import data_identity
     from fivefold.train.rundir import compare_data
 
     files = sources(tmp_path, 2)

@@ -107,7 +107,7 @@ def add_eval_args(ap: argparse.ArgumentParser) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     """`fivefold eval` (tools/evaluate.py): every rule checked here, then the ranks evaluate."""
     from ..config import Config
-    from ..train.data import check_data, check_eval_data
+    from ..train.corpus import check_data, check_eval_data
     from ..train.launch import resolve_device, run_ranks
     from ..train.trainer import supported
 

@@ -35,7 +35,8 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..rules import install_hint
-from .generate import find_checkpoint, run_of, stop_ids
+from .generate import find_checkpoint, run_of
+from .stops import stop_ids
 from ..tokenizer import HFTokenizer, load_tokenizer, missing_eos, read_specials
 from ..train import checkpoint, rundir
 from ..train.instructions import TEMPLATE_FILE, ChatTemplate

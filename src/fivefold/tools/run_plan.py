@@ -65,10 +65,10 @@ def peak_text(speed: dict, calibration: str) -> str:
             f"train.calibration)")
 
 
-def device_name(device) -> str:
-    """The CUDA device's name (to find its peak), "" elsewhere."""
-    if device.type != "cuda":
+def device_name(device_type: str) -> str:
+    """The current CUDA device's name (to find its peak), "" elsewhere (no torch imported there)."""
+    if device_type != "cuda":
         return ""
     import torch
 
-    return torch.cuda.get_device_name(device)
+    return torch.cuda.get_device_name()

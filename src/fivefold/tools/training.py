@@ -15,7 +15,7 @@ from typing import Literal
 
 from ..config import ConfigError, field_type, load_config, parse_sets, write_run_config
 from ..flags import MICRO_BATCH_SIZE_HELP, MICROBATCHES_HELP, add_renamed
-from ..rules import PartitionKind, check_real, choices
+from ..rules import PartitionKind, check_real, check_runtime_support, choices
 from .run_plan import device_name, peak_text, planned_memory, speed_model
 
 # flag -> dotted config key; each flag's type and choices come from the field's declared type
@@ -324,7 +324,7 @@ def prepare_run(cfg, args) -> tuple[str | None, int]:
         raise ConfigError(f"cannot resume {ckpt} with a different model shape: {'; '.join(errors)}")
     for w in warnings:
         print(f"warning: resuming with a changed setting: {w}", file=sys.stderr)
-    from ..train.data import data_identity
+    from ..train.corpus import data_identity
 
     errors, warnings = rundir.compare_data(index.get("data"), data_identity(cfg.train))
     if errors:
@@ -478,6 +478,21 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
+TRAIN_RANK = "fivefold.train.trainer:train_rank"   # each local rank's function, imported in the rank: the launcher
+                                                    # imports no torch (train/launch.py)
+
+
+def check_supported(cfg) -> None:
+    """The trainer's `supported` rules before any rank starts; torch is imported only where they need a meta
+    model (LoRA targets and freeze patterns), else the torch-free rules alone."""
+    if cfg.train.lora_rank or cfg.train.freeze:
+        from ..train.trainer import supported
+
+        supported(cfg)
+    else:
+        check_runtime_support(cfg.parallel, cfg.train, cfg.model)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from ..train.torchrun_env import torchrun_env, torchrun_ranks_per_node
 
@@ -492,22 +507,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg.validate(world)          # the config's own rules first: no torch is imported for a bad one
     from ..comm import CommLedger
     from ..train import rundir
-    from ..train.data import check_data, check_eval_data
+    from ..train.corpus import check_data, check_eval_data
     from ..train.launch import (die_with_parent, init_torchrun, install_stop_handlers, last_stop_signal, start_watchdog,
-                               leave_torchrun, rank_context, resolve_device, run_ranks)
+                               launcher_device, leave_torchrun, rank_context, resolve_device, run_ranks)
     from ..train.scalars import require_tensorboard
     from ..train.wandb_log import require_wandb
-    from ..train.trainer import supported, train_rank
 
     require_tensorboard(cfg.train.tensorboard)
     require_wandb(cfg.train.wandb)
-    supported(cfg)                                                   # before any rank starts: what the runtime
+    check_supported(cfg)                                            # before any rank starts: what the runtime
     if env is None:                                                  # does not run, a device it cannot use,
         rank_context()                                              # a TMPDIR too long for the ranks' socket,
-        device = resolve_device(cfg.train.device, "gloo" if world > 1 else None)
+        device_type = launcher_device(cfg.train.device, "gloo" if world > 1 else None)
         planned = planned_memory(cfg)                   # more than this machine's memory,
-        speed = speed_model(cfg, device.type, device_name(device))
-        if device.type == "cpu":
+        speed = speed_model(cfg, device_type, device_name(device_type))
+        if device_type == "cpu":
             check_host_memory(planned, world, cfg.model.num_params())
     n_tokens = check_data(cfg.train, cfg.model.vocab)               # data it cannot read, a run folder it
     warn_missing_eos(cfg.train, env is None or env[0] == 0)
@@ -528,7 +542,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         rundir.clear(out)                                           # only what fivefold wrote
     if lock is not None:
         from ..tokenizer import save_to_run
-        from .generate import keep_stop_ids
+        from .stops import keep_stop_ids
         from ..train.instructions import keep_in_run
 
         rundir.mark(out)                                            # OUT/.fivefold-run: fivefold's from now on
@@ -545,10 +559,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         start_watchdog(args.timeout)   # no step for --timeout s: one line naming the nodes it cannot reach, exit
         import torch.distributed as dist
 
-        device = resolve_device(cfg.train.device, dist.get_backend())
+        from ..train.trainer import train_rank
+
+        device_type = resolve_device(cfg.train.device, dist.get_backend()).type
         planned = planned_memory(cfg)
         check_offload_dir(cfg, torchrun_ranks_per_node() or 1, planned)
-        speed = speed_model(cfg, device.type, device_name(device))
+        speed = speed_model(cfg, device_type, device_name(device_type))
         result = train_rank(rank, world, cfg.to_dict(), out, ckpt, planned, speed)
         leave_torchrun(stop_code(result.get("stopped")))   # does not return; failures propagate as usual
     check_offload_dir(cfg, world, planned)
@@ -558,7 +574,7 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
           f"{cfg.model.num_params():,} parameters, {banner_tokens(cfg, start, n_tokens)}, steps {start + 1}..{cfg.train.steps} "
           f"-> {out}; {peak_text(speed, cfg.train.calibration)}", file=sys.stderr)
-    results = run_ranks(train_rank, world, (cfg.to_dict(), out, ckpt, planned, speed), timeout_s=args.timeout)
+    results = run_ranks(TRAIN_RANK, world, (cfg.to_dict(), out, ckpt, planned, speed), timeout_s=args.timeout)
     lock.release()
     r0 = results[0]
     hist = r0["history"]
@@ -566,7 +582,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         first, last = hist[0], hist[-1]
         print(f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(hist)} steps")
     print("\ncommunication (all ranks):")
-    print(CommLedger.read(Path(out) / "comm.json").table(host_is_device=device.type == "cpu"))
+    print(CommLedger.read(Path(out) / "comm.json").table(host_is_device=device_type == "cpu"))
     # the signal the launcher received (it forwards any stop to the ranks as SIGTERM): Ctrl-C exits 130
     stopped = last_stop_signal() or r0.get("stopped")
     if stopped:

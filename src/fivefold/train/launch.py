@@ -10,6 +10,13 @@ loopback interface. torch 2.13 gives no API for gloo's device through `init_proc
 `pg_options` are ignored for gloo), so each rank sets GLOO_SOCKET_IFNAME to the loopback interface
 ("lo", or "lo0") in its own environment before it joins; a local run opens no socket outside 127.0.0.1/::1.
 
+The launcher imports no torch. `run_ranks` and what it calls on the launcher's side (the fork server, the
+pipes, the clocks, the stops) need only the standard library, a rank's plain result comes back as a
+pickle of built-in data (`_dumps`), and `fn` may be named as "module:function" (`entry_point`); the
+functions a rank runs import torch where they run, free in a rank (the fork server preloaded it). So
+`fivefold train` checks a run and starts its ranks without the two CPU-seconds of importing torch, which
+only the ranks pay (tests/ranks/test_launch.py holds a launch to it).
+
 Where ranks come from. A fork server (`rank_context`): a fresh interpreter the launcher starts once, which
 imports torch and the trainer and then forks each rank, so a rank starts in a tenth of a second instead
 of importing torch again (two CPU-seconds each). The server is not a fork of the launcher: ranks inherit
@@ -60,8 +67,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import io
+import multiprocessing as mp
 import os
+import pickle
 import select
 import shutil
 import signal
@@ -72,16 +82,16 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from typing import TYPE_CHECKING
 from multiprocessing import connection, forkserver
 from multiprocessing import util as mp_util
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ..config import ConfigError
 from .signals import alive, release_sigint, sigint_held
 from .torchrun_env import torchrun_env, torchrun_ranks_per_node  # noqa: F401 - part of launch's interface
+
+if TYPE_CHECKING:
+    import torch
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STARTUP_S = 60.0     # a rank may take max(timeout_s, this) to start and join the group
@@ -155,6 +165,8 @@ def free_port() -> int:
 
 
 def one_thread() -> None:
+    import torch
+
     torch.set_num_threads(1)
     try:
         torch.set_num_interop_threads(1)
@@ -173,6 +185,8 @@ def _loopback_interface() -> str | None:
 
 def init_gloo(rank: int, world_size: int, store_path: str, timeout_s: float = 300) -> None:
     """Join the local gloo group: rendezvous through the FileStore at store_path, traffic over loopback."""
+    import torch.distributed as dist
+
     lo = _loopback_interface()
     if lo is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = lo   # read by gloo when it creates its device, in this rank only
@@ -236,14 +250,48 @@ def die_with_launcher(launcher_pid: int) -> None:
 
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """Built-in data only (dicts, lists, strings, numbers, None): any class or function is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+
+
+def _plain(data: bytes):
+    return _PlainUnpickler(io.BytesIO(data)).load()
+
+
 def _dumps(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+    """A rank's result for the launcher: b"P" + a pickle when it is plain data (what `fivefold train`
+    returns), so the launcher reads it without torch; else b"T" + torch.save (tensors, for the tests)."""
+    data = pickle.dumps(obj)
+    try:
+        _plain(data)
+        return b"P" + data
+    except (pickle.UnpicklingError, AttributeError, TypeError):
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return b"T" + buf.getvalue()
 
 
 def _loads(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=True)   # results are tensors and plain data: no code
+    """`_dumps`'s bytes back; neither way runs code from them (plain data, or torch's weights_only)."""
+    if data[:1] == b"P":
+        return _plain(data[1:])
+    import torch
+
+    return torch.load(io.BytesIO(data[1:]), weights_only=True)
+
+
+def entry_point(fn):
+    """`run_ranks`' function: a callable, or "package.module:function", imported in the rank (the fork
+    server has it loaded: PRELOAD), so a launcher need not import the trainer, nor torch, to name it."""
+    if not isinstance(fn, str):
+        return fn
+    module, _, name = fn.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _send(channel, msg) -> None:
@@ -255,6 +303,8 @@ def _worker(rank, world_size, store_path, fn, args, channel, timeout_s, launcher
     """One rank: messages to the parent are (rank, kind, payload), kind in started|progress|ok|error, sent
     on the rank's own pipe (`channel`; a pipe, not a Queue, so no named semaphore exists to outlive a
     `kill -9`). `waits[rank]` is 1 while the rank is blocked in a collective (comm.waits.watch_waits)."""
+    import torch.distributed as dist
+
     global _progress
     die_with_launcher(launcher_pid)
     install_stop_handlers()
@@ -269,7 +319,7 @@ def _worker(rank, world_size, store_path, fn, args, channel, timeout_s, launcher
             init_gloo(rank, world_size, store_path, timeout_s)
         _progress = (rank, channel)
         _send(channel, (rank, "started", None))
-        out = fn(rank, world_size, *args)
+        out = entry_point(fn)(rank, world_size, *args)
         _send(channel, (rank, "ok", _dumps(out)))
     except BaseException as e:  # noqa: BLE001 - any failure is reported with its traceback
         _send(channel, (rank, "error", _describe(e)))
@@ -661,6 +711,9 @@ def run_ranks(fn, nproc: int, args: tuple = (), timeout_s: float = 300) -> list:
 def init_torchrun(timeout_s: float = 1800, device: str = "auto") -> tuple[int, int]:
     """Join a torchrun job: NCCL when the run's device (train.device: auto | cpu | cuda) is CUDA, else gloo.
     On CUDA each rank takes the GPU of its local rank (torchrun's LOCAL_RANK)."""
+    import torch
+    import torch.distributed as dist
+
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"   # the trainer resolves train.device from this backend
     if backend == "nccl":
@@ -676,6 +729,8 @@ def init_torchrun(timeout_s: float = 1800, device: str = "auto") -> tuple[int, i
 def start_watchdog(timeout_s: float) -> None:
     """A torchrun rank's hang watchdog (train/watchdog.py): every node's address from the job's store, then a
     thread that ends this rank with one line after `timeout_s` without a heartbeat."""
+    import torch.distributed as dist
+
     from ..comm.waits import blocked
     from .watchdog import Watchdog, publish_nodes
 
@@ -698,6 +753,8 @@ def torchrun_store(rank: int, world: int, timeout: timedelta):
       rendezvous round chose; it ends with the attempt, so no key of an earlier attempt is left to read. The
       restart count must not be used there: a node replaced under a restart (a fresh agent) counts from 0 while
       the others count 1, and the ranks would wait on each other's keys under two prefixes."""
+    import torch.distributed as dist
+
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":   # the agent hosts the store
         store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
@@ -712,6 +769,8 @@ def leave_torchrun(code: int) -> None:
     then the process exits without the interpreter's teardown, during which a native thread torch leaves
     behind intermittently aborts the rank ("terminate called without an active exception", about one run
     in three with gloo on torch 2.13) after all its work is written."""
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -723,6 +782,8 @@ def resolve_device(name: str, backend: str | None) -> torch.device:
     """train.device for ranks joined over `backend` (None: a single process). auto: CUDA when present and
     the ranks talk over NCCL (torchrun), else CPU — local `--nproc` ranks talk over gloo on the CPU.
     cuda: the current CUDA device, which the launcher set from torchrun's local rank."""
+    import torch
+
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() and backend in (None, "nccl") else "cpu"
     if name == "cpu":
@@ -733,3 +794,20 @@ def resolve_device(name: str, backend: str | None) -> torch.device:
         raise ConfigError("train.device = 'cuda' needs NCCL: run the job under torchrun (one process per GPU); "
                           "local --nproc ranks run on the CPU over gloo (use device = 'cpu' or 'auto')")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_driver_present() -> bool:
+    """A GPU driver's device files exist (NVIDIA's, ROCm's /dev/kfd, WSL's /dev/dxg); off Linux: unknown, so
+    True. Without one, torch can find no CUDA device, so the answer needs no torch."""
+    return not sys.platform.startswith("linux") or any(os.path.exists(f) for f in GPU_DRIVER_FILES)
+
+
+def launcher_device(name: str, backend: str | None) -> str:
+    """`resolve_device`'s device type ("cpu" or "cuda") for a launcher, which imports torch only when the
+    answer depends on a GPU: not for cpu, nor auto over gloo, nor auto on a machine without a GPU driver."""
+    if name == "cpu" or (name == "auto" and (backend == "gloo" or not gpu_driver_present())):
+        return "cpu"
+    return resolve_device(name, backend).type

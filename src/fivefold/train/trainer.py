@@ -82,7 +82,8 @@ from ..parallel.parallelize import loss_function, parallelize, positions_of, sha
 from ..parallel.zero import Zero
 from . import checkpoint, rundir
 from .activations import ActivationMeter
-from .data import BatchSource, SyntheticBatches, data_identity, make_batches, make_eval_batches
+from .data import BatchSource, SyntheticBatches, make_batches, make_eval_batches
+from .corpus import data_identity
 from .launch import heartbeat, resolve_device, stop_requested
 from .optim import AdamW, clip_, global_grad_norm, lr_at
 from .progress import Progress

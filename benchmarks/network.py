@@ -11,6 +11,9 @@ model (hidden 256, 4 layers, seq 128, global batch 16, fp32) on a fabric from ex
   fabric's ranks do), calibrated in the minute before each case's run (this machine's speed drifts by a
   third within minutes; `--reuse-calibration` plans with OUT/local-cpu-N.toml instead), and
   `plan.traffic.link_bytes`.
+Each case's orders run `--time-rounds` times interleaved (A B, then B A), each run against its own fresh
+calibration; a row is the mean of its rounds (each round's pair printed beside it), so orders that differ
+by less than the machine's drift are ranked by their means, not by which ran in a faster minute.
 Printed: the time table (predicted / measured, goal 0.8-1.25), each layout's orders ranked by measured
 and by planned step time and the planner's recommended order, and a traffic table in the manner of
 UB-Mesh's: bytes per dimension per tier from the ledger, beside what the links counted.
@@ -23,7 +26,7 @@ as a scheduler would, under `--max-restarts 1 --resume auto` (node 0's agent res
 re-form the job, it resumes from its checkpoint and ends with the uninterrupted run's losses).
 
     sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/network.py [--steps 6] [--quick-calibration]
-        [--only tp2-dp2] [--no-faults] [--out runs/network]
+        [--time-rounds 2] [--only tp2-dp2] [--no-faults] [--out runs/network]
 """
 from __future__ import annotations
 
@@ -126,15 +129,27 @@ def plan(cfg_dict: dict, topo) -> dict:
     return p
 
 
+def mean_of_rounds(runs: list[dict]) -> dict:
+    """One (case, order) row from its rounds: planned and measured step seconds and the calibrated rate
+    averaged, each round's pair kept (`rounds`); bytes and recommendations from the first round (they do
+    not depend on the machine's speed)."""
+    row = {**runs[0], "rounds": [(r["plan"]["step_s"], r["measured"]["step_s"]) for r in runs]}
+    row["plan"] = {**runs[0]["plan"], "step_s": statistics.fmean(r["plan"]["step_s"] for r in runs)}
+    row["measured"] = {**runs[0]["measured"], "step_s": statistics.fmean(r["measured"]["step_s"] for r in runs)}
+    row["calibrated_fp32_tflops"] = statistics.fmean(r["calibrated_fp32_tflops"] for r in runs)
+    return row
+
+
 def time_table(rows: list[dict]) -> str:
     lines = ["| case | order | fabric | calibrated fp32 GFLOP/s a rank | planned step | measured step | planned / measured | "
-             "link bytes / step, measured / planned |", "|---|---|---|---|---|---|---|---|"]
+             "rounds, planned / measured | link bytes / step, measured / planned |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         links = ", ".join(f"{t} {r['measured']['links'][t] / 1e6:.2f} MB ({r['measured']['links'][t] / r['plan']['links'][t]:.3f})"
                           for t in r["measured"]["links"] if r["plan"]["links"].get(t))
         lines.append(f"| {r['case']} | {r['order']} | {r['fabric']} | {1e3 * r.get('calibrated_fp32_tflops', 0.0):.1f} | "
                      f"{r['plan']['step_s']:.3f} s | "
-                     f"{r['measured']['step_s']:.3f} s | {r['plan']['step_s'] / r['measured']['step_s']:.2f} | {links} |")
+                     f"{r['measured']['step_s']:.3f} s | {r['plan']['step_s'] / r['measured']['step_s']:.2f} | "
+                     f"{', '.join(f'{p:.2f}/{m:.2f}' for p, m in r.get('rounds', []))} | {links} |")
     return "\n".join(lines)
 
 
@@ -395,6 +410,8 @@ def main() -> int:
     ap.add_argument("--loss-probe", action="store_true", help="only fit what one lost frame costs (1%% loss, "
                     "+5 ms between two nodes; a tier's loss_recovery_us)")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the lossy fault's three runs")
+    ap.add_argument("--time-rounds", type=int, default=2, help="rounds of each case's orders, interleaved (A B, "
+                    "then B A, ...), each run planned against its own fresh calibration; a row is their mean")
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--quick-calibration", action="store_true")
     ap.add_argument("--reuse-calibration", action="store_true", help="plan with OUT/local-cpu-N.toml where present")
@@ -428,29 +445,36 @@ def main() -> int:
         fab = fabric(fab_name)
         world = nodes * fab.tiers[0].size
         saved = out / f"local-cpu-{world}.toml"
-        for order in (orders[:1] if a.smoke else orders):
-            run_out = out / f"{name}-{order}"
-            # calibrated in the minute before each run: this machine's speed drifts by a third within
-            # minutes (benchmarks/README.md), so a calibration an hour old misplans by as much.
-            # --smoke: the fabric file's own accelerator (its figures mean nothing)
-            if a.smoke:
-                cals[world] = fab
-            elif a.reuse_calibration and saved.is_file():
-                cals[world] = cals.get(world) or load_topology(str(saved))
-            else:
-                fresh = out / f"{name}-{order}.local-cpu-{world}.toml"
-                cals[world] = calibrated(world, a.quick_calibration, fresh, max_load=1.0)
-                shutil.copyfile(fresh, saved)     # the newest, for a later --reuse-calibration
-            topo = planned_topology(fab, cals[world])
-            res = run_case(fab_name, nodes, [*argv, "--order", order], run_out, a.steps)
-            if res["returncode"]:
-                print("".join(res["outputs"])[-3000:], file=sys.stderr)
-                return 1
-            m = measured(run_out, res)
-            rows.append({"case": name, "order": order, "fabric": fab_name, "measured": m, "plan": plan(m["config"], topo),
-                         "calibrated_fp32_tflops": topo.accelerator.peak_flops.get("fp32", 0.0) / 1e12})
-            r = rows[-1]
-            print(f"{name} {order}: planned {r['plan']['step_s']:.3f} s, measured {m['step_s']:.3f} s", flush=True)
+        runs = []
+        for rnd in range(1 if a.smoke else a.time_rounds):
+            # the orders interleaved, A B then B A: two orders whose step times differ by less than this
+            # machine drifts in minutes are ranked by their rounds' means, not by which ran first
+            for order in (orders[:1] if a.smoke else orders if rnd % 2 == 0 else orders[::-1]):
+                run_out = out / (f"{name}-{order}" + (f"-round{rnd + 1}" if rnd else ""))
+                # calibrated in the minute before each run: this machine's speed drifts by a third within
+                # minutes (benchmarks/README.md), so a calibration an hour old misplans by as much.
+                # --smoke: the fabric file's own accelerator (its figures mean nothing)
+                if a.smoke:
+                    cals[world] = fab
+                elif a.reuse_calibration and saved.is_file():
+                    cals[world] = cals.get(world) or load_topology(str(saved))
+                else:
+                    fresh = out / f"{run_out.name}.local-cpu-{world}.toml"
+                    cals[world] = calibrated(world, a.quick_calibration, fresh, max_load=1.0)
+                    shutil.copyfile(fresh, saved)     # the newest, for a later --reuse-calibration
+                topo = planned_topology(fab, cals[world])
+                res = run_case(fab_name, nodes, [*argv, "--order", order], run_out, a.steps)
+                if res["returncode"]:
+                    print("".join(res["outputs"])[-3000:], file=sys.stderr)
+                    return 1
+                m = measured(run_out, res)
+                runs.append({"case": name, "order": order, "fabric": fab_name, "round": rnd + 1, "measured": m,
+                             "plan": plan(m["config"], topo),
+                             "calibrated_fp32_tflops": topo.accelerator.peak_flops.get("fp32", 0.0) / 1e12})
+                r = runs[-1]
+                print(f"{name} {order} round {rnd + 1}: planned {r['plan']['step_s']:.3f} s, measured "
+                      f"{m['step_s']:.3f} s", flush=True)
+        rows += [mean_of_rounds([r for r in runs if r["order"] == order]) for order in dict.fromkeys(r["order"] for r in runs)]
     print("\n" + time_table(rows) + "\n\n" + orders_table(rows) + "\n\n" + traffic_table(rows))
     result = {"rows": [{**r, "measured": {**r["measured"], "dim_tier": {f"{d}/{t}": v for (d, t), v in
                                                                          r["measured"]["dim_tier"].items()}}}

@@ -58,6 +58,11 @@ CASES = {
     "pp2-dp2": ("two-nodes", 2, ["--pp", "2", "--dp", "2", "--microbatches", "4"], ["tp-cp-ep-pp-dp", "tp-cp-ep-dp-pp"]),
     "moe-tp2-pp2-dp2-ep2": ("two-leaves", 4, ["--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--microbatches", "2",
                                               *MOE], ["tp-cp-ep-dp-pp", "tp-cp-pp-ep-dp"]),
+    # no pipeline: every rank runs the same collective at the same moment (the lockstep the planner's
+    # oversubscription assumes), and the orders differ only in where ep's all-to-all runs: inside a leaf,
+    # or across the spine (expert grads' edp reduction the other way round)
+    "moe-tp2-dp4-ep2": ("two-leaves", 4, ["--tp", "2", "--dp", "4", "--ep", "2", *MOE],
+                        ["tp-cp-ep-dp-pp", "tp-cp-dp-ep-pp"]),
 }
 
 

@@ -4,6 +4,7 @@
     PYTHONPATH=/tmp/before/src python benchmarks/startup.py ...   # the same on an older checkout
     PYTHONPATH=src python benchmarks/startup.py --init-time --model 1b   # one process: the seeded init
     PYTHONPATH=src python benchmarks/startup.py --init-hf --model 250m   # --init-hf vs from_pretrained
+    PYTHONPATH=src python benchmarks/startup.py --cli [--rounds 3]        # `fivefold train`, tiny: the launcher's CPU
 
 Per rank it prints the process's floor (peak RSS before the Trainer: interpreter, torch, the process
 group), the peak RSS once the Trainer is built (and after --steps steps), and the seconds to build it.
@@ -108,6 +109,39 @@ def init_hf(args) -> None:
             print(f"{args.model} {name}: {float(seconds):.1f} s, peak RSS {int(peak_kib) / 1024:.0f} MiB")
 
 
+CLI_CODE = """
+import json, resource, sys, time
+t0 = time.perf_counter()
+from fivefold.cli import main
+code = main(sys.argv[1:])
+own = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"code": code, "wall_s": time.perf_counter() - t0, "torch": "torch" in sys.modules,
+                  "launcher_cpu_s": own.ru_utime + own.ru_stime}))
+"""
+
+
+def cli(args) -> None:
+    """`fivefold train` of the tiny model on 1 and 2 ranks (4 steps, or --steps), end to end in a fresh process,
+    `--rounds` times:
+    wall seconds and the launcher's own CPU seconds (it checks the run and starts the ranks; the fork server
+    and the ranks are not its waited children, so not counted). Any checkout: PYTHONPATH."""
+    import subprocess
+    import tempfile
+
+    m = MODELS["tiny"]
+    flags = [f"--set=model.{k}={v}" for k, v in m.items()] + ["--seq-len", "32", "--global-batch", "8", "--steps",
+                                                            str(args.steps or 4), "--set", "train.data_limit_mb=0.25"]
+    for _ in range(args.rounds):
+        for nproc in (1, 2):
+            with tempfile.TemporaryDirectory(prefix="fivefold-cli-") as tmp:
+                argv = ["train", *flags, "--nproc", str(nproc), "--dp", str(nproc), "--out", f"{tmp}/run"]
+                r = subprocess.run([sys.executable, "-c", CLI_CODE, *argv], capture_output=True, text=True, check=True,
+                                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+                row = json.loads(r.stdout.strip().splitlines()[-1])
+                print(f"{nproc} rank(s): {row['wall_s']:.2f} s wall, launcher {row['launcher_cpu_s']:.2f} CPU-s "
+                      f"(imported torch: {row['torch']})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=list(MODELS), default="small")
@@ -115,12 +149,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="steps after the build (0: build only)")
     ap.add_argument("--init-time", action="store_true", help="time the seeded init in one process")
     ap.add_argument("--init-hf", action="store_true", help="--init-hf's reader vs transformers.from_pretrained")
+    ap.add_argument("--cli", action="store_true", help="`fivefold train` end to end: the launcher's own CPU")
+    ap.add_argument("--rounds", type=int, default=3, help="--cli: rounds of the 1- and 2-rank runs")
     args = common.parse_options(ap, model="tiny", layouts=["tp2xpp2"], steps=1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.init_time:
         return init_time(args)
     if args.init_hf:
         return init_hf(args)
+    if args.cli:
+        return cli(args)
     run_layouts(args)
 
 

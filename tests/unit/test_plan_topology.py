@@ -4,8 +4,6 @@ import pytest
 from fivefold.config import ConfigError
 from fivefold.plan.topology import TOPOLOGIES, GiB, group_bandwidth, load_topology
 
-from tests.support.paths import ROOT
-
 
 def test_presets():
     dgx, llama = TOPOLOGIES["dgx-h100"], TOPOLOGIES["llama3"]
@@ -32,27 +30,6 @@ def test_oversubscription_bites_all_to_all_not_rings():
     assert group_bandwidth(t, 3, "all_to_all", 8, 8 * 3072) == pytest.approx(50e9 / 7)
     assert group_bandwidth(t, 3, "all_reduce", 128, 16384) == pytest.approx(50e9)     # few crossings
     assert group_bandwidth(t, 3, "all_reduce", 6, 6 * 3072) == pytest.approx(50e9 * 6 / (6 * 7))
-
-
-def test_pipeline_stages_sharing_a_domain_do_not_cross_it_at_once():
-    """A group inside one pipeline stage, in a domain that holds `stages` stages: the uplinks serve that stage's
-    ranks only (benchmarks/README.md: two stages' all-to-alls measured 0.9% apart where counting every rank
-    at once planned 43%); groups across stages (pp's sends) keep every rank at once."""
-    from fivefold.plan.layout import Layout
-    from fivefold.plan.traffic import domain_stages
-
-    t = TOPOLOGIES["llama3"]
-    assert group_bandwidth(t, 3, "all_to_all", 8, 8 * 3072, stages=2) == pytest.approx(50e9 * 2 / 7)
-    assert group_bandwidth(t, 3, "all_to_all", 8, 8 * 3072, stages=8) == pytest.approx(50e9)
-    assert group_bandwidth(t, 3, "all_reduce", 6, 6 * 3072, stages=2) == pytest.approx(50e9 * 12 / 42)
-    fabric = load_topology(str(ROOT / "examples" / "fabrics" / "two-leaves.toml"))   # 4 nodes of 2, 2 a leaf, spine 1:2
-    moe = Layout(tp=2, pp=2, dp=2, ep=2)
-    assert domain_stages(moe, fabric, 2, "ep", "tp-cp-pp-ep-dp") == 2   # a leaf holds both stages
-    assert domain_stages(moe, fabric, 2, "dp", "tp-cp-pp-ep-dp") == 2
-    assert domain_stages(moe, fabric, 2, "ep", "tp-cp-ep-dp-pp") == 1   # a leaf holds one stage
-    assert domain_stages(moe, fabric, 2, "pp", "tp-cp-pp-ep-dp") == 1   # pp's sends cross between stages
-    assert domain_stages(moe, fabric, 1, "ep", "tp-cp-pp-ep-dp") == 1   # a node holds one stage
-    assert domain_stages(Layout(tp=2, dp=4, ep=2), fabric, 2, "ep", "tp-cp-dp-ep-pp") == 1
 
 
 def test_custom_toml(tmp_path):

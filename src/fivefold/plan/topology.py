@@ -392,24 +392,19 @@ def collective_loss(op: str, n: int, bytes_sent: float, calls: float, tier: Tier
     return frames * tier.loss * tier.recovery
 
 
-def group_bandwidth(topo: "Topology", tier_index: int, op: str, n: int, block: int, stages: int = 1) -> float:
+def group_bandwidth(topo: "Topology", tier_index: int, op: str, n: int, block: int) -> float:
     """Per-rank bandwidth of a collective on a group of n ranks spanning `block` consecutive ranks whose
     slowest tier is `tier_index`. Oversubscription of that tier bites in proportion to the traffic that
     leaves a domain below it: an all-to-all sends (1-1/k) of its bytes out of each of the k domains it
     spans, every rank at once; a ring (all-reduce, all-gather, reduce-scatter) or a pipeline crosses
     each domain boundary once, so a domain of D ranks carries only D·k/n crossing flows on uplinks
-    worth D·bandwidth/oversubscription. `stages`: the pipeline stages among one domain's ranks (for a
-    group inside one stage). Ranks of different stages do not run the same collective at the same moment
-    (a stage's forward runs beside its neighbour's backward, and each stage reduces its gradients when its
-    own backward ends), so the uplinks serve one stage's crossing ranks, D/stages of them. That is
-    optimistic where the stages' crossings meet, and measured closer than counting every rank at once:
-    benchmarks/README.md, 2026-12-04 nineteenth session."""
+    worth D·bandwidth/oversubscription."""
     tier = topo.tiers[tier_index]
     if tier.oversubscription <= 1 or tier_index == 0:
         return tier.bandwidth
     inner = topo.tiers[tier_index - 1].size or block
     k = max(1, math.ceil(block / inner))
     if op == "all_to_all":
-        return tier.bandwidth * min(1.0, stages / tier.oversubscription)
-    return tier.bandwidth * min(1.0, n * stages / (k * tier.oversubscription))
+        return tier.bandwidth / tier.oversubscription
+    return tier.bandwidth * min(1.0, n / (k * tier.oversubscription))
 

@@ -712,22 +712,11 @@ def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None =
             tier = topo.tiers[i]
             p.tier = tier.name
             latency, own = tier.fit(p.op)
-            bw = group_bandwidth(topo, i, p.op, p.n, block, domain_stages(layout, topo, i, p.group, order)) * own / tier.bandwidth
+            bw = group_bandwidth(topo, i, p.op, p.n, block) * own / tier.bandwidth
             p.seconds = (p.bytes_sent / bw + p.calls * collective_latency(p.op, p.n, latency, p.backend)
                          + collective_loss(p.op, p.n, p.bytes_sent, p.calls, tier, p.backend))
             out.append(p)
     return out
-
-
-def domain_stages(layout: Layout, topo: Topology, tier_index: int, group: str, order: str | None = None) -> int:
-    """The pipeline stages among the ranks of one domain below tier `tier_index` (topology.group_bandwidth),
-    for a group inside one stage; 1 for a group across stages (pp's sends, the tied embedding's
-    reduction, world) and where the domain's size is not known."""
-    inner = topo.tiers[tier_index - 1].size if tier_index > 0 else None
-    if layout.pp <= 1 or not inner or "pp" in grid.GROUP_SPECS[group].dims:
-        return 1
-    between = group_block(layout, "pp", order) // layout.pp    # ranks from one stage's to the next's
-    return max(1, min(layout.pp, inner // between))
 
 
 def ep_nodes(layout: Layout, topo: Topology, order: str | None = None) -> tuple[int, int]:

@@ -215,6 +215,12 @@ def is_adapter(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in LORA_ADAPTERS
 
 
+def trains_a_subset(train) -> bool:
+    """LoRA (train.lora_rank) or train.freeze: which parameters train depends on the model's names, so the
+    runtime checks them on a meta model before any rank starts (trainer.supported)."""
+    return bool(train.lora_rank or train.freeze)
+
+
 def lora_scale(alpha: float, rank: int) -> float:
     """What the adapters' output is multiplied by (LoRA's alpha / r; the merged export uses it too)."""
     return alpha / rank

@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 
 from ..config import Config, ConfigError, ParallelConfig, apply_overrides, field_type, parse_sets
-from .training import HELP, check_init_hf, flag_kwargs, model_from_hf, vocab_from_tokenizer
+from .training import HELP, check_init_hf, check_supported, flag_kwargs, model_from_hf, vocab_from_tokenizer
 
 # eval's flags: the layout and the shape of its windows (dotted config keys, typed like train's flags)
 EVAL_FLAGS = {
@@ -108,8 +108,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """`fivefold eval` (tools/evaluate.py): every rule checked here, then the ranks evaluate."""
     from ..config import Config
     from ..train.corpus import check_data, check_eval_data
-    from ..train.launch import resolve_device, run_ranks
-    from ..train.trainer import supported
+    from ..train.launch import launcher_device, run_ranks
 
     source = Path(args.source)
     if not source.is_dir():
@@ -125,8 +124,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = eval_config(cfg, args)
     world = args.nproc or cfg.parallel.world_size
     cfg.validate(world)
-    supported(cfg)
-    resolve_device(cfg.train.device, "gloo" if world > 1 else None)
+    check_supported(cfg)
+    launcher_device(cfg.train.device, "gloo" if world > 1 else None)   # a device it cannot use: one line
     check_data(cfg.train, cfg.model.vocab)
     check_eval_data(cfg.train, cfg.model.vocab)
     check_init_hf(cfg)

@@ -15,7 +15,7 @@ from typing import Literal
 
 from ..config import ConfigError, field_type, load_config, parse_sets, write_run_config
 from ..flags import MICRO_BATCH_SIZE_HELP, MICROBATCHES_HELP, add_renamed
-from ..rules import PartitionKind, check_real, check_runtime_support, choices
+from ..rules import PartitionKind, check_real, check_runtime_support, choices, trains_a_subset
 from .run_plan import device_name, peak_text, planned_memory, speed_model
 
 # flag -> dotted config key; each flag's type and choices come from the field's declared type
@@ -484,8 +484,8 @@ TRAIN_RANK = "fivefold.train.trainer:train_rank"   # each local rank's function,
 
 def check_supported(cfg) -> None:
     """The trainer's `supported` rules before any rank starts; torch is imported only where they need a meta
-    model (LoRA targets and freeze patterns), else the torch-free rules alone."""
-    if cfg.train.lora_rank or cfg.train.freeze:
+    model (`rules.trains_a_subset`: LoRA targets, freeze patterns), else the torch-free rules alone."""
+    if trains_a_subset(cfg.train):
         from ..train.trainer import supported
 
         supported(cfg)

@@ -112,7 +112,7 @@ def supported(cfg: Config) -> None:
     """Layouts the runtime does not run yet fail at start, naming what is missing (rules.py); LoRA targets
     and freeze patterns that match nothing of this model, or leave nothing to train (a meta model: free)."""
     rules.check_runtime_support(cfg.parallel, cfg.train, cfg.model)
-    if cfg.train.lora_rank or cfg.train.freeze:
+    if rules.trains_a_subset(cfg.train):
         try:
             meta = choose_trainable(Transformer(cfg.model, device="meta"), cfg.train)
         except ValueError as e:

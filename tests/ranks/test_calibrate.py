@@ -8,8 +8,10 @@ import dataclasses
 
 import pytest
 
-from fivefold.tools.calibrate import (TP_OPS, cmd_calibrate, fit_alpha_beta, gemm_curve, hidden_share,
-                                      layer_overhead_beyond_gemms, tp_step_rows)
+from fivefold.tools import calibrate
+from fivefold.tools.calibrate import (FRESH_BYTES, TP_OPS, _fresh_fill, _windowed, cmd_calibrate, fit_alpha_beta,
+                                      gemm_curve, hidden_share, layer_overhead_beyond_gemms, tp_step_rows,
+                                      window_s)
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import from_config
 from fivefold.plan.models import from_model_config
@@ -87,6 +89,56 @@ def test_hidden_share_by_hand():
     """A 12 ms burst, 4 ms of all-reduce after it: 13 ms side by side hides 3 of the 4 ms."""
     assert hidden_share(0.012, 0.016, 0.013) == pytest.approx(0.75)
     assert hidden_share(0.012, 0.016, 0.017) == 0.0 and hidden_share(0.012, 0.016, 0.011) == 1.0
+
+
+class _Clock:
+    """A fake perf_counter that only calls move: each call of `work` takes `seconds` of it."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        return self.now
+
+    def work(self, seconds):
+        def call():
+            self.now += seconds
+        return call
+
+
+def test_windowed_counts_the_calls_that_end_inside_the_window(monkeypatch):
+    """A 1 s window of 0.3 s calls: three end inside it (0.9 s), the fourth runs past its end and is not
+    counted, so the figure is 0.3 s a call, not the 1.2 / 4 a count-then-divide would average in. The
+    barrier comes after the warm-up call, so every rank's window starts together."""
+    clock, order = _Clock(), []
+    monkeypatch.setattr(calibrate.time, "perf_counter", clock.perf_counter)
+    call = clock.work(0.3)
+    assert _windowed(lambda: (order.append("call"), call()), 1.0, lambda: order.append("barrier")) == pytest.approx(0.3)
+    assert order[:2] == ["call", "barrier"] and order.count("call") == 1 + 4
+    assert _windowed(clock.work(2.5), 1.0, lambda: None) == pytest.approx(2.5)   # longer than the window: one call
+
+
+def test_the_window_stretches_with_the_ranks_a_core_serves():
+    assert window_s(7, 2, 2) == pytest.approx(7 * 0.03)
+    assert window_s(2, 2, 2) == pytest.approx(4 * 0.03)            # at least four blocks
+    assert window_s(7, 8, 2) == pytest.approx(4 * window_s(7, 2, 2))
+
+
+def test_the_fresh_fill_maps_its_own_pages():
+    """The first-touch probe fills a new private mapping each call, whatever malloc's state: every call
+    faults pages in (warm heap memory would fault none; at least one fault a call even with huge pages),
+    and nothing stays mapped behind it."""
+    import resource
+
+    def maps():
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    _fresh_fill()
+    before, faults = maps(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(3):
+        _fresh_fill()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults >= 3
+    assert maps() == before and FRESH_BYTES >= 4 << 20
 
 
 @pytest.mark.parametrize("parallel", [dict(dp=2, microbatches=2), dict(pp=2, microbatches=4),

@@ -15,8 +15,9 @@ from fivefold.plan.activations import layer_acts, stage_activations
 from fivefold.plan.memory import stage_memory
 from fivefold.plan.units import layer_rank_params
 from fivefold.plan.models import PRESETS
-from fivefold.plan.time import (chunk_first_use, chunk_ready, ep_exposed, fp8_cast_seconds, gather_delay,
-                                reduction_end, stage_flops, stage_grad_exposed)
+from fivefold.plan.time import (MERGE_GROUPS, bucket_groups, chunk_first_use, chunk_ready, ep_exposed,
+                                fp8_cast_seconds, gather_delay, grad_streams, reduction_end, stage_flops,
+                                stage_grad_exposed)
 from fivefold.plan.topology import TOPOLOGIES, GiB, topology_from_dict
 from fivefold.plan.traffic import Flow, ep_nodes, place, stage_flows
 
@@ -85,6 +86,47 @@ def test_drain_hides_later_stages_reduction():
         during, _ = stage_grad_exposed(flows, Layout(pp=4, dp=8, zero=1), 8, end, ready, [(0.0, 0.5)], 0.5, 1.0)
         assert after == pytest.approx(max(0.0, r_sum - s))
         assert during == pytest.approx(max(0.0, max(r_sum / u, r_sum - 1.0 * (1 - 1 / u)) - s))
+
+
+def _series_queue(ready, streams):
+    """Brute force over every bucket: each series' u buckets final evenly through each chunk's backward
+    (1/k of the series a chunk), all launched in the order they become final, one at a time."""
+    k, buckets = len(ready), []
+    for t, d in ready:
+        for r_sum, u in streams:
+            u = max(1, round(u / k))
+            buckets += [(t - d + j * d / u, r_sum / k / u) for j in range(1, u + 1)]
+    free = float("-inf")
+    for at, r in sorted(buckets):
+        free = max(free, at) + r
+    return free
+
+
+def test_each_gradient_group_fills_its_own_buckets():
+    """A MoE's dense gradients (dp) and its experts' (edp) go in buckets of their own (the runtime never
+    mixes groups): two groups of one bucket each are both final only when the backward ends, so nothing
+    hides behind it, where one stream of two buckets would have hidden the first from mid-backward."""
+    flows = [Flow("dp", "all_reduce", "dp_cp", 4, calls=1, seconds=0.2),
+             Flow("edp", "all_reduce", "edp", 2, calls=1, seconds=1.4)]
+    assert sorted(grad_streams(flows)) == [(0.2, 1), (1.4, 1)]
+    lay = Layout(dp=4, ep=2)
+    exposed, _ = stage_grad_exposed(flows, lay, 1, 10.0, [(10.0, 1.0)], [(0.0, 0.5)], 0.5, 1.0)
+    assert exposed == pytest.approx(1.6)
+    one_stream = [Flow("dp", "all_reduce", "dp_cp", 4, calls=2, seconds=1.6)]
+    hidden, _ = stage_grad_exposed(one_stream, lay, 1, 10.0, [(10.0, 1.0)], [(0.0, 0.5)], 0.5, 1.0)
+    assert hidden == pytest.approx(1.1)                 # the first bucket's 0.8 s from t - 0.5
+
+
+@pytest.mark.parametrize("ready, streams", [
+    ([(10.0, 2.0)], [(0.6, 4)]),                                     # one series: the closed form as it was
+    ([(10.0, 2.0)], [(0.6, 4), (1.2, 8)]),                           # two series, spans of whole buckets
+    ([(10.0, 2.0)], [(0.3, MERGE_GROUPS * 2), (2.5, MERGE_GROUPS)]),
+    ([(4.0, 0.5), (7.0, 0.5), (10.0, 0.5)], [(0.9, 6), (3.0, 3)]),    # chunks of an interleaved stage
+])
+def test_merged_series_are_the_bucket_queue(ready, streams):
+    """The groups `bucket_groups` hands `reduction_end` give the queue of every bucket of every series
+    where each span holds whole buckets (u a multiple of the spans)."""
+    assert reduction_end(float("-inf"), bucket_groups(ready, streams)) == pytest.approx(_series_queue(ready, streams))
 
 
 def test_interleaved_chunks_finish_along_the_last_backward_chain():

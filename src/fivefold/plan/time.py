@@ -25,7 +25,8 @@ Communication: a collective takes bytes_sent / (tier bandwidth / oversubscriptio
   with the closed forms, 2(p-1) transfers for fill and drain).
 - dp/edp gradient reduction: once per step (DDP, ZeRO-1; ZeRO-2/3 under a pipeline, which accumulate
   over the micro-batches), bucket by bucket on one stream. With `overlap_grad_reduce` a chunk's buckets
-  become final one by one during its last backward (Megatron-Core, FSDP); without it all at the end of
+  become final one by one during its last backward (Megatron-Core, FSDP), each reduction group's apart
+  (`grad_streams`, `bucket_groups`); without it all at the end of
   the stage's schedule (the runtime under a pipeline). What ends after the whole pipeline has drained is
   exposed: stage s's last backward ends before stage 0's by the drain, and its reduction hides there
   (`reduction_end`, `chunk_ready`); the part that runs beside the last backward slows it
@@ -359,10 +360,50 @@ def _grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: 
     # the stage's schedule (overlap_grad_reduce=False); either way inside the drain other stages still run
     if not L.overlap_grad_reduce:
         ready = [(max(t for t, _ in ready), 0.0)]
-    k = len(ready)
-    groups = [(t, d, rs / k, calls / k) for t, d in ready]
+    groups = bucket_groups(ready, grad_streams(flows))
     late = max(0.0, reduction_end(float("-inf"), groups) - end)
     return interfered(late, beside_backward(groups), share), gather
+
+
+def grad_streams(flows: list[Flow]) -> list[tuple[float, float]]:
+    """(seconds, buckets) of each gradient reduction's own bucket series: one per (dim, group, op) of the
+    stage's dp/edp reductions. The runtime fills each group's buckets apart, in backward order
+    (parallel/engine.py: buckets never mix groups), so each series' buckets become final one by one
+    through the backward on their own: a group whose gradients fit one bucket (a MoE's dense dp
+    gradients, say, beside its experts' edp ones) is final only when the backward ends."""
+    streams: dict[tuple, list[float]] = {}
+    for f in flows:
+        if KIND.get(f.dim) == "grad" and f.op in ("all_reduce", "reduce_scatter"):
+            row = streams.setdefault((f.dim, f.group, f.op), [0.0, 0.0])
+            row[0] += f.seconds
+            row[1] = max(row[1], f.calls)     # a group's rows by tier are the same calls
+    return [(r, u) for r, u in streams.values() if r > 0]
+
+
+# A series of u buckets is cut into at most this many groups of consecutive buckets when series are
+# merged: the groups are chained in the order they end, which is the bucket queue exactly for one series
+# and within a group's span of it for several.
+MERGE_GROUPS = 16
+
+
+def bucket_groups(ready: list[tuple[float, float]], streams: list[tuple[float, float]]
+                  ) -> list[tuple[float, float, float, float]]:
+    """`reduction_end`'s groups (t, d, R, u) for a stage whose chunks become final at `ready` ((end,
+    duration) of each chunk's last backward) and whose gradients go in `streams` ((seconds, buckets) per
+    bucket series, `grad_streams`): each chunk holds 1/k of every series. One series keeps its groups as
+    they are; several are each cut into MERGE_GROUPS spans of consecutive buckets, and the spans of all
+    series are launched in the order they end."""
+    k = len(ready)
+    if len(streams) == 1:
+        r_sum, u = streams[0]
+        return [(t, d, r_sum / k, u / k) for t, d in ready]
+    spans = []
+    for t, d in ready:
+        for r_sum, u in streams:
+            u = max(1.0, u / k)
+            n = max(1, min(MERGE_GROUPS, int(u)))
+            spans += [(t - d + (i + 1) * d / n, d / n, r_sum / k / n, u / n) for i in range(n)]
+    return sorted(spans, key=lambda g: g[0])
 
 
 def beside_backward(groups: list[tuple[float, float, float, float]]) -> float:

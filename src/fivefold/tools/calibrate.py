@@ -8,10 +8,12 @@ way `fivefold train --nproc N` uses the machine and writes them as a topology TO
 
 Method. `calibrate(nproc, quick)` starts N gloo ranks with `run_ranks` (the trainer's launcher: one
 intra-op thread per rank), so they compete for the cores exactly as a training run's ranks do. Every
-measurement starts on all ranks together (a barrier) and is repeated. A figure is the mean over a block
-of calls (about 30 ms of compute; see 2 for collectives), because a step pays the mean: with more ranks
-than cores a rank computes in scheduler slices, and a gloo call here is bimodal. Compute
-figures are then the median over repetitions and over ranks; collectives as in 2.
+measurement starts on all ranks together (a barrier). A compute or memory figure is the mean call over
+one window of wall time that every rank computes through (`_windowed`: at least 120 ms of one rank's
+time, stretched by the ranks a core serves), because a step pays the mean and its ranks step in
+lockstep: with more ranks than cores a rank computes in scheduler slices, and each keeps its fair share
+only while all are busy. The median over ranks is written. Collectives: a block of calls, repeated (2;
+a gloo call here is bimodal).
 
 1. Compute (`peak_tflops`, `gemm_kernel_us`). Forward + backward of `F.linear` (the op of every
    `nn.Linear` in the model): 6·T·k·n FLOPs, the forward GEMM and the two backward ones, at transformer
@@ -133,21 +135,30 @@ QUICK = Sizes(
 
 
 # -- measured on each rank -----------------------------------------------------------------------------
-def _timed(fn, reps: int, block_s: float = 0.03) -> float:
-    """Seconds per call of fn: the median over `reps` blocks of the mean over a block of calls lasting
-    about block_s (after one warm-up call that sizes the block). With more ranks than cores a rank
-    computes in scheduler slices; a call shorter than a slice would show the uncontended rate, a block
-    shows what a step pays."""
-    t0 = time.perf_counter()
+def _windowed(fn, seconds: float, barrier) -> float:
+    """Seconds per call of fn, every rank computing through one shared window of wall time: a warm-up
+    call, the barrier, then calls until `seconds` have passed; the calls that ended inside the window
+    are counted (the one running at its end finishes uncounted). Every rank is busy from the barrier to
+    the window's end, so with more ranks than cores each is timed at its fair share of them, as ranks
+    stepping in lockstep run. A count of calls sized by each rank's own warm-up (the way before) let the
+    first ranks to finish leave their cores to the rest: on 8 ranks and 2 cores it read GEMMs at
+    1.4-1.6x a fair share (benchmarks/README.md)."""
     fn()
-    k = max(1, round(block_s / max(time.perf_counter() - t0, 1e-6)))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(k):
-            fn()
-        times.append((time.perf_counter() - t0) / k)
-    return statistics.median(times)
+    barrier()
+    t0 = time.perf_counter()
+    end, last, calls = t0 + seconds, t0, 0
+    while True:
+        fn()
+        t = time.perf_counter()
+        if t > end:
+            return (last - t0) / calls if calls else t - t0
+        last, calls = t, calls + 1
+
+
+def window_s(reps: int, world: int, cores: int, block_s: float = 0.03) -> float:
+    """The shared window: reps blocks of block_s (at least 4) of one rank's time, stretched by the ranks
+    a core serves, so each rank computes for about the same seconds of its own share at any world size."""
+    return max(4, reps) * block_s * ranks_per_core(world, cores)
 
 
 def _linear_step(tokens: int, k: int, n: int, dtype):
@@ -194,8 +205,9 @@ def _attention_step(batch: int, heads: int, kv_heads: int, seq: int, head_dim: i
     return (lambda: attention_core(q, k, v, causal=True).backward(dy)), attention_flops(batch, heads, seq, head_dim)
 
 
-def _measure_compute(sizes: Sizes, barrier) -> dict:
-    """Seconds per call of each GEMM (per dtype) and attention shape, all ranks computing at once."""
+def _measure_compute(sizes: Sizes, barrier, window: float) -> dict:
+    """Seconds per call of each GEMM (per dtype) and attention shape, all ranks computing through one
+    window (`_windowed`)."""
     import torch
 
     out: dict = {"gemm": {}, "attention": []}
@@ -205,15 +217,12 @@ def _measure_compute(sizes: Sizes, barrier) -> dict:
         rows = []
         for shape in shapes:
             step, flops = _linear_step(*shape, dtype)
-            barrier()
-            rows.append((list(shape), flops, _timed(step, sizes.compute_reps)))
+            rows.append((list(shape), flops, _windowed(step, window, barrier)))
         out["gemm"][name] = rows
-    barrier()
-    out["gemm_floor_s"] = _timed(_tiny_gemm(*GEMM_FLOOR_SHAPE), sizes.compute_reps)
+    out["gemm_floor_s"] = _windowed(_tiny_gemm(*GEMM_FLOOR_SHAPE), window, barrier)
     for shape in sizes.attention:
         step, flops = _attention_step(*shape)
-        barrier()
-        out["attention"].append((list(shape), flops, _timed(step, sizes.compute_reps)))
+        out["attention"].append((list(shape), flops, _windowed(step, window, barrier)))
     return out
 
 
@@ -221,24 +230,37 @@ def _measure_compute(sizes: Sizes, barrier) -> dict:
 FRESH_BYTES = 8 * MiB
 
 
-def _measure_memory(sizes: Sizes, barrier) -> dict:
-    """Seconds of an in-place add (3 streams) and a copy (2 streams) of fp32 tensors, all ranks at once;
-    of one eager op, of the tiny Block, and of filling a fresh FRESH_BYTES block (first touch)."""
+def _fresh_fill() -> None:
+    """Fill a new private anonymous mapping of FRESH_BYTES, as malloc maps a block above the threshold the
+    ranks fix: every page is faulted in on first write. Mapped here, not through torch.empty, so the
+    figure does not hang on this process's malloc state (glibc's own threshold rises after the first
+    mapped block is freed, and the blocks after it reuse warm heap pages: 16-48 GB/s where a fresh
+    mapping fills at 1.3-1.5 here)."""
+    import mmap
+
+    import torch
+
+    block = mmap.mmap(-1, FRESH_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = torch.frombuffer(block, dtype=torch.float32)
+    view.fill_(1.0)
+    del view
+    block.close()
+
+
+def _measure_memory(sizes: Sizes, barrier, window: float) -> dict:
+    """Seconds of an in-place add (3 streams) and a copy (2 streams) of fp32 tensors, all ranks through
+    one window (`_windowed`); of one eager op, of the tiny Block, and of filling a fresh FRESH_BYTES
+    block (first touch)."""
     import torch
 
     n = sizes.memory_mib * MiB // 4
     a, b = torch.ones(n), torch.ones(n)
-    barrier()
-    add = _timed(lambda: a.add_(b), sizes.compute_reps)
-    barrier()
-    copy = _timed(lambda: a.copy_(b), sizes.compute_reps)
+    add = _windowed(lambda: a.add_(b), window, barrier)
+    copy = _windowed(lambda: a.copy_(b), window, barrier)
     x, y = torch.ones(8), torch.ones(8)
-    barrier()
-    op = _timed(lambda: x.add_(y), sizes.compute_reps)
-    barrier()
-    layer = _timed(_tiny_layer_step(), sizes.compute_reps)
-    barrier()
-    fresh = _timed(lambda: torch.empty(FRESH_BYTES // 4).fill_(1.0), sizes.compute_reps)
+    op = _windowed(lambda: x.add_(y), window, barrier)
+    layer = _windowed(_tiny_layer_step(), window, barrier)
+    fresh = _windowed(_fresh_fill, window, barrier)
     return {"bytes": 4 * n, "add_s": add, "copy_s": copy, "op_s": op, "layer_s": layer, "fresh_s": fresh}
 
 
@@ -421,13 +443,20 @@ def _per_block(size: int, quick: bool) -> int:
     return max(2, min(4, MiB // size)) if quick else max(4, min(16, 4 * MiB // size))
 
 
+def _call_s(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def _burst(target_s: float = 0.003):
     """A compute burst of about target_s (forward GEMMs), like a layer's compute between two collectives."""
     import torch
     import torch.nn.functional as F
 
     x, w = torch.randn(512, 256), torch.randn(704, 256)
-    one = min(_timed(lambda: F.linear(x, w), 1, block_s=0.0) for _ in range(3))
+    F.linear(x, w)                      # warm-up
+    one = min(_call_s(lambda: F.linear(x, w)) for _ in range(3))
     n = max(1, round(target_s / one))
 
     def burst():
@@ -522,7 +551,8 @@ def _rank(rank: int, world: int, quick: bool) -> dict:
     sizes = QUICK if quick else FULL
     group = ParallelMesh(ParallelConfig(dp=world), rank, CommLedger(rank, world))["dp"]
     barrier = dist.barrier
-    out = {"compute": _measure_compute(sizes, barrier), "memory": _measure_memory(sizes, barrier),
+    window = window_s(sizes.compute_reps, world, usable_cores())
+    out = {"compute": _measure_compute(sizes, barrier, window), "memory": _measure_memory(sizes, barrier, window),
            "comm": _measure_collectives(sizes, group, barrier), "overlap": _measure_overlap(sizes, group, barrier)}
     barrier()
     out["pipeline"] = _measure_pipeline(rank, world, quick)

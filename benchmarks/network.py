@@ -27,6 +27,10 @@ re-form the job, it resumes from its checkpoint and ends with the uninterrupted 
 
     sudo OMP_NUM_THREADS=1 .venv/bin/python benchmarks/network.py [--steps 6] [--quick-calibration]
         [--time-rounds 2] [--only tp2-dp2] [--no-faults] [--out runs/network]
+
+`--replan` runs nothing and needs no root: it plans OUT's finished runs again with this checkout's
+planner, each against the calibration taken before it, so a planner change is read on the runs as
+measured (the measured steps and link bytes are the files', not new).
 """
 from __future__ import annotations
 
@@ -132,6 +136,20 @@ def plan(cfg_dict: dict, topo) -> dict:
     p["by_bytes"] = recommend_order(stage_flows(model, layout, work, 0))
     p["recommended"] = fastest_order(model, layout, work, topo)[0]
     return p
+
+
+def _replanned(run_out: Path, world: int, fab) -> dict | None:
+    """A finished run planned again (`--replan`): its measured step and link bytes as recorded, the plan
+    from this checkout against the calibration taken in the minute before it."""
+    from fivefold.plan.topology import load_topology
+
+    cal = run_out.parent / f"{run_out.name}.local-cpu-{world}.toml"
+    if not (run_out / "links.json").is_file() or not cal.is_file():
+        return None
+    m = measured(run_out, {"links": json.loads((run_out / "links.json").read_text())})
+    topo = planned_topology(fab, load_topology(str(cal)))
+    return {"measured": m, "plan": plan(m["config"], topo),
+            "calibrated_fp32_tflops": topo.accelerator.peak_flops.get("fp32", 0.0) / 1e12}
 
 
 def mean_of_rounds(runs: list[dict]) -> dict:
@@ -420,11 +438,13 @@ def main() -> int:
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--quick-calibration", action="store_true")
     ap.add_argument("--reuse-calibration", action="store_true", help="plan with OUT/local-cpu-N.toml where present")
+    ap.add_argument("--replan", action="store_true", help="run nothing: plan OUT's finished runs again with this "
+                    "checkout's planner, each against the calibration taken before it, and print the tables")
     ap.add_argument("--out", default="runs/network")
     a = common.parse_options(ap, steps=3, only="tp2-dp2", no_faults=True, quick_calibration=True)
     from fivefold.plan.topology import load_topology
     from fivefold.tools.fabric import check
-    missing = check()
+    missing = None if a.replan else check()
     if missing:
         print(f"network.py: {missing}", file=sys.stderr)
         return 0 if a.smoke else 2
@@ -459,6 +479,11 @@ def main() -> int:
                 # calibrated in the minute before each run: this machine's speed drifts by a third within
                 # minutes (benchmarks/README.md), so a calibration an hour old misplans by as much.
                 # --smoke: the fabric file's own accelerator (its figures mean nothing)
+                if a.replan:
+                    replanned = _replanned(run_out, world, fab)
+                    if replanned:
+                        runs.append({"case": name, "order": order, "fabric": fab_name, "round": rnd + 1, **replanned})
+                    continue
                 if a.smoke:
                     cals[world] = fab
                 elif a.reuse_calibration and saved.is_file():
@@ -480,6 +505,9 @@ def main() -> int:
                 print(f"{name} {order} round {rnd + 1}: planned {r['plan']['step_s']:.3f} s, measured "
                       f"{m['step_s']:.3f} s", flush=True)
         rows += [mean_of_rounds([r for r in runs if r["order"] == order]) for order in dict.fromkeys(r["order"] for r in runs)]
+    if a.replan:
+        print(time_table(rows) + "\n\n" + orders_table(rows))
+        return 0
     print("\n" + time_table(rows) + "\n\n" + orders_table(rows) + "\n\n" + traffic_table(rows))
     result = {"rows": [{**r, "measured": {**r["measured"], "dim_tier": {f"{d}/{t}": v for (d, t), v in
                                                                          r["measured"]["dim_tier"].items()}}}

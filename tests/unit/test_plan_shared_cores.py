@@ -43,6 +43,30 @@ def test_by_hand():
     assert ranks_per_core(4, 2) == 2.0 and ranks_per_core(2, 2) == 1.0 and ranks_per_core(2, 8) == 1.0
 
 
+def test_only_the_cores_work_shrinks_in_the_bubble():
+    """Half of each stage's busy time waits on a link between hosts (its rate no core sets): in the
+    bubble that half runs at its own pace and only the other half gains the freed cores; the pipeline's
+    sends over such a link (`wire_fixed`) do not shrink at all. Traffic on the ranks' own loopback is
+    core work (`wire_share` counts only tiers beyond the first)."""
+    from fivefold.plan.time import wire_share
+    from fivefold.plan.traffic import Flow
+
+    assert shared_cores_makespan(0.4, [0.3] * 4, 2.0, wire=[0.15] * 4) == pytest.approx(0.3 + 0.1 * (0.25 + 0.5))
+    assert shared_cores_makespan(0.4, [0.3] * 4, 2.0, wire=[0.0] * 4) == pytest.approx(0.35)
+    assert shared_cores_makespan(0.4, [0.3] * 4, 2.0, wire=[0.3] * 4) == pytest.approx(0.4)    # all on the wire
+    assert shared_cores_makespan(0.4, [0.3] * 4, 2.0, wire=[0.15] * 4, wire_fixed=0.04) == pytest.approx(
+        0.3 + 0.04 + 0.06 * 0.75)
+    assert shared_cores_makespan(0.4, [0.3] * 4, 1.0, wire=[0.15] * 4, wire_fixed=0.04) == 0.4   # a core each
+    topo = topology_from_dict({
+        "name": "fabric", "accelerator": {"name": "cpu", "peak_tflops": {"fp32": 0.05}, "memory_gib": 4, "hbm_gbps": 30},
+        "tier": [{"name": "node", "size": 2, "bandwidth_gbps": 1.0, "latency_us": 30},
+                 {"name": "leaf", "bandwidth_gbps": 0.01, "latency_us": 100}]})
+    flows = [Flow("tp", "all_reduce", "tp", 2, seconds=0.1, tier="node"),
+             Flow("ep", "all_to_all", "ep", 2, seconds=0.3, tier="leaf"),
+             Flow("dp", "all_reduce", "dp_cp", 2, seconds=5.0, tier="leaf")]   # a gradient reduction: not a layer's
+    assert wire_share(flows, topo) == pytest.approx(0.75)
+
+
 @pytest.mark.parametrize("parallel", [dict(pp=4, microbatches=8), dict(pp=2, vpp=2, schedule="interleaved",
                                                                         microbatches=4)])
 def test_a_pipeline_on_shared_cores_pays_its_work_not_its_bubble(parallel):

@@ -30,8 +30,8 @@ from .units import candidate_stages, optimizer_bytes_per_param
 from .models import PlanModel
 from .time import StepTime, step_time
 from .topology import GiB, Topology
-from .traffic import (Flow, by_dim, by_tier, place, placement, placement_warnings, recommend_order,
-                      stage_flows)
+from .traffic import (Flow, by_dim, by_tier, domain_stages, place, placement, placement_warnings,
+                      recommend_order, stage_flows)
 
 
 @dataclass
@@ -153,11 +153,9 @@ def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, g
     mem = memory(model, layout, work, all_stages)
     stages = ranks_or(layout, range(layout.pp) if all_stages else
                       candidate_stages(model, layout.pp, layout.vpp, layout.partition))
-    by_stage = {j: place(rank_flows(stage_flows, model, layout, work, j), layout, topo) for j in stages}
-    worst = max(by_stage, key=lambda j: sum(f.bytes_sent for f in by_stage[j]))
     states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
-    owned = owned_elements(mem, work)
-    st = step_time(model, layout, work, topo, by_stage, states, simulate, owned)
+    by_stage, st = timed_stages(model, layout, work, topo, stages, states, simulate, owned_elements(mem, work))
+    worst = max(by_stage, key=lambda j: sum(f.bytes_sent for f in by_stage[j]))
     order = runnable_order(layout, recommend_order(by_stage[worst]))
     warnings = placement_warnings(layout, topo, layout.order, order)
     if mem.host > topo.accelerator.host_memory:
@@ -171,6 +169,50 @@ def estimate(model: PlanModel, layout: Layout, work: Workload, topo: Topology, g
                            f"{topo.accelerator.memory / GiB:.0f} GiB")
     return Estimate(model, layout, work, topo, mem, by_stage[worst], by_stage, st, order,
                     placement(layout, topo, layout.order), warnings)
+
+
+# Rounds of the crossing duty's fixed point (`timed_stages`): each re-places the flows at the duty the
+# step before gives and re-times the step; it stops when the step moves by 1% or less.
+DUTY_ROUNDS = 3
+
+
+def timed_stages(model: PlanModel, layout: Layout, work: Workload, topo: Topology, stages, states: float,
+                 simulate: bool, owned: float) -> tuple[dict[int, list[Flow]], StepTime]:
+    """The given stages' placed flows and the step time. Where pipeline stages share an oversubscribed
+    tier (`crossing_seconds`), their flows are placed again at the crossing duty the step before gives,
+    a fixed point: at most DUTY_ROUNDS rounds on the closed-form step (the simulator's makespan moves
+    with the costs alike), until the step moves by 1% or less; then the step as asked."""
+    by_stage = {j: place(rank_flows(stage_flows, model, layout, work, j), layout, topo) for j in stages}
+    crossing = crossing_seconds(by_stage, layout, topo)
+    if crossing:
+        step = step_time(model, layout, work, topo, by_stage, states, False, owned).step_time_s
+        for _ in range(DUTY_ROUNDS):
+            duty = {i: min(1.0, sec / step) for i, sec in crossing.items()}
+            by_stage = {j: place(rank_flows(stage_flows, model, layout, work, j), layout, topo, duty=duty)
+                        for j in stages}
+            crossing = crossing_seconds(by_stage, layout, topo)
+            before, step = step, step_time(model, layout, work, topo, by_stage, states, False, owned).step_time_s
+            if abs(step - before) <= 0.01 * before:
+                break
+    return by_stage, step_time(model, layout, work, topo, by_stage, states, simulate, owned)
+
+
+def crossing_seconds(by_stage: dict[int, list[Flow]], layout: Layout, topo: Topology) -> dict[int, float]:
+    """Per oversubscribed tier that a domain shares between pipeline stages (`traffic.domain_stages` > 1
+    for some group crossing it): the seconds a stage spends crossing it in a step, the mean over the
+    stages of their in-stage groups' seconds there. Over the step time it is the crossing duty
+    (topology.group_bandwidth). Empty where no such tier is crossed: then every rank of a domain crosses
+    at once, as without a pipeline."""
+    if layout.pp <= 1:
+        return {}
+    index = {t.name: i for i, t in enumerate(topo.tiers)}
+    shared: dict[int, float] = {}
+    for flows in by_stage.values():
+        for f in flows:
+            i = index.get(f.tier, 0)
+            if i > 0 and topo.tiers[i].oversubscription > 1 and domain_stages(layout, topo, i, f.group) > 1:
+                shared[i] = shared.get(i, 0.0) + f.seconds / len(by_stage)
+    return shared
 
 
 def runnable_order(layout: Layout, order: str) -> str:

@@ -61,18 +61,18 @@ from typing import Iterable
 from .. import rules
 from ..grid import DEFAULT_ORDER
 from ..rules import DUALPIPE, INTERLEAVED, ONE_F_ONE_B, ZB, ConfigError, Recompute, choices, cp_degrees, divisors
-from .estimate import Estimate, estimate, owned_elements
+from .estimate import Estimate, estimate, owned_elements, timed_stages
 from .layout import Layout, Workload, check, valid_tp
 from .memory import Memory, memory, stage_memory
 from .units import (block_tensors, candidate_stages, head_stage, mtp_blocks, root_tensors, stage_layers, stage_params,
                     time_stages)
 from .models import PlanModel
-from .dualpipe import is_dualpipe, rank_flows, ranks_or
+from .dualpipe import is_dualpipe, ranks_or
 from .reserve import planned_limit
-from .time import forward_seconds, stage_weights, step_time
+from .time import forward_seconds, stage_weights
 from .topology import GiB, Topology
 from ..comm import volume
-from .traffic import Flow, group_block_of, layer_flows, place, ring_flows, stage_flows
+from .traffic import Flow, group_block_of, layer_flows, least_duty, place, ring_flows
 
 SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode", "offload",
             "ep_overlap", "recompute_norm_mla", "head_first")
@@ -273,6 +273,8 @@ class _Bound:
         self.peak = topo.accelerator.peak(work.dtype) * work.efficiency
         # ranks sharing cores: a pipeline's makespan may shrink by up to this (time.shared_cores_makespan)
         self.shared = max(1.0, topo.accelerator.ranks_per_core)
+        # pipeline stages sharing an oversubscribed tier: the fewest crossers they can give (duty 0)
+        self.least = least_duty(topo)
         self.attn = model.attention_flops_per_token(work.attention_span, work.causal) / model.layers   # per layer
         self.rows: dict = {}     # (pp, vpp) -> per timed stage (layers, MoE layers, first, last, F per token)
         self.tp: dict = {}       # one micro-batch's tp seconds: per dense layer, MoE layer, embedding, head
@@ -309,7 +311,7 @@ class _Bound:
         overlap (`time._per_dim_seconds`): the longer counts."""
         plain, parts = 0.0, {"inter": 0.0, "intra": 0.0}
         for fl in place(layer_flows(self.model, probe, self.work, n, moe, first, last, dims=(dim,)), probe,
-                        self.topo):
+                        self.topo, duty=self.least):
             if fl.part in parts:
                 parts[fl.part] += fl.seconds
             else:
@@ -334,7 +336,8 @@ class _Bound:
                                   ((1, 0, False, False), (1, 1, False, False), (0, 0, True, False),
                                    (0, 0, False, True)))
         if k_cp not in self.cp:
-            ring = sum(fl.seconds for fl in place(ring_flows(self.model, probe, self.work, 1), probe, self.topo))
+            ring = sum(fl.seconds for fl in place(ring_flows(self.model, probe, self.work, 1), probe, self.topo,
+                                                  duty=self.least))
             hidden = 3 * b * self.work.seq / (tp * cp) * self.attn / self.peak   # attention of one layer
             self.cp[k_cp] = self._seconds(probe, "cp", 1, 0, False, False) + max(0.0, ring - hidden)
         if k_ep not in self.ep:
@@ -433,7 +436,7 @@ class _Bound:
         key = (group, n, op, block)
         if key not in self.rates:
             per_byte, per_call = (place([Flow("dp", op, group, n, calls=c, bytes_sent=b, backend=self.work.backend)],
-                                        probe, self.topo)[0].seconds
+                                        probe, self.topo, duty=self.least)[0].seconds
                                   for c, b in ((0, 1.0), (1, 0.0)))
             self.rates[key] = per_byte, per_call
         per_byte, per_call = self.rates[key]
@@ -524,9 +527,8 @@ def _fast_time(model, layout, work, topo, mem) -> tuple[float, tuple]:
     """Step time from the stages that can end the step last (`units.time_stages`) and the closed-form
     bubble, and those stages' `traffic`."""
     stages = ranks_or(layout, time_stages(model, layout.pp, layout.vpp, layout.partition))
-    flows = {j: place(rank_flows(stage_flows, model, layout, work, j), layout, topo) for j in stages}
     states = sum(mem.most_loaded[c] for c in ("weights", "grads", "optimizer"))
-    t = step_time(model, layout, work, topo, flows, states, simulate=False, owned=owned_elements(mem, work))
+    flows, t = timed_stages(model, layout, work, topo, stages, states, False, owned_elements(mem, work))
     return t.step_time_s, traffic(flows.values(), topo)
 
 

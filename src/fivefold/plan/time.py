@@ -463,6 +463,18 @@ def _per_dim_seconds(flows: list[Flow]) -> dict[str, float]:
     return out
 
 
+def wire_share(flows: list[Flow], topo: Topology) -> float:
+    """The share of a stage's layer collectives (tp, cp, ep; the seconds the plan charges them) that runs
+    on tiers beyond the first: between hosts, on links whose rate no core of this host sets. Used only
+    where ranks share cores (`shared_cores_makespan`): there the first tier is the host's loopback, whose
+    transfers are core work."""
+    layer = [f for f in flows if KIND.get(f.dim) == "layer" and f.op not in ("send", "recv")]
+    total = sum(f.seconds for f in layer)
+    if total <= 0:
+        return 0.0
+    return sum(f.seconds for f in layer if f.tier != topo.tiers[0].name) / total
+
+
 def interfered(exposed: float, comm: float, share: float) -> float:
     """Exposed seconds of `comm` seconds of collectives run beside compute, of which `exposed` show past it
     when overlap is free, with `share` of the compute rate given to communication (`Accelerator.
@@ -610,7 +622,8 @@ def first_touch_bytes(model: PlanModel, layout: Layout, work: Workload, stage: i
     return gathered, grads
 
 
-def shared_cores_makespan(makespan: float, busy: list[float], ranks_per_core: float, stages: int = 0) -> float:
+def shared_cores_makespan(makespan: float, busy: list[float], ranks_per_core: float, stages: int = 0,
+                          wire: list[float] | None = None, wire_fixed: float = 0.0) -> float:
     """The pipeline's makespan when local ranks share cores (`Accelerator.ranks_per_core` = o > 1: N ranks
     on N/o cores, every rate measured with all N busy, so each action's cost is at 1/o of a core). The
     simulated makespan M is a rank's busy time B (the mean over stages of `busy`, at the shared rate) plus
@@ -626,12 +639,21 @@ def shared_cores_makespan(makespan: float, busy: list[float], ranks_per_core: fl
     (the search's bound divides by s). Exact when no more ranks than cores are busy in fill and drain. (8
     ranks on 2 cores in two stages: in the bubble 4 ranks share the 2 cores, twice, not four times, the
     calibrated rate.) The bubble reported (the idle share of each rank's timeline) is the simulator's.
-    o = 1 (a device or core per rank): M unchanged."""
+    o = 1 (a device or core per rank): M unchanged.
+
+    Only what the cores do shrinks. `wire` (per stage, beside `busy`): the part of each stage's busy time
+    spent waiting on links a core does not drive (a shaped network tier between hosts; the ranks' own
+    loopback is core work), w = Σwire / Σbusy of the actions on the bubble's path; `wire_fixed`: the bubble's
+    own seconds on such links (the pipeline's sends across them). Then
+
+        B + F + (M − B − F) · ((1 − w) / s + w)"""
     speedup = min(ranks_per_core, stages) if stages else ranks_per_core
     if speedup <= 1.0 or not busy:
         return makespan
     mean = min(makespan, sum(busy) / len(busy))
-    return mean + (makespan - mean) / speedup
+    w = min(1.0, sum(wire) / sum(busy)) if wire and sum(busy) > 0 else 0.0
+    fixed = min(max(0.0, wire_fixed), makespan - mean)
+    return mean + fixed + (makespan - mean - fixed) * ((1.0 - w) / speedup + w)
 
 
 def stage_compute_seconds(model: PlanModel, L: Layout, work: Workload, acc, j: int, m: int) -> tuple[float, float, float]:
@@ -666,7 +688,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     m = microbatches(L, work)
     acc = topo.accelerator
     passes = 2 if L.recompute == "full" else 1
-    cost_f, cost_b, compute_f, compute_b, layer_comm, touch = {}, {}, {}, {}, {}, {}
+    cost_f, cost_b, compute_f, compute_b, layer_comm, touch, wire_mb = {}, {}, {}, {}, {}, {}, {}
     dual = is_dualpipe(L)   # each rank holds two one-way stages: per micro-batch their mean (plan/dualpipe.py)
     one = one_way(L) if dual else L
 
@@ -682,6 +704,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         ep = ep_exposed(secs.pop("ep", 0.0) / m, t_f, t_b, passes, L.ep_overlap, m, acc.comm_share)
         # ring sends hide behind the attention of the block before: forward, and backward at 2x forward
         comm_mb = sum(secs.values()) / m + ep + max(0.0, ring / m - 3 * t_attn)
+        wire_mb[j] = comm_mb * wire_share(flows, topo)
         # the runtime's host time per compute action (calibrated; 0 on datasheet accelerators): one F
         # and one B (or I and W) per chunk and micro-batch
         action = acc.action_overhead * L.vpp if L.pp > 1 else 0.0   # vpp > 1: interleaved (rules.check_schedule)
@@ -717,8 +740,10 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
     # the gradients' timeline (when each chunk's last backward ends, against the pipeline's end) is the
     # simulator's clock: exposure is measured on it, before shared cores shrink the makespan
     clock = out.pipeline_s
+    sends_on_wire = bool(send) and send[0].tier != topo.tiers[0].name
     out.pipeline_s = shared_cores_makespan(out.pipeline_s, [m * (cost_f[j] + cost_b[j]) for j in flows_by_stage],
-                                           acc.ranks_per_core, L.pp)
+                                           acc.ranks_per_core, L.pp, [m * wire_mb[j] for j in flows_by_stage],
+                                           2 * (L.pp - 1) * t_send if sends_on_wire else 0.0)
     out.compute_s = m * (compute_f[slow] + compute_b[slow])
     out.layer_comm_s = m * layer_comm[slow]
     out.first_touch_s = touch[slow]

@@ -392,19 +392,29 @@ def collective_loss(op: str, n: int, bytes_sent: float, calls: float, tier: Tier
     return frames * tier.loss * tier.recovery
 
 
-def group_bandwidth(topo: "Topology", tier_index: int, op: str, n: int, block: int) -> float:
+def group_bandwidth(topo: "Topology", tier_index: int, op: str, n: int, block: int, stages: int = 1,
+                    duty: float = 1.0) -> float:
     """Per-rank bandwidth of a collective on a group of n ranks spanning `block` consecutive ranks whose
     slowest tier is `tier_index`. Oversubscription of that tier bites in proportion to the traffic that
     leaves a domain below it: an all-to-all sends (1-1/k) of its bytes out of each of the k domains it
     spans, every rank at once; a ring (all-reduce, all-gather, reduce-scatter) or a pipeline crosses
     each domain boundary once, so a domain of D ranks carries only D·k/n crossing flows on uplinks
-    worth D·bandwidth/oversubscription."""
+    worth D·bandwidth/oversubscription.
+
+    `stages`: the pipeline stages among one domain's ranks, for a group inside one stage
+    (`traffic.domain_stages`); `duty`: the share of the step the other stages' ranks spend crossing the
+    tier themselves. A stage's own ranks cross together (they run the same collective); the other
+    stages' run other actions of the schedule (a forward beside a backward) and meet them only for
+    their duty, so the uplinks carry (1 + (stages − 1)·duty)/stages of the domain's crossers: all of
+    them at duty 1 (lockstep, every rank at once), one stage's at 0. The estimate finds the duty from
+    its own step (`estimate.timed_stages`)."""
     tier = topo.tiers[tier_index]
     if tier.oversubscription <= 1 or tier_index == 0:
         return tier.bandwidth
     inner = topo.tiers[tier_index - 1].size or block
     k = max(1, math.ceil(block / inner))
+    crossing = (1.0 + (stages - 1) * min(1.0, max(0.0, duty))) / max(1, stages)
     if op == "all_to_all":
-        return tier.bandwidth / tier.oversubscription
-    return tier.bandwidth * min(1.0, n / (k * tier.oversubscription))
+        return tier.bandwidth * min(1.0, 1.0 / (tier.oversubscription * crossing))
+    return tier.bandwidth * min(1.0, n / (k * tier.oversubscription * crossing))
 

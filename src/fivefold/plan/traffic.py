@@ -687,9 +687,12 @@ def group_block_of(tp: int, pp: int, dp: int, cp: int, ep: int, group: str, orde
     return grid.group_block(grid.Sizes(tp, pp, dp, cp, ep), group, order, widths)
 
 
-def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None = None) -> list[Flow]:
+def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None = None,
+          duty: dict[int, float] | None = None) -> list[Flow]:
     """Fill each flow's tier (slowest it crosses) and seconds (bytes over that tier's bandwidth plus the
     algorithm's latency hops, plus on a lossy tier its lost frames' recovery: topology.collective_loss).
+    `duty`: per oversubscribed tier (index), the share of the step other pipeline stages spend crossing it
+    (topology.group_bandwidth; absent: 1, every rank of a domain crossing at once).
     Node-limited expert all-to-alls ("routed" rows) become two rows, see
     `split_routed`. Offload copies (group "pcie" or "nvme", COPY_TIERS) stay on that link of the
     accelerator: bytes over its `pcie_bandwidth` or `nvme_bandwidth`, no latency. Returns the placed rows."""
@@ -712,11 +715,30 @@ def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None =
             tier = topo.tiers[i]
             p.tier = tier.name
             latency, own = tier.fit(p.op)
-            bw = group_bandwidth(topo, i, p.op, p.n, block) * own / tier.bandwidth
+            stages = domain_stages(layout, topo, i, p.group, order) if duty and i in duty else 1
+            bw = group_bandwidth(topo, i, p.op, p.n, block, stages, (duty or {}).get(i, 1.0)) * own / tier.bandwidth
             p.seconds = (p.bytes_sent / bw + p.calls * collective_latency(p.op, p.n, latency, p.backend)
                          + collective_loss(p.op, p.n, p.bytes_sent, p.calls, tier, p.backend))
             out.append(p)
     return out
+
+
+def least_duty(topo: Topology) -> dict[int, float]:
+    """Every oversubscribed tier at duty 0: the fewest crossers pipeline stages sharing a domain can give
+    (`place`'s duty; a lower bound's, plan/search.py)."""
+    return {i: 0.0 for i, t in enumerate(topo.tiers) if i > 0 and t.oversubscription > 1}
+
+
+def domain_stages(layout: Layout, topo: Topology, tier_index: int, group: str, order: str | None = None) -> int:
+    """The pipeline stages among the ranks of one domain below tier `tier_index` (topology.group_bandwidth),
+    for a group inside one stage; 1 for a group across stages (pp's sends, the tied embedding's
+    reduction, world) and where the domain's size is not known."""
+    inner = topo.tiers[tier_index - 1].size if tier_index > 0 else None
+    spec = grid.GROUP_SPECS.get(group)
+    if layout.pp <= 1 or not inner or spec is None or "pp" in spec.dims:
+        return 1
+    between = group_block(layout, "pp", order) // layout.pp    # ranks from one stage's to the next's
+    return max(1, min(layout.pp, inner // between))
 
 
 def ep_nodes(layout: Layout, topo: Topology, order: str | None = None) -> tuple[int, int]:

@@ -140,9 +140,11 @@ def _windowed(fn, seconds: float, barrier) -> float:
     call, the barrier, then calls until `seconds` have passed; the calls that ended inside the window
     are counted (the one running at its end finishes uncounted). Every rank is busy from the barrier to
     the window's end, so with more ranks than cores each is timed at its fair share of them, as ranks
-    stepping in lockstep run. A count of calls sized by each rank's own warm-up (the way before) let the
-    first ranks to finish leave their cores to the rest: on 8 ranks and 2 cores it read GEMMs at
-    1.4-1.6x a fair share (benchmarks/README.md)."""
+    stepping in lockstep run. A count of calls sized by each rank's own warm-up (the way before) timed
+    short calls inside one scheduler slice and let the first ranks to finish leave their cores to the
+    rest: on 8 ranks and 2 cores the GEMM floor read 6.5-8.7 µs where the window reads 23-27 (2 ranks:
+    5.6), and fp32 GEMMs 15.1-24.0 GFLOP/s a rank where it reads 17.2-17.4 (benchmarks/README.md,
+    2026-12-05)."""
     fn()
     barrier()
     t0 = time.perf_counter()

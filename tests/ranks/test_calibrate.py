@@ -107,14 +107,19 @@ class _Clock:
 
 
 def test_windowed_counts_the_calls_that_end_inside_the_window(monkeypatch):
-    """A 1 s window of 0.3 s calls: three end inside it (0.9 s), the fourth runs past its end and is not
-    counted, so the figure is 0.3 s a call, not the 1.2 / 4 a count-then-divide would average in. The
-    barrier comes after the warm-up call, so every rank's window starts together."""
+    """A 1 s window: after a 0.1 s warm-up, calls of 0.2, 0.2, 0.2 s end inside it (0.6 s) and a 0.9 s one
+    runs past its end (1.5 s) uncounted, so the figure is 0.2 s a call, not the 1.5 / 4 = 0.375 s that
+    counting it would give. The barrier comes after the warm-up call, so every rank's window starts
+    together."""
     clock, order = _Clock(), []
     monkeypatch.setattr(calibrate.time, "perf_counter", clock.perf_counter)
-    call = clock.work(0.3)
-    assert _windowed(lambda: (order.append("call"), call()), 1.0, lambda: order.append("barrier")) == pytest.approx(0.3)
-    assert order[:2] == ["call", "barrier"] and order.count("call") == 1 + 4
+    durations = iter([0.1, 0.2, 0.2, 0.2, 0.9])
+
+    def call():
+        order.append("call")
+        clock.work(next(durations))()
+    assert _windowed(call, 1.0, lambda: order.append("barrier")) == pytest.approx(0.2)
+    assert order == ["call", "barrier"] + ["call"] * 4
     assert _windowed(clock.work(2.5), 1.0, lambda: None) == pytest.approx(2.5)   # longer than the window: one call
 
 

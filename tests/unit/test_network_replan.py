@@ -28,7 +28,7 @@ def _finished_run(folder: Path, seconds: list[float], payload: float) -> dict:
 def test_replan_reads_the_run_and_plans_it_against_its_own_calibration(tmp_path):
     fab = network.fabric("two-nodes")
     run = tmp_path / "tp2-dp2-tp-cp-ep-dp-pp"
-    cfg = _finished_run(run, [9.0, 1.5, 1.25, 1.75], 3.0e6)
+    _finished_run(run, [9.0, 1.5, 1.25, 1.75], 3.0e6)
     assert network._replanned(run, 4, fab) is None                  # no calibration of its minute: not planned
     cal = tmp_path / f"{run.name}.local-cpu-4.toml"
     cal.write_text((network.FABRICS / "two-nodes.toml").read_text())   # a topology file as calibrate writes one
@@ -36,7 +36,10 @@ def test_replan_reads_the_run_and_plans_it_against_its_own_calibration(tmp_path)
     assert got["measured"]["step_s"] == 1.5                          # the median of the steps after the first
     assert got["measured"]["links"] == {"leaf": 3.0e6}
     assert got["measured"]["dim_tier"] == {("dp", "inter"): 2.0e6}   # per step
-    from fivefold.plan.topology import load_topology
-    assert got["plan"]["step_s"] == network.plan(cfg, network.planned_topology(fab, load_topology(str(cal))))["step_s"]
+    assert got["calibrated_fp32_tflops"] == 0.06                      # the accelerator of the file named for the run
+    cal.write_text(cal.read_text().replace("fp32 = 0.06", "fp32 = 0.03"))
+    slower = network._replanned(run, 4, fab)
+    assert slower["calibrated_fp32_tflops"] == 0.03 and slower["plan"]["step_s"] > got["plan"]["step_s"]
+    assert slower["measured"] == got["measured"]                       # the run's own figures, as recorded
     row = network.mean_of_rounds([{"case": "tp2-dp2", "order": "tp-cp-ep-dp-pp", "fabric": "two-nodes", **got}])
     assert "| tp2-dp2 | tp-cp-ep-dp-pp | two-nodes |" in network.time_table([row])

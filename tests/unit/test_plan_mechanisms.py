@@ -119,14 +119,26 @@ def test_each_gradient_group_fills_its_own_buckets():
 
 @pytest.mark.parametrize("ready, streams", [
     ([(10.0, 2.0)], [(0.6, 4)]),                                     # one series: the closed form as it was
-    ([(10.0, 2.0)], [(0.6, 4), (1.2, 8)]),                           # two series, spans of whole buckets
-    ([(10.0, 2.0)], [(0.3, MERGE_GROUPS * 2), (2.5, MERGE_GROUPS)]),
+    ([(10.0, 2.0)], [(0.6, 4), (1.2, 8)]),                           # two series, a bucket a span
+    ([(10.0, 2.0)], [(0.3, MERGE_GROUPS), (2.5, 3)]),
     ([(4.0, 0.5), (7.0, 0.5), (10.0, 0.5)], [(0.9, 6), (3.0, 3)]),    # chunks of an interleaved stage
 ])
 def test_merged_series_are_the_bucket_queue(ready, streams):
-    """The groups `bucket_groups` hands `reduction_end` give the queue of every bucket of every series
-    where each span holds whole buckets (u a multiple of the spans)."""
-    assert reduction_end(float("-inf"), bucket_groups(ready, streams)) == pytest.approx(_series_queue(ready, streams))
+    """Where every series has at most MERGE_GROUPS buckets each span is one bucket, and the groups
+    `bucket_groups` hands `reduction_end` give the queue of every bucket of every series."""
+    groups = [g for g, _ in bucket_groups(ready, streams)]
+    assert reduction_end(float("-inf"), groups) == pytest.approx(_series_queue(ready, streams))
+
+
+def test_longer_series_end_within_a_span_of_the_queue():
+    """Beyond MERGE_GROUPS buckets a span (2 and 3 buckets here) runs whole before the next, so where
+    two series' buckets interleave inside a span the stream ends later than the queue, by less than the
+    longest span's seconds (never earlier: the bound on what hides is kept)."""
+    ready, streams = [(10.0, 2.0)], [(0.32, 2 * MERGE_GROUPS), (0.48, 3 * MERGE_GROUPS)]
+    spans = bucket_groups(ready, streams)
+    end, queue = reduction_end(float("-inf"), [g for g, _ in spans]), _series_queue(ready, streams)
+    assert queue <= end < queue + max(g[2] for g, _ in spans)
+    assert end > queue                                               # the case does interleave
 
 
 def test_interleaved_chunks_finish_along_the_last_backward_chain():

@@ -360,9 +360,10 @@ def _grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: 
     # the stage's schedule (overlap_grad_reduce=False); either way inside the drain other stages still run
     if not L.overlap_grad_reduce:
         ready = [(max(t for t, _ in ready), 0.0)]
-    groups = bucket_groups(ready, grad_streams(flows))
+    spans = bucket_groups(ready, grad_streams(flows))
+    groups = [g for g, _ in spans]
     late = max(0.0, reduction_end(float("-inf"), groups) - end)
-    return interfered(late, beside_backward(groups), share), gather
+    return interfered(late, beside_backward(groups, [e for _, e in spans]), share), gather
 
 
 def grad_streams(flows: list[Flow]) -> list[tuple[float, float]]:
@@ -380,42 +381,47 @@ def grad_streams(flows: list[Flow]) -> list[tuple[float, float]]:
     return [(r, u) for r, u in streams.values() if r > 0]
 
 
-# A series of u buckets is cut into at most this many groups of consecutive buckets when series are
-# merged: the groups are chained in the order they end, which is the bucket queue exactly for one series
-# and within a group's span of it for several.
+# A series of u buckets is cut into min(u, MERGE_GROUPS) spans of consecutive buckets when series are
+# merged: the spans go in the order they end. Where every series has at most MERGE_GROUPS buckets each
+# span is one bucket and that is the bucket queue exactly; beyond, a span runs whole before the next, so
+# where two series' buckets interleave inside a span the stream ends later than the queue (by less than
+# a span's seconds).
 MERGE_GROUPS = 16
 
 
 def bucket_groups(ready: list[tuple[float, float]], streams: list[tuple[float, float]]
-                  ) -> list[tuple[float, float, float, float]]:
-    """`reduction_end`'s groups (t, d, R, u) for a stage whose chunks become final at `ready` ((end,
-    duration) of each chunk's last backward) and whose gradients go in `streams` ((seconds, buckets) per
-    bucket series, `grad_streams`): each chunk holds 1/k of every series. One series keeps its groups as
-    they are; several are each cut into MERGE_GROUPS spans of consecutive buckets, and the spans of all
-    series are launched in the order they end."""
+                  ) -> list[tuple[tuple[float, float, float, float], float]]:
+    """`reduction_end`'s groups (t, d, R, u), each with the end of the backward it belongs to, for a stage
+    whose chunks become final at `ready` ((end, duration) of each chunk's last backward) and whose
+    gradients go in `streams` ((seconds, buckets) per bucket series, `grad_streams`): each chunk holds
+    1/k of every series. One series keeps its groups as they are (a group a chunk); several are each cut
+    into min(buckets, MERGE_GROUPS) spans of consecutive buckets, and the spans of all series are
+    launched in the order they end."""
     k = len(ready)
     if len(streams) == 1:
         r_sum, u = streams[0]
-        return [(t, d, r_sum / k, u / k) for t, d in ready]
+        return [((t, d, r_sum / k, u / k), t) for t, d in ready]
     spans = []
     for t, d in ready:
         for r_sum, u in streams:
             u = max(1.0, u / k)
             n = max(1, min(MERGE_GROUPS, int(u)))
-            spans += [(t - d + (i + 1) * d / n, d / n, r_sum / k / n, u / n) for i in range(n)]
-    return sorted(spans, key=lambda g: g[0])
+            spans += [((t - d + (i + 1) * d / n, d / n, r_sum / k / n, u / n), t) for i in range(n)]
+    return sorted(spans, key=lambda g: g[0][0])
 
 
-def beside_backward(groups: list[tuple[float, float, float, float]]) -> float:
+def beside_backward(groups: list[tuple[float, float, float, float]], ends: list[float] | None = None) -> float:
     """Seconds of a bucket stream (`reduction_end`'s groups, chained) that run before their backward ends,
-    beside its compute: each group's R less what runs after its t. From t on every bucket of the group
-    is final, so the stream is busy from t to the group's end E without a gap: R - (E - t)⁺, in [0, R]."""
+    beside its compute: each group's R less what runs after the backward's end T (`ends`, one per group;
+    absent: the group's own t, its chunk's end). From its t on every bucket of a group is final, so the
+    stream is busy from t (≤ T) to the group's end E without a gap: R − (E − T)⁺, in [0, R]."""
     free, inside = float("-inf"), 0.0
-    for t, d, r_sum, u in groups:
+    for i, (t, d, r_sum, u) in enumerate(groups):
         if r_sum <= 0:
             continue
         free = reduction_end(free, [(t, d, r_sum, u)])
-        inside += min(r_sum, max(0.0, r_sum - max(0.0, free - t)))
+        until = ends[i] if ends is not None else t
+        inside += min(r_sum, max(0.0, r_sum - max(0.0, free - until)))
     return inside
 
 
@@ -643,8 +649,8 @@ def shared_cores_makespan(makespan: float, busy: list[float], ranks_per_core: fl
 
     Only what the cores do shrinks. `wire` (per stage, beside `busy`): the part of each stage's busy time
     spent waiting on links a core does not drive (a shaped network tier between hosts; the ranks' own
-    loopback is core work), w = Σwire / Σbusy of the actions on the bubble's path; `wire_fixed`: the bubble's
-    own seconds on such links (the pipeline's sends across them). Then
+    loopback is core work), w = Σwire / Σbusy over the stages given (the bubble's actions taken as their
+    mix); `wire_fixed`: the bubble's own seconds on such links (the pipeline's sends across them). Then
 
         B + F + (M − B − F) · ((1 − w) / s + w)"""
     speedup = min(ranks_per_core, stages) if stages else ranks_per_core

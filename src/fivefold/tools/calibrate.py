@@ -236,8 +236,9 @@ def _fresh_fill() -> None:
     """Fill a new private anonymous mapping of FRESH_BYTES, as malloc maps a block above the threshold the
     ranks fix: every page is faulted in on first write. Mapped here, not through torch.empty, so the
     figure does not hang on this process's malloc state (glibc's own threshold rises after the first
-    mapped block is freed, and the blocks after it reuse warm heap pages: 16-48 GB/s where a fresh
-    mapping fills at 1.3-1.5 here)."""
+    mapped block is freed, and the blocks after it reuse warm heap pages: one process here filled them
+    at 16-48 GB/s where a fresh mapping fills at 1.3-1.5; the 8-rank calibrations read 6-11 GB/s a rank
+    so, against 0.32-0.37 now)."""
     import mmap
 
     import torch

@@ -182,14 +182,14 @@ def timed_stages(model: PlanModel, layout: Layout, work: Workload, topo: Topolog
     tier (`crossing_seconds`), their flows are placed again at the crossing duty the step before gives,
     a fixed point: at most DUTY_ROUNDS rounds on the closed-form step (the simulator's makespan moves
     with the costs alike), until the step moves by 1% or less; then the step as asked."""
-    by_stage = {j: place(rank_flows(stage_flows, model, layout, work, j), layout, topo) for j in stages}
+    raw = {j: rank_flows(stage_flows, model, layout, work, j) for j in stages}   # placing fills tier and seconds
+    by_stage = {j: place(raw[j], layout, topo) for j in stages}
     crossing = crossing_seconds(by_stage, layout, topo)
     if crossing:
         step = step_time(model, layout, work, topo, by_stage, states, False, owned).step_time_s
         for _ in range(DUTY_ROUNDS):
             duty = {i: min(1.0, sec / step) for i, sec in crossing.items()}
-            by_stage = {j: place(rank_flows(stage_flows, model, layout, work, j), layout, topo, duty=duty)
-                        for j in stages}
+            by_stage = {j: place(raw[j], layout, topo, duty=duty) for j in stages}
             crossing = crossing_seconds(by_stage, layout, topo)
             before, step = step, step_time(model, layout, work, topo, by_stage, states, False, owned).step_time_s
             if abs(step - before) <= 0.01 * before:

@@ -710,7 +710,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         ep = ep_exposed(secs.pop("ep", 0.0) / m, t_f, t_b, passes, L.ep_overlap, m, acc.comm_share)
         # ring sends hide behind the attention of the block before: forward, and backward at 2x forward
         comm_mb = sum(secs.values()) / m + ep + max(0.0, ring / m - 3 * t_attn)
-        wire_mb[j] = comm_mb * wire_share(flows, topo)
+        wire_mb[j] = comm_mb * wire_share(flows, topo) if acc.ranks_per_core > 1 else 0.0   # only shared cores use it
         # the runtime's host time per compute action (calibrated; 0 on datasheet accelerators): one F
         # and one B (or I and W) per chunk and micro-batch
         action = acc.action_overhead * L.vpp if L.pp > 1 else 0.0   # vpp > 1: interleaved (rules.check_schedule)

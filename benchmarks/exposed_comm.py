@@ -6,7 +6,10 @@ the trainer (`Trainer.step`, the same model and batch, 2 gloo ranks, fp32) and p
 and, per ledger dimension, the median seconds a step spent inside its collectives on the slowest rank
 (issue 36 item 3: exposed communication before and after each overlap change).
 
-    python benchmarks/exposed_comm.py [--steps 6] [--warmup 2] [--only dp2,tp2]
+    python benchmarks/exposed_comm.py [--steps 6] [--warmup 2] [--only dp2,tp2] [--rounds 3]
+
+`--rounds` runs the layouts in turn that many times (before/after pairs alternate: tp2-blocking is tp2
+with parallel.tp_overlap off, the collectives waited where they are issued).
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ LAYOUTS = {   # name -> (parallel config, model changes)
     "zero3-dp2": (dict(dp=2, zero=3), {}),
     "tp2": (dict(tp=2, sp_mode="none"), {}),
     "tp2-sp": (dict(tp=2, sp_mode="megatron"), {}),
+    "tp2-blocking": (dict(tp=2, sp_mode="none", tp_overlap=False), {}),        # tp's collectives not overlapped
+    "tp2-sp-blocking": (dict(tp=2, sp_mode="megatron", tp_overlap=False), {}),
     "pp2-1f1b": (dict(pp=2, microbatches=4), {}),
     "cp2-ulysses": (dict(cp=2, cp_mode="ulysses"), {}),
     "cp2-ring": (dict(cp=2, cp_mode="ring"), {}),
@@ -78,6 +83,19 @@ def measure(name: str, steps: int, warmup: int, seq: int, hidden: int | None) ->
     return {"name": name, "step_s": statistics.median(step_s), "spread": (min(step_s), max(step_s)), "comm": comm}
 
 
+def summary(rows: list[dict]) -> str:
+    """Per layout over its rounds: the median of the rounds' median steps, and of each dimension's seconds."""
+    lines = ["| layout | rounds | step, median of rounds | exposed comm per dim, median of rounds (ms) |", "|---|---|---|---|"]
+    for name in dict.fromkeys(r["name"] for r in rows):
+        mine = [r for r in rows if r["name"] == name]
+        dims = sorted({d for r in mine for d in r["comm"]})
+        comm = {d: statistics.median(r["comm"].get(d, 0.0) for r in mine) for d in dims}
+        text = ", ".join(f"{d} {s * 1e3:.1f}" for d, s in sorted(comm.items(), key=lambda x: -x[1]) if s >= 5e-5)
+        lines.append(f"| {name} | {len(mine)} | {statistics.median(r['step_s'] for r in mine) * 1e3:.0f} ms | "
+                     f"{text or '-'} |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| layout | step (median; min-max) | exposed comm per dim, ms a step (slowest rank) | comm share |",
              "|---|---|---|---|"]
@@ -95,6 +113,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", default="", help="comma list of layouts (default: all)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the layouts in turn this many times")
     a = parse_options(ap, steps=1, warmup=1, only="dp2,tp2-sp", seq=32, hidden=64)
     names = [n for n in a.only.split(",") if n] or list(LAYOUTS)
     unknown = [n for n in names if n not in LAYOUTS]
@@ -102,10 +121,13 @@ def main() -> int:
         ap.error(f"unknown layouts {unknown}; valid: {', '.join(LAYOUTS)}")
     seq, hidden = getattr(a, "seq", SEQ), getattr(a, "hidden", None)
     rows = []
-    for name in names:
-        rows.append(measure(name, a.steps, a.warmup, seq, hidden))
-        print(f"{name}: {rows[-1]['step_s'] * 1e3:.0f} ms", flush=True)
+    for k in range(getattr(a, "rounds", 1)):
+        for name in names:
+            rows.append(measure(name, a.steps, a.warmup, seq, hidden))
+            print(f"round {k + 1} {name}: {rows[-1]['step_s'] * 1e3:.0f} ms", flush=True)
     print(table(rows))
+    if getattr(a, "rounds", 1) > 1:
+        print(summary(rows))
     return 0
 
 

@@ -284,6 +284,8 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True     # pp: reduce a chunk's gradients after its last backward (False: at the end)
     reduce_each_microbatch: bool = False  # ZeRO-2/3 under pp: reduce-scatter every micro-batch, keep only the shard
     reshard_after_forward: bool = True   # ZeRO-3: free gathered params after forward (False: keep them)
+    tp_overlap: bool = True              # tp: each part's input collective overlaps its column GEMMs
+                                         # (parallel/tensor_overlap.py; off under zb with pp > 1)
     partition: str = "even"              # layers to pipeline stages: even | llama3 | counts "3,5,5,3"
     offload: Offload = "none"            # ZeRO's optimizer shards and step: on the device | cpu (host) | nvme (files)
     offload_dir: str = ""                # offload = nvme: the folder for the files (scratch, rebuilt at start)

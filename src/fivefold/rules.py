@@ -646,6 +646,15 @@ def block_recompute(recompute: str, pp: int, schedule: str) -> str:
     return "none" if pp > 1 and schedule == ZB and recompute == "full" else recompute
 
 
+def overlaps_tp_input(pp: int, schedule: str, on: bool = True) -> bool:
+    """Whether tensor parallelism runs each part's input op (f, or the SP all-gather) fused with the part's
+    column-parallel projections, its collectives overlapping their GEMMs (parallel/tensor_overlap.py;
+    the planner's plan/time.py `tp_hidden`): where `parallel.tp_overlap` is on, except under the
+    zero-bubble schedule with a pipeline, whose W pass replays each weight's own module from the output
+    that module recorded."""
+    return on and not (pp > 1 and schedule == ZB)
+
+
 def grad_norm_group(zero: int, only_dp: bool = True) -> str:
     """The group the global gradient norm's sum of squares is all-reduced over. ZeRO shards differ on
     every rank: "world". DDP gradients reduced over dp are replicated across it, so only the ranks that

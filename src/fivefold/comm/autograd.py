@@ -89,6 +89,13 @@ def _reduce_scatter_seq(x_bsh: torch.Tensor, group: Group, ordered: bool = True)
     """(b, s, ...) partial sums on each rank -> (b, s/n, ...) of the sum, rank r keeping its tokens. Not
     `ordered`: the input is already rank-major (n·b, s/n, ...) (`_gather_seq`'s unordered output, or
     `rank_major`), and is reduce-scattered with no copy."""
+    out, handle = _reduce_scatter_seq_async(x_bsh, group, ordered)
+    handle.wait()
+    return out
+
+
+def _reduce_scatter_seq_async(x_bsh: torch.Tensor, group: Group, ordered: bool = True):
+    """`_reduce_scatter_seq` launched: (the output, final once the handle is waited for; the handle)."""
     n = group.size
     rest = tuple(x_bsh.shape[2:])
     if ordered:
@@ -98,8 +105,8 @@ def _reduce_scatter_seq(x_bsh: torch.Tensor, group: Group, ordered: bool = True)
         b, s = x_bsh.shape[0] // n, x_bsh.shape[1] * n
         x_nbsh = x_bsh.contiguous()
     out = torch.empty((b, s // n) + rest, dtype=x_bsh.dtype, device=x_bsh.device)
-    ops.reduce_scatter(out, x_nbsh, group)  # chunk r of the rank-major (n·b, s/n, ...) goes to rank r
-    return out
+    # chunk r of the rank-major (n·b, s/n, ...) goes to rank r
+    return out, ops.reduce_scatter(out, x_nbsh, group, async_op=True)
 
 
 def rank_major(x_bsh: torch.Tensor, n: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .documents import document_mask
+from .layers import Enter
 
 
 def rope_cos_sin(positions, head_dim: int, theta: float, device=None, offset: int = 0,
@@ -206,7 +207,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.enter = nn.Identity()  # tensor parallelism puts its input op here (f, or the SP all-gather)
+        self.enter = Enter()  # tensor parallelism puts its input op here (f, or the SP all-gather)
         bias = cfg.qkv_bias   # Qwen2 / Qwen2-MoE: q, k, v projections with biases
         self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=bias, device=device)
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias, device=device)
@@ -218,13 +219,13 @@ class Attention(nn.Module):
                 documents_bS: torch.Tensor | None = None) -> torch.Tensor:
         """`documents_bS`: the document ids of the whole sequences (model/documents.py), handed to the
         core, which knows which of those tokens its queries and keys are."""
-        x_bsh = self.enter(x_bsh)
-        b, s, _ = x_bsh.shape
+        q_bsf, k_bsf, v_bsf = self.enter(x_bsh, self.wq, self.wk, self.wv)
+        b, s, _ = q_bsf.shape
         d = self.head_dim
         # head counts come from the projections' widths, so a tensor-parallel shard works unchanged
-        q_bnsd = self.wq(x_bsh).view(b, s, -1, d).transpose(1, 2)
-        k_bksd = self.wk(x_bsh).view(b, s, -1, d).transpose(1, 2)
-        v_bksd = self.wv(x_bsh).view(b, s, -1, d).transpose(1, 2)
+        q_bnsd = q_bsf.view(b, s, -1, d).transpose(1, 2)
+        k_bksd = k_bsf.view(b, s, -1, d).transpose(1, 2)
+        v_bksd = v_bsf.view(b, s, -1, d).transpose(1, 2)
         q_bnsd, k_bksd = apply_rope(q_bnsd, cos_sd, sin_sd), apply_rope(k_bksd, cos_sd, sin_sd)
         return self.wo(attend(self.core, q_bnsd, k_bksd, v_bksd, kv, documents_bS))
 

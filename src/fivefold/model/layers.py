@@ -76,17 +76,27 @@ class AuxLosses:
         return total
 
 
+class Enter(nn.Module):
+    """Where a part's input meets its input projections (attention's q, k, v; the MLP's gate and up):
+    `forward(x, *linears)` returns each projection of x. Tensor parallelism puts its input op here
+    (parallel/tensor.py `ParallelInput`: f, or the SP all-gather, run fused with the projections so that
+    its collectives overlap their GEMMs)."""
+
+    def forward(self, x_bsh: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+        return tuple(linear(x_bsh) for linear in linears)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, ffn: int, device=None):
         super().__init__()
-        self.enter = nn.Identity()  # tensor parallelism puts its input op here (f, or the SP all-gather)
+        self.enter = Enter()  # tensor parallelism puts its input op here (f, or the SP all-gather)
         self.gate = nn.Linear(hidden, ffn, bias=False, device=device)
         self.up = nn.Linear(hidden, ffn, bias=False, device=device)
         self.down = nn.Linear(ffn, hidden, bias=False, device=device)
 
     def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
-        x_bsh = self.enter(x_bsh)
-        return self.down(silu_mul(self.gate(x_bsh), self.up(x_bsh)))
+        gate_bsf, up_bsf = self.enter(x_bsh, self.gate, self.up)
+        return self.down(silu_mul(gate_bsf, up_bsf))
 
 
 class RMSNorm(nn.Module):

@@ -51,7 +51,7 @@ def parallelize(model: nn.Module, mesh, cfg: Config, dry: bool = False) -> tuple
     p, t = cfg.parallel, cfg.train
     dims = []
     if p.tp > 1:
-        dims.append(TensorParallelism(mesh, p.sp_mode == "megatron", t.seed))
+        dims.append(TensorParallelism(mesh, p.sp_mode == "megatron", t.seed, rules.overlaps_tp_input(p.pp, p.schedule, p.tp_overlap)))
     if p.cp > 1:
         dims.append(ContextParallelism(mesh, cfg))
     if p.ep > 1:

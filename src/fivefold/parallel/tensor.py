@@ -58,6 +58,7 @@ from ..model.transformer import IGNORE_INDEX, Transformer
 from ..shapes import padded_vocab
 from .dimension import ShardedState
 from .placement import Shard, add_shard, place, placement_of
+from .tensor_overlap import columns_entered, fusable
 
 
 # -- layers -------------------------------------------------------------------------------------
@@ -70,16 +71,26 @@ class ParallelInput(nn.Module):
     `token_wise`: the part treats each token alone (the MLP), so under SP it takes the gathered tokens in
     the rank-major order the all-gather writes, (n·b, s/n, h), and its `RowParallelLinear` hands them
     back to the reduce-scatter in that order: no layout copy either way (with (b, s, h) activations and
-    b > 1 the sequence order costs one copy of the whole activation per collective)."""
+    b > 1 the sequence order costs one copy of the whole activation per collective).
 
-    def __init__(self, group: Group, sequence_parallel: bool, token_wise: bool = False):
+    Called with the part's column-parallel layers (`forward(x, *columns)`, model/layers.py `Enter`'s
+    contract) it returns their outputs; with `overlap` (rules.overlaps_tp_input) and no LoRA adapter on
+    them it runs op and projections as one (parallel/tensor_overlap.py), so the collectives overlap the
+    GEMMs beside them. Called with x alone it returns the entered input (latent attention's q_proj)."""
+
+    def __init__(self, group: Group, sequence_parallel: bool, token_wise: bool = False, overlap: bool = False):
         super().__init__()
         self.group, self.sequence_parallel, self.token_wise = group, sequence_parallel, token_wise
+        self.overlap = overlap
 
-    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, *columns):
+        if columns and self.overlap and fusable(columns):
+            return columns_entered(x_bsh, self.group, self.sequence_parallel, not self.token_wise, columns)
         if self.sequence_parallel:
-            return gather_sequence(x_bsh, self.group, ordered=not self.token_wise)
-        return copy_to_tensor_region(x_bsh, self.group)
+            x_bsh = gather_sequence(x_bsh, self.group, ordered=not self.token_wise)
+        else:
+            x_bsh = copy_to_tensor_region(x_bsh, self.group)
+        return tuple(c.project(x_bsh) for c in columns) if columns else x_bsh
 
 
 class ParallelLatents(nn.Module):
@@ -114,10 +125,13 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, weight: nn.Parameter, enter: ParallelInput | None = None, bias: nn.Parameter | None = None):
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.enter = enter if enter is not None else nn.Identity()
+        self.enter = enter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.enter(x)
+        return self.project(x) if self.enter is None else self.enter(x, self)[0]
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of y for an input already in the region."""
         y = F.linear(x, self.weight, self.bias)
         extra = low_rank(self, x)          # LoRA (model/lora.py): B split like the weight's rows, A whole
         return y if extra is None else y + extra
@@ -237,15 +251,16 @@ class TensorParallelism(ShardedState):
 
     name = "tp"
 
-    def __init__(self, mesh, sequence_parallel: bool, seed: int):
+    def __init__(self, mesh, sequence_parallel: bool, seed: int, overlap: bool = True):
         self.mesh, self.group, self.sequence_parallel, self.seed = mesh, mesh["tp"], sequence_parallel, seed
+        self.overlap = overlap
         self.shards: dict[str, Shard] = {}
 
     def apply(self, model: Transformer) -> Transformer:
         self.vocab, self.vocab_start = model.cfg.vocab, parallelize(
             model, self.group, self.sequence_parallel,
             dropout_generator(self.seed, self.mesh.coords, self.sequence_parallel),
-            self.mesh.groups.get("tp_kv"))   # made by the mesh when tp > kv_heads
+            self.mesh.groups.get("tp_kv"), self.overlap)   # tp_kv: made by the mesh when tp > kv_heads
         self.shards = {name: placement_of(p).shard("tp") for name, p in model.named_parameters(remove_duplicate=False)}
         return model
 
@@ -266,13 +281,15 @@ def _shard(param: nn.Parameter, shard: Shard, group: Group, partial: str | None 
 
 @torch.no_grad()
 def parallelize(model: Transformer, group: Group, sequence_parallel: bool = False,
-                generator: torch.Generator | None = None, kv_group: Group | None = None) -> int:
+                generator: torch.Generator | None = None, kv_group: Group | None = None,
+                overlap: bool = False) -> int:
     """Replace `model`'s layers in place by this rank's tensor-parallel shards (names unchanged), write
     every parameter's placement (placement.py), and return this rank's first vocabulary row.
 
     Every rank passes the same full model (same seed); afterwards the ranks of `group` together
     compute what the single-process model computes. `generator` drives dropout (see module doc);
-    `kv_group` is the group of ranks sharing a KV head when group.size > kv_heads (the mesh's "tp_kv").
+    `kv_group` is the group of ranks sharing a KV head when group.size > kv_heads (the mesh's "tp_kv");
+    `overlap`: each part's input op runs fused with its projections (rules.overlaps_tp_input).
     """
     cfg, n = model.cfg, group.size
     rules.check_tensor_parallel(n, cfg.heads, cfg.kv_heads, {"ffn": cfg.ffn})
@@ -309,9 +326,9 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
             latent_attention(attn, cfg, group, sp, column, row, replicated)
             attn = None
         if attn is not None:
-            gqa_attention(attn, cfg, group, sp, column, row, kv_replicas, n)
+            gqa_attention(attn, cfg, group, sp, column, row, kv_replicas, n, overlap)
         if mlp is not None:
-            mlp.enter = ParallelInput(group, sp, token_wise=True)
+            mlp.enter = ParallelInput(group, sp, token_wise=True, overlap=overlap)
             mlp.gate = column(mlp.gate, Shard("tp", 0, cfg.ffn))
             mlp.up = column(mlp.up, Shard("tp", 0, cfg.ffn))
             mlp.down = row(mlp.down, cfg.ffn, token_wise=True)
@@ -324,7 +341,7 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
     embed_weight = _shard(model.embed.weight, vocab, group)
     head_weight = embed_weight if cfg.tie_embeddings else _shard(model.head.weight, vocab, group)
     model.embed = VocabParallelEmbedding(embed_weight, vocab_start, group, sp)
-    model.head = ColumnParallelLinear(head_weight, ParallelInput(group, sp))
+    model.head = ColumnParallelLinear(head_weight, ParallelInput(group, sp, token_wise=False, overlap=overlap))
 
     for m in model.modules():
         if isinstance(m, Dropout):
@@ -332,11 +349,12 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
     return vocab_start
 
 
-def gqa_attention(attn, cfg, group: Group, sp: bool, column, row, kv_replicas: int, n: int) -> None:
+def gqa_attention(attn, cfg, group: Group, sp: bool, column, row, kv_replicas: int, n: int,
+                  overlap: bool = False) -> None:
     """Grouped-query attention: x enters once (f, or the SP all-gather), wq/wk/wv column-parallel by heads
     (K/V replicated over tp/kv_heads ranks when tp > kv_heads), wo row-parallel."""
     d = cfg.head_dim
-    attn.enter = ParallelInput(group, sp)
+    attn.enter = ParallelInput(group, sp, overlap=overlap)
     attn.wq = column(attn.wq, Shard("tp", 0, cfg.heads * d))
     kv = Shard("tp", 0, cfg.kv_heads * d, kv_replicas)
     kv_partial = "tp_kv" if 1 < kv_replicas < n else ("tp" if kv_replicas == n > 1 else None)

@@ -77,6 +77,8 @@ class Layout:
     overlap_param_gather: bool = True    # ZeRO-1/2: the updated parameters gathered behind the next step's
                                          # first forwards (Megatron-Core); False: at the step's end (runtime)
     ep_overlap: bool = False             # MoE all-to-alls overlap another micro-batch's compute (DualPipe)
+    tp_overlap: bool = True              # tp's input collectives overlap the column-parallel GEMMs beside them
+                                         # (the runtime's parallel.tp_overlap; rules.overlaps_tp_input)
     head_first: bool = False             # the final norm, LM head and MTP modules on the first stage with the
                                          # embedding (DualPipe's placement, DeepSeek-V3 §3.2.1/§3.2.3); False: last
     microbatch_group: int = 0            # interleaved: micro-batches per group N, pp <= N <= m (0: pp, depth-
@@ -141,6 +143,8 @@ class Layout:
             parts.append("gather-after")
         if self.offload != "none":
             parts.append(f"offload-{self.offload}")
+        if not self.tp_overlap and self.tp > 1:
+            parts.append("tp-blocking")
         return " ".join(parts)
 
     def to_dict(self) -> dict:
@@ -150,7 +154,7 @@ class Layout:
                 "partition": self.partition, "bucket_mb": self.bucket_mb,
                 "reshard_after_forward": self.reshard_after_forward,
                 "overlap_grad_reduce": self.overlap_grad_reduce, "overlap_param_gather": self.overlap_param_gather,
-                "ep_overlap": self.ep_overlap, "head_first": self.head_first,
+                "ep_overlap": self.ep_overlap, "tp_overlap": self.tp_overlap, "head_first": self.head_first,
                 "microbatch_group": self.microbatch_group,
                 "recompute_norm_mla": self.recompute_norm_mla, "reduce_each_microbatch": self.reduce_each_microbatch,
                 "offload": self.offload}
@@ -288,6 +292,8 @@ LAYOUT_SOURCES: dict[str, Source] = {
                                   "a chunk's buckets reduced after its last backward (pp = 1: the one backward)"),
     "overlap_param_gather": Source(make=lambda: False, why="the runtime gathers ZeRO-1/2's updated parameters "
                                                            "at the step's end"),
+    "tp_overlap": Source(("parallel.pp", "parallel.schedule", "parallel.tp_overlap"), rules.overlaps_tp_input,
+                         "on unless parallel.tp_overlap is off or the zb schedule splits the backward"),
     "ep_overlap": Source(why="DualPipe-style all-to-all overlap: a mechanism the planner weighs, not the runtime"),
     "head_first": Source(why="DualPipe's placement of head and MTP with the embedding: planned; the runtime keeps "
                              "them on the last stage"),
@@ -375,7 +381,7 @@ def check_mechanisms(model: PlanModel, layout: Layout, work: Workload) -> None:
     """The mechanism options (docs/plan.md "Mechanisms") take values that mean something."""
     rules.check_choice("reduce_dtype", work.reduce_dtype, ReduceDtype)
     for obj, name in ((layout, "overlap_grad_reduce"), (layout, "overlap_param_gather"), (layout, "ep_overlap"),
-                      (layout, "head_first"), (layout, "recompute_norm_mla"), (layout, "reduce_each_microbatch"), (work, "fp8_gemm"), (work, "fp8_act_cache")):
+                      (layout, "head_first"), (layout, "recompute_norm_mla"), (layout, "tp_overlap"), (layout, "reduce_each_microbatch"), (work, "fp8_gemm"), (work, "fp8_act_cache")):
         if type(getattr(obj, name)) is not bool:
             raise ConfigError(f"{name} must be true or false, got {getattr(obj, name)!r}")
     check_route_nodes(model, work)

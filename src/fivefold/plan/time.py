@@ -59,18 +59,19 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .. import rules
+from ..comm import volume
 from ..parallel.pipeline import schedules as _schedules
 from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB
 from ..shapes import shard_size
 from .dualpipe import is_dualpipe, one_way, stages_of
 from .dualpipe import pipeline_seconds as dualpipe_seconds
-from .gemm import fp8_cast_elements, linear_rate, linear_seconds
+from .gemm import fp8_cast_elements, gemm_seconds, linear_rate, linear_seconds, shaped
 from .layout import Layout, Workload, microbatches, schedule_of
 from .units import (frozen_prefix_layers, frozen_share, head_stage, held_root, layout_blocks, root_units, stage_layers,
                     zero_units)
 from .models import PlanModel
-from .topology import Topology
-from .traffic import KIND, Flow
+from .topology import Topology, collective_latency
+from .traffic import KIND, Flow, tp_overlapped
 
 SIMULATE_MAX_ACTIONS = 4096   # 2·p·m·v compute actions; longer schedules use the closed forms (speed)
 
@@ -481,6 +482,41 @@ def wire_share(flows: list[Flow], topo: Topology) -> float:
     return sum(f.seconds for f in layer if f.tier != topo.tiers[0].name) / total
 
 
+def call_seconds(row: Flow, topo: Topology, message: float) -> float:
+    """Seconds of one call of `row`'s collective with `message` bytes at the rate `place` gave the row:
+    its tier's latency hops per call (topology.collective_latency), the rest of its seconds per byte sent."""
+    tier = next(t for t in topo.tiers if t.name == row.tier)
+    per_call = collective_latency(row.op, row.n, tier.fit(row.op)[0], row.backend)
+    per_byte = max(0.0, row.seconds - row.calls * per_call) / row.bytes_sent if row.bytes_sent else 0.0
+    return volume.bytes_sent(row.op, message, row.n, row.backend) * per_byte + per_call
+
+
+def tp_hidden(model: PlanModel, L: Layout, work: Workload, topo: Topology, flows: list[Flow], stage: int
+              ) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's tp collectives that hide behind the column-parallel
+    GEMMs beside them (`traffic.tp_overlapped`; parallel/tensor_overlap.py): each call c beside a GEMM
+    of t seconds hides o·min(t, (1 - share)·c), `interfered`'s complement scaled by the tier's measured
+    `overlap` o (what really hides on a host whose collectives take the compute's cores)."""
+    rows = {f.op: f for f in flows if f.dim == "tp" and not f.part and f.calls}
+    acc = topo.accelerator
+    rate = linear_rate(acc, work)
+    fwd = bwd = 0.0
+    for op, message, calls, (mm, nn, kk) in tp_overlapped(model, L, work, stage):
+        row = rows.get(op)
+        if row is None:
+            continue
+        c = call_seconds(row, topo, message)
+        t = gemm_seconds(mm, nn, kk, rate, acc.hbm_bandwidth, work.act_bytes, acc.gemm_kernel) \
+            if shaped(work, acc) else 2.0 * mm * nn * kk / rate
+        o = next(tier.overlap for tier in topo.tiers if tier.name == row.tier)
+        hidden = calls * o * min(t, (1.0 - acc.comm_share) * c)
+        if op == "all_gather":
+            fwd += hidden
+        else:
+            bwd += hidden
+    return fwd, bwd
+
+
 def interfered(exposed: float, comm: float, share: float) -> float:
     """Exposed seconds of `comm` seconds of collectives run beside compute, of which `exposed` show past it
     when overlap is free, with `share` of the compute rate given to communication (`Accelerator.
@@ -709,7 +745,8 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         secs = _per_dim_seconds([f for f in flows if KIND.get(f.dim) == "layer" and f.op not in ("send", "recv")])
         ep = ep_exposed(secs.pop("ep", 0.0) / m, t_f, t_b, passes, L.ep_overlap, m, acc.comm_share)
         # ring sends hide behind the attention of the block before: forward, and backward at 2x forward
-        comm_mb = sum(secs.values()) / m + ep + max(0.0, ring / m - 3 * t_attn)
+        hid_f, hid_b = per_rank(lambda lay, s: tp_hidden(model, lay, work, topo, flows, s), j)
+        comm_mb = sum(secs.values()) / m + ep + max(0.0, ring / m - 3 * t_attn) - hid_f - hid_b
         wire_mb[j] = comm_mb * wire_share(flows, topo) if acc.ranks_per_core > 1 else 0.0   # only shared cores use it
         # the runtime's host time per compute action (calibrated; 0 on datasheet accelerators): one F
         # and one B (or I and W) per chunk and micro-batch
@@ -719,8 +756,10 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         gathers_s, grads_s = (b / acc.fresh_bandwidth for b in per_rank(
             lambda lay, s: first_touch_bytes(model, lay, work, s), j)) if acc.fresh_bandwidth else (0.0, 0.0)
         touch[j] = gathers_s + grads_s
-        cost_f[j] = t_f + comm_mb / 2 + action + gathers_s / 2 / m
-        cost_b[j] = t_b + comm_mb / 2 + action * (2 if L.schedule == ZB else 1) + (gathers_s / 2 + grads_s) / m
+        # the layer collectives split half and half over forward and backward, less what hides in each
+        cost_f[j] = t_f + (comm_mb + hid_f + hid_b) / 2 - hid_f + action + gathers_s / 2 / m
+        cost_b[j] = t_b + (comm_mb + hid_f + hid_b) / 2 - hid_b + action * (2 if L.schedule == ZB else 1) \
+            + (gathers_s / 2 + grads_s) / m
         compute_f[j], compute_b[j] = t_f, t_b
         layer_comm[j] = comm_mb
     first = flows_by_stage[min(flows_by_stage)]

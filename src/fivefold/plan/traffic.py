@@ -66,7 +66,7 @@ from functools import lru_cache
 from .. import grid
 from ..comm import volume
 from ..rules import (STEP_CHUNK, cp_degrees, kv_replicas, moe_capacity, moe_sequence_group,
-                     moe_sequence_parts, moe_splits_rows)
+                     moe_sequence_parts, moe_splits_rows, overlaps_tp_input)
 from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
 from .buffers import offload_units
@@ -263,6 +263,51 @@ def _tp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers
             f.add("tp", "all_reduce", "tp", t, act, m * last)
         f.add("tp", "all_reduce", "tp", t, T * w.master_bytes, m * last)          # max logit
         f.add("tp", "all_reduce", "tp", t, 2 * T * w.master_bytes, m * last)      # sum of exp, target logit
+
+
+def tp_overlapped(model: PlanModel, L: Layout, w: Workload, stage: int, bound: bool = False
+                  ) -> list[tuple[str, float, float, tuple[float, float, float]]]:
+    """The tp collectives the runtime overlaps with column-parallel GEMMs on one rank of `stage`
+    (parallel/tensor_overlap.py, under rules.overlaps_tp_input), per micro-batch, as (op, message bytes of
+    one call, calls, (M, N, K) of the GEMM each call runs beside):
+
+    * backward, every part's entry (attention's q/k/v, a dense MLP's gate and up, the head): the input
+      gradient's all-reduce (SP: reduce-scatter), beside the part's weight-gradient GEMM (the forward's
+      shape) — where those weights train (LoRA freezes them; so may train.freeze) and no adapter sits on
+      them (the plain path);
+    * forward under SP, a dense MLP: the all-gather, beside the projection of this rank's own rows.
+
+    Latent attention's entries take the plain path. `bound`: every entry of a part as if it trained, for
+    the search's lower bound (plan/search.py), which must not count less hidden than any layout's."""
+    if L.tp == 1 or not overlaps_tp_input(L.pp, L.schedule, L.tp_overlap):
+        return []
+    t, h = L.tp, model.hidden
+    T = L.micro_batch * w.seq / L.cp
+    act = T * h * w.act_bytes
+    back = "reduce_scatter" if L.seq_parallel else "all_reduce"
+    fwd_passes = 2 if L.recompute == "full" else 1
+    mats = 2 if model.mlp == "swiglu" else 1
+    lora = set(model.lora_targets) if model.lora_rank else set()
+    out = []
+
+    def trains(name: str) -> bool:
+        return bound or not is_frozen(model, name)
+
+    for i in layout_blocks(model, L, stage):
+        if i >= model.layers:      # an MTP module's block: planned with the layers' collectives, not here
+            continue
+        if not model.mla and not lora & {"wq", "wk", "wv"} and trains(f"layers.{i}.attn.wq.weight"):
+            out.append((back, act, 1, (T, (model.q_width + model.kv_width + model.v_width) / t, h)))
+        if not model.is_moe_layer(i) and not lora & {"gate", "up"}:
+            width = mats * model.ffn / t
+            if trains(f"layers.{i}.mlp.gate.weight"):
+                out.append((back, act, 1, (T, width, h)))
+            if L.seq_parallel:
+                out.append(("all_gather", act, fwd_passes, (T / t, width, h)))
+    last = head_passes(model, L, stage)
+    if last and trains("embed.weight" if model.tie_embeddings else "head.weight"):
+        out.append((back, act, last, (T, padded_vocab(model.vocab, t) / t, h)))
+    return out
 
 
 def _moe_sequence_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int, m: int, passes: int) -> None:

@@ -115,6 +115,10 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     mech.add_argument("--ep-overlap", dest="ep_overlap", action=argparse.BooleanOptionalAction,
                       help="MoE all-to-alls overlap another micro-batch's compute (DualPipe-style; one layout: off "
                            "unless given; a search: on for ep > 1 unless --no-ep-overlap)")
+    mech.add_argument("--tp-overlap", dest="tp_overlap", action=argparse.BooleanOptionalAction,
+                      help="tp's input collectives (f's all-reduce, the SP all-gather and reduce-scatter) overlap "
+                           "the column-parallel GEMMs beside them (default on, as the runtime's "
+                           "parallel.tp_overlap; never under zb with pp > 1)")
     mech.add_argument("--head-first", dest="head_first", action=argparse.BooleanOptionalAction,
                       help="the final norm, head and MTP modules on the first stage with the embedding (DualPipe's "
                            "placement; pp > 1, vpp 1; one layout: off unless given; a search tries both for a model "
@@ -388,6 +392,7 @@ def mechanism_options(args, layout: Layout) -> dict:
     out["ep_overlap"] = layout.ep_overlap if args.ep_overlap is None else args.ep_overlap
     out["recompute_norm_mla"] = layout.recompute_norm_mla if args.recompute_norm_mla is None else args.recompute_norm_mla
     out["head_first"] = layout.head_first if args.head_first is None else args.head_first
+    out["tp_overlap"] = layout.tp_overlap if args.tp_overlap is None else args.tp_overlap
     out["reduce_each_microbatch"] = args.reduce_each_microbatch or layout.reduce_each_microbatch
     return out
 

@@ -25,6 +25,8 @@ LAYOUTS = {   # name -> (parallel config, model changes)
     "zero1-dp2": (dict(dp=2, zero=1), {}),
     "zero2-dp2": (dict(dp=2, zero=2), {}),
     "zero3-dp2": (dict(dp=2, zero=3), {}),
+    "zero3-dp2-prefetch0": (dict(dp=2, zero=3, zero_prefetch=0), {}),   # each unit gathered when it runs
+    "zero3-dp2-prefetch2": (dict(dp=2, zero=3, zero_prefetch=2), {}),
     "tp2": (dict(tp=2, sp_mode="none"), {}),
     "tp2-sp": (dict(tp=2, sp_mode="megatron"), {}),
     "tp2-blocking": (dict(tp=2, sp_mode="none", tp_overlap=False), {}),        # tp's collectives not overlapped

@@ -92,14 +92,16 @@ def dtensor_plan(model, sp):
     blocks = []
     for block in model.layers:
         plan = {
-            # on the Identity each block part opens with, so the part's other arguments (rotary
+            # on the `Enter` each block part opens with (model/layers.py: called with x and the part's input
+            # projections, which are modules, not tensors: None), so the part's other arguments (rotary
             # tables, KV cache) never have to be listed here
-            "attn.enter": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+            "attn.enter": PrepareModuleInput(input_layouts=(between, None, None, None),
+                                             desired_input_layouts=(Replicate(), None, None, None),
                                              use_local_output=False),
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=between),
-            "mlp.enter": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
-                                            use_local_output=False),
+            "mlp.enter": PrepareModuleInput(input_layouts=(between, None, None),
+                                            desired_input_layouts=(Replicate(), None, None), use_local_output=False),
             "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
             "mlp.down": RowwiseParallel(output_layouts=between),
         }

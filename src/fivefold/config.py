@@ -284,6 +284,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True     # pp: reduce a chunk's gradients after its last backward (False: at the end)
     reduce_each_microbatch: bool = False  # ZeRO-2/3 under pp: reduce-scatter every micro-batch, keep only the shard
     reshard_after_forward: bool = True   # ZeRO-3: free gathered params after forward (False: keep them)
+    zero_prefetch: int = 1               # ZeRO-3 without pp: units gathered ahead of the one running (0-16)
     tp_overlap: bool = True              # tp: each part's input collective overlaps its column GEMMs
                                          # (parallel/tensor_overlap.py; off under zb with pp > 1)
     partition: str = "even"              # layers to pipeline stages: even | llama3 | counts "3,5,5,3"
@@ -298,6 +299,7 @@ class ParallelConfig:
     def validate(self, world_size: int | None = None) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep", "microbatches", "vpp"):
             rules.check_positive(f"parallel.{name}", getattr(self, name))
+        rules.check_zero_prefetch(self.zero_prefetch)
         _check_choices(self, "parallel")
         _check_finite(self, "parallel")
         _check_above_zero("parallel.bucket_mb", self.bucket_mb, "25")

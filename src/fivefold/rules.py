@@ -638,6 +638,17 @@ def check_runtime_support(parallel, train, model=None) -> None:
                           "all-gathers); set it to true")
 
 
+MAX_PREFETCH = 16   # ZeRO-3's deepest prefetch: units gathered ahead of the one running
+
+
+def check_zero_prefetch(depth) -> None:
+    """ZeRO-3's prefetch depth (parallel.zero_prefetch): the slots gathered ahead of the one running
+    (parallel/zero_order.py)."""
+    if type(depth) is not int or not 0 <= depth <= MAX_PREFETCH:
+        raise ConfigError(f"parallel.zero_prefetch = {depth!r}: ZeRO-3 gathers this many units ahead of the one "
+                          f"running; valid: an integer 0 to {MAX_PREFETCH} (1: FSDP's default)")
+
+
 def block_recompute(recompute: str, pp: int, schedule: str) -> str:
     """The recompute each block gets (parallel/recompute.py), applied once after every dimension: the
     run's `train.recompute`, except full recompute under the zero-bubble schedule with a pipeline, whose

@@ -275,6 +275,16 @@ def test_zero3_buffers_equal_the_runtime_single_rank(monkeypatch):
     assert measured_zero3_peak(0, 1, cfg.to_dict(), monkeypatch.setattr) == _planned_buffers(cfg, 0)
 
 
+@pytest.mark.parametrize("depth", [0, 2, 3])
+def test_zero3_buffers_follow_the_prefetch_depth(monkeypatch, depth):
+    """parallel.zero_prefetch: the runtime gathers `depth` slots ahead and the planner replays the same
+    order (zero_order.py), to the byte; a deeper prefetch holds more."""
+    cfg = _zero3_config(dp=1, zero=3, microbatches=2, zero_prefetch=depth)
+    assert measured_zero3_peak(0, 1, cfg.to_dict(), monkeypatch.setattr) == _planned_buffers(cfg, 0)
+    plans = [_planned_buffers(_zero3_config(dp=1, zero=3, microbatches=2, zero_prefetch=d), 0) for d in range(4)]
+    assert plans[0] < plans[1] < plans[2] == plans[3]      # 3 blocks: depth 2 holds as many as any deeper
+
+
 def run_zero3_jobs(rank: int, world: int, jobs: list) -> list:
     return [measured_zero3_peak(rank, world, job) for job in jobs]
 

@@ -93,11 +93,11 @@ class ZeroEngine(Engine):
                  bucket_mb: float = 25.0, master_dtype: torch.dtype = torch.float32,
                  grad_dtype: torch.dtype | None = None, reshard_after_forward: bool = True, pipeline: bool = False,
                  reduce_each_microbatch: bool = False, offload: str = "none", offload_dir: str = "",
-                 decay_embeddings: bool = True):
+                 decay_embeddings: bool = True, prefetch: int = 1):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         # the setting, as the planner reads it too (zero_spec.py)
-        self.spec = spec = ZeroSpec(stage, pipeline, reduce_each_microbatch, offload, reshard_after_forward)
+        self.spec = spec = ZeroSpec(stage, pipeline, reduce_each_microbatch, offload, reshard_after_forward, prefetch)
         self.model = model
         self.policy: ReducePolicy = reduce_policy(spec)
         self.params = unique_params(model)
@@ -121,7 +121,7 @@ class ZeroEngine(Engine):
         if spec.shards_params:
             modules = [holders for _, _, holders in modules_to_gather(model, self.params, pipeline)]
             self.sharding: ZeroStage = Stage3(self.units, slots, modules, self.param_dtype, self.device, pipeline,
-                                              self.policy.keeps_full_grads, reshard_after_forward)
+                                              self.policy.keeps_full_grads, reshard_after_forward, prefetch)
         else:
             self.sharding = ZeroStage(stage, self.units, self.param_dtype, self.device)
         decay = [[decays(u.names[i], u.shapes[i], decay_embeddings) for i, _, _ in u.segments]
@@ -363,13 +363,14 @@ def Zero(model: nn.Module, groups: Mapping[str, Group], stage: int, make_optimiz
          master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
          reshard_after_forward: bool = True, pipeline: bool = False,
          reduce_each_microbatch: bool = False, offload: str = "none", offload_dir: str = "",
-         decay_embeddings: bool = True) -> ZeroEngine:
+         decay_embeddings: bool = True, prefetch: int = 1) -> ZeroEngine:
     """ZeRO stage 1, 2 or 3 for `model`, each parameter over `groups[placement.reduce]`, with AdamW
     (from `make_optimizer(params, decay)`) on this rank's shards, on the device or offloaded to host
-    memory ("cpu") or to files in offload_dir ("nvme").
+    memory ("cpu") or to files in offload_dir ("nvme"); stage 3 gathers `prefetch` units ahead (zero_order.py).
 
         z = Zero(model, mesh, stage=3, make_optimizer=lambda params, decay: AdamW(params, decay))
         ... the engine protocol (engine.py) ...
     """
     return ZeroEngine(model, groups, stage, make_optimizer, bucket_mb, master_dtype, grad_dtype,
-                      reshard_after_forward, pipeline, reduce_each_microbatch, offload, offload_dir, decay_embeddings)
+                      reshard_after_forward, pipeline, reduce_each_microbatch, offload, offload_dir, decay_embeddings,
+                      prefetch)

@@ -1,10 +1,11 @@
-"""ZeRO's composition as one value: `ZeroSpec(stage, pipeline, each_microbatch, offload, reshard_after_forward)`.
+"""ZeRO's composition as one value: `ZeroSpec(stage, pipeline, each_microbatch, offload, reshard_after_forward,
+prefetch)`.
 
 A run's ZeRO engine (zero.py) and the planner (plan/) both need the same facts about a ZeRO setting:
 what it shards, when it reduce-scatters a unit (zero_reduce.py's policies), whether its units are whole
 blocks, how many gathers and reductions a unit makes in a step, where the optimizer state lives and what
 leaves the device during the backward. They are derived here, once, from the five settings that decide
-them; the engine is built from this value and the planner reads it (`plan.layout.Layout.zero_spec`), as
+them (and ZeRO-3's prefetch depth); the engine is built from this value and the planner reads it (`plan.layout.Layout.zero_spec`), as
 both read the pipeline's `Schedule` (pipeline/spec.py).
 
     stage                   0 (plain DDP: nothing sharded), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)
@@ -12,6 +13,7 @@ both read the pipeline's `Schedule` (pipeline/spec.py).
     each_microbatch         parallel.reduce_each_microbatch: reduce-scatter after every backward under a pipeline
     offload                 "none", "cpu" (ZeRO-Offload) or "nvme" (ZeRO-Infinity)
     reshard_after_forward   ZeRO-3 outside a pipeline: free a unit after its forward and gather it again
+    prefetch                ZeRO-3 outside a pipeline: slots gathered ahead of the one running (zero_order.py)
 
 Pure Python: the planner imports it (no torch). Construction checks the rules the settings must keep.
 """
@@ -29,19 +31,21 @@ class ZeroSpec:
     each_microbatch: bool = False
     offload: str = "none"
     reshard_after_forward: bool = True
+    prefetch: int = 1
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
             raise rules.ConfigError(f"parallel.zero = {self.stage!r}: valid 0, 1, 2 or 3")
         rules.check_reduce_each_microbatch(self.each_microbatch, self.stage)
         rules.check_offload(self.offload, self.stage, offload_dir="(set)")
+        rules.check_zero_prefetch(self.prefetch)
 
     @staticmethod
     def of(parallel) -> "ZeroSpec":
         """The ZeRO setting of a `ParallelConfig` or a planner `Layout` (zero, pp, reduce_each_microbatch,
-        offload, reshard_after_forward)."""
+        offload, reshard_after_forward, zero_prefetch)."""
         return ZeroSpec(parallel.zero, parallel.pp > 1, parallel.reduce_each_microbatch, parallel.offload,
-                        parallel.reshard_after_forward)
+                        parallel.reshard_after_forward, parallel.zero_prefetch)
 
     # -- what is sharded ------------------------------------------------------------------------------
     @property

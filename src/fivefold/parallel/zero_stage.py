@@ -103,19 +103,20 @@ class Stage3(ZeroStage):
 
     `slots[i]`: the units of the i-th module that runs as a whole (root, then the blocks) and
     `modules[i]` the modules whose forward needs them (zero_unit.modules_to_gather); `keeps_full_grads`:
-    the reduce policy keeps gradients until the step (then a block is freed once its backward is done)."""
+    the reduce policy keeps gradients until the step (then a block is freed once its backward is done);
+    `prefetch`: the slots gathered ahead of the running one (zero_order.py)."""
 
     loads_full_params = False
 
     @torch.no_grad()
     def __init__(self, units: list[Unit], slots: list[list[Unit]], modules: list[list[nn.Module]],
                  param_dtype: torch.dtype, device, pipeline: bool, keeps_full_grads: bool,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = True, prefetch: int = 1):
         self.number, self.units, self.slots = 3, units, slots
         self.shards_grads = True
         self.param_dtype, self.device = param_dtype, device
         self.pipeline, self.keeps_full_grads = pipeline, keeps_full_grads
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.param_shards = []
         for u in units:
             self.param_shards.append(u.shard_of([p.data for p in u.params], param_dtype, device))
@@ -203,9 +204,9 @@ class Stage3(ZeroStage):
         def pre_forward(idx):
             def hook(module, args):
                 self._gather(idx)
-                ahead = forward_prefetch(idx, last, self.pipeline)
-                if ahead is not None and torch.is_grad_enabled():
-                    self._gather_async(ahead)
+                if torch.is_grad_enabled():
+                    for ahead in forward_prefetch(idx, last, self.pipeline, self.prefetch):
+                        self._gather_async(ahead)
             return hook
 
         def post_forward(idx):
@@ -229,8 +230,7 @@ class Stage3(ZeroStage):
             for u in self.slots[idx]:
                 u.seen = set()   # this backward's gradients: free the unit once all have arrived
             return
-        ahead = backward_prefetch(idx, len(self.slots), self.pipeline)
-        if ahead is not None:
+        for ahead in backward_prefetch(idx, len(self.slots), self.pipeline, self.prefetch):
             self._gather_async(ahead)
 
     def remove(self) -> None:

@@ -79,14 +79,15 @@ def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tup
     return tuple(slots)
 
 
-def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int) -> int:
+def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int, depth: int = 1) -> int:
     """Peak bytes of ZeRO-3 outside a pipeline, replaying `micro` micro-batches as `Stage3` runs them.
 
     Forward: the root is gathered for the whole forward (its hook wraps the model), each block is
-    gathered with the next one prefetched, and freed after its forward (reshard_after_forward; else
+    gathered with the next `depth` prefetched, and freed after its forward (reshard_after_forward; else
     kept). Backward: the root again (the head's and final norm's gradients come first, the embedding's
-    last, so the root's gradient lives through the whole backward), each block gathered with the one
-    before it prefetched; a block's gradient buffer fills, is reduce-scattered and the block freed.
+    last, so the root's gradient lives through the whole backward), each block gathered with the `depth`
+    whose backwards come next prefetched; a block's gradient buffer fills, is reduce-scattered and the block
+    freed.
     Reductions of the last micro-batch stay in flight into the next."""
     t = BufferTimeline()
     held: set = set()
@@ -108,10 +109,10 @@ def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int) -> i
             u = slots[k][j]
             t.reduce(g * padded(*u), g * shard_size(*u), free(k, j))
 
-    def gather_with(k: int, ahead: int | None) -> None:
+    def gather_with(k: int, ahead: list[int]) -> None:
         gather(k)
-        if ahead is not None:
-            gather(ahead)
+        for j in ahead:
+            gather(j)
 
     def free_slot(k: int) -> None:
         if frees_after_forward(k, reshard, pipeline=False):
@@ -120,12 +121,12 @@ def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int) -> i
     last = len(slots) - 1
     for _ in range(micro):
         for k in range(last + 1):                       # the root's hooks wrap the blocks'
-            gather_with(k, forward_prefetch(k, last, pipeline=False))
+            gather_with(k, forward_prefetch(k, last, False, depth))
             if k:
                 free_slot(k)
         free_slot(0)
         for k in backward_slots(len(slots)):
-            gather_with(k, backward_prefetch(k, len(slots), pipeline=False))
+            gather_with(k, backward_prefetch(k, len(slots), False, depth))
             t.add(sum(g * padded(*u) for u in slots[k]))
             if k:
                 reduce_slot(k)
@@ -200,7 +201,7 @@ def _zero3_buffers(model: PlanModel, layout: Layout, stage: int, w: int, g: int,
         return _replay_each_microbatch(slots, w if z.shards_params else 0, g, held_root(model, layout, stage))
     if z.pipeline:
         return _replay_pipeline(slots, w, g, micro, head_first=stage == head_stage(layout.pp, layout.head_first))
-    return _replay_direct(slots, w, g, layout.reshard_after_forward, micro)
+    return _replay_direct(slots, w, g, layout.reshard_after_forward, micro, z.prefetch)
 
 
 def zero_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
@@ -273,7 +274,7 @@ def _buffer_key(layout: Layout) -> Layout:
     L = layout
     return Layout(tp=L.tp, pp=L.pp, dp=L.dp, cp=L.cp, ep=L.ep, zero=L.zero, vpp=L.vpp, partition=L.partition,
                   reshard_after_forward=L.reshard_after_forward, reduce_each_microbatch=L.reduce_each_microbatch,
-                  head_first=L.head_first)
+                  head_first=L.head_first, zero_prefetch=L.zero_prefetch)
 
 
 # -- offload: optimizer state in host memory or on disk ----------------------------------------------------

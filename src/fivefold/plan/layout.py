@@ -68,6 +68,7 @@ class Layout:
     partition: str = "even"        # layers to stages, as parallel.partition: even | llama3 | counts "3,5,5,3"
     bucket_mb: float = 25.0        # DDP / ZeRO-1/2 bucket size (sets where flat buffers are padded)
     reshard_after_forward: bool = True   # ZeRO-3: free gathered parameters after forward (False: keep them)
+    zero_prefetch: int = 1               # ZeRO-3 without pp: units gathered ahead of the one running
     overlap_grad_reduce: bool = True     # buckets reduced as each chunk's last backward makes them final
                                          # (Megatron-Core, FSDP; the runtime's parallel.overlap_grad_reduce);
                                          # False: after the stage's schedule ends (without pp: always on)
@@ -152,7 +153,7 @@ class Layout:
                 "sp_mode": self.sp_mode, "cp_mode": self.cp_mode, "vpp": self.vpp, "micro_batch": self.micro_batch,
                 "schedule": self.schedule, "recompute": self.recompute, "order": self.order,
                 "partition": self.partition, "bucket_mb": self.bucket_mb,
-                "reshard_after_forward": self.reshard_after_forward,
+                "reshard_after_forward": self.reshard_after_forward, "zero_prefetch": self.zero_prefetch,
                 "overlap_grad_reduce": self.overlap_grad_reduce, "overlap_param_gather": self.overlap_param_gather,
                 "ep_overlap": self.ep_overlap, "tp_overlap": self.tp_overlap, "head_first": self.head_first,
                 "microbatch_group": self.microbatch_group,
@@ -283,7 +284,7 @@ LAYOUT_SOURCES: dict[str, Source] = {
     **{name: _copy(f"parallel.{name}") for name in (
         "tp", "pp", "dp", "cp", "ep", "zero", "sp_mode", "cp_mode", "ulysses", "vpp", "schedule", "order",
         "partition", "bucket_mb", "reshard_after_forward", "reduce_each_microbatch", "microbatch_group",
-        "offload")},
+        "offload", "zero_prefetch")},
     "micro_batch": Source(("train.global_batch", "parallel.dp", "parallel.microbatches"),
                           lambda batch, dp, count: batch // (dp * count),
                           "the runtime counts micro-batches; the planner sizes one: global_batch / (dp · count)"),

@@ -61,8 +61,10 @@ from functools import lru_cache
 from .. import rules
 from ..comm import volume
 from ..parallel.pipeline import schedules as _schedules
+from ..parallel.zero_order import backward_slots
 from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB
-from ..shapes import shard_size
+from ..shapes import padded, shard_size
+from .buffers import zero3_slots
 from .dualpipe import is_dualpipe, one_way, stages_of
 from .dualpipe import pipeline_seconds as dualpipe_seconds
 from .gemm import fp8_cast_elements, gemm_seconds, linear_rate, linear_seconds, shaped
@@ -315,11 +317,11 @@ def grad_totals(flows: list[Flow]) -> tuple[float, float, float, float]:
 def stage_grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: list[tuple[float, float]],
                        first_use: list[tuple[float, float]], t_f: float, t_b: float,
                        backwards: list[tuple[float, float]] | None = None, overlap: float = 1.0,
-                       share: float = 0.0) -> tuple[float, float]:
+                       share: float = 0.0, slots: tuple | None = None) -> tuple[float, float]:
     """`_grad_exposed`, with only `overlap` (the tier's measured share) of what it hides really hidden: a
     collective that needs the compute's own core (gloo on CPU) hides partly; on GPUs (1.0) fully. `share`:
     the compute rate the accelerator gives collectives that overlap it (`interfered`)."""
-    reduction, gather = _grad_exposed(flows, layout, m, end, ready, first_use, t_f, t_b, backwards, share)
+    reduction, gather = _grad_exposed(flows, layout, m, end, ready, first_use, t_f, t_b, backwards, share, slots)
     if overlap >= 1.0:
         return reduction, gather
     rs, _, ag, _ = grad_totals(flows)
@@ -331,7 +333,8 @@ def stage_grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, re
 
 def _grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: list[tuple[float, float]],
                   first_use: list[tuple[float, float]], t_f: float, t_b: float,
-                  backwards: list[tuple[float, float]] | None = None, share: float = 0.0) -> tuple[float, float]:
+                  backwards: list[tuple[float, float]] | None = None, share: float = 0.0,
+                  slots: tuple | None = None) -> tuple[float, float]:
     """(reduction, gather) time of one stage exposed past its compute (docs/plan.md, "Mechanisms"). The
     reduction is counted from `end`, when the whole pipeline has drained; `ready`: (end, duration) of the
     backward that makes each of the stage's chunks final (`chunk_ready`). The gather delays the stage's
@@ -341,13 +344,19 @@ def _grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: 
     through the rest of the schedule. The collectives hidden behind compute (ZeRO-3's prefetched gathers and
     reductions, the per-micro-batch reduce-scatters) cost `share` of their time in slower compute at least
     (`interfered`); the once-per-step reduction, the part of it that runs beside the last backwards
-    (`beside_backward`), not what runs in the drain, where the stage is idle."""
+    (`beside_backward`), not what runs in the drain, where the stage is idle. `slots`: ZeRO-3 outside a
+    pipeline, (each gather slot's share of the gathered bytes, the head's forward seconds) for
+    `prefetch_exposed`; absent, the gathers are spread evenly over the compute."""
     L, z = layout, layout.zero_spec
     rs, calls, ag, ag_calls = grad_totals(flows)
     if z.shards_params:
-        if not z.pipeline:   # per micro-batch: gathers prefetched behind the previous unit's compute
-            return m * (interfered(max(0.0, ag / (2 * m) - t_f), ag / (2 * m), share)
-                        + interfered(max(0.0, ag / (2 * m) + rs / m - t_b), ag / (2 * m) + rs / m, share)), 0.0
+        if not z.pipeline:   # per micro-batch: gathers prefetched behind the units' compute
+            g, r = ag / (2 * m), rs / m
+            if slots is None:
+                fwd, bwd = max(0.0, g - t_f), max(0.0, g + r - t_b)
+            else:
+                fwd, bwd = prefetch_exposed(slots[0], g, r, t_f, t_b, slots[1], z.prefetch)
+            return m * (interfered(fwd, g, share) + interfered(bwd, g + r, share)), 0.0
         gather = ag     # under a pipeline each use gathers, not prefetched (the next module is not known)
     else:               # ZeRO-1/2: the updated parameters, behind the next step's first forwards
         gather = gather_delay(first_use, ag, ag_calls) if L.overlap_param_gather else ag
@@ -365,6 +374,59 @@ def _grad_exposed(flows: list[Flow], layout: Layout, m: int, end: float, ready: 
     groups = [g for g, _ in spans]
     late = max(0.0, reduction_end(float("-inf"), groups) - end)
     return interfered(late, beside_backward(groups, [e for _, e in spans]), share), gather
+
+
+def zero3_gather_slots(model: PlanModel, L: Layout, work: Workload, acc, stage: int) -> tuple | None:
+    """ZeRO-3 outside a pipeline: (each gather slot's padded elements, the head's forward seconds) of one rank
+    of `stage`, for `prefetch_exposed`; None otherwise."""
+    z = L.zero_spec
+    if not z.shards_params or z.pipeline:
+        return None
+    weights = [float(sum(padded(*u) for u in slot)) for slot in zero3_slots(model, L, stage)]
+    return weights, stage_gemm_seconds(model, L, work, acc, stage)[1]
+
+
+def prefetch_exposed(weights: list[float], gather: float, reduce: float, t_f: float, t_b: float, t_head: float,
+                     depth: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's ZeRO-3 collectives past its compute outside a
+    pipeline, as `Stage3` orders them (parallel/zero_order.py): `gather` seconds of all-gathers each pass and
+    `reduce` of reduce-scatters, split over the slots by `weights` (their shares of the bytes; slot 0 the
+    root), all on one stream in the order they are issued.
+
+    A slot's hook issues its own gather, waits for it, issues the next `depth` slots' (those not yet
+    issued) and computes. Forward: the root first (its compute, the embedding, ~0), the blocks at
+    (t_f - t_head)/L each, the head at the end with the root still held. Backward: the root first (the
+    head's backward, 2·t_head), then the blocks from last to first at (t_b - 2·t_head)/L each; a block's
+    reduce-scatter goes on the stream when its backward ends, the root's after the last (the embedding's
+    gradient comes last). Depth 0 waits for every gather; a deep prefetch approaches the gathers spread
+    over the compute."""
+    last = len(weights) - 1
+    total = sum(weights) or 1.0
+    g = [gather * w / total for w in weights]
+    r = [reduce * w / total for w in weights]
+    blocks = max(1, last)
+
+    def run(order, compute, reduces: bool) -> float:
+        stream, clock, ends = 0.0, 0.0, {}
+        for i, k in enumerate(order):
+            for a in [k] + order[i + 1:i + 1 + depth]:
+                if a not in ends:
+                    stream = max(stream, clock) + g[a]
+                    ends[a] = stream
+                if a == k:
+                    clock = max(clock, ends[k])
+            clock += compute[k]
+            if reduces and k:
+                stream = max(stream, clock) + r[k]
+        if reduces:
+            stream = max(stream, clock) + r[0]
+        return max(clock, stream if reduces else 0.0)
+
+    forward = [0.0] + [max(0.0, t_f - t_head) / blocks] * last
+    backward = [min(t_b, 2 * t_head)] + [max(0.0, t_b - 2 * t_head) / blocks] * last
+    fwd = run(list(range(last + 1)), forward, False) - sum(forward)
+    bwd = run(backward_slots(last + 1), backward, True) - sum(backward)
+    return max(0.0, fwd), max(0.0, bwd)
 
 
 def grad_streams(flows: list[Flow]) -> list[tuple[float, float]]:
@@ -799,7 +861,7 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         backwards = backward_blocks(sim, j, ready, m, cost_f[j] + cost_b[j]) if each else None
         grads.append(stage_grad_exposed(flows, L, m, clock, ready, chunk_first_use(sim, L.pp, v, j, cost_f, t_send),
                                         compute_f[j], cost_b[j], backwards, grad_overlap(flows, topo),
-                                        acc.comm_share))
+                                        acc.comm_share, zero3_gather_slots(model, L, work, acc, j)))
     # the slowest stage's reduction ends the step; the latest first forward delays the pipeline
     out.grad_comm_s = max(r for r, _ in grads) + max(g for _, g in grads)
     worst = flows_by_stage[slow]

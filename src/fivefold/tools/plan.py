@@ -115,6 +115,9 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     mech.add_argument("--ep-overlap", dest="ep_overlap", action=argparse.BooleanOptionalAction,
                       help="MoE all-to-alls overlap another micro-batch's compute (DualPipe-style; one layout: off "
                            "unless given; a search: on for ep > 1 unless --no-ep-overlap)")
+    mech.add_argument("--zero-prefetch", dest="zero_prefetch", type=int,
+                      help="ZeRO-3 without pp: units gathered ahead of the one running (default 1; the runtime's "
+                           "parallel.zero_prefetch)")
     mech.add_argument("--tp-overlap", dest="tp_overlap", action=argparse.BooleanOptionalAction,
                       help="tp's input collectives (f's all-reduce, the SP all-gather and reduce-scatter) overlap "
                            "the column-parallel GEMMs beside them (default on, as the runtime's "
@@ -174,6 +177,8 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("moe_route_nodes", "microbatch_group"):
         if getattr(args, name) is not None:
             check_count(_flag(name), getattr(args, name), 0, MAX_GPUS if name == "moe_route_nodes" else MAX_SIZE)
+    if args.zero_prefetch is not None:
+        check_count("--zero-prefetch", args.zero_prefetch, 0, rules.MAX_PREFETCH)
     if args.bucket_mb is not None:
         check_real("--bucket-mb", args.bucket_mb, 0, meaning=" (MiB of gradients per reduction bucket)")
     if args.zero is not None:
@@ -393,6 +398,7 @@ def mechanism_options(args, layout: Layout) -> dict:
     out["recompute_norm_mla"] = layout.recompute_norm_mla if args.recompute_norm_mla is None else args.recompute_norm_mla
     out["head_first"] = layout.head_first if args.head_first is None else args.head_first
     out["tp_overlap"] = layout.tp_overlap if args.tp_overlap is None else args.tp_overlap
+    out["zero_prefetch"] = layout.zero_prefetch if args.zero_prefetch is None else args.zero_prefetch
     out["reduce_each_microbatch"] = args.reduce_each_microbatch or layout.reduce_each_microbatch
     return out
 
@@ -509,7 +515,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 ONE_LAYOUT = ("ulysses", "bucket_mb", "overlap_grad_reduce", "overlap_param_gather", "microbatch_group",
-              "reduce_each_microbatch")   # Layout fields a search holds at their defaults
+              "reduce_each_microbatch", "zero_prefetch", "tp_overlap")   # Layout fields a search holds at their defaults
 
 
 def check_searchable(args: argparse.Namespace) -> None:
@@ -519,7 +525,7 @@ def check_searchable(args: argparse.Namespace) -> None:
     same with or without them. Refused, naming the flag."""
     for name in ONE_LAYOUT:
         value = getattr(args, name)   # store_true flags are False when not given; --[no-]overlap-* are None
-        if value is not None and (value is not False or name.startswith("overlap_")):
+        if value is not None and (value is not False or name.startswith("overlap_") or name == "tp_overlap"):
             flag = ("--no-" if value is False else "--") + name.replace("_", "-")
             raise ConfigError(f"{flag} sets a mechanism of one layout, which a search does not vary (it keeps "
                               f"Layout's defaults); give every degree (--tp --pp --cp --dp, and --ep for a MoE "

@@ -21,7 +21,8 @@ from .run_plan import device_name, peak_text, planned_memory, speed_model
 # flag -> dotted config key; each flag's type and choices come from the field's declared type
 TRAIN_FLAGS = {
     "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
-    "zero": "parallel.zero", "sp_mode": "parallel.sp_mode", "cp_mode": "parallel.cp_mode",
+    "zero": "parallel.zero", "zero_prefetch": "parallel.zero_prefetch", "sp_mode": "parallel.sp_mode",
+    "cp_mode": "parallel.cp_mode",
     "order": "parallel.order", "microbatches": "parallel.microbatches", "schedule": "parallel.schedule",
     "vpp": "parallel.vpp", "microbatch_group": "parallel.microbatch_group", "bucket_mb": "parallel.bucket_mb", "partition": "parallel.partition",
     "recompute": "train.recompute", "steps": "train.steps", "global_batch": "train.global_batch",
@@ -41,6 +42,8 @@ HELP = {
     "cp": "context-parallel degree (each rank holds seq_len / cp tokens of every sequence)",
     "ep": "expert-parallel degree (MoE; carved out of dp x cp)",
     "zero": "ZeRO stage: 1 optimizer state, 2 also gradients, 3 also parameters sharded over dp",
+    "zero_prefetch": "ZeRO-3 without pp: units gathered ahead of the one running, 0-16 (deeper hides slower "
+                     "gathers and holds more of them)",
     "microbatches": MICROBATCHES_HELP,
     "schedule": "pipeline schedule (pp > 1)",
     "vpp": "virtual pipeline stages per rank (schedule interleaved)",

@@ -250,7 +250,7 @@ class Trainer:
         return Zero(self.model, self.mesh, p.zero, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype,
                     p.reshard_after_forward, pipeline=scheduled, reduce_each_microbatch=p.reduce_each_microbatch,
                     offload=p.offload, offload_dir=p.offload_dir,   # offload: parallel/offload.py
-                    decay_embeddings=t.decay_embeddings)
+                    decay_embeddings=t.decay_embeddings, prefetch=p.zero_prefetch)
 
     # -- one step ----------------------------------------------------------------------------
     def micro_batches(self, step: int, batches=None, loss_tokens: int | None = None) -> list[MicroBatch]:

@@ -31,13 +31,14 @@ def fused_parts(rank, world, cfg_dict):
     tr = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
     mb = tr.micro_batches(0)[0]
     loss = mb.loss(tr.loss_sum, tr.model(mb.tokens))
-    seen, stack, nodes = set(), [loss.grad_fn], 0
+    seen, stack, nodes, exits = set(), [loss.grad_fn], 0, 0
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:
             continue
         seen.add(fn)
         nodes += type(fn).__name__ == "EnterColumnsBackward"
+        exits += type(fn).__name__ == "ExitRowsBackward"
         stack += [f for f, _ in fn.next_functions]
 
     events = []
@@ -65,7 +66,36 @@ def fused_parts(rank, world, cfg_dict):
         loss.backward()
     finally:
         tensor_overlap._launch_input_grad, tensor_overlap._weight_grads = launch, weights
-    return {"nodes": nodes, "events": events}
+    return {"nodes": nodes, "exits": exits, "events": events}
+
+
+def own_later(rank, world):
+    """comm.ops.reduce_scatter with this rank's chunk given after the launch (`own`, the input's own chunk
+    garbage): bit for bit the plain call's sum, and the same ledger row."""
+    import torch.distributed as dist
+
+    from fivefold.comm import CommLedger, Group, ops
+
+    group = Group("tp", list(range(world)), rank, dist.group.WORLD, CommLedger())
+    g = torch.Generator().manual_seed(rank)
+    inp = torch.randn(world * 3, 5, generator=g)
+    plain = torch.empty(3, 5)
+    ops.reduce_scatter(plain, inp, group)
+    late, own = torch.empty(3, 5), torch.empty(3, 5)
+    garbage = inp.clone()
+    garbage[rank * 3:(rank + 1) * 3] = float("nan")
+    handle = ops.reduce_scatter(late, garbage, group, async_op=True, own=own)
+    own.copy_(inp[rank * 3:(rank + 1) * 3])
+    handle.wait()
+    rows = group.ledger.rows()
+    return {"equal": bool(torch.equal(plain, late)), "calls": rows[0]["calls"],
+            "bytes": rows[0]["bytes_sent"], "later": ops.takes_own_later(group)}
+
+
+@pytest.mark.ranks
+def test_the_reduce_scatter_takes_the_own_chunk_later():
+    for r in spawn_jobs(2, [("own", own_later, ())])["own"]:
+        assert r["equal"] and r["later"] and r["calls"] == 2
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +129,11 @@ def test_fused_trains_as_the_plain_path(runs, sp):
 @pytest.mark.parametrize("sp", [False, True])
 def test_each_part_enters_fused_and_overlaps(runs, sp):
     """Every part's entry is one EnterColumns node (2 layers × attention and MLP, and the head), and each
-    backward launches its collective, computes the weight gradients, then waits."""
+    backward launches its collective, computes the weight gradients, then waits. Under SP each MLP leaves
+    by ExitRows (gloo's reduce-scatter takes the own chunk after the launch)."""
     for r in runs[f"graph-{sp}"]:
         assert r["nodes"] == 2 * 2 + 1
+        assert r["exits"] == (2 if sp else 0)
         assert r["events"] == ["launch", "weights", "wait"] * 5
 
 

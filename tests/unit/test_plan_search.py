@@ -112,6 +112,7 @@ DEEPSEEK_16 = replace(PRESETS["deepseek-v3"], name="deepseek-v3-16l", layers=16,
 MIXTRAL_16 = replace(PRESETS["mixtral-8x7b"], name="mixtral-8x7b-16l", layers=16)
 BOUND_CASES = [  # (model, gpus, seq, global batch, topology, top, fixed, schedule, partition, workload options)
     (PRESETS["llama3-8b"], 64, 4096, 256, "dgx-h100", 10, {}, "1f1b", "even", {}),
+    (PRESETS["llama3-8b"], 32, 4096, 64, "dgx-h100", 10, {}, "1f1b", "even", {"backend": "gloo"}),   # SP exits hide
     (PRESETS["llama3-70b"], 512, 4096, 256, "llama3", 1, {}, "1f1b", "even", {}),
     (PRESETS["llama3-70b"], 512, 4096, 256, "llama3", 3, {}, "zb", "even", {}),
     (PRESETS["llama3-70b"], 256, 4096, 128, "llama3", 5, {"sp_mode": "none"}, "gpipe", "even", {}),

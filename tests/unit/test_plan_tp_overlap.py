@@ -25,25 +25,30 @@ def placed(model, lay, work, topo, stage=0):
 
 
 @pytest.mark.parametrize("sp", ["none", "megatron"])
-def test_what_overlaps_is_each_entry_and_the_sp_mlp_gather(sp):
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_what_overlaps_is_each_entry_the_sp_mlp_gather_and_on_gloo_its_exit(sp, backend):
+    work = replace(WORK, backend=backend)
     lay = Layout(tp=4, dp=2, sp_mode=sp, micro_batch=2)
-    rows = tp_overlapped(LLAMA, lay, WORK, 0)
+    rows = tp_overlapped(LLAMA, lay, work, 0)
     T, h, t = 2 * 4096, LLAMA.hidden, 4
-    act = T * h * WORK.act_bytes
+    act = T * h * work.act_bytes
     back = "reduce_scatter" if sp == "megatron" else "all_reduce"
     qkv = (T, (LLAMA.q_width + LLAMA.kv_width + LLAMA.v_width) / t, h)
     mlp = (T, 2 * LLAMA.ffn / t, h)
-    want = [(back, act, 1, qkv), (back, act, 1, mlp)]
+    want = [("backward", back, act, 1, qkv), ("backward", back, act, 1, mlp)]
     if sp == "megatron":
-        want.append(("all_gather", act, 1, (T / t, 2 * LLAMA.ffn / t, h)))
+        want.append(("forward", "all_gather", act, 1, (T / t, 2 * LLAMA.ffn / t, h)))
+        if backend == "gloo":     # the exit's reduce-scatter takes the own chunk after the launch
+            want += [("forward", "reduce_scatter", act, 1, (T / t, h, LLAMA.ffn / t)),
+                     ("backward", "all_gather", act, 1, (2 * T / t, h, LLAMA.ffn / t))]
     assert rows[:len(want)] == want
     assert len(rows) == len(want) * LLAMA.layers + 1                      # and the head, once
-    assert rows[-1] == (back, act, 1, (T, padded_vocab(LLAMA.vocab, t) / t, h))
+    assert rows[-1] == ("backward", back, act, 1, (T, padded_vocab(LLAMA.vocab, t) / t, h))
     # the bytes are the plain path's: every overlapped call is one of the placed rows' calls
-    calls = {f.op: f.calls for f in placed(LLAMA, lay, WORK, H100) if f.dim == "tp"}
+    calls = {f.op: f.calls for f in placed(LLAMA, lay, work, H100) if f.dim == "tp"}
     m = 64 // (2 * 2)
-    for op in {r[0] for r in rows}:
-        assert m * sum(r[2] for r in rows if r[0] == op) <= calls[op]
+    for op in {r[1] for r in rows}:
+        assert m * sum(r[3] for r in rows if r[1] == op) <= calls[op]
 
 
 def test_nothing_overlaps_where_the_runtime_takes_the_plain_path():
@@ -55,10 +60,11 @@ def test_nothing_overlaps_where_the_runtime_takes_the_plain_path():
     assert tp_overlapped(lora, lay, WORK, 0) == []                     # adapters everywhere, weights frozen
     attn = replace(LLAMA, lora_rank=16, lora_targets=("wq", "wv"))
     rows = tp_overlapped(attn, lay, WORK, 0)                           # frozen MLPs: only the forward gather
-    assert rows and {r[0] for r in rows} == {"all_gather"}
+    assert rows and {r[:2] for r in rows} == {("forward", "all_gather")}
     frozen = replace(LLAMA, frozen=("layers.*",))
-    assert {r[0] for r in tp_overlapped(frozen, replace(lay, pp=1, dp=4), WORK, 0)} == {"all_gather", "reduce_scatter"}
-    assert sum(r[0] == "reduce_scatter" for r in tp_overlapped(frozen, replace(lay, pp=1, dp=4), WORK, 0)) == 1   # the head
+    rows = tp_overlapped(frozen, replace(lay, pp=1, dp=4), WORK, 0)
+    assert {r[:2] for r in rows} == {("forward", "all_gather"), ("backward", "reduce_scatter")}
+    assert sum(r[0] == "backward" for r in rows) == 1   # the head
 
 
 def test_call_seconds_are_the_rows_rate():
@@ -72,11 +78,11 @@ def _hidden_by_hand(model, lay, work, topo):
     flows = {f.op: f for f in placed(model, lay, work, topo) if f.dim == "tp"}
     acc, o = topo.accelerator, topo.tiers[0].overlap
     fwd = bwd = 0.0
-    for op, message, calls, (m, n, k) in tp_overlapped(model, lay, work, 0):
+    for direction, op, message, calls, (m, n, k) in tp_overlapped(model, lay, work, 0):
         c = call_seconds(flows[op], topo, message)
         t = gemm_seconds(m, n, k, linear_rate(acc, work), acc.hbm_bandwidth, work.act_bytes, acc.gemm_kernel)
         part = calls * o * min(t, (1 - acc.comm_share) * c)
-        fwd, bwd = (fwd + part, bwd) if op == "all_gather" else (fwd, bwd + part)
+        fwd, bwd = (fwd + part, bwd) if direction == "forward" else (fwd, bwd + part)
     return fwd, bwd
 
 
@@ -93,7 +99,7 @@ def test_a_call_hides_at_most_its_gemm_and_at_most_itself(gbps):
     acc = topo.accelerator
     gemms = sum(calls * gemm_seconds(m, n, k, linear_rate(acc, work), acc.hbm_bandwidth, work.act_bytes,
                                      acc.gemm_kernel)
-                for op, _, calls, (m, n, k) in tp_overlapped(LLAMA, lay, work, 0) if op != "all_gather")
+                for d, _, _, calls, (m, n, k) in tp_overlapped(LLAMA, lay, work, 0) if d == "backward")
     if gbps == 5:
         assert bwd == pytest.approx(0.75 * gemms)
     else:

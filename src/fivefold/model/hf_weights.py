@@ -47,6 +47,9 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 CODES = {v: k for k, v in DTYPES.items()}
+# what a file we write may hold besides weights (checkpoints: random-number states, counters)
+WRITE_CODES = {**CODES, torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+               torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 @dataclass(frozen=True)
@@ -372,12 +375,12 @@ def write_sharded(folder: str | Path, specs: dict[str, tuple[tuple[int, ...], to
 def stream_safetensors(path: Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
                        fetch: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """One safetensors file, its header first (every tensor's dtype, shape and byte range, known from
-    `specs`), then each tensor's bytes as `fetch` produces it; written under a temporary name, then
-    renamed."""
+    `specs`), then each tensor's bytes as `fetch` produces it, straight from its memory (no serialized
+    copy of the file is built); written under a temporary name, synced, then renamed."""
     header, offset = {"__metadata__": metadata or {"format": "pt"}}, 0
     for name, (shape, dtype) in specs.items():
         n = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": WRITE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)   # the data starts 8-byte aligned
@@ -389,7 +392,7 @@ def stream_safetensors(path: Path, specs: dict[str, tuple[tuple[int, ...], torch
             t = fetch(name)
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                 raise ValueError(f"{name}: fetched {tuple(t.shape)} {t.dtype}, declared {tuple(shape)} {dtype}")
-            f.write(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().data)
+            f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)

@@ -58,7 +58,8 @@ from ..model.transformer import IGNORE_INDEX, Transformer
 from ..shapes import padded_vocab
 from .dimension import ShardedState
 from .placement import Shard, add_shard, place, placement_of
-from .tensor_overlap import columns_entered, fusable
+from ..comm.ops import takes_own_later
+from .tensor_overlap import columns_entered, fusable, rows_exited
 
 
 # -- layers -------------------------------------------------------------------------------------
@@ -149,12 +150,17 @@ class RowParallelLinear(nn.Module):
     input shares its storage with the attention core's saved output (b·s·h/n more activation memory a
     layer, measured: 2 MiB on plan_vs_run's tp2-sp)."""
 
-    def __init__(self, weight: nn.Parameter, group: Group, sequence_parallel: bool, token_wise: bool = False):
+    def __init__(self, weight: nn.Parameter, group: Group, sequence_parallel: bool, token_wise: bool = False,
+                 overlap: bool = False):
         super().__init__()
         self.weight = weight
         self.group, self.sequence_parallel, self.token_wise = group, sequence_parallel, token_wise
+        self.overlap = overlap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.overlap and self.sequence_parallel and self.token_wise and fusable([self])
+                and takes_own_later(self.group)):
+            return rows_exited(x, self.group, self.weight)     # decomposed (parallel/tensor_overlap.py)
         partial = F.linear(x, self.weight)
         extra = low_rank(self, x)          # LoRA: A split like the weight's columns, so a partial sum too
         if extra is not None:
@@ -307,7 +313,8 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
         return layer
 
     def row(linear: nn.Linear, full: int, token_wise: bool = False) -> RowParallelLinear:
-        layer = RowParallelLinear(_shard(linear.weight, Shard("tp", 1, full), group), group, sp, token_wise)
+        layer = RowParallelLinear(_shard(linear.weight, Shard("tp", 1, full), group), group, sp, token_wise,
+                                  overlap and token_wise)
         if getattr(linear, "lora", None) is not None:   # A by columns as the weight; B whole, its gradient partial
             attach(layer, _shard(linear.lora_A, Shard("tp", 1, full), group),
                    _shard(linear.lora_B, Shard("tp", None, replicas=n), group, "tp"), linear.lora)

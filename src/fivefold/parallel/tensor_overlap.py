@@ -24,6 +24,13 @@ block its sums differently from one over all rows.
 
 `columns_entered(x, group, sp, ordered, columns)` runs it for `ColumnParallelLinear`s without a LoRA adapter
 (an adapter's path needs the gathered input as a tensor of the graph: those parts take the plain path).
+
+Where a token-wise part leaves the region under sequence parallelism (the MLP's down projection), its
+reduce-scatter and, backward, the all-gather of the output gradient are decomposed the same way
+(`ExitRows`): the other ranks' rows projected first and their exchange launched, this rank's own rows
+projected while it runs. This needs a reduce-scatter that takes the own chunk after the launch: gloo's
+pairwise exchange (comm/ops.py `takes_own_later`); on NCCL, whose reduce-scatter reads its whole input
+at launch, the exit takes the plain path.
 """
 from __future__ import annotations
 
@@ -122,6 +129,71 @@ def _gathered_projections(x_bsh: torch.Tensor, group: Group, weights, biases):
         if j != r:
             project_rows(j, x_full[j * rows:(j + 1) * rows])
     return x_full, ys
+
+
+class ExitRows(torch.autograd.Function):
+    """Sequence parallelism's exit of a token-wise part (the MLP's down projection, row-parallel): rank-major
+    rows x (n·b, s/n, f/n) -> y (b, s/n, h), the reduce-scatter of x Wᵀ, decomposed (Wang et al. 2023):
+
+    forward, the other ranks' rows are projected first and the exchange launched (gloo's pairwise
+    reduce-scatter never sends a rank's own chunk, comm/ops.py `takes_own_later`), this rank's own rows are
+    projected while it runs; backward, the all-gather of dy is launched and the own rows' input and weight
+    gradients computed while it runs, the other ranks' rows after. The same collectives and bytes as the
+    plain path; the chunks' partial sums are added in the same order."""
+
+    @staticmethod
+    def forward(ctx, x_nbsf, group: Group, weight):
+        n, r = group.size, group.rank
+        rows = x_nbsf.shape[0] // n
+        x_chunks = x_nbsf.contiguous().view(n, rows, *x_nbsf.shape[1:])
+        h = weight.shape[0]
+        send = torch.empty((n, rows) + tuple(x_nbsf.shape[1:-1]) + (h,), dtype=x_nbsf.dtype, device=x_nbsf.device)
+        for j in range(n):
+            if j != r:
+                _project(x_chunks[j].reshape(-1, x_nbsf.shape[-1]), weight, None, send[j].view(-1, h))
+        own = torch.empty_like(send[r])
+        out = torch.empty_like(send[r])
+        handle = ops.reduce_scatter(out, send.view((n * rows,) + tuple(send.shape[2:])), group, async_op=True,
+                                    own=own)
+        _project(x_chunks[r].reshape(-1, x_nbsf.shape[-1]), weight, None, own.view(-1, h))
+        handle.wait()
+        ctx.group = group
+        ctx.save_for_backward(x_nbsf, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_bsh):
+        x_nbsf, weight = ctx.saved_tensors
+        group = ctx.group
+        n, r = group.size, group.rank
+        dy = grad_bsh.contiguous()
+        dy_all = torch.empty((n * dy.shape[0],) + tuple(dy.shape[1:]), dtype=dy.dtype, device=dy.device)
+        handle = ops.all_gather(dy_all, dy, group, async_op=True)
+        rows, f, h = dy.shape[0], x_nbsf.shape[-1], weight.shape[0]
+        x_chunks = x_nbsf.contiguous().view(n, rows, -1, f)
+        dy_chunks = dy_all.view(n, rows, -1, h)
+        grad_x = torch.empty_like(x_chunks) if ctx.needs_input_grad[0] else None
+        grad_w = None
+
+        def rows_of(j: int, dy_2d: torch.Tensor) -> None:
+            nonlocal grad_w
+            if grad_x is not None:
+                torch.mm(dy_2d, weight, out=grad_x[j].view(-1, f))
+            if ctx.needs_input_grad[2]:
+                x_2d = x_chunks[j].reshape(-1, f)
+                grad_w = dy_2d.t().mm(x_2d) if grad_w is None else grad_w.addmm_(dy_2d.t(), x_2d)
+
+        rows_of(r, dy.view(-1, h))             # this rank's rows, while the other ranks' dy arrive
+        handle.wait()
+        for j in range(n):
+            if j != r:
+                rows_of(j, dy_chunks[j].reshape(-1, h))
+        return (None if grad_x is None else grad_x.view(x_nbsf.shape)), None, grad_w
+
+
+def rows_exited(x_nbsf: torch.Tensor, group: Group, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's down projection and SP's reduce-scatter through `ExitRows`."""
+    return ExitRows.apply(x_nbsf, group, weight)
 
 
 def fusable(columns) -> bool:

@@ -555,15 +555,15 @@ def call_seconds(row: Flow, topo: Topology, message: float) -> float:
 
 def tp_hidden(model: PlanModel, L: Layout, work: Workload, topo: Topology, flows: list[Flow], stage: int
               ) -> tuple[float, float]:
-    """(forward, backward) seconds of one micro-batch's tp collectives that hide behind the column-parallel
-    GEMMs beside them (`traffic.tp_overlapped`; parallel/tensor_overlap.py): each call c beside a GEMM
+    """(forward, backward) seconds of one micro-batch's tp collectives that hide behind the GEMMs beside
+    them (`traffic.tp_overlapped`; parallel/tensor_overlap.py): each call c beside a GEMM
     of t seconds hides o·min(t, (1 - share)·c), `interfered`'s complement scaled by the tier's measured
     `overlap` o (what really hides on a host whose collectives take the compute's cores)."""
     rows = {f.op: f for f in flows if f.dim == "tp" and not f.part and f.calls}
     acc = topo.accelerator
     rate = linear_rate(acc, work)
     fwd = bwd = 0.0
-    for op, message, calls, (mm, nn, kk) in tp_overlapped(model, L, work, stage):
+    for direction, op, message, calls, (mm, nn, kk) in tp_overlapped(model, L, work, stage):
         row = rows.get(op)
         if row is None:
             continue
@@ -572,7 +572,7 @@ def tp_hidden(model: PlanModel, L: Layout, work: Workload, topo: Topology, flows
             if shaped(work, acc) else 2.0 * mm * nn * kk / rate
         o = next(tier.overlap for tier in topo.tiers if tier.name == row.tier)
         hidden = calls * o * min(t, (1.0 - acc.comm_share) * c)
-        if op == "all_gather":
+        if direction == "forward":
             fwd += hidden
         else:
             bwd += hidden

@@ -266,16 +266,20 @@ def _tp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers
 
 
 def tp_overlapped(model: PlanModel, L: Layout, w: Workload, stage: int, bound: bool = False
-                  ) -> list[tuple[str, float, float, tuple[float, float, float]]]:
-    """The tp collectives the runtime overlaps with column-parallel GEMMs on one rank of `stage`
-    (parallel/tensor_overlap.py, under rules.overlaps_tp_input), per micro-batch, as (op, message bytes of
-    one call, calls, (M, N, K) of the GEMM each call runs beside):
+                  ) -> list[tuple[str, str, float, float, tuple[float, float, float]]]:
+    """The tp collectives the runtime overlaps with GEMMs on one rank of `stage` (parallel/tensor_overlap.py,
+    under rules.overlaps_tp_input), per micro-batch, as (pass, op, message bytes of one call, calls, (M, N,
+    K) of the GEMM each call runs beside; pass "forward" or "backward"):
 
     * backward, every part's entry (attention's q/k/v, a dense MLP's gate and up, the head): the input
       gradient's all-reduce (SP: reduce-scatter), beside the part's weight-gradient GEMM (the forward's
       shape) — where those weights train (LoRA freezes them; so may train.freeze) and no adapter sits on
       them (the plain path);
-    * forward under SP, a dense MLP: the all-gather, beside the projection of this rank's own rows.
+    * under SP, a dense MLP's entry forward: the all-gather, beside the projection of this rank's own rows;
+    * under SP on gloo (whose reduce-scatter takes a rank's own chunk after the launch), a dense MLP's exit
+      without an adapter: forward the reduce-scatter beside the own rows' down projection, backward (where
+      the down projection trains) the all-gather of the output gradient beside the own rows' input and
+      weight gradients (two GEMMs of that shape).
 
     Latent attention's entries take the plain path. `bound`: every entry of a part as if it trained, for
     the search's lower bound (plan/search.py), which must not count less hidden than any layout's."""
@@ -288,6 +292,7 @@ def tp_overlapped(model: PlanModel, L: Layout, w: Workload, stage: int, bound: b
     fwd_passes = 2 if L.recompute == "full" else 1
     mats = 2 if model.mlp == "swiglu" else 1
     lora = set(model.lora_targets) if model.lora_rank else set()
+    exits = L.seq_parallel and volume.ALGORITHMS[w.backend]["reduce_scatter"][0] == "pairwise"
     out = []
 
     def trains(name: str) -> bool:
@@ -297,16 +302,22 @@ def tp_overlapped(model: PlanModel, L: Layout, w: Workload, stage: int, bound: b
         if i >= model.layers:      # an MTP module's block: planned with the layers' collectives, not here
             continue
         if not model.mla and not lora & {"wq", "wk", "wv"} and trains(f"layers.{i}.attn.wq.weight"):
-            out.append((back, act, 1, (T, (model.q_width + model.kv_width + model.v_width) / t, h)))
-        if not model.is_moe_layer(i) and not lora & {"gate", "up"}:
-            width = mats * model.ffn / t
+            out.append(("backward", back, act, 1, (T, (model.q_width + model.kv_width + model.v_width) / t, h)))
+        if model.is_moe_layer(i):
+            continue
+        width = mats * model.ffn / t
+        if not lora & {"gate", "up"}:
             if trains(f"layers.{i}.mlp.gate.weight"):
-                out.append((back, act, 1, (T, width, h)))
+                out.append(("backward", back, act, 1, (T, width, h)))
             if L.seq_parallel:
-                out.append(("all_gather", act, fwd_passes, (T / t, width, h)))
+                out.append(("forward", "all_gather", act, fwd_passes, (T / t, width, h)))
+        if exits and "down" not in lora:
+            out.append(("forward", "reduce_scatter", act, fwd_passes, (T / t, h, model.ffn / t)))
+            if trains(f"layers.{i}.mlp.down.weight"):
+                out.append(("backward", "all_gather", act, 1, (2 * T / t, h, model.ffn / t)))
     last = head_passes(model, L, stage)
     if last and trains("embed.weight" if model.tie_embeddings else "head.weight"):
-        out.append((back, act, last, (T, padded_vocab(model.vocab, t) / t, h)))
+        out.append(("backward", back, act, last, (T, padded_vocab(model.vocab, t) / t, h)))
     return out
 
 

@@ -224,24 +224,13 @@ def build_index(everyone: list, writers: dict) -> dict:
 
 
 def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
+    """A rank's chunks as one safetensors file, each tensor's bytes written from its own memory
+    (`stream_safetensors`): safetensors' `save_file` built the whole file in memory first, an anonymous
+    rise of the rank's file size during every save. Mode 0666 less the umask, like every output."""
+    from ..model.hf_weights import stream_safetensors
 
-    save_file(tensors, str(path), metadata={"format": "fivefold", **metadata})
-    os.chmod(path, 0o666 & ~current_umask())   # safetensors' temporary file is 0600: follow the umask like every output
-    _fsync(path)
-
-
-def current_umask() -> int:
-    """This process's umask (Linux: read from /proc, leaving it untouched; else set and restored)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    stream_safetensors(path, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}, tensors.__getitem__,
+                       {"format": "fivefold", **metadata})
 
 
 def _publish(tmp: Path, final: Path) -> None:

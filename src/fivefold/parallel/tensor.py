@@ -148,7 +148,10 @@ class RowParallelLinear(nn.Module):
     are copied into that order by the reduce-scatter: putting its (b, s, h/n) input in rank-major order
     first would copy n times fewer bytes, but that copy is saved for backward, where the sequence-order
     input shares its storage with the attention core's saved output (b·s·h/n more activation memory a
-    layer, measured: 2 MiB on plan_vs_run's tp2-sp)."""
+    layer, measured: 2 MiB on plan_vs_run's tp2-sp).
+
+    With `overlap` a token-wise part under SP leaves decomposed (parallel/tensor_overlap.py `ExitRows`) where
+    the group's reduce-scatter takes this rank's own chunk after the launch (gloo); else the plain path."""
 
     def __init__(self, weight: nn.Parameter, group: Group, sequence_parallel: bool, token_wise: bool = False,
                  overlap: bool = False):

@@ -91,7 +91,9 @@ class ParallelInput(nn.Module):
             x_bsh = gather_sequence(x_bsh, self.group, ordered=not self.token_wise)
         else:
             x_bsh = copy_to_tensor_region(x_bsh, self.group)
-        return tuple(c.project(x_bsh) for c in columns) if columns else x_bsh
+        # each column through its own module call (its hooks fire: the zero-bubble runtime records the
+        # output of every module holding weights for its W pass); the head, whose forward this is, projects
+        return tuple(c(x_bsh) if c.enter is None else c.project(x_bsh) for c in columns) if columns else x_bsh
 
 
 class ParallelLatents(nn.Module):

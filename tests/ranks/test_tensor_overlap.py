@@ -66,7 +66,8 @@ def fused_parts(rank, world, cfg_dict):
         loss.backward()
     finally:
         tensor_overlap._launch_input_grad, tensor_overlap._weight_grads = launch, weights
-    return {"nodes": nodes, "exits": exits, "events": events}
+    frozen_grads = [n for n, p in tr.model.named_parameters() if not p.requires_grad and p.grad is not None]
+    return {"nodes": nodes, "exits": exits, "events": events, "frozen_grads": frozen_grads}
 
 
 def own_later(rank, world):
@@ -140,11 +141,13 @@ def test_each_part_enters_fused_and_overlaps(runs, sp):
 @pytest.mark.ranks
 def test_a_lora_part_takes_the_plain_path(runs):
     """LoRA adapters on q/k/v: attention enters by the plain path (its adapters need the gathered input),
-    the MLPs and the head fused; their weights frozen, the fused backwards compute no weight gradient but
-    still launch before they wait (the first layer's MLP entry, before any adapter, has no input gradient)."""
+    the two MLPs and the head fused. Their weights are frozen, so the fused backwards compute no weight
+    gradient, but each still launches its input gradient's collective before it waits (every MLP's input
+    needs a gradient: layer 0's adapters come before it); no frozen weight gets a gradient."""
     for r in runs["graph-lora"]:
         assert r["nodes"] == 2 + 1
-        assert "launch" in r["events"] and r["events"].count("launch") == r["events"].count("wait")
+        assert r["events"] == ["launch", "weights", "wait"] * 3
+        assert r["frozen_grads"] == []
 
 
 def test_the_rule():

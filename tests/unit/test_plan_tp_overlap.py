@@ -45,7 +45,7 @@ def test_what_overlaps_is_each_entry_the_sp_mlp_gather_and_on_gloo_its_exit(sp, 
     assert len(rows) == len(want) * LLAMA.layers + 1                      # and the head, once
     assert rows[-1] == ("backward", back, act, 1, (T, padded_vocab(LLAMA.vocab, t) / t, h))
     # the bytes are the plain path's: every overlapped call is one of the placed rows' calls
-    calls = {f.op: f.calls for f in placed(LLAMA, lay, work, H100) if f.dim == "tp"}
+    calls = {f.op: f.calls for f in placed(LLAMA, lay, work, H100) if f.dim == "tp" and f.group == "tp"}
     m = 64 // (2 * 2)
     for op in {r[1] for r in rows}:
         assert m * sum(r[3] for r in rows if r[1] == op) <= calls[op]
@@ -65,6 +65,12 @@ def test_nothing_overlaps_where_the_runtime_takes_the_plain_path():
     rows = tp_overlapped(frozen, replace(lay, pp=1, dp=4), WORK, 0)
     assert {r[:2] for r in rows} == {("forward", "all_gather"), ("backward", "reduce_scatter")}
     assert sum(r[0] == "backward" for r in rows) == 1   # the head
+    # a frozen prefix: embedding and layer 0's norm frozen, its q/k/v trained: that entry's input needs no
+    # gradient (autograd never runs its collective), so it hides nothing; the next entries do
+    prefix = replace(LLAMA, frozen=("embed.weight", "layers.0.attn_norm.weight"))
+    one = replace(lay, pp=1, dp=4)
+    full, cut = tp_overlapped(LLAMA, one, WORK, 0), tp_overlapped(prefix, one, WORK, 0)
+    assert [r for r in full if r[0] == "backward"][1:] == [r for r in cut if r[0] == "backward"]
 
 
 def test_call_seconds_are_the_rows_rate():
@@ -75,7 +81,7 @@ def test_call_seconds_are_the_rows_rate():
 
 
 def _hidden_by_hand(model, lay, work, topo):
-    flows = {f.op: f for f in placed(model, lay, work, topo) if f.dim == "tp"}
+    flows = {f.op: f for f in placed(model, lay, work, topo) if f.dim == "tp" and f.group == "tp"}
     acc, o = topo.accelerator, topo.tiers[0].overlap
     fwd = bwd = 0.0
     for direction, op, message, calls, (m, n, k) in tp_overlapped(model, lay, work, 0):

@@ -49,7 +49,8 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 CODES = {v: k for k, v in DTYPES.items()}
 # what a file we write may hold besides weights (checkpoints: random-number states, counters)
 WRITE_CODES = {**CODES, torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-               torch.uint8: "U8", torch.bool: "BOOL"}
+               torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from torch import nn
 
 from .. import comm, rules
 from ..comm import Group
+from ..comm.ops import takes_own_later
 from ..comm.autograd import (GatherRows, ScatterRows, copy_to_tensor_region, gather_sequence, rank_major,
                              reduce_from_tensor_region, reduce_scatter_sequence)
 from ..model.latent_attention import LatentAttention
@@ -58,7 +59,6 @@ from ..model.transformer import IGNORE_INDEX, Transformer
 from ..shapes import padded_vocab
 from .dimension import ShardedState
 from .placement import Shard, add_shard, place, placement_of
-from ..comm.ops import takes_own_later
 from .tensor_overlap import columns_entered, fusable, rows_exited
 
 

@@ -9,8 +9,8 @@ GEMMs that do not need its result (parallel/tensor.py has the layout; comm/autog
   Communication`): the input gradient Σᵢ dyᵢ·Wᵢ is computed first and its all-reduce (or reduce-scatter)
   launched; the weight gradients dWᵢ = dyᵢᵀ·x, which need only this rank's dy and its saved input, run while
   it is in flight; then it is waited for.
-* Forward under sequence parallelism, token-wise parts (the MLP, the head; rank-major rows, no layout
-  copy): the all-gather is launched and this rank's own rows, which it already has, are projected while the
+* Forward under sequence parallelism, token-wise parts (the MLP; rank-major rows, no layout copy; the
+  head and attention gather in sequence order and project after): the all-gather is launched and this rank's own rows, which it already has, are projected while the
   other ranks' rows arrive; then theirs. This is the first step of the decomposed all-gather-then-GEMM of
   Wang et al., "Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning
   Models" (ASPLOS 2023), the scheme torch's async TP runs ring step by ring step; on gloo one all-gather

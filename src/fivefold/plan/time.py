@@ -61,7 +61,7 @@ from functools import lru_cache
 from .. import rules
 from ..comm import volume
 from ..parallel.pipeline import schedules as _schedules
-from ..parallel.zero_order import backward_slots
+from ..parallel.zero_order import MAX_INFLIGHT, backward_slots
 from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB
 from ..shapes import padded, shard_size
 from .buffers import zero3_slots
@@ -398,7 +398,7 @@ def prefetch_exposed(weights: list[float], gather: float, reduce: float, t_f: fl
     (t_f - t_head)/L each, the head at the end with the root still held. Backward: the root first (the
     head's backward, 2·t_head), then the blocks from last to first at (t_b - 2·t_head)/L each; a block's
     reduce-scatter goes on the stream when its backward ends, the root's after the last (the embedding's
-    gradient comes last). Depth 0 waits for every gather; a deep prefetch approaches the gathers spread
+    gradient comes last); with more than MAX_INFLIGHT reductions in flight the compute waits for the oldest. Depth 0 waits for every gather; a deep prefetch approaches the gathers spread
     over the compute."""
     last = len(weights) - 1
     total = sum(weights) or 1.0
@@ -407,7 +407,7 @@ def prefetch_exposed(weights: list[float], gather: float, reduce: float, t_f: fl
     blocks = max(1, last)
 
     def run(order, compute, reduces: bool) -> float:
-        stream, clock, ends = 0.0, 0.0, {}
+        stream, clock, ends, inflight = 0.0, 0.0, {}, []
         for i, k in enumerate(order):
             for a in [k] + order[i + 1:i + 1 + depth]:
                 if a not in ends:
@@ -418,6 +418,9 @@ def prefetch_exposed(weights: list[float], gather: float, reduce: float, t_f: fl
             clock += compute[k]
             if reduces and k:
                 stream = max(stream, clock) + r[k]
+                inflight.append(stream)
+                while len(inflight) > MAX_INFLIGHT:   # the oldest reduction is waited for (parallel/zero.py)
+                    clock = max(clock, inflight.pop(0))
         if reduces:
             stream = max(stream, clock) + r[0]
         return max(clock, stream if reduces else 0.0)
@@ -559,7 +562,7 @@ def tp_hidden(model: PlanModel, L: Layout, work: Workload, topo: Topology, flows
     them (`traffic.tp_overlapped`; parallel/tensor_overlap.py): each call c beside a GEMM
     of t seconds hides o·min(t, (1 - share)·c), `interfered`'s complement scaled by the tier's measured
     `overlap` o (what really hides on a host whose collectives take the compute's cores)."""
-    rows = {f.op: f for f in flows if f.dim == "tp" and not f.part and f.calls}
+    rows = {f.op: f for f in flows if f.dim == "tp" and f.group == "tp" and not f.part and f.calls}   # not tp_kv's
     acc = topo.accelerator
     rate = linear_rate(acc, work)
     fwd = bwd = 0.0
@@ -806,8 +809,8 @@ def step_time(model: PlanModel, layout: Layout, work: Workload, topo: Topology,
         ring = sum(f.seconds for f in flows if f.dim == "cp" and f.op in ("send", "recv"))
         secs = _per_dim_seconds([f for f in flows if KIND.get(f.dim) == "layer" and f.op not in ("send", "recv")])
         ep = ep_exposed(secs.pop("ep", 0.0) / m, t_f, t_b, passes, L.ep_overlap, m, acc.comm_share)
-        # ring sends hide behind the attention of the block before: forward, and backward at 2x forward
         hid_f, hid_b = per_rank(lambda lay, s: tp_hidden(model, lay, work, topo, flows, s), j)
+        # ring sends hide behind the attention of the block before: forward, and backward at 2x forward
         comm_mb = sum(secs.values()) / m + ep + max(0.0, ring / m - 3 * t_attn) - hid_f - hid_b
         wire_mb[j] = comm_mb * wire_share(flows, topo) if acc.ranks_per_core > 1 else 0.0   # only shared cores use it
         # the runtime's host time per compute action (calibrated; 0 on datasheet accelerators): one F

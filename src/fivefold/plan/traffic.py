@@ -281,8 +281,10 @@ def tp_overlapped(model: PlanModel, L: Layout, w: Workload, stage: int, bound: b
       the down projection trains) the all-gather of the output gradient beside the own rows' input and
       weight gradients (two GEMMs of that shape).
 
-    Latent attention's entries take the plain path. `bound`: every entry of a part as if it trained, for
-    the search's lower bound (plan/search.py), which must not count less hidden than any layout's."""
+    On the first stage the entries and exits of a frozen prefix (`lora_frozen_prefix`: nothing before them
+    trains) run no backward, so nothing of theirs hides. Latent attention's entries take the plain path.
+    `bound`: every entry of a part as if it trained, for the search's lower bound (plan/search.py), which
+    must not count less hidden than any layout's."""
     if L.tp == 1 or not overlaps_tp_input(L.pp, L.schedule, L.tp_overlap):
         return []
     t, h = L.tp, model.hidden
@@ -293,28 +295,33 @@ def tp_overlapped(model: PlanModel, L: Layout, w: Workload, stage: int, bound: b
     mats = 2 if model.mlp == "swiglu" else 1
     lora = set(model.lora_targets) if model.lora_rank else set()
     exits = L.seq_parallel and volume.ALGORITHMS[w.backend]["reduce_scatter"][0] == "pairwise"
+    blocks = [i for i in layout_blocks(model, L, stage) if i < model.layers]   # MTP blocks: not here
+    # the first stage's frozen prefix: entries and exits whose backward never runs (`lora_frozen_prefix`)
+    skip_in, skip_out = lora_frozen_prefix(model, len(blocks)) if stage == 0 and not bound else (0, 0)
+    entry = exit_ = 0                          # regions walked: each layer's attention, then its dense MLP
     out = []
 
     def trains(name: str) -> bool:
         return bound or not is_frozen(model, name)
 
-    for i in layout_blocks(model, L, stage):
-        if i >= model.layers:      # an MTP module's block: planned with the layers' collectives, not here
-            continue
-        if not model.mla and not lora & {"wq", "wk", "wv"} and trains(f"layers.{i}.attn.wq.weight"):
+    for i in blocks:
+        if (not model.mla and not lora & {"wq", "wk", "wv"} and trains(f"layers.{i}.attn.wq.weight")
+                and entry >= skip_in):
             out.append(("backward", back, act, 1, (T, (model.q_width + model.kv_width + model.v_width) / t, h)))
+        entry, exit_ = entry + 1, exit_ + 1
         if model.is_moe_layer(i):
             continue
         width = mats * model.ffn / t
         if not lora & {"gate", "up"}:
-            if trains(f"layers.{i}.mlp.gate.weight"):
+            if trains(f"layers.{i}.mlp.gate.weight") and entry >= skip_in:
                 out.append(("backward", back, act, 1, (T, width, h)))
             if L.seq_parallel:
                 out.append(("forward", "all_gather", act, fwd_passes, (T / t, width, h)))
         if exits and "down" not in lora:
             out.append(("forward", "reduce_scatter", act, fwd_passes, (T / t, h, model.ffn / t)))
-            if trains(f"layers.{i}.mlp.down.weight"):
+            if trains(f"layers.{i}.mlp.down.weight") and exit_ >= skip_out:
                 out.append(("backward", "all_gather", act, 1, (2 * T / t, h, model.ffn / t)))
+        entry, exit_ = entry + 1, exit_ + 1
     last = head_passes(model, L, stage)
     if last and trains("embed.weight" if model.tie_embeddings else "head.weight"):
         out.append(("backward", back, act, last, (T, padded_vocab(model.vocab, t) / t, h)))

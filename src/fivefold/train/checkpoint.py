@@ -229,7 +229,8 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: d
     rise of the rank's file size during every save. Mode 0666 less the umask, like every output."""
     from ..model.hf_weights import stream_safetensors
 
-    stream_safetensors(path, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}, tensors.__getitem__,
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))   # wider first: every tensor aligned
+    stream_safetensors(path, {k: (tuple(tensors[k].shape), tensors[k].dtype) for k in order}, tensors.__getitem__,
                        {"format": "fivefold", **metadata})
 
 

@@ -2,7 +2,7 @@
 
 Same model (benchmarks/common.py BENCH_MODEL), same batch, 2 gloo ranks, one run; each implementation
 in its own fresh processes so its peak RSS is its own. A step is forward + backward + optimizer step.
-Rows: ours ZeRO-1/2/3 and our DP; torch FSDP2 (per-block fully_shard, reshard after forward);
+Rows: ours ZeRO-1/2/3 (ZeRO-3 also with its prefetch depth 2) and our DP; torch FSDP2 (per-block fully_shard, reshard after forward);
 DeepSpeed ZeRO-1/2/3 (CPU accelerator) when `import deepspeed` works. Ratios: ZeRO-3 vs FSDP2
 (goal <= 1.0 in time and memory), ZeRO-1/2 vs our DP.
 
@@ -47,8 +47,9 @@ def ours_step(model, rank, world, impl, x, y, n_tokens):
 
     mesh = ParallelMesh(ParallelConfig(dp=world), rank, CommLedger(rank, world))
     make = lambda params, decay: AdamW(params, decay, weight_decay=0.1)  # noqa: E731
-    stage = int(impl[-1])
-    engine = (Zero(model, mesh, stage, make, bucket_mb=4) if stage else
+    stage = int(impl[4])                      # "ours3" or "ours3-prefetch2" (parallel.zero_prefetch)
+    depth = int(impl.rsplit("prefetch", 1)[1]) if "prefetch" in impl else 1
+    engine = (Zero(model, mesh, stage, make, bucket_mb=4, prefetch=depth) if stage else
               DataParallelOptimizer(model, mesh, make, bucket_mb=4))
 
     def step():
@@ -89,8 +90,8 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--no-deepspeed", action="store_true")
     a = parse_options(ap, steps=1, rounds=1, batch=1, seq=32)
-    impls = [("fsdp2", "torch FSDP2"), ("ours3", "fivefold ZeRO-3"), ("ours0", "fivefold DP"),
-             ("ours1", "fivefold ZeRO-1"), ("ours2", "fivefold ZeRO-2")]
+    impls = [("fsdp2", "torch FSDP2"), ("ours3", "fivefold ZeRO-3"), ("ours3-prefetch2", "fivefold ZeRO-3 depth 2"),
+             ("ours0", "fivefold DP"), ("ours1", "fivefold ZeRO-1"), ("ours2", "fivefold ZeRO-2")]
     if not a.no_deepspeed:
         try:
             import deepspeed  # noqa: F401
@@ -102,7 +103,8 @@ def main():
     best = best_of_rounds(bench_rank, a.nproc, impls, lambda impl: (impl, a.steps, a.batch, a.seq), a.rounds,
                           keep_going=not a.smoke)
     print(f"{'impl':<22}{'median step':>13}{'peak RSS':>11}{'time ratio':>20}{'mem ratio':>11}")
-    base = {"fivefold ZeRO-3": "torch FSDP2", "fivefold ZeRO-1": "fivefold DP", "fivefold ZeRO-2": "fivefold DP"}
+    base = {"fivefold ZeRO-3": "torch FSDP2", "fivefold ZeRO-3 depth 2": "torch FSDP2",
+            "fivefold ZeRO-1": "fivefold DP", "fivefold ZeRO-2": "fivefold DP"}
     for name, r in best.items():
         ratio = ""
         if name in base and base[name] in best:

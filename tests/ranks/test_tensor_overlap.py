@@ -130,11 +130,11 @@ def test_fused_trains_as_the_plain_path(runs, sp):
 @pytest.mark.parametrize("sp", [False, True])
 def test_each_part_enters_fused_and_overlaps(runs, sp):
     """Every part's entry is one EnterColumns node (2 layers × attention and MLP, and the head), and each
-    backward launches its collective, computes the weight gradients, then waits. Under SP each MLP leaves
-    by ExitRows (gloo's reduce-scatter takes the own chunk after the launch)."""
+    backward launches its collective, computes the weight gradients, then waits. Under SP each attention and
+    each MLP leaves by ExitRows (gloo's reduce-scatter takes the own chunk after the launch)."""
     for r in runs[f"graph-{sp}"]:
         assert r["nodes"] == 2 * 2 + 1
-        assert r["exits"] == (2 if sp else 0)
+        assert r["exits"] == (2 * 2 if sp else 0)
         assert r["events"] == ["launch", "weights", "wait"] * 5
 
 

@@ -152,8 +152,9 @@ class RowParallelLinear(nn.Module):
     input shares its storage with the attention core's saved output (b·s·h/n more activation memory a
     layer, measured: 2 MiB on plan_vs_run's tp2-sp).
 
-    With `overlap` a token-wise part under SP leaves decomposed (parallel/tensor_overlap.py `ExitRows`) where
-    the group's reduce-scatter takes this rank's own chunk after the launch (gloo); else the plain path."""
+    With `overlap` a part under SP leaves decomposed (parallel/tensor_overlap.py `ExitRows`: no copy of the
+    partial sums into rank-major order either) where the group's reduce-scatter takes this rank's own chunk
+    after the launch (gloo); else the plain path."""
 
     def __init__(self, weight: nn.Parameter, group: Group, sequence_parallel: bool, token_wise: bool = False,
                  overlap: bool = False):
@@ -163,9 +164,8 @@ class RowParallelLinear(nn.Module):
         self.overlap = overlap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.overlap and self.sequence_parallel and self.token_wise and fusable([self])
-                and takes_own_later(self.group)):
-            return rows_exited(x, self.group, self.weight)     # decomposed (parallel/tensor_overlap.py)
+        if self.overlap and self.sequence_parallel and fusable([self]) and takes_own_later(self.group):
+            return rows_exited(x, self.group, self.weight, not self.token_wise)   # parallel/tensor_overlap.py
         partial = F.linear(x, self.weight)
         extra = low_rank(self, x)          # LoRA: A split like the weight's columns, so a partial sum too
         if extra is not None:
@@ -319,7 +319,7 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
 
     def row(linear: nn.Linear, full: int, token_wise: bool = False) -> RowParallelLinear:
         layer = RowParallelLinear(_shard(linear.weight, Shard("tp", 1, full), group), group, sp, token_wise,
-                                  overlap and token_wise)
+                                  overlap)
         if getattr(linear, "lora", None) is not None:   # A by columns as the weight; B whole, its gradient partial
             attach(layer, _shard(linear.lora_A, Shard("tp", 1, full), group),
                    _shard(linear.lora_B, Shard("tp", None, replicas=n), group, "tp"), linear.lora)

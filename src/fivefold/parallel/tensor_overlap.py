@@ -25,10 +25,10 @@ block its sums differently from one over all rows.
 `columns_entered(x, group, sp, ordered, columns)` runs it for `ColumnParallelLinear`s without a LoRA adapter
 (an adapter's path needs the gathered input as a tensor of the graph: those parts take the plain path).
 
-Where a token-wise part leaves the region under sequence parallelism (the MLP's down projection), its
+Where a part leaves the region under sequence parallelism (attention's wo, the MLP's down projection), its
 reduce-scatter and, backward, the all-gather of the output gradient are decomposed the same way
-(`ExitRows`): the other ranks' rows projected first and their exchange launched, this rank's own rows
-projected while it runs. This needs a reduce-scatter that takes the own chunk after the launch: gloo's
+(`ExitRows`): the other ranks' tokens projected first and their exchange launched, this rank's own
+tokens projected while it runs. This needs a reduce-scatter that takes the own chunk after the launch: gloo's
 pairwise exchange (comm/ops.py `takes_own_later`); on NCCL, whose reduce-scatter reads its whole input
 at launch, the exit takes the plain path.
 """
@@ -132,68 +132,88 @@ def _gathered_projections(x_bsh: torch.Tensor, group: Group, weights, biases):
 
 
 class ExitRows(torch.autograd.Function):
-    """Sequence parallelism's exit of a token-wise part (the MLP's down projection, row-parallel): rank-major
-    rows x (n·b, s/n, f/n) -> y (b, s/n, h), the reduce-scatter of x Wᵀ, decomposed (Wang et al. 2023):
+    """Sequence parallelism's exit of a part (row-parallel: attention's wo, the MLP's down projection): x ->
+    y (b, s/n, h), the reduce-scatter along the sequence of x Wᵀ, decomposed (Wang et al. 2023). x is in
+    rank-major rows (n·b, s/n, f) (`ordered` False: the MLP's, as its entry gathered them) or in sequence
+    order (b, s, f) (attention's); either way rank j's chunk is the tokens j holds.
 
-    forward, the other ranks' rows are projected first and the exchange launched (gloo's pairwise
-    reduce-scatter never sends a rank's own chunk, comm/ops.py `takes_own_later`), this rank's own rows are
-    projected while it runs; backward, the all-gather of dy is launched and the own rows' input and weight
-    gradients computed while it runs, the other ranks' rows after. The same collectives and bytes as the
-    plain path; the chunks' partial sums are added in the same order."""
+    Forward, the other ranks' chunks are projected first and the exchange launched (gloo's pairwise
+    reduce-scatter never sends a rank's own chunk, comm/ops.py `takes_own_later`), this rank's own chunk is
+    projected while it runs; backward, the all-gather of dy is launched and the own chunk's input and weight
+    gradients computed while it runs, the other ranks' after. The same collectives and bytes as the plain
+    path; the chunks' partial sums are added in the same order. Sequence order needs no copy of the whole
+    partial sum into rank-major order (the plain path's `rank_major`): each chunk's input is copied instead,
+    f/h of it."""
 
     @staticmethod
-    def forward(ctx, x_nbsf, group: Group, weight):
+    def forward(ctx, x, group: Group, weight, ordered: bool):
         n, r = group.size, group.rank
-        rows = x_nbsf.shape[0] // n
-        x_chunks = x_nbsf.contiguous().view(n, rows, *x_nbsf.shape[1:])
-        h = weight.shape[0]
-        send = torch.empty((n, rows) + tuple(x_nbsf.shape[1:-1]) + (h,), dtype=x_nbsf.dtype, device=x_nbsf.device)
+        rows, tokens = _chunking(x, n, ordered)
+        h, f = weight.shape[0], x.shape[-1]
+        send = torch.empty((n, rows, tokens, h), dtype=x.dtype, device=x.device)
         for j in range(n):
             if j != r:
-                _project(x_chunks[j].reshape(-1, x_nbsf.shape[-1]), weight, None, send[j].view(-1, h))
+                _project(_chunk(x, j, n, ordered), weight, None, send[j].view(-1, h))
         own = torch.empty_like(send[r])
         out = torch.empty_like(send[r])
-        handle = ops.reduce_scatter(out, send.view((n * rows,) + tuple(send.shape[2:])), group, async_op=True,
-                                    own=own)
-        _project(x_chunks[r].reshape(-1, x_nbsf.shape[-1]), weight, None, own.view(-1, h))
+        handle = ops.reduce_scatter(out, send.view(n * rows, tokens, h), group, async_op=True, own=own)
+        _project(_chunk(x, r, n, ordered), weight, None, own.view(-1, h))
         handle.wait()
-        ctx.group = group
-        ctx.save_for_backward(x_nbsf, weight)
+        ctx.group, ctx.ordered = group, ordered
+        ctx.save_for_backward(x, weight)
         return out
 
     @staticmethod
     def backward(ctx, grad_bsh):
-        x_nbsf, weight = ctx.saved_tensors
-        group = ctx.group
+        x, weight = ctx.saved_tensors
+        group, ordered = ctx.group, ctx.ordered
         n, r = group.size, group.rank
         dy = grad_bsh.contiguous()
         dy_all = torch.empty((n * dy.shape[0],) + tuple(dy.shape[1:]), dtype=dy.dtype, device=dy.device)
         handle = ops.all_gather(dy_all, dy, group, async_op=True)
-        rows, f, h = dy.shape[0], x_nbsf.shape[-1], weight.shape[0]
-        x_chunks = x_nbsf.contiguous().view(n, rows, -1, f)
-        dy_chunks = dy_all.view(n, rows, -1, h)
-        grad_x = torch.empty_like(x_chunks) if ctx.needs_input_grad[0] else None
+        rows, tokens = _chunking(x, n, ordered)
+        f, h = x.shape[-1], weight.shape[0]
+        dy_chunks = dy_all.view(n, rows, tokens, h)
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
         grad_w = None
 
-        def rows_of(j: int, dy_2d: torch.Tensor) -> None:
+        def chunk_of(j: int, dy_2d: torch.Tensor) -> None:
             nonlocal grad_w
             if grad_x is not None:
-                torch.mm(dy_2d, weight, out=grad_x[j].view(-1, f))
+                if ordered:   # tokens [j·s/n, (j+1)·s/n) of every row
+                    grad_x[:, j * tokens:(j + 1) * tokens].copy_(dy_2d.mm(weight).view(rows, tokens, f))
+                else:
+                    torch.mm(dy_2d, weight, out=grad_x[j * rows:(j + 1) * rows].view(-1, f))
             if ctx.needs_input_grad[2]:
-                x_2d = x_chunks[j].reshape(-1, f)
+                x_2d = _chunk(x, j, n, ordered)
                 grad_w = dy_2d.t().mm(x_2d) if grad_w is None else grad_w.addmm_(dy_2d.t(), x_2d)
 
-        rows_of(r, dy.view(-1, h))             # this rank's rows, while the other ranks' dy arrive
+        chunk_of(r, dy.view(-1, h))              # this rank's tokens, while the other ranks' dy arrive
         handle.wait()
         for j in range(n):
             if j != r:
-                rows_of(j, dy_chunks[j].reshape(-1, h))
-        return (None if grad_x is None else grad_x.view(x_nbsf.shape)), None, grad_w
+                chunk_of(j, dy_chunks[j].reshape(-1, h))
+        return grad_x, None, grad_w, None
 
 
-def rows_exited(x_nbsf: torch.Tensor, group: Group, weight: torch.Tensor) -> torch.Tensor:
-    """The MLP's down projection and SP's reduce-scatter through `ExitRows`."""
-    return ExitRows.apply(x_nbsf, group, weight)
+def _chunking(x: torch.Tensor, n: int, ordered: bool) -> tuple[int, int]:
+    """(rows, tokens per row) of one rank's chunk of x: (b, s/n)."""
+    if ordered:
+        return x.shape[0], x.shape[1] // n
+    return x.shape[0] // n, x.shape[1]
+
+
+def _chunk(x: torch.Tensor, j: int, n: int, ordered: bool) -> torch.Tensor:
+    """Rank j's chunk of x as (rows·tokens, f): a view of rank-major rows, a copy of a strided slice of a
+    sequence-order input."""
+    rows, tokens = _chunking(x, n, ordered)
+    part = x[:, j * tokens:(j + 1) * tokens] if ordered else x[j * rows:(j + 1) * rows]
+    return part.reshape(-1, x.shape[-1])
+
+
+def rows_exited(x: torch.Tensor, group: Group, weight: torch.Tensor, ordered: bool) -> torch.Tensor:
+    """A row-parallel projection and SP's reduce-scatter through `ExitRows`."""
+    return ExitRows.apply(x, group, weight, ordered)
 
 
 def fusable(columns) -> bool:

@@ -357,11 +357,12 @@ class _Bound:
         back = self._one_call(probe, "tp", probe.tp, "reduce_scatter" if probe.seq_parallel else "all_reduce", act)
         gather = self._one_call(probe, "tp", probe.tp, "all_gather", act) if probe.seq_parallel else 0.0
         attn = 0.0 if self.model.mla else back
-        exit_ = 0.0     # the MLP's exit under SP on gloo: its reduce-scatter forward, all-gather backward
+        exit_ = 0.0     # an exit under SP on gloo: its reduce-scatter forward, all-gather backward
         if probe.seq_parallel and volume.ALGORITHMS[self.work.backend]["reduce_scatter"][0] == "pairwise":
             exit_ = self._one_call(probe, "tp", probe.tp, "reduce_scatter", act) + gather
         free = 1.0 - self.topo.accelerator.comm_share
-        return free * (attn + back + gather + exit_), free * attn, 0.0, free * back
+        # a dense layer: attention's entry and exit, the MLP's entry, gather and exit; an MoE layer: attention's
+        return free * (attn + back + gather + 2 * exit_), free * (attn + exit_), 0.0, free * back
 
     def _grad(self, tp: int, pp: int, dp: int, cp: int, ep: int, v: int, zeros: list, heads: tuple = (False,)) -> float:
         """The least seconds of the timed stages' gradient reductions (dp·cp and expert-dp), the most

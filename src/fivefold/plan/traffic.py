@@ -276,10 +276,10 @@ def tp_overlapped(model: PlanModel, L: Layout, w: Workload, stage: int, bound: b
       shape) — where those weights train (LoRA freezes them; so may train.freeze) and no adapter sits on
       them (the plain path);
     * under SP, a dense MLP's entry forward: the all-gather, beside the projection of this rank's own rows;
-    * under SP on gloo (whose reduce-scatter takes a rank's own chunk after the launch), a dense MLP's exit
-      without an adapter: forward the reduce-scatter beside the own rows' down projection, backward (where
-      the down projection trains) the all-gather of the output gradient beside the own rows' input and
-      weight gradients (two GEMMs of that shape).
+    * under SP on gloo (whose reduce-scatter takes a rank's own chunk after the launch), every exit without
+      an adapter (attention's wo, a dense MLP's down projection): forward the reduce-scatter beside the own
+      tokens' projection, backward (where the projection trains) the all-gather of the output gradient
+      beside the own tokens' input and weight gradients (two GEMMs of that shape).
 
     On the first stage the entries and exits of a frozen prefix (`lora_frozen_prefix`: nothing before them
     trains) run no backward, so nothing of theirs hides. Latent attention's entries take the plain path.
@@ -308,6 +308,10 @@ def tp_overlapped(model: PlanModel, L: Layout, w: Workload, stage: int, bound: b
         if (not model.mla and not lora & {"wq", "wk", "wv"} and trains(f"layers.{i}.attn.wq.weight")
                 and entry >= skip_in):
             out.append(("backward", back, act, 1, (T, (model.q_width + model.kv_width + model.v_width) / t, h)))
+        if exits and "wo" not in lora:      # attention's exit, decomposed as the MLP's
+            out.append(("forward", "reduce_scatter", act, fwd_passes, (T / t, h, model.attn_out_width / t)))
+            if trains(f"layers.{i}.attn.wo.weight") and exit_ >= skip_out:
+                out.append(("backward", "all_gather", act, 1, (2 * T / t, h, model.attn_out_width / t)))
         entry, exit_ = entry + 1, exit_ + 1
         if model.is_moe_layer(i):
             continue

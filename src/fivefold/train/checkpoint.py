@@ -68,19 +68,16 @@ def _region(t: torch.Tensor, sizes) -> torch.Tensor:
     return t[tuple(slice(0, n) for n in sizes)]
 
 
-FINITE_CHUNK = 1 << 18   # elements a finiteness check looks at at once: a 256 KiB mask
-
-
 def all_finite(t: torch.Tensor) -> bool:
-    """Whether `t` holds no NaN or inf, checked a block of leading rows at a time: the transient bool mask
-    is one block's (about FINITE_CHUNK bytes, or one row where a row is larger) instead of a byte per
-    element of the whole tensor (a 1 GiB fp32 shard's mask: 256 MiB), and it stays under glibc's mmap
-    threshold (2 MiB on ranks that pin it, train/malloc.py), so it reuses heap memory instead of faulting
-    in fresh pages: 24 tensors of 1.3 M elements (73 MiB) take 0.046 s in blocks against 0.13 s whole."""
-    if t.dim() == 0 or t.numel() == 0:
-        return bool(torch.isfinite(t).all())
-    step = max(1, FINITE_CHUNK // max(1, t[0].numel()))
-    return all(bool(torch.isfinite(t[i:i + step]).all()) for i in range(0, t.shape[0], step))
+    """Whether `t` holds no NaN or inf: its least and largest values, one reduction (`aminmax`) that makes
+    no temporary of the tensor's size, finite. A NaN anywhere makes both NaN; an infinity is an extreme.
+    The check made a bool mask a block of rows at a time before (and `isfinite`'s own temporaries):
+    measured on a 25.7 M-parameter model's save, the anonymous memory it left in the heap was 3.6 of the
+    save's 4.1 MiB rise. Integer and bool tensors are finite."""
+    if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def flat_boxes(shape, start: int, stop: int) -> list[tuple[tuple, tuple]]:

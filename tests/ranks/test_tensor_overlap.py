@@ -89,14 +89,19 @@ def own_later(rank, world):
     own.copy_(inp[rank * 3:(rank + 1) * 3])
     handle.wait()
     rows = group.ledger.rows()
-    return {"equal": bool(torch.equal(plain, late)), "calls": rows[0]["calls"],
+    return {"equal": bool(torch.equal(plain, late)), "calls": rows[0]["calls"], "message": rows[0]["message_bytes"],
             "bytes": rows[0]["bytes_sent"], "later": ops.takes_own_later(group)}
 
 
 @pytest.mark.ranks
 def test_the_reduce_scatter_takes_the_own_chunk_later():
+    from fivefold.comm import volume
+
     for r in spawn_jobs(2, [("own", own_later, ())])["own"]:
         assert r["equal"] and r["later"] and r["calls"] == 2
+        one = 2 * 3 * 5 * 4                            # the (6, 5) fp32 input of each call
+        assert r["message"] == 2 * one                   # the ledger against comm/volume.py's formula
+        assert r["bytes"] == 2 * volume.bytes_sent("reduce_scatter", one, 2, "gloo")
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,12 @@ nothing else: every depth trains to the same numbers with the same collectives."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fivefold.config import ConfigError
-from tests.support.reference import run_steps
+from tests.support.reference import reference, run_steps
 from tests.support.spawn import spawn_jobs
-from tests.support.tiny import tiny_config
+from tests.support.tiny import FP64, assert_states_close, tiny_config
 
 DEPTHS = (0, 1, 3)
 
@@ -21,7 +22,13 @@ def config(depth: int) -> dict:
 
 @pytest.mark.ranks
 def test_every_depth_trains_to_the_same_numbers_with_the_same_collectives():
+    """Depths 0, 1 and 3 bit for bit alike, and equal to the single process (fp64, to 1e-10)."""
     runs = spawn_jobs(2, [(str(d), run_steps, (config(d),)) for d in DEPTHS])
+    single = tiny_config()
+    single.model.layers, single.train.dtype = 3, "fp64"
+    ref = reference(single)
+    torch.testing.assert_close(torch.tensor(runs["3"][0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-10, atol=0)
+    assert_states_close(runs["3"][0]["state"], ref["state"], **FP64)
     for d in DEPTHS[1:]:
         for rank, (base, other) in enumerate(zip(runs["0"], runs[str(d)])):
             assert other["losses"] == base["losses"] and other["grad_norms"] == base["grad_norms"]

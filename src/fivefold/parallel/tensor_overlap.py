@@ -10,8 +10,8 @@ GEMMs that do not need its result (parallel/tensor.py has the layout; comm/autog
   launched; the weight gradients dWᵢ = dyᵢᵀ·x, which need only this rank's dy and its saved input, run while
   it is in flight; then it is waited for.
 * Forward under sequence parallelism, token-wise parts (the MLP; rank-major rows, no layout copy; the
-  head and attention gather in sequence order and project after): the all-gather is launched and this rank's own rows, which it already has, are projected while the
-  other ranks' rows arrive; then theirs. This is the first step of the decomposed all-gather-then-GEMM of
+  head and attention gather in sequence order and project after): the all-gather is launched and this
+  rank's own rows, which it already has, are projected while the other ranks' rows arrive; then theirs. This is the first step of the decomposed all-gather-then-GEMM of
   Wang et al., "Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning
   Models" (ASPLOS 2023), the scheme torch's async TP runs ring step by ring step; on gloo one all-gather
   stands for the ring, so only the local rows are taken ahead.
@@ -56,24 +56,20 @@ class EnterColumns(torch.autograd.Function):
     def forward(ctx, x_bsh, group: Group, sp: bool, ordered: bool, *params):
         weights, biases = params[0::2], params[1::2]
         ctx.group, ctx.sp, ctx.ordered, ctx.biased = group, sp, ordered, [b is not None for b in biases]
-        if not sp:
-            x_full = x_bsh
-            ys = [torch.nn.functional.linear(x_full, w, b) for w, b in zip(weights, biases)]
-        elif ordered:
-            x_full = _gather_seq(x_bsh, group, ordered=True)
-            ys = [torch.nn.functional.linear(x_full, w, b) for w, b in zip(weights, biases)]
-        else:
+        if sp and not ordered:
             x_full, ys = _gathered_projections(x_bsh, group, weights, biases)
+        else:           # f is the identity forward; sequence order gathers whole, then projects
+            x_full = _gather_seq(x_bsh, group, ordered=True) if sp else x_bsh
+            ys = [torch.nn.functional.linear(x_full, w, b) for w, b in zip(weights, biases)]
         ctx.save_for_backward(x_full, *weights)
         return tuple(ys)
 
     @staticmethod
     def backward(ctx, *grad_ys):
-        x_full, *weights = ctx.saved_tensors
-        live = [i for i in range(len(weights)) if grad_ys[i] is not None]
-        dy_2d = {i: grad_ys[i].reshape(-1, grad_ys[i].shape[-1]) for i in live}
+        x_full, *weights = ctx.saved_tensors     # autograd materializes every output's gradient
+        dy_2d = {i: dy.reshape(-1, dy.shape[-1]) for i, dy in enumerate(grad_ys)}
         grad_x, handle = None, None
-        if ctx.needs_input_grad[0] and live:
+        if ctx.needs_input_grad[0]:
             grad_x, handle = _launch_input_grad(ctx, x_full, weights, dy_2d)
         grads = _weight_grads(ctx, x_full, dy_2d)      # while the input gradient's collective is in flight
         if handle is not None:
@@ -149,7 +145,7 @@ class ExitRows(torch.autograd.Function):
     def forward(ctx, x, group: Group, weight, ordered: bool):
         n, r = group.size, group.rank
         rows, tokens = _chunking(x, n, ordered)
-        h, f = weight.shape[0], x.shape[-1]
+        h = weight.shape[0]
         send = torch.empty((n, rows, tokens, h), dtype=x.dtype, device=x.device)
         for j in range(n):
             if j != r:

@@ -73,7 +73,7 @@ from .units import (frozen_prefix_layers, frozen_share, head_stage, held_root, l
                     zero_units)
 from .models import PlanModel
 from .topology import Topology, collective_latency
-from .traffic import KIND, Flow, tp_overlapped
+from .traffic import KIND, Flow, tp_overlapped_merged
 
 SIMULATE_MAX_ACTIONS = 4096   # 2·p·m·v compute actions; longer schedules use the closed forms (speed)
 
@@ -559,14 +559,16 @@ def call_seconds(row: Flow, topo: Topology, message: float) -> float:
 def tp_hidden(model: PlanModel, L: Layout, work: Workload, topo: Topology, flows: list[Flow], stage: int
               ) -> tuple[float, float]:
     """(forward, backward) seconds of one micro-batch's tp collectives that hide behind the GEMMs beside
-    them (`traffic.tp_overlapped`; parallel/tensor_overlap.py): each call c beside a GEMM
+    them (`traffic.tp_overlapped`, merged; parallel/tensor_overlap.py): each call c beside a GEMM
     of t seconds hides o·min(t, (1 - share)·c), `interfered`'s complement scaled by the tier's measured
     `overlap` o (what really hides on a host whose collectives take the compute's cores)."""
+    if L.tp == 1:
+        return 0.0, 0.0
     rows = {f.op: f for f in flows if f.dim == "tp" and f.group == "tp" and not f.part and f.calls}   # not tp_kv's
     acc = topo.accelerator
     rate = linear_rate(acc, work)
     fwd = bwd = 0.0
-    for direction, op, message, calls, (mm, nn, kk) in tp_overlapped(model, L, work, stage):
+    for direction, op, message, calls, (mm, nn, kk) in tp_overlapped_merged(model, L, work, stage):
         row = rows.get(op)
         if row is None:
             continue

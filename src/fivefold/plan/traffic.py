@@ -332,6 +332,18 @@ def tp_overlapped(model: PlanModel, L: Layout, w: Workload, stage: int, bound: b
     return out
 
 
+@lru_cache(maxsize=4096)
+def tp_overlapped_merged(model: PlanModel, L: Layout, w: Workload, stage: int
+                         ) -> tuple[tuple[str, str, float, float, tuple[float, float, float]], ...]:
+    """`tp_overlapped` with the rows that differ only in calls merged (every dense layer lists the same
+    ones): what the step time prices, a handful of rows instead of several per layer."""
+    merged: dict[tuple, float] = {}
+    for direction, op, message, calls, gemm in tp_overlapped(model, L, w, stage):
+        key = (direction, op, message, gemm)
+        merged[key] = merged.get(key, 0.0) + calls
+    return tuple((d, op, message, calls, gemm) for (d, op, message, gemm), calls in merged.items())
+
+
 def _moe_sequence_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int, m: int, passes: int) -> None:
     """When SP or cp splits sequences, each MoE layer sums its per-sequence balance statistics (counts,
     score sums: b × E in the router's fp32) over the ranks holding a sequence's parts (the group of

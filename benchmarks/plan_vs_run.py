@@ -19,8 +19,17 @@ Measured per step (slowest rank, then the median over steps and over `--rounds` 
 - after the timed steps, one step under torch.profiler: self CPU seconds of GEMMs, of the attention core
   and of every other aten op (the terms the planner's compute does and does not count).
 
-Printed per layout: predicted and measured step, ratio predicted / measured (goal 0.8-1.25), predicted and
-measured bubble (goal within 10 points), then both breakdowns. The machine is shared: before every spawn
+The machine's own speed drifts between the calibration and the run (a calibration's GEMMs have read 64.8-82.6
+GFLOP/s a rank within one hour), so every run also times one reference GEMM (`PROBE_SHAPE`, F.linear forward
++ backward, fp32, all ranks in one window as the calibration times its grid) right after the calibration, and
+inside each run after its warm-up and after its timed steps. speed = the calibration's probe seconds over the
+run's (below 1: the run was slower); "at run speed" plans the row again with every compute rate of the
+calibrated accelerator times speed and its fixed per-op costs over it (`at_speed`; the collective fits as
+calibrated). The plain ratio is the planner against the minute before; the ratio at run speed is the
+planner's terms against the run, with the machine's drift taken out by a measurement, not a fit.
+
+Printed per layout: predicted and measured step, ratio predicted / measured (goal 0.8-1.25), the speed and
+the ratio at run speed, predicted and measured bubble (goal within 10 points), then both breakdowns. The machine is shared: before every spawn
 the script waits for a 1-minute load average below `--max-load`, and a spawn during which other processes
 took CPU (`tools.calibrate.ForeignLoad`, from /proc/stat) is repeated, up to `--tries` times. Calibrated
 topologies and results.json go to `--out`.
@@ -132,9 +141,34 @@ def profile_step(trainer, k: int) -> dict:
     return out
 
 
+PROBE_SHAPE = (1024, 256, 704)   # tokens, k, n: the MLP's up projection at a micro-batch of 8 x 128 tokens
+PROBE_BLOCKS = 10                 # the window: 10 blocks of 30 ms of a rank's share of the cores
+
+
+def speed_probe(world: int) -> float:
+    """Seconds of one F.linear forward + backward at PROBE_SHAPE (fp32) on this rank, every rank computing
+    through one shared window (`calibrate._windowed`, as the calibration times its GEMM grid)."""
+    import torch
+    import torch.distributed as dist
+
+    from fivefold.tools.calibrate import _linear_step, _windowed, usable_cores, window_s
+
+    step, _ = _linear_step(*PROBE_SHAPE, torch.float32)
+    return _windowed(step, window_s(PROBE_BLOCKS, world, usable_cores()), dist.barrier)
+
+
+def probe_rank(rank: int, world: int) -> float:
+    """`speed_probe` alone on fresh ranks (inside `run_ranks`), right after a calibration."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    return speed_probe(world)
+
+
 def bench_rank(rank: int, world: int, cfg_dict: dict, warmup: int) -> dict:
     """Train warmup + timed steps; per timed step: seconds, comm seconds per dim, optimizer seconds, bubble.
-    Then one profiled step (not timed)."""
+    `speed_probe` after the warm-up and after the timed steps (their mean). Then one profiled step (not
+    timed)."""
     from fivefold.train.trainer import Trainer
 
     cfg = Config.from_dict(cfg_dict)
@@ -143,8 +177,10 @@ def bench_rank(rank: int, world: int, cfg_dict: dict, warmup: int) -> dict:
     opt: list[float] = []
     _timed_optimizer(trainer.engine, opt)
     pipe = next((d for d in trainer.dims if hasattr(d, "runtime")), None)
-    steps = []
+    steps, probes = [], []
     for k in range(trainer.cfg.train.steps - 1):
+        if k == warmup:
+            probes.append(speed_probe(world))
         before = _comm_seconds(trainer.ledger)
         m = trainer.step(k)
         after = _comm_seconds(trainer.ledger)
@@ -154,7 +190,8 @@ def bench_rank(rank: int, world: int, cfg_dict: dict, warmup: int) -> dict:
             row["bubble"] = _bubble(trainer, pipe)
         if k >= warmup:
             steps.append(row)
-    return {"steps": steps, "profile": profile_step(trainer, trainer.cfg.train.steps - 1)}
+    probes.append(speed_probe(world))
+    return {"steps": steps, "probe_s": statistics.mean(probes), "profile": profile_step(trainer, trainer.cfg.train.steps - 1)}
 
 
 def combine(per_rank: list[dict]) -> dict:
@@ -169,6 +206,7 @@ def combine(per_rank: list[dict]) -> dict:
     if "bubble" in per_rank[0]["steps"][0]:
         out["bubble"] = statistics.median(s[0]["bubble"] for s in steps)
     out["profile"] = {k: max(r["profile"][k] for r in per_rank) for k in per_rank[0]["profile"]}
+    out["probe_s"] = max(r["probe_s"] for r in per_rank)
     return out
 
 
@@ -208,6 +246,7 @@ def measure(cfg: Config, world: int, warmup: int, rounds: int, max_load: float, 
     out = {"step_s": statistics.median(r["step_s"] for r in runs), "opt_s": statistics.median(r["opt_s"] for r in runs),
            "comm_s": {d: statistics.median(r["comm_s"].get(d, 0.0) for r in runs) for d in dims},
            "rounds_step_s": [r["step_s"] for r in runs], "foreign_cores": [r["foreign_cores"] for r in runs],
+           "probe_s": statistics.median(r["probe_s"] for r in runs),
            "profile": {k: statistics.median(r["profile"][k] for r in runs) for k in runs[0]["profile"]}}
     if "bubble" in runs[0]:
         out["bubble"] = statistics.median(r["bubble"] for r in runs)
@@ -234,27 +273,46 @@ def predict(cfg: Config, topo) -> dict:
             "flow_s": comm}
 
 
+def at_speed(topo, speed: float):
+    """The calibrated topology with its accelerator `speed` times as fast: every compute and memory rate
+    times speed, every fixed host cost (per GEMM kernel, per layer, per pipeline action) over it. The
+    tiers (collective fits, overlap) stay as calibrated."""
+    a = topo.accelerator
+    acc = dataclasses.replace(
+        a, peak_flops={d: r * speed for d, r in a.peak_flops.items()},
+        attention_flops={d: r * speed for d, r in a.attention_flops.items()},
+        hbm_bandwidth=a.hbm_bandwidth * speed, host_bandwidth=a.host_bandwidth * speed,
+        fresh_bandwidth=a.fresh_bandwidth * speed, layer_overhead=a.layer_overhead / speed,
+        action_overhead=a.action_overhead / speed,
+        gemm_kernel=None if a.gemm_kernel is None else a.gemm_kernel / speed)
+    return dataclasses.replace(topo, accelerator=acc)
+
+
 # -- topology ---------------------------------------------------------------------------------------
 def calibrated(n: int, quick: bool, path: Path, max_load: float):
-    """A topology of n local ranks calibrated now, written to `path`."""
+    """A topology of n local ranks calibrated now, written to `path`, and `speed_probe`'s seconds on n
+    fresh ranks right after it (the slowest rank's)."""
     from fivefold.tools.calibrate import calibrate, summary_line, to_toml
     from fivefold.plan.topology import load_topology
+    from fivefold.train.launch import run_ranks
 
     wait_quiet(max_load)
     cal = calibrate(n, quick)
+    probe = max(run_ranks(probe_rank, n, timeout_s=300))
     path.write_text(to_toml(cal))
-    print(f"calibrated {summary_line(cal)} -> {path}", flush=True)
-    return load_topology(str(path))
+    print(f"calibrated {summary_line(cal)}; probe {probe * 1e3:.2f} ms -> {path}", flush=True)
+    return load_topology(str(path)), probe
 
 
 def topologies(files: list[str], worlds: set[int], quick: bool, out: Path, max_load: float) -> dict:
-    """world size -> Topology: from --topology files (their loopback tier's size), else calibrated now."""
+    """world size -> (Topology, probe seconds): from --topology files (their loopback tier's size; no probe:
+    None), else calibrated now."""
     from fivefold.plan.topology import load_topology
 
     topos = {}
     for f in files:
         topo = load_topology(f)
-        topos[topo.tiers[0].size] = topo
+        topos[topo.tiers[0].size] = (topo, None)
     for n in sorted(worlds - topos.keys()):
         topos[n] = calibrated(n, quick, out / f"local-cpu-{n}.toml", max_load)
     return topos
@@ -265,17 +323,27 @@ def _pct(x) -> str:
     return "   -  " if x is None else f"{100 * x:5.1f}%"
 
 
+def _ok(pred: dict, meas: dict) -> str:
+    """Inside the goals: step ratio 0.8-1.25 and (pipelines) the bubble within 10 points."""
+    ratio = pred["step_s"] / meas["step_s"]
+    bub_ok = pred["bubble"] is None or abs(pred["bubble"] - meas.get("bubble", 0.0)) <= 0.10
+    return "yes" if 0.8 <= ratio <= 1.25 and bub_ok else "no"
+
+
 def table(rows: list[dict]) -> str:
-    head = (f"{'layout':<20}{'ranks':>5}{'pred step':>11}{'meas step':>11}{'ratio':>7}{'pred bub':>9}{'meas bub':>9}"
-            f"{'ok':>4}")
+    head = (f"{'layout':<20}{'ranks':>5}{'pred step':>11}{'meas step':>11}{'ratio':>7}{'ok':>4}{'speed':>7}"
+            f"{'pred@run':>11}{'ratio':>7}{'ok':>4}{'pred bub':>9}{'meas bub':>9}")
     lines = [head]
     for r in rows:
         p, m = r["pred"], r["meas"]
-        ratio = p["step_s"] / m["step_s"]
-        bub_ok = p["bubble"] is None or abs(p["bubble"] - m.get("bubble", 0.0)) <= 0.10
-        ok = "yes" if 0.8 <= ratio <= 1.25 and bub_ok else "no"
-        lines.append(f"{r['name']:<20}{r['world']:>5}{p['step_s'] * 1e3:>8.1f} ms{m['step_s'] * 1e3:>8.1f} ms"
-                     f"{ratio:>7.2f}{_pct(p['bubble']):>9}{_pct(m.get('bubble')):>9}{ok:>4}")
+        line = (f"{r['name']:<20}{r['world']:>5}{p['step_s'] * 1e3:>8.1f} ms{m['step_s'] * 1e3:>8.1f} ms"
+                f"{p['step_s'] / m['step_s']:>7.2f}{_ok(p, m):>4}")
+        if "speed" in r:
+            q = r["pred_at_speed"]
+            line += f"{r['speed']:>7.3f}{q['step_s'] * 1e3:>8.1f} ms{q['step_s'] / m['step_s']:>7.2f}{_ok(q, m):>4}"
+        else:
+            line += f"{'-':>7}{'-':>11}{'-':>7}{'-':>4}"
+        lines.append(line + f"{_pct(p['bubble']):>9}{_pct(m.get('bubble')):>9}")
     return "\n".join(lines)
 
 
@@ -290,6 +358,10 @@ def breakdown(rows: list[dict]) -> str:
                      f"{p['grad_comm_s'] * 1e3:.1f}, step comm {p['step_comm_s'] * 1e3:.1f}, optimizer "
                      f"{p['optimizer_s'] * 1e3:.1f} (flows: {pc})")
         pr = m["profile"]
+        if "speed" in r:
+            lines.append(f"{'':<20} speed: reference GEMM {m['probe_s'] * 1e3:.2f} ms in the run against "
+                         f"{m['probe_s'] * r['speed'] * 1e3:.2f} ms after the calibration ({r['speed']:.3f}); "
+                         f"planned at run speed: compute {r['pred_at_speed']['compute_s'] * 1e3:.1f}")
         lines.append(f"{'':<20} run:  step {m['step_s'] * 1e3:.1f} (rounds "
                      f"{', '.join(f'{s * 1e3:.0f}' for s in m['rounds_step_s'])}; foreign load "
                      f"{', '.join(f'{c:.2f}' for c in m['foreign_cores'])} cores), optimizer {m['opt_s'] * 1e3:.1f}, "
@@ -329,10 +401,14 @@ def main() -> int:
     rows = []
     for name, cfg in configs.items():
         world = cfg.parallel.world_size
-        topo = calibrated(world, args.quick_calibration, out / f"local-cpu-{world}-{name}.toml", args.max_load) \
-            if args.calibrate_each else topos[world]
+        topo, probe = calibrated(world, args.quick_calibration, out / f"local-cpu-{world}-{name}.toml",
+                                 args.max_load) if args.calibrate_each else topos[world]
         meas = measure(cfg, world, args.warmup, args.rounds, args.max_load, args.tries)
-        rows.append({"name": name, "world": world, "pred": predict(cfg, topo), "meas": meas})
+        row = {"name": name, "world": world, "pred": predict(cfg, topo), "meas": meas}
+        if probe is not None:
+            row["speed"] = probe / meas["probe_s"]
+            row["pred_at_speed"] = predict(cfg, at_speed(topo, row["speed"]))
+        rows.append(row)
         print(table(rows[-1:]).splitlines()[1], flush=True)
     print()
     print(table(rows))

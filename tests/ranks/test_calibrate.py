@@ -64,6 +64,27 @@ def test_a_layers_collectives_are_fitted_from_real_tp_steps(calibrated):
     assert fitted == list(TP_OPS) and set(ops) >= set(TP_OPS)
 
 
+def test_the_tp_probe_times_each_collective_blocking(monkeypatch):
+    """The ops table holds a collective's whole in-step cost and the planner hides the overlapped share
+    (plan/time.py tp_hidden): so the probe's steps run with parallel.tp_overlap off, or the plan would
+    hide the same seconds twice."""
+    import fivefold.train.trainer as trainer_module
+    seen = []
+
+    class FakeTrainer:
+        def __init__(self, cfg, rank, world, **kw):
+            seen.append((cfg.parallel.tp, cfg.parallel.sp_mode, cfg.parallel.tp_overlap))
+            self.ledger = type("L", (), {"rows": staticmethod(lambda: [])})()
+
+        def step(self, k):
+            pass
+
+    monkeypatch.setattr(trainer_module, "Trainer", FakeTrainer)
+    configs = calibrate._measure_tp_steps(0, 2, quick=True)
+    assert [(c["sp"], c["seq"]) for c in configs] == [(sp, seq) for sp in ("none", "megatron") for seq in calibrate.TP_SEQS]
+    assert seen == [(2, sp, False) for sp in ("none", "megatron") for _ in calibrate.TP_SEQS]
+
+
 def test_tp_step_rows_by_hand():
     """Per probe config and op: the step's calls × hops, its bytes, and the median over steps of the
     slowest rank's seconds (gloo over 2 ranks, comm/volume.py latency_hops: all_reduce 4 hops a call, two

@@ -48,7 +48,8 @@ a gloo call here is bimodal).
    `bandwidth_gbps`, and per op for the tier's `ops` table (the planner's fit for that op). Every raw
    median goes into the TOML's comments with the joint fit's error.
    A layer's own collectives are then measured where they happen: the Trainer runs real steps of a small
-   model at tp = N (`TP_MODEL`, two sequence lengths, without and with Megatron SP), and each op's
+   model at tp = N (`TP_MODEL`, two sequence lengths, without and with Megatron SP, each collective
+   blocking: `parallel.tp_overlap = false`, the planner hides the overlapped share), and each op's
    ledger seconds per step (slowest rank, median over steps) against its calls' hops and bytes give
    all_reduce, all_gather and reduce_scatter their fits in the `ops` table (`tp_step_rows`). The burst
    probe above moved 2-4x between calibrations minutes apart (its call after a burst is bimodal: the
@@ -343,7 +344,10 @@ def tp_probe_fits(world: int) -> bool:
 def _measure_tp_steps(rank: int, world: int, quick: bool) -> list[dict]:
     """Per probe config (sp mode, sequence length), per timed step, this rank's tp ledger rows
     {op: (calls, bytes_sent, seconds)} of the real Trainer at tp = N: the in-step cost of a layer's
-    collectives, with the skew and late wake-ups a real step has (the burst probe only imitates them)."""
+    collectives, with the skew and late wake-ups a real step has (the burst probe only imitates them).
+    Blocking (`parallel.tp_overlap = false`): the ops table holds a collective's whole in-step cost, and
+    the planner hides its overlapped share itself (plan/time.py `tp_hidden`); measured with the overlap on,
+    the ledger's seconds would be what is left after hiding, and the plan would hide it twice."""
     import numpy as np
 
     from ..config import Config, ModelConfig, ParallelConfig, TrainConfig
@@ -355,7 +359,8 @@ def _measure_tp_steps(rank: int, world: int, quick: bool) -> list[dict]:
     out = []
     for sp in ("none", "megatron"):
         for seq in TP_SEQS:
-            cfg = Config(model=ModelConfig(max_seq=seq, **TP_MODEL), parallel=ParallelConfig(tp=world, sp_mode=sp),
+            parallel = ParallelConfig(tp=world, sp_mode=sp, tp_overlap=False)
+            cfg = Config(model=ModelConfig(max_seq=seq, **TP_MODEL), parallel=parallel,
                          train=TrainConfig(steps=steps + 1, global_batch=TP_BATCH, seq_len=seq, warmup=1,
                                            checkpoint=False))
             tokens = np.random.default_rng(0).integers(0, TP_MODEL["vocab"], 64 * TP_BATCH * seq).astype(np.int64)
@@ -901,7 +906,7 @@ def _tp_step_lines(cal: dict) -> list[str]:
     m = TP_MODEL
     lines = [f"# in a real step (the ops table's {', '.join(fits)}): the Trainer at tp = {cal['nproc']}, "
              f"{m['layers']} layers of hidden {m['hidden']}, batch {TP_BATCH}, seq {' and '.join(map(str, TP_SEQS))}, "
-             "without and with SP;",
+             "without and with SP, each collective blocking (tp_overlap off: the planner hides its share);",
              "# per step its tp ledger's hops, bytes sent and seconds (slowest rank, median over steps), fitted as",
              "# above; the burst fit's time for the same calls beside it:"]
     burst = cal["fits"]["in_step"]["per_op"]

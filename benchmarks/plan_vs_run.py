@@ -21,12 +21,15 @@ Measured per step (slowest rank, then the median over steps and over `--rounds` 
 
 The machine's own speed drifts between the calibration and the run (a calibration's GEMMs have read 64.8-82.6
 GFLOP/s a rank within one hour), so every run also times one reference GEMM (`PROBE_SHAPE`, F.linear forward
-+ backward, fp32, all ranks in one window as the calibration times its grid) right after the calibration, and
-inside each run after its warm-up and after its timed steps. speed = the calibration's probe seconds over the
-run's (below 1: the run was slower); "at run speed" plans the row again with every compute rate of the
++ backward, fp32, all ranks in one window as the calibration times its grid) inside the run, after its
+warm-up and after its timed steps (the mean). speed = the calibrated topology's own time for that GEMM (its
+GEMM curve, plan/gemm.py, fitted over the calibration's whole grid) over the run's (below 1: the run's
+machine was slower than calibrated); "at run speed" plans the row again with every compute rate of the
 calibrated accelerator times speed and its fixed per-op costs over it (`at_speed`; the collective fits as
 calibrated). The plain ratio is the planner against the minute before; the ratio at run speed is the
-planner's terms against the run, with the machine's drift taken out by a measurement, not a fit.
+planner's terms against the run, with the machine's drift taken out by a measurement, not a fit. (A probe
+timed on fresh ranks right after the calibration read 13.8-28.6 ms for the same GEMM in one campaign: one
+short window in a fresh process is noisier than the curve.)
 
 Printed per layout: predicted and measured step, ratio predicted / measured (goal 0.8-1.25), the speed and
 the ratio at run speed, predicted and measured bubble (goal within 10 points), then both breakdowns. The machine is shared: before every spawn
@@ -142,7 +145,7 @@ def profile_step(trainer, k: int) -> dict:
 
 
 PROBE_SHAPE = (1024, 256, 704)   # tokens, k, n: the MLP's up projection at a micro-batch of 8 x 128 tokens
-PROBE_BLOCKS = 10                 # the window: 10 blocks of 30 ms of a rank's share of the cores
+PROBE_BLOCKS = 20                 # the window: 20 blocks of 30 ms of a rank's share of the cores
 
 
 def speed_probe(world: int) -> float:
@@ -157,12 +160,14 @@ def speed_probe(world: int) -> float:
     return _windowed(step, window_s(PROBE_BLOCKS, world, usable_cores()), dist.barrier)
 
 
-def probe_rank(rank: int, world: int) -> float:
-    """`speed_probe` alone on fresh ranks (inside `run_ranks`), right after a calibration."""
-    import torch.distributed as dist
+def planned_probe_s(topo) -> float:
+    """The calibrated topology's seconds for `speed_probe`'s GEMM: forward + backward, three GEMMs of the
+    curve (plan/gemm.py, as `fivefold calibrate` fits it)."""
+    from fivefold.plan.gemm import gemm_seconds
 
-    dist.barrier()
-    return speed_probe(world)
+    a = topo.accelerator
+    t, k, n = PROBE_SHAPE
+    return 3 * gemm_seconds(t, n, k, a.peak_flops["fp32"], a.hbm_bandwidth, 4, a.gemm_kernel or 0.0)
 
 
 def bench_rank(rank: int, world: int, cfg_dict: dict, warmup: int) -> dict:
@@ -290,29 +295,25 @@ def at_speed(topo, speed: float):
 
 # -- topology ---------------------------------------------------------------------------------------
 def calibrated(n: int, quick: bool, path: Path, max_load: float):
-    """A topology of n local ranks calibrated now, written to `path`, and `speed_probe`'s seconds on n
-    fresh ranks right after it (the slowest rank's)."""
+    """A topology of n local ranks calibrated now, written to `path`."""
     from fivefold.tools.calibrate import calibrate, summary_line, to_toml
     from fivefold.plan.topology import load_topology
-    from fivefold.train.launch import run_ranks
 
     wait_quiet(max_load)
     cal = calibrate(n, quick)
-    probe = max(run_ranks(probe_rank, n, timeout_s=300))
     path.write_text(to_toml(cal))
-    print(f"calibrated {summary_line(cal)}; probe {probe * 1e3:.2f} ms -> {path}", flush=True)
-    return load_topology(str(path)), probe
+    print(f"calibrated {summary_line(cal)} -> {path}", flush=True)
+    return load_topology(str(path))
 
 
 def topologies(files: list[str], worlds: set[int], quick: bool, out: Path, max_load: float) -> dict:
-    """world size -> (Topology, probe seconds): from --topology files (their loopback tier's size; no probe:
-    None), else calibrated now."""
+    """world size -> Topology: from --topology files (their loopback tier's size), else calibrated now."""
     from fivefold.plan.topology import load_topology
 
     topos = {}
     for f in files:
         topo = load_topology(f)
-        topos[topo.tiers[0].size] = (topo, None)
+        topos[topo.tiers[0].size] = topo
     for n in sorted(worlds - topos.keys()):
         topos[n] = calibrated(n, quick, out / f"local-cpu-{n}.toml", max_load)
     return topos
@@ -338,11 +339,8 @@ def table(rows: list[dict]) -> str:
         p, m = r["pred"], r["meas"]
         line = (f"{r['name']:<20}{r['world']:>5}{p['step_s'] * 1e3:>8.1f} ms{m['step_s'] * 1e3:>8.1f} ms"
                 f"{p['step_s'] / m['step_s']:>7.2f}{_ok(p, m):>4}")
-        if "speed" in r:
-            q = r["pred_at_speed"]
-            line += f"{r['speed']:>7.3f}{q['step_s'] * 1e3:>8.1f} ms{q['step_s'] / m['step_s']:>7.2f}{_ok(q, m):>4}"
-        else:
-            line += f"{'-':>7}{'-':>11}{'-':>7}{'-':>4}"
+        q = r["pred_at_speed"]
+        line += f"{r['speed']:>7.3f}{q['step_s'] * 1e3:>8.1f} ms{q['step_s'] / m['step_s']:>7.2f}{_ok(q, m):>4}"
         lines.append(line + f"{_pct(p['bubble']):>9}{_pct(m.get('bubble')):>9}")
     return "\n".join(lines)
 
@@ -358,10 +356,9 @@ def breakdown(rows: list[dict]) -> str:
                      f"{p['grad_comm_s'] * 1e3:.1f}, step comm {p['step_comm_s'] * 1e3:.1f}, optimizer "
                      f"{p['optimizer_s'] * 1e3:.1f} (flows: {pc})")
         pr = m["profile"]
-        if "speed" in r:
-            lines.append(f"{'':<20} speed: reference GEMM {m['probe_s'] * 1e3:.2f} ms in the run against "
-                         f"{m['probe_s'] * r['speed'] * 1e3:.2f} ms after the calibration ({r['speed']:.3f}); "
-                         f"planned at run speed: compute {r['pred_at_speed']['compute_s'] * 1e3:.1f}")
+        lines.append(f"{'':<20} speed: reference GEMM {m['probe_s'] * 1e3:.2f} ms in the run against "
+                     f"{m['probe_s'] * r['speed'] * 1e3:.2f} ms on the calibrated curve ({r['speed']:.3f}); "
+                     f"planned at run speed: compute {r['pred_at_speed']['compute_s'] * 1e3:.1f}")
         lines.append(f"{'':<20} run:  step {m['step_s'] * 1e3:.1f} (rounds "
                      f"{', '.join(f'{s * 1e3:.0f}' for s in m['rounds_step_s'])}; foreign load "
                      f"{', '.join(f'{c:.2f}' for c in m['foreign_cores'])} cores), optimizer {m['opt_s'] * 1e3:.1f}, "
@@ -401,14 +398,12 @@ def main() -> int:
     rows = []
     for name, cfg in configs.items():
         world = cfg.parallel.world_size
-        topo, probe = calibrated(world, args.quick_calibration, out / f"local-cpu-{world}-{name}.toml",
-                                 args.max_load) if args.calibrate_each else topos[world]
+        topo = calibrated(world, args.quick_calibration, out / f"local-cpu-{world}-{name}.toml", args.max_load) \
+            if args.calibrate_each else topos[world]
         meas = measure(cfg, world, args.warmup, args.rounds, args.max_load, args.tries)
-        row = {"name": name, "world": world, "pred": predict(cfg, topo), "meas": meas}
-        if probe is not None:
-            row["speed"] = probe / meas["probe_s"]
-            row["pred_at_speed"] = predict(cfg, at_speed(topo, row["speed"]))
-        rows.append(row)
+        speed = planned_probe_s(topo) / meas["probe_s"]
+        rows.append({"name": name, "world": world, "pred": predict(cfg, topo), "meas": meas, "speed": speed,
+                     "pred_at_speed": predict(cfg, at_speed(topo, speed))})
         print(table(rows[-1:]).splitlines()[1], flush=True)
     print()
     print(table(rows))

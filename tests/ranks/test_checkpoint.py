@@ -252,6 +252,33 @@ def test_zero_shards_are_written_where_they_are(four):
 
 
 @pytest.mark.ranks
+def test_a_restore_reads_its_own_chunks_straight_into_place(four, monkeypatch):
+    """A box that is one stored chunk (a rank restoring the shards it saved) goes from the file into the
+    caller's tensor with no staging buffer; a box across chunks (another layout) reads the same values."""
+    from fivefold.model.hf_weights import SafetensorsFile
+    from fivefold.shapes import Box
+
+    root, _ = four
+    reader = checkpoint.Reader(root / "zero3" / "checkpoints" / "step-00000002")
+    entry = reader.tensors["exp_avg/embed.weight"]
+    shape = tuple(entry["shape"])
+    whole = reader.full("exp_avg/embed.weight")
+    assert len(entry["chunks"]) >= 2
+    monkeypatch.setattr(SafetensorsFile, "read", lambda *a: pytest.fail("staged through a buffer"))
+    for chunk in entry["chunks"]:
+        box = Box(shape, tuple(chunk["offsets"]), tuple(chunk["sizes"]))
+        out = torch.full(box.sizes, float("nan"))
+        reader.read_into("exp_avg/embed.weight", box, out)
+        assert torch.equal(out, whole[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))])
+    monkeypatch.undo()
+    rows = shape[0] // 2
+    across = Box(shape, (1, 0), (rows, shape[1]))   # rows 1.. : the first chunk's tail, the next's head
+    padded = torch.full((rows + 3, shape[1]), float("nan"))
+    reader.read_into("exp_avg/embed.weight", across, padded)
+    assert torch.equal(padded[:rows], whole[1:1 + rows]) and not padded[rows:].any()
+
+
+@pytest.mark.ranks
 def test_export_to_hugging_face_loads_in_transformers(four, tmp_path):
     from transformers import AutoModelForCausalLM
 

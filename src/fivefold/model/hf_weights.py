@@ -125,10 +125,11 @@ def their_shapes(cfg: ModelConfig, mapping: dict[str, list[Part]]) -> dict[str, 
 class SafetensorsFile:
     """One safetensors file read with positioned reads: the header (8-byte length, JSON) parsed once and
     checked against itself (every tensor's byte range is its shape times its dtype's size, inside the
-    file), then any box of any tensor read as the few contiguous runs of bytes it spans."""
+    file), then any box of any tensor read as the few contiguous runs of bytes it spans. `dtypes`: the
+    codes it reads (weights: the float ones; a checkpoint's reader adds its integer random states)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, dtypes: dict[str, torch.dtype] | None = None):
+        self.path, self.fd, self.dtypes = path, -1, DTYPES if dtypes is None else dtypes
         self.fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(self.fd).st_size
@@ -137,7 +138,7 @@ class SafetensorsFile:
             self.tensors = {name: self._checked(name, info, size - self.start) for name, info in header.items()}
             self._check_disjoint(header)
         except BaseException:
-            os.close(self.fd)
+            self.close()
             raise
 
     def _check_disjoint(self, header: dict) -> None:
@@ -158,7 +159,7 @@ class SafetensorsFile:
             ok = False
         if not ok:
             raise ConfigError(f"{self.path}: header entry {name!r} is malformed")
-        itemsize = DTYPES[code].itemsize if code in DTYPES else None
+        itemsize = self.dtypes[code].itemsize if code in self.dtypes else None
         if itemsize is not None and (hi - lo != math.prod(shape) * itemsize or hi > data_bytes):
             raise ConfigError(f"{self.path}: {name} claims bytes [{lo}, {hi}) for shape {list(shape)} {code} "
                               f"in {data_bytes} bytes of data")
@@ -167,30 +168,57 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self.tensors)
 
-    def read(self, name: str, offsets, sizes) -> tuple[torch.Tensor, int]:
-        """(the box (offsets, sizes) of tensor `name`, the bytes read for it)."""
+    def _runs(self, name: str, offsets, sizes):
+        """The file positions and lengths, in bytes, of the contiguous runs the box (offsets, sizes) of
+        tensor `name` spans, in the box's row-major order."""
         shape, code, lo = self.tensors[name]
-        dtype = DTYPES[code]
-        item = dtype.itemsize
+        item = self.dtypes[code].itemsize
         offsets, sizes = tuple(offsets), tuple(sizes)
         k = len(shape)   # dims k.. are whole in the box: each run is sizes[k-1] x prod(shape[k:]) elements
         while k > 0 and offsets[k - 1] == 0 and sizes[k - 1] == shape[k - 1]:
             k -= 1
         strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
         run = (sizes[k - 1] if k else 1) * math.prod(shape[k:]) * item
-        total = math.prod(sizes) * item
-        out = torch.empty(total, dtype=torch.uint8)   # every byte is read into: nothing to zero first
-        view, at = memoryview(out.numpy()), 0
+        if not math.prod(sizes):
+            return
         for index in itertools.product(*(range(o, o + n) for o, n in zip(offsets[:max(k - 1, 0)], sizes))):
             first = sum(i * s for i, s in zip(index, strides)) + (offsets[k - 1] * strides[k - 1] if k else 0)
-            got = os.preadv(self.fd, [view[at:at + run]], self.start + lo + first * item)
-            if got != run:
+            yield self.start + lo + first * item, run
+
+    def _fill(self, name: str, offsets, sizes, buffer: torch.Tensor) -> int:
+        """Read the box's runs one after another into the contiguous `buffer`'s bytes; the bytes read."""
+        view, at = memoryview(buffer.view(-1).view(torch.uint8).numpy()), 0
+        for position, run in self._runs(name, offsets, sizes):
+            if os.preadv(self.fd, [view[at:at + run]], position) != run:
                 raise ConfigError(f"{self.path}: {name} is cut short (the file is truncated)")
             at += run
-        return (out.view(dtype).view(sizes) if total else torch.empty(sizes, dtype=dtype)), total
+        return at
+
+    def read(self, name: str, offsets, sizes) -> tuple[torch.Tensor, int]:
+        """(the box (offsets, sizes) of tensor `name`, the bytes read for it)."""
+        out = torch.empty(tuple(sizes), dtype=self.dtypes[self.tensors[name][1]])   # every byte is read into
+        return out, self._fill(name, offsets, sizes, out)
+
+    def read_into(self, name: str, offsets, sizes, dst: torch.Tensor) -> int:
+        """dst (of the box's sizes) = the box (offsets, sizes) of tensor `name`; the bytes read. Straight
+        from the file into dst's memory where dst is contiguous in the file's dtype (a rank restoring its
+        own shards: nothing staged); otherwise through one box-sized buffer, cast by copy_."""
+        if dst.dtype == self.dtypes[self.tensors[name][1]] and dst.is_contiguous() and dst.device.type == "cpu":
+            return self._fill(name, offsets, sizes, dst)
+        piece, n = self.read(name, offsets, sizes)
+        dst.copy_(piece)
+        return n
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self):   # a reader dropped with its source (a restore, an export) gives its descriptor back
+        try:
+            self.close()
+        except OSError:
+            pass
 
 
 class HFWeights:

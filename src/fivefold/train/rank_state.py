@@ -80,15 +80,22 @@ class RankState:
         Adam moments, its persistent buffers — from `source` (model/init.py's protocol: the seeded init,
         a checkpoint's Reader, Hugging Face files), box by box, straight into the engine's tensors
         (engines' `load_local_state`). A rank reads only the boxes of its own pieces, and a fill holds
-        beyond the rank's state only the source's buffers for at most FILL_CHUNK elements (ZeRO-1/2 in a
+        beyond the rank's state only the source's buffers for at most FILL_CHUNK elements (a checkpoint
+        none where its chunks are the boxes the rank needs: `Reader.read_into`) (ZeRO-1/2 in a
         16-bit dtype, which hold whole parameters, also one parameter's fp32 staging copy)."""
+        into = getattr(source, "read_into", None)   # a checkpoint reads straight into dst (checkpoint.Reader)
+
         def read_into(dst: torch.Tensor, name: str, start: int, section: str) -> None:
             """dst (1-D) = elements start.. of this rank's piece of `name` (flat, row-major)."""
             full, shape, piece, _ = self.param_boxes[name]
             for lo in range(0, dst.numel(), FILL_CHUNK):   # the source's own buffers stay within FILL_CHUNK elements
                 n = min(FILL_CHUNK, dst.numel() - lo)
                 for box, sizes, o in checkpoint.segment_chunks(piece, shape, start + lo, n):
-                    dst[lo + o:lo + o + math.prod(sizes)].copy_(source.read(f"{section}/{full}", box, sizes).reshape(-1))
+                    part = dst[lo + o:lo + o + math.prod(sizes)]
+                    if into is not None:
+                        into(f"{section}/{full}", box, part.view(sizes))
+                    else:
+                        part.copy_(source.read(f"{section}/{full}", box, sizes).reshape(-1))
 
         self.engine.load_local_state(read_into, opt_t)
         with torch.no_grad():

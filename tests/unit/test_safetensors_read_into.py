@@ -1,0 +1,58 @@
+"""`SafetensorsFile.read_into`: a box read straight into the caller's tensor where it is contiguous in the
+file's dtype (a restore stages nothing), through one box-sized buffer otherwise; the same values either way."""
+import itertools
+
+import pytest
+import torch
+
+from fivefold.model.hf_weights import SafetensorsFile, stream_safetensors
+
+
+@pytest.fixture
+def stored(tmp_path):
+    tensors = {"a": torch.arange(60, dtype=torch.float32).view(3, 4, 5),
+               "b": torch.linspace(-2, 2, 24, dtype=torch.bfloat16).view(4, 6),
+               "s": torch.tensor(7.5, dtype=torch.float64)}
+    path = tmp_path / "x.safetensors"
+    stream_safetensors(path, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}, tensors.__getitem__)
+    return SafetensorsFile(path), tensors
+
+
+def _boxes(shape):
+    for offsets in itertools.product(*(range(n) for n in shape)):
+        for sizes in itertools.product(*(range(1, n - o + 1) for o, n in zip(offsets, shape))):
+            yield offsets, sizes
+
+
+def test_every_box_read_straight_into_a_contiguous_tensor(stored, monkeypatch):
+    f, tensors = stored
+    monkeypatch.setattr(SafetensorsFile, "read", lambda *a: pytest.fail("staged through a buffer"))
+    for name in ("a", "b"):
+        full = tensors[name]
+        for offsets, sizes in _boxes(full.shape):
+            dst = torch.full(sizes, -1.0, dtype=full.dtype)
+            n = f.read_into(name, offsets, sizes, dst)
+            assert torch.equal(dst, full[tuple(slice(o, o + k) for o, k in zip(offsets, sizes))])
+            assert n == dst.numel() * full.element_size()
+    scalar = torch.zeros((), dtype=torch.float64)
+    f.read_into("s", (), (), scalar)
+    assert scalar.item() == 7.5
+
+
+def test_a_strided_or_other_dtype_target_goes_through_one_buffer(stored):
+    f, tensors = stored
+    wide = torch.zeros(5, 4)                       # a transposed view: not contiguous
+    f.read_into("a", (1, 0, 0), (1, 4, 5), wide.t().unsqueeze(0))
+    assert torch.equal(wide.t(), tensors["a"][1])
+    cast = torch.zeros(2, 6, dtype=torch.float32)  # bf16 in the file, fp32 wanted
+    f.read_into("b", (2, 0), (2, 6), cast)
+    assert torch.equal(cast, tensors["b"][2:].float())
+
+
+def test_a_truncated_file_is_named(stored):
+    f, _ = stored
+    size = f.path.stat().st_size
+    with open(f.path, "r+b") as fh:
+        fh.truncate(size - 8)
+    with pytest.raises(Exception, match="cut short"):
+        f.read_into("s", (), (), torch.zeros((), dtype=torch.float64))

@@ -22,11 +22,13 @@ Measured per step (slowest rank, then the median over steps and over `--rounds` 
 The machine's own speed drifts between the calibration and the run (a calibration's GEMMs have read 64.8-82.6
 GFLOP/s a rank within one hour), so every run also times one reference GEMM (`PROBE_SHAPE`, F.linear forward
 + backward, fp32, all ranks in one window as the calibration times its grid) inside the run, after its
-warm-up and after its timed steps (the mean). speed = the calibrated topology's own time for that GEMM (its
-GEMM curve, plan/gemm.py, fitted over the calibration's whole grid) over the run's (below 1: the run's
-machine was slower than calibrated); "at run speed" plans the row again with every compute rate of the
-calibrated accelerator times speed and its fixed per-op costs over it (`at_speed`; the collective fits as
-calibrated). The plain ratio is the planner against the minute before; the ratio at run speed is the
+warm-up and after its timed steps (the mean), and the calibration's memory probe (an in-place add of two
+64 MiB tensors). speed = the calibrated topology's own time for that GEMM (its GEMM curve, plan/gemm.py,
+fitted over the calibration's whole grid) over the run's (below 1: the run's machine was slower than
+calibrated), memory speed = the run's add bandwidth over the topology's `hbm_gbps` (which read 11.4-24.4 GB/s
+a rank in one campaign); "at run speed" plans the row again with every compute rate of the calibrated
+accelerator times speed, its fixed per-op costs over it and its memory bandwidths times memory speed
+(`at_speed`; the collective fits as calibrated). The plain ratio is the planner against the minute before; the ratio at run speed is the
 planner's terms against the run, with the machine's drift taken out by a measurement, not a fit. (A probe
 timed on fresh ranks right after the calibration read 13.8-28.6 ms for the same GEMM in one campaign: one
 short window in a fresh process is noisier than the curve.)
@@ -148,16 +150,23 @@ PROBE_SHAPE = (1024, 256, 704)   # tokens, k, n: the MLP's up projection at a mi
 PROBE_BLOCKS = 20                 # the window: 20 blocks of 30 ms of a rank's share of the cores
 
 
-def speed_probe(world: int) -> float:
-    """Seconds of one F.linear forward + backward at PROBE_SHAPE (fp32) on this rank, every rank computing
-    through one shared window (`calibrate._windowed`, as the calibration times its GEMM grid)."""
+PROBE_MIB = 64                    # the memory probe: an in-place add of two such fp32 tensors, as calibrated
+
+
+def speed_probe(world: int) -> tuple[float, float]:
+    """(seconds of one F.linear forward + backward at PROBE_SHAPE, fp32; bytes/s of an in-place add of two
+    PROBE_MIB tensors, 3 streams) on this rank, every rank through one shared window each
+    (`calibrate._windowed`, as the calibration times its GEMM grid and `hbm_gbps`)."""
     import torch
     import torch.distributed as dist
 
-    from fivefold.tools.calibrate import _linear_step, _windowed, usable_cores, window_s
+    from fivefold.tools.calibrate import MiB, _linear_step, _windowed, usable_cores, window_s
 
+    window = window_s(PROBE_BLOCKS, world, usable_cores())
     step, _ = _linear_step(*PROBE_SHAPE, torch.float32)
-    return _windowed(step, window_s(PROBE_BLOCKS, world, usable_cores()), dist.barrier)
+    gemm = _windowed(step, window, dist.barrier)
+    a, b = torch.ones(PROBE_MIB * MiB // 4), torch.ones(PROBE_MIB * MiB // 4)
+    return gemm, 3 * PROBE_MIB * MiB / _windowed(lambda: a.add_(b), window, dist.barrier)
 
 
 def planned_probe_s(topo) -> float:
@@ -196,7 +205,8 @@ def bench_rank(rank: int, world: int, cfg_dict: dict, warmup: int) -> dict:
         if k >= warmup:
             steps.append(row)
     probes.append(speed_probe(world))
-    return {"steps": steps, "probe_s": statistics.mean(probes), "profile": profile_step(trainer, trainer.cfg.train.steps - 1)}
+    return {"steps": steps, "probe_s": statistics.mean(p[0] for p in probes),
+            "probe_bw": statistics.mean(p[1] for p in probes), "profile": profile_step(trainer, trainer.cfg.train.steps - 1)}
 
 
 def combine(per_rank: list[dict]) -> dict:
@@ -212,6 +222,7 @@ def combine(per_rank: list[dict]) -> dict:
         out["bubble"] = statistics.median(s[0]["bubble"] for s in steps)
     out["profile"] = {k: max(r["profile"][k] for r in per_rank) for k in per_rank[0]["profile"]}
     out["probe_s"] = max(r["probe_s"] for r in per_rank)
+    out["probe_bw"] = min(r["probe_bw"] for r in per_rank)
     return out
 
 
@@ -252,6 +263,7 @@ def measure(cfg: Config, world: int, warmup: int, rounds: int, max_load: float, 
            "comm_s": {d: statistics.median(r["comm_s"].get(d, 0.0) for r in runs) for d in dims},
            "rounds_step_s": [r["step_s"] for r in runs], "foreign_cores": [r["foreign_cores"] for r in runs],
            "probe_s": statistics.median(r["probe_s"] for r in runs),
+           "probe_bw": statistics.median(r["probe_bw"] for r in runs),
            "profile": {k: statistics.median(r["profile"][k] for r in runs) for k in runs[0]["profile"]}}
     if "bubble" in runs[0]:
         out["bubble"] = statistics.median(r["bubble"] for r in runs)
@@ -278,16 +290,16 @@ def predict(cfg: Config, topo) -> dict:
             "flow_s": comm}
 
 
-def at_speed(topo, speed: float):
-    """The calibrated topology with its accelerator `speed` times as fast: every compute and memory rate
-    times speed, every fixed host cost (per GEMM kernel, per layer, per pipeline action) over it. The
-    tiers (collective fits, overlap) stay as calibrated."""
+def at_speed(topo, speed: float, memory: float):
+    """The calibrated topology with its accelerator as fast as the run's machine: every compute rate times
+    `speed` and every fixed host cost (per GEMM kernel, per layer, per pipeline action) over it, every
+    memory bandwidth times `memory`. The tiers (collective fits, overlap) stay as calibrated."""
     a = topo.accelerator
     acc = dataclasses.replace(
         a, peak_flops={d: r * speed for d, r in a.peak_flops.items()},
         attention_flops={d: r * speed for d, r in a.attention_flops.items()},
-        hbm_bandwidth=a.hbm_bandwidth * speed, host_bandwidth=a.host_bandwidth * speed,
-        fresh_bandwidth=a.fresh_bandwidth * speed, layer_overhead=a.layer_overhead / speed,
+        hbm_bandwidth=a.hbm_bandwidth * memory, host_bandwidth=a.host_bandwidth * memory,
+        fresh_bandwidth=a.fresh_bandwidth * memory, layer_overhead=a.layer_overhead / speed,
         action_overhead=a.action_overhead / speed,
         gemm_kernel=None if a.gemm_kernel is None else a.gemm_kernel / speed)
     return dataclasses.replace(topo, accelerator=acc)
@@ -358,7 +370,9 @@ def breakdown(rows: list[dict]) -> str:
         pr = m["profile"]
         lines.append(f"{'':<20} speed: reference GEMM {m['probe_s'] * 1e3:.2f} ms in the run against "
                      f"{m['probe_s'] * r['speed'] * 1e3:.2f} ms on the calibrated curve ({r['speed']:.3f}); "
-                     f"planned at run speed: compute {r['pred_at_speed']['compute_s'] * 1e3:.1f}")
+                     f"memory {m['probe_bw'] / 1e9:.2f} against {m['probe_bw'] / r['memory_speed'] / 1e9:.2f} GB/s "
+                     f"({r['memory_speed']:.3f}); planned at run speed: compute "
+                     f"{r['pred_at_speed']['compute_s'] * 1e3:.1f}")
         lines.append(f"{'':<20} run:  step {m['step_s'] * 1e3:.1f} (rounds "
                      f"{', '.join(f'{s * 1e3:.0f}' for s in m['rounds_step_s'])}; foreign load "
                      f"{', '.join(f'{c:.2f}' for c in m['foreign_cores'])} cores), optimizer {m['opt_s'] * 1e3:.1f}, "
@@ -401,9 +415,9 @@ def main() -> int:
         topo = calibrated(world, args.quick_calibration, out / f"local-cpu-{world}-{name}.toml", args.max_load) \
             if args.calibrate_each else topos[world]
         meas = measure(cfg, world, args.warmup, args.rounds, args.max_load, args.tries)
-        speed = planned_probe_s(topo) / meas["probe_s"]
+        speed, memory = planned_probe_s(topo) / meas["probe_s"], meas["probe_bw"] / topo.accelerator.hbm_bandwidth
         rows.append({"name": name, "world": world, "pred": predict(cfg, topo), "meas": meas, "speed": speed,
-                     "pred_at_speed": predict(cfg, at_speed(topo, speed))})
+                     "memory_speed": memory, "pred_at_speed": predict(cfg, at_speed(topo, speed, memory))})
         print(table(rows[-1:]).splitlines()[1], flush=True)
     print()
     print(table(rows))

@@ -80,9 +80,12 @@ def test_the_tp_probe_times_each_collective_blocking(monkeypatch):
             pass
 
     monkeypatch.setattr(trainer_module, "Trainer", FakeTrainer)
-    configs = calibrate._measure_tp_steps(0, 2, quick=True)
-    assert [(c["sp"], c["seq"]) for c in configs] == [(sp, seq) for sp in ("none", "megatron") for seq in calibrate.TP_SEQS]
-    assert seen == [(2, sp, False) for sp in ("none", "megatron") for _ in calibrate.TP_SEQS]
+    for quick, seqs in ((True, calibrate.TP_SEQS_QUICK), (False, calibrate.TP_SEQS)):
+        seen.clear()
+        configs = calibrate._measure_tp_steps(0, 2, quick=quick)
+        assert [(c["sp"], c["seq"]) for c in configs] == [(sp, seq) for sp in ("none", "megatron") for seq in seqs]
+        assert seen == [(2, sp, False) for sp in ("none", "megatron") for _ in seqs]
+        assert all(len(c["steps"]) == (3 if quick else calibrate.TP_STEPS) for c in configs)
 
 
 def test_tp_step_rows_by_hand():

@@ -332,7 +332,8 @@ def _measure_pipeline(rank: int, world: int, quick: bool) -> list[list[tuple]]:
 # SP, at two sequence lengths (their activations: the messages), whose ledger gives the in-step cost of
 # the collectives a layer makes: all_reduce (tp), all_gather and reduce_scatter (SP).
 TP_MODEL = dict(vocab=256, hidden=128, heads=8, kv_heads=8, ffn=320, layers=2)
-TP_BATCH, TP_SEQS, TP_STEPS = 8, (32, 256), 5
+TP_BATCH, TP_SEQS, TP_STEPS = 8, (32, 128, 256), 9
+TP_SEQS_QUICK = (32, 256)   # --quick: two lengths, 3 steps (each op's fit then passes through both points)
 TP_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -355,10 +356,10 @@ def _measure_tp_steps(rank: int, world: int, quick: bool) -> list[dict]:
 
     if not tp_probe_fits(world):
         return []
-    steps = 3 if quick else TP_STEPS
+    steps, seqs = (3, TP_SEQS_QUICK) if quick else (TP_STEPS, TP_SEQS)
     out = []
     for sp in ("none", "megatron"):
-        for seq in TP_SEQS:
+        for seq in seqs:
             parallel = ParallelConfig(tp=world, sp_mode=sp, tp_overlap=False)
             cfg = Config(model=ModelConfig(max_seq=seq, **TP_MODEL), parallel=parallel,
                          train=TrainConfig(steps=steps + 1, global_batch=TP_BATCH, seq_len=seq, warmup=1,
@@ -787,6 +788,7 @@ def summarize(per_rank: list[dict], nproc: int, quick: bool) -> dict:
         "ram_bytes": ram, "memory_per_rank": ram / nproc,
         "overlap": overlap, "latency": alpha, "bandwidth": bandwidth,
         "per_op_fit": {**fits["in_step"]["per_op"], **fits["tp_steps"]}, "tp_rows": tp_rows,
+        "tp_seqs": sorted({c["seq"] for c in per_rank[0].get("tp_steps") or []}),
         "fits": fits, "comm": comm,
     }
 
@@ -905,7 +907,8 @@ def _tp_step_lines(cal: dict) -> list[str]:
                 "the ops table holds the burst fits"]
     m = TP_MODEL
     lines = [f"# in a real step (the ops table's {', '.join(fits)}): the Trainer at tp = {cal['nproc']}, "
-             f"{m['layers']} layers of hidden {m['hidden']}, batch {TP_BATCH}, seq {' and '.join(map(str, TP_SEQS))}, "
+             f"{m['layers']} layers of hidden {m['hidden']}, batch {TP_BATCH}, seq "
+             f"{', '.join(map(str, cal.get('tp_seqs', TP_SEQS)))}, "
              "without and with SP, each collective blocking (tp_overlap off: the planner hides its share);",
              "# per step its tp ledger's hops, bytes sent and seconds (slowest rank, median over steps), fitted as",
              "# above; the burst fit's time for the same calls beside it:"]

@@ -150,7 +150,8 @@ PROBE_SHAPE = (1024, 256, 704)   # tokens, k, n: the MLP's up projection at a mi
 PROBE_BLOCKS = 20                 # the window: 20 blocks of 30 ms of a rank's share of the cores
 
 
-PROBE_MIB = 64                    # the memory probe: an in-place add of two such fp32 tensors, as calibrated
+PROBE_MIB = 64                    # the memory probe: an in-place add of two such fp32 tensors (the full
+                                  # calibration's size; --quick calibrates with 32)
 
 
 def speed_probe(world: int) -> tuple[float, float]:
@@ -221,8 +222,8 @@ def combine(per_rank: list[dict]) -> dict:
     if "bubble" in per_rank[0]["steps"][0]:
         out["bubble"] = statistics.median(s[0]["bubble"] for s in steps)
     out["profile"] = {k: max(r["profile"][k] for r in per_rank) for k in per_rank[0]["profile"]}
-    out["probe_s"] = max(r["probe_s"] for r in per_rank)
-    out["probe_bw"] = min(r["probe_bw"] for r in per_rank)
+    out["probe_s"] = statistics.median(r["probe_s"] for r in per_rank)     # over ranks, as calibrate takes
+    out["probe_bw"] = statistics.median(r["probe_bw"] for r in per_rank)   # its GEMM and add figures
     return out
 
 

@@ -56,3 +56,27 @@ def test_a_truncated_file_is_named(stored):
         fh.truncate(size - 8)
     with pytest.raises(Exception, match="cut short"):
         f.read_into("s", (), (), torch.zeros((), dtype=torch.float64))
+
+
+def test_a_short_read_is_continued_not_called_truncated(stored, monkeypatch):
+    """One read(2) moves at most ~2 GiB on Linux: a run longer than what one call returns is read on."""
+    import os
+
+    f, tensors = stored
+    real = os.preadv
+
+    def at_most_12_bytes(fd, buffers, position):
+        return real(fd, [buffers[0][:12]], position)
+
+    monkeypatch.setattr(os, "preadv", at_most_12_bytes)
+    dst = torch.empty(3, 4, 5)
+    f.read_into("a", (0, 0, 0), (3, 4, 5), dst)
+    assert torch.equal(dst, tensors["a"])
+
+
+def test_a_box_outside_the_tensor_or_the_target_is_refused(stored):
+    f, _ = stored
+    with pytest.raises(Exception, match="outside"):
+        f.read_into("a", (2, 0, 0), (2, 4, 5), torch.empty(2, 4, 5))
+    with pytest.raises(ValueError, match="read into"):
+        f.read_into("a", (0, 0, 0), (1, 4, 5), torch.empty(2, 4, 5))

@@ -172,8 +172,14 @@ class SafetensorsFile:
         """The file positions and lengths, in bytes, of the contiguous runs the box (offsets, sizes) of
         tensor `name` spans, in the box's row-major order."""
         shape, code, lo = self.tensors[name]
+        if code not in self.dtypes:
+            raise ConfigError(f"{self.path}: {name} is {code}; this reader takes {', '.join(self.dtypes)}")
         item = self.dtypes[code].itemsize
         offsets, sizes = tuple(offsets), tuple(sizes)
+        if not (len(offsets) == len(sizes) == len(shape)
+                and all(0 <= o and 0 <= n and o + n <= d for o, n, d in zip(offsets, sizes, shape))):
+            raise ConfigError(f"{self.path}: box at {list(offsets)} of {list(sizes)} lies outside {name}'s "
+                              f"shape {list(shape)}")
         k = len(shape)   # dims k.. are whole in the box: each run is sizes[k-1] x prod(shape[k:]) elements
         while k > 0 and offsets[k - 1] == 0 and sizes[k - 1] == shape[k - 1]:
             k -= 1
@@ -187,11 +193,14 @@ class SafetensorsFile:
 
     def _fill(self, name: str, offsets, sizes, buffer: torch.Tensor) -> int:
         """Read the box's runs one after another into the contiguous `buffer`'s bytes; the bytes read."""
-        view, at = memoryview(buffer.view(-1).view(torch.uint8).numpy()), 0
+        view, at = memoryview(buffer.detach().view(-1).view(torch.uint8).numpy()), 0
         for position, run in self._runs(name, offsets, sizes):
-            if os.preadv(self.fd, [view[at:at + run]], position) != run:
-                raise ConfigError(f"{self.path}: {name} is cut short (the file is truncated)")
-            at += run
+            end = at + run
+            while at < end:   # one call moves at most ~2 GiB on Linux: read on until the run is in
+                got = os.preadv(self.fd, [view[at:end]], position)
+                if got <= 0:
+                    raise ConfigError(f"{self.path}: {name} is cut short (the file is truncated)")
+                at, position = at + got, position + got
         return at
 
     def read(self, name: str, offsets, sizes) -> tuple[torch.Tensor, int]:
@@ -203,7 +212,9 @@ class SafetensorsFile:
         """dst (of the box's sizes) = the box (offsets, sizes) of tensor `name`; the bytes read. Straight
         from the file into dst's memory where dst is contiguous in the file's dtype (a rank restoring its
         own shards: nothing staged); otherwise through one box-sized buffer, cast by copy_."""
-        if dst.dtype == self.dtypes[self.tensors[name][1]] and dst.is_contiguous() and dst.device.type == "cpu":
+        if tuple(dst.shape) != tuple(sizes):
+            raise ValueError(f"{name}: a box of {list(sizes)} read into a tensor of {list(dst.shape)}")
+        if dst.dtype == self.dtypes.get(self.tensors[name][1]) and dst.is_contiguous() and dst.device.type == "cpu":
             return self._fill(name, offsets, sizes, dst)
         piece, n = self.read(name, offsets, sizes)
         dst.copy_(piece)
@@ -217,7 +228,7 @@ class SafetensorsFile:
     def __del__(self):   # a reader dropped with its source (a restore, an export) gives its descriptor back
         try:
             self.close()
-        except OSError:
+        except Exception:   # at interpreter shutdown os may be gone already
             pass
 
 

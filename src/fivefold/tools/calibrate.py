@@ -48,7 +48,7 @@ a gloo call here is bimodal).
    `bandwidth_gbps`, and per op for the tier's `ops` table (the planner's fit for that op). Every raw
    median goes into the TOML's comments with the joint fit's error.
    A layer's own collectives are then measured where they happen: the Trainer runs real steps of a small
-   model at tp = N (`TP_MODEL`, two sequence lengths, without and with Megatron SP, each collective
+   model at tp = N (`TP_MODEL`, three sequence lengths, without and with Megatron SP, each collective
    blocking: `parallel.tp_overlap = false`, the planner hides the overlapped share), and each op's
    ledger seconds per step (slowest rank, median over steps) against its calls' hops and bytes give
    all_reduce, all_gather and reduce_scatter their fits in the `ops` table (`tp_step_rows`). The burst
@@ -329,7 +329,7 @@ def _measure_pipeline(rank: int, world: int, quick: bool) -> list[list[tuple]]:
 
 
 # The tensor-parallel probe: real training steps of a small model at tp = N, without and with Megatron
-# SP, at two sequence lengths (their activations: the messages), whose ledger gives the in-step cost of
+# SP, at three sequence lengths (their activations: the messages), whose ledger gives the in-step cost of
 # the collectives a layer makes: all_reduce (tp), all_gather and reduce_scatter (SP).
 TP_MODEL = dict(vocab=256, hidden=128, heads=8, kv_heads=8, ffn=320, layers=2)
 TP_BATCH, TP_SEQS, TP_STEPS = 8, (32, 128, 256), 9

@@ -266,6 +266,7 @@ def prune(out: str | Path, keep: int, protect: int | None = None) -> None:
 # Load
 
 READ_DTYPES = {code: getattr(torch, dtype) for code, (dtype, _) in DTYPES.items()}   # what a chunk file may hold
+OPEN_FILES = 64   # chunk files a Reader keeps open at once (the oldest closed first)
 
 
 class Reader:
@@ -286,6 +287,8 @@ class Reader:
             path = self.path / name
             if Path(name).name != name or path.is_symlink() or not path.is_file():
                 raise ConfigError(f"{self.path}: chunk file {name!r} is missing (or not a plain file)")
+            if len(self._files) >= OPEN_FILES:   # an export reads every rank's file: hold a few descriptors
+                self._files.pop(next(iter(self._files))).close()
             self._files[name] = SafetensorsFile(path, READ_DTYPES)   # not safetensors (a pickle, say): refused, never run
         return self._files[name]
 

@@ -148,8 +148,6 @@ def profile_step(trainer, k: int) -> dict:
 
 PROBE_SHAPE = (1024, 256, 704)   # tokens, k, n: the MLP's up projection at a micro-batch of 8 x 128 tokens
 PROBE_BLOCKS = 20                 # the window: 20 blocks of 30 ms of a rank's share of the cores
-
-
 PROBE_MIB = 64                    # the memory probe: an in-place add of two such fp32 tensors (the full
                                   # calibration's size; --quick calibrates with 32)
 

@@ -42,6 +42,7 @@ from ..config import ConfigError, ModelConfig
 from ..rules import install_hint
 from ..safetensors_header import read_header
 from .hf_map import PACKED_NAMES, config_from_hf, name_map
+from .init import WeightSource
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -168,13 +169,17 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self.tensors)
 
+    def dtype(self, name: str) -> torch.dtype:
+        code = self.tensors[name][1]
+        if code not in self.dtypes:
+            raise ConfigError(f"{self.path}: {name} is {code}; this reader takes {', '.join(self.dtypes)}")
+        return self.dtypes[code]
+
     def _runs(self, name: str, offsets, sizes):
         """The file positions and lengths, in bytes, of the contiguous runs the box (offsets, sizes) of
         tensor `name` spans, in the box's row-major order."""
-        shape, code, lo = self.tensors[name]
-        if code not in self.dtypes:
-            raise ConfigError(f"{self.path}: {name} is {code}; this reader takes {', '.join(self.dtypes)}")
-        item = self.dtypes[code].itemsize
+        shape, _, lo = self.tensors[name]
+        item = self.dtype(name).itemsize
         offsets, sizes = tuple(offsets), tuple(sizes)
         if not (len(offsets) == len(sizes) == len(shape)
                 and all(0 <= o and 0 <= n and o + n <= d for o, n, d in zip(offsets, sizes, shape))):
@@ -205,7 +210,7 @@ class SafetensorsFile:
 
     def read(self, name: str, offsets, sizes) -> tuple[torch.Tensor, int]:
         """(the box (offsets, sizes) of tensor `name`, the bytes read for it)."""
-        out = torch.empty(tuple(sizes), dtype=self.dtypes[self.tensors[name][1]])   # every byte is read into
+        out = torch.empty(tuple(sizes), dtype=self.dtype(name))   # every byte is read into
         return out, self._fill(name, offsets, sizes, out)
 
     def read_into(self, name: str, offsets, sizes, dst: torch.Tensor) -> int:
@@ -214,7 +219,7 @@ class SafetensorsFile:
         own shards: nothing staged); otherwise through one box-sized buffer, cast by copy_."""
         if tuple(dst.shape) != tuple(sizes):
             raise ValueError(f"{name}: a box of {list(sizes)} read into a tensor of {list(dst.shape)}")
-        if dst.dtype == self.dtypes.get(self.tensors[name][1]) and dst.is_contiguous() and dst.device.type == "cpu":
+        if dst.dtype == self.dtype(name) and dst.is_contiguous() and dst.device.type == "cpu":
             return self._fill(name, offsets, sizes, dst)
         piece, n = self.read(name, offsets, sizes)
         dst.copy_(piece)
@@ -232,7 +237,7 @@ class SafetensorsFile:
             pass
 
 
-class HFWeights:
+class HFWeights(WeightSource):
     """A Hugging Face weight folder as a source of boxes of our tensors (module docstring)."""
 
     def __init__(self, folder: str | Path, cfg: ModelConfig):

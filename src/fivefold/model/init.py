@@ -5,7 +5,8 @@ No rank ever builds the whole model (DESIGN.md, "the way data flows"): `Transfor
 allocates nothing, the parallel dimensions cut the meta parameters, and each rank then allocates only
 what it holds (`materialize`) and fills it from a *source*: the seeded init below, a checkpoint
 (train/checkpoint.py's Reader), or Hugging Face shard files (model/hf_weights.py). Every source answers
-the same question, `read(key, box, local_shape)`: the values of one box of one single-process tensor.
+the same question, `read(key, box, local_shape)`: the values of one box of one single-process tensor
+(`WeightSource`; its `read_into` puts them straight into the rank's tensor).
 
 The init is layout-independent: the value of every element depends only on the seed, the parameter's
 single-process name and the element's position, never on which rank computes it or what else it
@@ -122,7 +123,20 @@ def row_runs(shape, offsets, sizes) -> list[tuple[int, int]]:
     return runs
 
 
-class InitSource:
+class WeightSource:
+    """What every weight source answers (module docstring): `read(key, box, local_shape)`, a tensor of
+    `local_shape` whose leading box.sizes part holds the box (the rest zero), and `read_into(key, box,
+    out)`, the same into `out` (any dtype). By default through `read`; a source that can put the bytes in
+    place itself (a checkpoint's reader) overrides it, so a fill stages nothing."""
+
+    def read(self, key: str, box, local_shape) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read_into(self, key: str, box, out: torch.Tensor) -> None:
+        out.copy_(self.read(key, box, tuple(out.shape)))
+
+
+class InitSource(WeightSource):
     """The seeded init as a source (module docstring): "model/<name>" is the init of that parameter,
     optimizer moments ("exp_avg/", "exp_avg_sq/") and buffers ("buffers/") are zeros."""
 

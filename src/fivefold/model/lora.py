@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..rules import check_lora_targets, frozen_by, is_adapter, lora_scale
-from .init import normal_rows
+from .init import WeightSource, normal_rows
 from .layers import Dropout
 
 
@@ -128,7 +128,7 @@ def adapter_init(name: str, shape, offsets, sizes, seed: int) -> torch.Tensor:
     return normal_rows(seed, name, shape, r0, r0 + sizes[0], c0, c0 + sizes[1]).mul_(std)
 
 
-class AdapterSource:
+class AdapterSource(WeightSource):
     """A weight source (model/init.py's protocol) that answers adapters' keys with their start
     (`adapter_init`: their optimizer moments zeros) and every other key from `base` (the seeded init or
     a Hugging Face folder)."""

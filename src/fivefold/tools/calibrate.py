@@ -908,7 +908,7 @@ def _tp_step_lines(cal: dict) -> list[str]:
     m = TP_MODEL
     lines = [f"# in a real step (the ops table's {', '.join(fits)}): the Trainer at tp = {cal['nproc']}, "
              f"{m['layers']} layers of hidden {m['hidden']}, batch {TP_BATCH}, seq "
-             f"{', '.join(map(str, cal.get('tp_seqs', TP_SEQS)))}, "
+             f"{', '.join(map(str, cal['tp_seqs']))}, "
              "without and with SP, each collective blocking (tp_overlap off: the planner hides its share);",
              "# per step its tp ledger's hops, bytes sent and seconds (slowest rank, median over steps), fitted as",
              "# above; the burst fit's time for the same calls beside it:"]

@@ -43,6 +43,7 @@ import torch
 
 from ..comm import gather_objects
 from ..config import Config, ConfigError
+from ..model.init import WeightSource
 from ..parallel.placement import Placement
 from ..shapes import Box
 from . import rundir
@@ -269,7 +270,7 @@ READ_DTYPES = {code: getattr(torch, dtype) for code, (dtype, _) in DTYPES.items(
 OPEN_FILES = 64   # chunk files a Reader keeps open at once (the oldest closed first)
 
 
-class Reader:
+class Reader(WeightSource):
     """Reads boxes of a checkpoint's tensors from its chunks (files opened lazily, read with positioned
     reads: model/hf_weights.py `SafetensorsFile`), once `verify` has confirmed every claim of its index
     against the files (verify.py)."""
@@ -329,7 +330,7 @@ class Reader:
     def rng(self, rank: int) -> dict[str, torch.Tensor]:
         f = self._file(rank_file(rank))
         return {k.removeprefix("rng/"): f.read(k, [0] * len(f.tensors[k][0]), f.tensors[k][0])[0]
-                for k in f.keys() if k.startswith("rng/")}
+                for k in f.keys() if k.startswith("rng/")}   # each whole
 
     def full(self, key: str) -> torch.Tensor:
         shape = self.shape(key)

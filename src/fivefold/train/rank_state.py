@@ -83,26 +83,20 @@ class RankState:
         beyond the rank's state only the source's buffers for at most FILL_CHUNK elements (a checkpoint
         none where its chunks are the boxes the rank needs: `Reader.read_into`) (ZeRO-1/2 in a
         16-bit dtype, which hold whole parameters, also one parameter's fp32 staging copy)."""
-        into = getattr(source, "read_into", None)   # a checkpoint reads straight into dst (checkpoint.Reader)
-
         def read_into(dst: torch.Tensor, name: str, start: int, section: str) -> None:
             """dst (1-D) = elements start.. of this rank's piece of `name` (flat, row-major)."""
             full, shape, piece, _ = self.param_boxes[name]
             for lo in range(0, dst.numel(), FILL_CHUNK):   # the source's own buffers stay within FILL_CHUNK elements
                 n = min(FILL_CHUNK, dst.numel() - lo)
                 for box, sizes, o in checkpoint.segment_chunks(piece, shape, start + lo, n):
-                    part = dst[lo + o:lo + o + math.prod(sizes)]
-                    if into is not None:
-                        into(f"{section}/{full}", box, part.view(sizes))
-                    else:
-                        part.copy_(source.read(f"{section}/{full}", box, sizes).reshape(-1))
+                    source.read_into(f"{section}/{full}", box, dst[lo + o:lo + o + math.prod(sizes)].view(sizes))
 
         self.engine.load_local_state(read_into, opt_t)
         with torch.no_grad():
             for name, q in self.frozen().items():
                 read_into(q.view(-1), name, 0, "model")
             for name, b in checkpoint.persistent_buffers(self.model).items():
-                b.copy_(source.read(f"buffers/{name}", Box.whole(b.shape), b.shape))
+                source.read_into(f"buffers/{name}", Box.whole(b.shape), b)
 
     def rng_state(self, device: torch.device) -> dict[str, torch.Tensor]:
         """This rank's random streams: the default generator (dropout), CUDA's, the modules' own."""

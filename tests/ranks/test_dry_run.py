@@ -27,7 +27,7 @@ CASES = {
     "llama3-8b-tp8": ["--model", "llama3-8b", "--tp", "8", "--seq-len", "2048", "--global-batch", "1", "--steps", "1"],
     "llama3-8b-zero3-dp8": ["--model", "llama3-8b", "--dp", "8", "--zero", "3", "--seq-len", "1024",
                             "--global-batch", "8", "--steps", "1"],
-    # full recompute at pp = 1 (parallel/recompute.py): the blocks' inputs and the head's fp32 log-probs
+    # full recompute at pp = 1 (parallel/recompute.py): the blocks' inputs and the head's fp32 loss gradient
     "llama3-8b-zero3-dp8-full": ["--model", "llama3-8b", "--dp", "8", "--zero", "3", "--seq-len", "1024",
                                  "--global-batch", "8", "--steps", "1", "--recompute", "full"],
     # LoRA (model/lora.py): the adapters sharded by ZeRO-3 and the frozen base whole beside them

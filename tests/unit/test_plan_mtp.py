@@ -85,7 +85,7 @@ def test_dense_module_activations_and_second_logits():
     each rank (norm inputs 2·2h, QKV and MLP inputs 2·2h) and 336/2 split (Q 16, K and V 32, attention
     output 16, log-sum-exp 4·2, SwiGLU 3·2·16): 148. The module beyond its block: the embedding's norm
     input and M's input, 3·2·h = 48. The head's second pass: its norm's and the head's inputs 2·2·h = 32
-    and the fp32 log-probabilities of the rank's 32 vocabulary rows, 128. 1F1B holds one micro-batch on
+    and the fp32 loss gradient of the rank's 32 vocabulary rows, 128. 1F1B holds one micro-batch on
     the last stage of two: 16 tokens × (148 + 48 + 160) = 5696 bytes."""
     lay = Layout(tp=2, pp=2, dp=2)
     grow = _memory_growth(DENSE, lay)

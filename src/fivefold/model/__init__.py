@@ -1,3 +1,4 @@
-from .transformer import Transformer, loss_sum
+from .loss import loss_sum
+from .transformer import Transformer
 
 __all__ = ["Transformer", "loss_sum"]

@@ -12,7 +12,6 @@ The model knows nothing of process groups; parallel layers wrap or replace its p
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -119,13 +118,3 @@ def run_blocks(x, blocks, cos_sd, sin_sd, documents_bS: torch.Tensor | None = No
         x = head(norm(x))
     return x
 
-
-IGNORE_INDEX = -100     # a target the loss skips (a loss mask's context token): transformers' labels = -100
-
-
-def loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of token cross-entropies in fp32 (fp64 for fp64 models); targets of IGNORE_INDEX add
-    nothing. The trainer divides by the global count of targets that count, so the loss is the mean over
-    the global batch however it is split across ranks and micro-batches."""
-    logits_bsv = logits_bsv if logits_bsv.dtype == torch.float64 else logits_bsv.float()
-    return F.cross_entropy(logits_bsv.flatten(0, 1), targets_bs.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)

@@ -55,7 +55,8 @@ from ..model.latent_attention import LatentAttention
 from ..model.lora import attach, low_rank
 from ..model.moe import MoE
 from ..model.layers import Dropout
-from ..model.transformer import IGNORE_INDEX, Transformer
+from ..model.loss import IGNORE_INDEX, compute_dtype
+from ..model.transformer import Transformer
 from ..shapes import padded_vocab
 from .dimension import ShardedState
 from .placement import Shard, add_shard, place, placement_of
@@ -216,8 +217,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             max_t = logits_tv[:, :real].max(dim=-1).values.contiguous()
         else:
             max_t = torch.full(logits_tv.shape[:1], float("-inf"), dtype=logits_tv.dtype, device=logits_tv.device)
+        max_t = max_t.to(compute_dtype(logits_tv))
         comm.all_reduce(max_t, group, reduce_op="max")
-        shifted_tv = logits_tv - max_t.unsqueeze(-1)
+        shifted_tv = logits_tv - max_t.unsqueeze(-1)   # in the compute dtype: bf16 logits are upcast as read
         if real < v_local:
             shifted_tv[:, real:] = float("-inf")
         local_t = targets_t - vocab_start
@@ -229,17 +231,19 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         comm.all_reduce(stats_2t, group)
         sum_exp_t, target_t = stats_2t[0], stats_2t[1]
         probs_tv.div_(sum_exp_t.unsqueeze(-1))
+        ctx.dtype = logits_tv.dtype
         ctx.save_for_backward(probs_tv, local_t, mine_t)
         return sum_exp_t.log() - target_t
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_t):
+        """softmax − one-hot, scaled by each token's incoming gradient, made in place in the saved softmax
+        (as model/loss.py's: no second t × v/n tensor; a second backward through it is refused)."""
         probs_tv, local_t, mine_t = ctx.saved_tensors
-        grad_tv = probs_tv.clone()
-        rows = torch.arange(grad_tv.shape[0], device=grad_tv.device)
-        grad_tv[rows, local_t] -= mine_t.to(grad_tv.dtype)
-        grad_tv.mul_(grad_t.unsqueeze(-1))
-        return grad_tv, None, None, None, None
+        rows = torch.arange(probs_tv.shape[0], device=probs_tv.device)
+        probs_tv[rows, local_t] -= mine_t.to(probs_tv.dtype)
+        return probs_tv.mul_(grad_t.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
 
 
 def vocab_parallel_loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor, group: Group,
@@ -247,7 +251,6 @@ def vocab_parallel_loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor, 
     """Sum of token cross-entropies (fp32; fp64 for fp64 models), as `model.loss_sum` but for logits
     split by vocabulary; every rank of the group gets the same value. Targets of IGNORE_INDEX (-100, a loss
     mask's context tokens) add nothing and get no gradient, as F.cross_entropy's."""
-    logits_bsv = logits_bsv if logits_bsv.dtype == torch.float64 else logits_bsv.float()
     targets_t = targets_bs.flatten()
     loss_t = VocabParallelCrossEntropy.apply(logits_bsv.flatten(0, 1), targets_t, group, vocab_start, vocab)
     return torch.where(targets_t == IGNORE_INDEX, 0.0, loss_t).sum()

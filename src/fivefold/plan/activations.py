@@ -296,8 +296,8 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
 
 def head_acts(e: float, h: int, split: int, vocab: float) -> float:
     """Bytes per token the last stage's head keeps: the final norm's and the head's inputs, and the loss's
-    fp32 (fp64 for fp64 models) log-probabilities of the rank's vocabulary slice (vocab-parallel: its
-    probabilities); the 16-bit logits themselves are not kept (their cast's backward needs nothing)."""
+    gradient (softmax − one-hot) of the rank's vocabulary slice, made in the forward in fp32 (fp64 for
+    fp64 models: `buffers.loss_grad_bytes`); the logits themselves are not kept."""
     return 2 * e * h / split + max(4, e) * vocab
 
 
@@ -305,7 +305,7 @@ def mtp_acts(model: PlanModel, e: float, split: int, vocab: float) -> float:
     """Bytes per token the MTP modules keep on the last stage beyond their blocks (DeepSeek-V3 §2.2), per
     depth: the embedding's norm input and M's input [norm(h); norm(emb)] (2h; the previous depth's hidden,
     the other norm's input, is kept already as a head's norm input), and the shared head's second pass
-    as the first (`head_acts`: its norm's and the head's inputs and the second log-probabilities)."""
+    as the first (`head_acts`: its norm's and the head's inputs and the second loss gradient)."""
     h = model.hidden
     return model.mtp_depth * (3 * e * h / split + head_acts(e, h, split, vocab))
 

@@ -30,7 +30,7 @@ from ..shapes import padded, padded_vocab, shard_size
 from .activations import hidden_tensor_bytes, rank_tokens, routed_per_token
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
-from .units import block_rank_params, head_stage, held_root, layout_blocks, root_tensors, stage_params, zero_units
+from .units import block_rank_params, head_stage, held_root, is_frozen, layout_blocks, root_tensors, stage_params, zero_units
 
 
 # -- ZeRO's buffers during a step ---------------------------------------------------------------------
@@ -418,37 +418,47 @@ def largest_layer_weight(model: PlanModel, layout: Layout) -> float:
 
 def edge_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
     """The embedding's backward on the first stage, the head's on the last (0 elsewhere): the table's
-    dense gradient, whole in the weights' dtype (vocab/t x hidden), beside the residual gradient and the
-    posted receives."""
-    if stage not in (0, head_stage(layout.pp, layout.head_first)):
+    dense gradient, whole in the weights' dtype (vocab/t x hidden), where that table trains (LoRA and
+    train.freeze may freeze it), beside the residual gradient and the posted receives."""
+    head = head_stage(layout.pp, layout.head_first)
+    if stage not in (0, head):
         return 0.0
     hidden = hidden_tensor_bytes(model, layout, work)
-    table = work.param_bytes * model.hidden * padded_vocab(model.vocab, layout.tp) / layout.tp
+    tables = (["embed.weight"] if stage == 0 else []) + \
+        (["embed.weight" if model.tie_embeddings else "head.weight"] if stage == head else [])
+    trains = any(not is_frozen(model, name) for name in tables)
+    table = work.param_bytes * model.hidden * padded_vocab(model.vocab, layout.tp) / layout.tp if trains else 0.0
     return (pipeline_receives(layout, work, stage) + 1) * hidden + table
 
 
 def loss_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
-    """The loss's backward on the last stage (0 elsewhere): the logits and two fp32 vocab-wide tensors
-    (the upcast and the softmax gradient) per token, beside the posted receives; the layers' working set
-    (`backward_scratch`) comes later, and so do most of ZeRO's buffers (`zero_at_loss`)."""
+    """The loss on the last stage (0 elsewhere), at the end of its forward, beside the posted receives: the
+    logits (the weights' dtype) and the loss's gradient, softmax − one-hot, which the forward makes whole
+    in fp32 (fp64 for fp64 models) before it saves it (model/loss.py; vocab-parallel: parallel/tensor.py)
+    — per token of the rank's vocabulary slice. The backward needs nothing more: it scales the saved
+    gradient in place and, for 16-bit logits, casts it to their dtype (as large as the logits, which are
+    gone by then). ZeRO's buffers of that moment are `zero_at_loss`."""
     if stage != head_stage(layout.pp, layout.head_first):
         return 0.0
     vocab = padded_vocab(model.vocab, layout.tp) / layout.tp
     hidden = hidden_tensor_bytes(model, layout, work)
-    return pipeline_receives(layout, work, stage) * hidden + (work.act_bytes + 8) * rank_tokens(layout, work) * vocab
+    return pipeline_receives(layout, work, stage) * hidden + (work.act_bytes + loss_grad_bytes(work)) * \
+        rank_tokens(layout, work) * vocab
 
 
-def loss_logits(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
-    """The logits' bytes in `loss_scratch` (0 off the head stage): gone by the stage's activation peak, the
-    loss's backward (nothing reads them there; the log-probabilities the forward saved, counted as
-    activations, stand in their place), while the two fp32 vocab-wide tensors remain. The scratch's own
-    peak (with the logits) comes in the forward, before the log-probabilities exist, so a stage's total is
-    its activations plus the scratch less this (`memory.stage_memory`). Measured with the dry run of
-    benchmarks/gpu.py's --quick model (131,072 tokens × 32,000 vocab, bf16): at the total's peak the saved
-    activations were their own peak, 58.16 GB, and the rest 33.56 GB, 8 bytes × tokens × vocab."""
+def loss_grad_bytes(work: Workload) -> int:
+    """Bytes per logit of the loss's gradient as the forward makes it: fp32, or fp64 for fp64 models."""
+    return max(4, work.act_bytes)
+
+
+def loss_saved(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
+    """The part of `loss_scratch` that is also a saved activation (0 off the head stage): the loss's
+    gradient, which `activations.head_acts` counts once saved. The stage's total is the peak of the sum,
+    so it counts these bytes once (`memory.stage_memory`); `buffers`, the peak of what is alive and not
+    saved, has them while the forward makes them (as the dry run measures)."""
     if stage != head_stage(layout.pp, layout.head_first):
         return 0.0
-    return work.act_bytes * rank_tokens(layout, work) * padded_vocab(model.vocab, layout.tp) / layout.tp
+    return loss_grad_bytes(work) * rank_tokens(layout, work) * padded_vocab(model.vocab, layout.tp) / layout.tp
 
 
 def step_scratch(owned: float, work: Workload) -> float:

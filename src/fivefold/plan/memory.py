@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .activations import stage_activations
-from .buffers import (backward_scratch, edge_scratch, loss_logits, loss_scratch, offload_memory, step_scratch,
+from .buffers import (backward_scratch, edge_scratch, loss_saved, loss_scratch, offload_memory, step_scratch,
                       zero_at_edge, zero_at_loss, zero_buffers)
 from .layout import Layout, Workload
 from .models import PlanModel
@@ -77,9 +77,8 @@ def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -
         stage in (0, head) else 0.0
     others = max(backward, edge, step_scratch(owned, work))
     row["buffers"] = max(others, loss)
-    # the total is the peak of the sum: at the activations' peak (the loss's backward on the head stage)
-    # the loss no longer holds its logits (`loss_logits`)
-    beside = max(others, loss - loss_logits(model, layout, work, stage) if loss else 0.0)
+    # the total is the peak of the sum: the loss's gradient is a saved activation too (`loss_saved`)
+    beside = max(others, loss - loss_saved(model, layout, work, stage) if loss else 0.0)
     row["total"] = sum(row[c] for c in COMPONENTS) - row["buffers"] + beside
     row["stage"] = stage
     row["layers"] = len(layout_layers(model, layout)[stage])

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..model.transformer import IGNORE_INDEX
+from ..model.loss import IGNORE_INDEX
 from .corpus import (Ones, check_length, check_token_ids, eval_batch_count, eval_corpus, is_token_file, mixture_of,
                      one_document, read_corpus, run_tokenizer_of, split_corpus, starts_within, uses_token_files)
 

@@ -21,7 +21,8 @@ TIMEOUT_S = 600   # a hang, not a budget: a smoke run takes seconds to a minute 
 SHARDS = 3
 COST = {"context.py": 95, "pipeline.py": 56, "zero.py": 54, "plan_vs_run.py": 52, "expert.py": 50, "tensor.py": 49,
         "ddp.py": 45, "checkpoint.py": 37, "offload.py": 23, "moe_balance_hf.py": 16, "startup.py": 15,
-        "moe_balance.py": 15, "dry_run.py": 14, "network.py": 14, "one_rank.py": 30, "lora.py": 45, "gpu.py": 5, "plan_search.py": 3}
+        "moe_balance.py": 15, "dry_run.py": 14, "network.py": 14, "one_rank.py": 30, "lora.py": 45, "gpu.py": 5, "plan_search.py": 3,
+        "loss.py": 3}
 
 
 def shard_scripts(shard: int) -> list[str]:

@@ -4,12 +4,13 @@ matmul; no communication).
 
 `F.cross_entropy` on logits (t, v) writes the log-probabilities (t × v, saved for the backward), and its
 backward makes a zeroed t × v gradient for the picked entries and runs log-softmax's backward into a third
-t × v tensor: five passes over t × v in memory. Here each block of rows (`BLOCK` elements) is read once and its
-gradient, softmax − one-hot, written once into the tensor saved for the backward; the backward scales that
-tensor in place by the incoming gradient and hands it on. On one CPU core (2048 × 8192, fp32) forward and
-backward take 90 ms against F.cross_entropy's 180, and beyond the logits they hold one t × v tensor (the
-saved gradient, fp32; fp64 for fp64 logits) where F.cross_entropy held three. Logits of lower precision are
-upcast a block at a time (exact), never whole; their gradient is cast back in the backward.
+t × v tensor, reading two: six passes over t × v in memory. Here each block of rows (`BLOCK` elements) is
+read once and its gradient, softmax − one-hot, written once into the tensor saved for the backward (the
+block's other passes stay in cache); the backward scales that tensor in place by the incoming gradient and
+hands it on. On one CPU core forward and backward take 0.51-0.54 of F.cross_entropy's time (2048 × 8192
+and 512 × 128,256, fp32: benchmarks/loss.py), and the only t × v tensor they make is the gradient (fp32;
+fp64 for fp64 logits) where F.cross_entropy makes three. Logits of lower precision are upcast a block at a
+time (exact), never whole; their gradient is cast back in the backward.
 
 A second backward through the same graph (retain_graph) would find the saved gradient already scaled:
 autograd refuses it (the saved tensor was modified in place). Nothing in fivefold backpropagates twice
@@ -20,8 +21,10 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100     # a target the loss skips (a loss mask's context token): transformers' labels = -100
-BLOCK = 2**20           # elements a block (4 MiB in fp32): timed on one core, the fastest or within 8% of it
-                        # for vocabularies of 256 (4096 rows), 8192 (128) and 128,256 (8 rows)
+BLOCK = 2**20           # elements a block on the CPU (4 MiB in fp32, in cache): timed on one core, the fastest or
+                        # within 8% of it for vocabularies of 256 (4096 rows), 8192 (128) and 128,256 (8 rows)
+BLOCK_CUDA = 2**24      # on a GPU each op of a block is a kernel launch: 64 MiB blocks keep a billion logits to
+                        # 64 blocks (about 600 launches); not yet timed on a GPU
 
 
 def loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
@@ -38,7 +41,8 @@ def loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor
 
 
 def block_rows(logits_tv: torch.Tensor) -> int:
-    return max(1, BLOCK // max(1, logits_tv.shape[1]))
+    block = BLOCK_CUDA if logits_tv.device.type == "cuda" else BLOCK
+    return max(1, block // max(1, logits_tv.shape[1]))
 
 
 def compute_dtype(logits: torch.Tensor) -> torch.dtype:

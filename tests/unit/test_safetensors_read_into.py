@@ -80,3 +80,24 @@ def test_a_box_outside_the_tensor_or_the_target_is_refused(stored):
         f.read_into("a", (2, 0, 0), (2, 4, 5), torch.empty(2, 4, 5))
     with pytest.raises(ValueError, match="read into"):
         f.read_into("a", (0, 0, 0), (1, 4, 5), torch.empty(2, 4, 5))
+
+
+def test_a_run_folders_file_is_opened_only_as_itself(stored, tmp_path):
+    """The checkpoint's reader opens without following links (a link swapped in after its check is refused
+    at the open) and refuses what is not a regular file, without blocking on a FIFO; an --init-hf folder's
+    files may be links (the Hugging Face cache's are)."""
+    import os
+
+    from fivefold.config import ConfigError
+    f, tensors = stored
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(f.path)
+    assert SafetensorsFile(link).tensors["a"][0] == (3, 4, 5)
+    with pytest.raises(ConfigError, match="cannot be opened as a plain file"):
+        SafetensorsFile(link, follow_links=False)
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    for follow in (True, False):
+        with pytest.raises(ConfigError, match="not a plain file"):
+            SafetensorsFile(fifo, follow_links=follow)
+    assert SafetensorsFile(f.path, follow_links=False).tensors["b"][0] == (4, 6)

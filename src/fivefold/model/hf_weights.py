@@ -34,6 +34,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 from typing import Callable
 
 import torch
@@ -127,13 +128,24 @@ class SafetensorsFile:
     """One safetensors file read with positioned reads: the header (8-byte length, JSON) parsed once and
     checked against itself (every tensor's byte range is its shape times its dtype's size, inside the
     file), then any box of any tensor read as the few contiguous runs of bytes it spans. `dtypes`: the
-    codes it reads (weights: the float ones; a checkpoint's reader adds its integer random states)."""
+    codes it reads (weights: the float ones; a checkpoint's reader adds its integer random states).
+    `follow_links=False` (a run folder's own files) opens the path itself or nothing: a link put there after
+    the caller's check is refused at the open (O_NOFOLLOW). Anything but a regular file is refused after
+    it (a FIFO does not block the open: O_NONBLOCK). A Hugging Face folder's files may be links (its
+    cache's are)."""
 
-    def __init__(self, path: Path, dtypes: dict[str, torch.dtype] | None = None):
+    def __init__(self, path: Path, dtypes: dict[str, torch.dtype] | None = None, follow_links: bool = True):
         self.path, self.fd, self.dtypes = path, -1, DTYPES if dtypes is None else dtypes
-        self.fd = os.open(path, os.O_RDONLY)
+        flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW)
         try:
-            size = os.fstat(self.fd).st_size
+            self.fd = os.open(path, flags)
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot be opened as a plain file ({e.strerror})") from None
+        try:
+            stat = os.fstat(self.fd)
+            if not S_ISREG(stat.st_mode):
+                raise ConfigError(f"{path}: not a plain file")
+            size = stat.st_size
             header, self.start = read_header(self.fd, path, ConfigError)
             header.pop("__metadata__", None)
             self.tensors = {name: self._checked(name, info, size - self.start) for name, info in header.items()}

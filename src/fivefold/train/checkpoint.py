@@ -290,7 +290,8 @@ class Reader(WeightSource):
                 raise ConfigError(f"{self.path}: chunk file {name!r} is missing (or not a plain file)")
             if len(self._files) >= OPEN_FILES:   # an export reads every rank's file: hold a few descriptors
                 self._files.pop(next(iter(self._files))).close()
-            self._files[name] = SafetensorsFile(path, READ_DTYPES)   # not safetensors (a pickle, say): refused, never run
+            # not safetensors (a pickle, say): refused, never run; a link swapped in after the check: refused
+            self._files[name] = SafetensorsFile(path, READ_DTYPES, follow_links=False)
         return self._files[name]
 
     def shape(self, key: str) -> tuple[int, ...]:

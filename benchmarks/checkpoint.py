@@ -161,7 +161,7 @@ def dcp_fsdp2(cfg, rank, world):
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     from fivefold.model import Transformer, loss_sum
-    from tensor import dtensor_plan
+    from tensor import dtensor_loss_sum, dtensor_plan
 
     p, t = cfg.parallel, cfg.train
     model = Transformer(cfg.model, seed=t.seed)
@@ -190,7 +190,7 @@ def dcp_fsdp2(cfg, rank, world):
         y = torch.roll(x, -1, 1)
         if p.tp > 1:
             with loss_parallel():
-                (loss_sum(model(x), y) / (y.numel() * p.dp)).backward()
+                (dtensor_loss_sum(model(x), y) / (y.numel() * p.dp)).backward()
         else:
             (loss_sum(model(x), y) / (y.numel() * p.dp)).backward()
         opt.step()

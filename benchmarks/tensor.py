@@ -111,12 +111,18 @@ def dtensor_plan(model, sp):
     return top, blocks
 
 
+def dtensor_loss_sum(logits_bsv, targets_bs):
+    """The peer's loss as torchtitan writes it: F.cross_entropy on the DTensor logits inside `loss_parallel()`
+    (vocab-parallel; fivefold's `loss_sum` takes plain tensors)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits_bsv.flatten(0, 1).float(), targets_bs.flatten(), reduction="sum")
+
+
 def dtensor_step(model, rank, world, sp, x, y):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-
-    from fivefold.model import loss_sum
 
     mesh = init_device_mesh("cpu", (world,))
     top, blocks = dtensor_plan(model, sp)
@@ -129,7 +135,7 @@ def dtensor_step(model, rank, world, sp, x, y):
 
     def step():
         with loss_parallel():
-            loss = loss_sum(model(x), y) / y.numel()
+            loss = dtensor_loss_sum(model(x), y) / y.numel()
             loss.backward()
         opt.step()
         opt.zero_grad()

@@ -208,6 +208,23 @@ def test_from_config_plans_what_the_runtime_does():
     assert lay.reduce_each_microbatch
 
 
+def test_a_frozen_vocabulary_table_makes_no_gradient_at_the_edges():
+    """The embedding's and the head's backward make the table's dense gradient (vocab/t × hidden) only where
+    the table trains: under LoRA, or train.freeze of the table, the edge holds the residual's gradient
+    alone (the dry run of Llama-3 8B, LoRA, tp8: 149.9 MB planned against 98.5 measured before)."""
+    from fivefold.plan.buffers import edge_scratch, hidden_tensor_bytes
+
+    w, lay = Workload(seq=1024, global_batch=2), Layout(tp=8, dp=2, zero=3)
+    table = 2 * LLAMA8.hidden * LLAMA8.vocab / 8
+    for stage_layout in (lay, replace(lay, pp=2)):
+        for stage in ((0,) if stage_layout.pp == 1 else (0, 1)):
+            trained = edge_scratch(LLAMA8, stage_layout, w, stage)
+            lora = edge_scratch(replace(LLAMA8, lora_rank=16, lora_targets=("wq",)), stage_layout, w, stage)
+            assert trained - lora == pytest.approx(table, rel=0.01) and lora >= hidden_tensor_bytes(LLAMA8, stage_layout, w)
+    head_frozen = replace(LLAMA8, frozen=("head.weight",))
+    assert edge_scratch(head_frozen, replace(lay, pp=2), w, 1) < edge_scratch(head_frozen, replace(lay, pp=2), w, 0)
+
+
 def test_reduce_each_microbatch_trades_gradient_memory_for_traffic():
     """ZeRO-2 under a pipeline: accumulating the full gradient costs g·G of buffers and one reduce-scatter
     per unit; reducing every micro-batch keeps only shards and block-sized buffers, for m times the

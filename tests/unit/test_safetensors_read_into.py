@@ -1,6 +1,7 @@
 """`SafetensorsFile.read_into`: a box read straight into the caller's tensor where it is contiguous in the
 file's dtype (a restore stages nothing), through one box-sized buffer otherwise; the same values either way."""
 import itertools
+import threading
 
 import pytest
 import torch
@@ -93,11 +94,21 @@ def test_a_run_folders_file_is_opened_only_as_itself(stored, tmp_path):
     link = tmp_path / "link.safetensors"
     link.symlink_to(f.path)
     assert SafetensorsFile(link).tensors["a"][0] == (3, 4, 5)
-    with pytest.raises(ConfigError, match="cannot be opened as a plain file"):
+    with pytest.raises(ConfigError, match="is a symbolic link"):
         SafetensorsFile(link, follow_links=False)
     fifo = tmp_path / "fifo.safetensors"
     os.mkfifo(fifo)
     for follow in (True, False):
-        with pytest.raises(ConfigError, match="not a plain file"):
-            SafetensorsFile(fifo, follow_links=follow)
+        refused = []
+
+        def open_fifo():
+            try:
+                SafetensorsFile(fifo, follow_links=follow)
+            except ConfigError as e:
+                refused.append(str(e))
+        opener = threading.Thread(target=open_fifo, daemon=True)   # a blocking open would hang here, not fail
+        opener.start()
+        opener.join(timeout=30)
+        assert not opener.is_alive(), "opening a FIFO blocked"
+        assert refused and "not a plain file" in refused[0]
     assert SafetensorsFile(f.path, follow_links=False).tensors["b"][0] == (4, 6)

@@ -27,6 +27,7 @@ streamed tensor by tensor: what is held at once is one tensor, produced by the c
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import math
@@ -131,8 +132,8 @@ class SafetensorsFile:
     codes it reads (weights: the float ones; a checkpoint's reader adds its integer random states).
     `follow_links=False` (a run folder's own files) opens the path itself or nothing: a link put there after
     the caller's check is refused at the open (O_NOFOLLOW). Anything but a regular file is refused after
-    it (a FIFO does not block the open: O_NONBLOCK). A Hugging Face folder's files may be links (its
-    cache's are)."""
+    it (a FIFO does not block the open: O_NONBLOCK, cleared once the file is known regular). An --init-hf
+    folder's files may be links that stay inside the folder (`HFFolder.handle` checks where they lead)."""
 
     def __init__(self, path: Path, dtypes: dict[str, torch.dtype] | None = None, follow_links: bool = True):
         self.path, self.fd, self.dtypes = path, -1, DTYPES if dtypes is None else dtypes
@@ -140,11 +141,13 @@ class SafetensorsFile:
         try:
             self.fd = os.open(path, flags)
         except OSError as e:
-            raise ConfigError(f"{path}: cannot be opened as a plain file ({e.strerror})") from None
+            why = "is a symbolic link" if e.errno == errno.ELOOP and not follow_links else f"cannot be opened ({e.strerror})"
+            raise ConfigError(f"{path}: {why}") from None
         try:
             stat = os.fstat(self.fd)
             if not S_ISREG(stat.st_mode):
                 raise ConfigError(f"{path}: not a plain file")
+            os.set_blocking(self.fd, True)
             size = stat.st_size
             header, self.start = read_header(self.fd, path, ConfigError)
             header.pop("__metadata__", None)

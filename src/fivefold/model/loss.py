@@ -8,13 +8,15 @@ t × v tensor, reading two: six passes over t × v in memory. Here each block of
 read once and its gradient, softmax − one-hot, written once into the tensor saved for the backward (the
 block's other passes stay in cache); the backward scales that tensor in place by the incoming gradient and
 hands it on. On one CPU core forward and backward take 0.51-0.54 of F.cross_entropy's time (2048 × 8192
-and 512 × 128,256, fp32: benchmarks/loss.py), and the only t × v tensor they make is the gradient (fp32;
-fp64 for fp64 logits) where F.cross_entropy makes three. Logits of lower precision are upcast a block at a
-time (exact), never whole; their gradient is cast back in the backward.
+and 512 × 128,256, fp32: benchmarks/loss.py), and for fp32 logits the only t × v tensor they make is the
+gradient (fp64 for fp64 logits) where F.cross_entropy makes three. Logits of lower precision are upcast a
+block at a time (exact), never whole; their gradient is cast back in the backward (a second t × v tensor,
+in their dtype).
 
-A second backward through the same graph (retain_graph) would find the saved gradient already scaled:
-autograd refuses it (the saved tensor was modified in place). Nothing in fivefold backpropagates twice
-through a loss (zero bubble's split backward goes through the loss once).
+The backward spends the saved gradient, so it runs once: a second backward through the same graph
+(retain_graph) is refused (`spend`). Autograd's own check on tensors modified in place would not do: it
+is off while saved-tensor hooks run, and the trainer's step runs under its activation meter. Nothing in
+fivefold backpropagates twice through a loss (zero bubble's split backward goes through the loss once).
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ def loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor
     """Sum (not mean) of token cross-entropies in fp32 (fp64 for fp64 models); targets of IGNORE_INDEX add
     nothing and get no gradient. The trainer divides by the global count of targets that count, so the loss
     is the mean over the global batch however it is split across ranks and micro-batches. Equal to
-    `F.cross_entropy(logits.float(), targets, reduction="sum", ignore_index=IGNORE_INDEX)` up to rounding."""
+    `F.cross_entropy` of the logits in the compute dtype (`compute_dtype`) with reduction="sum" and
+    ignore_index=IGNORE_INDEX, up to rounding. Plain tensors only (a DTensor's loss is DTensor's own,
+    F.cross_entropy under `loss_parallel()`)."""
     logits_tv, targets_t = logits_bsv.flatten(0, 1), targets_bs.flatten()
     if torch.is_grad_enabled() and logits_tv.requires_grad:
         return TokenCrossEntropy.apply(logits_tv, targets_t)
@@ -63,8 +67,17 @@ class TokenCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        spend(ctx)
         grad_tv, = ctx.saved_tensors
         return grad_tv.mul_(grad_out).to(ctx.dtype), None
+
+
+def spend(ctx) -> None:
+    """Mark a loss's saved gradient spent by its one backward; refuse a second (retain_graph)."""
+    if getattr(ctx, "spent", False):
+        raise RuntimeError("a loss's backward ran twice through one graph: its saved gradient was scaled in place "
+                           "by the first (model/loss.py); recompute the loss for a second backward")
+    ctx.spent = True
 
 
 def blocks(logits_tv: torch.Tensor, targets_t: torch.Tensor, out) -> torch.Tensor:

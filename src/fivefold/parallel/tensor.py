@@ -55,7 +55,7 @@ from ..model.latent_attention import LatentAttention
 from ..model.lora import attach, low_rank
 from ..model.moe import MoE
 from ..model.layers import Dropout
-from ..model.loss import IGNORE_INDEX, compute_dtype
+from ..model.loss import IGNORE_INDEX, compute_dtype, spend
 from ..model.transformer import Transformer
 from ..shapes import padded_vocab
 from .dimension import ShardedState
@@ -240,6 +240,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_t):
         """softmax − one-hot, scaled by each token's incoming gradient, made in place in the saved softmax
         (as model/loss.py's: no second t × v/n tensor; a second backward through it is refused)."""
+        spend(ctx)
         probs_tv, local_t, mine_t = ctx.saved_tensors
         rows = torch.arange(probs_tv.shape[0], device=probs_tv.device)
         probs_tv[rows, local_t] -= mine_t.to(probs_tv.dtype)

@@ -360,3 +360,35 @@ def test_deepseek_v3_unsupported_configs_refused(over, words):
     hf_cfg = transformers.DeepseekV3Config(**{**DEEPSEEK_COMMON, "q_lora_rank": 20, **over})
     with pytest.raises(ValueError, match=words):
         config_from_hf(hf_cfg)
+
+
+def test_a_hub_cache_snapshot_reads_through_its_links_and_nothing_else(tmp_path):
+    """The Hugging Face hub's cache keeps a revision as <repo>/snapshots/<rev>/<file>, each a link to
+    ../../blobs/<hash>: --init-hf reads such a folder; a weight file linked anywhere else is refused."""
+    import hashlib
+    import os
+    import shutil
+
+    from fivefold.config import ConfigError
+    from fivefold.model.hf_weights import HFWeights, hf_config
+
+    hf = hf_model(**CONFIGS[0])
+    hf.save_pretrained(tmp_path / "saved")
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in (tmp_path / "saved").iterdir():
+        blob = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copy(f, blobs / blob)
+        os.symlink(f"../../blobs/{blob}", snapshot / f.name)
+    weights = HFWeights(snapshot, hf_config(snapshot))
+    name = "model.embed_tokens.weight"
+    assert weights.header(name)[0] == tuple(hf.state_dict()[name].shape)
+    weight_file = weights.files[name]
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(snapshot / weight_file, tmp_path / "elsewhere" / "w.safetensors")
+    os.remove(snapshot / weight_file)
+    os.symlink(tmp_path / "elsewhere" / "w.safetensors", snapshot / weight_file)
+    with pytest.raises(ConfigError, match="outside the folder"):
+        HFWeights(snapshot, hf_config(snapshot)).header(name)

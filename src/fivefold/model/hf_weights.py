@@ -133,7 +133,7 @@ class SafetensorsFile:
     `follow_links=False` (a run folder's own files) opens the path itself or nothing: a link put there after
     the caller's check is refused at the open (O_NOFOLLOW). Anything but a regular file is refused after
     it (a FIFO does not block the open: O_NONBLOCK, cleared once the file is known regular). An --init-hf
-    folder's files may be links that stay inside the folder (`HFFolder.handle` checks where they lead)."""
+    folder's files may be links (`HFWeights.handle` checks where they lead: the hub cache's are)."""
 
     def __init__(self, path: Path, dtypes: dict[str, torch.dtype] | None = None, follow_links: bool = True):
         self.path, self.fd, self.dtypes = path, -1, DTYPES if dtypes is None else dtypes
@@ -280,12 +280,20 @@ class HFWeights(WeightSource):
     def handle(self, file: str) -> SafetensorsFile:
         if file not in self._open:
             path = self.folder / file
-            if Path(file).name != file or path.is_symlink() and not path.resolve().is_relative_to(self.folder.resolve()):
+            if Path(file).name != file or path.is_symlink() and not self._inside(path.resolve()):
                 raise ConfigError(f"{self.folder}: weight file {file!r} is outside the folder")
             if not path.is_file():
                 raise ConfigError(f"{self.folder}: weight file {file} is missing")
             self._open[file] = SafetensorsFile(path)   # not safetensors (a pickle, say): refused, never run
         return self._open[file]
+
+    def _inside(self, target: Path) -> bool:
+        """Where a weight file's link may lead: inside the folder, or, for a snapshot of the Hugging Face hub's
+        cache (<repo>/snapshots/<revision>, whose files are links to ../../blobs/<hash>), into its repository's
+        blobs."""
+        folder = self.folder.resolve()
+        roots = [folder] + ([folder.parent.parent / "blobs"] if folder.parent.name == "snapshots" else [])
+        return any(target.is_relative_to(root) for root in roots)
 
     def header(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype code) of Hugging Face tensor `name`, from its file's own header."""

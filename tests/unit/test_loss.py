@@ -20,10 +20,17 @@ def reference(logits_bsv, targets_bs):
     return F.cross_entropy(x.flatten(0, 1), targets_bs.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
 
-def both(logits_bsv, targets_bs, scale=0.37):
+def vocab_parallel(logits_bsv, targets_bs):
+    """parallel/tensor.py's loss on one rank (the whole vocabulary its slice; the all-reduces no-ops)."""
+    from fivefold.comm import Group
+    from fivefold.parallel.tensor import vocab_parallel_loss_sum
+    return vocab_parallel_loss_sum(logits_bsv, targets_bs, Group.single("tp"), 0, logits_bsv.shape[-1])
+
+
+def both(logits_bsv, targets_bs, scale=0.37, ours=loss_sum):
     """(loss, gradient) of ours and of the reference, each backpropagating `scale`."""
     out = []
-    for fn in (loss_sum, reference):
+    for fn in (ours, reference):
         x = logits_bsv.detach().clone().requires_grad_()
         loss = fn(x, targets_bs)
         (loss * scale).backward()
@@ -31,17 +38,18 @@ def both(logits_bsv, targets_bs, scale=0.37):
     return out
 
 
+@pytest.mark.parametrize("ours", [loss_sum, vocab_parallel], ids=["loss_sum", "vocab_parallel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_loss_and_gradient_equal_f_cross_entropy(dtype):
+def test_loss_and_gradient_equal_f_cross_entropy(dtype, ours):
     gen = torch.Generator().manual_seed(0)
     vocab = 3000
     rows = 2 * (BLOCK // vocab) + 37                             # three blocks, the last one short
     logits = (torch.randn(1, rows, vocab, generator=gen) * 4).to(dtype)
     targets = torch.randint(0, vocab, (1, rows), generator=gen)
     targets[0, ::5] = IGNORE_INDEX
-    (ours, g_ours), (ref, g_ref) = both(logits, targets)
-    assert ours.dtype == ref.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    torch.testing.assert_close(ours, ref, **LOSS_TOL[dtype])
+    (loss, g_ours), (ref, g_ref) = both(logits, targets, ours=ours)
+    assert loss.dtype == ref.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(loss, ref, **LOSS_TOL[dtype])
     assert g_ours.dtype == dtype
     torch.testing.assert_close(g_ours, g_ref, **GRAD_TOL[dtype])
     assert (g_ours[0, ::5] == 0).all()
@@ -97,12 +105,9 @@ def test_a_second_backward_through_the_loss_is_refused(which, metered):
     (its activation meter), where autograd's own check on tensors modified in place is off."""
     from contextlib import nullcontext
 
-    from fivefold.comm import Group
-    from fivefold.parallel.tensor import vocab_parallel_loss_sum
     logits, targets = torch.randn(1, 8, 12, requires_grad=True), torch.randint(0, 12, (1, 8))
     with ActivationMeter() if metered else nullcontext():
-        loss = loss_sum(logits, targets) if which == "loss_sum" else \
-            vocab_parallel_loss_sum(logits, targets, Group.single("tp"), 0, 12)
+        loss = (loss_sum if which == "loss_sum" else vocab_parallel)(logits, targets)
         first, = torch.autograd.grad(loss, logits, retain_graph=True)
         with pytest.raises(RuntimeError, match="ran twice"):
             torch.autograd.grad(loss, logits)

@@ -55,7 +55,7 @@ from ..model.latent_attention import LatentAttention
 from ..model.lora import attach, low_rank
 from ..model.moe import MoE
 from ..model.layers import Dropout
-from ..model.loss import IGNORE_INDEX, compute_dtype, spend
+from ..model.loss import IGNORE_INDEX, block_rows, compute_dtype, spend
 from ..model.transformer import Transformer
 from ..shapes import padded_vocab
 from .dimension import ShardedState
@@ -207,44 +207,55 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     Forward: the max over the vocabulary (all-reduce max of t values), then one all-reduce (sum) of
     the t sum-exps and t target logits (the target's logit lives on one rank, the others add 0).
     Backward needs no communication: d loss / d logit = softmax - onehot(target), both local.
-    Columns at or beyond `vocab` (padding) are -inf: they never win the max and get probability 0."""
+    Columns at or beyond `vocab` (padding) are -inf: they never win the max and get probability 0.
+
+    As model/loss.py, a block of rows at a time (`block_rows`) between the two all-reduces: each block of
+    logits is read once more (after the max's pass) and exp(x − max) written once, in the compute dtype,
+    into the tensor saved for the backward (16-bit logits are upcast a block at a time, never whole); the
+    backward scales it in place by incoming gradient / sum-exp and takes the one-hot off: in memory, the
+    max's read, one block pass (read the logits, write the exponentials) and the backward's one pass."""
 
     @staticmethod
     def forward(ctx, logits_tv, targets_t, group: Group, vocab_start: int, vocab: int):
         v_local = logits_tv.shape[-1]
         real = max(0, min(v_local, vocab - vocab_start))
         if real > 0:
-            max_t = logits_tv[:, :real].max(dim=-1).values.contiguous()
+            max_t = logits_tv[:, :real].amax(dim=-1)
         else:
             max_t = torch.full(logits_tv.shape[:1], float("-inf"), dtype=logits_tv.dtype, device=logits_tv.device)
         max_t = max_t.to(compute_dtype(logits_tv))
         comm.all_reduce(max_t, group, reduce_op="max")
-        shifted_tv = logits_tv - max_t.unsqueeze(-1)   # in the compute dtype: bf16 logits are upcast as read
-        if real < v_local:
-            shifted_tv[:, real:] = float("-inf")
         local_t = targets_t - vocab_start
         mine_t = (local_t >= 0) & (local_t < real)
         local_t = local_t.clamp(0, v_local - 1)
-        target_t = torch.where(mine_t, shifted_tv.gather(1, local_t.unsqueeze(1)).squeeze(1), 0.0)
-        probs_tv = shifted_tv.exp_()  # reuse the buffer: from here on it holds exp, then softmax
-        stats_2t = torch.stack([probs_tv.sum(dim=-1), target_t])
+        exp_tv = torch.empty(logits_tv.shape, dtype=max_t.dtype, device=logits_tv.device)
+        stats_2t = torch.empty(2, logits_tv.shape[0], dtype=max_t.dtype, device=logits_tv.device)
+        rows = block_rows(logits_tv)
+        for a in range(0, logits_tv.shape[0], rows):
+            b = min(a + rows, logits_tv.shape[0])
+            e = exp_tv[a:b]
+            torch.sub(logits_tv[a:b].to(e.dtype), max_t[a:b, None], out=e)
+            if real < v_local:
+                e[:, real:] = float("-inf")
+            stats_2t[1, a:b] = torch.where(mine_t[a:b], e.gather(1, local_t[a:b, None]).squeeze(1), 0.0)
+            stats_2t[0, a:b] = e.exp_().sum(dim=-1)
         comm.all_reduce(stats_2t, group)
         sum_exp_t, target_t = stats_2t[0], stats_2t[1]
-        probs_tv.div_(sum_exp_t.unsqueeze(-1))
         ctx.dtype = logits_tv.dtype
-        ctx.save_for_backward(probs_tv, local_t, mine_t)
+        ctx.save_for_backward(exp_tv, sum_exp_t, local_t, mine_t)
         return sum_exp_t.log() - target_t
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_t):
-        """softmax − one-hot, scaled by each token's incoming gradient, made in place in the saved softmax
-        (as model/loss.py's: no second t × v/n tensor; a second backward through it is refused)."""
+        """softmax − one-hot, scaled by each token's incoming gradient, made in place in the saved
+        exponentials (as model/loss.py's: no second t × v/n tensor; a second backward is refused)."""
         spend(ctx)
-        probs_tv, local_t, mine_t = ctx.saved_tensors
-        rows = torch.arange(probs_tv.shape[0], device=probs_tv.device)
-        probs_tv[rows, local_t] -= mine_t.to(probs_tv.dtype)
-        return probs_tv.mul_(grad_t.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
+        exp_tv, sum_exp_t, local_t, mine_t = ctx.saved_tensors
+        exp_tv.mul_((grad_t / sum_exp_t).unsqueeze(-1))
+        rows = torch.arange(exp_tv.shape[0], device=exp_tv.device)
+        exp_tv[rows, local_t] -= mine_t.to(exp_tv.dtype) * grad_t
+        return exp_tv.to(ctx.dtype), None, None, None, None
 
 
 def vocab_parallel_loss_sum(logits_bsv: torch.Tensor, targets_bs: torch.Tensor, group: Group,

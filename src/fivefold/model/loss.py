@@ -9,9 +9,9 @@ read once and its gradient, softmax − one-hot, written once into the tensor sa
 block's other passes stay in cache); the backward scales that tensor in place by the incoming gradient and
 hands it on. On one CPU core forward and backward take 0.51-0.54 of F.cross_entropy's time (2048 × 8192
 and 512 × 128,256, fp32: benchmarks/loss.py), and for fp32 logits the only t × v tensor they make is the
-gradient (fp64 for fp64 logits) where F.cross_entropy makes three. Logits of lower precision are upcast a
-block at a time (exact), never whole; their gradient is cast back in the backward (a second t × v tensor,
-in their dtype).
+gradient (fp64 for fp64 logits) where F.cross_entropy makes three. Logits of lower precision are promoted
+to fp32 as they are read (exact), never copied; their gradient is cast back in the backward (a second
+t × v tensor, in their dtype).
 
 The backward spends the saved gradient, so it runs once: a second backward through the same graph
 (retain_graph) is refused (`spend`). Autograd's own check on tensors modified in place would not do: it
@@ -95,8 +95,8 @@ def blocks(logits_tv: torch.Tensor, targets_t: torch.Tensor, out) -> torch.Tenso
 def block(x_rv: torch.Tensor, target_r1: torch.Tensor, keep_r: torch.Tensor, grad_rv: torch.Tensor) -> torch.Tensor:
     """Each row's loss, log Σ exp(x − max) − (x_target − max); `grad_rv` <- softmax(x) − one-hot(target),
     zero on rows not kept."""
-    x_rv = x_rv.to(grad_rv.dtype)                              # a block's upcast (none for fp32)
-    torch.sub(x_rv, x_rv.amax(dim=1, keepdim=True), out=grad_rv)
+    max_r1 = x_rv.amax(dim=1, keepdim=True).to(grad_rv.dtype)
+    torch.sub(x_rv, max_r1, out=grad_rv)                       # 16-bit logits promoted (exactly) as they are read
     picked_r1 = grad_rv.gather(1, target_r1)
     sum_r1 = grad_rv.exp_().sum(dim=1, keepdim=True)
     grad_rv.div_(sum_r1).scatter_add_(1, target_r1, torch.full_like(picked_r1, -1.0))

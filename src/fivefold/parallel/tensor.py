@@ -211,7 +211,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     As model/loss.py, a block of rows at a time (`block_rows`) between the two all-reduces: each block of
     logits is read once more (after the max's pass) and exp(x − max) written once, in the compute dtype,
-    into the tensor saved for the backward (16-bit logits are upcast a block at a time, never whole); the
+    into the tensor saved for the backward (16-bit logits promoted as they are read, never copied); the
     backward scales it in place by incoming gradient / sum-exp and takes the one-hot off: in memory, the
     max's read, one block pass (read the logits, write the exponentials) and the backward's one pass."""
 
@@ -234,7 +234,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         for a in range(0, logits_tv.shape[0], rows):
             b = min(a + rows, logits_tv.shape[0])
             e = exp_tv[a:b]
-            torch.sub(logits_tv[a:b].to(e.dtype), max_t[a:b, None], out=e)
+            torch.sub(logits_tv[a:b], max_t[a:b, None], out=e)   # 16-bit logits promoted as they are read
             if real < v_local:
                 e[:, real:] = float("-inf")
             stats_2t[1, a:b] = torch.where(mine_t[a:b], e.gather(1, local_t[a:b, None]).squeeze(1), 0.0)

@@ -437,8 +437,7 @@ def loss_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     in fp32 (fp64 for fp64 models) before it saves it (model/loss.py; vocab-parallel: parallel/tensor.py)
     — per token of the rank's vocabulary slice. The backward needs nothing more: it scales the saved
     gradient in place and, for 16-bit logits, casts it to their dtype (as large as the logits, which are
-    gone by then). ZeRO's buffers of that moment are `zero_at_loss`. Not counted: a block's own temporaries
-    (model/loss.py `BLOCK`: 16-bit logits' upcast of one block, 4 MiB on the CPU, 64 MiB on a GPU)."""
+    gone by then). ZeRO's buffers of that moment are `zero_at_loss`; a block's own temporaries are per row."""
     if stage != head_stage(layout.pp, layout.head_first):
         return 0.0
     vocab = padded_vocab(model.vocab, layout.tp) / layout.tp

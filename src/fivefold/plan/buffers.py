@@ -417,18 +417,30 @@ def largest_layer_weight(model: PlanModel, layout: Layout) -> float:
 
 
 def edge_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
-    """The embedding's backward on the first stage, the head's on the last (0 elsewhere): the table's
-    dense gradient, whole in the weights' dtype (vocab/t x hidden), where that table trains (LoRA and
-    train.freeze may freeze it), beside the residual gradient and the posted receives."""
+    """The larger of `edge_moments`: the embedding's or the head's backward (0 on a stage with neither)."""
+    return max(edge_moments(model, layout, work, stage))
+
+
+def edge_moments(model: PlanModel, layout: Layout, work: Workload, stage: int) -> tuple[float, float]:
+    """(the embedding's backward on the first stage, the head's on the last; 0 where the stage has none):
+    the table's dense gradient, whole in the weights' dtype (vocab/t x hidden), where that table trains
+    (LoRA and train.freeze may freeze it), beside the residual gradient and the posted receives; the
+    head's also beside the logits' gradient it reads (the activations' dtype: the loss's saved gradient
+    itself, or its 16-bit cast), which the embedding's, at the backward's end, no longer has."""
     head = head_stage(layout.pp, layout.head_first)
     if stage not in (0, head):
-        return 0.0
-    hidden = hidden_tensor_bytes(model, layout, work)
-    tables = (["embed.weight"] if stage == 0 else []) + \
-        (["embed.weight" if model.tie_embeddings else "head.weight"] if stage == head else [])
-    trains = any(not is_frozen(model, name) for name in tables)
-    table = work.param_bytes * model.hidden * padded_vocab(model.vocab, layout.tp) / layout.tp if trains else 0.0
-    return (pipeline_receives(layout, work, stage) + 1) * hidden + table
+        return 0.0, 0.0
+    vocab = padded_vocab(model.vocab, layout.tp) / layout.tp
+    base = (pipeline_receives(layout, work, stage) + 1) * hidden_tensor_bytes(model, layout, work)
+
+    def table(name: str) -> float:
+        return 0.0 if is_frozen(model, name) else work.param_bytes * model.hidden * vocab
+
+    embed = base + table("embed.weight") if stage == 0 else 0.0
+    logits_grad = work.act_bytes * rank_tokens(layout, work) * vocab
+    head_part = base + table("embed.weight" if model.tie_embeddings else "head.weight") + logits_grad \
+        if stage == head else 0.0
+    return embed, head_part
 
 
 def loss_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:

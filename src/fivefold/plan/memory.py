@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .activations import stage_activations
-from .buffers import (backward_scratch, edge_scratch, loss_saved, loss_scratch, offload_memory, step_scratch,
+from .buffers import (backward_scratch, edge_moments, loss_saved, loss_scratch, offload_memory, step_scratch,
                       zero_at_edge, zero_at_loss, zero_buffers)
 from .layout import Layout, Workload
 from .models import PlanModel
@@ -73,12 +73,16 @@ def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     head = head_stage(layout.pp, layout.head_first)
     loss = zero_at_loss(model, layout, work, stage) + loss_scratch(model, layout, work, stage) if \
         stage == head else 0.0
-    edge = zero_at_edge(model, layout, work, stage) + edge_scratch(model, layout, work, stage) if \
-        stage in (0, head) else 0.0
+    embed_edge, head_edge = edge_moments(model, layout, work, stage)
+    at_edge = zero_at_edge(model, layout, work, stage) if stage in (0, head) else 0.0
+    edge = at_edge + max(embed_edge, head_edge)
     others = max(backward, edge, step_scratch(owned, work))
     row["buffers"] = max(others, loss)
-    # the total is the peak of the sum: the loss's gradient is a saved activation too (`loss_saved`)
-    beside = max(others, loss - loss_saved(model, layout, work, stage) if loss else 0.0)
+    # the total is the peak of the sum: the loss's gradient is a saved activation too (`loss_saved`), and
+    # by the head's backward it has become the logits' gradient (or given way to its 16-bit cast)
+    saved = loss_saved(model, layout, work, stage)
+    edge_beside = at_edge + max(embed_edge, head_edge - saved)
+    beside = max(backward, edge_beside, step_scratch(owned, work), loss - saved if loss else 0.0)
     row["total"] = sum(row[c] for c in COMPONENTS) - row["buffers"] + beside
     row["stage"] = stage
     row["layers"] = len(layout_layers(model, layout)[stage])

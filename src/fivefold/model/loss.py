@@ -49,6 +49,13 @@ def block_rows(logits_tv: torch.Tensor) -> int:
     return max(1, block // max(1, logits_tv.shape[1]))
 
 
+def row_blocks(logits_tv: torch.Tensor):
+    """The row ranges (a, b) of `logits_tv`'s blocks, in order (this loss's and the vocab-parallel one's)."""
+    rows, n = block_rows(logits_tv), logits_tv.shape[0]
+    for a in range(0, n, rows):
+        yield a, min(a + rows, n)
+
+
 def compute_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
@@ -85,9 +92,7 @@ def blocks(logits_tv: torch.Tensor, targets_t: torch.Tensor, out) -> torch.Tenso
     keep_t = targets_t != IGNORE_INDEX
     safe_t1 = torch.where(keep_t, targets_t, 0).unsqueeze(1)
     loss_t = torch.empty(logits_tv.shape[0], dtype=compute_dtype(logits_tv), device=logits_tv.device)
-    rows = block_rows(logits_tv)
-    for a in range(0, logits_tv.shape[0], rows):
-        b = min(a + rows, logits_tv.shape[0])
+    for a, b in row_blocks(logits_tv):
         loss_t[a:b] = block(logits_tv[a:b], safe_t1[a:b], keep_t[a:b], out(a, b))
     return torch.where(keep_t, loss_t, 0.0).sum()
 

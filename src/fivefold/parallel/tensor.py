@@ -55,7 +55,7 @@ from ..model.latent_attention import LatentAttention
 from ..model.lora import attach, low_rank
 from ..model.moe import MoE
 from ..model.layers import Dropout
-from ..model.loss import IGNORE_INDEX, block_rows, compute_dtype, spend
+from ..model.loss import IGNORE_INDEX, compute_dtype, row_blocks, spend
 from ..model.transformer import Transformer
 from ..shapes import padded_vocab
 from .dimension import ShardedState
@@ -209,7 +209,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     Backward needs no communication: d loss / d logit = softmax - onehot(target), both local.
     Columns at or beyond `vocab` (padding) are -inf: they never win the max and get probability 0.
 
-    As model/loss.py, a block of rows at a time (`block_rows`) between the two all-reduces: each block of
+    As model/loss.py, a block of rows at a time (`row_blocks`) between the two all-reduces: each block of
     logits is read once more (after the max's pass) and exp(x − max) written once, in the compute dtype,
     into the tensor saved for the backward (16-bit logits promoted as they are read, never copied); the
     backward scales it in place by incoming gradient / sum-exp and takes the one-hot off: in memory, the
@@ -230,9 +230,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = local_t.clamp(0, v_local - 1)
         exp_tv = torch.empty(logits_tv.shape, dtype=max_t.dtype, device=logits_tv.device)
         stats_2t = torch.empty(2, logits_tv.shape[0], dtype=max_t.dtype, device=logits_tv.device)
-        rows = block_rows(logits_tv)
-        for a in range(0, logits_tv.shape[0], rows):
-            b = min(a + rows, logits_tv.shape[0])
+        for a, b in row_blocks(logits_tv):
             e = exp_tv[a:b]
             torch.sub(logits_tv[a:b], max_t[a:b, None], out=e)   # 16-bit logits promoted as they are read
             if real < v_local:

@@ -430,14 +430,13 @@ def edge_moments(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     head = head_stage(layout.pp, layout.head_first)
     if stage not in (0, head):
         return 0.0, 0.0
-    vocab = padded_vocab(model.vocab, layout.tp) / layout.tp
     base = (pipeline_receives(layout, work, stage) + 1) * hidden_tensor_bytes(model, layout, work)
 
     def table(name: str) -> float:
-        return 0.0 if is_frozen(model, name) else work.param_bytes * model.hidden * vocab
+        return 0.0 if is_frozen(model, name) else work.param_bytes * model.hidden * vocab_slice(model, layout)
 
     embed = base + table("embed.weight") if stage == 0 else 0.0
-    logits_grad = work.act_bytes * rank_tokens(layout, work) * vocab
+    logits_grad = work.act_bytes * rank_logits(model, layout, work)
     head_part = base + table("embed.weight" if model.tie_embeddings else "head.weight") + logits_grad \
         if stage == head else 0.0
     return embed, head_part
@@ -452,10 +451,19 @@ def loss_scratch(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     gone by then). ZeRO's buffers of that moment are `zero_at_loss`; a block's own temporaries are per row."""
     if stage != head_stage(layout.pp, layout.head_first):
         return 0.0
-    vocab = padded_vocab(model.vocab, layout.tp) / layout.tp
     hidden = hidden_tensor_bytes(model, layout, work)
-    return pipeline_receives(layout, work, stage) * hidden + (work.act_bytes + loss_grad_bytes(work)) * \
-        rank_tokens(layout, work) * vocab
+    return pipeline_receives(layout, work, stage) * hidden + \
+        (work.act_bytes + loss_grad_bytes(work)) * rank_logits(model, layout, work)
+
+
+def vocab_slice(model: PlanModel, layout: Layout) -> float:
+    """Vocabulary rows one rank holds (the padded vocabulary split over tp)."""
+    return padded_vocab(model.vocab, layout.tp) / layout.tp
+
+
+def rank_logits(model: PlanModel, layout: Layout, work: Workload) -> float:
+    """Logits one rank of the head stage makes per micro-batch: its tokens × its vocabulary slice."""
+    return rank_tokens(layout, work) * vocab_slice(model, layout)
 
 
 def loss_grad_bytes(work: Workload) -> int:
@@ -470,7 +478,7 @@ def loss_saved(model: PlanModel, layout: Layout, work: Workload, stage: int) -> 
     saved, has them while the forward makes them (as the dry run measures)."""
     if stage != head_stage(layout.pp, layout.head_first):
         return 0.0
-    return loss_grad_bytes(work) * rank_tokens(layout, work) * padded_vocab(model.vocab, layout.tp) / layout.tp
+    return loss_grad_bytes(work) * rank_logits(model, layout, work)
 
 
 def step_scratch(owned: float, work: Workload) -> float:

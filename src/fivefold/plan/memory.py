@@ -76,13 +76,14 @@ def stage_memory(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     embed_edge, head_edge = edge_moments(model, layout, work, stage)
     at_edge = zero_at_edge(model, layout, work, stage) if stage in (0, head) else 0.0
     edge = at_edge + max(embed_edge, head_edge)
-    others = max(backward, edge, step_scratch(owned, work))
+    step = step_scratch(owned, work)
+    others = max(backward, edge, step)
     row["buffers"] = max(others, loss)
     # the total is the peak of the sum: the loss's gradient is a saved activation too (`loss_saved`), and
     # by the head's backward it has become the logits' gradient (or given way to its 16-bit cast)
     saved = loss_saved(model, layout, work, stage)
     edge_beside = at_edge + max(embed_edge, head_edge - saved)
-    beside = max(backward, edge_beside, step_scratch(owned, work), loss - saved if loss else 0.0)
+    beside = max(backward, edge_beside, step, loss - saved if loss else 0.0)
     row["total"] = sum(row[c] for c in COMPONENTS) - row["buffers"] + beside
     row["stage"] = stage
     row["layers"] = len(layout_layers(model, layout)[stage])

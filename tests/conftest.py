@@ -1,6 +1,36 @@
 """Fixtures shared by several test files: a spawn of ranks is started once per session and runs the
 cases of every file that needs that world size (process start-up dominates the suite's time)."""
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
+
+CORPUS_MARK = ".fivefold-test-corpus"   # written last: a folder holding it is complete
+
+
+def pytest_configure(config):
+    """Every test, and every process a test starts, reads the suite's generated corpus where it would read
+    the standard library (train/corpus.py's FIVEFOLD_DEFAULT_CORPUS; tests/support/corpus.py): no test
+    depends on which Python the machine has. The first process unpacks it; xdist workers inherit it."""
+    from fivefold.train.corpus import DEFAULT_CORPUS_ENV
+    from tests.support.corpus import unpack_suite_corpus
+
+    folder = os.environ.get(DEFAULT_CORPUS_ENV)
+    if folder and (Path(folder) / CORPUS_MARK).is_file():
+        return
+    folder = Path(tempfile.mkdtemp(prefix="fivefold-corpus-"))
+    unpack_suite_corpus(folder)
+    (folder / CORPUS_MARK).write_text("")
+    os.environ[DEFAULT_CORPUS_ENV] = str(folder)
+    config.fivefold_corpus = folder
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "fivefold_corpus", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -42,9 +42,11 @@ def assert_states_close(a: dict, b: dict, rtol=1e-5, atol=1e-7, outliers=0.0, ou
 
 # fp32 parallel runs sum gradients in another order than one process. Where a gradient is ~0 (rare
 # bytes' embedding rows, a few MLP entries), that rounding noise is as large as the gradient, and Adam's
-# g/(sqrt(v)+eps) turns it into a visible change of that one element. So fp32 comparisons allow 0.1% of
+# g/(sqrt(v)+eps) turns it into a visible change of that one element. So fp32 comparisons allow 0.2% of
 # elements outside rtol 1e-5 + atol 1e-6 (but within 1e-4 absolute); fp64 runs, where the noise is 1e-16, must agree
-# everywhere to 1e-10, which shows the differences are rounding and not a wrong reduction.
-FP32 = dict(rtol=1e-5, atol=1e-6, outliers=1e-3, outlier_atol=1e-4)
+# everywhere to 1e-10, which shows the differences are rounding and not a wrong reduction. How many such
+# elements there are depends on the text trained on: the suite's corpus (tests/support/corpus.py) leaves up
+# to 0.14% in the layouts tested (the standard library of Python 3.11 stayed under 0.1%, the budget then).
+FP32 = dict(rtol=1e-5, atol=1e-6, outliers=2e-3, outlier_atol=1e-4)
 FP64 = dict(rtol=1e-10, atol=1e-12)
 TOL = {"fp32": FP32, "fp64": FP64}

@@ -4,7 +4,11 @@ Torch-free (numpy only), so `fivefold train`'s launcher runs these checks withou
 batches each step draws from the corpus are train/data.py's.
 
 Default corpus: the Python standard library's own source files (present wherever Python is), read in
-sorted order up to a size limit, as byte-level tokens (vocab 256). `--data` takes a user's files:
+sorted order up to a size limit, as byte-level tokens (vocab 256). Which library that was differs between
+Pythons, so a run records it (`default_corpus`: run.json's and a checkpoint's "data"; a resume on another
+Python's library is warned about as other data is). `FIVEFOLD_DEFAULT_CORPUS=FOLDER` reads FOLDER's `.py`
+files instead, the same way: for a Python shipped without its sources, and for the test suite, which
+trains on a corpus it generates (tests/support/corpus.py) so that no test depends on the machine's Python. `--data` takes a user's files:
 - text files (any extension not below): their bytes are the tokens;
 - `.u16` / `.bin`: raw little-endian uint16 token ids; `.u32`: raw uint32; `.npy`: an integer array
   (flattened; loaded without pickle);
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,11 +56,24 @@ CHECK_CHUNK = 1 << 24        # token ids scanned at a time by check_token_ids
 FORMATS = "text, .u16/.bin, .u32, .npy, or a token file from fivefold tokenize"
 
 
+DEFAULT_CORPUS_ENV = "FIVEFOLD_DEFAULT_CORPUS"
+
+
+def default_corpus() -> dict:
+    """What the default corpus reads: {"folder"} from $FIVEFOLD_DEFAULT_CORPUS, else this Python's standard
+    library {"folder", "python": its version}."""
+    folder = os.environ.get(DEFAULT_CORPUS_ENV)
+    if folder:
+        return {"folder": str(Path(folder).resolve())}
+    return {"folder": sysconfig.get_paths()["stdlib"], "python": platform.python_version()}
+
+
 def stdlib_files() -> Iterator[Path]:
-    """The standard library's Python sources, in sorted path order, found as they are read: a walk of each
-    folder's sorted entries (not into site-packages or symlinked folders) yields the order sorting every
-    path would, without listing 1,800 files first (0.7 s a run) when the default corpus stops after 8 MiB."""
-    yield from _sorted_sources(Path(sysconfig.get_paths()["stdlib"]))
+    """The default corpus's Python sources (`default_corpus`), in sorted path order, found as they are
+    read: a walk of each folder's sorted entries (not into site-packages or symlinked folders) yields the
+    order sorting every path would, without listing 1,800 files first (0.7 s a run) when the default
+    corpus stops after 8 MiB."""
+    yield from _sorted_sources(Path(default_corpus()["folder"]))
 
 
 def _sorted_sources(folder: Path) -> Iterator[Path]:
@@ -380,7 +398,9 @@ def data_identity(train: TrainConfig) -> dict:
         if weights:   # a mixture: a resume with other weights draws other sequences
             entry["weight"] = weights[i]
         files.append(entry)
-    return {"tokenizer": file_digest(train.tokenizer) if train.tokenizer else ByteTokenizer.digest, "files": files}
+    default = {} if train.data else {"default": default_corpus()}   # which Python's library, or which folder
+    return {"tokenizer": file_digest(train.tokenizer) if train.tokenizer else ByteTokenizer.digest, "files": files,
+            **default}
 
 
 

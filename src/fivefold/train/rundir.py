@@ -411,7 +411,7 @@ def compare_configs(saved: dict, new: dict) -> tuple[list[str], list[str]]:
 def compare_data(saved: dict | None, new: dict) -> tuple[list[str], list[str]]:
     """(errors, warnings) for resuming a checkpoint trained on data `saved` with data `new` (both
     `data.data_identity`; None: an older checkpoint, not compared): another tokenizer is an error,
-    other data files (names, sizes, token-file headers) a warning, since step k then reads other tokens."""
+    other data files (names, sizes, token-file headers) or another default corpus a warning, since step k then reads other tokens."""
     if not saved:
         return [], []
     errors = []
@@ -421,6 +421,8 @@ def compare_data(saved: dict | None, new: dict) -> tuple[list[str], list[str]]:
     warnings = []
     if saved.get("files") != new.get("files"):
         warnings.append(f"data: checkpoint {saved.get('files')}, now {new.get('files')}")
+    elif "default" in saved and saved["default"] != new.get("default"):   # the default corpus of another Python
+        warnings.append(f"default corpus: checkpoint {saved['default']}, now {new.get('default')}")
     return errors, warnings
 
 

@@ -1,6 +1,6 @@
 """Command line: `fivefold train | eval | tokenize | export | generate | report | calibrate | plan | schedule | cluster`.
 
-    fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --cp-mode --ep --zero ...] [--steps K] [--out DIR]
+    fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --cp-mode --ep --etp --zero ...] [--steps K] [--out DIR]
                    [--resume auto|DIR] [--overwrite]
     fivefold eval RUN_OR_CHECKPOINT|HF_DIR --data FILES [--nproc N] [--dp --tp --pp --cp ...] [--eval-tokens N]
     fivefold export RUN_OR_CHECKPOINT FILE.safetensors | --hf DIR | --peft DIR

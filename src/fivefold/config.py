@@ -260,8 +260,9 @@ class ModelConfig(HeadShapes, ParameterCounts):
 class ParallelConfig:
     """Degrees of the five parallelisms and how ranks are ordered.
 
-    world = tp * cp * dp * pp. Expert parallelism is carved out of dp * cp (as in Megatron-Core):
-    ep must divide dp * cp, and the expert data-parallel degree is dp * cp / ep.
+    world = tp * cp * dp * pp. The expert layers fold over the same ranks (MoE parallel folding, as in
+    Megatron-Core): a stage's tp * cp * dp ranks are re-cut into etp * ep * edp, so etp * ep must divide
+    tp * cp * dp and the expert data-parallel degree is tp * cp * dp / (etp * ep) (grid.py).
     """
 
     dp: int = 1
@@ -269,6 +270,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int = 1                         # expert tensor parallelism: ranks splitting each routed expert's width
     zero: ZeroStage = 0
     sp_mode: SpMode = "none"             # Megatron sequence parallelism inside the tp group
     cp_mode: CpMode = "ring"             # how cp > 1 splits attention: ulysses | ring | hybrid
@@ -297,14 +299,14 @@ class ParallelConfig:
         return self.tp * self.cp * self.dp * self.pp
 
     def validate(self, world_size: int | None = None) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "microbatches", "vpp"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "microbatches", "vpp"):
             rules.check_positive(f"parallel.{name}", getattr(self, name))
         rules.check_zero_prefetch(self.zero_prefetch)
         _check_choices(self, "parallel")
         _check_finite(self, "parallel")
         _check_above_zero("parallel.bucket_mb", self.bucket_mb, "25")
         parse_order(self.order)
-        rules.check_expert_grid(self.ep, self.dp, self.cp)
+        rules.check_expert_grid(self.ep, self.dp, self.cp, self.tp, self.etp)
         check_grids_agree(self, self.order)
         rules.check_offload(self.offload, self.zero, self.offload_dir)
         if world_size is not None:
@@ -436,14 +438,13 @@ class Config:
         rules.check_seq_len(t.seq_len, m.max_seq)
         rules.check_lora_rank(t.lora_rank, m.hidden)
         rules.check_global_batch(t.global_batch, p.dp, p.microbatches)
-        ffn = {"ffn": m.ffn} if not m.experts else {"ffn": m.ffn, "moe_ffn": m.moe_ffn or m.ffn}
-        rules.check_tensor_parallel(p.tp, m.heads, m.kv_heads, ffn)
+        rules.check_tensor_parallel(p.tp, m.heads, m.kv_heads, {"ffn": m.ffn})   # experts: etp's (below)
         rules.check_sequence_parallel(p.sp_mode, p.tp, t.seq_len)
         rules.check_partition(m.layers, p.pp, p.vpp, p.partition)
         rules.check_schedule(p.schedule, p.pp, p.vpp, p.microbatches, p.microbatch_group)
         rules.check_reduce_each_microbatch(p.reduce_each_microbatch, p.zero)
         rules.check_context_parallel(p.cp_mode, p.cp, p.tp, m.heads, t.seq_len, p.ulysses)
-        rules.check_expert_parallel(p.ep, p.dp, p.cp, m.experts)
+        rules.check_expert_parallel(p.ep, p.dp, p.cp, m.experts, p.tp, p.etp, m.expert_ffn)
         return self
 
     def to_dict(self) -> dict[str, Any]:

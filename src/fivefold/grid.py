@@ -5,9 +5,14 @@ first dimension's ranks are contiguous (stride 1), the next one's stride is the 
 so on. Two grids share one order string (as in Megatron-Core):
 
 - the *dense* grid ``tp × cp × dp × pp`` (ep = 1) for attention, norms, embeddings and dense MLPs;
-- the *expert* grid ``tp × ep × edp × pp`` (cp = 1), where ``ep · edp = cp · dp``: experts are sharded
-  across ``ep`` ranks carved out of the data/context-parallel ranks, each shard replicated ``edp`` times
-  (the expert grid stores edp under the name "dp").
+- the *expert* grid ``etp × ep × edp × pp`` (cp = 1), where ``etp · ep · edp = tp · cp · dp`` (MoE
+  parallel folding, Liu et al. 2025, as Megatron-Core's `--expert-tensor-parallel-size` and
+  `--expert-model-parallel-size`): the same ranks of a stage re-cut for the expert layers. Routed experts are
+  split over ``ep`` ranks (whole experts) and each one's width over ``etp`` ranks; each piece is
+  replicated ``edp`` times. The expert grid reads the order string with etp in tp's place, edp in dp's
+  and cp of size 1 (stored under the names "tp" and "dp"), so ep may span ranks that attention uses for
+  tp, cp or dp: with tp2 × dp2 and order tp-cp-ep-dp-pp, ep4 (etp 1) holds all four ranks, ep2 (etp 1) the
+  tp pair, and ep2 with etp2 the dp pair (each expert's width over the tp pair, as tp cuts a dense MLP).
 
 `GROUP_SPECS` names every group the mesh makes by a `GroupSpec`: its grid, the dimensions it spans, the
 ledger dim its Group records under, and how it is cut from those groups (whole; runs of `width`
@@ -30,7 +35,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol
 
-from .rules import ConfigError, Dim, check_expert_grid, choices
+from .rules import ConfigError, Dim, check_expert_grid, choices, expert_data_parallel
 
 DIMS: tuple[str, ...] = choices(Dim)
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"   # Megatron-Core's default: the heaviest traffic innermost, pp outermost
@@ -74,6 +79,7 @@ GROUP_SPECS: dict[str, GroupSpec] = {
     "mp": GroupSpec("dense", ("tp", "cp", "pp"), "mp"),
     "ep": GroupSpec("expert", ("ep",), "ep"),
     "edp": GroupSpec("expert", ("dp",), "edp"),
+    "etp": GroupSpec("expert", ("tp",), "etp"),      # expert tensor parallelism: one expert's width
     "world": GroupSpec("dense", DIMS, "world"),
     # tied embeddings: the first and last stage of each pp group (pp <= 2: the pp group itself)
     "embed": GroupSpec("dense", ("pp",), "embed", split="ends", shares=True),
@@ -89,21 +95,24 @@ GROUP_SPECS: dict[str, GroupSpec] = {
 
 
 class Degrees(Protocol):
-    """Anything with the five degrees: `ParallelConfig`, the planner's `Layout`, `Sizes`."""
+    """Anything with the five degrees and the experts' tensor-parallel degree: `ParallelConfig`, the
+    planner's `Layout`, `Sizes`."""
     tp: int
     cp: int
     ep: int
     dp: int
     pp: int
+    etp: int
 
 
 class Sizes(NamedTuple):
-    """The five degrees alone (a `Degrees` that costs nothing to build)."""
+    """The five degrees alone, and etp (a `Degrees` that costs nothing to build)."""
     tp: int
     pp: int
     dp: int
     cp: int
     ep: int
+    etp: int = 1
 
 
 def parse_order(order: str) -> list[str]:
@@ -116,29 +125,28 @@ def parse_order(order: str) -> list[str]:
 
 
 def check_grids_agree(p: Degrees, order: str | list[str]) -> None:
-    """The expert grid must give every rank the tp and pp coordinates the dense grid gives it (a rank runs
-    one stage and one tensor slice, whichever grid a layer uses): tp's and pp's strides must be equal on
-    both. They differ when ep and dp (or cp) sit on opposite sides of pp or tp in the order with ep != cp,
-    e.g. tp-cp-ep-pp-dp with ep = 2, cp = 1: the expert grid's stages are 4 ranks apart, the dense grid's 2,
-    so an expert all-to-all joined ranks of different stages and the step hung."""
-    if p.ep <= 1:
+    """The expert grid must give every rank the pp coordinate the dense grid gives it (a rank runs one
+    stage, whichever grid a layer uses): pp's stride must be equal on both. It differs when a dimension of
+    size > 1 sits inside pp in the order and the two grids size it differently, e.g. tp-pp-cp-ep-dp with
+    tp 2 and etp 1: the dense grid's stages are 2 ranks apart, the expert grid's 1, so an expert
+    all-to-all would join ranks of different stages."""
+    if p.pp <= 1 or p.ep * p.etp == 1:   # ep = etp = 1: the experts are dense weights, no expert group is used
         return
     dims = parse_order(order) if isinstance(order, str) else order
     dense, expert = grid_sizes(p)
     sd, se = strides(dense, dims), strides(expert, dims)
-    bad = [d for d in ("tp", "pp") if sd[d] != se[d] and (p.tp if d == "tp" else p.pp) > 1]
-    if bad:
-        raise ConfigError(f"parallel.order {'-'.join(dims)!r} gives {bad[0]} a stride of {sd[bad[0]]} ranks on the "
-                          f"dense grid and {se[bad[0]]} on the expert grid (ep {p.ep} is carved from cp x dp "
-                          f"{p.cp * p.dp}): keep ep on the same side of tp and pp as cp and dp, e.g. "
-                          f"{DEFAULT_ORDER!r}")
+    if sd["pp"] != se["pp"]:
+        raise ConfigError(f"parallel.order {'-'.join(dims)!r} gives pp a stride of {sd['pp']} ranks on the dense grid "
+                          f"and {se['pp']} on the expert grid (etp {p.etp}, ep {p.ep} fold over tp x cp x dp "
+                          f"{p.tp * p.cp * p.dp}): put pp outermost, e.g. {DEFAULT_ORDER!r}")
 
 
 def grid_sizes(p: Degrees) -> tuple[dict[str, int], dict[str, int]]:
-    """Sizes of the dense and the expert grids, keyed by the names in the order string."""
-    check_expert_grid(p.ep, p.dp, p.cp)
+    """Sizes of the dense and the expert grids, keyed by the names in the order string (the expert grid's
+    "tp" is etp, its "dp" edp)."""
+    check_expert_grid(p.ep, p.dp, p.cp, p.tp, p.etp)
     dense = {"tp": p.tp, "cp": p.cp, "ep": 1, "dp": p.dp, "pp": p.pp}
-    expert = {"tp": p.tp, "cp": 1, "ep": p.ep, "dp": p.dp * p.cp // p.ep, "pp": p.pp}
+    expert = {"tp": p.etp, "cp": 1, "ep": p.ep, "dp": expert_data_parallel(p.tp, p.cp, p.dp, p.ep, p.etp), "pp": p.pp}
     return dense, expert
 
 

@@ -5,13 +5,14 @@ so the planner places the very same groups; this module makes their process grou
 dimension's ranks are contiguous (stride 1), the next one's stride is the size of the first, and so
 on. Put the dimension with the most traffic innermost so its group lands inside one NVLink domain.
 
-Two grids share one order string (as in Megatron-Core):
+Two grids share one order string (as in Megatron-Core; MoE parallel folding):
 - the *dense* grid ``tp × cp × dp × pp`` (ep = 1) for attention, norms, embeddings and dense MLPs;
-- the *expert* grid ``tp × ep × edp × pp`` (cp = 1), where ``ep · edp = cp · dp``: experts are sharded
-  across ``ep`` ranks carved out of the data/context-parallel ranks, and each expert shard is
-  replicated ``edp`` ("expert-dp") times.
+- the *expert* grid ``etp × ep × edp × pp`` (cp = 1), where ``etp · ep · edp = tp · cp · dp``: the same
+  ranks of a stage re-cut for the routed experts, read from the order string with etp in tp's place and
+  edp in dp's (grid.py). Experts are split over ``ep`` ranks, each expert's width over ``etp`` ranks,
+  and each piece is replicated ``edp`` ("expert-dp") times.
 
-Worked example: 16 ranks, tp=2, cp=1, dp=4, pp=2, ep=2, order ``tp-cp-ep-dp-pp``.
+Worked example: 16 ranks, tp=2, cp=1, dp=4, pp=2, ep=2 (etp=1), order ``tp-cp-ep-dp-pp``.
 
 Dense grid strides: tp 1, cp 2, dp 2, pp 8 (ep=1 and cp=1 take no room)::
 
@@ -20,14 +21,15 @@ Dense grid strides: tp 1, cp 2, dp 2, pp 8 (ep=1 and cp=1 take no room)::
     dp groups : [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]
     pp groups : [0,8] [1,9] [2,10] ... [7,15]
 
-Expert grid (ep=2, edp=4·1/2=2) strides: tp 1, ep 2, edp 4, pp 8::
+Expert grid (etp=1, ep=2, edp=2·1·4/2=4) strides: etp 1, ep 1, edp 2, pp 8::
 
-    rank  = tp + 2·ep + 4·edp + 8·pp
-    ep groups  : [0,2] [1,3] [4,6] [5,7] [8,10] ...
-    edp groups : [0,4] [1,5] [2,6] [3,7] [8,12] ...
+    rank  = ep + 2·edp + 8·pp
+    ep groups  : [0,1] [2,3] [4,5] [6,7] [8,9] ...      (folded onto the tp pairs)
+    edp groups : [0,2,4,6] [1,3,5,7] [8,10,12,14] ...
 
-Rank 5 is therefore tp=1, dp=2, pp=0 in the dense grid; ep=0, edp=1 in the expert grid. Its tp group is
-[4,5], dp group [1,3,5,7], pp group [5,13], ep group [5,7], expert-dp group [1,5]. The ``dp_cp`` group
+Rank 5 is therefore tp=1, dp=2, pp=0 in the dense grid; ep=1, edp=2 in the expert grid. Its tp group is
+[4,5], dp group [1,3,5,7], pp group [5,13], ep group [4,5], expert-dp group [1,3,5,7]. With etp=2 instead,
+the expert grid is etp 2 × ep 2 × edp 2: etp group [4,5], ep group [5,7], edp group [1,5]. The ``dp_cp`` group
 (gradient reduction when cp > 1) joins dp and cp; ``mp`` joins tp, cp and pp (the ranks that hold
 different parts of one model replica; used for the global grad norm). ``embed`` holds the first and the
 last rank of each pp group, which keep the two copies of tied input/output embeddings and sum their
@@ -38,7 +40,7 @@ Nodes. `parallel.ranks_per_node` = K puts ranks iK .. iK+K-1 on node i (torchrun
 workers consecutively; the CLI fills K from torchrun's LOCAL_WORLD_SIZE, or `--set
 parallel.ranks_per_node=K` emulates nodes locally; 0: one node). Each group's `tier` is then "intra" when
 its ranks share a node and "inter" when they span nodes (`fivefold.grid.tier_of_ranks`), and the ledger
-records every call on it under that tier. In the example with K = 8: the tp, dp and ep groups above are
+records every call on it under that tier. In the example with K = 8: the tp, dp, ep and edp groups above are
 "intra", the pp groups ([5,13]) "inter"; `tiers()` lists them.
 """
 from __future__ import annotations
@@ -61,7 +63,7 @@ __all__ = ["GROUP_SPECS", "ParallelMesh", "coords", "grid_sizes", "rank_groups",
 class ParallelMesh:
     """Every group a rank needs, built from a ParallelConfig.
 
-    `groups` maps a name (tp, cp, dp, pp, dp_cp, tp_cp, mp, ep, edp, embed, world) to this rank's `Group`,
+    `groups` maps a name (tp, cp, dp, pp, dp_cp, tp_cp, mp, ep, edp, etp, embed, world) to this rank's `Group`,
     each made from its spec (`grid.GROUP_SPECS`, `grid.spec_groups`) and nothing else. With `kv_replicas` > 1 (tp > kv_heads: `rules.kv_replicas`) and smaller than tp, "tp_kv" is also
     made: each run of kv_replicas consecutive tp ranks that hold the same K/V head, which sum their
     partial K/V weight gradients (recorded under "tp": it is tensor parallelism's traffic). With
@@ -90,7 +92,7 @@ class ParallelMesh:
         self.ledger.rank, self.ledger.world_size = self.rank, self.world_size
         self.coords = coords(self.rank, self.dense, self.order)
         ecoords = coords(self.rank, self.expert, self.order)
-        self.coords.update({"ep": ecoords["ep"], "edp": ecoords["dp"]})
+        self.coords.update({"ep": ecoords["ep"], "edp": ecoords["dp"], "etp": ecoords["tp"]})
         distributed = dist.is_available() and dist.is_initialized() and self.world_size > 1
         self.backend = backend_of(str(dist.get_backend())) if distributed else self.backend
         if distributed:
@@ -136,4 +138,4 @@ class ParallelMesh:
 
     def describe(self) -> str:
         c = self.coords
-        return " ".join(f"{d}={c[d]}" for d in ("tp", "cp", "dp", "pp", "ep", "edp"))
+        return " ".join(f"{d}={c[d]}" for d in ("tp", "cp", "dp", "pp", "ep", "etp", "edp"))

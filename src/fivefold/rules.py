@@ -356,23 +356,56 @@ def check_context_parallel(cp_mode: str, cp: int, tp: int, heads: int, seq_len: 
 
 
 # -- expert parallel -----------------------------------------------------------------------------------
-def check_expert_grid(ep: int, dp: int, cp: int) -> None:
-    """Experts are sharded over ep ranks carved out of dp·cp (Megatron-Core): ep | dp·cp."""
-    if (dp * cp) % ep:
-        raise ConfigError(f"ep ({ep}) must divide dp*cp ({dp * cp}): experts are sharded across data/context-parallel "
-                          f"ranks; valid ep: {nearest(ep, divisors(dp * cp))}")
+def expert_data_parallel(tp: int, cp: int, dp: int, ep: int, etp: int = 1) -> int:
+    """The expert-data-parallel degree: how many ranks of a stage hold the same expert piece, tp·cp·dp /
+    (etp·ep) (MoE parallel folding: the experts' etp × ep × edp grid re-cuts the ranks that attention's
+    tp × cp × dp grid uses)."""
+    return tp * cp * dp // (ep * etp)
 
 
-def check_expert_parallel(ep: int, dp: int, cp: int, experts: int) -> None:
-    """`check_expert_grid`, and each ep rank holds experts/ep whole experts; ep > 1 needs a
-    mixture-of-experts model."""
-    check_expert_grid(ep, dp, cp)
-    check_experts(ep, experts, dp * cp)
+def check_expert_grid(ep: int, dp: int, cp: int, tp: int = 1, etp: int = 1) -> None:
+    """MoE parallel folding (Megatron-Core; Liu et al. 2025): the expert layers cut the same tp·cp·dp ranks
+    of a stage into etp × ep × edp, so etp·ep must divide tp·cp·dp."""
+    ranks = tp * cp * dp
+    if ranks % (ep * etp):
+        valid = [d for d in divisors(ranks) if (ranks // d) % etp == 0]
+        raise ConfigError(f"etp x ep ({etp} x {ep}) must divide tp*cp*dp ({ranks}): the experts fold over the ranks "
+                          f"attention's tp x cp x dp use; valid ep with etp {etp}: {nearest(ep, valid)}")
+
+
+def check_expert_parallel(ep: int, dp: int, cp: int, experts: int, tp: int = 1, etp: int = 1,
+                          expert_ffn: int = 0) -> None:
+    """`check_expert_grid`, and each ep rank holds experts/ep whole experts; ep > 1 or etp > 1 needs a
+    mixture-of-experts model; etp splits every routed expert's width (`check_expert_tensor_parallel`)."""
+    check_expert_grid(ep, dp, cp, tp, etp)
+    check_experts(ep, experts, tp * cp * dp // etp)
+    check_expert_tensor_parallel(etp, experts, expert_ffn)
+
+
+def check_expert_tensor_parallel(etp: int, experts: int, expert_ffn: int) -> None:
+    """Expert tensor parallelism slices each routed expert's gate/up by columns and its down by rows over
+    etp ranks: a MoE model whose expert width divides by etp."""
+    if etp == 1:
+        return
+    if not experts:
+        raise ConfigError(f"etp ({etp}) splits routed experts: it needs a mixture-of-experts model (experts > 0); "
+                          f"this model is dense: valid etp: [1]")
+    if expert_ffn % etp:
+        raise ConfigError(f"the expert width ({expert_ffn}: model.moe_ffn, or ffn) must divide by etp ({etp}): each etp rank holds a slice "
+                          f"of every routed expert's width; valid etp: {nearest(etp, divisors(expert_ffn))}")
+
+
+def experts_on_expert_grid(ep: int, etp: int) -> bool:
+    """Whether the routed experts are laid out by the expert grid (parallel/expert.py ExpertParallelism:
+    ep and etp shards, gradients summed over "edp"): ep > 1 or etp > 1. Otherwise they are dense weights,
+    whole on every rank (under tp: partial gradients summed over tp, as the router's; reduced over dp, or
+    dp × cp), and the expert grid is not used."""
+    return ep > 1 or etp > 1
 
 
 def check_experts(ep: int, experts: int, ranks: int = 0) -> None:
     """ep > 1 needs a mixture-of-experts model, and each ep rank holds experts/ep whole experts (the valid ep
-    also divide `ranks`, dp*cp, when it is known)."""
+    also divide `ranks`, tp*cp*dp/etp, when it is known)."""
     if ep > 1 and experts == 0:
         raise ConfigError(f"ep ({ep}) needs a mixture-of-experts model (experts > 0); this model is dense: valid ep: [1]")
     if experts and experts % ep:
@@ -675,6 +708,12 @@ def grad_norm_group(zero: int, only_dp: bool = True) -> str:
 
 
 # -- mixture of experts --------------------------------------------------------------------------------
+def reduces_only_over_dp(cp: int, experts: int, ep: int, etp: int) -> bool:
+    """Whether every gradient is summed over dp alone (then the DDP norm adds over "mp":
+    `grad_norm_group`): no context parallelism (dp × cp) and no routed experts on the expert grid (edp)."""
+    return cp == 1 and not (experts and experts_on_expert_grid(ep, etp))
+
+
 def moe_capacity(capacity_factor: float, seq: int, top_k: int, experts: int) -> int:
     """GShard capacity: the assignments an expert accepts from one sequence (its capacity group),
     ceil(capacity_factor · seq · top_k / experts); 0 when capacity_factor is 0 (dropless)."""

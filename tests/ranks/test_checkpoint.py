@@ -34,6 +34,17 @@ def moe(cfg):
     return cfg
 
 
+def resave(rank, world, cfg_dict, ckpt, out, step):
+    """Restore `ckpt` into this layout and save it again at the same step, training nothing."""
+    from pathlib import Path
+
+    from fivefold.config import Config
+
+    t = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True, fill=False)
+    t.restore(ckpt)
+    t.save(Path(out), step)
+
+
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     """Layouts on 4 ranks, each writing step 2 and 4; then other layouts continue from step 2."""
@@ -46,6 +57,10 @@ def four(tmp_path_factory):
         ("zero3->zero0", train, (cfg_of(dp=2, tp=2).to_dict(), d("b"), d("zero3") + "/checkpoints/step-00000002")),
         ("ep4", train, (moe(cfg_of(dp=4, ep=4)).to_dict(), d("ep4"))),
         ("ep4->ep2", train, (moe(cfg_of(dp=4, ep=2, zero=1)).to_dict(), d("c"), d("ep4") + "/checkpoints/step-00000002")),
+        # MoE parallel folding: ep4 over tp2 x dp2, then its step 2 re-saved by etp2 x ep2 (ZeRO-1)
+        ("folded", train, (moe(cfg_of(tp=2, dp=2, ep=4)).to_dict(), d("folded"))),
+        ("folded->etp2", resave, (moe(cfg_of(tp=2, dp=2, ep=2, etp=2, zero=1)).to_dict(),
+                                  d("folded") + "/checkpoints/step-00000002", d("etp2"), 2)),
     ]
     results = run_ranks(run_jobs, 4, (jobs,), timeout_s=TIMEOUT_S)
     return root, results[0]
@@ -57,6 +72,27 @@ def test_another_layout_continues_the_run(four, before, after):
     _, r = four
     assert len(r[before]) == 4 and len(r[after]) == 2
     torch.testing.assert_close(torch.tensor(r[after]), torch.tensor(r[before][2:]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.ranks
+def test_folded_experts_reshard_bit_for_bit_optimizer_included(four, tmp_path):
+    """ep4 folded over tp2 x dp2 -> etp2 x ep2 with ZeRO-1 -> one rank: each layout restores the last one's
+    checkpoint and writes it again, and every tensor of every section (weights, Adam's moments) is the
+    same bits; a run continued from the folded checkpoint on one rank trains as the folded run did."""
+    root, r = four
+    first = root / "folded" / "checkpoints" / "step-00000002"
+    one = Trainer(moe(cfg_of()), quiet=True, fill=False)
+    one.restore(root / "etp2" / "checkpoints" / "step-00000002")
+    one.save(tmp_path / "one", 2)
+    for section in checkpoint.SECTIONS:
+        want = checkpoint.full_tensors(first, section)
+        for again in (root / "etp2" / "checkpoints" / "step-00000002", tmp_path / "one" / "checkpoints" / "step-00000002"):
+            got = checkpoint.full_tensors(again, section)
+            assert got.keys() == want.keys() and any("experts" in k for k in got)
+            assert all(torch.equal(got[k], want[k]) for k in want), section
+    continued = Trainer(moe(cfg_of()), quiet=True).run(tmp_path / "cont", resume=first)
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in continued["history"]]),
+                               torch.tensor(r["folded"][2:]), rtol=1e-5, atol=0)
 
 
 @pytest.mark.ranks

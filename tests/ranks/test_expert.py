@@ -32,8 +32,19 @@ CASES = {
     "ep2_dp2_pp2": (4, dict(dp=2, ep=2, pp=2, microbatches=2), {}),
     "ep2_cp2_ulysses": (2, dict(cp=2, ep=2, cp_mode="ulysses"), {}),
     "ep2_capacity_fp8": (2, dict(dp=2, ep=2, fp8_dispatch=True), dict(capacity_factor=1.0)),  # not exact
-    "ep2_tp2_capacity": (4, dict(dp=2, ep=2, tp=2), dict(capacity_factor=1.0)),   # group-wise dispatch
+    "ep2_tp2_capacity": (4, dict(dp=2, ep=2, tp=2), dict(capacity_factor=1.0)),   # ep folded onto the tp pair
     "ep2_tp2_sp": (4, dict(dp=2, ep=2, tp=2, sp_mode="megatron"), {}),
+    # MoE parallel folding: ep over ranks attention uses for tp (and dp, cp); etp cuts each expert's width
+    "ep4_tp2_folded": (4, dict(dp=2, ep=4, tp=2), {}),                            # ep spans tp and dp
+    "ep4_tp2_cp2_folded": (4, dict(cp=2, ep=4, tp=2, sp_mode="megatron"), {}),    # ep spans tp and cp
+    "etp2_ep2_tp2": (4, dict(dp=2, ep=2, etp=2, tp=2), {}),                      # experts cut as tp cuts an MLP
+    "etp2_ep2_tp2_capacity": (4, dict(dp=2, ep=2, etp=2, tp=2), dict(capacity_factor=1.0)),
+    "etp2_tp2_sp_edp2": (4, dict(dp=2, etp=2, tp=2, sp_mode="megatron"), dict(router="softmax_topk",
+                                                                              shared_experts=1)),
+    "etp2_ep2_zero3": (4, dict(dp=2, ep=2, etp=2, tp=2, zero=3), {}),
+    "etp2_ep2_zero1_capacity": (4, dict(dp=2, ep=2, etp=2, tp=2, zero=1), dict(capacity_factor=1.25)),
+    "etp2_tp2_pp2": (4, dict(tp=2, pp=2, etp=2, microbatches=2), {}),
+    "etp4_tp2_dp2": (4, dict(tp=2, dp=2, etp=4, microbatches=2), dict(capacity_factor=1.0)),   # etp beyond tp
 }
 EXACT = [n for n in CASES if "fp8" not in n]
 
@@ -78,6 +89,37 @@ def dispatcher_alone(rank, world):
     return {"y": (y.detach(), ref.detach()), "dx": (x.grad, ref_x.grad)}
 
 
+def folded_dispatcher_alone(rank, world):
+    """The same uneven loads through ep 2 x etp 2 on 4 ranks (tp 2 x dp 2, each rank its own tokens): every
+    rank holds half of each of its two experts' width; outputs and input gradients equal the local
+    dispatcher's on the whole experts."""
+    torch.manual_seed(0)
+    E, h, f, t = 4, 8, 16, 6
+    full = Experts(E, h, f)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(world, t, h)[rank].requires_grad_()
+    experts_tk = torch.tensor([[0, 1], [0, 1], [0, 3], [1, 0], [3, -1], [1, 0]]).roll(rank, 0)
+    weights_tk = torch.rand(t, 2) * (experts_tk >= 0)
+    mesh = ParallelMesh(ParallelConfig(tp=2, dp=2, ep=2, etp=2), rank, CommLedger(rank, world))
+    ep, etp = mesh["ep"], mesh["etp"]
+    local, width = E // ep.size, f // etp.size
+    mine = Experts(local, h, width)
+    with torch.no_grad():
+        experts = slice(ep.rank * local, (ep.rank + 1) * local)
+        cols = slice(etp.rank * width, (etp.rank + 1) * width)
+        mine.w_gate.copy_(full.w_gate[experts, cols])
+        mine.w_up.copy_(full.w_up[experts, cols])
+        mine.w_down.copy_(full.w_down[experts, :, cols])
+    y = AllToAllDispatch(ep, E, etp=etp)(x, experts_tk, weights_tk, mine)
+    y.pow(2).sum().backward()
+    ref_x = x.detach().clone().requires_grad_()
+    ref = LocalDispatch()(ref_x, experts_tk, weights_tk, full)
+    ref.pow(2).sum().backward()
+    return {"y": (y.detach(), ref.detach()), "dx": (x.grad, ref_x.grad)}
+
+
 def test_regroup_orders_rows_by_expert():
     counts = torch.tensor([[2, 1], [0, 3]])          # source 0: 2 rows for expert 0, 1 for expert 1; ...
     assert regroup(counts).tolist() == [0, 1, 2, 3, 4, 5]
@@ -100,6 +142,8 @@ def spawn(world):
     jobs = [(n, run_steps, (case_config(n).to_dict(),)) for n, case in CASES.items() if case[0] == world]
     jobs += [(f"{n}_routing", routing_steps, (case_config(n).to_dict(),)) for n in ROUTING if CASES[n][0] == world]
     jobs.append(("dispatch", dispatcher_alone, ()))
+    if world == 4:
+        jobs.append(("dispatch_folded", folded_dispatcher_alone, ()))
     return spawn_jobs(world, jobs)
 
 
@@ -145,10 +189,10 @@ def test_routing_imbalance_counts_the_global_batch(name, two, four):
         assert got == want
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world, job", [(2, "dispatch"), (4, "dispatch"), (4, "dispatch_folded")])
 @pytest.mark.ranks
-def test_dispatcher_equals_local_on_uneven_and_empty_loads(world, two, four):
-    for r in {2: two, 4: four}[world]["dispatch"]:
+def test_dispatcher_equals_local_on_uneven_and_empty_loads(world, job, two, four):
+    for r in {2: two, 4: four}[world][job]:
         for got, want in r.values():
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
@@ -196,7 +240,19 @@ def test_ep_x_tp_sends_one_tp_share(two, four):
         assert ep_bytes(with_tp["ledger"][0]) * 2 == ep_bytes(without["ledger"][0])
 
 
-FIVE = dict(tp=2, cp=2, pp=2, dp=2, ep=2, cp_mode="ring", microbatches=2)   # 16 ranks
+FOLDED = [n for n in CASES if CASES[n][1].get("tp", 1) > 1]
+
+
+@pytest.mark.parametrize("name", FOLDED)
+@pytest.mark.ranks
+def test_folded_layouts_ledger_equals_the_planner(name, four):
+    """Every layout with the experts folded over tp's ranks (and etp): the planner's rows equal the ledger's,
+    calls and bytes (dropless: the routed rows' all-to-all bytes follow the routing; their calls match)."""
+    c = case_config(name)
+    check_planned(c, [r["ledger"][0] for r in results_of(name, None, four)], dropless=not c.model.capacity_factor)
+
+
+FIVE = dict(tp=2, cp=2, pp=2, dp=2, ep=4, etp=2, cp_mode="ring", microbatches=2)   # 16 ranks
 
 
 def check_planned(c: Config, rows_by_rank: list, dropless: bool) -> None:
@@ -218,14 +274,15 @@ def check_planned(c: Config, rows_by_rank: list, dropless: bool) -> None:
     assert sorted(measured) == sorted(planned)
     for key, row in planned.items():
         assert measured[key][0] == row["calls"], key
-        if not (dropless and key == ("ep", "all_to_all")):
+        if not (dropless and key in (("ep", "all_to_all"), ("etp", "all_to_all"))):
             assert measured[key][1] == row["message_bytes"], key
             assert measured[key][2] == pytest.approx(row["bytes_sent"], rel=1e-12), key
 
 
 @pytest.mark.ranks
 def test_five_dimensions_in_one_run_equal_single_process():
-    """tp2 × cp2 × pp2 × dp2 with ep2 carved from dp × cp: the tiny MoE model's losses, grad norms and
+    """tp2 × cp2 × pp2 × dp2 with the experts folded as etp2 × ep4 over each stage's 8 ranks: the tiny MoE
+    model's losses, grad norms and
     parameters after 3 steps equal one process's (same micro-batches), and the planner's rows for the
     layout equal the ledger's (dropless: the expert all-to-all bytes follow the routing, its calls match)."""
     c = moe_config(FIVE)

@@ -339,7 +339,7 @@ def test_latent_attention_tensors_are_the_runtimes(tp, q_lora):
     runtime's tp split (down-projections and latent norms whole on every rank, tagged "norm"), so ZeRO
     units and partial-gradient sets are exact."""
     from fivefold.model import Transformer
-    from fivefold.plan.units import exact_tensors, layer_tensors
+    from fivefold.plan.units import ExpertSplit, exact_tensors, layer_tensors
     from fivefold.plan.models import from_model_config
 
     from tests.support.tiny import tiny_config
@@ -353,7 +353,7 @@ def test_latent_attention_tensors_are_the_runtimes(tp, q_lora):
     for i in range(cfg.layers):
         want = [(p.numel() // (1 if any(w in n for w in whole) else tp), not n.startswith("mlp.experts"))
                 for n, p in meta.layers[i].named_parameters()]
-        got = [(e, not ex) for e, ex, _ in layer_tensors(plan, i, tp, 1)]
+        got = [(e, not ex) for e, ex, _ in layer_tensors(plan, i, tp, ExpertSplit())]
         assert got == want
-        tags = {n: tag for (n, _), (_, _, tag) in zip(meta.layers[i].named_parameters(), layer_tensors(plan, i, tp, 1))}
+        tags = {n: tag for (n, _), (_, _, tag) in zip(meta.layers[i].named_parameters(), layer_tensors(plan, i, tp, ExpertSplit()))}
         assert all(tags[n] == "norm" for n in tags if "q_a." in n or "kv_a." in n or "norm" in n)

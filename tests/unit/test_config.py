@@ -28,7 +28,7 @@ def test_toml_and_overrides(tmp_path):
     ({"train.seq_len": 512}, 1, ["seq_len (512)", "max_seq"]),
     ({"parallel.tp": 3, "parallel.dp": 1}, 3, ["heads (4) must divide by tp (3)", "valid tp"]),
     ({"parallel.order": "tp-dp-pp"}, 1, ["must name each of"]),
-    ({"parallel.ep": 3, "parallel.dp": 2}, 2, ["ep (3) must divide dp*cp"]),
+    ({"parallel.ep": 3, "parallel.dp": 2}, 2, ["etp x ep (1 x 3) must divide tp*cp*dp (2)"]),
     ({"parallel.pp": 8, "parallel.dp": 1}, 8, ["layers (4) must be >= pp*vpp"]),
     ({"parallel.pp": 2, "parallel.microbatches": 2, "parallel.partition": "1,2"}, 2, ["sums to 3", "4 layers"]),
     ({"parallel.pp": 2, "parallel.microbatches": 2, "parallel.partition": "balanced"}, 2,

@@ -12,6 +12,10 @@ LAYOUTS = [
     dict(tp=2, cp=2, dp=2, pp=2, ep=2, order="tp-dp-cp-ep-pp"),
     dict(pp=4, dp=2, order="pp-dp-tp-cp-ep"),
     dict(tp=4, cp=4, pp=4, order="cp-tp-ep-dp-pp"),
+    dict(tp=2, dp=2, ep=4),                           # MoE parallel folding: ep over tp and dp
+    dict(tp=4, dp=2, pp=2, ep=2, etp=2),              # etp inside tp, ep over tp and dp
+    dict(tp=2, cp=2, dp=2, pp=2, ep=8),               # ep over every rank of a stage
+    dict(tp=2, dp=4, ep=2, etp=4),                    # etp beyond tp
 ]
 WIDTHS = Widths(ulysses=2, kv_replicas=2)   # hybrid CP's Ulysses runs, K/V heads on two tp ranks each
 
@@ -51,10 +55,13 @@ def test_docstring_example_rank5():
     assert mesh["tp"].ranks == [4, 5]
     assert mesh["dp"].ranks == [1, 3, 5, 7]
     assert mesh["pp"].ranks == [5, 13]
-    assert mesh["ep"].ranks == [5, 7]
-    assert mesh["edp"].ranks == [1, 5]
+    assert mesh["ep"].ranks == [4, 5]                 # folded onto the tp pair (etp 1)
+    assert mesh["edp"].ranks == [1, 3, 5, 7]
+    assert mesh["etp"].ranks == [5]
     assert mesh.coords["tp"] == 1 and mesh.coords["dp"] == 2 and mesh.coords["pp"] == 0
-    assert mesh.coords["ep"] == 0 and mesh.coords["edp"] == 1
+    assert mesh.coords["ep"] == 1 and mesh.coords["edp"] == 2 and mesh.coords["etp"] == 0
+    cut = ParallelMesh(ParallelConfig(tp=2, dp=4, pp=2, ep=2, etp=2), rank=5)
+    assert (cut["etp"].ranks, cut["ep"].ranks, cut["edp"].ranks) == ([4, 5], [5, 7], [1, 5])
     assert mesh["mp"].ranks == [4, 5, 12, 13]
     assert coords(5, grid_sizes(p)[0], p.order.split("-"))["dp"] == 2
 
@@ -91,18 +98,19 @@ def test_planner_places_the_groups_the_mesh_makes(layout):
 
 
 def test_orders_whose_expert_grid_splits_stages_are_refused():
-    """tp2 x pp2 x dp2 with ep2 in order tp-cp-ep-pp-dp hung: the expert grid put pp 4 ranks apart, the dense
-    grid 2, so an expert all-to-all joined ranks of different stages. Such orders are refused in one line;
-    every order accepted gives each rank the same tp and pp coordinates on both grids."""
+    """tp2 x pp2 x dp2 with ep2 in an order that put pp 4 ranks apart on the expert grid and 2 on the dense
+    grid hung: an expert all-to-all joined ranks of different stages. Such orders are refused in one line;
+    every order accepted gives each rank the same pp coordinate on both grids, so each expert group lies
+    inside one stage (its tp coordinate may differ: the experts fold over tp's ranks)."""
     import itertools
 
     from fivefold.grid import check_grids_agree, coords, grid_sizes
 
-    p = ParallelConfig(tp=2, pp=2, dp=2, ep=2)
-    with pytest.raises(ConfigError, match=r"parallel.order 'tp-cp-ep-pp-dp' gives pp a stride of 2 ranks on the dense "
-                                          r"grid and 4 on the expert grid"):
-        ParallelConfig(tp=2, pp=2, dp=2, ep=2, order="tp-cp-ep-pp-dp").validate(8)
-    for degrees in (dict(tp=2, pp=2, dp=2, ep=2), dict(tp=2, pp=2, cp=2, dp=2, ep=4), dict(pp=2, dp=4, ep=2)):
+    with pytest.raises(ConfigError, match=r"parallel.order 'tp-pp-cp-ep-dp' gives pp a stride of 2 ranks on the dense "
+                                          r"grid and 1 on the expert grid"):
+        ParallelConfig(tp=2, pp=2, dp=2, ep=2, order="tp-pp-cp-ep-dp").validate(8)
+    for degrees in (dict(tp=2, pp=2, dp=2, ep=2), dict(tp=2, pp=2, cp=2, dp=2, ep=4), dict(pp=2, dp=4, ep=2),
+                    dict(tp=2, pp=2, dp=2, ep=2, etp=2), dict(tp=2, pp=2, dp=2, ep=4)):
         p = ParallelConfig(**degrees)
         dense, expert = grid_sizes(p)
         accepted = 0
@@ -113,6 +121,19 @@ def test_orders_whose_expert_grid_splits_stages_are_refused():
                 continue
             accepted += 1
             for r in range(p.world_size):
-                a, b = coords(r, dense, list(dims)), coords(r, expert, list(dims))
-                assert (a["tp"], a["pp"]) == (b["tp"], b["pp"]), (dims, r)
-        assert 0 < accepted < 120
+                assert coords(r, dense, list(dims))["pp"] == coords(r, expert, list(dims))["pp"], (dims, r)
+        assert 0 < accepted <= 120
+
+
+def test_the_expert_grid_folds_over_tp_cp_and_dp():
+    """etp · ep · edp = tp · cp · dp; ep may use the ranks tp and cp occupy, not only dp's."""
+    for degrees, ep_group, etp_group, edp_group in (
+            (dict(tp=2, dp=2, ep=4), [0, 1, 2, 3], [0], [0]),
+            (dict(tp=2, dp=2, ep=2), [0, 1], [0], [0, 2]),
+            (dict(tp=2, dp=2, ep=2, etp=2), [0, 2], [0, 1], [0]),
+            (dict(tp=2, cp=2, ep=4), [0, 1, 2, 3], [0], [0]),
+            (dict(tp=4, dp=2, ep=2, etp=2), [0, 2], [0, 1], [0, 4])):
+        mesh = ParallelMesh(ParallelConfig(**degrees), rank=0)
+        assert (mesh["ep"].ranks, mesh["etp"].ranks, mesh["edp"].ranks) == (ep_group, etp_group, edp_group), degrees
+    with pytest.raises(ConfigError, match=r"etp x ep \(1 x 8\) must divide tp\*cp\*dp \(4\)"):
+        ParallelConfig(tp=2, dp=2, ep=8).validate(4)

@@ -89,9 +89,10 @@ def test_deepseek_v3_published_layout_is_the_searchs_best_under_its_schedule():
     """DeepSeek-V3 on 2,048 H800 with its own mechanisms: PP16 × EP64 under 1F1B reads 24.1 s (bubble 0.56);
     under DualPipe with its even split 16.2 s (bubble 0.04), and with the stages balanced for DualPipe's pairs
     (4 × 15 + 1 layers: rank 0 holds the embedding, 4 layers, the last layer, MTP and head) 13.4 s at 69 GiB,
-    which fits. The search under the same schedule and split finds that layout (dp128 × ep64, ZeRO-1 or 2)
-    among its best, within the tie margin; the unrestricted search's pick (TP2 PP2 interleaved, 13.5 s) is
-    no faster than it by more than 1%."""
+    which fits. The search under the same schedule and split ranks it within 2% of its best: with MoE parallel
+    folding it now finds TP2 layouts whose ep spans the tp pairs too (tp2 dp64 ep128, 13.27 s: each expert held
+    once per ep group instead of once per tp rank) 1.3% faster; the unrestricted search's pick is no faster
+    than the published layout by more than 1%."""
     oneway = estimate(DSV3, DSV3_LAYOUT, DSV3_WORK, H800, 2048)
     even = estimate(DSV3, replace(DSV3_LAYOUT, schedule="dualpipe"), DSV3_WORK, H800, 2048)
     published = estimate(DSV3, replace(DSV3_LAYOUT, schedule="dualpipe", partition=DEEPSEEK_PARTITION),
@@ -101,8 +102,8 @@ def test_deepseek_v3_published_layout_is_the_searchs_best_under_its_schedule():
     assert published.time.bubble_source == "DualPipe's closed form"
     res = search(DSV3, DSV3_WORK, H800, 2048, {"pp": 16}, top=3, partition=DEEPSEEK_PARTITION, schedule="dualpipe")
     fastest = min(e.time.step_time_s for e in res.best)
-    assert any(e.layout.dp == 128 and e.layout.ep == 64 and e.layout.tp == 1 and e.layout.schedule == "dualpipe"
-               and e.time.step_time_s <= fastest * 1.01 for e in res.best)
+    assert published.time.step_time_s <= fastest * 1.02
+    assert any(e.layout.tp == 2 and e.layout.ep > e.layout.dp for e in res.best)   # ep folded over tp's ranks
     free = search(DSV3, DSV3_WORK, H800, 2048, top=1)
     assert published.time.step_time_s <= free.best[0].time.step_time_s * 1.01
 

@@ -7,7 +7,7 @@ from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.activations import in_flight, interleaved_penalty, korthikanti, layer_acts
 from fivefold.plan.memory import memory
-from fivefold.plan.units import layer_rank_params, zero_states
+from fivefold.plan.units import ExpertSplit, layer_rank_params, zero_states
 from fivefold.plan.models import PRESETS
 from fivefold.plan.time import closed_form_bubble, simulate_pipeline
 from fivefold.plan.topology import TOPOLOGIES, GiB, topology_from_dict
@@ -178,7 +178,7 @@ def llama3_estimate(gpus, tp, cp, pp, dp, seq, gb, reduce_each_microbatch=True):
     model = PRESETS["llama3-405b"]
     # FSDP reduce-scatters one transformer block at a time: buckets of one layer's fp32 gradients (the
     # planner charges each call its latency, as the runtime makes one call per bucket)
-    block_mb = layer_rank_params(model, 0, tp, 1)[0] * 4 / 2**20
+    block_mb = layer_rank_params(model, 0, tp, ExpertSplit())[0] * 4 / 2**20
     layout = Layout(tp=tp, cp=cp, pp=pp, dp=dp, zero=2, sp_mode="megatron", vpp=4, schedule="interleaved",
                     partition="llama3", order="tp-cp-ep-pp-dp", bucket_mb=block_mb, reduce_each_microbatch=reduce_each_microbatch)
     return estimate(model, layout, Workload(seq=seq, global_batch=gb), TOPOLOGIES["llama3"], gpus)

@@ -13,7 +13,7 @@ from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import Layout, Workload, check, from_config, microbatches
 from fivefold.plan.activations import layer_acts, stage_activations
 from fivefold.plan.memory import stage_memory
-from fivefold.plan.units import layer_rank_params
+from fivefold.plan.units import ExpertSplit, layer_rank_params
 from fivefold.plan.models import PRESETS
 from fivefold.plan.time import (MERGE_GROUPS, bucket_groups, chunk_first_use, chunk_ready, ep_exposed,
                                 fp8_cast_seconds, gather_delay, grad_streams, reduction_end, stage_flops,
@@ -173,7 +173,7 @@ def test_llama3_405b_reduction_hides_in_the_drain():
     and reduce-scattered in FP32. Launched as the last backwards make buckets final, the reduction of a
     stage hides in the drain behind it; launched after the schedule it is stage 0's whole reduction."""
     model = PRESETS["llama3-405b"]
-    block_mb = layer_rank_params(model, 0, 8, 1)[0] * 4 / 2**20
+    block_mb = layer_rank_params(model, 0, 8, ExpertSplit())[0] * 4 / 2**20
     lay = Layout(tp=8, pp=16, dp=128, zero=2, sp_mode="megatron", vpp=4, schedule="interleaved",
                  partition="llama3", order="tp-cp-ep-pp-dp", bucket_mb=block_mb)
     w = Workload(seq=8192, global_batch=2048)

@@ -103,7 +103,7 @@ def test_every_preset_is_searched_at_16384_gpus(model, capsys):
 
 
 def _structure(lay):
-    return lay.tp, lay.pp, lay.cp, lay.cp_mode, lay.ep, lay.dp
+    return lay.tp, lay.pp, lay.cp, lay.cp_mode, lay.ep, lay.dp, lay.etp
 
 
 # Smaller MoE-shaped models for the exhaustive side (which times every layout): the presets' layers,

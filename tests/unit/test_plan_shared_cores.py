@@ -18,7 +18,7 @@ from tests.support.tiny import tiny_config
 
 
 def _structure(lay):
-    return lay.tp, lay.pp, lay.cp, lay.cp_mode, lay.ep, lay.dp
+    return lay.tp, lay.pp, lay.cp, lay.cp_mode, lay.ep, lay.dp, lay.etp
 
 
 def _topo(share: float = 1.0, size: int = 4, latency_us: float = 1000):

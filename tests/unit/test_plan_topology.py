@@ -75,7 +75,7 @@ def test_the_estimate_finds_the_crossing_duty_between_its_bounds():
     model = from_model_config(ModelConfig(vocab=1024, hidden=256, layers=4, heads=4, kv_heads=2, ffn=512,
                                           max_seq=512, experts=4, top_k=2))
     work = Workload(seq=512, global_batch=16, dtype="fp32")
-    lay = Layout(tp=2, pp=2, dp=2, ep=2, micro_batch=2, order="tp-cp-pp-ep-dp")
+    lay = Layout(tp=2, pp=2, dp=2, ep=2, etp=2, micro_batch=2, order="tp-cp-pp-ep-dp")   # experts cut over tp, ep over dp
     e = estimate(model, lay, work, fabric)
     crossing = crossing_seconds(e.flows_by_stage, lay, fabric)
     assert list(crossing) == [2] and 0.0 < crossing[2] < e.time.step_time_s

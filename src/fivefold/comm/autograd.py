@@ -40,7 +40,10 @@ inputs with an all-to-all, whose conjugate is the reverse all-to-all:
 
 Each sends (N-1)/N of its input (`volume.all_to_all`). Expert parallelism's dispatch and combine move
 token rows with uneven splits: `all_to_all_rows(x, group, send, recv)` sends send[j] rows to rank j and
-receives recv[j] from it; its backward is the same exchange with the splits swapped. Heads are dimension 1 and the sequence
+receives recv[j] from it; its backward is the same exchange with the splits swapped. Expert tensor
+parallelism gathers each etp rank's routed rows on every etp rank (`gather_rows_uneven`) and sums the
+partial outputs back into their owners' rows (`reduce_scatter_rows_uneven`), a conjugate pair over
+uneven row counts, each one all-to-all. Heads are dimension 1 and the sequence
 dimension 2 of a (b, n, s, d) tensor; rank r's tokens land at [r·s/N, (r+1)·s/N) of the gathered
 sequence and rank r keeps heads [r·n/N, (r+1)·n/N).
 """
@@ -316,6 +319,57 @@ class AllToAllRows(torch.autograd.Function):
 
 def all_to_all_rows(x_md: torch.Tensor, group: Group, send: list[int], recv: list[int]) -> torch.Tensor:
     return x_md if group.size == 1 else AllToAllRows.apply(x_md, group, send, recv)
+
+
+def _gather_uneven(x_md: torch.Tensor, group: Group, rows: list[int]) -> torch.Tensor:
+    """Every rank's rows, rank-major (rank t sent rows[t]); `x_md` goes to each rank once, through one
+    all-to-all of n copies (the n·m-row send buffer is the bound: uneven all-gathers need no padding)."""
+    return _rows(x_md.repeat(group.size, *([1] * (x_md.dim() - 1))), group, [x_md.shape[0]] * group.size, rows)
+
+
+def _reduce_scatter_uneven(y_md: torch.Tensor, group: Group, rows: list[int]) -> torch.Tensor:
+    """Rank-major rows (rows[t] of them for rank t) summed over the group into this rank's own rows:
+    rank t's block goes to rank t (one all-to-all), which adds the n partial blocks it receives."""
+    mine = rows[group.rank]
+    return _rows(y_md, group, rows, [mine] * group.size).view(group.size, mine, *y_md.shape[1:]).sum(0)
+
+
+class GatherRowsUneven(torch.autograd.Function):
+    """Expert tensor parallelism's entry: each etp rank's routed rows gathered on every etp rank (rank
+    t's rows[t] rows at their rank-major place); backward sums each rank's gradient rows over the group
+    back to their owner (a reduce-scatter). Each way sends (n-1)/n of an n·m-row all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x_md, group: Group, rows: list[int]):
+        ctx.group, ctx.rows = group, rows
+        return _gather_uneven(x_md, group, rows)
+
+    @staticmethod
+    def backward(ctx, grad_md):
+        return _reduce_scatter_uneven(grad_md, ctx.group, ctx.rows), None, None
+
+
+class ReduceScatterRowsUneven(torch.autograd.Function):
+    """Expert tensor parallelism's exit: the partial outputs of every etp rank's rows (each rank computed
+    its slice of the expert width) summed into their owner's rows; backward gathers the owners'
+    gradients to every rank again."""
+
+    @staticmethod
+    def forward(ctx, y_md, group: Group, rows: list[int]):
+        ctx.group, ctx.rows = group, rows
+        return _reduce_scatter_uneven(y_md, group, rows)
+
+    @staticmethod
+    def backward(ctx, grad_md):
+        return _gather_uneven(grad_md, ctx.group, ctx.rows), None, None
+
+
+def gather_rows_uneven(x_md: torch.Tensor, group: Group, rows: list[int]) -> torch.Tensor:
+    return x_md if group.size == 1 else GatherRowsUneven.apply(x_md, group, rows)
+
+
+def reduce_scatter_rows_uneven(y_md: torch.Tensor, group: Group, rows: list[int]) -> torch.Tensor:
+    return y_md if group.size == 1 else ReduceScatterRowsUneven.apply(y_md, group, rows)
 
 
 E4M3_MAX = 448.0   # the largest float8 e4m3 value

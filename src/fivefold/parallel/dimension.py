@@ -100,38 +100,48 @@ class Dimension:
 
 
 class ShardedState(Dimension):
-    """Checkpoint state for a dimension that shards parameters over one group (tp, ep): full
-    single-process tensors gathered from the pieces its ranks hold, and pieces split back out of them.
-    A subclass sets `self.group` and `self.shards` (parameter name -> its `Shard` over that group, None
-    if whole)."""
+    """Checkpoint state for a dimension that shards parameters over its groups (tp; the experts' ep and
+    etp): full single-process tensors gathered from the pieces its ranks hold, and pieces split back out
+    of them. A subclass sets `self.group` and `self.shards` (parameter name -> its `Shard` over that
+    group, None if whole), or overrides `_sharded` to list several (group, shards) pairs, innermost
+    split first."""
+
+    def _sharded(self) -> list:
+        return [(self.group, self.shards)]
 
     def gather_state(self, state: dict) -> dict:
         """A state full over the dimensions applied before (pieces over this one) made full here too."""
-        return {k: self._gather(v) if isinstance(v, dict) else v for k, v in state.items()}
+        for group, shards in self._sharded():
+            state = {k: self._gather(v, group, shards) if isinstance(v, dict) else v for k, v in state.items()}
+        return state
 
     def split_state(self, state: dict) -> dict:
-        return {k: self._split(v) if isinstance(v, dict) else v for k, v in state.items()}
+        for group, shards in reversed(self._sharded()):
+            state = {k: self._split(v, group, shards) if isinstance(v, dict) else v for k, v in state.items()}
+        return state
 
-    def _gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _gather(tensors: dict[str, torch.Tensor], group, shards: dict) -> dict[str, torch.Tensor]:
         """Full tensors from this rank's pieces (all-gather over the group, dim "checkpoint")."""
         from .. import comm
 
         out = {}
         for name, t in tensors.items():
-            shard = self.shards.get(name)
+            shard = shards.get(name)
             if shard is None or shard.dim is None:
                 out[name] = t.clone()
                 continue
             t = t.contiguous()
-            n = self.group.size
+            n = group.size
             flat = torch.empty((n * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            comm.all_gather(flat, t, self.group, dim="checkpoint")
+            comm.all_gather(flat, t, group, dim="checkpoint")
             out[name] = shard.assemble(flat.view((n,) + tuple(t.shape)))
         return out
 
-    def _split(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _split(tensors: dict[str, torch.Tensor], group, shards: dict) -> dict[str, torch.Tensor]:
         """This rank's pieces of full single-process tensors."""
         def piece(name, t):
-            shard = self.shards.get(name)
-            return t.clone() if shard is None else shard.piece(t, self.group.rank, self.group.size)
+            shard = shards.get(name)
+            return t.clone() if shard is None else shard.piece(t, group.rank, group.size)
         return {name: piece(name, t) for name, t in tensors.items()}

@@ -1,7 +1,7 @@
 """One seam for every parallelism: each dimension is an object with the same small interface, and
 `parallelize` applies them to the full seeded model in one documented order.
 
-    tp → cp → ep → pp        (as torchtitan's parallelize_llama: apply_tp → apply_cp → ... → apply_fsdp)
+    tp → cp → ep (the routed experts' ep and etp pieces) → pp        (as torchtitan's parallelize_llama: apply_tp → apply_cp → ... → apply_fsdp)
 
 then the gradient engine (DDP or ZeRO, data.py / zero.py) wraps whatever parameters this rank holds,
 partitioned by each parameter's `placement.reduce` group. Each dimension shards what it owns in place
@@ -17,9 +17,10 @@ State flows out through the dimensions in the order they were applied (each wide
 gathering its own pieces: tp gathers the tp pieces of this stage's tensors, then pp gathers the stages)
 and back in the reverse order. Context parallelism (context.py) swaps each attention core for the
 Ulysses / ring / hybrid one, writes `reduce="dp_cp"` on the dense parameters, slices each micro-batch
-along the sequence and hands the model its position ids. Expert parallelism (expert.py) comes after it:
-it keeps this rank's experts of every MoE layer, writes `reduce="edp"` plus an "ep" `Shard` on their
-weights, and its all-to-all dispatcher reaches the layers through `configure_moe`; the MoE
+along the sequence and hands the model its position ids. Expert parallelism (expert.py) comes after it, whenever
+ep or etp > 1 (rules.experts_on_expert_grid): it keeps this rank's piece of the routed experts of every
+MoE layer (E/ep experts, 1/etp of each one's width), writes `reduce="edp"` plus "ep" and "etp" `Shard`s on
+their weights, and its all-to-all dispatcher reaches the layers through `configure_moe`; the MoE
 load-balance loss goes through `model.aux`.
 """
 from __future__ import annotations
@@ -51,11 +52,12 @@ def parallelize(model: nn.Module, mesh, cfg: Config, dry: bool = False) -> tuple
     p, t = cfg.parallel, cfg.train
     dims = []
     if p.tp > 1:
-        dims.append(TensorParallelism(mesh, p.sp_mode == "megatron", t.seed, rules.overlaps_tp_input(p.pp, p.schedule, p.tp_overlap)))
+        dims.append(TensorParallelism(mesh, p.sp_mode == "megatron", t.seed, rules.overlaps_tp_input(p.pp, p.schedule, p.tp_overlap),
+                                      experts_folded=rules.experts_on_expert_grid(p.ep, p.etp)))
     if p.cp > 1:
         dims.append(ContextParallelism(mesh, cfg))
-    if p.ep > 1:
-        dims.append(ExpertParallelism(mesh, cfg))
+    if cfg.model.experts and rules.experts_on_expert_grid(p.ep, p.etp):
+        dims.append(ExpertParallelism(mesh, cfg))   # the routed experts' own mapping (MoE parallel folding)
     if p.pp > 1:
         dims.append(PipelineParallelism(mesh, cfg))
     for d in dims:
@@ -80,7 +82,8 @@ def configure_moe(model: nn.Module, mesh, cfg: Config, dry: bool = False) -> Non
     group = rules.moe_sequence_group(p.tp, p.sp_mode, p.cp)
     parts = None if group is None else mesh[group]
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        moe.configure(dispatcher=dispatcher(mesh["ep"] if p.ep > 1 else None, moe.n_experts, p.fp8_dispatch, dry),
+        moe.configure(dispatcher=dispatcher(mesh["ep"] if p.ep > 1 else None, moe.n_experts, p.fp8_dispatch, dry,
+                                            mesh["etp"] if p.etp > 1 else None),
                       rows=moe_rows(mesh["tp"]) if rules.moe_splits_rows(p.tp, p.sp_mode) else None,
                       sum_sequence_parts=None if parts is None else partial(sum_across, group=parts),
                       sequence_parts=rules.moe_sequence_parts(p.tp, p.sp_mode, p.cp),

@@ -275,16 +275,17 @@ class TensorParallelism(ShardedState):
 
     name = "tp"
 
-    def __init__(self, mesh, sequence_parallel: bool, seed: int, overlap: bool = True):
+    def __init__(self, mesh, sequence_parallel: bool, seed: int, overlap: bool = True, experts_folded: bool = False):
         self.mesh, self.group, self.sequence_parallel, self.seed = mesh, mesh["tp"], sequence_parallel, seed
-        self.overlap = overlap
+        self.overlap, self.experts_folded = overlap, experts_folded   # folded: the expert grid places the experts
         self.shards: dict[str, Shard] = {}
 
     def apply(self, model: Transformer) -> Transformer:
         self.vocab, self.vocab_start = model.cfg.vocab, parallelize(
             model, self.group, self.sequence_parallel,
             dropout_generator(self.seed, self.mesh.coords, self.sequence_parallel),
-            self.mesh.groups.get("tp_kv"), self.overlap)   # tp_kv: made by the mesh when tp > kv_heads
+            self.mesh.groups.get("tp_kv"), self.overlap,   # tp_kv: made by the mesh when tp > kv_heads
+            self.experts_folded)
         self.shards = {name: placement_of(p).shard("tp") for name, p in model.named_parameters(remove_duplicate=False)}
         return model
 
@@ -306,7 +307,7 @@ def _shard(param: nn.Parameter, shard: Shard, group: Group, partial: str | None 
 @torch.no_grad()
 def parallelize(model: Transformer, group: Group, sequence_parallel: bool = False,
                 generator: torch.Generator | None = None, kv_group: Group | None = None,
-                overlap: bool = False) -> int:
+                overlap: bool = False, experts_folded: bool = False) -> int:
     """Replace `model`'s layers in place by this rank's tensor-parallel shards (names unchanged), write
     every parameter's placement (placement.py), and return this rank's first vocabulary row.
 
@@ -345,7 +346,7 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
         if isinstance(mlp, MoE):
-            replicated_moe(mlp, group, sp)
+            replicated_moe(mlp, group, sp, routed=not experts_folded)
             mlp = None
         if isinstance(attn, LatentAttention):
             latent_attention(attn, cfg, group, sp, column, row, replicated)
@@ -408,21 +409,23 @@ def latent_attention(attn: LatentAttention, cfg, group: Group, sp: bool, column,
     attn.enter_latent = ParallelLatents(group, sp)
 
 
-def replicated_moe(moe: MoE, group: Group, sequence_parallel: bool) -> None:
-    """A mixture-of-experts layer under tensor parallelism (EP x TP, the group-wise dispatch of
-    Megatron-Core): its weights stay whole on every tp rank, and each rank routes and dispatches only its
-    own tokens, so no token crosses the expert-parallel all-to-all twice. Without sequence parallelism
-    the input is replicated: each rank takes its 1/n of the micro-batch's sequences (ScatterRows) and
-    the outputs are all-gathered back inside tp (GatherRows: forward b·s·h·(n-1)/n bytes, and the same
-    for the input gradient in backward). With sequence parallelism the input is already this rank's
-    1/n of every sequence; the per-sequence balance statistics are then summed over tp (and cp).
-    Every weight's gradient is partial (its rank saw its own tokens): summed over tp once a step.
-    Here only the weights are placed; the layer learns the row split (`moe_rows`) and the sequence
-    group from parallelize.configure_moe's one `MoE.configure` call (rules.moe_splits_rows,
-    rules.moe_sequence_group)."""
+def replicated_moe(moe: MoE, group: Group, sequence_parallel: bool, routed: bool = True) -> None:
+    """A mixture-of-experts layer under tensor parallelism: each tp rank routes and dispatches only its
+    own tokens, so no token crosses the expert all-to-all twice. Without sequence parallelism the input
+    is replicated: each rank takes its 1/n of the micro-batch's sequences (ScatterRows) and the outputs
+    are all-gathered back inside tp (GatherRows: forward b·s·h·(n-1)/n bytes, and the same for the input
+    gradient in backward). With sequence parallelism the input is already this rank's 1/n of every
+    sequence; the per-sequence balance statistics are then summed over tp (and cp).
+    The router and the shared experts follow the dense mapping: whole on every tp rank, their gradients
+    partial (each rank saw its own tokens), summed over tp once a step; so do the routed experts when
+    `routed` (ep = etp = 1). Otherwise they follow the expert grid (expert.py ExpertParallelism: ep and etp
+    pieces over the same ranks, MoE parallel folding) and are not placed here. The layer learns the row split (`moe_rows`) and the sequence group from
+    parallelize.configure_moe's one `MoE.configure` call (rules.moe_splits_rows, rules.moe_sequence_group)."""
+    elsewhere = set() if routed else {id(p) for p in moe.experts.parameters()}
     for p in moe.parameters():
-        add_shard(p, Shard("tp", None, replicas=group.size))
-        place(p, partial="tp", counted=group.rank == 0)
+        if id(p) not in elsewhere:
+            add_shard(p, Shard("tp", None, replicas=group.size))
+            place(p, partial="tp", counted=group.rank == 0)
 
 
 def moe_rows(group: Group) -> tuple[nn.Module, nn.Module]:

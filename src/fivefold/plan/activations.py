@@ -91,7 +91,8 @@ class LayerActs:
         return rep + self.sharded / tp + (self.scores / tp if with_scores else 0.0)
 
 
-def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1, recompute_norm_mla: bool = False) -> LayerActs:
+def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1, recompute_norm_mla: bool = False,
+               etp: int = 1) -> LayerActs:
     """Korthikanti et al. 2022 §4.1, term by term, per token of one layer (bytes).
 
     Attention: norm input, QKV input (replicated); Q, K, V, output-projection input (sharded); softmax
@@ -113,6 +114,8 @@ def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1, recompute_
     `recompute_norm_mla` (DeepSeek-V3 §3.4): the norms' outputs (QKV and MLP inputs) and MLA's
     up-projections are recomputed in the backward, so a layer keeps the norms' inputs and MLA only its
     latents c_q, c_kv and the shared RoPE key k_pe (q_lora_rank + kv_lora_rank + qk_rope_dim), not Q, K, V.
+    Expert tensor parallelism (`etp`): each etp rank keeps the rows of all etp ranks as its expert slices'
+    input (etp times the routed rows, each 1/etp of the width: the SwiGLU internals per token are unchanged).
     """
     e, h = work.act_bytes, model.hidden
     fp8 = work.fp8_act_cache
@@ -153,7 +156,7 @@ def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1, recompute_
         acts.sharded += (n_act * e + c) * model.ffn                 # activation inputs; down-projection input
         return acts
     k = routed_per_token(model, work)
-    acts.sharded += 2 * 4 * model.experts + k * c * h               # router logits+probs, expert inputs
+    acts.sharded += 2 * 4 * model.experts + k * c * h * etp         # router logits+probs, expert inputs
     per_expert = n_act * 1 if fp8 else (n_act + 1) * e              # FP8: activation output recomputed
     acts.sharded += (k + model.shared_experts) * per_expert * model.moe_ffn
     return acts
@@ -188,7 +191,7 @@ def rank_tokens(layout: Layout, work: Workload) -> float:
 
 @lru_cache(maxsize=16384)
 def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_scores: bool, pp: int, vpp: int,
-                     partition: str, light: bool = False, head_first: bool = False) -> tuple:
+                     partition: str, light: bool = False, head_first: bool = False, etp: int = 1) -> tuple:
     """Per stage: (sum, max) over its blocks (its layers, and the MTP modules' on the last; with
     `head_first` the layers only: `_stage_activations` counts the MTP modules once) of stored activation
     bytes per token on one rank."""
@@ -203,7 +206,7 @@ def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
                 continue
             key = model.is_moe_layer(i)
             if key not in per_layer:
-                per_layer[key] = layer_acts(model, i, work, tp, light).per_rank(tp, sp, with_scores)
+                per_layer[key] = layer_acts(model, i, work, tp, light, etp).per_rank(tp, sp, with_scores)
             vals.append(per_layer[key])
         rows.append((sum(vals), max(vals, default=0.0)))
     return tuple(rows)
@@ -211,7 +214,7 @@ def _stage_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
 
 @lru_cache(maxsize=16384)
 def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_scores: bool, pp: int, vpp: int,
-                     partition: str, light: bool, full: bool) -> tuple:
+                     partition: str, light: bool, full: bool, etp: int = 1) -> tuple:
     """Per stage, per local chunk: stored activation bytes per token on one rank for one micro-batch (its
     layers' `layer_acts`, or under full recompute each layer's input; the embedding's output on global
     chunk 0, the final norm's and head's inputs and the fp32 logits on the last)."""
@@ -228,7 +231,7 @@ def _chunk_act_table(model: PlanModel, work: Workload, tp: int, sp: bool, with_s
             if full:
                 w = len(layers) * e * h / split
             else:
-                w = sum(layer_acts(model, i, work, tp, light).per_rank(tp, sp, with_scores) for i in layers)
+                w = sum(layer_acts(model, i, work, tp, light, etp).per_rank(tp, sp, with_scores) for i in layers)
             if q == 0:
                 w += e * h / split
             if q == pp * vpp - 1:
@@ -267,10 +270,11 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
     split = L.tp if L.seq_parallel else 1
     with_scores = not work.flash and L.recompute == "none"
     total_pt, max_pt = _stage_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp,
-                                        L.partition, L.recompute_norm_mla and L.recompute != "full", head_first)[stage]
+                                        L.partition, L.recompute_norm_mla and L.recompute != "full", head_first,
+                                        L.etp)[stage]
     if L.interleaved:   # chunks may differ: walk the schedule
         chunks = _chunk_act_table(model, work, L.tp, L.seq_parallel, with_scores, L.pp, L.vpp, L.partition,
-                                  L.recompute_norm_mla and L.recompute != "full", L.recompute == "full")[stage]
+                                  L.recompute_norm_mla and L.recompute != "full", L.recompute == "full", L.etp)[stage]
         return interleaved_peak(L.pp, stage, m, L.vpp, L.microbatch_group, chunks) * T + (max_pt * T if
                                                                                         L.recompute == "full" else 0.0)
     vocab = padded_vocab(model.vocab, L.tp) / L.tp
@@ -282,7 +286,7 @@ def _stage_activations(model, work, tp, sp_mode, cp, pp, dp, vpp, schedule, micr
         # last stage, one micro-batch's head and MTP activations are alive at a time, not the first stage's
         # micro-batches in flight
         light_on = L.recompute_norm_mla and L.recompute != "full"
-        once = head + T * sum(layer_acts(model, i, work, L.tp, light_on).per_rank(L.tp, L.seq_parallel, with_scores)
+        once = head + T * sum(layer_acts(model, i, work, L.tp, light_on, L.etp).per_rank(L.tp, L.seq_parallel, with_scores)
                               for i in mtp_blocks(model, L.pp, stage, head_first))
         head = 0.0
     if L.recompute == "full":

@@ -30,7 +30,7 @@ from ..shapes import padded, padded_vocab, shard_size
 from .activations import hidden_tensor_bytes, rank_tokens, routed_per_token
 from .layout import Layout, Workload, microbatches
 from .models import PlanModel
-from .units import block_rank_params, head_stage, held_root, is_frozen, layout_blocks, root_tensors, stage_params, zero_units
+from .units import ExpertSplit, block_rank_params, head_stage, held_root, is_frozen, layout_blocks, root_tensors, stage_params, zero_units
 
 
 # -- ZeRO's buffers during a step ---------------------------------------------------------------------
@@ -67,14 +67,14 @@ def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tup
     """ZeRO-3's gather slots on one rank of `stage` (parallel/zero_unit.py `block_slots`): the root
     (every parameter outside the blocks: embedding on the first stage, final norm and untied head on the
     last), then each block (the MTP modules' last, `units.mtp_blocks`), each slot's units as (elements,
-    group size): dense over dp·cp, routed experts over dp·cp/ep. Every unit is a flat buffer padded to a
+    group size): dense over dp·cp, routed experts over edp. Every unit is a flat buffer padded to a
     multiple of its group size."""
     L = layout
     n_dense, n_expert = L.dp * L.cp, L.edp
     root = sum(n for n, _ in root_tensors(model, L.tp, L.pp, stage, L.head_first))
     slots = [((root, n_dense),) if root else ()]
     for i in layout_blocks(model, L, stage):
-        dense, expert = block_rank_params(model, i, L.tp, L.ep)
+        dense, expert = block_rank_params(model, i, L.tp, ExpertSplit.of(L))
         slots.append(tuple(u for u in ((dense, n_dense), (expert, n_expert)) if u[0]))
     return tuple(slots)
 
@@ -272,7 +272,7 @@ def zero_at_edge(model: PlanModel, layout: Layout, work: Workload, stage: int) -
 def _buffer_key(layout: Layout) -> Layout:
     """The layout fields ZeRO-3's buffers depend on (a smaller cache key)."""
     L = layout
-    return Layout(tp=L.tp, pp=L.pp, dp=L.dp, cp=L.cp, ep=L.ep, zero=L.zero, vpp=L.vpp, partition=L.partition,
+    return Layout(tp=L.tp, pp=L.pp, dp=L.dp, cp=L.cp, ep=L.ep, etp=L.etp, zero=L.zero, vpp=L.vpp, partition=L.partition,
                   reshard_after_forward=L.reshard_after_forward, reduce_each_microbatch=L.reduce_each_microbatch,
                   head_first=L.head_first, zero_prefetch=L.zero_prefetch)
 
@@ -281,7 +281,7 @@ def _buffer_key(layout: Layout) -> Layout:
 def offload_units(model: PlanModel, layout: Layout, work: Workload, stage: int) -> tuple[tuple[int, int], ...]:
     """(elements, group size n) of every ZeRO unit one rank of `stage` holds: the units the runtime's ZeRO
     engine builds and the offload engine copies one by one (dense over dp·cp, routed experts over
-    dp·cp/ep; `zero_units`), with a group of one rank too (ZeRO at dp = 1 still makes its units)."""
+    edp; `zero_units`), with a group of one rank too (ZeRO at dp = 1 still makes its units)."""
     L = layout
     _, expert = stage_params(model, L, stage)
     units = [(u, L.dp * L.cp) for u in zero_units(model, L, work.grad_bytes, stage)]
@@ -388,8 +388,9 @@ def backward_scratch(model: PlanModel, layout: Layout, work: Workload, stage: in
       product, and the input's fp32 copy unless activations are fp32 (e + 8 or e + 12 bytes per element);
     - the SwiGLU backward (`_SiluMul`): its incoming gradient and three temporaries, ffn-wide
       (`mlp_width_per_token`);
-    - an MoE layer's backward: three dispatch-sized buffers (top_k · capacity rows of hidden per token:
-      the combine's gradient, the experts' input gradients and their concatenation);
+    - an MoE layer's backward: three dispatch-sized buffers (top_k · capacity rows of hidden per token,
+      etp times that with expert tensor parallelism, whose ranks gather each other's rows: the combine's
+      gradient, the experts' input gradients and their concatenation);
     - a layer weight's whole gradient before it is accumulated (`largest_layer_weight`).
     With ZeRO-2/3 `zero_buffers` comes on top (`stage_memory`); the embedding's and head's backward are
     `edge_scratch`, the loss's `loss_scratch`: moments of their own, with ZeRO's buffers of that moment."""
@@ -399,7 +400,7 @@ def backward_scratch(model: PlanModel, layout: Layout, work: Workload, stage: in
     fp32 = 8 + (4 if e != 4 else 0)
     norm = hidden * (1 + fp32 / e)                 # its incoming gradient and the fp32 set
     mlp = 4 * e * T * mlp_width_per_token(model, work, layout.tp)
-    dispatch = 3 * e * T * routed_per_token(model, work) * model.hidden / layout.tp if model.moe else 0.0
+    dispatch = 3 * e * T * routed_per_token(model, work) * model.hidden * layout.etp / layout.tp if model.moe else 0.0
     weight_grad = work.param_bytes * largest_layer_weight(model, layout)
     return receives + hidden + max(norm, mlp, dispatch, weight_grad)
 
@@ -408,11 +409,11 @@ def largest_layer_weight(model: PlanModel, layout: Layout) -> float:
     """Elements of a layer's largest weight gradient on one rank before the engine adds it to the
     gradient buffer: autograd makes it whole, in the weights' dtype (a matrix); the routed experts'
     three weights each come per expert, then the experts' unbind stacks them, so at the stack of the
-    last one its E/ep experts' three matrices and the stacked result are alive (4 · E/ep · f · h)."""
+    last one its E/ep experts' three matrices and the stacked result are alive (4 · E/ep · f/etp · h)."""
     tp, h = layout.tp, model.hidden
     out = [h * model.ffn / tp, h * model.q_width / tp]
     if model.moe:
-        out.append(4 * h * model.moe_ffn * model.experts / layout.ep)
+        out.append(4 * h * model.moe_ffn * model.experts / (layout.ep * layout.etp))
     return max(out)
 
 

@@ -29,10 +29,12 @@ def gemm_seconds(m: float, n: float, k: float, rate: float, hbm: float, nbytes: 
     return max(2.0 * m * n * k / rate, nbytes * (m * k + k * n + m * n) / hbm) + kernel
 
 
-def layer_gemms(model: PlanModel, moe: bool, tokens: float, tp: int, ep: int) -> list[tuple[float, float, float]]:
+def layer_gemms(model: PlanModel, moe: bool, tokens: float, tp: int, ep: int, etp: int = 1) -> list[tuple[float, float, float]]:
     """(M, N, K) of one tensor-parallel rank's forward GEMMs in one layer for `tokens` tokens of its group
     (a micro-batch's tokens on the cp rank): column-parallel projections split N over tp, row-parallel
-    outputs split K. Routed experts: E/ep experts per rank, each fed ep·tokens·top_k/E rows."""
+    outputs split K. Routed experts (the expert grid, parallel/expert.py): E/ep experts per rank, each fed
+    the rows its ep sources route to it from their tokens/tp each, gathered over etp (ep·etp·tokens/tp·top_k/E
+    rows), 1/etp of its width."""
     h = model.hidden
     out = []
     if model.mla:
@@ -52,20 +54,20 @@ def layer_gemms(model: PlanModel, moe: bool, tokens: float, tp: int, ep: int) ->
     if model.shared_experts:
         width = model.shared_experts * model.moe_ffn / tp
         out += [(tokens, mats * width, h), (tokens, h, width)]
-    rows = ep * tokens * model.top_k / model.experts
+    rows = ep * etp * tokens / tp * model.top_k / model.experts
     per_rank = model.experts // ep
-    return out + [(rows, mats * model.moe_ffn / tp, h)] * per_rank + [(rows, h, model.moe_ffn / tp)] * per_rank
+    return out + [(rows, mats * model.moe_ffn / etp, h)] * per_rank + [(rows, h, model.moe_ffn / etp)] * per_rank
 
 
 @lru_cache(maxsize=65536)
 def gemm_factor(model: PlanModel, kind: str, tokens: float, tp: int, ep: int, rate: float, hbm: float,
-                nbytes: float, kernel: float) -> float:
+                nbytes: float, kernel: float, etp: int = 1) -> float:
     """Roofline-and-floor time over flat time, Σ gemm_seconds / Σ 2·M·N·K/rate, of one layer's GEMMs
     ("dense" or "moe") or the LM head ("head": M = tokens, N = vocab/tp, K = hidden)."""
     if kind == "head":
         shapes = [(tokens, model.vocab / tp, model.hidden)]
     else:
-        shapes = layer_gemms(model, kind == "moe", tokens, tp, ep)
+        shapes = layer_gemms(model, kind == "moe", tokens, tp, ep, etp)
     flat = sum(2.0 * m * n * k for m, n, k in shapes) / rate
     if flat <= 0:
         return 1.0
@@ -87,7 +89,8 @@ def linear_rate(acc, work) -> float:
 
 
 @lru_cache(maxsize=16384)
-def fp8_cast_elements(model: PlanModel, moe: bool, tokens: float, tp: int, ep: int) -> tuple[float, float, float]:
+def fp8_cast_elements(model: PlanModel, moe: bool, tokens: float, tp: int, ep: int,
+                      etp: int = 1) -> tuple[float, float, float]:
     """What FP8 quantizes in one layer's linear GEMMs for `tokens` rows (`layer_gemms`), in elements:
     (forward inputs Σ M·K, output gradients Σ M·N, weights Σ K·N). Transformer Engine's recipe (per-tensor
     scaling, Micikevicius et al. 2022, "FP8 Formats for Deep Learning"; TE's cast_transpose): in the forward
@@ -95,12 +98,12 @@ def fp8_cast_elements(model: PlanModel, moe: bool, tokens: float, tp: int, ep: i
     and transposed for the weight gradient's; in the backward each output gradient likewise; each weight
     once a step (TE keeps its FP8 copy for the step's later micro-batches). The per-tensor amax is a
     reduction over what the cast reads anyway."""
-    shapes = layer_gemms(model, moe, tokens, tp, ep)
+    shapes = layer_gemms(model, moe, tokens, tp, ep, etp)
     return (sum(m * k for m, _, k in shapes), sum(m * n for m, n, _ in shapes), sum(k * n for _, n, k in shapes))
 
 
 def linear_seconds(model: PlanModel, work, acc, rows: float, tp: int, ep: int, dense: float, moe: float,
-                   head: float) -> tuple[float, float]:
+                   head: float, etp: int = 1) -> tuple[float, float]:
     """(linear layers, LM head) seconds of `dense`, `moe` and `head` forward FLOPs on one rank whose GEMMs
     have `rows` rows (a micro-batch's tokens on its cp rank): flat at `linear_rate` (the FP8 rate for the
     layers with `fp8_gemm`; the LM head stays in the model's dtype), times `gemm_factor` of each kind when
@@ -112,6 +115,6 @@ def linear_seconds(model: PlanModel, work, acc, rows: float, tp: int, ep: int, d
     b_mm = 1 if work.fp8_gemm else work.act_bytes
     hbm, kernel = acc.hbm_bandwidth, acc.gemm_kernel
     layers = dense / rate_mm * (gemm_factor(model, "dense", rows, tp, ep, rate_mm, hbm, b_mm, kernel) if dense else 1)
-    layers += moe / rate_mm * (gemm_factor(model, "moe", rows, tp, ep, rate_mm, hbm, b_mm, kernel) if moe else 1)
+    layers += moe / rate_mm * (gemm_factor(model, "moe", rows, tp, ep, rate_mm, hbm, b_mm, kernel, etp) if moe else 1)
     return layers, head / rate * (gemm_factor(model, "head", rows, tp, ep, rate, hbm, work.act_bytes, kernel)
                                   if head else 1)

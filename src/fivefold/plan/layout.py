@@ -57,6 +57,7 @@ class Layout:
     ep: int = 1
     zero: ZeroStage = 0
     sp_mode: SpMode = "none"       # "megatron": Megatron sequence parallelism (with tp > 1)
+    etp: int = 1                   # expert tensor parallelism: ranks splitting each routed expert's width
     cp_mode: CpMode = "ring"       # how cp > 1 splits attention: ulysses | ring | hybrid
     ulysses: int = 0               # hybrid: Ulysses degree of the inner ranks (0: the largest possible)
     vpp: int = 1
@@ -96,8 +97,14 @@ class Layout:
 
     @property
     def edp(self) -> int:
-        """Expert data-parallel degree: experts are sharded over ep ranks carved out of dp·cp."""
-        return self.dp * self.cp // self.ep
+        """Expert data-parallel degree: the experts' etp × ep × edp grid folds over tp·cp·dp (grid.py)."""
+        return rules.expert_data_parallel(self.tp, self.cp, self.dp, self.ep, self.etp)
+
+    @property
+    def experts_folded(self) -> bool:
+        """Whether the routed experts are on the expert grid (rules.experts_on_expert_grid: ep or etp > 1):
+        their own units and gradients over edp; else they are dense weights."""
+        return rules.experts_on_expert_grid(self.ep, self.etp)
 
     @property
     def seq_parallel(self) -> bool:
@@ -116,6 +123,8 @@ class Layout:
             parts.append(f"cp{self.cp}{'' if self.cp_mode == 'ring' else self.cp_mode[0]}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
         parts.append(f"z{self.zero}")
         if self.seq_parallel:
             parts.append("sp")
@@ -149,7 +158,7 @@ class Layout:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep, "zero": self.zero,
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep, "etp": self.etp, "zero": self.zero,
                 "sp_mode": self.sp_mode, "cp_mode": self.cp_mode, "vpp": self.vpp, "micro_batch": self.micro_batch,
                 "schedule": self.schedule, "recompute": self.recompute, "order": self.order,
                 "partition": self.partition, "bucket_mb": self.bucket_mb,
@@ -282,7 +291,7 @@ def _copy(key: str) -> Source:
 # no row here, or a `ParallelConfig` field is neither read here nor placed in PARALLEL_ELSEWHERE.
 LAYOUT_SOURCES: dict[str, Source] = {
     **{name: _copy(f"parallel.{name}") for name in (
-        "tp", "pp", "dp", "cp", "ep", "zero", "sp_mode", "cp_mode", "ulysses", "vpp", "schedule", "order",
+        "tp", "pp", "dp", "cp", "ep", "etp", "zero", "sp_mode", "cp_mode", "ulysses", "vpp", "schedule", "order",
         "partition", "bucket_mb", "reshard_after_forward", "reduce_each_microbatch", "microbatch_group",
         "offload", "zero_prefetch")},
     "micro_batch": Source(("train.global_batch", "parallel.dp", "parallel.microbatches"),
@@ -334,8 +343,8 @@ def from_config(cfg: Config, backend: str | None = None) -> tuple[Layout, Worklo
 
 # -- rules ---------------------------------------------------------------------------------------
 def mlp_widths(model: PlanModel) -> dict[str, int]:
-    """The MLP widths tensor parallelism splits."""
-    return {"ffn": model.ffn, "moe_ffn": model.moe_ffn} if model.moe else {"ffn": model.ffn}
+    """The MLP widths tensor parallelism splits (routed experts' are etp's, shared experts stay whole)."""
+    return {"ffn": model.ffn}
 
 
 @lru_cache(maxsize=256)
@@ -347,7 +356,7 @@ def valid_tp(model: PlanModel) -> tuple[int, ...]:
 def check(model: PlanModel, layout: Layout, work: Workload, gpus: int | None = None) -> None:
     """Raise ConfigError for the first rule the layout breaks, naming it and the nearest valid values."""
     L = layout
-    for name in ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch"):
+    for name in ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "micro_batch"):
         rules.check_positive(name, getattr(L, name))
     if gpus is not None:
         rules.check_world_size(gpus, L.tp, L.cp, L.dp, L.pp)
@@ -360,7 +369,7 @@ def check(model: PlanModel, layout: Layout, work: Workload, gpus: int | None = N
     rules.check_sequence_parallel(L.sp_mode, L.tp, work.seq)
     rules.check_partition(model.layers, L.pp, L.vpp, L.partition)
     rules.check_context_parallel(L.cp_mode, L.cp, L.tp, model.heads, work.seq, L.ulysses)
-    rules.check_expert_parallel(L.ep, L.dp, L.cp, model.experts)
+    rules.check_expert_parallel(L.ep, L.dp, L.cp, model.experts, L.tp, L.etp, model.moe_ffn)
     rules.check_global_batch(work.global_batch, L.dp, L.micro_batch, what="micro_batch")
     if L.schedule == DUALPIPE:
         rules.check_dualpipe(L.pp, L.vpp, microbatches(L, work))

@@ -24,7 +24,7 @@ stage fits without recompute, higher stages are skipped (they only add traffic);
 that can be the most loaded (`units.candidate_stages`) or end the step last (`units.time_stages`) are
 evaluated, with the closed-form bubble.
 
-Branch and bound (`bound=True`, the default): every structure (tp, pp, cp, cp mode, ep, dp) gets a lower
+Branch and bound (`bound=True`, the default): every structure (tp, pp, cp, cp mode, ep, dp, etp) gets a lower
 bound on the step time of each of its layouts, per (vpp, micro-batch, head placement) whatever the ZeRO stage, reduction
 and recompute (`_Bound`): compute, in-layer tp/Ulysses/expert communication and exposed ring sends, which
 are on the critical path whatever the rest, plus the bubble they imply; and, since a stage's gradient
@@ -64,7 +64,7 @@ from ..rules import DUALPIPE, INTERLEAVED, ONE_F_ONE_B, ZB, ConfigError, Recompu
 from .estimate import Estimate, estimate, owned_elements, timed_stages
 from .layout import Layout, Workload, check, valid_tp
 from .memory import Memory, memory, stage_memory
-from .units import (block_tensors, candidate_stages, head_stage, mtp_blocks, root_tensors, stage_layers, stage_params,
+from .units import (ExpertSplit, block_tensors, candidate_stages, head_stage, mtp_blocks, root_tensors, stage_layers, stage_params,
                     time_stages)
 from .models import PlanModel
 from .dualpipe import is_dualpipe, ranks_or
@@ -74,7 +74,7 @@ from .topology import GiB, Topology
 from ..comm import volume
 from .traffic import Flow, group_block_of, layer_flows, least_duty, place, ring_flows
 
-SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode", "offload",
+SEARCHED = ("tp", "pp", "dp", "cp", "ep", "etp", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode", "offload",
             "ep_overlap", "recompute_norm_mla", "head_first")
 OFFLOADS = ("cpu", "nvme")   # tried in this order, per structure, when nothing fits the device
 POWERS = (1, 2, 4, 8)   # micro-batch sizes and virtual stages tried
@@ -89,7 +89,7 @@ class Result:
     considered: int = 0           # layouts tried (rules, then memory; timed when they fit)
     bounded: bool = True          # branch and bound on: layouts that cannot rank in the top are skipped
     top: int = 0                  # how many best layouts the bound keeps exact
-    structures: int = 0           # (tp, pp, cp, cp mode, ep, dp) combinations for the GPU count
+    structures: int = 0           # (tp, pp, cp, cp mode, ep, dp, etp) combinations for the GPU count
     examined: int = 0             # structures with layouts tried
     skipped: int = 0              # structures skipped whole: their bound exceeds the top-th best step time
     skipped_layouts: int = 0      # layouts never tried: vpp × micro-batch × ZeRO × reduction × recompute
@@ -127,8 +127,10 @@ def _options(name: str, fixed: dict, default: list) -> list:
 
 
 def _structures(model: PlanModel, work: Workload, topo: Topology, gpus: int, fixed: dict):
-    """Yield (tp, pp, cp, cp_mode, ep, dp) that divide the GPU count, and (Layout, reason) for tp beyond
-    the first tier, in the order the exhaustive search meets them."""
+    """Yield (tp, pp, cp, cp_mode, ep, dp, etp) that divide the GPU count, and (Layout, reason) for tp beyond
+    the first tier, in the order the exhaustive search meets them. A MoE model's experts fold over the
+    stage's tp·cp·dp ranks (MoE parallel folding): ep up to tp·cp·dp, with etp 1 (Megatron-Core's advice:
+    expert parallelism before expert tensor parallelism) or etp = tp (each expert cut as tp cuts a dense MLP)."""
     domain = topo.tiers[0].size or gpus
     for tp in _options("tp", fixed, [d for d in valid_tp(model) if gpus % d == 0]):
         if fixed.get("tp") is None and tp > domain:
@@ -146,10 +148,18 @@ def _structures(model: PlanModel, work: Workload, topo: Topology, gpus: int, fix
                 if fixed.get("dp") is not None and dp != fixed["dp"]:
                     continue
                 modes = ["ring"] if cp == 1 else _options("cp_mode", fixed, _cp_modes(model, tp, cp))
-                eps = [1] if not model.moe else [d for d in divisors(model.experts) if (dp * cp) % d == 0]
+                etps = _options("etp", fixed, _etp_options(model, tp))
                 for mode in modes:
-                    for ep in _options("ep", fixed, eps):
-                        yield tp, pp, cp, mode, ep, dp
+                    for etp in etps:
+                        eps = [1] if not model.moe else [d for d in divisors(model.experts)
+                                                         if (tp * dp * cp) % (d * etp) == 0]
+                        for ep in _options("ep", fixed, eps):
+                            yield tp, pp, cp, mode, ep, dp, etp
+
+
+def _etp_options(model: PlanModel, tp: int) -> list[int]:
+    """Expert tensor-parallel degrees searched: 1, and tp where it splits the expert width (a dense model: 1)."""
+    return [1] + ([tp] if model.moe and tp > 1 and model.moe_ffn % tp == 0 else [])
 
 
 def _cp_modes(model: PlanModel, tp: int, cp: int) -> list[str]:
@@ -202,7 +212,7 @@ def _vpp_options(model: PlanModel, pp: int, given: str | None) -> list[int]:
 
 def _space(model: PlanModel, work: Workload, fixed: dict, structure: tuple, order: str, partition: str,
            schedule: str | None = None) -> _Space:
-    tp, pp, cp, mode, ep, dp = structure
+    tp, pp, cp, mode, ep, dp, etp = structure
     per_dp = work.global_batch // dp if work.global_batch % dp == 0 else 0
     mbs = _options("micro_batch", fixed, [b for b in POWERS if per_dp and per_dp % b == 0] or [1])
     vpps = _options("vpp", fixed, _vpp_options(model, pp, schedule))
@@ -210,7 +220,7 @@ def _space(model: PlanModel, work: Workload, fixed: dict, structure: tuple, orde
     # offload needs ZeRO's shards: stages 1-3, even over one rank (ZeRO at dp = 1 still makes its units)
     zeros = _options("zero", fixed, [0] if dp * cp == 1 and offload == "none" else [1, 2, 3])
     sp_mode = fixed.get("sp_mode", "megatron") if tp > 1 else "none"
-    base = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp_mode=sp_mode, cp_mode=mode, order=order,
+    base = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, sp_mode=sp_mode, cp_mode=mode, order=order,
                 partition=partition if pp > 1 else "even", offload=offload,
                 ep_overlap=ep_overlap_of(model, ep, fixed))
     return _Space(per_dp, mbs, vpps, zeros, sp_mode, base, head_options(model, pp, fixed, schedule))
@@ -319,7 +329,7 @@ class _Bound:
         return plain + max(parts.values())
 
     def _basis(self, tp: int, pp: int, dp: int, cp: int, mode: str, ep: int, sp_mode: str, b: int,
-               blocks: tuple, ep_factor: float = 1.0) -> tuple:
+               blocks: tuple, ep_factor: float = 1.0, etp: int = 1) -> tuple:
         """(dense layer, MoE layer, embedding, head) seconds of one micro-batch of b sequences; `blocks`:
         the tp, cp and ep groups' blocks (`group_block_of`), which place them. `ep_factor`: the share of
         the expert all-to-alls that shows at least (1 exposed; with ep_overlap the SMs' share they take
@@ -327,9 +337,9 @@ class _Bound:
         probe = None
         k_tp = (tp, cp, sp_mode, b, blocks[0])
         k_cp = (tp, cp, mode, b, blocks[1])
-        k_ep = (tp, cp, ep, b, blocks[2])
+        k_ep = (tp, cp, ep, etp, b, blocks[2])
         if k_tp not in self.tp or k_cp not in self.cp or k_ep not in self.ep:
-            probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, cp_mode=mode, sp_mode=sp_mode, micro_batch=b,
+            probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, cp_mode=mode, sp_mode=sp_mode, micro_batch=b,
                            order=self.order)
         if k_tp not in self.tp:
             whole = [self._seconds(probe, "tp", *x) for x in
@@ -364,7 +374,8 @@ class _Bound:
         # a dense layer: attention's entry and exit, the MLP's entry, gather and exit; an MoE layer: attention's
         return free * (attn + back + gather + 2 * exit_), free * (attn + exit_), 0.0, free * back
 
-    def _grad(self, tp: int, pp: int, dp: int, cp: int, ep: int, v: int, zeros: list, heads: tuple = (False,)) -> float:
+    def _grad(self, tp: int, pp: int, dp: int, cp: int, ep: int, v: int, zeros: list, heads: tuple = (False,),
+              etp: int = 1) -> float:
         """The least seconds of the timed stages' gradient reductions (dp·cp and expert-dp), the most
         loaded of them: each stage's reductions run one at a time on one stream inside the step, so the
         step lasts at least their sum whatever hides behind what. At least the stage's parameters once
@@ -373,12 +384,13 @@ class _Bound:
         buckets at least one per tensor larger than bucket_mb plus the rest's bytes over bucket_mb (`_big`),
         reduce-scattered (ZeRO 1-3) or all-reduced (ZeRO-0), whichever is cheaper among the stages
         searched."""
-        key = (tp, pp, dp, cp, ep, v, tuple(zeros), tuple(heads))
+        key = (tp, pp, dp, cp, ep, etp, v, tuple(zeros), tuple(heads))
         if key not in self.grad:
             ops = sorted({"all_reduce" if z == 0 else "reduce_scatter" for z in zeros})
             least = []   # per head placement: the most loaded timed stage's least reduction seconds
             for hf in heads:
-                probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, partition=self.partition if pp > 1 else "even",
+                probe = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=v,
+                               partition=self.partition if pp > 1 else "even",
                                order=self.order, head_first=hf)
                 groups = (("dp_cp", dp * cp), ("edp", probe.edp))
                 worst = 0.0
@@ -393,7 +405,7 @@ class _Bound:
     def _grad_stages(self, probe: Layout, zeros: tuple) -> list:
         """Per timed stage of `probe`'s pipeline, ((bytes, least calls) of the dense gradients, (bytes,
         least calls) of the expert ones): the same for every dp and cp (cached without them)."""
-        tp, pp, v, ep, part, hf = probe.tp, probe.pp, probe.vpp, probe.ep, probe.partition, probe.head_first
+        tp, pp, v, ep, part, hf = probe.tp, probe.pp, probe.vpp, ExpertSplit.of(probe), probe.partition, probe.head_first
         key = (tp, pp, v, ep, part, zeros, hf)
         if key not in self.stages:
             blocks = {rules.block_units(z, pp, each) for z in zeros for each in reduce_policies({"zero": z, "pp": pp})}
@@ -416,13 +428,13 @@ class _Bound:
 
     def refine(self, structure: tuple, sp: _Space, table: dict) -> tuple[float, dict]:
         """`__call__`'s bound and table raised to the gradient reductions' least seconds (`_grad`)."""
-        tp, pp, cp, mode, ep, dp = structure
-        reduce = {(v, hf): self._grad(tp, pp, dp, cp, ep, v, sp.zeros, (hf,)) * self.SLACK
+        tp, pp, cp, mode, ep, dp, etp = structure
+        reduce = {(v, hf): self._grad(tp, pp, dp, cp, ep, v, sp.zeros, (hf,), etp) * self.SLACK
                   for v in sp.vpps for hf in sp.heads_at(v)}
         table = {(v, b, hf): max(t, reduce[v, hf]) for (v, b, hf), t in table.items()}
         return min(table.values()), table
 
-    def _big(self, tp: int, ep: int, expert: bool, dense: int, moe: int, mtp: int, roots: tuple | list,
+    def _big(self, tp: int, ep: ExpertSplit, expert: bool, dense: int, moe: int, mtp: int, roots: tuple | list,
              bucket: float) -> tuple[int, float]:
         """(gradient tensors larger than a `bucket` of bytes, their bytes) of a stage with `dense` dense and
         `moe` MoE layers, `mtp` MTP modules and the `roots` (embedding, norm, head sizes), expert tensors or
@@ -450,7 +462,7 @@ class _Bound:
         group block."""
         if n <= 1 or message <= 0:
             return 0.0
-        block = group_block_of(probe.tp, probe.pp, probe.dp, probe.cp, probe.ep, group, self.order)
+        block = group_block_of(probe.tp, probe.pp, probe.dp, probe.cp, probe.ep, group, self.order, 0, probe.etp)
         key = (group, n, op, block)
         if key not in self.rates:
             per_byte, per_call = (place([Flow("dp", op, group, n, calls=c, bytes_sent=b, backend=self.work.backend)],
@@ -463,19 +475,20 @@ class _Bound:
     def __call__(self, structure: tuple, sp: _Space) -> tuple[float, dict | None]:
         """(bound of the structure, bound per (vpp, micro-batch, head placement) or None: examine every one), the
         gradient reductions counted 0 (`refine` adds them)."""
-        tp, pp, cp, mode, ep, dp = structure
+        tp, pp, cp, mode, ep, dp, etp = structure
         if not sp.per_dp or any(sp.per_dp % b for b in sp.mbs):
             return 0.0, None    # a rule rejects these at once: examine them
         per_token = self.work.seq / (tp * cp)
         rows_v = [(v, hf, self._stage_rows(pp, v, hf)) for v in sp.vpps for hf in sp.heads_at(v)]
         if any(rows is None for *_, rows in rows_v):
             return 0.0, None
-        blocks = tuple(group_block_of(tp, pp, dp, cp, ep, g, self.order) for g in ("tp", "cp", "ep"))
+        blocks = tuple(group_block_of(tp, pp, dp, cp, ep, g, self.order, 0, etp) for g in ("tp", "cp", "ep"))
         table = {}
         # with ep_overlap the all-to-alls show at least comm_share of themselves (`time.ep_exposed`)
         ep_factor = self.topo.accelerator.comm_share if sp.base.get("ep_overlap") else 1.0
         for b in sp.mbs:
-            per_layer, per_moe, first, last = self._basis(tp, pp, dp, cp, mode, ep, sp.sp_mode, b, blocks, ep_factor)
+            per_layer, per_moe, first, last = self._basis(tp, pp, dp, cp, mode, ep, sp.sp_mode, b, blocks, ep_factor,
+                                                          etp)
             m, tokens = sp.per_dp // b, b * per_token
             for v, hf, rows in rows_v:
                 c = c_first = c_last = 0.0        # the slowest timed stage (a plain loop: the search's hottest)

@@ -119,7 +119,7 @@ def stage_gemm_seconds(model: PlanModel, layout: Layout, work: Workload, acc, st
     tokens = layout.micro_batch * work.seq / (layout.tp * layout.cp)
     moe = tokens * 2.0 * model.layer_params(model.dense_layers, model.top_k) * n_moe if n_moe else 0.0
     return linear_seconds(model, work, acc, layout.micro_batch * work.seq / layout.cp, layout.tp, layout.ep,
-                          lin - moe, moe, head)
+                          lin - moe, moe, head, layout.etp)
 
 
 def fp8_cast_seconds(model: PlanModel, layout: Layout, work: Workload, acc, stage: int, m: int) -> tuple[float, float]:
@@ -136,7 +136,7 @@ def fp8_cast_seconds(model: PlanModel, layout: Layout, work: Workload, acc, stag
     fwd = bwd = 0.0
     for moe, n in ((False, len(blocks) - n_moe), (True, n_moe)):
         if n:
-            x, dy, w = fp8_cast_elements(model, moe, rows, layout.tp, layout.ep)
+            x, dy, w = fp8_cast_elements(model, moe, rows, layout.tp, layout.ep, layout.etp)
             fwd += n * ((work.act_bytes + 2) * x + (work.param_bytes + 2) * w / m)
             bwd += n * (work.act_bytes + 2) * dy
     return fwd / acc.hbm_bandwidth, bwd / acc.hbm_bandwidth

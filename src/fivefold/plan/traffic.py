@@ -32,7 +32,10 @@ Per micro-batch of T tokens per rank (T = b·s/cp), e bytes per activation eleme
   cp-1 of K,V and cp-1 of dK,dV backward.
 - EP (Lepikhin et al. 2020; DeepSeek-V3 for FP8 dispatch): per MoE layer, dispatch and combine
   all-to-alls forward and backward of top_k·capacity·(T/tp)·h elements (each tp rank sends only its
-  slice), then an all-gather inside tp after dispatch and a reduce-scatter before combine. Node-limited
+  own tokens), over the ep group of the expert grid (MoE parallel folding: it may hold tp, cp or dp ranks).
+  ETP (expert tensor parallelism, Megatron-Core's): the R rows a rank received gathered on every etp
+  rank and the partial outputs reduce-scattered back, each as one all-to-all of etp·R·h·e bytes, forward
+  and backward, under dim "etp" (dropless adds an all-gather of the etp·E int64 counts). Node-limited
   routing (`Workload.moe_route_nodes`, DeepSeek-V3): the routed rows split by tier at placement, each
   token crossing the network once per remote node it selects and reaching its experts over the
   innermost tier (`split_routed`).
@@ -66,11 +69,11 @@ from functools import lru_cache
 from .. import grid
 from ..comm import volume
 from ..rules import (STEP_CHUNK, cp_degrees, kv_replicas, moe_capacity, moe_sequence_group,
-                     moe_sequence_parts, moe_splits_rows, overlaps_tp_input)
+                     moe_sequence_parts, moe_splits_rows, overlaps_tp_input, reduces_only_over_dp)
 from ..shapes import padded_vocab, shard_size, windows
 from .layout import Layout, Workload, microbatches
 from .buffers import offload_units
-from .units import (exact_tensors, held_root, is_frozen, layer_names, layer_tensors, layout_blocks,
+from .units import (ExpertSplit, exact_tensors, held_root, is_frozen, layer_names, layer_tensors, layout_blocks,
                     head_stage, mtp_blocks, owned_tagged, root_tensors, root_units,
                     stage_params, unit_sums, unit_tensors, zero_units)
 from .models import PlanModel
@@ -80,7 +83,7 @@ VOLUME = {op: getattr(volume, op) for op in volume.OPS}   # comm/volume.py's for
 VOLUME.update({op: volume.copy for op in volume.COPIES})   # offload copies: every byte moves
 
 # how exposed a dimension's time is (see time.py)
-KIND = {"tp": "layer", "cp": "layer", "ep": "layer", "pp": "pipeline", "dp": "grad", "edp": "grad", "dualpipe": "grad",
+KIND = {"tp": "layer", "cp": "layer", "ep": "layer", "etp": "layer", "pp": "pipeline", "dp": "grad", "edp": "grad", "dualpipe": "grad",
         "loss": "step", "grad_norm": "step", "embed": "step", "moe_stats": "step", "offload": "offload"}
 # the accelerator's own links that offload copies cross (not network tiers): tier name -> Accelerator field
 COPY_TIERS = {"pcie": "pcie_bandwidth", "nvme": "nvme_bandwidth"}
@@ -368,12 +371,13 @@ def partial_grad_params(model: PlanModel, L: Layout, stage: int) -> dict[str, in
     (replicated on every tp rank and seeing only its sequence shard under SP: norm weights, and
     row-parallel biases and MoE routers where the model has them) and "kv" (K/V weights of a head
     shared by tp/kv_heads ranks, each computing the part of its own query heads)."""
-    return dict(_partial_grad_params(model, L.tp, L.pp, L.vpp, L.partition, L.seq_parallel, stage, L.ep, L.head_first))
+    return dict(_partial_grad_params(model, L.tp, L.pp, L.vpp, L.partition, L.seq_parallel, stage, ExpertSplit.of(L),
+                                     L.head_first))
 
 
 @lru_cache(maxsize=16384)
 def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, sp: bool, stage: int,
-                         ep: int = 1, head_first: bool = False) -> tuple:
+                         ep: ExpertSplit = ExpertSplit(), head_first: bool = False) -> tuple:
     if tp == 1:
         return ()
     h, rng = model.hidden, layout_blocks(model, Layout(pp=pp, vpp=vpp, partition=partition, head_first=head_first),
@@ -389,8 +393,10 @@ def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition
                 out[tag] = out.get(tag, 0) + n
         return tuple(out.items())
     moe = sum(1 for i in rng if model.is_moe_layer(i))
-    if moe:   # MoE weights, whole on every tp rank, each seeing its own tokens (EP x TP)
-        out["moe"] = moe * (model.router_params() + (model.shared_experts + model.experts // ep) * model.expert_params())
+    if moe:   # routers, shared experts and unfolded routed experts, whole on every tp rank, each seeing its own
+        # tokens (folded routed experts: the expert grid's, summed over edp)
+        routed = 0 if ep.folded else model.experts
+        out["moe"] = moe * (model.router_params() + (model.shared_experts + routed) * model.expert_params())
     if sp:
         per = {False: 2 * model._norm(h) + (2 * h if model.linear_bias else 0),
                True: 2 * model._norm(h) + (h if model.linear_bias else 0)}
@@ -465,7 +471,7 @@ def _cp_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, n_layers
 
 
 def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int, T: float) -> None:
-    if not model.moe or L.ep == 1:
+    if not model.moe or L.ep * L.etp == 1:
         return
     rng = layout_blocks(model, L, stage)
     _ep_layer_flows(f, model, L, w, sum(1 for i in rng if model.is_moe_layer(i)), m, T)
@@ -473,8 +479,10 @@ def _ep_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m:
 
 def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int, m: int, T: float,
                     backward: bool = True) -> None:
-    """The expert all-to-alls of a stage holding `moe` MoE layers (without `backward`: the forward's only)."""
-    if not model.moe or L.ep == 1 or not moe:
+    """The expert all-to-alls of a stage holding `moe` MoE layers (without `backward`: the forward's only):
+    over ep the dispatch and combine, over etp the gathered rows and the reduce-scattered partial outputs
+    (parallel/expert.py)."""
+    if not model.moe or L.ep * L.etp == 1 or not moe:
         return
     fwd_passes = 2 if L.recompute == "full" else 1
     # GShard capacity: each expert's buffer holds C rows per sequence, zero-padded (rules.moe_capacity,
@@ -486,6 +494,12 @@ def _ep_layer_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, moe: int
     # FP8 dispatch: one e4m3 byte an element plus an fp32 scale a row (comm/autograd.py)
     dispatch = tokens * (model.hidden + 4) if w.fp8_dispatch else tokens * model.hidden * w.act_bytes
     calls = m * moe
+    if L.etp > 1:   # the rows a rank received (balanced: as many as it sent) go to every etp rank and back
+        if not cap:   # dropless: first the (ep, E/ep) counts each etp rank received
+            f.add("etp", "all_gather", "etp", L.etp, L.etp * model.experts * 8, fwd_passes * calls)
+        f.add("etp", "all_to_all", "etp", L.etp, L.etp * msg, (2 * fwd_passes + 2 * backward) * calls)
+    if L.ep == 1:
+        return
     if not cap:   # dropless: each rank first tells the others how many rows it sends to each expert
         f.add("ep", "all_to_all", "ep", L.ep, model.experts * 8, fwd_passes * calls)
     # node-limited routing: the routed rows are split between nodes and inside them by `place`
@@ -596,7 +610,7 @@ def stage_flows(model: PlanModel, layout: Layout, work: Workload, stage: int,
         f.add("moe_stats", "all_reduce", "world", group_size(L, "world"), model.layers * (model.experts + 1) * 8, 1)
     f.add("loss", "all_reduce", "pp", L.pp, 8, 1)      # only the last stage computed it
     # (dense gradients are reduced over dp×cp when cp > 1, expert ones over expert-dp when ep > 1)
-    norm_group = L.zero_spec.norm_group(only_dp=L.cp == 1 and L.ep == 1)
+    norm_group = L.zero_spec.norm_group(only_dp=reduces_only_over_dp(L.cp, model.experts, L.ep, L.etp))
     f.add("grad_norm", "all_reduce", norm_group, group_size(L, norm_group), 8, 1)
     # whether a stop signal arrived and the ranks' largest peak memory: two int64, max over the world
     # (train/trainer.py agree_stop)
@@ -755,15 +769,16 @@ def group_block(layout: Layout, group: str, order: str | None = None, width: int
     """Span of consecutive ranks that holds one group whole (`fivefold.grid.group_block`, from the spec the
     mesh builds the group from); `width`: a sub-group's run length (`Flow.width`)."""
     L = layout
-    return group_block_of(L.tp, L.pp, L.dp, L.cp, L.ep, group, order or L.order, width)
+    return group_block_of(L.tp, L.pp, L.dp, L.cp, L.ep, group, order or L.order, width, L.etp)
 
 
 @lru_cache(maxsize=65536)
-def group_block_of(tp: int, pp: int, dp: int, cp: int, ep: int, group: str, order: str, width: int = 0) -> int:
+def group_block_of(tp: int, pp: int, dp: int, cp: int, ep: int, group: str, order: str, width: int = 0,
+                   etp: int = 1) -> int:
     """`group_block` from the degrees (cached)."""
     spec = grid.GROUP_SPECS[group]
     widths = grid.Widths(**{spec.width: width}) if spec.width and width else grid.Widths()
-    return grid.group_block(grid.Sizes(tp, pp, dp, cp, ep), group, order, widths)
+    return grid.group_block(grid.Sizes(tp, pp, dp, cp, ep, etp), group, order, widths)
 
 
 def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None = None,
@@ -1012,7 +1027,7 @@ def _add_weighted(out: dict, key: tuple, fl: Flow, weight: int) -> None:
 
 # -- rank order -------------------------------------------------------------------------------------------
 # ledger dim -> the order field its groups vary along (embed: pp, edp: the expert grid's dp), from the specs
-MESH_DIM = {name: grid.GROUP_SPECS[name].dims[0] for name in ("tp", "cp", "ep", "pp", "embed", "dp", "edp")}
+MESH_DIM = {name: grid.GROUP_SPECS[name].dims[0] for name in ("tp", "cp", "ep", "pp", "embed", "dp", "edp", "etp")}
 FIELD_ORDER = ("tp", "cp", "ep", "pp", "dp")   # practice (Llama-3 §3.3.2; DESIGN): heaviest innermost
 
 
@@ -1047,8 +1062,8 @@ def recommend_order(flows: list[Flow]) -> str:
 def placement(layout: Layout, topo: Topology, order: str) -> dict[str, str]:
     """Tier each group of size > 1 lands on for a given order."""
     out = {}
-    for g in ("tp", "cp", "ep", "pp", "dp", "edp"):
-        if group_size(layout, g) > 1 and (g != "edp" or layout.ep > 1):
+    for g in ("tp", "cp", "ep", "etp", "pp", "dp", "edp"):
+        if group_size(layout, g) > 1 and (g != "edp" or layout.experts_folded):
             out[g] = topo.tier_of(group_block(layout, g, order), layout.gpus).name
     return out
 

@@ -8,7 +8,8 @@ weights are 16-bit: 12, the paper's K). With n data-parallel ranks:
     ZeRO-2  w·Φ + (g + k)·Φ/n    ZeRO-3  (w + g + k)·Φ/n
 
 Shards are padded so they are even: Φ/n is ceil(Φ/n). Dense parameters are sharded over dp·cp,
-routed experts over the expert-data-parallel group dp·cp/ep.
+routed experts, when on the expert grid, over the expert-data-parallel group tp·cp·dp/(etp·ep) (each rank
+holding E/ep experts, 1/etp of each one's width: `ExpertSplit`).
 
 A pipeline rank's layers are the runtime's split (`stage_layers`); `candidate_stages` and `time_stages`
 name the stages that can be the most loaded or the slowest. `layer_tensors` and `root_tensors` list a
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache
+from typing import NamedTuple
 
 from .. import rules
 from ..parallel.pipeline.partition import partition_layers
@@ -93,7 +95,24 @@ def time_stages(model: PlanModel, pp: int, vpp: int = 1, partition: str = "even"
 
 
 # -- parameters a rank holds -------------------------------------------------------------------------
-def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, int]:
+class ExpertSplit(NamedTuple):
+    """How one rank holds the routed experts (MoE parallel folding, parallel/expert.py): E/ep whole
+    experts, each 1/etp of its width; `folded`: on the expert grid (rules.experts_on_expert_grid), so
+    they form their own ZeRO units and their gradients are summed over edp; else they are dense weights."""
+    ep: int = 1
+    etp: int = 1
+    folded: bool = False
+
+    @staticmethod
+    def of(layout: Layout) -> "ExpertSplit":
+        return ExpertSplit(layout.ep, layout.etp, layout.experts_folded)
+
+    def routed(self, model: PlanModel) -> int:
+        """Elements of one of a layer's stacked expert weights (w_gate, w_up or w_down) on one rank."""
+        return (model.experts // self.ep) * model.moe_ffn * model.hidden // self.etp
+
+
+def layer_rank_params(model: PlanModel, i: int, tp: int, ep: ExpertSplit) -> tuple[int, int]:
     """`_layer_rank_params` of layer i: every dense layer holds the same, and every MoE layer (with
     train.freeze patterns, layer i's own tensors that are not frozen)."""
     if model.frozen:
@@ -102,7 +121,7 @@ def layer_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, 
     return _layer_rank_params(model, model.is_moe_layer(i), tp, ep)
 
 
-def block_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, int]:
+def block_rank_params(model: PlanModel, i: int, tp: int, ep: ExpertSplit) -> tuple[int, int]:
     """`layer_rank_params` of block i of a stage: layer i, or (i = model.layers, `mtp_blocks`) an MTP
     module: its block plus M and its three norms (`PlanModel.mtp_projection_params`), whole on every tp rank."""
     dense, expert = layer_rank_params(model, i, tp, ep)
@@ -110,11 +129,11 @@ def block_rank_params(model: PlanModel, i: int, tp: int, ep: int) -> tuple[int, 
 
 
 @lru_cache(maxsize=4096)
-def _layer_rank_params(model: PlanModel, moe: bool, tp: int, ep: int) -> tuple[int, int]:
+def _layer_rank_params(model: PlanModel, moe: bool, tp: int, ep: ExpertSplit) -> tuple[int, int]:
     """(dense, expert) parameters of layer i on one rank: matrices split tp ways (K/V by min(tp, kv)
-    heads, replicated beyond), norms and row-parallel biases replicated; an MoE layer's router, shared and
-    routed experts stay whole on the tp ranks (EP x TP group-wise dispatch, parallel/tensor.py), routed
-    experts split ep ways. MLA: its down-projections and latent norms whole on every tp rank, the
+    heads, replicated beyond), norms and row-parallel biases replicated; an MoE layer's router and shared
+    experts stay whole on the tp ranks (each routes its own tokens, parallel/tensor.py), and so do the routed
+    experts unless they are folded onto the expert grid: E/ep of them, 1/etp of each one's width (`ExpertSplit`). MLA: its down-projections and latent norms whole on every tp rank, the
     up-projections and output projection split (parallel/tensor.py `latent_attention`)."""
     if model.lora_rank:   # the adapters are what trains (frozen_params: the rest)
         return sum(n for n, _, _ in lora_tensors(model, moe, tp)), 0
@@ -131,15 +150,15 @@ def _layer_rank_params(model: PlanModel, moe: bool, tp: int, ep: int) -> tuple[i
         mlp = model.mlp_params(model.ffn)
         return attn_rank + norms + (mlp - row_bias) // tp + row_bias, 0
     shared = model.shared_experts * model.expert_params()
-    experts = (model.experts // ep) * model.expert_params()
+    experts = (model.experts // ep.ep) * model.expert_params() // ep.etp
     return attn_rank + norms + model.router_params() + shared, experts
 
 
 @lru_cache(maxsize=4096)
-def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int,
+def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: ExpertSplit,
                        head_first: bool = False) -> tuple:
     """Per stage: (dense, expert, largest block) parameters on one rank (the MTP modules' on the last);
-    "expert": the routed experts reduced over their own "edp" group, so none at ep = 1."""
+    "expert": the routed experts reduced over their own "edp" group, so none when they are not folded."""
     rows = []
     for j, rng in enumerate(stage_layers(model.layers, pp, vpp, partition)):
         dense = expert = biggest = 0
@@ -147,7 +166,7 @@ def _stage_param_table(model: PlanModel, tp: int, pp: int, vpp: int, partition: 
             d, e = block_rank_params(model, i, tp, ep)
             dense, expert, biggest = dense + d, expert + e, max(biggest, d + e)
         dense += sum(n for n, _ in root_tensors(model, tp, pp, j, head_first))   # embedding, final norm, head (unless frozen)
-        if ep == 1:   # no expert parallelism: the experts are reduced and sharded with the rest
+        if not ep.folded:   # not on the expert grid: the experts are reduced and sharded with the rest
             dense, expert = dense + expert, 0
         rows.append((dense, expert, biggest))
     return tuple(rows)
@@ -162,7 +181,7 @@ def stage_params(model: PlanModel, layout: Layout, stage: int) -> tuple[int, int
 
 def _param_table(model: PlanModel, layout: Layout) -> tuple:
     L = layout
-    return _stage_param_table(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.head_first)
+    return _stage_param_table(model, L.tp, L.pp, L.vpp, L.partition, ExpertSplit.of(L), L.head_first)
 
 
 def frozen_params(model: PlanModel, layout: Layout, stage: int) -> int:
@@ -186,8 +205,8 @@ def frozen_share(model: PlanModel, layout: Layout, stage: int) -> tuple[float, b
     for i in layout_blocks(model, layout, stage):
         if i >= model.layers:
             continue
-        every += sum(n for n, _, tag in layer_tensors(unfrozen(model), i, layout.tp, layout.ep) if tag != "norm")
-        trained += sum(n for n, _, tag in layer_tensors(model, i, layout.tp, layout.ep) if tag != "norm")
+        every += sum(n for n, _, tag in layer_tensors(unfrozen(model), i, layout.tp, ExpertSplit.of(layout)) if tag != "norm")
+        trained += sum(n for n, _, tag in layer_tensors(model, i, layout.tp, ExpertSplit.of(layout)) if tag != "norm")
     head = is_frozen(model, "embed.weight" if model.tie_embeddings else "head.weight")
     return (1 - trained / every if every else 0.0), head
 
@@ -276,7 +295,7 @@ def exact_tensors(model: PlanModel) -> bool:
     return not (model.linear_bias or model.mlp != "swiglu" or model.router_bias)
 
 
-def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int, bool, str]]:
+def layer_tensors(model: PlanModel, i: int, tp: int, ep: ExpertSplit) -> list[tuple[int, bool, str]]:
     """(elements on one rank, is routed expert, tag) of layer i's tensors in registration order. Exact
     for our runtime's blocks (attn_norm, wq[, bias], wk[, bias], wv[, bias], wo, mlp_norm, then gate, up,
     down, or an MoE layer's router, experts' w_gate, w_up, w_down, shared gate, up, down and shared gate;
@@ -284,8 +303,9 @@ def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int,
     tensor count (the dry run found a lumped MoE layer two buckets short). Other variants are lumped
     per sub-block, which only moves ZeRO bucket boundaries. Tags: "norm" (replicated over tp), "kv" (K/V
     weights and biases, replicated over tp/kv_heads ranks when tp > kv_heads), "moe" (an MoE layer's
-    weights under tp: whole on every tp rank, partial gradients), "" otherwise; a lump holding K/V is
-    tagged ""."""
+    router and shared experts under tp, and its routed experts unless they are folded: whole on every tp rank,
+    partial gradients), "" otherwise (folded routed experts too: their pieces follow the expert grid); a
+    lump holding K/V is tagged ""."""
     if model.lora_rank:
         return lora_tensors(model, model.is_moe_layer(i), tp)
     if model.frozen:   # train.freeze: the layer's tensors that are not frozen
@@ -299,7 +319,7 @@ def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int,
         mlp = dense - 2 * norm - attn     # dense MLP, or router + shared experts
         moe = "moe" if model.is_moe_layer(i) and tp > 1 else ""   # whole on every tp rank, partial grads
         out = [(norm, False, "norm"), (attn, False, ""), (norm, False, "norm"), (mlp, False, moe)]
-        return out + ([(expert, True, moe)] if expert else [])
+        return out + ([(expert, True, "" if ep.folded else moe)] if expert else [])
     if model.mla:   # attn_norm, latent attention's tensors, mlp_norm
         out = [(norm, False, "norm")] + [(e, False, tag) for e, tag in model.mla_tensors(tp)] + [(norm, False, "norm")]
     else:
@@ -314,9 +334,8 @@ def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int,
         f = model.ffn * h // tp
         return out + [(f, False, ""), (f, False, ""), (f, False, "")]
     moe = "moe" if tp > 1 else ""
-    per_expert = (model.experts // ep) * model.moe_ffn * h
     shared = model.shared_experts * model.moe_ffn * h
-    out += [(model.experts * h, False, moe)] + [(per_expert, True, moe)] * 3
+    out += [(model.experts * h, False, moe)] + [(ep.routed(model), True, "" if ep.folded else moe)] * 3
     if model.shared_experts:
         out += [(shared, False, moe)] * 3
     if model.shared_expert_gate:
@@ -324,7 +343,7 @@ def layer_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int,
     return out
 
 
-def block_tensors(model: PlanModel, i: int, tp: int, ep: int) -> list[tuple[int, bool, str]]:
+def block_tensors(model: PlanModel, i: int, tp: int, ep: ExpertSplit) -> list[tuple[int, bool, str]]:
     """`layer_tensors` of block i of a stage: layer i, or (i = model.layers, `mtp_blocks`) an MTP module in
     DeepSeek-V3's order: the embedding's and the hidden state's norms and M (2h -> h), its block, the
     shared head's input norm; all its own tagged "norm" (whole on every tp rank, `block_rank_params`)."""
@@ -371,8 +390,8 @@ def zero_units(model: PlanModel, layout: Layout, grad_bytes: int, stage: int, ex
     MiB in backward order for ZeRO-1/2 (and, with zero = 0, DDP's all-reduce buckets, parallel/data.py).
     `expert` selects the routed-expert parameters instead."""
     L = layout
-    return _zero_units(model, L.tp, L.pp, L.vpp, L.partition, L.ep, block_units(L), L.bucket_mb, grad_bytes, stage,
-                       expert, L.head_first)
+    return _zero_units(model, L.tp, L.pp, L.vpp, L.partition, ExpertSplit.of(L), block_units(L), L.bucket_mb,
+                       grad_bytes, stage, expert, L.head_first)
 
 
 def block_units(layout: Layout) -> bool:
@@ -402,28 +421,28 @@ def unit_tensors(model: PlanModel, layout: Layout, grad_bytes: int, stage: int,
                  expert: bool = False) -> tuple[tuple[tuple[int, str], ...], ...]:
     """`zero_units` tensor by tensor: per unit, its tensors' (elements, tag) in flat-buffer order."""
     L = layout
-    return _unit_tensors(model, L.tp, L.pp, L.vpp, L.partition, L.ep, block_units(L), L.bucket_mb, grad_bytes, stage,
-                         expert, L.head_first)
+    return _unit_tensors(model, L.tp, L.pp, L.vpp, L.partition, ExpertSplit.of(L), block_units(L), L.bucket_mb,
+                         grad_bytes, stage, expert, L.head_first)
 
 
-def _block_tensors_tagged(model: PlanModel, i: int, tp: int, ep: int, expert: bool) -> tuple[tuple[int, str], ...]:
+def _block_tensors_tagged(model: PlanModel, i: int, tp: int, ep: ExpertSplit, expert: bool) -> tuple[tuple[int, str], ...]:
     """(elements, tag) of block i's tensors (`block_tensors`), routed experts or the others; every dense
     layer has the same, and every MoE layer, and every MTP module (not so with train.freeze patterns).
-    At ep = 1 the routed experts are reduced and sharded with the rest (the runtime applies no expert
-    parallelism, so no "edp" group of their own): they count as the others."""
+    Routed experts off the expert grid (tp = ep = etp = 1) are reduced and sharded with the rest (no
+    "edp" group of their own): they count as the others."""
     if model.frozen:
-        return tuple((n, tag) for n, ex, tag in block_tensors(model, i, tp, ep) if (ex and ep > 1) == expert)
+        return tuple((n, tag) for n, ex, tag in block_tensors(model, i, tp, ep) if (ex and ep.folded) == expert)
     return _tensors_of_kind(model, model.is_moe_layer(i), i >= model.layers, tp, ep, expert)
 
 
 @lru_cache(maxsize=8192)
-def _tensors_of_kind(model: PlanModel, moe: bool, mtp: bool, tp: int, ep: int, expert: bool) -> tuple:
+def _tensors_of_kind(model: PlanModel, moe: bool, mtp: bool, tp: int, ep: ExpertSplit, expert: bool) -> tuple:
     i = model.layers if mtp else (model.dense_layers if moe else 0)
-    return tuple((n, tag) for n, ex, tag in block_tensors(model, i, tp, ep) if (ex and ep > 1) == expert)
+    return tuple((n, tag) for n, ex, tag in block_tensors(model, i, tp, ep) if (ex and ep.folded) == expert)
 
 
 @lru_cache(maxsize=8192)
-def _unit_tensors(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: int, blocks: bool,
+def _unit_tensors(model: PlanModel, tp: int, pp: int, vpp: int, partition: str, ep: ExpertSplit, blocks: bool,
                   bucket_mb: float, grad_bytes: int, stage: int, expert: bool, head_first: bool = False) -> tuple:
     rng = stage_layers(model.layers, pp, vpp, partition)[stage] + mtp_blocks(model, pp, stage, head_first)
     per_layer = [_block_tensors_tagged(model, i, tp, ep, expert) for i in rng]
@@ -503,17 +522,19 @@ def unit_states(units: tuple[int, ...], n: int, zero: int, work: Workload, rank:
 
 def model_states(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
     """Model-state bytes of rank 0 of `stage` (the fullest shard): dense part over dp·cp, experts over
-    dp·cp/ep. Without ZeRO, the ZeRO paper's (w + g + k)·Φ; with it, per padded unit (`unit_states`)."""
+    edp = tp·cp·dp/(etp·ep). Without ZeRO, the ZeRO paper's (w + g + k)·Φ; with it, per padded unit
+    (`unit_states`)."""
     L = layout
-    return dict(_model_states(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.zero, L.bucket_mb, L.dp * L.cp, L.edp,
-                              work, stage, L.reduce_each_microbatch))
+    return dict(_model_states(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.etp, L.zero, L.bucket_mb, L.dp * L.cp,
+                              L.edp, work, stage, L.reduce_each_microbatch))
 
 
 @lru_cache(maxsize=65536)
-def _model_states(model, tp, pp, vpp, partition, ep, zero, bucket_mb, n_dense, n_expert, work, stage,
+def _model_states(model, tp, pp, vpp, partition, ep, etp, zero, bucket_mb, n_dense, n_expert, work, stage,
                   each: bool = False) -> tuple:
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, partition=partition, ep=ep, zero=zero, bucket_mb=bucket_mb, dp=n_dense,
-                    reduce_each_microbatch=each)
+    # (dp = n_dense stands for dp x cp: the units depend on neither, the shard counts are passed)
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, partition=partition, ep=ep, etp=etp, zero=zero, bucket_mb=bucket_mb,
+                    dp=n_dense, reduce_each_microbatch=each)
     dense, expert = stage_params(model, layout, stage)
     w, g, k = work.param_bytes, work.grad_bytes, optimizer_bytes_per_param(work)
     groups = [(dense, n_dense, False)] + ([(expert, n_expert, True)] if expert else [])

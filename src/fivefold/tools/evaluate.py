@@ -23,6 +23,7 @@ from .training import HELP, check_init_hf, check_supported, flag_kwargs, model_f
 # eval's flags: the layout and the shape of its windows (dotted config keys, typed like train's flags)
 EVAL_FLAGS = {
     "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
+    "etp": "parallel.etp",
     "zero": "parallel.zero", "sp_mode": "parallel.sp_mode", "cp_mode": "parallel.cp_mode",
     "microbatches": "parallel.microbatches", "schedule": "parallel.schedule", "vpp": "parallel.vpp",
     "partition": "parallel.partition", "seq_len": "train.seq_len", "global_batch": "train.global_batch",

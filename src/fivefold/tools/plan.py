@@ -46,7 +46,9 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     degrees = {"tp": "tensor-parallel degree (Megatron: heads and MLP columns split)",
                "pp": "pipeline stages", "dp": "data-parallel degree (default: the GPUs left by the others)",
                "cp": "context-parallel degree (each rank holds seq / cp tokens of every sequence)",
-               "ep": "expert-parallel degree (MoE; carved out of dp x cp)",
+               "ep": "expert-parallel degree (MoE; folded over the tp x cp x dp ranks: etp x ep must divide them)",
+               "etp": "expert tensor-parallel degree (MoE: each routed expert's width split over etp ranks; "
+                      "searched: 1 and tp)",
                "zero": "ZeRO stage: 1 optimizer state, 2 also gradients, 3 also parameters sharded over dp",
                "vpp": "virtual pipeline stages per rank (schedule interleaved)"}
     for name, text in degrees.items():
@@ -155,7 +157,7 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                                    "is the file type (.png, .svg, .pdf, ...)")
 
 
-DEGREES = ("tp", "pp", "dp", "cp", "ep", "vpp", "ulysses")   # each at most MAX_GPUS
+DEGREES = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "ulysses")   # each at most MAX_GPUS
 SIZES = ("seq", "global_batch", "micro_batch")                # tokens, sequences: each at most MAX_SIZE
 MAX_SIZE = 2**30    # about a billion tokens in a sequence or sequences in a batch: far past any run
 
@@ -291,7 +293,7 @@ def _topology(args: argparse.Namespace) -> Topology:
 
 def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
     """Model, default layout and workload, and the degrees the user fixed (from --config, then flags)."""
-    fixed = {k: getattr(args, k, None) for k in ("tp", "pp", "dp", "cp", "ep", "zero", "vpp", "micro_batch",
+    fixed = {k: getattr(args, k, None) for k in ("tp", "pp", "dp", "cp", "ep", "etp", "zero", "vpp", "micro_batch",
                                                   "recompute", "offload")}
     if args.config:
         cfg = training_config(args.config)
@@ -417,6 +419,8 @@ def check_fixed(model: PlanModel, fixed: dict, gpus: int | None, work: Workload,
         rules.check_pipeline_layers(model.layers, pp or 1, vpp or 1)
     if ep is not None:
         rules.check_experts(ep, model.experts)
+    if fixed["etp"] is not None:
+        rules.check_expert_tensor_parallel(fixed["etp"], model.experts, model.moe_ffn)
     if pp is not None and vpp is not None:
         rules.check_virtual_stages(pp, vpp)
     if pp is not None and partition not in choices(PartitionKind):
@@ -442,7 +446,7 @@ def _complete(fixed: dict, gpus: int | None, model: PlanModel) -> bool:
     deg = ("tp", "pp", "cp", "dp")
     missing = [d for d in deg if fixed[d] is None]
     if not gpus:
-        for d in missing + ["ep"]:
+        for d in missing + ["ep", "etp"]:
             fixed[d] = fixed[d] or 1
         return True
     if len(missing) == 1:
@@ -454,6 +458,8 @@ def _complete(fixed: dict, gpus: int | None, model: PlanModel) -> bool:
             raise ConfigError(f"--gpus {gpus} must divide by the product of the given degrees ({rest}); "
                               f"leave out one of --tp --pp --cp --dp to derive it")
         fixed[missing[0]] = gpus // rest
+    if all(fixed[d] is not None for d in deg) and fixed["ep"] is not None and fixed["etp"] is None:
+        fixed["etp"] = 1   # ep given without etp: whole experts (etp is searched only beside a searched ep)
     return all(fixed[d] is not None for d in deg) and (fixed["ep"] is not None or not model.moe)
 
 
@@ -480,7 +486,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if full:
         sp_mode = args.sp_mode or ("megatron" if fixed["tp"] > 1 and not args.config else layout.sp_mode)
         lay = Layout(tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=fixed["cp"], ep=fixed["ep"] or 1,
-                     zero=fixed["zero"] or 0, vpp=fixed["vpp"] or 1, micro_batch=fixed["micro_batch"] or 1,
+                     etp=fixed["etp"] or 1, zero=fixed["zero"] or 0, vpp=fixed["vpp"] or 1, micro_batch=fixed["micro_batch"] or 1,
                      recompute=fixed["recompute"] or "none", offload=fixed["offload"] or "none", order=order,
                      partition=partition, sp_mode=sp_mode,
                      cp_mode=args.cp_mode or layout.cp_mode, ulysses=args.ulysses or layout.ulysses,

@@ -21,6 +21,7 @@ from .run_plan import device_name, peak_text, planned_memory, speed_model
 # flag -> dotted config key; each flag's type and choices come from the field's declared type
 TRAIN_FLAGS = {
     "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
+    "etp": "parallel.etp",
     "zero": "parallel.zero", "zero_prefetch": "parallel.zero_prefetch", "sp_mode": "parallel.sp_mode",
     "cp_mode": "parallel.cp_mode",
     "order": "parallel.order", "microbatches": "parallel.microbatches", "schedule": "parallel.schedule",
@@ -40,7 +41,8 @@ HELP = {
     "tp": "tensor-parallel degree (Megatron: heads and MLP columns split)",
     "pp": "pipeline stages",
     "cp": "context-parallel degree (each rank holds seq_len / cp tokens of every sequence)",
-    "ep": "expert-parallel degree (MoE; carved out of dp x cp)",
+    "ep": "expert-parallel degree (MoE; folded over the tp x cp x dp ranks: etp x ep must divide them)",
+    "etp": "expert tensor-parallel degree (MoE: each routed expert's width split over etp ranks; default 1)",
     "zero": "ZeRO stage: 1 optimizer state, 2 also gradients, 3 also parameters sharded over dp",
     "zero_prefetch": "ZeRO-3 without pp: units gathered ahead of the one running, 0-16 (deeper hides slower "
                      "gathers and holds more of them)",

@@ -242,7 +242,7 @@ class Trainer:
 
         if not p.zero:
             return DataParallelOptimizer(self.model, self.mesh, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype,
-                                         only_dp=p.cp == 1 and p.ep == 1,   # as plan.traffic
+                                         only_dp=rules.reduces_only_over_dp(p.cp, self.cfg.model.experts, p.ep, p.etp),   # as plan.traffic
                                          decay_embeddings=t.decay_embeddings)
         if p.dp == 1 and not self.quiet:
             print(f"note: ZeRO-{p.zero} with dp=1 shards over a single rank and saves no memory", file=sys.stderr)

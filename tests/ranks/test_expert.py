@@ -45,6 +45,10 @@ CASES = {
     "etp2_ep2_zero1_capacity": (4, dict(dp=2, ep=2, etp=2, tp=2, zero=1), dict(capacity_factor=1.25)),
     "etp2_tp2_pp2": (4, dict(tp=2, pp=2, etp=2, microbatches=2), {}),
     "etp4_tp2_dp2": (4, dict(tp=2, dp=2, etp=4, microbatches=2), dict(capacity_factor=1.0)),   # etp beyond tp
+    "etp2_ep2_zero2_recompute": (4, dict(tp=2, dp=2, ep=2, etp=2, zero=2, microbatches=2), {}, dict(recompute="full")),
+    "ep2_tp2_pp2_interleaved": (4, dict(tp=2, pp=2, ep=2, vpp=2, schedule="interleaved", microbatches=2),
+                                dict(layers=4)),
+    "etp2_ep2_tp2_capacity_fp8": (4, dict(dp=2, ep=2, etp=2, tp=2, fp8_dispatch=True), dict(capacity_factor=1.0)),
 }
 EXACT = [n for n in CASES if "fp8" not in n]
 
@@ -57,8 +61,11 @@ def moe_config(parallel: dict | None = None, model: dict | None = None) -> Confi
 
 
 def case_config(name: str) -> Config:
-    _, par, model = CASES[name]
-    return moe_config(par, model)
+    _, par, model, *train = CASES[name]
+    c = moe_config(par, model)
+    for k, v in (train[0] if train else {}).items():
+        setattr(c.train, k, v)
+    return c
 
 
 # -- the dispatcher alone ----------------------------------------------------------------------------
@@ -166,6 +173,7 @@ def results_of(name, two, four):
 def test_expert_parallel_equals_single_process(name, two, four):
     c = case_config(name)
     one = moe_config(dict(microbatches=c.parallel.microbatches * c.parallel.dp), CASES[name][2])
+    one.train.recompute = c.train.recompute
     ref = reference(one)
     for r in results_of(name, two, four):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
@@ -212,12 +220,16 @@ def test_ep_all_to_alls_per_step(two):
 
 
 @pytest.mark.ranks
-def test_fp8_dispatch_quarters_the_bytes_and_keeps_the_loss(two):
+def test_fp8_dispatch_quarters_the_bytes_and_keeps_the_loss(two, four):
     """FP8 dispatch sends h + 4 bytes a routed row instead of 4h (fp32); combine and both backward
     exchanges are unchanged, so of the four equal-row all-to-alls per layer the step sends
     (h + 4 + 3·4h) / (4·4h) of the exact run's bytes. The loss stays within 1% of the unquantised run over
     3 steps (e4m3 keeps about two significant digits a value)."""
     h = case_config("ep2_capacity_fp8").model.hidden
+    folded = zip(four["etp2_ep2_tp2_capacity_fp8"], four["etp2_ep2_tp2_capacity"])
+    for fp8, exact in folded:   # with etp: the etp exchanges stay exact; the loss stays within 1%
+        torch.testing.assert_close(torch.tensor(fp8["losses"]), torch.tensor(exact["losses"]), rtol=1e-2, atol=0)
+        assert fp8["losses"] != exact["losses"]
     for fp8, exact in zip(two["ep2_capacity_fp8"], two["ep2_capacity"]):
         torch.testing.assert_close(torch.tensor(fp8["losses"]), torch.tensor(exact["losses"]), rtol=1e-2, atol=0)
         assert fp8["losses"] != exact["losses"]                  # it did quantise

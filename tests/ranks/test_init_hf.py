@@ -67,7 +67,7 @@ def hf_loss(model, x_bs, y_bs) -> float:
 
 
 FAMILIES = {"llama": [dict(tp=2), dict(pp=2, microbatches=2)], "qwen2": [dict(tp=2)],
-            "mixtral": [dict(tp=2), dict(pp=2, microbatches=2), dict(dp=2, ep=2)]}
+            "mixtral": [dict(tp=2), dict(pp=2, microbatches=2), dict(dp=2, ep=2), dict(tp=2, ep=2), dict(tp=2, etp=2)]}
 CASES = [(f, p) for f, ps in FAMILIES.items() for p in ps]
 
 
@@ -147,7 +147,7 @@ def test_export_hf_of_a_4_rank_run_writes_shards_from_pretrained_loads(tmp_path)
     folder, out, dest = tmp_path / "m", tmp_path / "run", tmp_path / "hf"
     hf_folder(folder, "mixtral")
     byte_level_tokenizer().save(str(folder / "tokenizer.json"))
-    r = fivefold_cli("train", "--init-hf", str(folder), "--tp", "2", "--ep", "2", "--nproc", "4", "--steps", "2",
+    r = fivefold_cli("train", "--init-hf", str(folder), "--tp", "2", "--ep", "2", "--etp", "2", "--nproc", "4", "--steps", "2",
                      "--global-batch", "4", "--seq-len", "32", "--lr", "1e-3", "--set", "train.data_limit_mb=0.05",
                      "--set", "train.min_lr=1e-4", "--set", "train.warmup=1", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]

@@ -93,7 +93,8 @@ def peft_losses(folder, rows, cfg: Config) -> list[float]:
 
 
 LAYOUTS = [dict(tp=2), dict(dp=2, zero=3), dict(pp=2, microbatches=2), dict(dp=2)]
-MOE_LAYOUTS = {"ep": dict(dp=2, ep=2), "sp": dict(tp=2, sp_mode="megatron")}
+MOE_LAYOUTS = {"ep": dict(dp=2, ep=2), "sp": dict(tp=2, sp_mode="megatron"),
+               "folded": dict(tp=2, ep=2, sp_mode="megatron")}   # ep folded onto the tp pair
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfi
 # 16384, vocab 128256), low enough that a typo (or a crafted file) cannot make a loop over the layers or
 # a shape computation run for hours before anything is allocated.
 MODEL_LIMITS = {"vocab": 2**31, "hidden": 2**20, "layers": 2**16, "heads": 2**14, "kv_heads": 2**14, "ffn": 2**24,
-                "max_seq": 2**30, "experts": 2**16, "moe_ffn": 2**24, "shared_experts": 2**10, "dense_layers": 2**16,
+                "max_seq": 2**30, "experts": 2**16, "moe_ffn": 2**24, "shared_experts": 2**10, "dense_layers": 2**16, "attn_head_dim": 2**14,
                 "q_lora_rank": 2**20, "kv_lora_rank": 2**20, "qk_nope_dim": 2**14, "qk_rope_dim": 2**14,
                 "v_head_dim": 2**14}
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
@@ -58,7 +58,9 @@ class HeadShapes:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """Per-head width of grouped-query attention's q, k and v: `attn_head_dim` when set (Qwen3: 128 for
+        any hidden), else hidden / heads."""
+        return self.attn_head_dim or self.hidden // self.heads
 
     @property
     def mla(self) -> bool:
@@ -106,9 +108,13 @@ class ParameterCounts:
             kv = (self._linear(h, self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank
                   + self._linear(self.kv_lora_rank, self.heads * (self.qk_nope_dim + self.v_head_dim)))
             return q + kv + self._linear(self.heads * self.v_head_dim, h)
-        kv = self.kv_heads * self.head_dim
-        return (self._linear(h, h, self.qkv_bias) + 2 * self._linear(h, kv, self.qkv_bias)
-                + self._linear(h, h))
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return (self._linear(h, q, self.qkv_bias) + 2 * self._linear(h, kv, self.qkv_bias)
+                + self._linear(q, h) + self.qk_norm_params())
+
+    def qk_norm_params(self) -> int:
+        """Qwen3's q and k norms: one RMSNorm weight of the head dim each (whole on every tp rank)."""
+        return 2 * self._norm(self.head_dim) if self.qk_norm and not self.mla else 0
 
     def mlp_params(self, width: int) -> int:
         h = self.hidden
@@ -179,6 +185,8 @@ class ModelConfig(HeadShapes, ParameterCounts):
     shared_expert_gate: bool = False   # Qwen2-MoE: shared output times sigmoid(Linear(h, 1))
     bias_update_rate: float = 0.001    # sigmoid_bias: expert-bias step per update (DeepSeek-V3's gamma)
     qkv_bias: bool = False        # Qwen2 / Qwen2-MoE: biases on the q, k, v projections
+    attn_head_dim: int = 0        # per-head width of q, k, v (0: hidden / heads; Qwen3 sets 128 whatever hidden)
+    qk_norm: bool = False         # Qwen3: an RMSNorm over each head's q and k (weights of the head dim) before RoPE
     routed_scaling_factor: float = 1.0   # routed experts' weights times this (DeepSeek-V3: 2.5)
     # Multi-head latent attention (DeepSeek-V2/V3): kv_lora_rank > 0 turns it on (0: GQA)
     q_lora_rank: int = 0          # query latent width (0: a plain q projection, as DeepSeek-V2-Lite)
@@ -226,18 +234,21 @@ class ModelConfig(HeadShapes, ParameterCounts):
         _check_finite(self, "model")
         for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq"):
             rules.check_count(f"model.{name}", getattr(self, name), 1, MODEL_LIMITS[name])
-        for name in ("experts", "moe_ffn", "shared_experts", "dense_layers"):
+        for name in ("experts", "moe_ffn", "shared_experts", "dense_layers", "attn_head_dim"):
             rules.check_count(f"model.{name}", getattr(self, name), 0, MODEL_LIMITS[name])
         for name in MLA_FIELDS:
             rules.check_count(f"model.{name}", getattr(self, name), 0, MODEL_LIMITS[name])
         if self.mla:
             self.validate_mla()
+            if self.attn_head_dim or self.qk_norm:
+                raise ConfigError("model.attn_head_dim and model.qk_norm shape grouped-query attention (Qwen3); latent "
+                                  "attention (kv_lora_rank > 0) has its own head dims: valid: 0 and false with MLA")
         else:
             if any(getattr(self, name) for name in MLA_FIELDS):
                 set_ = ", ".join(f"{n}={getattr(self, n)}" for n in MLA_FIELDS if getattr(self, n))
                 raise ConfigError(f"model.{set_.split('=')[0]} is a latent-attention (MLA) size but model.kv_lora_rank "
                                   f"is 0 (MLA off); valid: kv_lora_rank >= 1, or {set_} set to 0")
-            rules.check_attention(self.hidden, self.heads, self.kv_heads)
+            rules.check_attention(self.hidden, self.heads, self.kv_heads, self.attn_head_dim)
         _check_above_zero("model.routed_scaling_factor", self.routed_scaling_factor, "1, DeepSeek-V3: 2.5")
         _check_unit("model.dropout", self.dropout, "0: off")
         for name, typical in (("rope_theta", "10000 or 500000"), ("norm_eps", "1e-5 or 1e-6"), ("init_std", "0.02")):

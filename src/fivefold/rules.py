@@ -256,12 +256,17 @@ def check_positive(name: str, value: int) -> None:
 
 
 # -- model ---------------------------------------------------------------------------------------------
-def check_attention(hidden: int, heads: int, kv_heads: int) -> None:
-    """hidden splits into heads of even size (RoPE rotates pairs); heads split into kv_heads groups (GQA)."""
-    if hidden % heads:
+def check_attention(hidden: int, heads: int, kv_heads: int, head_dim: int = 0) -> None:
+    """hidden splits into heads of even size (RoPE rotates pairs), or `head_dim` (when set: Qwen3's width of
+    its own) is even; heads split into kv_heads groups (GQA)."""
+    if head_dim:
+        if head_dim % 2:
+            raise ConfigError(f"model.attn_head_dim ({head_dim}) must be even for RoPE; valid: an even width, or 0 "
+                              f"(hidden / heads)")
+    elif hidden % heads:
         raise ConfigError(f"model.hidden ({hidden}) must divide by model.heads ({heads}); "
-                          f"valid heads: {nearest(heads, divisors(hidden))}")
-    if (hidden // heads) % 2:
+                          f"valid heads: {nearest(heads, divisors(hidden))} (or set model.attn_head_dim)")
+    elif (hidden // heads) % 2:
         raise ConfigError(f"head dim hidden/heads = {hidden // heads} must be even for RoPE; valid heads: "
                           f"{nearest(heads, [d for d in divisors(hidden) if (hidden // d) % 2 == 0])}")
     if heads % kv_heads:

@@ -51,6 +51,16 @@ CASES = {
                               "--schedule", "gpipe",
                               "--seq-len", "4096", "--global-batch", "2048", "--set", "model.capacity_factor=1.0",
                               "--ranks", "0,128", "--steps", "1"],
+    # DeepSeek-V3 with tp > 1: tp2 x pp16 x dp64, its 256 experts over ep64 folded across tp2 x dp32 (capacity
+    # mode: each tp rank routes its half of the sequences), a MoE stage
+    "deepseek-v3-tp2-pp16-ep64": ["--model", "deepseek-v3", "--tp", "2", "--pp", "16", "--dp", "64", "--ep", "64",
+                                  "--microbatches", "2", "--schedule", "gpipe", "--seq-len", "4096", "--global-batch",
+                                  "2048", "--set", "model.capacity_factor=1.0", "--ranks", "128", "--steps", "1"],
+    # Qwen3-235B-A22B folded as Megatron-LM's example runs it on 256 GPUs (TP2 PP8 EP32: ep over tp2 x dp16;
+    # its vpp 4 aside): q/k norms, 128-wide heads, 128 experts top-8; the first and the last stage
+    "qwen3-235b-tp2-pp8-ep32": ["--model", "qwen3-235b-a22b", "--tp", "2", "--pp", "8", "--dp", "16", "--ep", "32",
+                                "--sp-mode", "megatron", "--microbatches", "2", "--schedule", "gpipe", "--seq-len",
+                                "4096", "--global-batch", "32", "--ranks", "0,255", "--steps", "1"],
     # long context: 131,072-token sequences under cp16 (ring attention), stage 0 of 16,384 ranks; one
     # micro-batch of both sequences under GPipe keeps it to 20 s (the published 16 under 1F1B run in benchmarks/)
     "llama3-405b-tp8-cp16-pp16": ["--model", "llama3-405b", "--tp", "8", "--cp", "16", "--pp", "16", "--dp", "8",

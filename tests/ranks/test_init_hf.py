@@ -34,6 +34,14 @@ def hf_folder(path, family: str):
             for n, p in model.named_parameters():
                 if n.endswith("bias"):
                     p.normal_(0, 0.5)
+    elif family == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+            head_dim=12, **COMMON))
+        with torch.no_grad():   # the q/k norms start at one: make them matter
+            for n, p in model.named_parameters():
+                if n.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.normal_(1.0, 0.3)
     else:
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
@@ -67,7 +75,8 @@ def hf_loss(model, x_bs, y_bs) -> float:
 
 
 FAMILIES = {"llama": [dict(tp=2), dict(pp=2, microbatches=2)], "qwen2": [dict(tp=2)],
-            "mixtral": [dict(tp=2), dict(pp=2, microbatches=2), dict(dp=2, ep=2), dict(tp=2, ep=2), dict(tp=2, etp=2)]}
+            "mixtral": [dict(tp=2), dict(pp=2, microbatches=2), dict(dp=2, ep=2), dict(tp=2, ep=2), dict(tp=2, etp=2)],
+            "qwen3_moe": [dict(tp=2, ep=2), dict(tp=2, etp=2, sp_mode="megatron")]}
 CASES = [(f, p) for f, ps in FAMILIES.items() for p in ps]
 
 

@@ -48,6 +48,40 @@ def test_logits_loss_grads_match(kw):
                                    msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("head_dim, tied", [(12, False), (16, True)])
+def test_qwen3_logits_grads_and_round_trip(head_dim, tied):
+    """Qwen3: q and k normalised per head before RoPE, a head dim of its own (12 or 16 x 4 heads, not hidden
+    64 / 4): logits and gradients equal transformers', and the model goes back to the same tensors."""
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=64, rms_norm_eps=1e-6,
+        attn_implementation="eager", tie_word_embeddings=tied)).eval()
+    with torch.no_grad():   # the q/k norms start at one: make them matter
+        for n, p in hf.named_parameters():
+            if n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.3)
+    ours = from_hf(hf)
+    assert ours.cfg.qk_norm and ours.cfg.head_dim == head_dim and hf_family(ours.cfg) == "qwen3"
+    assert sum(p.numel() for p in ours.parameters()) == ours.cfg.num_params() == \
+        sum(p.numel() for p in hf.parameters())
+    tokens = torch.randint(0, 97, (3, 24), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(tokens, -1, 1)
+    logits_hf = hf(tokens).logits
+    logits = ours(tokens)
+    torch.testing.assert_close(logits, logits_hf, rtol=1e-5, atol=1e-5)
+    F.cross_entropy(logits_hf.flatten(0, 1), targets.flatten()).backward()
+    (loss_sum(logits, targets) / targets.numel()).backward()
+    theirs = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[name_map(ours.cfg)[name]].grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+    back = to_hf(ours)
+    assert type(back) is type(hf)
+    want = hf.state_dict()
+    assert all(torch.equal(t, want[n]) for n, t in back.state_dict().items()) and back.state_dict().keys() == want.keys()
+
+
 def test_round_trip_and_saved_folder(tmp_path):
     hf = hf_model(**CONFIGS[0])
     hf.save_pretrained(tmp_path)
@@ -70,7 +104,7 @@ def test_seeded_init_is_deterministic():
     assert a.head.weight is a.embed.weight
 
 
-# -- mixture of experts: Mixtral and Qwen2-MoE ---------------------------------------------------------
+# -- mixture of experts: Mixtral, Qwen2-MoE and Qwen3-MoE ---------------------------------------------------------
 
 MOE_COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64, rms_norm_eps=1e-6, attn_implementation="eager",
@@ -84,6 +118,10 @@ MOE_CASES = {
                       num_experts=4, norm_topk_prob=False, qkv_bias=False),
     "qwen2_moe_dense0": dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                              num_experts=4, norm_topk_prob=False, qkv_bias=False, mlp_only_layers=[0]),
+    # Qwen3-MoE: q/k norms, a head dim of its own (12 x 4 heads = 48 != hidden 64), no shared expert
+    "qwen3_moe": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, norm_topk_prob=True, head_dim=12),
+    "qwen3_moe_dense0": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, norm_topk_prob=False,
+                             head_dim=16, mlp_only_layers=[0]),
 }
 
 
@@ -92,6 +130,13 @@ def hf_moe(case, **over):
     kw = {**MOE_COMMON, **MOE_CASES[case], **over}
     if case.startswith("mixtral"):
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(**kw)).eval()
+    if case.startswith("qwen3"):
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**kw)).eval()
+        with torch.no_grad():   # the q/k norms start at one: make them matter
+            for n, p in model.named_parameters():
+                if n.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.normal_(1.0, 0.3)
+        return model
     return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**kw)).eval()
 
 
@@ -103,6 +148,11 @@ def test_moe_logits_grads_and_round_trip(case):
     assert (c.experts, c.top_k) == (4, 2)
     if case.startswith("mixtral"):
         assert (c.router, c.shared_experts, c.moe_ffn, c.dense_layers) == ("softmax_topk_norm", 0, c.ffn, 0)
+    elif case.startswith("qwen3"):
+        kw = MOE_CASES[case]
+        assert c.qk_norm and c.head_dim == kw["head_dim"]   # (attn_head_dim 0 where it is hidden / heads)
+        assert c.router == ("softmax_topk_norm" if kw["norm_topk_prob"] else "softmax_topk") and not c.shared_experts
+        assert c.dense_layers == len(kw.get("mlp_only_layers", []))
     else:
         kw = MOE_CASES[case]
         assert c.router == ("softmax_topk_norm" if kw["norm_topk_prob"] else "softmax_topk")

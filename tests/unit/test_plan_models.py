@@ -140,6 +140,11 @@ HF_CONFIGS = {
     "gpt2-n_inner-untied": dict(model_type="gpt2", n_embd=64, n_layer=3, n_head=4, vocab_size=1000, n_positions=128,
                                 n_inner=100, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0),
     "pythia-6.9b": PYTHIA_6_9B,
+    # a head dim of its own (not hidden / heads), Qwen3's q/k norms, Qwen3-MoE's experts without a shared one
+    "mistral-head-dim": dict(model_type="mistral", head_dim=32, num_key_value_heads=2, **_SMALL),
+    "qwen3": dict(model_type="qwen3", head_dim=24, num_key_value_heads=2, tie_word_embeddings=True, **_SMALL),
+    "qwen3-moe": dict(model_type="qwen3_moe", head_dim=24, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=48, norm_topk_prob=True, **_SMALL),
 }
 
 
@@ -181,7 +186,6 @@ def test_pythia_is_a_gelu_model_of_6_9_billion():
     (dict(model_type="gemma", **_SMALL), ["'gemma'", "gpt_neox", "llama"]),
     (dict(model_type="gptj", n_embd=64, n_layer=2, n_head=4, vocab_size=100), ["'gptj'", "supported"]),
     (dict(model_type="gpt_neox", hidden_act="softplus", **_SMALL), ["'softplus'", "gelu"]),
-    (dict(model_type="mistral", head_dim=32, **_SMALL), ["head_dim 32", "'mistral'"]),
     (dict(model_type="llama", attention_bias=True, **_SMALL), ["attention_bias"]),
 ])
 def test_hugging_face_configs_it_cannot_model_are_refused_in_one_line(config, words):

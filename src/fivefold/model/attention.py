@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .documents import document_mask
-from .layers import Enter
+from .layers import Enter, RMSNorm
 
 
 def rope_cos_sin(positions, head_dim: int, theta: float, device=None, offset: int = 0,
@@ -213,6 +213,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias, device=device)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias, device=device)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False, device=device)
+        # Qwen3: each head's q and k normalised (RMSNorm over the head dim, one weight shared by the heads)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device) if cfg.qk_norm else None
         self.core = attention_core  # selective recompute swaps in a checkpointed version (parallel/recompute.py)
 
     def forward(self, x_bsh: torch.Tensor, cos_sd, sin_sd, kv: LayerKV | None = None,
@@ -226,6 +229,8 @@ class Attention(nn.Module):
         q_bnsd = q_bsf.view(b, s, -1, d).transpose(1, 2)
         k_bksd = k_bsf.view(b, s, -1, d).transpose(1, 2)
         v_bksd = v_bsf.view(b, s, -1, d).transpose(1, 2)
+        if self.q_norm is not None:
+            q_bnsd, k_bksd = self.q_norm(q_bnsd), self.k_norm(k_bksd)
         q_bnsd, k_bksd = apply_rope(q_bnsd, cos_sd, sin_sd), apply_rope(k_bksd, cos_sd, sin_sd)
         return self.wo(attend(self.core, q_bnsd, k_bksd, v_bksd, kv, documents_bS))
 

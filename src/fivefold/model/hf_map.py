@@ -2,7 +2,8 @@
 and tensor names (`name_map`, `packed_map`, `buffer_map`). Torch-free tables and functions; model/hf.py
 moves weights between the two models with them, model/hf_weights.py reads a saved folder with them.
 
-Import and export Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE and DeepSeek-V3 weights.
+Import and export Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3
+weights.
 
 `from_hf(m)` takes a `transformers` LlamaForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM (an
 object, or a folder saved with `save_pretrained`) and returns our `Transformer` with the same weights;
@@ -23,6 +24,11 @@ What maps (ours <- theirs):
   moe_intermediate_size: shared_experts = the ratio) behind its sigmoid gate (shared_expert_gate);
   ffn = intermediate_size (the dense layers). Dense layers (mlp_only_layers, decoder_sparse_step) must be
   the first N layers (dense_layers = N; the default, all sparse, is N = 0).
+- Qwen3: a Llama with q and k norms (model.qk_norm: an RMSNorm over each head's q and k, self_attn.q_norm /
+  k_norm) and its own head dim (head_dim, 128 whatever hidden: model.attn_head_dim); no biases.
+- Qwen3-MoE: Qwen3's attention; experts num_experts of moe_intermediate_size, top_k num_experts_per_tok,
+  router softmax_topk_norm if norm_topk_prob else softmax_topk, no shared expert; dense layers
+  (mlp_only_layers, decoder_sparse_step) as Qwen2-MoE's: the first N only.
 - DeepSeek-V3: latent attention (model/latent_attention.py: q_a_proj, q_a_layernorm, q_b_proj or q_proj,
   kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; rope_interleave as given); dense_layers
   first_k_dense_replace; router sigmoid_bias (its e_score_correction_bias buffer is our expert_bias),
@@ -83,12 +89,14 @@ MLA_Q_LORA_NAMES = {
     "attn.q_b.weight": "self_attn.q_b_proj.weight",
 }
 MLA_Q_NAMES = {"attn.q_proj.weight": "self_attn.q_proj.weight"}
+QK_NORM_NAMES = {"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"}
 DEEPSEEK_SHARED_NAMES = {k: v.replace("shared_expert.", "shared_experts.") for k, v in SHARED_NAMES.items()}
 # buffers that map one to one (training state, not parameters): the sigmoid router's expert bias
 BUFFER_NAMES = {"mlp.expert_bias": "mlp.gate.e_score_correction_bias"}
 
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-           "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+           "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+           "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def rope_theta_of(hf_cfg) -> float:
@@ -104,9 +112,8 @@ def _common(hf_cfg) -> dict:
     if getattr(hf_cfg, "hidden_act", "silu") != "silu":
         raise ValueError(f"only SwiGLU (hidden_act silu) MLPs are supported, got {hf_cfg.hidden_act}")
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
-    if head_dim * hf_cfg.num_attention_heads != hf_cfg.hidden_size:
-        raise ValueError("head_dim * heads must equal hidden_size")
-    return dict(
+    own = head_dim * hf_cfg.num_attention_heads != hf_cfg.hidden_size   # Qwen3's 128 whatever hidden
+    return dict(attn_head_dim=head_dim if own else 0,
         vocab=hf_cfg.vocab_size, hidden=hf_cfg.hidden_size, layers=hf_cfg.num_hidden_layers,
         heads=hf_cfg.num_attention_heads, kv_heads=hf_cfg.num_key_value_heads or hf_cfg.num_attention_heads,
         ffn=hf_cfg.intermediate_size, rope_theta=rope_theta_of(hf_cfg), norm_eps=hf_cfg.rms_norm_eps,
@@ -140,6 +147,12 @@ def config_from_hf(hf_cfg) -> ModelConfig:
     cfg["max_seq"] = _window_limit(hf_cfg, kind, cfg["max_seq"])
     if kind == "qwen2":
         cfg["qkv_bias"] = True   # Qwen2's attention always has them
+    if kind in ("qwen3", "qwen3_moe"):
+        cfg["qk_norm"] = True
+    if kind == "qwen3_moe":
+        cfg.update(experts=hf_cfg.num_experts, top_k=hf_cfg.num_experts_per_tok, moe_ffn=hf_cfg.moe_intermediate_size,
+                   dense_layers=qwen2_moe_dense_layers(hf_cfg), aux_loss_coef=hf_cfg.router_aux_loss_coef,
+                   router="softmax_topk_norm" if hf_cfg.norm_topk_prob else "softmax_topk")
     if kind == "mixtral":
         if hf_cfg.sliding_window is not None:
             raise ValueError(f"Mixtral with sliding_window={hf_cfg.sliding_window} is not supported (full causal "
@@ -223,7 +236,7 @@ def _window_limit(hf_cfg, kind: str, max_seq: int) -> int:
     """max_seq under a sliding window: the window when it is shorter (up to it, attention is full causal).
     Mistral and Mixtral name a window by `sliding_window`; Qwen2 and Qwen2-MoE only with use_sliding_window."""
     window = getattr(hf_cfg, "sliding_window", None)
-    if kind in ("qwen2", "qwen2_moe") and not getattr(hf_cfg, "use_sliding_window", False):
+    if kind in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not getattr(hf_cfg, "use_sliding_window", False):
         window = None
     return min(max_seq, window) if window else max_seq
 
@@ -233,6 +246,8 @@ def hf_family(cfg: ModelConfig) -> str:
     no shared expert, no dense layers); qwen2_moe (softmax routers, shared experts behind a gate)."""
     if cfg.mla:
         return "deepseek_v3"
+    if cfg.qk_norm:
+        return "qwen3_moe" if cfg.experts else "qwen3"
     if not cfg.experts:
         return "qwen2" if cfg.qkv_bias else "llama"
     if cfg.router == "sigmoid_bias" or cfg.router_groups:
@@ -256,6 +271,11 @@ def config_to_hf(cfg: ModelConfig, family: str | None = None):
                   max_position_embeddings=cfg.max_seq, initializer_range=cfg.init_std, attention_dropout=0.0)
     if family == "deepseek_v3":
         return _deepseek_v3_hf(cfg, common)
+    if cfg.qk_norm != family.startswith("qwen3"):
+        raise ValueError(f"{family} {'has no' if cfg.qk_norm else 'always has'} q/k norms (model.qk_norm "
+                         f"{str(cfg.qk_norm).lower()}): export as {'qwen3 / qwen3_moe' if cfg.qk_norm else hf_family(cfg)}")
+    if family != "mistral" and family != "mixtral":
+        common["head_dim"] = cfg.head_dim
     if cfg.mla:
         raise ValueError(f"{family} has no latent attention (model.kv_lora_rank > 0): export as deepseek_v3")
     if cfg.routed_scaling_factor != 1.0:
@@ -275,6 +295,19 @@ def config_to_hf(cfg: ModelConfig, family: str | None = None):
                                           **common)
     if family == "qwen2":
         return transformers.Qwen2Config(intermediate_size=cfg.ffn, use_sliding_window=False, **common)
+    if family in ("qwen3", "qwen3_moe") and cfg.qkv_bias:
+        raise ValueError("Qwen3 has no q/k/v biases (model.qkv_bias): export as qwen2 / qwen2_moe")
+    if family == "qwen3":
+        return transformers.Qwen3Config(intermediate_size=cfg.ffn, attention_bias=False, use_sliding_window=False,
+                                        **common)
+    if family == "qwen3_moe":
+        if cfg.shared_experts or cfg.router not in ("softmax_topk_norm", "softmax_topk"):
+            raise ValueError("Qwen3-MoE has no shared experts and routes by softmax top-k")
+        return transformers.Qwen3MoeConfig(
+            intermediate_size=cfg.ffn, moe_intermediate_size=cfg.expert_ffn, num_experts=cfg.experts,
+            num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.router == "softmax_topk_norm", decoder_sparse_step=1,
+            mlp_only_layers=list(range(cfg.dense_layers)), attention_bias=False, use_sliding_window=False,
+            router_aux_loss_coef=cfg.aux_loss_coef, **common)
     if family == "mixtral":
         if cfg.shared_experts or cfg.dense_layers or cfg.router != "softmax_topk_norm":
             raise ValueError("Mixtral has no shared experts or dense layers and renormalises its top-k")
@@ -304,7 +337,7 @@ def name_map(cfg: ModelConfig) -> dict[str, str]:
         if cfg.mla:
             names = {**MLA_NAMES, **(MLA_Q_LORA_NAMES if cfg.q_lora_rank else MLA_Q_NAMES)}
         else:
-            names = {**ATTN_NAMES, **(QKV_BIAS_NAMES if cfg.qkv_bias else {})}
+            names = {**ATTN_NAMES, **(QKV_BIAS_NAMES if cfg.qkv_bias else {}), **(QK_NORM_NAMES if cfg.qk_norm else {})}
         if cfg.is_moe_layer(i):
             names.update(MOE_NAMES)
             names.update((DEEPSEEK_SHARED_NAMES if cfg.mla else SHARED_NAMES) if cfg.shared_experts else {})

@@ -378,7 +378,8 @@ def parallelize(model: Transformer, group: Group, sequence_parallel: bool = Fals
 def gqa_attention(attn, cfg, group: Group, sp: bool, column, row, kv_replicas: int, n: int,
                   overlap: bool = False) -> None:
     """Grouped-query attention: x enters once (f, or the SP all-gather), wq/wk/wv column-parallel by heads
-    (K/V replicated over tp/kv_heads ranks when tp > kv_heads), wo row-parallel."""
+    (K/V replicated over tp/kv_heads ranks when tp > kv_heads), wo row-parallel; Qwen3's q/k norms whole on
+    every rank with partial gradients (each rank normalises its own heads), summed over tp."""
     d = cfg.head_dim
     attn.enter = ParallelInput(group, sp, overlap=overlap)
     attn.wq = column(attn.wq, Shard("tp", 0, cfg.heads * d))
@@ -386,6 +387,10 @@ def gqa_attention(attn, cfg, group: Group, sp: bool, column, row, kv_replicas: i
     kv_partial = "tp_kv" if 1 < kv_replicas < n else ("tp" if kv_replicas == n > 1 else None)
     attn.wk, attn.wv = column(attn.wk, kv, kv_partial), column(attn.wv, kv, kv_partial)
     attn.wo = row(attn.wo, cfg.heads * d)
+    for norm in (attn.q_norm, attn.k_norm):   # Qwen3: whole on every rank, each rank's heads add to its gradient
+        if norm is not None:
+            add_shard(norm.weight, Shard("tp", None, replicas=n))
+            place(norm.weight, partial="tp", counted=group.rank == 0)
 
 
 def latent_attention(attn: LatentAttention, cfg, group: Group, sp: bool, column, row, replicated) -> None:

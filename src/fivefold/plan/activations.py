@@ -114,6 +114,7 @@ def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1, recompute_
     `recompute_norm_mla` (DeepSeek-V3 §3.4): the norms' outputs (QKV and MLP inputs) and MLA's
     up-projections are recomputed in the backward, so a layer keeps the norms' inputs and MLA only its
     latents c_q, c_kv and the shared RoPE key k_pe (q_lora_rank + kv_lora_rank + qk_rope_dim), not Q, K, V.
+    Qwen3's q/k norms keep their inputs (Q and K before RoPE) and an fp32 inverse rms per head and token.
     Expert tensor parallelism (`etp`): each etp rank keeps the rows of all etp ranks as its expert slices'
     input (etp times the routed rows, each 1/etp of the width: the SwiGLU internals per token are unchanged).
     """
@@ -139,6 +140,8 @@ def layer_acts(model: PlanModel, i: int, work: Workload, tp: int = 1, recompute_
     else:
         acts.sharded += e * model.q_width                           # Q
         acts.sharded += e * (model.kv_width + model.v_width) * tp / kv_split  # K, V
+        if model.qk_norm:   # Qwen3: each q/k norm keeps its input and an fp32 inverse rms per head
+            acts.sharded += e * (model.q_width + model.kv_width * tp / kv_split) + 4 * (model.heads + model.kv_heads)
     acts.sharded += (1.5 if fp8 else e) * model.attn_out_width      # attention output = o-projection input
     acts.scores += model.heads * work.seq * (e + drop * (1 + e))    # softmax out (+ dropout mask, output)
     if work.flash:

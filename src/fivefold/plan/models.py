@@ -81,6 +81,8 @@ class PlanModel(HeadShapes, ParameterCounts):
     norm: str = "rms"                  # "rms" (weight) or "layer" (weight and bias)
     linear_bias: bool = False          # biases on every linear (GPT-3)
     qkv_bias: bool = False             # biases on q, k, v only (Qwen2)
+    attn_head_dim: int = 0             # per-head width of q, k, v when not hidden / heads (Qwen3)
+    qk_norm: bool = False              # an RMSNorm over each head's q and k (Qwen3)
     learned_pos: bool = False          # learned absolute position embedding (GPT-3)
     parallel_residual: bool = False    # attention and MLP both read the block input (GPT-NeoX)
     dropout: bool = False              # dropout masks stored (Korthikanti's GPT counts them)
@@ -272,6 +274,12 @@ PRESETS: dict[str, PlanModel] = {
                              ffn=18432, tie_embeddings=False, max_seq=4096, experts=256, top_k=8, moe_ffn=2048, shared_experts=1,
                              dense_layers=3, router_bias=True, q_lora_rank=1536, kv_lora_rank=512,
                              qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, mtp_depth=1),
+    # Qwen Team 2025, "Qwen3 Technical Report", Table 2, and the released Qwen3-235B-A22B config.json: 94
+    # layers, hidden 4096, 64 query / 4 K/V heads of 128 dims (not hidden / heads) with q/k norms, 128
+    # experts of width 1536, top-8, no shared expert, vocabulary 151936, untied: 235.1 B parameters, 22.1 B active.
+    "qwen3-235b-a22b": PlanModel(name="qwen3-235b-a22b", vocab=151936, hidden=4096, layers=94, heads=64, kv_heads=4,
+                                 ffn=12288, tie_embeddings=False, max_seq=40960, experts=128, top_k=8, moe_ffn=1536,
+                                 attn_head_dim=128, qk_norm=True),
 }
 
 
@@ -304,7 +312,7 @@ MODEL_FIELDS: dict[str, ModelField] = {
     **{name: _same(name) for name in (
         "vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "tie_embeddings", "max_seq", "experts", "top_k",
         "shared_experts", "dense_layers", "shared_expert_gate", "qkv_bias", "q_lora_rank", "kv_lora_rank",
-        "qk_nope_dim", "qk_rope_dim", "v_head_dim")},
+        "qk_nope_dim", "qk_rope_dim", "v_head_dim", "attn_head_dim", "qk_norm")},
     # the runtime's 0 means "ffn"; the planner's width is explicit
     "moe_ffn": ModelField("moe_ffn", lambda c: (c.moe_ffn or c.ffn) if c.experts else 0,
                           lambda m: m.moe_ffn if m.experts else 0),
@@ -372,7 +380,7 @@ def to_model_config(m: PlanModel, where: str = "") -> ModelConfig:
 # model_type -> how its config.json reads. Gated ("swiglu": gate, up, down) MLP families differ only in
 # biases, MoE and attention fields; GPT-NeoX and GPT-2 have a two-matrix GELU MLP, LayerNorm with bias
 # and biases on every linear. Anything else is refused: its MLP or attention would be miscounted.
-GATED_FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3")
+GATED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 GELU_FAMILIES = ("gpt_neox", "gpt2")
 HF_FAMILIES = GATED_FAMILIES + GELU_FAMILIES
 # activations that leave the shapes and FLOPs alone (elementwise; the MLP kind comes from the family)
@@ -418,7 +426,7 @@ def check_plan_model(m: PlanModel, where: str) -> None:
         elif f.type in ("int", int):
             check_count(f"{where}: {f.name}", value, 1 if f.name in PLAN_SIZES else 0,
                         MODEL_LIMITS.get(f.name, 2**31))   # past these, per-layer loops would run for hours
-    if not m.mla and m.hidden % m.heads:
+    if not m.mla and not m.attn_head_dim and m.hidden % m.heads:
         raise ConfigError(f"{where}: hidden ({m.hidden}) must divide by heads ({m.heads})")
     if m.heads % m.kv_heads:
         raise ConfigError(f"{where}: heads ({m.heads}) must divide by kv_heads ({m.kv_heads})")
@@ -458,7 +466,7 @@ def _need(d: dict, kind: str, *keys: str) -> list:
 # PlanModel's sizes: each a whole number >= 1, or >= 0 where 0 means "none" (no experts, standard attention)
 SIZES = ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq", "top_k")
 OPTIONAL_SIZES = ("experts", "moe_ffn", "shared_experts", "dense_layers", "q_lora_rank", "kv_lora_rank",
-                  "qk_nope_dim", "qk_rope_dim", "v_head_dim")
+                  "qk_nope_dim", "qk_rope_dim", "v_head_dim", "attn_head_dim")
 
 
 def check_shape(m: PlanModel, source: str) -> PlanModel:
@@ -477,10 +485,14 @@ def _refuse(kind: str, what: str) -> None:
                       f"supported: {', '.join(HF_FAMILIES)} in their standard form")
 
 
-def _check_head_dim(d: dict, kind: str, hidden: int, heads: int) -> None:
+def _head_dim(d: dict, kind: str, hidden: int, heads: int) -> int:
+    """A config's head_dim when it is not hidden / heads (Qwen3's 128, Mistral's and Llama's own), else 0;
+    latent attention's head dims are its own (0)."""
     head_dim = d.get("head_dim")
-    if head_dim and head_dim != hidden // heads and not d.get("kv_lora_rank"):
-        _refuse(kind, f"head_dim {head_dim} != hidden_size / num_attention_heads ({hidden // heads})")
+    if not head_dim or d.get("kv_lora_rank") or (hidden % heads == 0 and head_dim == hidden // heads):
+        return 0
+    check_count(f"Hugging Face config ({kind}) head_dim", head_dim, 1)
+    return head_dim
 
 
 def _dropout(d: dict, *keys: str) -> bool:
@@ -491,7 +503,7 @@ def _gated(d: dict, kind: str, name: str) -> PlanModel:
     """Llama-style decoders: RMSNorm, rotary, gated MLP (gate, up, down); Qwen2 adds q/k/v biases."""
     h, layers, heads, vocab = _need(d, kind, "hidden_size", "num_hidden_layers", "num_attention_heads",
                                     "vocab_size")
-    _check_head_dim(d, kind, h, heads)
+    head_dim = _head_dim(d, kind, h, heads)
     for key in ("attention_bias", "mlp_bias"):
         if d.get(key):
             _refuse(kind, f"{key} = true")
@@ -499,7 +511,7 @@ def _gated(d: dict, kind: str, name: str) -> PlanModel:
                   kv_heads=d.get("num_key_value_heads") or heads, ffn=d.get("intermediate_size") or 4 * h,
                   tie_embeddings=bool(d.get("tie_word_embeddings", False)),
                   max_seq=d.get("max_position_embeddings", 4096), qkv_bias=kind.startswith("qwen2"),
-                  dropout=_dropout(d, "attention_dropout"))
+                  dropout=_dropout(d, "attention_dropout"), attn_head_dim=head_dim, qk_norm=kind.startswith("qwen3"))
     experts = d.get("num_local_experts") or d.get("n_routed_experts") or d.get("num_experts") or 0
     if experts:
         m = _with_experts(m, d, kind, experts)
@@ -534,7 +546,7 @@ def _gpt_neox(d: dict, name: str) -> PlanModel:
     kind = "gpt_neox"
     h, layers, heads, vocab, ffn = _need(d, kind, "hidden_size", "num_hidden_layers", "num_attention_heads",
                                          "vocab_size", "intermediate_size")
-    _check_head_dim(d, kind, h, heads)
+    head_dim = _head_dim(d, kind, h, heads)
     if not d.get("attention_bias", True):
         _refuse(kind, "attention_bias = false")
     return PlanModel(name=name, vocab=vocab, hidden=h, layers=layers, heads=heads, kv_heads=heads, ffn=ffn,

@@ -397,6 +397,8 @@ def _partial_grad_params(model: PlanModel, tp: int, pp: int, vpp: int, partition
         # tokens (folded routed experts: the expert grid's, summed over edp)
         routed = 0 if ep.folded else model.experts
         out["moe"] = moe * (model.router_params() + (model.shared_experts + routed) * model.expert_params())
+    if model.qk_norm_params():   # Qwen3's q/k norms: whole on every tp rank, each rank's heads add to them
+        out["moe"] = out.get("moe", 0) + model.qk_norm_params() * len(rng)
     if sp:
         per = {False: 2 * model._norm(h) + (2 * h if model.linear_bias else 0),
                True: 2 * model._norm(h) + (h if model.linear_bias else 0)}

@@ -133,19 +133,16 @@ def _layer_rank_params(model: PlanModel, moe: bool, tp: int, ep: ExpertSplit) ->
     """(dense, expert) parameters of layer i on one rank: matrices split tp ways (K/V by min(tp, kv)
     heads, replicated beyond), norms and row-parallel biases replicated; an MoE layer's router and shared
     experts stay whole on the tp ranks (each routes its own tokens, parallel/tensor.py), and so do the routed
-    experts unless they are folded onto the expert grid: E/ep of them, 1/etp of each one's width (`ExpertSplit`). MLA: its down-projections and latent norms whole on every tp rank, the
-    up-projections and output projection split (parallel/tensor.py `latent_attention`)."""
+    experts unless they are folded onto the expert grid: E/ep of them, 1/etp of each one's width
+    (`ExpertSplit`). Qwen3's q/k norms whole on every tp rank. MLA: its down-projections and latent norms
+    whole on every tp rank, the up-projections and output projection split (parallel/tensor.py
+    `latent_attention`)."""
     if model.lora_rank:   # the adapters are what trains (frozen_params: the rest)
         return sum(n for n, _, _ in lora_tensors(model, moe, tp)), 0
     h = model.hidden
     norms = 2 * model._norm(h)
     row_bias = h if model.linear_bias else 0
-    attn = model.attention_params()
-    if model.mla:
-        attn_rank = _attn_rank(model, tp)
-    else:
-        kv = 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias)
-        attn_rank = (attn - kv - row_bias) // tp + kv // min(tp, model.kv_heads) + row_bias
+    attn_rank = _attn_rank(model, tp)
     if not moe:
         mlp = model.mlp_params(model.ffn)
         return attn_rank + norms + (mlp - row_bias) // tp + row_bias, 0
@@ -329,7 +326,10 @@ def layer_tensors(model: PlanModel, i: int, tp: int, ep: ExpertSplit) -> list[tu
         out = [(norm, False, "norm"), (q_width * h, False, "")] + ([(q_width, False, "")] if bias else [])
         for _ in range(2):   # wk, wv
             out += [(kv_width * h, False, "kv")] + ([(kv_width, False, "kv")] if bias else [])
-        out += [(q_width * h, False, ""), (norm, False, "norm")]
+        out += [(q_width * h, False, "")]
+        if model.qk_norm:   # Qwen3's q and k norms: whole on every tp rank, partial gradients (as MoE routers)
+            out += [(model.head_dim, False, "moe" if tp > 1 else "")] * 2
+        out += [(norm, False, "norm")]
     if not model.is_moe_layer(i):
         f = model.ffn * h // tp
         return out + [(f, False, ""), (f, False, ""), (f, False, "")]
@@ -364,7 +364,8 @@ def _attn_rank(model: PlanModel, tp: int) -> int:
         rep = model.mla_replicated_params()
         return (attn - rep) // tp + rep
     kv = 2 * model._linear(h, model.kv_heads * model.head_dim, model.qkv_bias)
-    return (attn - kv - row_bias) // tp + kv // min(tp, model.kv_heads) + row_bias
+    whole = row_bias + model.qk_norm_params()     # Qwen3's q/k norms: whole on every tp rank
+    return (attn - kv - whole) // tp + kv // min(tp, model.kv_heads) + whole
 
 
 def root_tensors(model: PlanModel, tp: int, pp: int, stage: int, head_first: bool = False) -> list[tuple[int, str]]:

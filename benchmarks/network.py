@@ -67,6 +67,12 @@ CASES = {
     # or across the spine (expert grads' edp reduction the other way round)
     "moe-tp2-dp4-ep2": ("two-leaves", 4, ["--tp", "2", "--dp", "4", "--ep", "2", *MOE],
                         ["tp-cp-ep-dp-pp", "tp-cp-dp-ep-pp"]),
+    # MoE parallel folding across two nodes (issue 53): tp inside each node; ep4 over all four ranks (its
+    # all-to-all crosses the nodes, no expert gradient reduction) against ep2 folded onto each node's tp pair
+    # (the all-to-all stays inside the node, the experts' gradients are reduced over edp across the nodes).
+    # An entry "ORDER|FLAGS" runs the order with those flags added: here the two layouts, not two orders.
+    "moe-tp2-dp2-folded": ("two-nodes", 2, ["--tp", "2", "--dp", "2", *MOE],
+                           ["tp-cp-ep-dp-pp|--ep 4", "tp-cp-ep-dp-pp|--ep 2"]),
 }
 
 
@@ -475,7 +481,7 @@ def main() -> int:
             # the orders interleaved, A B then B A: two orders whose step times differ by less than this
             # machine drifts in minutes are ranked by their rounds' means, not by which ran first
             for order in (orders[:1] if a.smoke else orders if rnd % 2 == 0 else orders[::-1]):
-                run_out = out / (f"{name}-{order}" + (f"-round{rnd + 1}" if rnd else ""))
+                run_out = out / (f"{name}-{order.replace('|', '').replace(' ', '')}" + (f"-round{rnd + 1}" if rnd else ""))
                 # calibrated in the minute before each run: this machine's speed drifts by a third within
                 # minutes (benchmarks/README.md), so a calibration an hour old misplans by as much.
                 # --smoke: the fabric file's own accelerator (its figures mean nothing)
@@ -493,7 +499,8 @@ def main() -> int:
                     cals[world] = calibrated(world, a.quick_calibration, fresh, max_load=1.0)
                     shutil.copyfile(fresh, saved)     # the newest, for a later --reuse-calibration
                 topo = planned_topology(fab, cals[world])
-                res = run_case(fab_name, nodes, [*argv, "--order", order], run_out, a.steps)
+                order_only, _, more = order.partition("|")
+                res = run_case(fab_name, nodes, [*argv, *more.split(), "--order", order_only], run_out, a.steps)
                 if res["returncode"]:
                     print("".join(res["outputs"])[-3000:], file=sys.stderr)
                     return 1

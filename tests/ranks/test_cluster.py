@@ -414,11 +414,25 @@ SHAPE = ["--set", "model.vocab=256", "--set", "model.hidden=128", "--set", "mode
          "--set", "train.checkpoint=false"]
 
 
+# the MoE case: 4 experts, top-2, capacity mode (fixed buffers: bytes independent of the routing)
+MOE_SHAPE = ["--set", "model.experts=4", "--set", "model.top_k=2", "--set", "model.moe_ffn=128",
+             "--set", "model.capacity_factor=1.0"]
+LAYOUTS = {
+    # tp across the nodes, Megatron SP
+    "tp-across": ["--tp", "2", "--dp", "2", "--sp-mode", "megatron", "--order", "dp-tp-cp-ep-pp"],
+    # MoE parallel folding across nodes: tp inside each node, ep4 over all four ranks (both nodes), dp across
+    "moe-ep4-folded": [*MOE_SHAPE, "--tp", "2", "--dp", "2", "--ep", "4", "--order", "tp-cp-ep-dp-pp"],
+}
+
+
 @needs_netns
 @pytest.mark.ranks
-def test_two_nodes_link_bytes_per_step_equal_the_plan(tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_nodes_link_bytes_per_step_equal_the_plan(tmp_path, layout):
     """`fivefold cluster` on two nodes of two ranks, one 200 Mbit/s link each, tp2 x dp2 with tp across the
-    nodes and Megatron SP (all-gathers, fivefold's pairwise reduce-scatters on gloo, the dp all-reduce): the bytes the
+    nodes and Megatron SP (all-gathers, fivefold's pairwise reduce-scatters on gloo, the dp all-reduce), and a
+    MoE with its experts folded as ep4 over both nodes (tp inside a node; the expert all-to-alls and the dp
+    all-reduce cross between them): the bytes the
     kernel counted on the node links, less a measured header per packet, equal the planner's bytes between
     nodes within 2% in each step and over the steps (above it, by no more than the TCP segments sent
     again); the ledger's inter-node bytes, less the read's own gate (dim "links"), equal the planner's
@@ -429,8 +443,7 @@ def test_two_nodes_link_bytes_per_step_equal_the_plan(tmp_path):
     before = _listed()
     out = tmp_path / "run"
     r = _cli("cluster", "--topology", str(TWO_NODES), "--nodes", "2", "--overhead-mb", "2", "--",
-             "train", *SHAPE, "--tp", "2", "--dp", "2", "--sp-mode", "megatron", "--order", "dp-tp-cp-ep-pp",
-             "--steps", "5", "--out", str(out))
+             "train", *SHAPE, *LAYOUTS[layout], "--steps", "5", "--out", str(out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert not _left_behind(before)
     links = json.loads((out / "links.json").read_text())

@@ -813,10 +813,33 @@ def place(flows: list[Flow], layout: Layout, topo: Topology, order: str | None =
             latency, own = tier.fit(p.op)
             stages = domain_stages(layout, topo, i, p.group, order) if duty and i in duty else 1
             bw = group_bandwidth(topo, i, p.op, p.n, block, stages, (duty or {}).get(i, 1.0)) * own / tier.bandwidth
-            p.seconds = (p.bytes_sent / bw + p.calls * collective_latency(p.op, p.n, latency, p.backend)
-                         + collective_loss(p.op, p.n, p.bytes_sent, p.calls, tier, p.backend))
+            crossing = p.bytes_sent
+            seconds = p.bytes_sent / bw
+            if p.op == "all_to_all" and i > 0 and not p.part:   # only the rows to other domains cross the tier
+                crossing, inside = crossing_share(p, block, topo.tiers[i - 1].size)
+                below = topo.tiers[i - 1]
+                seconds = max(crossing / bw, inside / (below.fit(p.op)[1] or below.bandwidth))
+            p.seconds = (seconds + p.calls * collective_latency(p.op, p.n, latency, p.backend)
+                         + collective_loss(p.op, p.n, crossing, p.calls, tier, p.backend))
             out.append(p)
     return out
+
+
+def crossing_share(fl: Flow, block: int, inner: int | None) -> tuple[float, float]:
+    """(bytes that leave the rank's domain, bytes that stay inside it) of an all-to-all's `bytes_sent` on a
+    group of n ranks spanning `block` consecutive ranks, over domains of `inner` ranks: each rank sends
+    every other member an equal share, so of its n-1 peers the g-1 in its own domain (g = the group's
+    ranks a domain holds) take (g-1)/(n-1) of the bytes over the tier below and the rest crosses. The
+    ledger and `link_bytes` count the same split per peer (grid.tier_of_pair); the row keeps the whole."""
+    n = fl.n
+    if not inner or n <= 1:
+        return fl.bytes_sent, 0.0
+    stride = max(1, block // n)
+    g = max(1, min(n, inner // stride))
+    if g <= 1 or g >= n:
+        return fl.bytes_sent, 0.0
+    inside = fl.bytes_sent * (g - 1) / (n - 1)
+    return fl.bytes_sent - inside, inside
 
 
 def least_duty(topo: Topology) -> dict[int, float]:

@@ -54,8 +54,12 @@ def bench_rank(rank: int, world: int, cfg_dict: dict, warmup: int) -> list[dict]
     from fivefold.config import Config
     from fivefold.train.trainer import Trainer
 
-    trainer = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
+    return timed_steps(Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True), warmup)
 
+
+def timed_steps(trainer, warmup: int) -> list[dict]:
+    """Train every step of `trainer`'s run; per step after the first `warmup`: its seconds and the ledger's
+    seconds per dimension added in it."""
     def by_dim() -> dict[str, float]:
         out: dict[str, float] = {}
         for row in trainer.ledger.rows():
@@ -72,16 +76,23 @@ def bench_rank(rank: int, world: int, cfg_dict: dict, warmup: int) -> list[dict]
     return steps
 
 
+def slowest(per_rank: list[list[dict]]) -> tuple[list[float], dict[str, float]]:
+    """(each step's seconds on the slowest rank, per dimension the median over steps of the slowest rank's
+    seconds) from every rank's `timed_steps`."""
+    step_s = [max(r[k]["seconds"] for r in per_rank) for k in range(len(per_rank[0]))]
+    dims = sorted({d for r in per_rank for s in r for d in s["comm"]})
+    comm = {d: statistics.median(max(r[k]["comm"].get(d, 0.0) for r in per_rank) for k in range(len(step_s)))
+            for d in dims}
+    return step_s, comm
+
+
 def measure(name: str, steps: int, warmup: int, seq: int, hidden: int | None) -> dict:
     from fivefold.train.launch import run_ranks
 
     parallel, model = LAYOUTS[name]
     cfg = config(parallel, model, steps + warmup, seq, hidden)
     per_rank = run_ranks(bench_rank, 2, (cfg.to_dict(), warmup), timeout_s=1800)
-    step_s = [max(r[k]["seconds"] for r in per_rank) for k in range(len(per_rank[0]))]
-    dims = sorted({d for r in per_rank for s in r for d in s["comm"]})
-    comm = {d: statistics.median(max(r[k]["comm"].get(d, 0.0) for r in per_rank) for k in range(len(step_s)))
-            for d in dims}
+    step_s, comm = slowest(per_rank)
     return {"name": name, "step_s": statistics.median(step_s), "spread": (min(step_s), max(step_s)), "comm": comm}
 
 

@@ -20,6 +20,7 @@ import argparse
 import statistics
 
 from common import BENCH_MODEL, parse_options
+from exposed_comm import slowest, timed_steps
 
 WORLD, GLOBAL_BATCH, SEQ = 4, 8, 256
 MOE = dict(experts=8, top_k=2, moe_ffn=352)
@@ -50,20 +51,7 @@ def bench_rank(rank: int, world: int, cfg_dict: dict, warmup: int) -> dict:
     from fivefold.train.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
-
-    def by_dim() -> dict[str, float]:
-        out: dict[str, float] = {}
-        for row in trainer.ledger.rows():
-            out[row["dim"]] = out.get(row["dim"], 0.0) + row["seconds"]
-        return out
-
-    steps = []
-    for k in range(trainer.cfg.train.steps):
-        before = by_dim()
-        m = trainer.step(k)
-        after = by_dim()
-        if k >= warmup:
-            steps.append({"seconds": m["seconds"], "comm": {d: after[d] - before.get(d, 0.0) for d in after}})
+    steps = timed_steps(trainer, warmup)
     return {"state": trainer.model_state_bytes(), "steps": steps}
 
 
@@ -82,11 +70,7 @@ def measure(name: str, steps: int, warmup: int, seq: int, hidden: int | None, la
 
     cfg = config(LAYOUTS[name], steps + warmup, seq, hidden, layers)
     per_rank = run_ranks(bench_rank, WORLD, (cfg.to_dict(), warmup), timeout_s=1800)
-    timed = [r["steps"] for r in per_rank]
-    step_s = [max(r[k]["seconds"] for r in timed) for k in range(len(timed[0]))]
-    dims = sorted({d for r in timed for s in r for d in s["comm"]})
-    comm = {d: statistics.median(max(r[k]["comm"].get(d, 0.0) for r in timed) for k in range(len(step_s)))
-            for d in dims}
+    step_s, comm = slowest([r["steps"] for r in per_rank])
     state = per_rank[0]["state"]
     plan = planned_state(cfg)
     return {"name": name, "step_s": statistics.median(step_s), "comm": comm,

@@ -17,6 +17,7 @@ from fivefold.config import Config, ConfigError, ModelConfig, ParallelConfig, Tr
 from fivefold.model.hf_weights import HFWeights, hf_config  # noqa: E402
 
 from tests.support.spawn import spawn_jobs  # noqa: E402
+from tests.support.tiny import perturb_qk_norms  # noqa: E402
 
 pytestmark = pytest.mark.ranks
 
@@ -38,10 +39,7 @@ def hf_folder(path, family: str):
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
             head_dim=12, **COMMON))
-        with torch.no_grad():   # the q/k norms start at one: make them matter
-            for n, p in model.named_parameters():
-                if n.endswith(("q_norm.weight", "k_norm.weight")):
-                    p.normal_(1.0, 0.3)
+        perturb_qk_norms(model)   # the q/k norms start at one: make them matter
     else:
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,

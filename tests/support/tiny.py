@@ -50,3 +50,13 @@ def assert_states_close(a: dict, b: dict, rtol=1e-5, atol=1e-7, outliers=0.0, ou
 FP32 = dict(rtol=1e-5, atol=1e-6, outliers=2e-3, outlier_atol=1e-4)
 FP64 = dict(rtol=1e-10, atol=1e-12)
 TOL = {"fp32": FP32, "fp64": FP64}
+
+
+def perturb_qk_norms(model, std: float = 0.3):
+    """Qwen3's q/k norm weights start at one, where a missing or misplaced norm would pass unnoticed: draw
+    them around one instead (in place; returns the model)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, std)
+    return model

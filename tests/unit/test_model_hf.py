@@ -11,6 +11,8 @@ from fivefold.model import Transformer, loss_sum  # noqa: E402
 from fivefold.model.hf import from_hf, to_hf  # noqa: E402
 from fivefold.model.hf_map import config_from_hf, hf_family, name_map  # noqa: E402
 
+from tests.support.tiny import perturb_qk_norms  # noqa: E402
+
 CONFIGS = [
     dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0),
     dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, rope_theta=10000.0),
@@ -57,10 +59,7 @@ def test_qwen3_logits_grads_and_round_trip(head_dim, tied):
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=64, rms_norm_eps=1e-6,
         attn_implementation="eager", tie_word_embeddings=tied)).eval()
-    with torch.no_grad():   # the q/k norms start at one: make them matter
-        for n, p in hf.named_parameters():
-            if n.endswith(("q_norm.weight", "k_norm.weight")):
-                p.normal_(1.0, 0.3)
+    perturb_qk_norms(hf)   # the q/k norms start at one: make them matter
     ours = from_hf(hf)
     assert ours.cfg.qk_norm and ours.cfg.head_dim == head_dim and hf_family(ours.cfg) == "qwen3"
     assert sum(p.numel() for p in ours.parameters()) == ours.cfg.num_params() == \
@@ -132,10 +131,7 @@ def hf_moe(case, **over):
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(**kw)).eval()
     if case.startswith("qwen3"):
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**kw)).eval()
-        with torch.no_grad():   # the q/k norms start at one: make them matter
-            for n, p in model.named_parameters():
-                if n.endswith(("q_norm.weight", "k_norm.weight")):
-                    p.normal_(1.0, 0.3)
+        perturb_qk_norms(model)   # the q/k norms start at one: make them matter
         return model
     return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**kw)).eval()
 

@@ -29,10 +29,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not ranks" tests
 
-# `make fuzz`: the input fuzzers' long random profile (tests/unit/test_fuzz_inputs.py); what fails is kept in
+# `make fuzz`: the input fuzzers' long random profile (tests/unit/test_fuzz_inputs.py, tests/ranks/test_fuzz_runs.py); what fails is kept in
 # hypothesis's example database (.hypothesis/) and replayed first next time
 fuzz: $(STAMP)
-	FIVEFOLD_FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-1500} $(PY) -m pytest -q -p no:randomly tests/unit/test_fuzz_inputs.py
+	FIVEFOLD_FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-1500} $(PY) -m pytest -q -p no:randomly tests/unit/test_fuzz_inputs.py tests/ranks/test_fuzz_runs.py
 
 layers: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache

@@ -1,7 +1,10 @@
 """Fixtures shared by several test files: a spawn of ranks is started once per session and runs the
 cases of every file that needs that world size (process start-up dominates the suite's time)."""
+import multiprocessing.process
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -75,3 +78,33 @@ def context_four(docs_file):
     from tests.ranks.test_documents import four_rank_jobs
 
     return spawn(4, four_rank_jobs(docs_file))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """tests/unit is what `make test-fast` runs: nothing there may start a process or a process group. Judged by
+    what a test does, not by its mark: while a unit test is set up (its fixtures, module-wide ones included),
+    runs and is torn down, starting a subprocess, a multiprocessing process or a torch process group fails
+    it, naming where it belongs (tests/ranks, marked `ranks`)."""
+    if Path(str(item.fspath)).parent.name != "unit":
+        yield
+        return
+
+    def refuse(what):
+        def started(*args, **kwargs):
+            raise AssertionError(f"{item.nodeid} started {what}: tests/unit spawns nothing; move the test to "
+                                 f"tests/ranks (pytestmark = pytest.mark.ranks)")
+        return started
+
+    patched = [(subprocess.Popen, "__init__", refuse("a subprocess")),
+               (multiprocessing.process.BaseProcess, "start", refuse("a multiprocessing process"))]
+    if "torch.distributed" in sys.modules:
+        patched.append((sys.modules["torch.distributed"], "init_process_group", refuse("a process group")))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+    for owner, name, fn in patched:
+        setattr(owner, name, fn)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)

@@ -125,3 +125,42 @@ def test_torchrun_runs_one_rank_per_process(tmp_path):
 def _port():
     from fivefold.train.launch import free_port
     return free_port()
+
+
+# -- the command line in a fresh interpreter ---------------------------------------------------------------
+
+def test_third_party_progress_bars_are_off_in_the_cli(tmp_path):
+    """tqdm (transformers' shard loading, huggingface_hub, datasets) reads TQDM_DISABLE at import: the
+    CLI sets it (and the hub's and datasets' switches) before any of them is imported, ranks inherit it."""
+    pytest.importorskip("tqdm")
+    code = ("import os, sys; from fivefold.process import quiet_third_party_bars; quiet_third_party_bars(); "
+            "from tqdm.auto import tqdm; [None for _ in tqdm(range(3))]; print(os.environ['HF_HUB_DISABLE_PROGRESS_BARS'])")
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "1" and "it/s" not in r.stderr, r.stderr
+
+
+def test_a_command_imports_only_its_own_module(capsys):
+    """`fivefold plan` (a search a person waits for) imports no numpy, torch, train module, and of tools/
+    only its own command (tools/plan.py): each command's arguments and code are imported only when it
+    runs, in a fresh interpreter."""
+    from fivefold.cli import main
+
+    code = ("import contextlib, io, sys; from fivefold.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()): rc = main(['plan', '--model', 'llama3-8b', '--gpus', '8'])\n"
+            "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'torch', 'matplotlib')"
+            " or m.startswith(('fivefold.train', 'fivefold.tools.')) and m != 'fivefold.tools.plan'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "0 []", r.stderr[-2000:]
+    for cmd in ("tokenize", "generate", "plan", "schedule"):      # each command still has its own flags
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        assert "--" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_bad_mixture_in_one_line(tmp_path):
+    source = tmp_path / "s0.u16"
+    np.arange(5_000, dtype=np.uint16).__mod__(64).astype(np.uint16).tofile(source)
+    r = fivefold("train", "--data", f"{source}:0.5", f"{source}:heavy", "--steps", "1", "--out",
+                 str(tmp_path / "run"))
+    assert r.returncode == 2 and "weight 'heavy' is not a number" in r.stderr and r.stderr.count("\n") == 1

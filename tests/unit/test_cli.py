@@ -103,35 +103,3 @@ def test_config_toml_round_trips_and_json_is_named(tmp_path):
     assert load_config(cut).train.steps == 300
 
 
-def test_third_party_progress_bars_are_off_in_the_cli(tmp_path):
-    """tqdm (transformers' shard loading, huggingface_hub, datasets) reads TQDM_DISABLE at import: the
-    CLI sets it (and the hub's and datasets' switches) before any of them is imported, ranks inherit it."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("tqdm")
-    code = ("import os, sys; from fivefold.process import quiet_third_party_bars; quiet_third_party_bars(); "
-            "from tqdm.auto import tqdm; [None for _ in tqdm(range(3))]; print(os.environ['HF_HUB_DISABLE_PROGRESS_BARS'])")
-    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == "1" and "it/s" not in r.stderr, r.stderr
-
-
-def test_a_command_imports_only_its_own_module(capsys):
-    """`fivefold plan` (a search a person waits for) imports no numpy, torch, train module, and of tools/
-    only its own command (tools/plan.py): each command's arguments and code are imported only when it
-    runs, in a fresh interpreter."""
-    import subprocess
-    import sys
-
-    code = ("import contextlib, io, sys; from fivefold.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()): rc = main(['plan', '--model', 'llama3-8b', '--gpus', '8'])\n"
-            "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'torch', 'matplotlib')"
-            " or m.startswith(('fivefold.train', 'fivefold.tools.')) and m != 'fivefold.tools.plan'))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.stdout.strip() == "0 []", r.stderr[-2000:]
-    for cmd in ("tokenize", "generate", "plan", "schedule"):      # each command still has its own flags
-        with pytest.raises(SystemExit):
-            main([cmd, "--help"])
-        assert "--" in capsys.readouterr().out

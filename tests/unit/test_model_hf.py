@@ -50,6 +50,35 @@ def test_logits_loss_grads_match(kw):
                                    msg=lambda m: f"{name}: {m}")
 
 
+def match_transformers(ours, hf) -> None:
+    """Our model against a transformers one holding the same weights: logits (1e-5), the language-model
+    loss's gradient of every parameter (1e-4; an expert's w_gate / w_up against its half of gate_up_proj),
+    and exported back, the same state dict and logits."""
+    tokens = torch.randint(0, 97, (3, 24), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(tokens, -1, 1)
+    logits_hf = hf(tokens).logits
+    logits = ours(tokens)
+    torch.testing.assert_close(logits, logits_hf, rtol=1e-5, atol=1e-5)
+    F.cross_entropy(logits_hf.flatten(0, 1), targets.flatten()).backward()
+    (loss_sum(logits, targets) / targets.numel()).backward()
+    theirs = dict(hf.named_parameters())
+    names = name_map(ours.cfg)
+    for name, p in ours.named_parameters():
+        if name in names:
+            want = theirs[names[name]].grad
+        else:
+            packed = "model." + name.rsplit(".", 1)[0] + ".gate_up_proj"
+            want = theirs[packed].grad.chunk(2, dim=1)[0 if name.endswith("w_gate") else 1]
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    back = to_hf(ours)
+    assert type(back) is type(hf)
+    want, got = hf.state_dict(), back.state_dict()
+    assert set(got) == set(want)
+    for name, t in got.items():
+        assert torch.equal(t, want[name]), name
+    torch.testing.assert_close(back.eval()(tokens).logits, logits_hf, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("head_dim, tied", [(12, False), (16, True)])
 def test_qwen3_logits_grads_and_round_trip(head_dim, tied):
     """Qwen3: q and k normalised per head before RoPE, a head dim of its own (12 or 16 x 4 heads, not hidden
@@ -64,21 +93,7 @@ def test_qwen3_logits_grads_and_round_trip(head_dim, tied):
     assert ours.cfg.qk_norm and ours.cfg.head_dim == head_dim and hf_family(ours.cfg) == "qwen3"
     assert sum(p.numel() for p in ours.parameters()) == ours.cfg.num_params() == \
         sum(p.numel() for p in hf.parameters())
-    tokens = torch.randint(0, 97, (3, 24), generator=torch.Generator().manual_seed(1))
-    targets = torch.roll(tokens, -1, 1)
-    logits_hf = hf(tokens).logits
-    logits = ours(tokens)
-    torch.testing.assert_close(logits, logits_hf, rtol=1e-5, atol=1e-5)
-    F.cross_entropy(logits_hf.flatten(0, 1), targets.flatten()).backward()
-    (loss_sum(logits, targets) / targets.numel()).backward()
-    theirs = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
-        torch.testing.assert_close(p.grad, theirs[name_map(ours.cfg)[name]].grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
-    back = to_hf(ours)
-    assert type(back) is type(hf)
-    want = hf.state_dict()
-    assert all(torch.equal(t, want[n]) for n, t in back.state_dict().items()) and back.state_dict().keys() == want.keys()
+    match_transformers(ours, hf)
 
 
 def test_round_trip_and_saved_folder(tmp_path):
@@ -357,29 +372,7 @@ def test_deepseek_v3_logits_grads_and_round_trip(case):
     assert (c.router, c.router_groups, c.router_group_limit, c.routed_scaling_factor) == ("sigmoid_bias", 4, 2, 2.5)
     assert (c.dense_layers, c.shared_experts, c.experts) == (1, 1, 8)
     assert c.num_params() == sum(p.numel() for p in hf.parameters())
-    tokens = torch.randint(0, 97, (3, 24), generator=torch.Generator().manual_seed(1))
-    targets = torch.roll(tokens, -1, 1)
-    logits_hf = hf(tokens).logits
-    logits = ours(tokens)
-    torch.testing.assert_close(logits, logits_hf, rtol=1e-5, atol=1e-5)
-    F.cross_entropy(logits_hf.flatten(0, 1), targets.flatten()).backward()
-    (loss_sum(logits, targets) / targets.numel()).backward()
-    theirs = dict(hf.named_parameters())
-    names = name_map(c)
-    for name, p in ours.named_parameters():
-        if name in names:
-            want = theirs[names[name]].grad
-        else:
-            packed = "model." + name.rsplit(".", 1)[0] + ".gate_up_proj"
-            want = theirs[packed].grad.chunk(2, dim=1)[0 if name.endswith("w_gate") else 1]
-        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    back = to_hf(ours)
-    assert type(back) is type(hf)
-    want, got = hf.state_dict(), back.state_dict()
-    assert set(got) == set(want)
-    for name, t in got.items():
-        assert torch.equal(t, want[name]), name
-    torch.testing.assert_close(back.eval()(tokens).logits, logits_hf, rtol=1e-5, atol=1e-5)
+    match_transformers(ours, hf)
 
 
 def test_deepseek_v3_generate_with_cache_matches_full_forward():

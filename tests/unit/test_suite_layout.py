@@ -60,3 +60,18 @@ def test_a_tests_xdist_group_is_its_file_unless_its_id_names_one():
     assert group_of("tests/ranks/test_benchmarks.py::test_benchmark_runs_one_step[ddp.py@smoke-1]") == \
         "tests/ranks/test_benchmarks.py@smoke-1"
     assert group_of("tests/ranks/test_x.py::TestA::test_b[a@b@c]") == "tests/ranks/test_x.py@c"
+
+
+def test_a_unit_test_that_starts_a_process_fails_naming_tests_ranks():
+    """The guard judges what a unit test does (tests/conftest.py pytest_runtest_protocol), not its mark: a
+    subprocess or a multiprocessing process started here fails, naming tests/ranks."""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    import pytest
+
+    with pytest.raises(AssertionError, match="tests/unit spawns nothing; move the test to tests/ranks"):
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+    with pytest.raises(AssertionError, match="started a multiprocessing process"):
+        multiprocessing.get_context("spawn").Process(target=print).start()

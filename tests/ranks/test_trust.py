@@ -18,6 +18,8 @@ from tests.support.spawn import TIMEOUT_S, run_ranks
 from tests.support.tiny import tiny_config
 from tests.support.cli import TINY, fivefold, metrics
 
+pytestmark = pytest.mark.ranks     # a real run's folder from two spawned ranks; the CLI in subprocesses
+
 STEP = "step-00000002"
 
 

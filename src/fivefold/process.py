@@ -23,3 +23,26 @@ def is_rank_failure(e: BaseException) -> bool:
         return True
     launch = sys.modules.get("fivefold.train.launch")
     return launch is not None and isinstance(e, launch.RankError)
+
+
+def host_cpu() -> str:
+    """The host CPU's model name (/proc/cpuinfo's), else its architecture. Never `platform.processor()`,
+    which starts `uname -p` in a subprocess on Linux the first time it is asked (inside a rank, a test or a
+    fork-sensitive loader that is a process nobody expects)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() or "cpu"
+
+
+def host_platform() -> str:
+    """System, release and architecture (`platform.platform()` reads the processor too: see `host_cpu`)."""
+    import platform
+
+    return "-".join(x for x in (platform.system(), platform.release(), platform.machine()) if x)

@@ -100,6 +100,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..process import host_cpu
+
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
@@ -775,7 +777,7 @@ def summarize(per_rank: list[dict], nproc: int, quick: bool) -> dict:
                                       send_latency + message / send_bandwidth)
     floor = statistics.median(r["compute"]["gemm_floor_s"] for r in per_rank)
     return {
-        "nproc": nproc, "quick": quick, "host": platform.node(), "cpu": platform.processor() or platform.machine(),
+        "nproc": nproc, "quick": quick, "host": platform.node(), "cpu": host_cpu(),
         "cores": usable_cores(), "when": datetime.datetime.now().isoformat(timespec="seconds"),
         "peak_flops": {d: gemm_curve(compute[d], floor) for d in ("fp32", "bf16", "fp64")},
         "median_flops": {d: _rate(compute[d]) for d in ("fp32", "bf16", "fp64")}, "gemm_kernel": floor,

@@ -56,7 +56,6 @@ reports it.
 from __future__ import annotations
 
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -68,6 +67,7 @@ from .. import __version__, comm, rules
 from ..comm import CommLedger, gather_objects
 from ..config import Config, ConfigError
 from ..mesh import ParallelMesh
+from ..process import host_cpu, host_platform
 from ..model import Transformer, loss_sum
 from ..model.documents import Documents, document_positions
 from ..model.init import InitSource, cast_meta, materialize
@@ -538,7 +538,7 @@ class Trainer:
         coarse upper bound of the tensors'; None where the platform does not report it)."""
         cuda = self.device.type == "cuda"
         return {"device": str(self.device),
-                "device_name": torch.cuda.get_device_name(self.device) if cuda else platform.processor() or "cpu",
+                "device_name": torch.cuda.get_device_name(self.device) if cuda else host_cpu(),
                 "pp_stage": self.mesh.coords["pp"],
                 "peak_device_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
                 "peak_rss_bytes": peak_rss_bytes()}
@@ -566,7 +566,7 @@ class Trainer:
                 "peak_rss_bytes_by_rank": [m["peak_rss_bytes"] for m in mem],
                 "planned_memory_bytes_by_rank": planned, "planned_memory": self.planned,
                 "versions": {"fivefold": __version__, "torch": torch.__version__,
-                             "python": sys.version.split()[0], "platform": platform.platform()}}
+                             "python": sys.version.split()[0], "platform": host_platform()}}
 
 
 def zeros_of_shape(t: torch.Tensor):

@@ -1,6 +1,5 @@
 """The planner predicts exactly what an evaluation records (comm.json's "eval" section): forward-only
 traffic per (dim, op), summed over ranks, for one evaluation of B global batches."""
-import tempfile
 
 import pytest
 
@@ -11,7 +10,7 @@ from fivefold.plan.traffic import eval_all_ranks
 from fivefold.train.trainer import Trainer
 
 from tests.support.spawn import spawn_jobs
-from tests.support.tiny import tiny_config
+from tests.support.tiny import scratch_folder, tiny_config
 
 LAYOUTS = {
     "dp2": dict(dp=2, microbatches=2),
@@ -35,7 +34,7 @@ EVALUATIONS = 2
 def config(par: dict, moe: dict | None = None) -> Config:
     par = dict(par)
     if par.get("offload_dir") == "{tmp}":
-        par["offload_dir"] = tempfile.mkdtemp(prefix="fivefold-offload-")
+        par["offload_dir"] = scratch_folder("fivefold-offload-")
     cfg = tiny_config(**par)
     cfg.model.layers = 4
     if moe is not None:   # an MoE model: 4 experts, top-2, the first layer dense

@@ -9,7 +9,6 @@ To extend to a new parallelism, add its layout to LAYOUTS. A layout the runtime 
 skipped with the runtime's own reason, so the list can run ahead of the runtime.
 """
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from fivefold.plan.traffic import all_ranks
 from fivefold.train.trainer import supported, train_rank
 
 from tests.support.spawn import ranks
-from tests.support.tiny import TINY_MLA, tiny_config
+from tests.support.tiny import TINY_MLA, scratch_folder, tiny_config
 
 # (parallel degrees, dtype[, model fields]). Layouts are grouped by world size and run in one spawn per
 # group (at most one 4-rank spawn: it is the slow one); one the runtime does not run yet is skipped with the
@@ -133,7 +132,7 @@ def _config(par: dict, dtype: str, model: dict | None = None) -> Config:
     cfg.train.steps = 1
     cfg.train.global_batch = 12 if cfg.parallel.dp % 3 == 0 else 8
     if cfg.parallel.offload_dir == "{tmp}":          # disk offload: a scratch folder of its own
-        cfg.parallel.offload_dir = tempfile.mkdtemp(prefix="fivefold-offload-")
+        cfg.parallel.offload_dir = scratch_folder("fivefold-offload-")
     return cfg
 
 

@@ -60,3 +60,15 @@ def perturb_qk_norms(model, std: float = 0.3):
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.normal_(1.0, std)
     return model
+
+
+def scratch_folder(prefix: str) -> str:
+    """A new temporary folder, removed when this test process exits (a disk-offload folder the spawned ranks
+    of a test use: made here, before any rank starts, so left behind by nobody)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path

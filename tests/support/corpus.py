@@ -28,8 +28,8 @@ def one_line(text: str) -> str:
 # 7fc86c8 (115 files, 1.6 MB, 0.48 MB packed), real source text as the standard library is (a generated Python-like
 # corpus was tried: its more repetitive text left 4x as many fp32 elements outside the layout tests'
 # rounding tolerance, tests/support/tiny.py FP32). tests/conftest.py unpacks it for the session and points
-# FIVEFOLD_DEFAULT_CORPUS (train/corpus.py) at it for every process; only tests/unit/test_default_corpus.py
-# reads the standard library.
+# FIVEFOLD_DEFAULT_CORPUS (train/corpus.py) at it for every process. No test reads the standard library:
+# tests/unit/test_default_corpus.py walks a stand-in it makes.
 
 from pathlib import Path
 

@@ -1,9 +1,8 @@
 """The default corpus (train/corpus.py): the standard library of the Python that runs, recorded in what a
-run writes; FIVEFOLD_DEFAULT_CORPUS reads another folder instead (the suite's generated corpus,
-tests/conftest.py). The only test file that reads the machine's standard library."""
+run writes; FIVEFOLD_DEFAULT_CORPUS reads another folder instead (the suite's frozen corpus, tests/conftest.py).
+No test reads the machine's standard library: its walk is tested on a stand-in made here."""
 import platform
 import sysconfig
-from pathlib import Path
 
 from fivefold.config import TrainConfig
 from fivefold.train import rundir
@@ -12,15 +11,24 @@ from fivefold.train.corpus import DEFAULT_CORPUS_ENV, data_identity, default_cor
 from tests.support.corpus import unpack_suite_corpus
 
 
-def test_without_the_variable_the_default_corpus_is_this_pythons_library_and_says_so(monkeypatch):
+def test_without_the_variable_the_default_corpus_is_this_pythons_library_and_says_so(tmp_path, monkeypatch):
+    """The default names this Python's library (a path, read from sysconfig: no file of it is read here, its
+    text differs between Pythons) and walks it as the run would: a stand-in library made here, its sources
+    in sorted path order, site-packages and linked folders left out."""
+    import fivefold.train.corpus as corpus
+
     monkeypatch.delenv(DEFAULT_CORPUS_ENV, raising=False)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    assert default_corpus() == {"folder": str(stdlib), "python": platform.python_version()}
-    first = [f for _, f in zip(range(20), stdlib_files())]
-    assert first and all(f.suffix == ".py" and stdlib in f.parents for f in first)
-    assert first == sorted(first)
+    assert default_corpus() == {"folder": sysconfig.get_paths()["stdlib"], "python": platform.python_version()}
+    lib = tmp_path / "lib"
+    for rel in ("os.py", "abc.py", "json/__init__.py", "json/decoder.py", "site-packages/numpy.py", "notes.txt"):
+        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (lib / rel).write_text(rel)
+    (lib / "linked").symlink_to(lib / "json")
+    monkeypatch.setattr(corpus.sysconfig, "get_paths", lambda: {"stdlib": str(lib)})
+    assert default_corpus() == {"folder": str(lib), "python": platform.python_version()}
+    assert list(stdlib_files()) == [lib / "abc.py", lib / "json/__init__.py", lib / "json/decoder.py", lib / "os.py"]
     assert data_identity(TrainConfig())["default"] == default_corpus()   # run.json's and a checkpoint's "data"
-    assert "default" not in data_identity(TrainConfig(data=[str(first[0])]))   # the user's files name themselves
+    assert "default" not in data_identity(TrainConfig(data=[str(lib / "os.py")]))   # the user's files name themselves
 
 
 def test_the_variable_reads_its_folder_and_a_resume_on_another_default_corpus_is_warned(tmp_path, monkeypatch):

@@ -239,7 +239,7 @@ class ExpertParallelism(ShardedState):
     routed experts, its E/ep experts and of each its 1/etp of the width (placement: an "ep" Shard on dim
     0, an "etp" Shard on the width: dim 1 of gate and up, dim 2 of down; gradients summed over "edp");
     the layers get the dispatcher from parallelize.configure_moe (`dispatcher`). Applied whenever the
-    experts are on the expert grid (rules.experts_on_expert_grid: tp, ep or etp > 1). The router and the
+    experts are on the expert grid (rules.experts_on_expert_grid: ep or etp > 1). The router and the
     shared experts are not its: they follow the dense mapping (tensor.py replicated_moe)."""
 
     name = "ep"

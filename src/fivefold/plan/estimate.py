@@ -217,8 +217,8 @@ def crossing_seconds(by_stage: dict[int, list[Flow]], layout: Layout, topo: Topo
 
 def runnable_order(layout: Layout, order: str) -> str:
     """`order`, or where its expert grid's stages would differ from the dense grid's (`grid.check_grids_agree`:
-    ep is carved from dp, so pp or tp may not stand between them; Megatron-Core requires ep and dp
-    adjacent) Megatron-Core's form with the cp / ep block in the ranking's order (tp, the block, dp, pp),
+    the dimensions inside pp must have the same product on both grids, which folding's etp × ep × edp
+    re-cut of tp × cp × dp breaks when pp stands among them) Megatron-Core's form with the cp / ep block in the ranking's order (tp, the block, dp, pp),
     else dp moved beside the block or ep, else ep beside dp; else the layout's own order."""
     dims = order.split("-")
     block = [d for d in dims if d in ("cp", "ep")]

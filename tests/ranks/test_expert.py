@@ -259,6 +259,30 @@ def test_ep_x_tp_sends_one_tp_share(two, four):
         assert ep_bytes(with_tp["ledger"][0]) * 2 == ep_bytes(without["ledger"][0])
 
 
+@pytest.mark.ranks
+def test_etp_exchanges_per_step_follow_the_formula(four):
+    """Capacity mode, etp2 x ep2 on tp2 x dp2: per MoE layer and micro-batch, the rows a rank received
+    (R = E·B·C, B its sequences after tp's row split) are gathered over etp and the partial outputs
+    reduce-scattered back, forward and backward: 4 all-to-alls of etp·R·h·4 bytes each, every one sending
+    comm/volume.py's all_to_all share, (etp-1)/etp of it. No counts are exchanged (capacity mode)."""
+    from fivefold import rules
+    from fivefold.comm import volume
+
+    c = case_config("etp2_ep2_tp2_capacity")
+    p, m, t = c.parallel, c.model, c.train
+    sequences = t.global_batch // (p.dp * p.microbatches) // p.tp          # per rank, after the row split
+    rows = m.experts * sequences * rules.moe_capacity(m.capacity_factor, t.seq_len, m.top_k, m.experts)
+    message = p.etp * rows * m.hidden * 4
+    calls = 4 * (m.layers - m.dense_layers) * p.microbatches
+    for r in four["etp2_ep2_tp2_capacity"]:
+        for step in r["ledger"]:
+            etp = [x for x in step if x["dim"] == "etp"]
+            assert [x["op"] for x in etp] == ["all_to_all"]
+            assert etp[0]["calls"] == calls and etp[0]["message_bytes"] == calls * message
+            assert etp[0]["bytes_sent"] == pytest.approx(calls * volume.bytes_sent("all_to_all", message, p.etp, "gloo"))
+            assert etp[0]["bytes_sent"] == pytest.approx(calls * message * (p.etp - 1) / p.etp)
+
+
 FOLDED = [n for n in CASES if CASES[n][1].get("tp", 1) > 1]
 
 

@@ -180,6 +180,7 @@ class ModelConfig(HeadShapes, ParameterCounts):
     router_groups: int = 0        # group-limited routing: experts in this many consecutive groups (0: off)
     router_group_limit: int = 0   # ... a token chooses only from its best router_group_limit groups
     capacity_factor: float = 0.0  # per-sequence expert capacity ceil(factor*seq*top_k/experts) (0: dropless)
+    random_routing: bool = False  # GShard: the 2nd expert gets a token with probability 2*w2/(w1+w2) (top_k 2)
     aux_loss_coef: float = 0.01   # Switch/GShard load-balance loss (softmax routers)
     z_loss_coef: float = 0.0      # ST-MoE router z-loss
     shared_expert_gate: bool = False   # Qwen2-MoE: shared output times sigmoid(Linear(h, 1))
@@ -259,6 +260,7 @@ class ModelConfig(HeadShapes, ParameterCounts):
         if not self.experts:
             return
         rules.check_moe_routing(self.experts, self.top_k, self.router_groups, self.router_group_limit)
+        rules.check_random_routing(self.random_routing, self.top_k, self.router)
         if self.dense_layers > self.layers:
             raise ConfigError(f"model.dense_layers ({self.dense_layers}) counts the first layers that stay dense: "
                               f"valid dense_layers: 0..{self.layers}")

@@ -753,6 +753,19 @@ def moe_sequence_parts(tp: int, sp_mode: str, cp: int) -> int:
     return {None: 1, "tp": tp, "cp": cp, "tp_cp": tp * cp}[moe_sequence_group(tp, sp_mode, cp)]
 
 
+def check_random_routing(random_routing: bool, top_k: int, router: str) -> None:
+    """GShard's random routing (model/random_routing.py) draws a token's second expert by its share of the
+    two softmax gate weights: it needs top_k = 2 and a softmax router."""
+    if not random_routing:
+        return
+    if top_k != 2:
+        raise ConfigError(f"model.random_routing draws each token's second expert (GShard's top-2 gating): it needs "
+                          f"model.top_k = 2, got {top_k}; valid: top_k = 2, or random_routing false")
+    if router not in ("softmax_topk_norm", "softmax_topk"):
+        raise ConfigError(f"model.random_routing weighs the second expert by its softmax gate: model.router "
+                          f"{router!r} is not a softmax router; valid router: softmax_topk_norm, softmax_topk")
+
+
 def check_moe_routing(experts: int, top_k: int, router_groups: int = 0, router_group_limit: int = 0) -> None:
     """A token picks top_k distinct experts: 1 <= top_k <= experts. Group-limited routing (DeepSeek-V3's
     node-limited routing) splits the experts into router_groups equal, consecutive groups and lets a

@@ -47,6 +47,7 @@ from torch import nn
 from .. import rules
 from ..config import ModelConfig
 from .layers import AuxLosses, SwiGLU, silu_mul
+from .random_routing import skip_seconds, uniform
 
 
 class Experts(nn.Module):
@@ -187,9 +188,10 @@ class MoE(nn.Module):
     and "dropped" (a 0-dim int64 tensor: assignments dropped by capacity), detached, for metrics; the
     step's sum of them is taken once with `take_step_stats()`."""
 
-    def __init__(self, cfg: ModelConfig, aux: AuxLosses | None = None, device=None):
+    def __init__(self, cfg: ModelConfig, aux: AuxLosses | None = None, device=None, layer: int = 0):
         super().__init__()
         e, h, m = cfg.experts, cfg.hidden, cfg.expert_ffn
+        self.layer, self.random_routing = layer, cfg.random_routing   # model/random_routing.py
         self.n_experts, self.top_k, self.kind = e, cfg.top_k, cfg.router
         self.groups, self.group_limit = cfg.router_groups, cfg.router_group_limit
         self.capacity_factor = cfg.capacity_factor
@@ -208,17 +210,20 @@ class MoE(nn.Module):
 
     def configure(self, *, dispatcher=None, rows: tuple[nn.Module, nn.Module] | None = None,
                   sum_sequence_parts=None, sequence_parts: int = 1, global_sequences: int = 1,
-                  global_tokens: int = 1) -> None:
+                  global_tokens: int = 1, keys_view=None, seed: int = 0) -> None:
         """Everything the parallel dimensions and the run tell this layer, in one call (the defaults:
         one process). `dispatcher`: how routed rows reach the experts (None: LocalDispatch). `rows`:
         (enter, leave) modules around the layer (tensor parallelism without SP: take this rank's
         sequences, all-gather the outputs again; None: identity). `sum_sequence_parts`: sums a
         per-sequence statistic over the `sequence_parts` ranks holding parts of each sequence (None when
-        every rank holds whole sequences). `global_sequences`, `global_tokens`: the step's totals."""
+        every rank holds whole sequences). `global_sequences`, `global_tokens`: the step's totals.
+        `keys_view`: this layer's tokens' keys from the keys of the block's input (model/random_routing.py;
+        None: the same tokens), `seed`: the run's, both read only under random routing."""
         self.dispatcher = dispatcher if dispatcher is not None else LocalDispatch()
         self.enter, self.leave = rows if rows is not None else (nn.Identity(), nn.Identity())
         self.sum_sequence_parts, self.sequence_parts = sum_sequence_parts, sequence_parts
         self.global_sequences, self.global_tokens = global_sequences, global_tokens
+        self.keys_view, self.seed = keys_view, seed
 
     def take_step_stats(self) -> torch.Tensor | None:
         """The step's (E + 1,) counts so far (tokens per expert, dropped), or None; starts afresh."""
@@ -247,12 +252,18 @@ class MoE(nn.Module):
         keep_tk = within_capacity(experts_tk.view(b, s, -1), self.capacity(s), self.n_experts).view(b * s, -1)
         return experts_tk.masked_fill(~keep_tk, -1), weights_tk.masked_fill(~keep_tk, 0.0)
 
-    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_bsh: torch.Tensor, keys_bs: torch.Tensor | None = None) -> torch.Tensor:
+        """`keys_bs`: the step-global keys of the block input's tokens, under random routing (else
+        ignored; None: both experts, as chosen)."""
         x_bsh = self.enter(x_bsh)
         b, s, h = x_bsh.shape
         x_th = x_bsh.reshape(b * s, h)
         experts_tk, weights_tk, scores_te, logits_te = self.route(x_bsh)
         loss = self.router_loss(scores_te, logits_te, experts_tk.view(b, s, -1)) if torch.is_grad_enabled() else None
+        if self.random_routing and keys_bs is not None:
+            keys_bs = keys_bs if self.keys_view is None else self.keys_view(keys_bs)
+            experts_tk, weights_tk = skip_seconds(experts_tk, weights_tk, uniform(keys_bs.reshape(-1), self.seed, self.layer))
+        unsent = (experts_tk < 0).sum()
         if self.capacity_factor > 0:
             experts_tk, weights_tk = self.drop(experts_tk, weights_tk, b, s)
             y_th = self.dispatcher(x_th, experts_tk, weights_tk, self.experts, capacity=(s, self.capacity(s)))
@@ -266,7 +277,8 @@ class MoE(nn.Module):
         kept_a = (experts_tk >= 0).reshape(-1)   # counted by scatter, not by boolean indexing: shapes never
         per_expert = torch.zeros(self.n_experts, dtype=torch.long, device=experts_tk.device).scatter_add_(
             0, experts_tk.clamp(min=0).reshape(-1), kept_a.long())   # depend on values (a dry run has none)
-        self.last_stats = {"tokens_per_expert": per_expert.detach(), "dropped": (experts_tk < 0).sum().detach()}
+        dropped = (experts_tk < 0).sum() - unsent   # by capacity; random routing's skipped seconds are not drops
+        self.last_stats = {"tokens_per_expert": per_expert.detach(), "dropped": dropped.detach()}
         if torch.is_grad_enabled():   # the step's totals (a forward re-run for recomputation counts once)
             step = torch.cat([self.last_stats["tokens_per_expert"], self.last_stats["dropped"].view(1)])
             self.step_stats = step if self.step_stats is None else self.step_stats + step

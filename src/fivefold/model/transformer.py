@@ -33,12 +33,16 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device)
         self.attn = Attention(cfg, device) if not cfg.mla else LatentAttention(cfg, device)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device)
-        self.mlp = MoE(cfg, self.aux, device) if cfg.is_moe_layer(index) else SwiGLU(cfg.hidden, cfg.ffn, device)
+        self.mlp = MoE(cfg, self.aux, device, index) if cfg.is_moe_layer(index) else SwiGLU(cfg.hidden, cfg.ffn, device)
         self.drop = Dropout(cfg.dropout)  # on each branch before the residual add (0: off)
 
-    def forward(self, x_bsh, cos_sd, sin_sd, kv: LayerKV | None = None, documents_bS: torch.Tensor | None = None):
+    def forward(self, x_bsh, cos_sd, sin_sd, kv: LayerKV | None = None, documents_bS: torch.Tensor | None = None,
+                keys_bs: torch.Tensor | None = None):
+        """`keys_bs`: the step-global keys of x's tokens, which a MoE layer's random routing draws by
+        (model/random_routing.py); None elsewhere."""
         x_bsh = x_bsh + self.drop(self.attn(self.attn_norm(x_bsh), cos_sd, sin_sd, kv, documents_bS))
-        return x_bsh + self.drop(self.mlp(self.mlp_norm(x_bsh)))
+        mlp_in = self.mlp_norm(x_bsh)
+        return x_bsh + self.drop(self.mlp(mlp_in, keys_bs) if isinstance(self.mlp, MoE) else self.mlp(mlp_in))
 
 
 class Transformer(nn.Module):
@@ -87,11 +91,13 @@ class Transformer(nn.Module):
         return rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta, device, offset, self.embed.weight.dtype)
 
     def forward(self, tokens_bs: torch.Tensor, positions_s: torch.Tensor | None = None,
-                cache: KVCache | None = None, documents: Documents | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, documents: Documents | None = None,
+                keys_bs: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for tokens at `positions_s` (position ids shared by the batch; default 0..s-1, or
         after the cached tokens with a `cache`, which this call extends). With `documents` (packed
         documents, model/documents.py) positions are theirs (restarting per document) and attention
-        stays inside each document."""
+        stays inside each document. `keys_bs`: the tokens' step-global keys, for random routing
+        (model/random_routing.py; None: none drawn)."""
         offset = cache.length if cache is not None else 0
         if documents is not None:
             positions_s = documents.positions_bs
@@ -101,19 +107,21 @@ class Transformer(nn.Module):
         cos_sd, sin_sd = self.rope(tokens_bs.shape[1] if positions_s is None else positions_s, tokens_bs.device, offset)
         ids_bS = None if documents is None else documents.ids_bS
         kv = cache.layers if cache is not None else None
-        return run_blocks(tokens_bs, self.layers, cos_sd, sin_sd, ids_bS, kv, self.embed, self.norm, self.head)
+        return run_blocks(tokens_bs, self.layers, cos_sd, sin_sd, ids_bS, kv, self.embed, self.norm, self.head, keys_bs)
 
 
 def run_blocks(x, blocks, cos_sd, sin_sd, documents_bS: torch.Tensor | None = None, kv: list | None = None,
-               embed: nn.Module | None = None, norm: nn.Module | None = None, head: nn.Module | None = None):
+               embed: nn.Module | None = None, norm: nn.Module | None = None, head: nn.Module | None = None,
+               keys_bs: torch.Tensor | None = None):
     """The model's forward over a run of its blocks, the one both the whole model (`Transformer.forward`)
     and a pipeline stage's chunk (parallel/pipeline/runtime.py) run: tokens through `embed` first when it
     is given, then each block (with its layer's KV cache from `kv` when generating), then `norm` and
-    `head` when given (the last chunk: logits)."""
+    `head` when given (the last chunk: logits). `keys_bs`: the tokens' keys for random routing, or None."""
     if embed is not None:
         x = embed(x)
     for i, block in enumerate(blocks):
-        x = block(x, cos_sd, sin_sd, documents_bS=documents_bS) if kv is None else block(x, cos_sd, sin_sd, kv[i])
+        x = block(x, cos_sd, sin_sd, documents_bS=documents_bS, keys_bs=keys_bs) if kv is None \
+            else block(x, cos_sd, sin_sd, kv[i])
     if head is not None:
         x = head(norm(x))
     return x

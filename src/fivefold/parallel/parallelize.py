@@ -73,10 +73,12 @@ def configure_moe(model: nn.Module, mesh, cfg: Config, dry: bool = False) -> Non
     with what the dimensions decided, each from one rule: the rows split over tp without SP
     (rules.moe_splits_rows), the group whose ranks hold parts of each sequence
     (rules.moe_sequence_group), the all-to-all dispatcher over ep (a dry run's shape-only one), and the
-    step's sequences and tokens, which scale the auxiliary losses. `mesh`: anything that names groups."""
+    step's sequences and tokens, which scale the auxiliary losses, and under random routing the view of
+    the tokens' keys the layer routes (tp's row split or sequence shard) and the run's seed. `mesh`:
+    anything that names groups."""
     from ..comm.autograd import sum_across
     from .expert import dispatcher
-    from .tensor import moe_rows
+    from .tensor import moe_keys_view, moe_rows
 
     p, t = cfg.parallel, cfg.train
     group = rules.moe_sequence_group(p.tp, p.sp_mode, p.cp)
@@ -87,7 +89,9 @@ def configure_moe(model: nn.Module, mesh, cfg: Config, dry: bool = False) -> Non
                       rows=moe_rows(mesh["tp"]) if rules.moe_splits_rows(p.tp, p.sp_mode) else None,
                       sum_sequence_parts=None if parts is None else partial(sum_across, group=parts),
                       sequence_parts=rules.moe_sequence_parts(p.tp, p.sp_mode, p.cp),
-                      global_sequences=t.global_batch, global_tokens=t.global_batch * t.seq_len)
+                      global_sequences=t.global_batch, global_tokens=t.global_batch * t.seq_len,
+                      keys_view=moe_keys_view(mesh["tp"], rules.moe_splits_rows(p.tp, p.sp_mode)) if p.tp > 1 else None,
+                      seed=t.seed)
 
 
 def loss_function(dims: list[Dimension], loss_sum: LossSum) -> LossSum:
@@ -140,7 +144,7 @@ def direct_forward_backward(model: nn.Module, loss_sum: LossSum, engine: Engine,
     loss_local = torch.zeros(1, dtype=torch.float64, device=micro_batches[0].tokens.device)
     for i, mb in enumerate(micro_batches):
         engine.set_sync(i == len(micro_batches) - 1)
-        loss = mb.loss(loss_sum, model(mb.tokens, positions, documents=mb.documents))
+        loss = mb.loss(loss_sum, model(mb.tokens, positions, documents=mb.documents, keys_bs=mb.keys))
         loss.backward()
         engine.end_backward()
         loss_local += loss.detach().double()
@@ -154,7 +158,7 @@ def direct_forward(model: nn.Module, loss_sum: LossSum, micro_batches: list[Micr
     mean token loss, as `direct_forward_backward` reports it."""
     loss_local = torch.zeros(1, dtype=torch.float64, device=micro_batches[0].tokens.device)
     for mb in micro_batches:
-        loss_local += mb.loss(loss_sum, model(mb.tokens, positions, documents=mb.documents)).double()
+        loss_local += mb.loss(loss_sum, model(mb.tokens, positions, documents=mb.documents, keys_bs=mb.keys)).double()
     return loss_local
 
 

@@ -439,6 +439,17 @@ def moe_rows(group: Group) -> tuple[nn.Module, nn.Module]:
     return _Rows(ScatterRows, group), _Rows(GatherRows, group)
 
 
+def moe_keys_view(group: Group, rows: bool):
+    """The keys of the tokens a MoE layer routes (model/random_routing.py) from those of its block's
+    input: this rank's rows of the micro-batch (`moe_rows`), or under sequence parallelism its shard
+    [r·s/n, (r+1)·s/n) of every sequence (comm/autograd.py rank_major's order)."""
+    n, r = group.size, group.rank
+
+    def view(keys_bs: torch.Tensor) -> torch.Tensor:
+        return keys_bs.chunk(n, dim=0 if rows else 1)[r]
+    return view
+
+
 class _Rows(nn.Module):
     def __init__(self, fn, group: Group):
         super().__init__()

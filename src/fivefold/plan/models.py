@@ -333,6 +333,8 @@ MODEL_FIELDS: dict[str, ModelField] = {
     "router_group_limit": _runtime_only("as router_groups"),
     "capacity_factor": _runtime_only("read as Workload.capacity_factor (plan/layout.py from_config): how "
                                      "many rows an expert takes is the batch's, not the model's"),
+    "random_routing": _runtime_only("GShard's draw of the second expert: planned as top_k rows a token (what moves "
+                                    "in capacity mode; an upper bound of the dropless dispatch)"),
     "aux_loss_coef": _runtime_only("a loss weight"),
     "z_loss_coef": _runtime_only("a loss weight"),
     "bias_update_rate": _runtime_only("the expert bias's step size"),

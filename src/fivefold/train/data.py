@@ -103,6 +103,12 @@ class BatchSource(Protocol):
     def mixture(self, first_step: int, steps: int = 1) -> dict | None: ...
 
 
+def local_rows(global_batch: int, dp_rank: int, dp: int) -> tuple[int, int]:
+    """[start, stop): the rows of a step's global batch that data-parallel rank `dp_rank` of `dp` reads."""
+    per = global_batch // dp
+    return dp_rank * per, (dp_rank + 1) * per
+
+
 class Batches:
     """Layout-independent batches: `local(step, dp_rank, dp)` gives this rank's (inputs, targets)."""
 
@@ -146,8 +152,7 @@ class Batches:
         return max(1, int(self.mask_rows(self.offsets(step).tolist()).sum(dtype=np.int64)))
 
     def local(self, step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
-        per = self.global_batch // dp
-        return self.rows(step, dp_rank * per, (dp_rank + 1) * per)
+        return self.rows(step, *local_rows(self.global_batch, dp_rank, dp))
 
     def documents(self, step: int, start: int, stop: int) -> torch.Tensor:
         """(rows, seq_len) document ids of the input tokens of rows [start, stop) (module docstring)."""
@@ -155,8 +160,7 @@ class Batches:
 
     def local_documents(self, step: int, dp_rank: int, dp: int) -> torch.Tensor:
         """The document ids of `local`'s rows."""
-        per = self.global_batch // dp
-        return self.documents(step, dp_rank * per, (dp_rank + 1) * per)
+        return self.documents(step, *local_rows(self.global_batch, dp_rank, dp))
 
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len

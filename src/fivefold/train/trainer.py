@@ -73,6 +73,7 @@ from ..model.documents import Documents, document_positions
 from ..model.init import InitSource, cast_meta, materialize
 from ..model.lora import AdapterSource, choose_trainable
 from ..model.moe import MoE
+from ..model.random_routing import token_keys
 from ..model.transformer import Block
 from ..parallel.data import DataParallelOptimizer
 from ..parallel.engine import Engine, sum_partial_grads, unique_params
@@ -82,7 +83,7 @@ from ..parallel.parallelize import loss_function, parallelize, positions_of, sha
 from ..parallel.zero import Zero
 from . import checkpoint, rundir
 from .activations import ActivationMeter
-from .data import BatchSource, SyntheticBatches, make_batches, make_eval_batches
+from .data import BatchSource, SyntheticBatches, local_rows, make_batches, make_eval_batches
 from .corpus import data_identity
 from .launch import heartbeat, resolve_device, stop_requested
 from .optim import AdamW, clip_, global_grad_norm, lr_at
@@ -256,20 +257,28 @@ class Trainer:
     def micro_batches(self, step: int, batches=None, loss_tokens: int | None = None) -> list[MicroBatch]:
         """This rank's micro-batches of step `step` (parallel/microbatch.py): tokens, targets, with
         train.document_mask their `Documents` (model/documents.py: positions restarting per document,
-        sharded like the tokens, and the document ids of the whole rows, which every cp rank keeps), and
-        the loss's divisor, `loss_tokens` (default: the step's targets that count)."""
-        p = self.cfg.parallel
+        sharded like the tokens, and the document ids of the whole rows, which every cp rank keeps), the
+        loss's divisor, `loss_tokens` (default: the step's targets that count), and under random routing,
+        in training (`batches` None), the tokens' keys (model/random_routing.py), sharded like the tokens."""
+        p, t = self.cfg.parallel, self.cfg.train
+        training = batches is None
         batches = self.batches if batches is None else batches
-        x_bs, y_bs = batches.local(step, self.mesh.coords["dp"], p.dp)
+        dp_rank = self.mesh.coords["dp"]
+        x_bs, y_bs = batches.local(step, dp_rank, p.dp)
         tensors_bs = (x_bs, y_bs)
-        if self.cfg.train.document_mask:
-            ids_bS = batches.local_documents(step, self.mesh.coords["dp"], p.dp)
+        if t.document_mask:
+            ids_bS = batches.local_documents(step, dp_rank, p.dp)
             tensors_bs += (document_positions(ids_bS),)
+        draws = training and self.cfg.model.experts > 0 and self.cfg.model.random_routing
+        if draws:
+            first, stop = local_rows(t.global_batch, dp_rank, p.dp)
+            tensors_bs += (token_keys(step, t.global_batch, first, stop - first, t.seq_len),)
         tensors_bs = shard_batch(self.dims, *tensors_bs)
         x_bs, y_bs = tensors_bs[0].to(self.device), tensors_bs[1].to(self.device)
-        docs = Documents(tensors_bs[2], ids_bS).to(self.device) if self.cfg.train.document_mask else None
+        docs = Documents(tensors_bs[2], ids_bS).to(self.device) if t.document_mask else None
+        keys_bs = tensors_bs[-1].to(self.device) if draws else None
         n_loss = batches.loss_tokens(step) if loss_tokens is None else loss_tokens
-        return cut_micro_batches(x_bs, y_bs, p.microbatches, n_loss, docs)
+        return cut_micro_batches(x_bs, y_bs, p.microbatches, n_loss, docs, keys_bs)
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()

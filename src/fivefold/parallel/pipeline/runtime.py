@@ -122,13 +122,14 @@ class Stage(nn.Module):
         (the activations')."""
         return rope_cos_sin(positions, *self.rope_args, device, dtype=dtype)
 
-    def forward_chunk(self, chunk: int, x: torch.Tensor, cos_sd, sin_sd, documents_bS=None) -> torch.Tensor:
+    def forward_chunk(self, chunk: int, x: torch.Tensor, cos_sd, sin_sd, documents_bS=None, keys_bs=None) -> torch.Tensor:
         """Tokens (chunk 0) or hidden states -> hidden states (or logits for the last chunk);
-        `documents_bS`: the micro-batch's document ids (model/documents.py), None without a document mask."""
+        `documents_bS`: the micro-batch's document ids (model/documents.py), None without a document mask;
+        `keys_bs`: its tokens' keys under random routing (model/random_routing.py), else None."""
         last = chunk == self.last
         return run_blocks(x, [self.layers[str(i)] for i in self.partition.layers_of(chunk)], cos_sd, sin_sd,
                           documents_bS, embed=self.embed if chunk == 0 else None,
-                          norm=self.norm if last else None, head=self.head if last else None)
+                          norm=self.norm if last else None, head=self.head if last else None, keys_bs=keys_bs)
 
 
 def stage_names(model: nn.Module, partition: Partition) -> list[list[tuple[str, torch.Size]]]:
@@ -372,11 +373,11 @@ class PipelineRuntime:
         return self.chunks - 1
 
     def run_chunk(self, chunk: int, mb: int, x: torch.Tensor) -> torch.Tensor:
-        docs = self.documents[mb]
+        docs, keys = self.documents[mb], self.mbs[mb].keys
         if docs is None:
-            out = self.stage.forward_chunk(chunk, x, self.cos_sd, self.sin_sd)
+            out = self.stage.forward_chunk(chunk, x, self.cos_sd, self.sin_sd, keys_bs=keys)
         else:
-            out = self.stage.forward_chunk(chunk, x, *self.ropes[mb], docs.ids_bS)
+            out = self.stage.forward_chunk(chunk, x, *self.ropes[mb], docs.ids_bS, keys)
         if chunk == self.last:
             out = self.mbs[mb].loss(self.loss_fn, out)
         return out

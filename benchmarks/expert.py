@@ -37,6 +37,18 @@ All-to-all bytes per rank per step: ours from the ledger (dim "ep", rank 0); Dee
 torch.distributed.all_to_all_single during the first step ((N-1)/N of each input: the chunk a rank keeps
 is not sent).
 
+Part 3 (`--part folded`; `--part all` runs 1, 2 and 3), a folded layout, ours vs DeepSpeed, 4 ranks: tp 2 x
+dp 2, attention and dense parts cut by our tensor parallelism on both sides, experts with ep 4 over all
+four ranks (MoE parallel folding: ep spans the tp pair and dp). Ours: `parallelize` with
+ParallelConfig(tp=2, dp=2, ep=4): each tp rank routes its half of the replicated rows, one all-to-all group
+of four. DeepSpeed: `MoE(..., ep_size=4)` with our tp group as its mpu (`groups.mpu`): its default
+(expert tensor parallelism off) puts ep over all ranks, routes every row on both tp ranks, drops the
+duplicate half of the dispatch buffer before the all-to-all and all-gathers it over tp after (its
+"drop duplicate tokens"). gloo's all_gather_into_tensor wants its output shaped, not flat: the harness
+reshapes DeepSpeed's flat buffer (the same bytes). Gradients are summed by each parameter's placement
+(parallel/placement.py) with one flat all-reduce per group on both sides; DeepSpeed's gate over dp, its
+experts (expert-data-parallel groups of one) not at all. DeepSpeed's tp all-gathers are not counted.
+
 Part 2, ours single-process MoE vs transformers' Mixtral block (1 process): a stack of `--layers`
 residual MoE layers (x <- x + moe(x)), forward + backward of sum(out²)/numel, no optimizer:
 - ours: `MoE` with `LocalDispatch` (sort the assignments by expert, one index_select, the per-expert
@@ -50,7 +62,7 @@ fivefold and the implementation's library (deepspeed, transformers), before any 
 peak", bytes autograd saved for backward in the first step (ActivationMeter).
 
     python benchmarks/expert.py [--steps 5] [--rounds 3] [--batch 8] [--seq 256] [--layers 4]
-                                [--capacity-factor 1.25] [--part both|peer|local] [--no-deepspeed]
+                                [--capacity-factor 1.25] [--part both|peer|local|folded|all] [--no-deepspeed]
                                 [--hf-grouped] [--profile IMPL]
 """
 from __future__ import annotations
@@ -181,6 +193,140 @@ def deepspeed_ep(model, rank, world, mcfg, sequences):
     return lambda flat: tdist.all_reduce(flat), AllToAllCount("ep")
 
 
+# -- part 3: a folded layout, ours vs DeepSpeed ----------------------------------------------------------------
+def folded_rank(rank, world, impl, steps, batch, seq, layers, cf, profile=False):
+    """tp 2 x dp 2 on 4 ranks, attention and dense parts cut by our tensor parallelism on both sides; the
+    experts with ep 4 over all four ranks (folded over tp and dp). Ours: `parallelize` with
+    ParallelConfig(tp=2, dp=2, ep=4) (each tp rank routes its half of the replicated rows). DeepSpeed:
+    the same model parallelised with ep = 1, then each layer's MoE replaced by DeepSpeed's with ep_size 4
+    and our tp group as its mpu (it routes every row on both tp ranks, drops the duplicate half of the
+    dispatch buffer before its all-to-all and all-gathers it over tp after). Gradients are summed by
+    each parameter's placement (parallel/placement.py) with one flat all-reduce a group on both sides."""
+    import torch
+
+    from fivefold import comm
+    from fivefold.comm import CommLedger
+    from fivefold.config import Config, ParallelConfig, TrainConfig
+    from fivefold.mesh import ParallelMesh
+    from fivefold.model import Transformer, loss_sum
+    from fivefold.parallel.engine import unique_params
+    from fivefold.parallel.parallelize import loss_function, parallelize
+    from fivefold.parallel.placement import by_group
+
+    if impl.startswith("ds"):
+        import deepspeed.moe.layer  # noqa: F401
+    base_rss = peak_rss_mb()
+    mode = impl.split("_")[1]                    # cap | dropless
+    mcfg = moe_model(seq, layers, cf if mode == "cap" else 0.0)
+    tp, dp = 2, world // 2
+    ours = impl.startswith("ours")
+    par = ParallelConfig(tp=tp, dp=dp, ep=world if ours else 1)
+    cfg = Config(model=mcfg, parallel=par, train=TrainConfig(seq_len=seq, global_batch=dp * batch)).validate(world)
+    ledger = CommLedger(rank, world)
+    mesh = ParallelMesh(par, rank, ledger)
+    model, dims = parallelize(Transformer(mcfg, seed=0), mesh, cfg)
+    counter = LedgerCount(ledger)
+    if not ours:
+        counter = deepspeed_folded(model, mesh, mcfg, world)
+    gen = torch.Generator().manual_seed(0)       # one global batch; dp rank d keeps rows d·batch ...
+    x = torch.randint(0, mcfg.vocab, (dp * batch, seq), generator=gen)
+    y = torch.roll(x, -1, 1)
+    d = mesh.coords["dp"]
+    x, y = x[d * batch:(d + 1) * batch], y[d * batch:(d + 1) * batch]
+    params = unique_params(model)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=False)
+    n_tokens = dp * batch * seq
+    lossf = loss_function(dims, loss_sum)
+
+    def step():
+        loss = lossf(model(x), y) / n_tokens
+        loss.backward()
+        model.aux.take()
+        for field in ("reduce", "partial"):      # the engine's reduction, then the partial sums (as the trainer)
+            for group, ps in by_group([p for p in params if p.grad is not None], field).items():
+                if mesh[group].size > 1:
+                    sum_grads(ps, lambda flat, g=mesh[group]: comm.all_reduce(flat, g))
+        opt.step()
+        opt.zero_grad()
+        return loss.detach() / tp                # both tp ranks hold the whole loss: summed once over the ranks
+
+    first = measured_first_step(step, counter)
+    if profile:
+        return {"profile": profile_steps(step, rank)}
+    times = time_steps(step, warmup=1, steps=steps)
+    return {"times": times, "rss_mb": peak_rss_mb(), **first, "base_rss_mb": base_rss}
+
+
+def deepspeed_folded(model, mesh, mcfg, world):
+    """Each MoE layer of `model` (tp-parallelised, experts whole on every rank) swapped for DeepSpeed's MoE
+    with ep_size = world, our tp group as DeepSpeed's mpu; its gate summed over dp, its experts (an
+    expert-data-parallel group of one) not at all."""
+    import torch
+    from torch import nn
+
+    os.environ.update(LOCAL_RANK=str(mesh.rank), RANK=str(mesh.rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
+    import deepspeed
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+    from deepspeed.utils import groups as ds_groups
+    from deepspeed.utils import logger as ds_logger
+
+    from fivefold.model.layers import SwiGLU
+    from fivefold.model.moe import MoE
+    from fivefold.parallel.placement import place
+
+    ds_logger.setLevel("WARNING")
+    deepspeed.init_distributed(dist_backend="gloo")
+    tp = mesh["tp"]
+
+    class TensorGroup:   # the Megatron mpu calls DeepSpeed's drop_tokens / gather_tokens make
+        def get_tensor_model_parallel_world_size(self):
+            return tp.size
+
+        def get_tensor_model_parallel_rank(self):
+            return tp.rank
+
+        def get_tensor_model_parallel_group(self):
+            return tp.pg
+
+    ds_groups.mpu = TensorGroup()
+    plain_gather = deepspeed.comm.all_gather_into_tensor
+
+    def gather_shaped(output, tensor, *args, **kwargs):   # gloo wants the output shaped (n·d0, ...), not flat
+        shaped = output.view((output.numel() // tensor.numel() * tensor.shape[0],) + tuple(tensor.shape[1:]))
+        return plain_gather(shaped, tensor, *args, **kwargs)
+    deepspeed.comm.all_gather_into_tensor = gather_shaped
+    e, local, rank = mcfg.experts, mcfg.experts // world, mesh.rank
+
+    class DeepSpeedBlock(nn.Module):
+        def __init__(self, ours):
+            super().__init__()
+            self.aux = ours.aux
+            self.moe = DeepSpeedMoE(mcfg.hidden, SwiGLU(mcfg.hidden, mcfg.expert_ffn), num_experts=e, ep_size=world,
+                                    k=mcfg.top_k, capacity_factor=mcfg.capacity_factor or 1.0,
+                                    drop_tokens=mcfg.capacity_factor > 0, use_rts=False,
+                                    top2_2nd_expert_sampling=False)
+            self.moe.set_deepspeed_parallelism()
+            with torch.no_grad():
+                self.moe.deepspeed_moe.gate.wg.weight.copy_(ours.router.weight)
+                for j, ex in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+                    g = rank * local + j
+                    ex.gate.weight.copy_(ours.experts.w_gate[g])
+                    ex.up.weight.copy_(ours.experts.w_up[g])
+                    ex.down.weight.copy_(ours.experts.w_down[g])
+            place(self.moe.deepspeed_moe.gate.wg.weight, reduce="dp")
+            for p in self.moe.deepspeed_moe.experts.parameters():
+                place(p, reduce=None)
+
+        def forward(self, x_bsh, keys_bs=None):
+            y_bsh, l_aux, _ = self.moe(x_bsh)
+            return self.aux.add(y_bsh, l_aux * (AUX_COEF / (world // tp.size)))
+
+    for block in model.layers:
+        if isinstance(block.mlp, MoE):
+            block.mlp = DeepSpeedBlock(block.mlp)
+    return AllToAllCount("ep")
+
+
 def capacity_rows(batch, seq, cf):
     """Rows of the dispatch buffer per rank per layer: ours E·b·ceil(c·s·k/E), DeepSpeed E·ceil(c·k·b·s/E)."""
     e, k = MOE["experts"], MOE["top_k"]
@@ -260,7 +406,7 @@ def profile_steps(step, rank, n=3):
 def table(best, pairs, label):
     """pairs: row name -> the row it is divided by (ratios ours / peer)."""
     print(f"{'impl':<36}{'median step':>13}{'peak RSS':>10}{'imports':>9}{'act peak':>10}{'first loss':>12}"
-          f"  {'MB sent per rank/step':<24}{label} (time, memory)")
+          f"  {'MB sent per rank/step':<30}{label} (time, memory)")
     for name, r in best.items():
         ratio = ""
         if pairs.get(name) in best:
@@ -270,7 +416,24 @@ def table(best, pairs, label):
         rounds = ", ".join(f"{t * 1e3:.0f}" for t in r["rounds"])
         print(f"{name:<36}{r['median_s'] * 1e3:>10.1f} ms{r['peak_rss_mb']:>7.0f} MB{r['base_rss_mb']:>6.0f} MB"
               f"{r['act_peak'] / 2**20:>7.0f} MB"
-              f"{r['first_loss']:>12.6f}  {sent:<24}{ratio:<14}[rounds: {rounds} ms]")
+              f"{r['first_loss']:>12.6f}  {sent:<30}{ratio:<14}[rounds: {rounds} ms]")
+
+
+def folded_race(a):
+    print(f"\n3. a folded layout: tp 2 x dp 2 on 4 gloo ranks, experts ep 4 over all four, batch {a.batch}x{a.seq} "
+          f"tokens per dp rank, {a.steps} timed steps, best of {a.rounds} rounds; grads summed by placement")
+    impls = [("ours_cap", f"fivefold ep4 folded, capacity {a.capacity_factor:g}"),
+             ("ours_dropless", "fivefold ep4 folded, dropless")]
+    if not a.no_deepspeed and importlib.util.find_spec("deepspeed") is not None:
+        impls = [("ds_cap", f"DeepSpeed ep4 over tp x dp, capacity {a.capacity_factor:g}"), impls[0],
+                 ("ds_dropless", "DeepSpeed ep4 over tp x dp, dropless"), impls[1]]
+    else:
+        print("DeepSpeed skipped (--no-deepspeed, or not installed)")
+    best = best_of_rounds(folded_rank, 4, impls, lambda impl: (impl, a.steps, a.batch, a.seq, a.layers, a.capacity_factor),
+                          a.rounds, keep_going=not a.smoke, worst=("base_rss_mb",))
+    names = dict(impls)
+    table(best, {names["ours_cap"]: names.get("ds_cap"), names["ours_dropless"]: names.get("ds_dropless")},
+          "ours / DeepSpeed")
 
 
 def main():
@@ -281,12 +444,13 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--capacity-factor", type=float, default=1.25)
-    ap.add_argument("--part", choices=("both", "peer", "local"), default="both")
+    ap.add_argument("--part", choices=("both", "peer", "local", "folded", "all"), default="both",
+                    help="both: parts 1 and 2; all: 1, 2 and 3 (the folded layout, 4 ranks)")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--hf-grouped", action="store_true", help="also time transformers' grouped_mm experts")
     ap.add_argument("--profile", default="", help="profile one implementation (e.g. ours_cap, ds_dropless, "
                                                     "ours, hf) and print its op table instead of timing")
-    a = parse_options(ap, steps=1, rounds=1, batch=2, seq=32, layers=2)
+    a = parse_options(ap, steps=1, rounds=1, batch=2, seq=32, layers=2, part="all")
     nproc = 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "runs" / "torch_extensions"))  # DeepSpeed's JIT op
@@ -303,7 +467,7 @@ def main():
                             timeout_s=900)
         print(out[0]["profile"])
         return
-    if a.part in ("both", "peer"):
+    if a.part in ("both", "peer", "all"):
         print(f"\n1. expert parallel, ep = dp = {nproc} gloo ranks, batch {a.batch}x{a.seq} tokens per rank, "
               f"{a.steps} timed steps, best of {a.rounds} rounds; fwd + bwd + torch AdamW; dense grads summed by one "
               f"all-reduce (its bytes: dp in ours' ledger, not counted for DeepSpeed)")
@@ -329,7 +493,9 @@ def main():
               f"all-to-alls by formula (layers x 4 x rows x hidden x 4 B x (N-1)/N): {formula / 1e6:.2f} MB per rank "
               f"per step" + ("" if "ds_cap" not in names else
                              " (DeepSpeed's ep column is counted at torch.distributed.all_to_all_single)"))
-    if a.part in ("both", "local"):
+    if a.part in ("folded", "all"):
+        folded_race(a)
+    if a.part in ("both", "local", "all"):
         print(f"\n2. one process, {a.layers} residual MoE layers, batch {a.batch}x{a.seq} tokens, forward + backward, "
               f"{a.steps} timed steps, best of {a.rounds} rounds")
         impls = [("hf", "transformers Mixtral block (eager)"), ("ours", "fivefold MoE (LocalDispatch)")]

@@ -295,3 +295,18 @@ def test_search_output_leads_with_what_to_act_on(capsys):
     assert "bound:" not in out and "warning: order" not in out and " GB " not in out
     main(argv + ["--verbose"])
     assert "bound:" in capsys.readouterr().out
+
+
+def test_a_given_ep_is_searched_only_where_the_experts_fold_onto_it(capsys):
+    """`--ep 32` with dp and cp left to the search: a stage has tp·cp·dp = 32 ranks, so etp = tp = 2 cannot
+    fold ep 32 onto them and those structures are skipped (it raised 'etp x ep must divide tp*cp*dp'
+    before); every structure the search yields folds (etp·ep divides tp·cp·dp)."""
+    model = PRESETS["qwen3-235b-a22b"]
+    fixed = {"tp": 2, "pp": 8, "ep": 32}
+    work = Workload(seq=4096, global_batch=2048)
+    got = [s for s in _structures(model, work, TOPOLOGIES["dgx-h100"], 256, fixed) if isinstance(s, tuple)]
+    assert got and all((tp * dp * cp) % (ep * etp) == 0 for tp, pp, cp, mode, ep, dp, etp in got)
+    assert {s[6] for s in got} == {1}
+    assert main(["plan", "--model", "qwen3-235b-a22b", "--gpus", "256", "--tp", "2", "--pp", "8", "--ep", "32",
+                 "--seq", "4096", "--global-batch", "2048"]) == 0
+    assert "ep32" in capsys.readouterr().out

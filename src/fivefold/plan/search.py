@@ -154,6 +154,8 @@ def _structures(model: PlanModel, work: Workload, topo: Topology, gpus: int, fix
                         eps = [1] if not model.moe else [d for d in divisors(model.experts)
                                                          if (tp * dp * cp) % (d * etp) == 0]
                         for ep in _options("ep", fixed, eps):
+                            if model.moe and (tp * dp * cp) % (ep * etp):
+                                continue   # a given ep this structure's experts cannot fold onto
                             yield tp, pp, cp, mode, ep, dp, etp
 
 

@@ -664,10 +664,10 @@ def check_runtime_support(parallel, train, model=None) -> None:
         raise ConfigError(f"MoE under tensor parallelism gives each tp rank 1/tp of a micro-batch's sequences: "
                           f"global_batch / (dp*microbatches) = {sequences} must divide by tp ({p.tp}); "
                           f"valid global_batch: multiples of {p.dp * p.microbatches * p.tp}, or sp_mode megatron")
-    if p.pp > 1 and p.schedule == ZB and p.tp > 1 and p.sp_mode == "megatron":
+    if splits_backward(p.pp, p.schedule) and p.tp > 1 and p.sp_mode == "megatron":
         raise ConfigError("the zb schedule with Megatron sequence parallelism is not supported (its weight-gradient "
                           "pass would repeat the reduce-scatter's backward all-gather); use 1f1b or sp_mode none")
-    if p.pp > 1 and p.zero == 3 and p.schedule == ZB:
+    if splits_backward(p.pp, p.schedule) and p.zero == 3:
         raise ConfigError("the zb schedule with ZeRO-3 is not supported (its weight-gradient pass runs outside the "
                           "block whose parameters ZeRO-3 gathers); use 1f1b or interleaved, or zero <= 2")
     if p.pp > 1 and p.zero == 3 and not p.reshard_after_forward:
@@ -687,12 +687,18 @@ def check_zero_prefetch(depth) -> None:
                           f"running; valid: an integer 0 to {MAX_PREFETCH} (1: FSDP's default)")
 
 
+def splits_backward(pp: int, schedule: str) -> bool:
+    """Whether the pipeline runs each backward as I (input gradients) then W (weight gradients): the
+    zero-bubble schedule with pp > 1 (parallel/pipeline/schedules.py)."""
+    return pp > 1 and schedule == ZB
+
+
 def block_recompute(recompute: str, pp: int, schedule: str) -> str:
     """The recompute each block gets (parallel/recompute.py), applied once after every dimension: the
     run's `train.recompute`, except full recompute under the zero-bubble schedule with a pipeline, whose
     split backward (I, then W) needs a chunk's whole graph: there the pipeline runtime re-runs whole
     chunks instead and the blocks keep no checkpoint of their own."""
-    return "none" if pp > 1 and schedule == ZB and recompute == "full" else recompute
+    return "none" if splits_backward(pp, schedule) and recompute == "full" else recompute
 
 
 def overlaps_tp_input(pp: int, schedule: str, on: bool = True) -> bool:
@@ -701,7 +707,7 @@ def overlaps_tp_input(pp: int, schedule: str, on: bool = True) -> bool:
     the planner's plan/time.py `tp_hidden`): where `parallel.tp_overlap` is on, except under the
     zero-bubble schedule with a pipeline, whose W pass replays each weight's own module from the output
     that module recorded."""
-    return on and not (pp > 1 and schedule == ZB)
+    return on and not splits_backward(pp, schedule)
 
 
 def grad_norm_group(zero: int, only_dp: bool = True) -> str:

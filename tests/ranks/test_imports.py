@@ -1,4 +1,4 @@
-"""Imports flow one way (DESIGN.md): planning needs neither torch nor processes. The layer contracts
+"""Imports flow one way (docs/architecture.md, "Floors"): planning needs neither torch nor processes. The layer contracts
 themselves (and "nothing imports fivefold.cli") are checked by import-linter: tests/ranks/test_layers.py."""
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""DESIGN.md's import arrows hold: `lint-imports` checks the contracts in pyproject.toml
+"""The import floors of docs/architecture.md hold: `lint-imports` checks the contracts in pyproject.toml
 ([tool.importlinter]: the floors cli -> tools -> train | plan -> parallel -> ..., a torch-free planner, nothing
 below imports tools/ or the CLI, parallel/ draws nothing and parses no arguments, moe.py never imports transformer.py)."""
 import subprocess

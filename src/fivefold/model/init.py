@@ -1,7 +1,7 @@
 """Models that start empty and are filled piece by piece: construction on the meta device, the seeded
 init of any box of any parameter, and turning meta parameters into real ones.
 
-No rank ever builds the whole model (DESIGN.md, "the way data flows"): `Transformer(cfg, device="meta")`
+No rank ever builds the whole model (docs/architecture.md, its first paragraph): `Transformer(cfg, device="meta")`
 allocates nothing, the parallel dimensions cut the meta parameters, and each rank then allocates only
 what it holds (`materialize`) and fills it from a *source*: the seeded init below, a checkpoint
 (train/checkpoint.py's Reader), or Hugging Face shard files (model/hf_weights.py). Every source answers

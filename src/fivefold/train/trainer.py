@@ -193,7 +193,7 @@ class Trainer:
         self.master_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
 
         # the model on the meta device: every dimension cuts meta parameters, nothing is allocated
-        # until this rank materialises what it holds (model/init.py; DESIGN.md's data flow)
+        # until this rank materialises what it holds (model/init.py; docs/architecture.md's first paragraph)
         meta = choose_trainable(cast_meta(Transformer(cfg.model, device="meta"), self.dtype), t)   # LoRA, freeze
         self.n_params = sum(q.numel() for q in meta.parameters())
         self.n_trainable = sum(q.numel() for q in unique_params(meta))

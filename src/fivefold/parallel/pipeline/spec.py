@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...rules import INTERLEAVED, ZB, ScheduleKind, check_schedule
+from ...rules import INTERLEAVED, ScheduleKind, check_schedule
 from .partition import Partition, partition_layers
 
 
@@ -67,11 +67,6 @@ class Schedule:
     def interleaved(self) -> bool:
         """Chunks interleaved over the ranks (the interleaved schedule with vpp > 1)."""
         return self.kind == INTERLEAVED and self.vpp > 1
-
-    @property
-    def split_backward(self) -> bool:
-        """The backward runs as I (input gradients) and W (weight gradients): zero bubble."""
-        return self.kind == ZB
 
     @property
     def config_group(self) -> int:

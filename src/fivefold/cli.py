@@ -1,11 +1,9 @@
-"""Command line: `fivefold train | eval | tokenize | export | generate | report | calibrate | plan | schedule | cluster`.
+"""Command line: `fivefold COMMAND [options]`, one command a line (`fivefold COMMAND --help` for its options):
 
-    fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --cp-mode --ep --etp --zero ...] [--steps K] [--out DIR]
-                   [--resume auto|DIR] [--overwrite]
+    fivefold train [--config F.toml] [--nproc N] [--dp --tp --pp --cp --ep --etp --zero ...] [--steps K] [--out DIR] [--resume auto|DIR]
     fivefold eval RUN_OR_CHECKPOINT|HF_DIR --data FILES [--nproc N] [--dp --tp --pp --cp ...] [--eval-tokens N]
     fivefold export RUN_OR_CHECKPOINT FILE.safetensors | --hf DIR | --peft DIR
-    fivefold generate RUN --prompt TEXT [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
-                      [--checkpoint step-N] [--no-cache]    (or --hf DIR instead of RUN)
+    fivefold generate RUN|--hf DIR --prompt TEXT [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--checkpoint step-N]
     fivefold report RUN [RUN...] [--out DIR] [--format png|svg]
     fivefold tokenize INPUT... --tokenizer T --out data.bin [--field text] [--workers N] [--overwrite]
     fivefold calibrate [--nproc N] [--out local.toml] [--quick]
@@ -15,6 +13,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -36,9 +35,16 @@ COMMANDS = {
     "calibrate": ("measure this machine and write a topology TOML for plan", ".tools.calibrate", "calibrate"),
     "schedule": ("simulate and draw a pipeline schedule", ".tools.schedule", "schedule"),
     "plan": ("estimate memory, traffic and step time of a layout, or search", ".tools.plan", "plan"),
-    "cluster": ("run a command on an emulated multi-node cluster (network namespaces, shaped links) and measure "
-                "its links", ".tools.cluster", "cluster"),
+    "cluster": ("run a command on an emulated multi-node cluster and measure its links", ".tools.cluster", "cluster"),
 }
+
+
+def overview() -> str:
+    """`fivefold --help`'s text: each command and what it does on one line, then each one's usage on one line."""
+    width = max(map(len, COMMANDS))
+    what = "\n".join(f"  {cmd:<{width}}  {help_}" for cmd, (help_, _, _) in COMMANDS.items())
+    usage = __doc__.split("\n\n", 1)[1].rstrip()
+    return f"commands (fivefold COMMAND --help for its options):\n{what}\n\nusage, one command a line:\n\n{usage}"
 
 
 def _command(cmd: str):
@@ -59,12 +65,13 @@ def _chosen(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     quiet_third_party_bars()
     argv = sys.argv[1:] if argv is None else list(argv)
-    ap = OneLineParser(prog="fivefold", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
+    ap = OneLineParser(prog="fivefold", description=overview(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser, metavar="COMMAND",
+                            help=argparse.SUPPRESS)   # listed one a line in the description
     chosen = _chosen(argv)
     run = None
     for cmd, (help_, _, _) in COMMANDS.items():
-        parser = sub.add_parser(cmd, help=help_)
+        parser = sub.add_parser(cmd, description=help_)
         if cmd == chosen:               # only the command that runs gets its arguments (and its imports)
             add_args, run = _command(cmd)
             add_args(parser)

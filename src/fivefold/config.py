@@ -38,7 +38,7 @@ from .rules import (ONE_F_ONE_B, ConfigError, CpMode, Device, Dtype, LrSchedule,
                     SpMode, ZeroStage, check_choice, choices, divisors, nearest)
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "apply_overrides",
-           "divisors", "field_type", "load_config", "nearest"]
+           "divisors", "field_doc", "field_type", "load_config", "nearest"]
 
 
 # Upper bounds of the model's sizes: far past any model trained so far (Llama 3 405B: 126 layers, hidden
@@ -158,17 +158,17 @@ class ModelConfig(HeadShapes, ParameterCounts):
     """A Llama-style decoder. MoE fields are used when `experts > 0` (model/moe.py explains each), MLA
     fields when `kv_lora_rank > 0` (multi-head latent attention, model/latent_attention.py)."""
 
-    vocab: int = 256
-    hidden: int = 128
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    ffn: int = 352
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    max_seq: int = 256
-    init_std: float = 0.02
+    vocab: int = 256              # token ids 0..vocab-1 (a tokenizer sets it: train.tokenizer)
+    hidden: int = 128             # the residual stream's width
+    layers: int = 4               # transformer blocks
+    heads: int = 4                # attention (query) heads
+    kv_heads: int = 2             # key/value heads (grouped-query attention: heads / kv_heads queries share one)
+    ffn: int = 352                # the dense SwiGLU's hidden width
+    rope_theta: float = 10000.0   # the rotary embedding's base (Llama 3: 500000)
+    norm_eps: float = 1e-5        # RMSNorm's epsilon
+    tie_embeddings: bool = True   # the LM head is the token embedding's transpose
+    max_seq: int = 256            # the longest sequence the model takes (train.seq_len <= max_seq)
+    init_std: float = 0.02        # the seeded init's standard deviation (output projections / sqrt(2 layers))
     dropout: float = 0.0          # residual dropout after attention and MLP (0: off, as in Llama)
     # Mixture of experts: 0 experts means a dense model.
     experts: int = 0              # routed experts per MoE layer
@@ -178,7 +178,7 @@ class ModelConfig(HeadShapes, ParameterCounts):
     dense_layers: int = 0         # the first dense_layers layers keep the dense SwiGLU of width ffn
     router: RouterKind = "softmax_topk_norm"   # Mixtral | Qwen2-MoE (not renormalised) | DeepSeek-V3
     router_groups: int = 0        # group-limited routing: experts in this many consecutive groups (0: off)
-    router_group_limit: int = 0   # ... a token chooses only from its best router_group_limit groups
+    router_group_limit: int = 0   # group-limited routing: a token chooses only from its best this-many groups
     capacity_factor: float = 0.0  # per-sequence expert capacity ceil(factor*seq*top_k/experts) (0: dropless)
     random_routing: bool = False  # GShard: the 2nd expert gets a token with probability 2*w2/(w1+w2) (top_k 2)
     aux_loss_coef: float = 0.01   # Switch/GShard load-balance loss (softmax routers)
@@ -278,28 +278,35 @@ class ParallelConfig:
     tp * cp * dp and the expert data-parallel degree is tp * cp * dp / (etp * ep) (grid.py).
     """
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1                         # expert tensor parallelism: ranks splitting each routed expert's width
-    zero: ZeroStage = 0
+    dp: int = 1                          # data-parallel degree: ranks that each take their share of a step's sequences
+    tp: int = 1                          # tensor-parallel degree (Megatron: heads and MLP columns split)
+    pp: int = 1                          # pipeline stages
+    cp: int = 1                          # context-parallel degree: each rank holds seq_len / cp tokens of every sequence
+    ep: int = 1                          # expert-parallel degree (MoE): experts spread over ep ranks, folded over the
+                                         # tp x cp x dp ranks (etp x ep must divide them)
+    etp: int = 1                         # expert tensor-parallel degree (MoE): each routed expert's width split over
+                                         # etp ranks (1: whole experts)
+    zero: ZeroStage = 0                  # ZeRO stage: 1 optimizer state, 2 also gradients, 3 also parameters sharded
+                                         # over dp (0: plain data parallelism)
     sp_mode: SpMode = "none"             # Megatron sequence parallelism inside the tp group
-    cp_mode: CpMode = "ring"             # how cp > 1 splits attention: ulysses | ring | hybrid
+    cp_mode: CpMode = "ring"             # how cp > 1 splits attention: Ulysses all-to-all, ring attention, or both
+                                         # (hybrid)
     ulysses: int = 0                     # hybrid: Ulysses degree of the inner ranks (0: the largest possible)
     fp8_dispatch: bool = False           # MoE: send the expert-parallel dispatch in float8 e4m3 (+ a scale a row)
-    order: str = DEFAULT_ORDER
-    microbatches: int = 1                # micro-batches per step (a count; the planner's micro_batch is a size)
-    schedule: ScheduleKind = ONE_F_ONE_B  # pipeline schedule; with vpp, microbatches, microbatch_group and partition
-                                         # one value (parallel/pipeline/spec.py `Schedule.of`; rules.check_schedule)
-    vpp: int = 1
+    order: str = DEFAULT_ORDER           # rank order, innermost (fastest-varying, nearest) dimension first
+    microbatches: int = 1                # micro-batches per step on each data-parallel rank: a count (the planner's
+                                         # --micro-batch-size is a size)
+    schedule: ScheduleKind = ONE_F_ONE_B  # pipeline schedule (pp > 1): gpipe, 1f1b, interleaved (vpp > 1), zb (zero
+                                         # bubble: backward split into input and weight gradients)
+    vpp: int = 1                         # virtual pipeline stages (model chunks) per rank: the interleaved schedule
     microbatch_group: int = 0            # interleaved: micro-batches per group N, pp <= N <= microbatches (0: pp)
-    bucket_mb: float = 25.0
+    bucket_mb: float = 25.0              # gradient bucket size in MiB (all-reduce / reduce-scatter overlapped with
+                                         # the backward that fills it)
     overlap_grad_reduce: bool = True     # pp: reduce a chunk's gradients after its last backward (False: at the end)
     reduce_each_microbatch: bool = False  # ZeRO-2/3 under pp: reduce-scatter every micro-batch, keep only the shard
     reshard_after_forward: bool = True   # ZeRO-3: free gathered params after forward (False: keep them)
-    zero_prefetch: int = 1               # ZeRO-3 without pp: units gathered ahead of the one running (0-16)
+    zero_prefetch: int = 1               # ZeRO-3 without pp: units gathered ahead of the one running, 0-16 (deeper
+                                         # hides slower gathers and holds more of them)
     tp_overlap: bool = True              # tp: each part's input collective overlaps its column GEMMs
                                          # (parallel/tensor_overlap.py; off under zb with pp > 1)
     partition: str = "even"              # layers to pipeline stages: even | llama3 | counts "3,5,5,3"
@@ -331,46 +338,58 @@ class ParallelConfig:
 class TrainConfig:
     """The optimiser, the data, and how a run logs, checkpoints and survives bad steps."""
 
-    steps: int = 200
-    global_batch: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup: int = 20
+    steps: int = 200                      # optimizer steps the run trains to (a resumed run continues to this step)
+    global_batch: int = 16                # sequences per optimizer step, over all data-parallel ranks
+    seq_len: int = 128                    # tokens per sequence (<= model.max_seq)
+    lr: float = 3e-3                      # peak learning rate (linear warmup over train.warmup steps, then
+                                          # train.lr_schedule to train.min_lr)
+    min_lr: float = 3e-4                  # learning rate at the last step (cosine, linear, wsd)
+    warmup: int = 20                      # steps of linear warmup from lr / warmup to lr
     lr_schedule: LrSchedule = "cosine"   # after warmup: cosine | linear to min_lr, constant, or wsd (stable, then
                                           # linear to min_lr over the last train.decay_fraction of the steps)
     decay_fraction: float = 0.2           # wsd: the share of the steps after warmup that decays
-    weight_decay: float = 0.1             # decoupled (AdamW); 2-D+ weights only: never norms or biases
-    decay_embeddings: bool = True         # ... and the token embedding and untied LM head (false: not them)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    seed: int = 1234
-    dtype: Dtype = "fp32"
+    weight_decay: float = 0.1             # decoupled weight decay (AdamW) of 2-D+ weights; norms and biases never
+                                          # decay, embeddings unless train.decay_embeddings=false
+    decay_embeddings: bool = True         # weight decay also on the token embedding and an untied LM head
+    beta1: float = 0.9                    # AdamW's first-moment decay
+    beta2: float = 0.95                   # AdamW's second-moment decay
+    eps: float = 1e-8                     # AdamW's epsilon
+    grad_clip: float = 1.0                # clip the global gradient norm to this (0: no clipping)
+    seed: int = 1234                      # seed of the init, the data order, dropout and MoE random routing
+    dtype: Dtype = "fp32"                 # compute dtype (bf16 keeps fp32 master weights and main gradients)
     main_grads_fp32: bool = True          # bf16 compute: accumulate and reduce gradients in fp32
-    data: list[str] = field(default_factory=list)
+    data: list[str] = field(default_factory=list)   # text files, or token files (fivefold tokenize's, .u16/.bin,
+                                          # .u32, .npy) (none: the embedded default corpus)
     data_limit_mb: float = 8.0            # text data: read at most this many MiB (0: no limit)
-    tokenizer: str = ""                   # tokenizer.json or tiktoken BPE file; model.vocab follows it ("": bytes)
-    out: str = "runs/latest"
+    tokenizer: str = ""                   # a Hugging Face tokenizer.json or tiktoken BPE file ("": UTF-8 bytes);
+                                          # model.vocab follows it unless set
+    out: str = "runs/latest"              # run folder (metrics.jsonl, comm.json, run.json, checkpoints/); never
+                                          # written over without --resume or --overwrite
     log_every: int = 0                    # steps between progress lines when stderr is not a terminal (0: ~20 a run)
     checkpoint: bool = True               # write checkpoints at all
     checkpoint_every: int = 100           # steps between periodic checkpoints (0: only at the end)
     keep_checkpoints: int = 2             # newest complete checkpoints kept on disk
     skip_nonfinite: bool = True           # skip an optimizer step whose loss or gradient norm is NaN/inf
-    max_skips: int = 5                    # ... and stop the run after this many consecutive skipped steps
-    recompute: Recompute = "none"         # any layout: parallel/recompute.py (full: each block, or chunk under pp)
-    device: Device = "auto"               # auto: CUDA when available, else CPU
+    max_skips: int = 5                    # stop the run after this many consecutive skipped steps
+    recompute: Recompute = "none"         # activation recomputation, any layout (parallel/recompute.py): full keeps
+                                          # each block's input (each chunk's under the zb schedule with pp > 1),
+                                          # selective each attention core's q, k, v
+    device: Device = "auto"               # auto: CUDA under torchrun on a GPU machine, else the CPU
     compile: bool = False                 # torch.compile each transformer block in place (after parallelize)
     tensorboard: bool = False             # rank 0 also writes the console line's scalars to OUT/tensorboard/
-    wandb: bool = False                   # ... and to Weights & Biases (WANDB_MODE=offline: no network; [wandb] extra)
+    wandb: bool = False                   # rank 0 also writes them to Weights & Biases (WANDB_MODE=offline: no
+                                          # network; the [wandb] extra)
     wandb_project: str = "fivefold"       # the W&B project of train.wandb
     calibration: str = "local.toml"       # CPU runs: `fivefold calibrate`'s topology, whose peak gives MFU (missing: no MFU)
-    init_hf: str = ""                     # start from a Hugging Face folder's weights (--init-hf; "": the seeded init)
-    eos: str = ""                         # end-of-text token of train.tokenizer (--eos; "": found by name; none)
-    bos: str = ""                         # start-of-text token put before each text document (--bos; "": none)
-    eval_data: list[str] = field(default_factory=list)   # evaluation files, read like data (--eval-data)
-    eval_fraction: float = 0.0            # ... or hold out this last fraction of the training tokens (0: none)
+    init_hf: str = ""                     # start from a Hugging Face folder (save_pretrained's: its config.json sets
+                                          # [model], its safetensors are read slice by slice into each rank's
+                                          # shards, its tokenizer becomes the run's; "": the seeded init)
+    eos: str = ""                         # the tokenizer's end-of-text token, put after each text document and where
+                                          # generate stops ("": found by name; none: no such token)
+    bos: str = ""                         # a start-of-text token put before each text document ("": none)
+    eval_data: list[str] = field(default_factory=list)   # evaluation files, read like train.data (or
+                                          # train.eval_fraction: a held-out tail of the data)
+    eval_fraction: float = 0.0            # evaluate on this last fraction of the training tokens, held out (0: none)
     eval_every: int = 0                   # steps between evaluations, and one at the end (0: no evaluation)
     eval_tokens: int = 65536              # tokens one evaluation covers (whole global batches of windows)
     document_mask: bool = False           # attention stays inside each packed document, positions restart per
@@ -378,13 +397,16 @@ class TrainConfig:
     keep_best: bool = False               # checkpoint each evaluation that lowers the eval loss and keep the best
                                           # one beside keep_checkpoints (OUT/best.json names it)
     stop_after: int = 0                   # stop after this many evaluations without a lower eval loss (0: never)
-    lora_rank: int = 0                    # LoRA adapters of this rank on lora_targets, everything else frozen
-                                          # (model/lora.py; 0: no LoRA)
-    lora_alpha: float = 16.0              # the adapters' output is scaled by lora_alpha / lora_rank
-    lora_dropout: float = 0.0             # dropout on the adapters' input
+    lora_rank: int = 0                    # LoRA: train rank-r adapters on train.lora_targets and freeze every other
+                                          # weight (model/lora.py; 0: no LoRA; typical 8-64)
+    lora_alpha: float = 16.0              # LoRA: the adapters' output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0             # LoRA: dropout on the adapters' input
     lora_targets: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo", "gate", "up", "down"])
-                                          # linear layers of each block (ours or Hugging Face's names, q_proj...)
-    freeze: list[str] = field(default_factory=list)   # parameter name patterns to freeze ("embed.*", "layers.0.*")
+                                          # LoRA: which linear layers of each block get adapters (ours, or Hugging
+                                          # Face's q_proj ... down_proj)
+    freeze: list[str] = field(default_factory=list)   # freeze the parameters whose names match these patterns
+                                          # (fnmatch: 'embed.*' 'layers.0.*'): no gradient, no optimizer state, no
+                                          # data-parallel traffic
 
     def validate(self) -> None:
         _check_choices(self, "train")
@@ -493,6 +515,44 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
             raise ConfigError(f"unknown key {key!r}; valid keys in [{part}]: {', '.join(sorted(hints))}")
         setattr(obj, name, _convert(value, hints[name], key))
     return cfg
+
+
+def field_doc(key: str) -> str:
+    """What a dotted config key means: its field's comment in this file, the one place an option's meaning
+    is written (the help of `fivefold train`, `eval` and `plan` is made from it; `OUT/config.toml` lists the
+    values). "" when the source cannot be read (an install without .py files)."""
+    part, _, name = key.partition(".")
+    return _field_docs({"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig}[part]).get(name, "")
+
+
+@cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """{field: its comment}: the comment on the field's lines, then the comment-only lines right under it
+    indented past the field (a comment at the field's own indentation begins a new section)."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    comments = {tok.start[0]: (tok.start[1], tok.string.lstrip("#").strip())
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    docs = {}
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        parts = [comments[row][1] for row in range(node.lineno, node.end_lineno + 1) if row in comments]
+        row = node.end_lineno + 1
+        while row in comments and lines[row - 1].lstrip().startswith("#") and comments[row][0] > node.col_offset:
+            parts.append(comments[row][1])
+            row += 1
+        docs[node.target.id] = " ".join(parts)
+    return docs
 
 
 def field_type(key: str) -> Any:

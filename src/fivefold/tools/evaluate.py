@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..config import Config, ConfigError, ParallelConfig, apply_overrides, field_type, parse_sets
-from .training import HELP, check_init_hf, check_supported, flag_kwargs, model_from_hf, vocab_from_tokenizer
+from ..config import Config, ConfigError, ParallelConfig, apply_overrides, field_doc, field_type, parse_sets
+from .training import check_init_hf, check_supported, flag_kwargs, model_from_hf, vocab_from_tokenizer
 
 # eval's flags: the layout and the shape of its windows (dotted config keys, typed like train's flags)
 EVAL_FLAGS = {
@@ -98,8 +98,7 @@ def add_eval_args(ap: argparse.ArgumentParser) -> None:
     for flag, key in EVAL_FLAGS.items():
         default = ("the run's train.seq_len; a Hugging Face folder's max_position_embeddings, at most "
                    f"{HF_EVAL_SEQ}" if flag == "seq_len" else f"the run's {key}")
-        text = HELP[flag].split(" (default")[0]
-        ap.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help=f"{text} (default: {default})",
+        ap.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help=f"{field_doc(key)} (default: {default})",
                         **flag_kwargs(field_type(key)))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any config key")
     ap.add_argument("--timeout", type=float, default=600, help="hang watchdog (seconds without progress)")

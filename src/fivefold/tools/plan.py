@@ -17,7 +17,7 @@ from dataclasses import replace
 from math import isfinite
 from pathlib import Path
 
-from ..config import load_config
+from ..config import field_doc, load_config
 from ..flags import MICRO_BATCH_SIZE_HELP, add_renamed
 from .. import rules
 from ..grid import DEFAULT_ORDER
@@ -34,6 +34,12 @@ from ..plan.topology import ACCELERATORS, GB, TOPOLOGIES, GiB, Topology, load_to
 from ..plan.traffic import COPY_TIERS, placement
 
 
+def about(key: str, default: str) -> str:
+    """A plan flag's help: what its config key means (config.field_doc, written once), the key, and what the
+    planner takes when the flag is left out."""
+    return f"{field_doc(key)} ({key}; default: {default})"
+
+
 def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", help=f"preset ({', '.join(PRESETS)}), a Hugging Face config.json (or its checkpoint "
                                     f"folder), or a fivefold .toml (default llama3-8b)")
@@ -43,35 +49,28 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                     help=f"preset ({', '.join(TOPOLOGIES)}), nodes:K (nodes of K GPUs, tiers intra and inter as "
                          f"comm.json names them) or a .toml file (default dgx-h100)")
     ap.add_argument("--accelerator", choices=list(ACCELERATORS), help="replace the topology's accelerator")
-    degrees = {"tp": "tensor-parallel degree (Megatron: heads and MLP columns split)",
-               "pp": "pipeline stages", "dp": "data-parallel degree (default: the GPUs left by the others)",
-               "cp": "context-parallel degree (each rank holds seq / cp tokens of every sequence)",
-               "ep": "expert-parallel degree (MoE; folded over the tp x cp x dp ranks: etp x ep must divide them)",
-               "etp": "expert tensor-parallel degree (MoE: each routed expert's width split over etp ranks; "
-                      "searched: 1 and tp)",
-               "zero": "ZeRO stage: 1 optimizer state, 2 also gradients, 3 also parameters sharded over dp",
-               "vpp": "virtual pipeline stages per rank (schedule interleaved)"}
-    for name, text in degrees.items():
-        ap.add_argument(f"--{name}", type=int, help=f"{text} (default: searched unless every degree is given)")
+    searched = {"dp": "the GPUs left by the others; searched when two degrees are missing",
+                "etp": "searched: 1 and tp", "ep": "searched (1 for a dense model)"}
+    for name in ("tp", "pp", "dp", "cp", "ep", "etp", "zero", "vpp"):
+        ap.add_argument(f"--{name}", type=int, help=about(f"parallel.{name}", searched.get(
+            name, "searched unless every degree is given")))
     ap.add_argument("--sp-mode", dest="sp_mode", choices=choices(SpMode),
-                    help="Megatron sequence parallelism (default megatron when tp > 1)")
-    ap.add_argument("--cp-mode", dest="cp_mode", choices=choices(CpMode),
-                    help="context parallelism: Ulysses all-to-all, ring attention, or both (default: search them)")
-    ap.add_argument("--ulysses", type=int, help="hybrid cp: Ulysses degree of the inner ranks (default the largest)")
-    ap.add_argument("--seq", type=int, help="sequence length, at most the model's position limit max_seq (a "
-                                            "config.json's max_position_embeddings; default min(max_seq, 4096))")
-    ap.add_argument("--global-batch", dest="global_batch", type=int, help="sequences per step (default 1024)")
+                    help=about("parallel.sp_mode", "megatron when tp > 1"))
+    ap.add_argument("--cp-mode", dest="cp_mode", choices=choices(CpMode), help=about("parallel.cp_mode", "searched"))
+    ap.add_argument("--ulysses", type=int, help=about("parallel.ulysses", "the largest"))
+    ap.add_argument("--seq", type=int, help=about("train.seq_len", "min(max_seq, 4096); a config.json's max_seq is "
+                                                                   "its max_position_embeddings"))
+    ap.add_argument("--global-batch", dest="global_batch", type=int, help=about("train.global_batch", "1024"))
     ap.add_argument("--micro-batch-size", dest="micro_batch", type=int, help=MICRO_BATCH_SIZE_HELP.split(" (")[0]
                     + " (default: searched, or 1 for one layout)")
     add_renamed(ap)   # --micro-batch: one line naming --micro-batch-size
-    ap.add_argument("--recompute", choices=choices(Recompute), help="activation checkpointing: selective "
-                    "(attention), full (each block; each chunk under pp) (default: searched, none for one layout)")
-    ap.add_argument("--schedule", choices=choices(PlannedScheduleKind), default=None, help="pipeline schedule "
-                    "(default: 1f1b, interleaved with --vpp > 1; searched when searching); dualpipe: DeepSeek-V3's "
-                    "bidirectional schedule, planned only (fivefold train does not run it)")
-    ap.add_argument("--order", help=f"rank order, innermost first (default {DEFAULT_ORDER})")
-    ap.add_argument("--partition", help=f"layers to pipeline stages: {' | '.join(choices(PartitionKind))} | "
-                                        f"counts like 3,5,5,3 (default even)")
+    ap.add_argument("--recompute", choices=choices(Recompute),
+                    help=about("train.recompute", "searched; none for one layout"))
+    ap.add_argument("--schedule", choices=choices(PlannedScheduleKind), default=None,
+                    help=about("parallel.schedule", "1f1b, interleaved with --vpp > 1; searched when searching")
+                    + "; dualpipe: DeepSeek-V3's bidirectional schedule, planned only (fivefold train does not run it)")
+    ap.add_argument("--order", help=about("parallel.order", DEFAULT_ORDER))
+    ap.add_argument("--partition", help=about("parallel.partition", "even"))
     ap.add_argument("--uneven", action="store_true", help="the same as --partition llama3")
     ap.add_argument("--dtype", choices=choices(Dtype), default=None, help="weights and activations (bf16)")
     ap.add_argument("--optimizer-dtype", dest="optimizer_dtype", choices=("fp32", "bf16"), default="fp32",
@@ -81,10 +80,9 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--grad-dtype", dest="grad_dtype", choices=choices(GradDtype), default="fp32",
                     help="gradient accumulation: fp32 main grads, or the weights' dtype")
     ap.add_argument("--no-flash", dest="flash", action="store_false", help="store the s^2 attention scores")
-    ap.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", help="MoE dispatch in FP8")
+    ap.add_argument("--fp8-dispatch", dest="fp8_dispatch", action="store_true", help=about("parallel.fp8_dispatch", "off"))
     ap.add_argument("--capacity-factor", dest="capacity_factor", type=float, default=1.0,
-                    help="MoE: tokens an expert takes per step, as a multiple of the even share (0: dropless; "
-                         "default 1.0)")
+                    help=about("model.capacity_factor", "1.0"))
     ap.add_argument("--efficiency", type=float, default=0.6,
                     help="fraction of peak FLOP/s kernels reach (with --gemm shape: what large GEMMs reach)")
     ap.add_argument("--gemm", choices=("shape", "flat"), default="shape",
@@ -94,36 +92,28 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
                     help="train.document_mask: attention stays inside packed documents of this token-weighted "
                          "mean length, sum(len^2)/sum(len) (docs/data.md, Document masking; default 0: no mask)")
     ap.add_argument("--lora-rank", dest="lora_rank", type=int, default=None,
-                    help="LoRA (train.lora_rank): rank-r adapters train, every base weight is frozen (held whole, "
-                         "no gradient, optimizer state or data-parallel traffic; default: the --config's, else 0)")
+                    help=about("train.lora_rank", "the --config's, else 0"))
     ap.add_argument("--lora-targets", dest="lora_targets", nargs="+", default=None,
-                    help="with --lora-rank: which linear layers get adapters (default: wq wk wv wo gate up down)")
+                    help=about("train.lora_targets", "wq wk wv wo gate up down"))
     ap.add_argument("--freeze", nargs="+", default=None, metavar="PATTERN",
-                    help="train.freeze: parameters whose names match these patterns are frozen (e.g. 'embed.*' "
-                         "'layers.[0-9].*'; default: the --config's)")
+                    help=about("train.freeze", "the --config's"))
     mech = ap.add_argument_group("mechanisms (docs/plan.md, Mechanisms)")
     mech.add_argument("--reduce-dtype", dest="reduce_dtype", choices=choices(ReduceDtype),
                       help="dtype of the data-parallel gradient reduction (default fp32; the weights' dtype "
                            "with --grad-dtype param)")
-    mech.add_argument("--bucket-mb", dest="bucket_mb", type=float, help="gradient bucket size in MiB (default 25)")
+    mech.add_argument("--bucket-mb", dest="bucket_mb", type=float, help=about("parallel.bucket_mb", "25"))
     mech.add_argument("--overlap-grad-reduce", dest="overlap_grad_reduce", action=argparse.BooleanOptionalAction,
-                      help="reduce a stage's buckets as its last backwards make them final (default on; a "
-                           "--config plans what the runtime does: off under a pipeline)")
+                      help=about("parallel.overlap_grad_reduce", "on; a --config plans what the runtime does"))
     mech.add_argument("--overlap-param-gather", dest="overlap_param_gather", action=argparse.BooleanOptionalAction,
                       help="ZeRO-1/2: gather updated parameters behind the next step's first forwards")
     mech.add_argument("--reduce-each-microbatch", dest="reduce_each_microbatch", action="store_true",
-                      help="ZeRO-2/3 under a pipeline: reduce-scatter every micro-batch and keep only the gradient "
-                           "shard (FSDP without no_sync) instead of accumulating the full gradient")
+                      help=about("parallel.reduce_each_microbatch", "off"))
     mech.add_argument("--ep-overlap", dest="ep_overlap", action=argparse.BooleanOptionalAction,
                       help="MoE all-to-alls overlap another micro-batch's compute (DualPipe-style; one layout: off "
                            "unless given; a search: on for ep > 1 unless --no-ep-overlap)")
-    mech.add_argument("--zero-prefetch", dest="zero_prefetch", type=int,
-                      help="ZeRO-3 without pp: units gathered ahead of the one running (default 1; the runtime's "
-                           "parallel.zero_prefetch)")
+    mech.add_argument("--zero-prefetch", dest="zero_prefetch", type=int, help=about("parallel.zero_prefetch", "1"))
     mech.add_argument("--tp-overlap", dest="tp_overlap", action=argparse.BooleanOptionalAction,
-                      help="tp's input collectives (f's all-reduce, the SP all-gather and reduce-scatter) overlap "
-                           "the column-parallel GEMMs beside them (default on, as the runtime's "
-                           "parallel.tp_overlap; never under zb with pp > 1)")
+                      help=about("parallel.tp_overlap", "on"))
     mech.add_argument("--head-first", dest="head_first", action=argparse.BooleanOptionalAction,
                       help="the final norm, head and MTP modules on the first stage with the embedding (DualPipe's "
                            "placement; pp > 1, vpp 1; one layout: off unless given; a search tries both for a model "
@@ -134,14 +124,13 @@ def add_plan_args(ap: argparse.ArgumentParser) -> None:
     mech.add_argument("--fp8-act-cache", dest="fp8_act_cache", action="store_true",
                       help="cache the linear layers' inputs in FP8 for the backward")
     mech.add_argument("--microbatch-group", dest="microbatch_group", type=int,
-                      help="interleaved: micro-batches per group N, pp <= N <= m (default pp)")
+                      help=about("parallel.microbatch_group", "pp"))
     mech.add_argument("--recompute-norm-mla", dest="recompute_norm_mla", action=argparse.BooleanOptionalAction,
                       help="recompute norms and MLA up-projections in the backward (DeepSeek-V3; one layout: off "
                            "unless given; a search tries both for an MLA model unless given)")
     mech.add_argument("--offload", choices=choices(Offload),
-                      help="ZeRO's optimizer state and step in host memory (cpu) or on NVMe (nvme), with --zero 1-3 "
-                           "(default: a --config's parallel.offload; a search tries cpu, then nvme, only when "
-                           "nothing fits the device; none: never)")
+                      help=about("parallel.offload", "a --config's; a search tries cpu, then nvme, only when nothing "
+                                                     "fits the device; none: never"))
     ap.add_argument("--framework", choices=FRAMEWORKS, default="fivefold",
                     help="whose training process the plan is for: its device reserve (CUDA context; DeepSpeed's "
                          "overlap_comm buckets; plan/reserve.py) (default fivefold)")

@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from ..config import ConfigError, field_type, load_config, parse_sets, write_run_config
+from ..config import ConfigError, field_doc, field_type, load_config, parse_sets, write_run_config
 from ..flags import MICRO_BATCH_SIZE_HELP, MICROBATCHES_HELP, add_renamed
 from ..rules import PartitionKind, check_real, check_runtime_support, choices, trains_a_subset
 from .run_plan import device_name, peak_text, planned_memory, speed_model
@@ -36,62 +36,9 @@ TRAIN_FLAGS = {
     "lora_rank": "train.lora_rank", "lora_alpha": "train.lora_alpha", "lora_dropout": "train.lora_dropout",
     "lora_targets": "train.lora_targets", "freeze": "train.freeze",
 }
-HELP = {
-    "dp": "data-parallel degree (default: the ranks left by tp x cp x pp)",
-    "tp": "tensor-parallel degree (Megatron: heads and MLP columns split)",
-    "pp": "pipeline stages",
-    "cp": "context-parallel degree (each rank holds seq_len / cp tokens of every sequence)",
-    "ep": "expert-parallel degree (MoE; folded over the tp x cp x dp ranks: etp x ep must divide them)",
-    "etp": "expert tensor-parallel degree (MoE: each routed expert's width split over etp ranks; default 1)",
-    "zero": "ZeRO stage: 1 optimizer state, 2 also gradients, 3 also parameters sharded over dp",
-    "zero_prefetch": "ZeRO-3 without pp: units gathered ahead of the one running, 0-16 (deeper hides slower "
-                     "gathers and holds more of them)",
-    "microbatches": MICROBATCHES_HELP,
-    "schedule": "pipeline schedule (pp > 1)",
-    "vpp": "virtual pipeline stages per rank (schedule interleaved)",
-    "microbatch_group": "interleaved: micro-batches per group, pp..microbatches (0: pp)",
-    "bucket_mb": "gradient bucket size in MiB (all-reduce / reduce-scatter overlapped with backward)",
-    "steps": "optimizer steps the run trains to (a resumed run continues to this step)",
-    "global_batch": "sequences per optimizer step, over all data-parallel ranks",
-    "seq_len": "tokens per sequence (<= model.max_seq)",
-    "lr": "peak learning rate (linear warmup over train.warmup steps, then train.lr_schedule to train.min_lr)",
-    "min_lr": "learning rate at the last step (cosine, linear, wsd)",
-    "warmup": "steps of linear warmup from lr / warmup to lr",
-    "lr_schedule": "after warmup: cosine or linear to min_lr, constant, or wsd (stable, then linear to min_lr over "
-                   "the last train.decay_fraction of the steps)",
-    "weight_decay": "decoupled weight decay (AdamW) of 2-D+ weights; norms and biases never decay, embeddings "
-                    "unless train.decay_embeddings=false",
-    "clip": "clip the global gradient norm to this (0: no clipping)",
-    "dtype": "compute dtype (bf16 keeps fp32 master weights and main gradients)",
-    "device": "auto: CUDA under torchrun on a GPU machine, else the CPU",
-    "seed": "seed of the init, the data order and dropout",
-    "sp_mode": "Megatron sequence parallelism inside tp",
-    "cp_mode": "context parallelism: Ulysses all-to-all, ring attention, or both (hybrid)",
-    "order": "rank order, innermost first",
-    "partition": f"layers to pipeline stages: {' | '.join(choices(PartitionKind))} | counts like 3,5,5,3",
-    "recompute": "activation checkpointing, any layout (full: each block, each chunk under pp; selective: attention)",
-    "out": "run folder (metrics.jsonl, comm.json, run.json, checkpoints/); never written over without "
-           "--resume or --overwrite",
-    "data": "text files, or token files (fivefold tokenize's, .u16/.bin, .u32, .npy)",
-    "tokenizer": "a Hugging Face tokenizer.json or tiktoken BPE file (default: UTF-8 bytes); model.vocab "
-                 "follows it unless set",
-    "eos": "the tokenizer's end-of-text token, put after each text document and where generate stops (default: "
-           "found by name; none: no such token)",
-    "bos": "a start-of-text token put before each text document (default: none)",
-    "eval_data": "evaluation files, read like --data (or train.eval_fraction: a held-out tail of the data)",
-    "eval_every": "steps between evaluations, and one after the last step (0: none)",
-    "eval_tokens": "tokens an evaluation covers (whole global batches)",
-    "lora_rank": "LoRA: train rank-r adapters on --lora-targets and freeze every other weight (0: no LoRA; "
-                 "typical 8-64)",
-    "lora_alpha": "LoRA: the adapters' output is scaled by lora_alpha / lora_rank",
-    "lora_dropout": "LoRA: dropout on the adapters' input",
-    "lora_targets": "LoRA: which linear layers of each block get adapters (ours wq wk wv wo gate up down, or "
-                    "Hugging Face's q_proj ... down_proj)",
-    "freeze": "freeze the parameters whose names match these patterns (fnmatch: 'embed.*' 'layers.0.*'): no "
-              "gradient, no optimizer state, no data-parallel traffic",
-    "init_hf": "start from a Hugging Face folder (save_pretrained's: config.json sets [model], its "
-               "safetensors are read slice by slice into each rank's shards, its tokenizer becomes the run's)",
-}
+# What a flag means is its config key's (config.field_doc: the field's comment in config.py, written once);
+# here only what this command does when a flag is left out, where that is not the key's default
+UNSET = {"dp": "the ranks left by tp x cp x pp"}
 # [model] fields a run started from Hugging Face weights may set to other values than its config.json:
 # they change training, not what the weights mean
 HF_TRAINING_FIELDS = ("dropout", "capacity_factor", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "init_std",
@@ -109,13 +56,13 @@ def flag_kwargs(kind) -> dict:
 
 
 def flag_help(flag: str, key: str) -> str:
-    """A train flag's help: its text, the config key it sets and the key's default (unless the text says it)."""
-    text = HELP[flag]
-    if "(default" in text:
-        return f"{text}; {key}"
+    """A train flag's help: its config key's documentation (config.field_doc), the key, and the value the
+    run takes when the flag is left out."""
+    if flag in UNSET:
+        return f"{field_doc(key)} ({key}, default: {UNSET[flag]})"
     default = default_of(key)
     shown = " ".join(default) if isinstance(default, list) else default
-    return f"{text} ({key}, default: {shown if shown not in ('', []) else 'none'})"
+    return f"{field_doc(key)} ({key}, default: {shown if shown not in ('', []) else 'none'})"
 
 
 def default_of(key: str):

@@ -10,7 +10,7 @@ model (hidden 256, 4 layers, seq 128, global batch 16, fp32) on a fabric from ex
   `fivefold calibrate`'s for as many ranks as the fabric has (they share this machine's cores as the
   fabric's ranks do), calibrated in the minute before each case's run (this machine's speed drifts by a
   third within minutes; `--reuse-calibration` plans with OUT/local-cpu-N.toml instead), and
-  `plan.traffic.link_bytes`.
+  `plan.tiers.link_bytes`.
 Each case's orders run `--time-rounds` times interleaved (A B, then B A), each run against its own fresh
 calibration; a row is the mean of its rounds (each round's pair printed beside it), so orders that differ
 by less than the machine's drift are ranked by their means, not by which ran in a faster minute.
@@ -131,7 +131,8 @@ def plan(cfg_dict: dict, topo) -> dict:
     from fivefold.plan.layout import from_config
     from fivefold.plan.models import from_model_config
     from fivefold.plan.estimate import fastest_order
-    from fivefold.plan.traffic import link_bytes, recommend_order, stage_flows
+    from fivefold.plan.traffic import stage_flows
+    from fivefold.plan.tiers import link_bytes, recommend_order
 
     cfg = Config.from_dict(cfg_dict)
     p = predict(cfg, topo)

@@ -22,7 +22,7 @@ from fivefold.config import Config, ConfigError
 from fivefold.plan.layout import from_config
 from fivefold.plan.models import from_model_config
 from fivefold.plan.topology import load_topology, node_topology, topology_from_dict
-from fivefold.plan.traffic import all_ranks_by_tier, link_bytes
+from fivefold.plan.tiers import all_ranks_by_tier, link_bytes
 from fivefold.tools.fabric import MTU
 
 from tests.support.paths import ROOT
@@ -89,7 +89,8 @@ def test_a_lossy_tier_charges_each_lost_frame_its_recovery_and_nothing_else_chan
     """A tier's `loss` charges, per rank, (payload frames + one frame a latency hop per call) x loss x what a
     lost frame costs: the fitted `loss_recovery_us`, else 4 latencies. Bytes and tiers stay as they were."""
     from fivefold.plan.topology import TCP_IP_HEADER, collective_loss
-    from fivefold.plan.traffic import place, stage_flows
+    from fivefold.plan.traffic import stage_flows
+    from fivefold.plan.tiers import place
 
     tiers = [{"name": "node", "size": 2, "bandwidth_gbps": 2}, {"name": "leaf", "bandwidth_gbps": 0.0125,
                                                                  "latency_us": 100}]

@@ -21,7 +21,8 @@ from fivefold.mesh import ParallelMesh
 from fivefold.plan.layout import from_config
 from fivefold.plan.models import from_model_config
 from fivefold.plan.topology import node_topology
-from fivefold.plan.traffic import all_ranks, all_ranks_by_tier, recommend_order, stage_flows
+from fivefold.plan.traffic import all_ranks, stage_flows
+from fivefold.plan.tiers import all_ranks_by_tier, recommend_order
 from fivefold.train.launch import free_port
 from fivefold.train.trainer import train_rank
 

@@ -19,7 +19,8 @@ from fivefold.plan.time import (MERGE_GROUPS, bucket_groups, chunk_first_use, ch
                                 fp8_cast_seconds, gather_delay, grad_streams, reduction_end, stage_flops,
                                 stage_grad_exposed)
 from fivefold.plan.topology import TOPOLOGIES, GiB, topology_from_dict
-from fivefold.plan.traffic import Flow, ep_nodes, place, stage_flows
+from fivefold.plan.traffic import Flow, stage_flows
+from fivefold.plan.tiers import ep_nodes, place
 
 from tests.support.deepseek import DSV3, DSV3_LAYOUT, DSV3_WORK, H800
 from tests.support.tiny import tiny_config

@@ -19,7 +19,8 @@ from fivefold.shapes import shard_size
 from fivefold.plan.search import search
 from fivefold.plan.time import host_step_seconds, offload_exposed, stage_offload_exposed, stage_param_reads
 from fivefold.plan.topology import GB, GiB, TOPOLOGIES, topology_from_dict
-from fivefold.plan.traffic import all_ranks, by_tier, place, stage_flows
+from fivefold.plan.traffic import all_ranks, stage_flows
+from fivefold.plan.tiers import by_tier, place
 
 from tests.support.tiny import tiny_config
 

@@ -39,7 +39,7 @@ def test_pipeline_stages_sharing_a_domain_cross_it_for_their_duty():
     cross together, the other stages' for their duty (the share of the step they spend crossing). Duty 1
     is every rank at once (as without a pipeline), duty 0 one stage's ranks alone."""
     from fivefold.plan.layout import Layout
-    from fivefold.plan.traffic import domain_stages
+    from fivefold.plan.tiers import domain_stages
 
     t = TOPOLOGIES["llama3"]                       # spine tier 3: oversubscription 7
     lockstep = group_bandwidth(t, 3, "all_to_all", 8, 8 * 3072)

@@ -12,7 +12,8 @@ from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.models import PRESETS
 from fivefold.plan.time import call_seconds, tp_hidden
 from fivefold.plan.topology import TOPOLOGIES, topology_from_dict
-from fivefold.plan.traffic import place, stage_flows, tp_overlapped
+from fivefold.plan.traffic import stage_flows, tp_overlapped
+from fivefold.plan.tiers import place
 from fivefold.shapes import padded_vocab
 
 LLAMA = PRESETS["llama3-8b"]

@@ -8,7 +8,8 @@ from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.models import PRESETS, from_model_config
 from fivefold.plan.topology import TOPOLOGIES
-from fivefold.plan.traffic import by_dim, group_block, recommend_order, stage_flows
+from fivefold.plan.traffic import by_dim, stage_flows
+from fivefold.plan.tiers import group_block, recommend_order
 
 from tests.support.tiny import tiny_config
 

@@ -30,8 +30,8 @@ from .units import candidate_stages, optimizer_bytes_per_param
 from .models import PlanModel
 from .time import StepTime, step_time
 from .topology import GiB, Topology
-from .traffic import (Flow, by_dim, by_tier, domain_stages, place, placement, placement_warnings,
-                      recommend_order, stage_flows)
+from .traffic import Flow, by_dim, stage_flows
+from .tiers import by_tier, domain_stages, place, placement, placement_warnings, recommend_order
 
 
 @dataclass
@@ -198,7 +198,7 @@ def timed_stages(model: PlanModel, layout: Layout, work: Workload, topo: Topolog
 
 
 def crossing_seconds(by_stage: dict[int, list[Flow]], layout: Layout, topo: Topology) -> dict[int, float]:
-    """Per oversubscribed tier that a domain shares between pipeline stages (`traffic.domain_stages` > 1
+    """Per oversubscribed tier that a domain shares between pipeline stages (`tiers.domain_stages` > 1
     for some group crossing it): the seconds a stage spends crossing it in a step, the mean over the
     stages of their in-stage groups' seconds there. Over the step time it is the crossing duty
     (topology.group_bandwidth). Empty where no such tier is crossed: then every rank of a domain crosses
@@ -240,7 +240,7 @@ def runnable_order(layout: Layout, order: str) -> str:
 def order_candidates(layout: Layout, topo: Topology, first: str) -> list[str]:
     """Rank orders that place the groups on different tiers: the dimensions of size > 1 in every order
     (innermost first; those of size 1 after them, where they change nothing), one order per distinct
-    placement (`traffic.placement`: the tier each group lands on), `first` leading."""
+    placement (`tiers.placement`: the tier each group lands on), `first` leading."""
     sizes = {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "pp": layout.pp, "dp": layout.dp}
     live = [d for d in ("tp", "cp", "ep", "pp", "dp") if sizes[d] > 1]
     rest = [d for d in ("tp", "cp", "ep", "pp", "dp") if sizes[d] == 1]

@@ -72,7 +72,8 @@ from .reserve import planned_limit
 from .time import forward_seconds, stage_weights
 from .topology import GiB, Topology
 from ..comm import volume
-from .traffic import Flow, group_block_of, layer_flows, least_duty, place, ring_flows
+from .traffic import Flow, layer_flows, ring_flows
+from .tiers import group_block_of, least_duty, place
 
 SEARCHED = ("tp", "pp", "dp", "cp", "ep", "etp", "zero", "vpp", "micro_batch", "recompute", "cp_mode", "sp_mode", "offload",
             "ep_overlap", "recompute_norm_mla", "head_first")

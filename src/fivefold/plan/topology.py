@@ -246,7 +246,7 @@ TOPOLOGIES: dict[str, Topology] = {
 def node_topology(ranks_per_node: int, accelerator: str = "h100") -> Topology:
     """Nodes of `ranks_per_node` GPUs, its tiers named as the runtime's ledger names them (comm/ledger.py):
     "intra" (inside a node, NVLink 4) and "inter" (between nodes, a 400 Gb/s NIC per GPU); one tier,
-    "intra", when ranks_per_node is 0 (one node). `traffic.by_tier` of flows placed on it predicts a run's
+    "intra", when ranks_per_node is 0 (one node). `tiers.by_tier` of flows placed on it predicts a run's
     comm.json "by_tier" under the same `parallel.ranks_per_node` (tests/ranks/test_tiers.py)."""
     accel = ACCELERATORS[accelerator]
     if ranks_per_node <= 0:
@@ -404,7 +404,7 @@ def group_bandwidth(topo: "Topology", tier_index: int, op: str, n: int, block: i
     worth D·bandwidth/oversubscription.
 
     `stages`: the pipeline stages among one domain's ranks, for a group inside one stage
-    (`traffic.domain_stages`); `duty`: the share of the step the other stages' ranks spend crossing the
+    (`tiers.domain_stages`); `duty`: the share of the step the other stages' ranks spend crossing the
     tier themselves. A stage's own ranks cross together (they run the same collective); the other
     stages' run other actions of the schedule (a forward beside a backward) and meet them only for
     their duty, so the uplinks carry (1 + (stages − 1)·duty)/stages of the domain's crossers: all of

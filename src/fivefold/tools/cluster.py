@@ -25,7 +25,7 @@ While it runs, every link's kernel counters are sampled (`--sample-ms`, default 
 The overhead is measured before the command: `--overhead-mb` MiB sent over TCP from node 0 to node 1, the
 bytes and packets the two node links counted against the payload ("ratio": link bytes per payload byte,
 both directions' headers and ACKs included; "frame_header": bytes per packet beside its payload). A
-step's "payload" is its bytes less one frame header per packet: what `plan.traffic.link_bytes` predicts.
+step's "payload" is its bytes less one frame header per packet: what `plan.tiers.link_bytes` predicts.
 Its header count holds however the ranks' messages are cut into segments and however often they are
 acknowledged (a loaded machine sends smaller segments and more ACKs, which a fixed ratio charges at the
 probe's rate); what stays in it beyond the plan is gloo's own framing, a preamble per message.

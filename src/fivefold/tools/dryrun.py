@@ -47,19 +47,13 @@ class DoesNotFit(Exception):
     """A dry run's rank needs more than --device-memory (the CLI exits 1 with this line)."""
 
 
-def planned_memory(cfg: Config, stage: int) -> dict:
-    """The planner's bytes by kind for one rank of `stage` (plan.memory.stage_memory, with the fused
-    attention the runtime runs: plan.layout.from_config), or {} when the planner cannot estimate it."""
-    try:
-        from ..plan.layout import from_config
-        from ..plan.memory import stage_memory
-        from ..plan.models import from_model_config
+def stage_plan(cfg: Config, stage: int) -> dict:
+    """The planner's bytes by kind for one rank of `stage` (tools/run_plan.py planned_memory, with NCCL's
+    collectives: the fake process group stands for a GPU run), or {} when the planner cannot estimate it."""
+    from .run_plan import planned_memory
 
-        layout, work = from_config(cfg, backend="nccl")
-        row = stage_memory(from_model_config(cfg.model, train=cfg.train), layout, work, stage)
-    except Exception:   # noqa: BLE001 - the prediction is a report
-        return {}
-    return {k: int(row[k]) for k in KINDS if k in row}
+    row = next((r for r in planned_memory(cfg, "nccl").get("stages", []) if r["stage"] == stage), {})
+    return {k: row[k] for k in KINDS if k in row}
 
 
 def live_bytes(saved=None):
@@ -169,13 +163,13 @@ def stage_of(cfg: Config, rank: int) -> int:
 def dry_run_cost(cfg: Config, ranks: list[int], steps: int) -> tuple[float, float]:
     """(seconds, peak host bytes) this process will spend on the dry run of `ranks`: DRY_* above, with the
     planner's layers and parameters of each rank's stage (torch-free; nothing is built)."""
-    from ..plan.layout import from_config, microbatches
-    from ..plan.models import from_model_config
+    from ..plan.layout import microbatches
+    from ..plan.run import plan_of
     from ..plan.units import frozen_params, layout_layers, stage_params
     from ..rules import STEP_CHUNK
 
-    model = from_model_config(cfg.model, train=cfg.train)
-    layout, work = from_config(cfg, backend="nccl")
+    run = plan_of(cfg, "nccl")
+    model, layout, work = run.model, run.layout, run.work
     m = microbatches(layout, work)
     stages = layout_layers(model, layout)
     seconds, peak = DRY_START_S, 0.0
@@ -238,7 +232,7 @@ def dry_rank(cfg: Config, rank: int, steps: int, limit: float | None = None) -> 
     measured = {"weights": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
                 "activations": t.activations.peak, "total": total}
     measured["buffers"] = live.peak_other
-    planned = planned_memory(cfg, stage)
+    planned = stage_plan(cfg, stage)
     plan_rows = planned_rows(cfg, stage, t.mesh.coords["dp"], steps)
     return {"rank": rank, "stage": stage, "measured": measured, "planned": planned, "ledger": rows,
             "planned_ledger": [{"dim": d, "op": o, **r} for (d, o), r in sorted((plan_rows or {}).items())],
@@ -249,12 +243,11 @@ def planned_rows(cfg: Config, stage: int, dp_rank: int, steps: int) -> dict[tupl
     """The planner's (dim, op) rows for one rank of `stage` over `steps` steps (plan.traffic.stage_flows),
     or None when the planner cannot estimate the layout."""
     try:
-        from ..plan.layout import from_config
-        from ..plan.models import from_model_config
+        from ..plan.run import plan_of
         from ..plan.traffic import stage_flows
 
-        layout, work = from_config(cfg, backend="nccl")
-        flows = stage_flows(from_model_config(cfg.model, train=cfg.train), layout, work, stage, dp_rank)
+        run = plan_of(cfg, "nccl")
+        flows = stage_flows(run.model, run.layout, run.work, stage, dp_rank)
     except Exception:   # noqa: BLE001 - the comparison is a report
         return None
     out: dict[tuple[str, str], dict] = {}
@@ -284,7 +277,7 @@ def dry_run(cfg: Config, ranks: list[int], steps: int, out: Path, device_memory_
     if limit:   # the planner's model state is the runtime's to the byte (tests/ranks/test_dry_run.py): refuse before building
         for r in ranks:
             stage = stage_of(cfg, r)
-            plan = planned_memory(cfg, stage)
+            plan = stage_plan(cfg, stage)
             state = sum(plan.get(k, 0) for k in ("weights", "grads", "optimizer"))
             if state > limit:
                 raise DoesNotFit(f"rank {r} (pipeline stage {stage}) holds {state / 2**30:.1f} GiB of model state "

@@ -25,13 +25,14 @@ from ..rules import (INTERLEAVED, ConfigError, CpMode, Dtype, Offload, Partition
                      PlannedScheduleKind, SpMode, LORA_TARGETS, check_count, check_lora_targets, check_real, choices)
 from ..plan.estimate import estimate, fastest_order
 from ..plan.units import layer_names
-from ..plan.layout import GradDtype, Layout, ReduceDtype, Workload, check_route_nodes, from_config, mlp_widths
-from ..plan.models import PRESETS, PlanModel, from_model_config, load_model
+from ..plan.layout import GradDtype, Layout, ReduceDtype, Workload, check_route_nodes, mlp_widths
+from ..plan.models import PRESETS, PlanModel, load_model
+from ..plan.run import plan_of
 from ..plan.reserve import FRAMEWORKS
 from ..plan.report import estimate_text, plot, search_dict, search_text, to_json
 from ..plan.search import MAX_GPUS, TIE, search
 from ..plan.topology import ACCELERATORS, GB, TOPOLOGIES, GiB, Topology, load_topology
-from ..plan.traffic import COPY_TIERS, placement
+from ..plan.tiers import COPY_TIERS, placement
 
 
 def about(key: str, default: str) -> str:
@@ -287,8 +288,8 @@ def _base(args) -> tuple[PlanModel, Layout, Workload, dict]:
     if args.config:
         cfg = training_config(args.config)
         cfg.validate()   # a config the runtime would refuse plans nothing (rules.py; any world size)
-        model = from_model_config(cfg.model, name=Path(args.config).stem, train=cfg.train)
-        layout, work = from_config(cfg)
+        run = plan_of(cfg, name=Path(args.config).stem)
+        model, layout, work = run.model, run.layout, run.work
         for k in fixed:
             if fixed[k] is None and (k != "offload" or layout.offload != "none"):   # a search may still offload
                 fixed[k] = getattr(layout, k)

@@ -8,24 +8,21 @@ from pathlib import Path
 
 from ..config import ConfigError
 
-def planned_memory(cfg) -> dict:
-    """The planner's memory per rank for the layout `cfg` trains, for run.json beside the measured peaks:
-    `fivefold.plan.memory.memory(plan.models.from_model_config(cfg.model), *plan.layout.from_config(cfg))`,
-    every pipeline stage, with the attention the runtime runs on any device (SDPA's fused kernels: no
-    s x s scores stored, `from_config`). A layout the planner cannot estimate gives {"error": ...}: a run
-    never fails for its prediction."""
-    from ..plan.layout import from_config
+def planned_memory(cfg, backend: str | None = None) -> dict:
+    """The planner's memory per rank for the layout `cfg` trains (run.json beside the measured peaks; the
+    dry run's comparison): `plan.memory.memory` of `plan.run.plan_of(cfg, backend)`, every pipeline stage,
+    with the attention the runtime runs on any device (SDPA's fused kernels: no s x s scores stored). A
+    layout the planner cannot estimate gives {"error": ...}: a run never fails for its prediction."""
     from ..plan.memory import COMPONENTS, memory
-    from ..plan.models import from_model_config
+    from ..plan.run import plan_of
 
     try:
-        layout, work = from_config(cfg)
-        rows = memory(from_model_config(cfg.model, train=cfg.train), layout, work).stages
+        run = plan_of(cfg, backend)
+        rows = memory(run.model, run.layout, run.work).stages
     except Exception as e:  # noqa: BLE001 - the prediction is a report, not a precondition
         return {"error": f"{type(e).__name__}: {e}"}
     keys = (*COMPONENTS, "total", "host", "disk")   # host, disk: offloaded optimizer state (off the device)
-    return {"source": "fivefold.plan.memory.memory (plan.layout.from_config, plan.models.from_model_config)",
-            "flash": work.flash,
+    return {"source": "fivefold.plan.memory.memory (plan.run.plan_of)", "flash": run.work.flash,
             "stages": [{"stage": r["stage"], **{k: int(r[k]) for k in keys if k in r}} for r in rows]}
 
 

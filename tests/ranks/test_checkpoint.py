@@ -10,7 +10,8 @@ import torch
 from fivefold.config import ConfigError
 from fivefold.train import checkpoint, rundir
 from fivefold.train.outputs import finite_or_null
-from fivefold.train.trainer import NonFiniteError, Trainer
+from fivefold.train.step_guard import NonFiniteError
+from fivefold.train.trainer import Trainer
 
 from tests.support.spawn import TIMEOUT_S, run_jobs, run_ranks
 from tests.support.tiny import FP32, assert_states_close, tiny_config

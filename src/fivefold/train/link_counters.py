@@ -53,6 +53,21 @@ class LinkCounters:
             out[name] = stats
         return {"links": out, "retrans": sum(retrans.values())}
 
+    def read_at_step_end(self, world, device) -> dict:
+        """The counters at a step's end, read by rank 0 right after the step guard's world all-reduce
+        (train/step_guard.py), then the gate: an 8-byte all-reduce over `world` (ledger dim "links") that
+        holds every rank's next step until the read is done, outside the step's seconds. {} and no gate in
+        any other run."""
+        if not self.gated:
+            return {}
+        import torch
+
+        from .. import comm
+
+        reads = self.read()
+        comm.all_reduce(torch.zeros(1, dtype=torch.int64, device=device), world, dim="links")
+        return reads
+
 
 def read_net_dev(pid: int) -> dict[str, dict[str, int]]:
     """A process's network namespace's interfaces -> byte and packet counters (/proc/PID/net/dev)."""

@@ -25,17 +25,13 @@ data. `step(k)` runs one optimizer step over the global batch of step k and retu
     OUT/pipeline.svg   and their drawing
     OUT/tensorboard/   (train.tensorboard) the same scalars for TensorBoard (scalars.py)
 
-Failures: a step whose loss or gradient norm is NaN/inf is skipped (no optimizer update;
-train.skip_nonfinite) and the run stops after train.max_skips such steps in a row, naming the step; a
-non-finite state is never saved. Once per step the ranks agree whether a stop signal arrived (one
-24-byte all-reduce over the world, ledger dim "control", which also carries the largest peak memory
-of any rank and the straggler for the metrics): then they save and return.
-
-Stragglers: each rank's busy seconds in a step are its step time less the seconds it spent in
-collectives (the ledger's); the control all-reduce's max of busy · 2^20 + rank names the slowest rank
-and, from parallel.ranks_per_node, its node: metrics.jsonl's `slowest_rank`, `slowest_busy_s` and,
-when the ranks span nodes, `slowest_node` and the console line's "slowest r3@n1 0.41 s". A CPU-throttled
-or busy node shows there; a slow link shows as every rank's waiting instead.
+The loop's components, each owning its state (as torchtitan's checkpointer, validator and metrics):
+`Evaluator` (evaluator.py: cadence, the held-out batches, the keep-best judgement), `Checkpointer`
+(checkpointer.py: cadence, retention, keep-best, resume), `StepGuard` (step_guard.py: non-finite steps
+skipped until train.max_skips stop the run, a non-finite state never saved; once per step the ranks'
+agreement on a stop signal, the largest peak memory and the straggler, one 24-byte all-reduce, ledger dim
+"control"), `RunRecord` (run_record.py: run.json) and `RunOutputs` (outputs.py: metrics.jsonl, TensorBoard,
+W&B, comm.json). The trainer builds the rank's model and engine and runs the steps between them.
 
 Devices: the full model is built and parallelized on the host, then moved to the rank's device
 (train.device, `launch.resolve_device`: CUDA under torchrun/NCCL or a single process, else the CPU);
@@ -63,16 +59,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import __version__, comm, rules
+from .. import comm, rules
 from ..comm import CommLedger, gather_objects
 from ..config import Config, ConfigError
 from ..mesh import ParallelMesh
-from ..process import host_cpu, host_platform
 from ..model import Transformer, loss_sum
 from ..model.documents import Documents, document_positions
 from ..model.init import InitSource, cast_meta, materialize
 from ..model.lora import AdapterSource, choose_trainable
-from ..model.moe import MoE
 from ..model.random_routing import token_keys
 from ..model.transformer import Block
 from ..parallel.data import DataParallelOptimizer
@@ -81,11 +75,15 @@ from ..parallel.expert import moe_step_stats
 from ..parallel.microbatch import MicroBatch, cut as cut_micro_batches
 from ..parallel.parallelize import loss_function, parallelize, positions_of, shard_batch, step_functions, sum_loss
 from ..parallel.zero import Zero
-from . import checkpoint, rundir
+from . import rundir
 from .activations import ActivationMeter
+from .checkpointer import Checkpointer
+from .evaluator import Evaluator
+from .run_record import RunRecord, memory_info, peak_memory, peak_rss_bytes  # noqa: F401 - tests read peak_rss_bytes here
+from .step_guard import StepGuard
 from .data import BatchSource, SyntheticBatches, local_rows, make_batches, make_eval_batches
 from .corpus import data_identity
-from .launch import heartbeat, resolve_device, stop_requested
+from .launch import heartbeat, resolve_device
 from .optim import AdamW, clip_, global_grad_norm, lr_at
 from .progress import Progress
 from .rank_state import RankState
@@ -99,14 +97,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 # Each rank's default torch stream (dropout without a generator, sampling) is seeded seed + stride·rank;
 # a prime stride keeps the streams of nearby seeds and ranks apart. Weight init uses its own generator.
 RANK_SEED_STRIDE = 7919
-STOP_SIGNALS = ("SIGINT", "SIGTERM")   # agreed over the ranks as an index + 1 (0: keep going)
 COMPILE_BACKEND = "inductor"           # train.compile's torch.compile backend (CPU tests may swap in aot_eager)
-
-
-class NonFiniteError(RuntimeError):
-    """The run stopped on NaN/inf loss or gradient norm (train.skip_nonfinite, train.max_skips)."""
-
-    brief = True   # the message says it all: the launcher reports it without a traceback
 
 
 def supported(cfg: Config) -> None:
@@ -147,23 +138,6 @@ def idle_stages(meta: torch.nn.Module, cfg: Config) -> list[int]:
     return idle
 
 
-STRAGGLER_RANK_BITS = 20      # ranks below 2^20 in the low bits; microseconds of busy time above them
-
-
-def straggler_key(busy_s: float, rank: int) -> int:
-    """One int64 whose max over ranks is the slowest rank: busy microseconds, then the rank."""
-    return (max(0, int(busy_s * 1e6)) << STRAGGLER_RANK_BITS) | rank
-
-
-def straggler(key: int, ranks_per_node: int, world: int) -> dict:
-    """The metrics of the slowest rank from the agreed key ({} with one rank: no one to compare)."""
-    if world <= 1:
-        return {}
-    rank = key & ((1 << STRAGGLER_RANK_BITS) - 1)
-    node = {"slowest_node": rank // ranks_per_node} if 0 < ranks_per_node < world else {}
-    return {"slowest_rank": rank, **node, "slowest_busy_s": (key >> STRAGGLER_RANK_BITS) / 1e6}
-
-
 class Trainer:
     """One rank of a run: config → mesh → the full seeded model → `parallelize` (tp → cp → ep → pp, each
     dimension shards what it owns and writes its placements) → the gradient engine over the placement
@@ -181,7 +155,6 @@ class Trainer:
         self.device = resolve_device(t.device, dist.get_backend() if dist.is_initialized() else None)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)   # run.json's peak: this trainer's, not the process's
-        self.planned = planned   # the planner's memory for this layout (tools/run_plan.py planned_memory), written to run.json
         self.speed = Speed.from_dict(speed, world_size)   # FLOPs per token and peak from the CLI (tools/run_plan.py speed_model)
         self.link_counters = LinkCounters(rank)          # an emulated cluster's links (tools/cluster.py), else none
         torch.manual_seed(t.seed + RANK_SEED_STRIDE * rank)
@@ -212,7 +185,7 @@ class Trainer:
         self.state = RankState(self.model, self.mesh, self.dims)
         positions = positions_of(self.dims)
         self.positions = None if positions is None else positions.to(self.device)   # (cp: not contiguous)
-        self.engine = self.make_engine()
+        self.engine = make_engine(cfg, self.model, self.mesh, self.dims, self.dtype, self.master_dtype, self.quiet)
         self.state.attach(self.engine)
         self.source = weight_source(cfg)   # the seeded init, or a Hugging Face folder (--init-hf)
         self.filled = dry                   # a dry run's fake tensors take no values
@@ -225,60 +198,18 @@ class Trainer:
         self.value = lambda t: float(self.read(t.reshape(())) if isinstance(t, torch.Tensor) else t)   # one number
         self.batches: BatchSource = SyntheticBatches(t) if dry else make_batches(t, cfg.model.vocab, tokens)
         self.data_id = data_identity(t)   # saved in checkpoints: a resume on other data is warned about
-        self.eval_batches = None if dry else make_eval_batches(t, cfg.model.vocab, tokens)   # None: no evaluation
-        self.evaluations = 0
+        self.evaluator = Evaluator(t, None if dry else make_eval_batches(t, cfg.model.vocab, tokens), self.quiet)
+        self.checkpointer = Checkpointer(cfg, rank, world_size, self.quiet)
+        self.record = RunRecord(cfg, world_size, self.n_params, self.n_trainable, self.data_id, planned)
+        self.guard = StepGuard(t, rank, self.mesh["world"], p.ranks_per_node, self.device, self.value, self.quiet)
         self.step_count = 0
-        self.skips = 0          # consecutive skipped (non-finite) steps
-        self.best: dict | None = None   # {"step", "eval_loss"} of the lowest eval loss (train.keep_best)
-        self.evals_since_best = 0       # evaluations since it (train.stop_after)
         self.stop = None        # a stop signal the ranks agreed on at the end of the last step
-
-    def make_engine(self) -> Engine:
-        """DDP, or ZeRO-1/2/3, over the groups the parameters' placements name."""
-        p, t = self.cfg.parallel, self.cfg.train
-        grad_dtype = self.master_dtype if t.main_grads_fp32 else self.dtype
-
-        def make_optimizer(params, decay):
-            return AdamW(params, decay, (t.beta1, t.beta2), t.eps, t.weight_decay)
-
-        if not p.zero:
-            return DataParallelOptimizer(self.model, self.mesh, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype,
-                                         only_dp=rules.reduces_only_over_dp(p.cp, self.cfg.model.experts, p.ep, p.etp),   # as plan.traffic
-                                         decay_embeddings=t.decay_embeddings)
-        if p.dp == 1 and not self.quiet:
-            print(f"note: ZeRO-{p.zero} with dp=1 shards over a single rank and saves no memory", file=sys.stderr)
-        scheduled = any(d.schedules_backward for d in self.dims)
-        return Zero(self.model, self.mesh, p.zero, make_optimizer, p.bucket_mb, self.master_dtype, grad_dtype,
-                    p.reshard_after_forward, pipeline=scheduled, reduce_each_microbatch=p.reduce_each_microbatch,
-                    offload=p.offload, offload_dir=p.offload_dir,   # offload: parallel/offload.py
-                    decay_embeddings=t.decay_embeddings, prefetch=p.zero_prefetch)
 
     # -- one step ----------------------------------------------------------------------------
     def micro_batches(self, step: int, batches=None, loss_tokens: int | None = None) -> list[MicroBatch]:
-        """This rank's micro-batches of step `step` (parallel/microbatch.py): tokens, targets, with
-        train.document_mask their `Documents` (model/documents.py: positions restarting per document,
-        sharded like the tokens, and the document ids of the whole rows, which every cp rank keeps), the
-        loss's divisor, `loss_tokens` (default: the step's targets that count), and under random routing,
-        in training (`batches` None), the tokens' keys (model/random_routing.py), sharded like the tokens."""
-        p, t = self.cfg.parallel, self.cfg.train
-        training = batches is None
-        batches = self.batches if batches is None else batches
-        dp_rank = self.mesh.coords["dp"]
-        x_bs, y_bs = batches.local(step, dp_rank, p.dp)
-        tensors_bs = (x_bs, y_bs)
-        if t.document_mask:
-            ids_bS = batches.local_documents(step, dp_rank, p.dp)
-            tensors_bs += (document_positions(ids_bS),)
-        draws = training and self.cfg.model.experts > 0 and self.cfg.model.random_routing
-        if draws:
-            first, stop = local_rows(t.global_batch, dp_rank, p.dp)
-            tensors_bs += (token_keys(step, t.global_batch, first, stop - first, t.seq_len),)
-        tensors_bs = shard_batch(self.dims, *tensors_bs)
-        x_bs, y_bs = tensors_bs[0].to(self.device), tensors_bs[1].to(self.device)
-        docs = Documents(tensors_bs[2], ids_bS).to(self.device) if t.document_mask else None
-        keys_bs = tensors_bs[-1].to(self.device) if draws else None
-        n_loss = batches.loss_tokens(step) if loss_tokens is None else loss_tokens
-        return cut_micro_batches(x_bs, y_bs, p.microbatches, n_loss, docs, keys_bs)
+        """This rank's micro-batches of step `step` of `batches` (default: the training batches), `rank_micro_batches`."""
+        return rank_micro_batches(self.cfg, self.mesh.coords["dp"], self.dims, self.device,
+                                  self.batches if batches is None else batches, step, loss_tokens, training=batches is None)
 
     def step(self, step: int) -> dict:
         t0 = time.perf_counter()
@@ -300,121 +231,40 @@ class Trainer:
         if finite:
             clip_(self.engine.owned_grads(), norm, cfg.grad_clip)
             self.engine.step(lr)
-            self.skips = 0
+            self.guard.passed()
         else:
-            self.skip(step, loss, norm)
+            self.guard.skip(step, loss, norm)
         self.engine.zero_grad()
         routing = moe_step_stats(self.model, self.mesh["world"], self.cfg.model.layers, self.read,
                                  self.cfg.model.experts) if self.cfg.model.experts else {}
         busy = time.perf_counter() - t0 - (self.ledger.total(field="seconds") - comm_s0)
-        self.stop, peak, slowest = self.agree_stop(self.peak_memory(), busy)
+        self.stop, peak, slowest = self.guard.agree(peak_memory(self.device), busy)
         self.step_count = step + 1
         seconds = time.perf_counter() - t0
         return {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,   # step: 1-based
                 **({"loss_tokens": n_loss} if self.batches.masked else {}),
-                "seconds": seconds, "time": time.time(), **self.read_links(),
+                "seconds": seconds, "time": time.time(),
+                **self.link_counters.read_at_step_end(self.mesh["world"], self.device),
                 **self.speed.scalars(n_tokens, seconds),
                 "peak_memory_bytes": peak, **slowest, **({} if finite else {"skipped": True}), **routing}
 
-    def read_links(self) -> dict:
-        """An emulated cluster's link counters at this step's end (train/link_counters.py), read by rank 0
-        right after `agree_stop`'s world all-reduce, then the gate: an 8-byte all-reduce over the world
-        (ledger dim "links") that holds every rank's next step until the read is done, outside the step's
-        seconds. {} and no gate in any other run."""
-        if not self.link_counters.gated:
-            return {}
-        reads = self.link_counters.read()
-        comm.all_reduce(torch.zeros(1, dtype=torch.int64, device=self.device), self.mesh["world"], dim="links")
-        return reads
-
-    def peak_memory(self) -> int | None:
-        """This rank's peak memory so far: the device's (max_memory_allocated) on CUDA, the process's
-        peak resident set on the CPU (`memory_info`)."""
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        return peak_rss_bytes()
-
-    # -- evaluation --------------------------------------------------------------------------
-    def judge(self, step: int, eval_loss: float) -> bool:
-        """Whether the evaluation after step `step` (1-based) lowered the best eval loss (kept in
-        checkpoints, so a resumed run judges as an uninterrupted one); every rank decides alike (the loss
-        is the same on all)."""
-        if not math.isfinite(eval_loss) or (self.best is not None and eval_loss >= self.best["eval_loss"]):
-            self.evals_since_best += 1
-            return False
-        self.best, self.evals_since_best = {"step": step, "eval_loss": float(eval_loss)}, 0
-        return True
-
-    def patience_out(self, step: int) -> bool:
-        """train.stop_after evaluations in a row without a lower eval loss: stop (with one line)."""
-        n = self.cfg.train.stop_after
-        if not n or self.evals_since_best < n:
-            return False
-        if self.rank == 0 and not self.quiet:
-            print(f"stopping after step {step}: the eval loss has not improved for {n} evaluations (best "
-                  f"{self.best['eval_loss']:.6f} after step {self.best['step']})", file=sys.stderr)
-        return True
-
-    def evaluates_after(self, step: int) -> bool:
-        """Whether step `step` (0-based) is followed by an evaluation: every train.eval_every steps and
-        after the run's last step (eval_every 0: never)."""
-        every = self.cfg.train.eval_every
-        return bool(every and self.eval_batches is not None and ((step + 1) % every == 0
-                                                                 or step + 1 == self.cfg.train.steps))
-
+    # -- evaluation (train/evaluator.py) ------------------------------------------------------
     def evaluate(self) -> dict:
-        """The model's loss on the evaluation batches (data.EvalBatches): forward only (the pipeline's
-        forward-only action list with pp > 1), no gradient, no optimizer step, dropout off; the mean
-        token loss over every evaluated token, summed over dp × cp and the pipeline as the training loss
-        is (`sum_loss`), so it is the same under every layout. Its traffic is recorded in the ledger's
-        "eval" section (comm.json "eval"), apart from the training steps'. Call on every rank."""
-        batches = self.eval_batches
-        n_tokens = batches.loss_tokens_total()
-        forward = self.forward_only
-        was_training = self.model.training
-        self.model.eval()
-        with self.ledger.section("eval"), torch.no_grad():
-            loss_local = torch.zeros(1, dtype=torch.float64, device=self.device)
-            for b in range(batches.count):
-                loss_local += forward(self.model, self.loss_sum, self.micro_batches(b, batches, n_tokens),
-                                      self.positions)
-                heartbeat(self.step_count or None)   # progress, not a hang (watchdog)
+        """The model's loss on the evaluation batches (`Evaluator.evaluate`): forward only (the pipeline's
+        forward-only action list with pp > 1), summed over dp × cp and the pipeline as the training loss is
+        (`sum_loss`), so it is the same under every layout. Its traffic is recorded in the ledger's "eval"
+        section (comm.json "eval"), apart from the training steps'. Call on every rank."""
+        batches = self.evaluator.batches
+
+        def forward(b: int, n_tokens: int) -> torch.Tensor:
+            return self.forward_only(self.model, self.loss_sum, self.micro_batches(b, batches, n_tokens), self.positions)
+
+        def finish(loss_local: torch.Tensor) -> None:
             self.engine.release_params()   # ZeRO-3: free what the forwards gathered
             sum_loss(loss_local, self.mesh, self.dims)
-        self.model.train(was_training)
-        self.model.aux.take()   # an evaluation trains nothing: no auxiliary loss, no routing statistics
-        for m in self.model.modules():
-            if isinstance(m, MoE):
-                m.take_step_stats()
-        self.evaluations += 1
-        loss = float(loss_local)
-        return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_loss_tokens": n_tokens}
 
-    def skip(self, step: int, loss: float, norm: float) -> None:
-        """A non-finite step: no update (its gradients are dropped), or the end of the run."""
-        cfg = self.cfg.train
-        self.skips += 1
-        what = f"step {step + 1}: loss {loss}, gradient norm {norm}"   # 1-based, as the console and metrics.jsonl
-        if not cfg.skip_nonfinite:
-            raise NonFiniteError(f"{what} (train.skip_nonfinite is off); lower train.lr or raise train.warmup")
-        if self.skips >= cfg.max_skips:
-            raise NonFiniteError(f"{what}: {self.skips} non-finite steps in a row (train.max_skips = "
-                                 f"{cfg.max_skips}); stopped without saving: lower train.lr or raise train.warmup")
-        if not self.quiet:
-            print(f"\nwarning: {what}: step skipped ({self.skips} in a row, stop at {cfg.max_skips})", file=sys.stderr)
-
-    def agree_stop(self, peak_bytes: int | None, busy_s: float = 0.0) -> tuple[str | None, int | None, dict]:
-        """The stop signal any rank received (SIGINT / SIGTERM), the largest of the ranks' peak memory
-        (`peak_bytes`: this rank's) and the slowest rank by busy seconds (`busy_s`: this rank's step time
-        outside collectives), agreed by all: one all-reduce (max) of three int64 (see "Stragglers")."""
-        name = stop_requested()
-        busy = straggler_key(busy_s, self.rank)
-        flags = torch.tensor([STOP_SIGNALS.index(name) + 1 if name in STOP_SIGNALS else 0, peak_bytes or 0, busy],
-                             dtype=torch.int64, device=self.device)
-        comm.all_reduce(flags, self.mesh["world"], reduce_op="max", dim="control")
-        agreed, peak = int(self.value(flags[0])), int(self.value(flags[1]))
-        return (STOP_SIGNALS[agreed - 1] if agreed else None), (peak or None), \
-            straggler(int(self.value(flags[2])), self.cfg.parallel.ranks_per_node, self.world_size)
+        with self.ledger.section("eval"):
+            return self.evaluator.evaluate(self.model, forward, finish, self.device, self.step_count or None)
 
     # -- state -------------------------------------------------------------------------------
     def model_state_bytes(self) -> dict:
@@ -438,34 +288,17 @@ class Trainer:
         return self.state.frozen()
 
     def save(self, out: Path, step: int) -> Path:
-        """Checkpoint `step` (steps done) into OUT/checkpoints: every rank writes the pieces of state it
-        holds (its ZeRO shards as they are), nothing gathered."""
-        entries, opt_t = self.state.entries()
-        meta = {"opt_t": opt_t, "skips": self.skips, "data": self.data_id, "best": self.best,
-                "evals_since_best": self.evals_since_best}
-        protect = self.best["step"] if self.best and self.cfg.train.keep_best else None
-        return checkpoint.save(out, step, self.cfg, entries, self.state.rng_state(self.device), meta,
-                               self.cfg.train.keep_checkpoints, self.rank, protect)
+        """Checkpoint `step` (steps done) into OUT/checkpoints (train/checkpointer.py)."""
+        meta = {"skips": self.guard.skips, "data": self.data_id, **self.evaluator.state()}
+        return self.checkpointer.save(out, step, self.state, self.device, meta, self.evaluator.best_step())
 
     def restore(self, ckpt: str | Path) -> int:
-        """Load a checkpoint written by any layout; returns its step. Each rank reads only the boxes its
-        own state covers. Random streams are restored when the layout is the same (then a resumed run
-        is bit-exact, dropout included)."""
-        reader = checkpoint.open_matching(ckpt, self.state.keys())
-        self.state.fill(reader, reader.index["opt_t"])
-        self.skips = reader.index.get("skips", 0)
-        self.best = reader.index.get("best")   # the lowest eval loss so far (train.keep_best, stop_after)
-        self.evals_since_best = reader.index.get("evals_since_best", 0)
-        where = ("offload", "offload_dir")   # where optimizer state lives changes no random stream
-        layout = lambda par: {k: v for k, v in par.items() if k not in where}   # noqa: E731
-        same_layout = (reader.index["world_size"] == self.world_size
-                       and layout(reader.index["config"]["parallel"]) == layout(self.cfg.to_dict()["parallel"]))
-        if same_layout:
-            self.state.set_rng_state(reader.rng(self.rank), self.device)
-        elif self.cfg.model.dropout and not self.quiet:
-            print("note: the checkpoint was written by another layout: dropout's random streams start afresh",
-                  file=sys.stderr)
-        return reader.index["step"]
+        """Load a checkpoint written by any layout (train/checkpointer.py); returns its step."""
+        index = self.checkpointer.restore(ckpt, self.state, self.device)
+        self.filled = True
+        self.guard.skips = index.get("skips", 0)
+        self.evaluator.load(index)   # the lowest eval loss so far (train.keep_best, stop_after)
+        return index["step"]
 
     def fill_from_source(self) -> None:
         """A fresh start: the state from the seeded init or the Hugging Face folder (once)."""
@@ -483,7 +316,6 @@ class Trainer:
         ckpt = rundir.resolve_resume(str(resume), out) if resume else None
         if ckpt:
             start = self.restore(ckpt)
-            self.filled = True
         else:
             self.fill_from_source()
             start = 0
@@ -495,87 +327,106 @@ class Trainer:
                           f"leaves", file=sys.stderr)
         bar = Progress(cfg.steps, enabled=not self.quiet, log_every=cfg.log_every, start=start, speed=self.speed)
         outputs = RunOutputs(out, self.cfg, self.rank, start)   # metrics.jsonl, TensorBoard, W&B (outputs.py)
-        history, stopped, saved = [], None, start if ckpt else None
+        history, stopped = [], None
         for step in range(start, cfg.steps):
             m = self.step(step)
             mixture = self.batches.mixture(step)
             if mixture:   # the step's tokens per source
                 m["data_tokens"] = mixture["tokens"]
             improved = False
-            if self.evaluates_after(step):
+            if self.evaluator.due(step):
                 m.update(self.evaluate())
-                improved = self.judge(step + 1, m["eval_loss"])
+                improved = self.evaluator.judge(step + 1, m["eval_loss"])
             m["eta_s"] = bar.eta_seconds(step + 1)
             history.append(m)
             outputs.log(m)
             bar.update(m)
             heartbeat(step + 1)
-            stopped = self.stop or self.patience_out(step + 1)
-            every = cfg.checkpoint_every
-            if cfg.checkpoint and (stopped or (every and (step + 1) % every == 0) or (improved and cfg.keep_best)):
+            stopped = self.stop or self.evaluator.patience_out(step + 1)
+            if self.checkpointer.due(step + 1, bool(stopped), improved):
                 self.save(out, step + 1)
-                saved = step + 1
-            if improved and cfg.keep_best and self.rank == 0:
-                rundir.write_best(out, step + 1, m["eval_loss"])   # once its checkpoint is complete
+            if improved and cfg.keep_best:
+                self.checkpointer.mark_best(out, step + 1, m["eval_loss"])   # once its checkpoint is complete
             if stopped:
                 break
         bar.close()
         outputs.close()
+        return self.finish(out, outputs, history, stopped)
+
+    def finish(self, out: Path, outputs: RunOutputs, history: list, stopped) -> dict:
+        """The end of `run`: the pipeline's timeline, the last checkpoint, comm.json and run.json."""
         if history:
             for d in self.dims:
                 d.write(out, gather_objects, self.rank, draw=draw_pipeline)
         total = self.ledger.gather()
-        evals = self.ledger.part("eval").gather() if self.evaluations else None
-        self.all_state_bytes = gather_objects(self.model_state_bytes())
-        self.all_activation_bytes = gather_objects(self.activations.peak)
-        self.all_memory = gather_objects(self.memory_info())
-        if cfg.checkpoint and history and saved != self.step_count:
+        evals = self.ledger.part("eval").gather() if self.evaluator.count else None
+        self.record.gather(self.model_state_bytes(), self.activations.peak, self.memory_info())
+        if self.checkpointer.due_at_end(self.step_count, bool(history)):
             self.save(out, self.step_count)
         comm = total.to_dict()
         if evals is not None:   # the evaluations' traffic, apart from the training steps' rows
-            comm["eval"] = {**evals.to_dict(), "evaluations": self.evaluations,
-                            "batches": self.eval_batches.count}   # global batches per evaluation
+            comm["eval"] = {**evals.to_dict(), "evaluations": self.evaluator.count,
+                            "batches": self.evaluator.batches.count}   # global batches per evaluation
         outputs.finish(comm, self.run_info() if self.rank == 0 else {})
         return {"history": history, "comm": total.to_dict(), "state_bytes": self.model_state_bytes(),
                 "stopped": stopped, "step": self.step_count}
 
     def memory_info(self) -> dict:
-        """This rank's device and peak memory so far: `peak_device_bytes` is
-        torch.cuda.max_memory_allocated on CUDA (every tensor the caching allocator handed out since the
-        trainer started; None on the CPU, which has no such counter), `peak_rss_bytes` the process's peak
-        resident set (getrusage ru_maxrss: the interpreter and torch's libraries included, so only a
-        coarse upper bound of the tensors'; None where the platform does not report it)."""
-        cuda = self.device.type == "cuda"
-        return {"device": str(self.device),
-                "device_name": torch.cuda.get_device_name(self.device) if cuda else host_cpu(),
-                "pp_stage": self.mesh.coords["pp"],
-                "peak_device_bytes": torch.cuda.max_memory_allocated(self.device) if cuda else None,
-                "peak_rss_bytes": peak_rss_bytes()}
+        """This rank's device and peak memory so far (train/run_record.py memory_info)."""
+        return memory_info(self.device, self.mesh.coords["pp"])
 
     def run_info(self) -> dict:
-        """run.json. Besides the config and the model-state bytes: `device` (rank 0's; `device_by_rank`),
-        `peak_device_memory_bytes_by_rank` (torch.cuda.max_memory_allocated per rank; null on the CPU),
-        `peak_rss_bytes_by_rank` (each process's peak RSS: see `memory_info`) and, when the caller passed
-        the planner's prediction for this layout (the CLI does: tools/run_plan.py planned_memory), `planned_memory`
-        (the planner's rows per pipeline stage) and `planned_memory_bytes_by_rank` (each rank's stage
-        total, the number to hold against the measured peak; null without a prediction)."""
-        mem = getattr(self, "all_memory", None) or [self.memory_info()]
-        stages = (self.planned or {}).get("stages")
-        planned = [stages[m["pp_stage"]]["total"] if stages else None for m in mem]
+        """run.json (train/run_record.py)."""
         mixture = self.batches.mixture(0, self.step_count)   # tokens per source over steps 0 .. step_count - 1
-        return {**({"data_mixture": mixture} if mixture else {}), "config": self.cfg.to_dict(), "data": self.data_id, "params": self.n_params,
-                "trainable_params": self.n_trainable,
-                "world_size": self.world_size, "model_state_bytes_per_rank": self.model_state_bytes(),
-                "model_state_bytes_by_rank": self.all_state_bytes,
-                "peak_activation_bytes_per_rank": self.activations.peak,
-                "peak_activation_bytes_by_rank": self.all_activation_bytes,
-                "device": mem[0]["device"], "device_name": mem[0]["device_name"],
-                "device_by_rank": [m["device"] for m in mem],
-                "peak_device_memory_bytes_by_rank": [m["peak_device_bytes"] for m in mem],
-                "peak_rss_bytes_by_rank": [m["peak_rss_bytes"] for m in mem],
-                "planned_memory_bytes_by_rank": planned, "planned_memory": self.planned,
-                "versions": {"fivefold": __version__, "torch": torch.__version__,
-                             "python": sys.version.split()[0], "platform": host_platform()}}
+        return self.record.info(self.model_state_bytes(), self.activations.peak, self.memory_info(), mixture)
+
+
+def make_engine(cfg: Config, model: torch.nn.Module, mesh: ParallelMesh, dims: list, dtype: torch.dtype,
+                master_dtype: torch.dtype, quiet: bool) -> Engine:
+    """DDP, or ZeRO-1/2/3, over the groups the parameters' placements name, with AdamW on `master_dtype`
+    masters and the gradients in fp32 (train.main_grads_fp32) or the compute `dtype`."""
+    p, t = cfg.parallel, cfg.train
+    grad_dtype = master_dtype if t.main_grads_fp32 else dtype
+
+    def make_optimizer(params, decay):
+        return AdamW(params, decay, (t.beta1, t.beta2), t.eps, t.weight_decay)
+
+    if not p.zero:
+        return DataParallelOptimizer(model, mesh, make_optimizer, p.bucket_mb, master_dtype, grad_dtype,
+                                     only_dp=rules.reduces_only_over_dp(p.cp, cfg.model.experts, p.ep, p.etp),   # as plan.traffic
+                                     decay_embeddings=t.decay_embeddings)
+    if p.dp == 1 and not quiet:
+        print(f"note: ZeRO-{p.zero} with dp=1 shards over a single rank and saves no memory", file=sys.stderr)
+    scheduled = any(d.schedules_backward for d in dims)
+    return Zero(model, mesh, p.zero, make_optimizer, p.bucket_mb, master_dtype, grad_dtype,
+                p.reshard_after_forward, pipeline=scheduled, reduce_each_microbatch=p.reduce_each_microbatch,
+                offload=p.offload, offload_dir=p.offload_dir,   # offload: parallel/offload.py
+                decay_embeddings=t.decay_embeddings, prefetch=p.zero_prefetch)
+
+
+def rank_micro_batches(cfg: Config, dp_rank: int, dims: list, device: torch.device, batches, step: int,
+                       loss_tokens: int | None = None, training: bool = True) -> list[MicroBatch]:
+    """A rank's micro-batches of step `step` (parallel/microbatch.py): tokens, targets, with
+    train.document_mask their `Documents` (model/documents.py: positions restarting per document, sharded
+    like the tokens, and the document ids of the whole rows, which every cp rank keeps), the loss's divisor,
+    `loss_tokens` (default: the step's targets that count), and under random routing, in training, the
+    tokens' keys (model/random_routing.py), sharded like the tokens."""
+    p, t = cfg.parallel, cfg.train
+    x_bs, y_bs = batches.local(step, dp_rank, p.dp)
+    tensors_bs = (x_bs, y_bs)
+    if t.document_mask:
+        ids_bS = batches.local_documents(step, dp_rank, p.dp)
+        tensors_bs += (document_positions(ids_bS),)
+    draws = training and cfg.model.experts > 0 and cfg.model.random_routing
+    if draws:
+        first, stop = local_rows(t.global_batch, dp_rank, p.dp)
+        tensors_bs += (token_keys(step, t.global_batch, first, stop - first, t.seq_len),)
+    tensors_bs = shard_batch(dims, *tensors_bs)
+    x_bs, y_bs = tensors_bs[0].to(device), tensors_bs[1].to(device)
+    docs = Documents(tensors_bs[2], ids_bS).to(device) if t.document_mask else None
+    keys_bs = tensors_bs[-1].to(device) if draws else None
+    n_loss = batches.loss_tokens(step) if loss_tokens is None else loss_tokens
+    return cut_micro_batches(x_bs, y_bs, p.microbatches, n_loss, docs, keys_bs)
 
 
 def zeros_of_shape(t: torch.Tensor):
@@ -608,34 +459,6 @@ def compile_blocks(model: torch.nn.Module, backend: str | None = None) -> int:
     for b in blocks:
         b.compile(backend=backend or COMPILE_BACKEND)
     return len(blocks)
-
-
-def peak_rss_bytes() -> int | None:
-    """This process's peak resident set size in bytes, or None. On Linux the memory map's high-water mark
-    (/proc/self/status VmHWM), which starts afresh in a spawned rank: getrusage's ru_maxrss survives
-    exec, so a rank started by a large parent (a test runner) reported the parent's peak until it
-    passed it. Elsewhere ru_maxrss (macOS: bytes)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024   # kB
-    except OSError:
-        pass
-    try:
-        import resource   # POSIX only
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    except (ImportError, AttributeError, OSError):
-        return None
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
-
-
-def perplexity(loss: float) -> float:
-    """exp(loss), inf where that overflows (and NaN for a NaN loss)."""
-    return math.exp(loss) if loss < 709 or not math.isfinite(loss) else math.inf
-
-
 
 
 def train_rank(rank: int, world_size: int, cfg_dict: dict, out: str | None = None, resume: str | None = None,

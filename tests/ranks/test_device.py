@@ -415,11 +415,11 @@ def test_planned_memory_plans_the_attention_the_runtime_runs():
 
 
 def test_planned_memory_never_fails_a_run(monkeypatch):
-    import fivefold.plan.layout as layout
+    import fivefold.plan.run as run
 
-    def broken(cfg):
+    def broken(cfg, backend=None):
         raise ConfigError("the planner cannot do this")
-    monkeypatch.setattr(layout, "from_config", broken)
+    monkeypatch.setattr(run, "from_config", broken)   # plan_of's first call
     assert run_plan.planned_memory(tiny_config()) == {"error": "ConfigError: the planner cannot do this"}
 
 

@@ -49,7 +49,7 @@ def eval_rows(rank, world, cfg_dict):
     tr = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
     for _ in range(EVALUATIONS):
         tr.evaluate()
-    return {"rows": tr.ledger.part("eval").rows(), "batches": tr.eval_batches.count, "train": tr.ledger.rows()}
+    return {"rows": tr.ledger.part("eval").rows(), "batches": tr.evaluator.batches.count, "train": tr.ledger.rows()}
 
 
 @pytest.mark.ranks

@@ -242,7 +242,7 @@ def train_big(args, model: dict, seq: int, steps: int, capacity: float) -> dict:
             "planned": plan, "memory_ratio": peak / planned, "notes": notes, "context_end_bytes": context_end}
 
 
-# the CUDA side of ZeRO-Offload's gradient streaming (parallel/offload.py: d2h copies on a side stream
+# the CUDA side of ZeRO-Offload's gradient streaming (parallel/zero/offload.py: d2h copies on a side stream
 # behind the reduce-scatter, pinned landing buffers): ZeRO-2 with gradients streamed to the host during the
 # backward must give the losses of ZeRO-1 with the state on the host (gradients copied at the step) bit for
 # bit: the same host AdamW, only the gradients' way to the host differs. Against ZeRO-2 on the device it is

@@ -50,13 +50,14 @@ def ours_step(model, rank, world, offload, x, y, n_tokens, scratch):
     from fivefold.config import ParallelConfig
     from fivefold.mesh import ParallelMesh
     from fivefold.model import loss_sum
-    from fivefold.parallel.zero import Zero
+    from fivefold.parallel.zero.engine import ZeroEngine
+    from fivefold.parallel.zero.spec import ZeroSpec
     from fivefold.train.optim import AdamW
 
     mesh = ParallelMesh(ParallelConfig(dp=world), rank, CommLedger(rank, world))
     make = lambda params, decay: AdamW(params, decay, weight_decay=0.1)  # noqa: E731
-    engine = Zero(model, mesh, 2, make, bucket_mb=4, offload=offload,
-                  offload_dir=os.path.join(scratch, "offload") if offload == "nvme" else "")
+    engine = ZeroEngine(model, mesh, ZeroSpec(2, offload=offload), make, bucket_mb=4,
+                        offload_dir=os.path.join(scratch, "offload") if offload == "nvme" else "")
 
     def step():
         (loss_sum(model(x), y) / n_tokens).backward()

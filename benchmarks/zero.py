@@ -42,14 +42,15 @@ def ours_step(model, rank, world, impl, x, y, n_tokens):
     from fivefold.mesh import ParallelMesh
     from fivefold.model import loss_sum
     from fivefold.parallel.data import DataParallelOptimizer
-    from fivefold.parallel.zero import Zero
+    from fivefold.parallel.zero.engine import ZeroEngine
+    from fivefold.parallel.zero.spec import ZeroSpec
     from fivefold.train.optim import AdamW
 
     mesh = ParallelMesh(ParallelConfig(dp=world), rank, CommLedger(rank, world))
     make = lambda params, decay: AdamW(params, decay, weight_decay=0.1)  # noqa: E731
     stage = int(impl[4])                      # "ours3" or "ours3-prefetch2" (parallel.zero_prefetch)
     depth = int(impl.rsplit("prefetch", 1)[1]) if "prefetch" in impl else 1
-    engine = (Zero(model, mesh, stage, make, bucket_mb=4, prefetch=depth) if stage else
+    engine = (ZeroEngine(model, mesh, ZeroSpec(stage, prefetch=depth), make, bucket_mb=4) if stage else
               DataParallelOptimizer(model, mesh, make, bucket_mb=4))
 
     def step():

@@ -27,7 +27,7 @@ Device = Literal["auto", "cpu", "cuda"]
 LrSchedule = Literal["cosine", "linear", "constant", "wsd"]   # after the warmup (train/optim.py lr_at)
 Dim = Literal["tp", "cp", "ep", "dp", "pp"]           # the grid's dimensions
 RouterKind = Literal["softmax_topk_norm", "softmax_topk", "sigmoid_bias"]   # Mixtral, Qwen2-MoE, DeepSeek-V3
-Offload = Literal["none", "cpu", "nvme"]             # where ZeRO's optimizer state lives (parallel/offload.py)
+Offload = Literal["none", "cpu", "nvme"]             # where ZeRO's optimizer state lives (parallel/zero/offload.py)
 
 # The schedule names, from the Literal: code compares against these, never against a spelt-out string.
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB = get_args(ScheduleKind)
@@ -681,7 +681,7 @@ MAX_PREFETCH = 16   # ZeRO-3's deepest prefetch: units gathered ahead of the one
 
 def check_zero_prefetch(depth) -> None:
     """ZeRO-3's prefetch depth (parallel.zero_prefetch): the slots gathered ahead of the one running
-    (parallel/zero_order.py)."""
+    (parallel/zero/order.py)."""
     if type(depth) is not int or not 0 <= depth <= MAX_PREFETCH:
         raise ConfigError(f"parallel.zero_prefetch = {depth!r}: ZeRO-3 gathers this many units ahead of the one "
                           f"running; valid: an integer 0 to {MAX_PREFETCH} (1: FSDP's default)")

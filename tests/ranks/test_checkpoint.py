@@ -137,7 +137,7 @@ def dropout_resume(rank, world, out):
 
 def bf16_zero1_resume(rank, world, out):
     """ZeRO-1 in bf16: a load reads each whole parameter through one fp32 staging copy into its bf16
-    buffer (parallel/zero.py read_param)."""
+    buffer (parallel/zero/engine.py read_param)."""
     cfg = cfg_of(steps=4, every=2, dp=2, zero=1)
     cfg.train.dtype = "bf16"
     return split_run(rank, world, out, cfg)

@@ -51,7 +51,7 @@ HOST_BY_DESIGN = {
     ("train/data.py", "*"),          # token batches: made on the host, moved by Trainer.micro_batches
     ("parallel/context.py", "token_indices"), ("parallel/ring.py", "zigzag_positions"),   # context parallel:
                                      # the token shares, host indices into the host batch (moved for the model)
-    ("parallel/offload.py", "*"),    # the offload store's host memory
+    ("parallel/zero/offload.py", "*"),    # the offload store's host memory
 }
 # engine attributes not walked: the state store (offloaded: host state by design; on the device its tensors are
 # the parameter shards and moments, walked through the optimizer), the model (walked by itself)

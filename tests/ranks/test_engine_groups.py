@@ -15,7 +15,8 @@ from torch import nn
 from fivefold.comm import CommLedger, Group
 from fivefold.parallel.data import DataParallelOptimizer
 from fivefold.parallel.placement import place
-from fivefold.parallel.zero import Zero
+from fivefold.parallel.zero.engine import ZeroEngine
+from fivefold.parallel.zero.spec import ZeroSpec
 from fivefold.train.optim import AdamW, clip_, global_grad_norm
 
 from tests.support.spawn import ranks
@@ -76,7 +77,8 @@ def run_engine(rank, world, kind):
         engine = DataParallelOptimizer(model, groups, make_optimizer, bucket_mb=1e-4,
                                        master_dtype=torch.float64)
     else:
-        engine = Zero(model, groups, int(kind[-1]), make_optimizer, bucket_mb=1e-4, master_dtype=torch.float64)
+        engine = ZeroEngine(model, groups, ZeroSpec(int(kind[-1])), make_optimizer, bucket_mb=1e-4,
+                            master_dtype=torch.float64)
     for step in range(STEPS):
         engine.set_sync(True)
         loss_of(model, rank, step).backward()

@@ -66,7 +66,7 @@ def train(rank, world, cfg_dict, out, resume=None, steps=4):
 
 
 def zero3_gathers(engine, unit, m: int) -> int:
-    """All-gathers of a ZeRO-3 unit per step (parallel/zero.py): without a pipeline before each micro-batch's
+    """All-gathers of a ZeRO-3 unit per step (parallel/zero/engine.py): without a pipeline before each micro-batch's
     forward and backward (once without resharding); under one a block per use, the root once."""
     if engine.spec.pipeline:
         return 1 if unit.name == "root" else 2 * m
@@ -74,7 +74,7 @@ def zero3_gathers(engine, unit, m: int) -> int:
 
 
 def contract(r, mode: str) -> dict:
-    """The ledger rows offload adds per rank per step (parallel/offload.py's tables): ZeRO-2/3 copy each
+    """The ledger rows offload adds per rank per step (parallel/zero/offload.py's tables): ZeRO-2/3 copy each
     reduced gradient shard down after every reduce-scatter (once per micro-batch outside a pipeline, once
     a step under one); ZeRO-3 nvme reads each parameter shard from disk and copies it up before each
     all-gather, and writes it after the step instead of copying it up."""

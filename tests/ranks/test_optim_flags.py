@@ -16,7 +16,8 @@ from fivefold.config import ConfigError, TrainConfig
 from fivefold.model import Transformer
 from fivefold.parallel.data import DataParallelOptimizer
 from fivefold.parallel.engine import decays
-from fivefold.parallel.zero import Zero
+from fivefold.parallel.zero.engine import ZeroEngine
+from fivefold.parallel.zero.spec import ZeroSpec
 from fivefold.train.optim import lr_at
 
 from tests.support.spawn import ranks
@@ -68,7 +69,7 @@ def engine_decay(rank, world, kind, embeddings):
     if kind == "ddp":
         optimizer = DataParallelOptimizer(model, groups, AdamW, decay_embeddings=embeddings).optimizer
     else:
-        optimizer = Zero(model, groups, int(kind[-1]), AdamW, decay_embeddings=embeddings).state.optimizer
+        optimizer = ZeroEngine(model, groups, ZeroSpec(int(kind[-1])), AdamW, decay_embeddings=embeddings).state.optimizer
     return {"decayed": sum(optimizer.decay), "pieces": len(optimizer.decay),
             "expected": sum(decays(n, shape, embeddings) for n, shape in shapes.items()),
             "params": len(shapes)}     # one rank: each parameter is one piece of the optimizer's

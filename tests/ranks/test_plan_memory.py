@@ -194,9 +194,9 @@ def watch_zero3(patch=setattr) -> None:
     """Record in PEAK the largest total of ZeRO-3's gathered units, gradient buffers and reductions in
     flight, read from the runtime's tensors after every allocation and free. `patch` sets the wrapped
     methods (pytest's monkeypatch.setattr in the test process; once per spawned rank)."""
-    from fivefold.parallel import zero, zero_stage
+    from fivefold.parallel.zero import engine as zero, stages as zero_stage
 
-    if zero_stage.Stage3._gather_async.__name__ == "watched":
+    if zero_stage.ShardedParams._gather_async.__name__ == "watched":
         return
     watching = []   # the engine whose stage gathers and frees (set by its zero_grad, which __init__ calls)
 
@@ -234,7 +234,7 @@ def watch_zero3(patch=setattr) -> None:
     for name in ("zero_grad", "_unit_grad", "_fold"):
         watch(zero.ZeroEngine, name)
     for name in ("_gather_async", "_free_unit"):
-        watch(zero_stage.Stage3, name)
+        watch(zero_stage.ShardedParams, name)
 
 
 def measured_zero3_peak(rank: int, world: int, cfg_dict: dict, patch=setattr) -> int:
@@ -278,7 +278,7 @@ def test_zero3_buffers_equal_the_runtime_single_rank(monkeypatch):
 @pytest.mark.parametrize("depth", [0, 2, 3])
 def test_zero3_buffers_follow_the_prefetch_depth(monkeypatch, depth):
     """parallel.zero_prefetch: the runtime gathers `depth` slots ahead and the planner replays the same
-    order (zero_order.py), to the byte; a deeper prefetch holds more."""
+    order (zero/order.py), to the byte; a deeper prefetch holds more."""
     cfg = _zero3_config(dp=1, zero=3, microbatches=2, zero_prefetch=depth)
     assert measured_zero3_peak(0, 1, cfg.to_dict(), monkeypatch.setattr) == _planned_buffers(cfg, 0)
     plans = [_planned_buffers(_zero3_config(dp=1, zero=3, microbatches=2, zero_prefetch=d), 0) for d in range(4)]

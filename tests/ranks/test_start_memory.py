@@ -8,7 +8,7 @@ bytes (weights + gradients + optimizer state); over two training steps, against 
 Before meta construction every rank built the whole fp32 model (4 bytes a parameter) first and then
 its pieces and state, which the first bound cannot hold (benchmarks/startup.py: +1229 MiB over the floor
 for the 250M model under tp2 x pp2, against 970-1170 MiB of state). The second failed until ZeRO-3 gave
-back its gathered units' bytes under autograd's saved views (parallel/zero.py `free_bytes`), the
+back its gathered units' bytes under autograd's saved views (parallel/zero/engine.py `free_bytes`), the
 gradient norm and AdamW worked in bounded slices (train/optim.py), and ranks stopped glibc keeping freed
 large blocks (train/malloc.py): ZeRO-3 dp4 peaked at 2.0-2.2x its plan, tp2 x pp2 at 1.4-1.7x."""
 import pytest

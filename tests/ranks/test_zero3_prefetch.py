@@ -1,4 +1,4 @@
-"""ZeRO-3's prefetch depth (parallel.zero_prefetch, parallel/zero_order.py) moves when units are gathered,
+"""ZeRO-3's prefetch depth (parallel.zero_prefetch, parallel/zero/order.py) moves when units are gathered,
 nothing else: every depth trains to the same numbers with the same collectives."""
 from __future__ import annotations
 

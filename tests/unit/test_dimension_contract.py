@@ -82,7 +82,7 @@ def test_the_defaults_change_nothing():
     d = Plain()
     x_bs, y_bs = torch.arange(6).view(2, 3), torch.arange(6, 12).view(2, 3)
     assert d.shard_batch(x_bs, y_bs) == (x_bs, y_bs)
-    assert d.positions is None and d.loss_group is None and d.schedules_backward is False
+    assert d.positions is None and d.loss_group is None
     assert d.forward_backward is None and d.forward_only is None
     assert dict(d.checkpoint_aliases) == {}
     state = {"params": {"w": torch.ones(2)}, "step": 3}
@@ -134,16 +134,16 @@ def test_hooks_chain_in_the_documented_order():
 def test_engines_subclass_the_engine_base():
     """The trainer calls every engine method directly: DDP and ZeRO subclass `Engine` (an ABC: a missing
     method fails when the engine is made); only ZeRO-3 has gathered parameters to release (its stage's
-    `release`: the ZeRO engine is one class composed of a stage, parallel/zero_stage.py)."""
+    `release`: the ZeRO engine is one class composed of a stage, parallel/zero/stages.py)."""
     from fivefold.parallel.data import DataParallelOptimizer
     from fivefold.parallel.engine import Engine
-    from fivefold.parallel.zero import ZeroEngine
-    from fivefold.parallel.zero_stage import Stage3, ZeroStage
+    from fivefold.parallel.zero.engine import ZeroEngine
+    from fivefold.parallel.zero.stages import FullParams, ShardedParams
 
     assert issubclass(DataParallelOptimizer, Engine) and issubclass(ZeroEngine, Engine)
     assert DataParallelOptimizer.release_params is Engine.release_params
     assert ZeroEngine.release_params is not Engine.release_params
-    assert Stage3.release is not ZeroStage.release
+    assert ShardedParams.release is not FullParams.release
 
     class Partial(Engine):
         def set_sync(self, enabled):

@@ -8,6 +8,7 @@ from fivefold.plan.layout import Layout, Workload
 from fivefold.plan.activations import in_flight, interleaved_penalty, korthikanti, layer_acts
 from fivefold.plan.memory import memory
 from fivefold.plan.units import ExpertSplit, layer_rank_params, zero_states
+from fivefold.parallel.zero.spec import ZeroSpec
 from fivefold.plan.models import PRESETS
 from fivefold.plan.time import closed_form_bubble, simulate_pipeline
 from fivefold.plan.topology import TOPOLOGIES, GiB, topology_from_dict
@@ -38,7 +39,7 @@ ZERO_TABLE_1 = {
 def test_zero_paper_table_1(key):
     params, nd = key
     for stage, expected in zip((1, 2, 3), ZERO_TABLE_1[key]):
-        got = sum(zero_states(int(params), nd, stage, 2, 2, 12).values()) / GB
+        got = sum(zero_states(int(params), nd, ZeroSpec(stage), 2, 2, 12).values()) / GB
         assert got == pytest.approx(expected, rel=0.01, abs=0.006), (key, stage)
 
 

@@ -10,8 +10,8 @@ from fivefold.cli import main
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.plan.estimate import estimate
 from fivefold.plan.layout import Layout, Workload, from_config
-from fivefold.parallel.zero_order import MAX_INFLIGHT
-from fivefold.parallel.zero_reduce import LANDING
+from fivefold.parallel.zero.order import MAX_INFLIGHT
+from fivefold.parallel.zero.reduce import LANDING
 from fivefold.plan.buffers import offload_bytes, offload_units, zero_buffers
 from fivefold.plan.memory import stage_memory
 from fivefold.plan.models import PRESETS, PlanModel, from_model_config

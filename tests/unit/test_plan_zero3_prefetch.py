@@ -1,5 +1,5 @@
 """ZeRO-3's prefetch depth in the planner (plan/time.py `prefetch_exposed`): the gathers and reduce-scatters of
-one micro-batch on one stream in the order `Stage3` issues them (parallel/zero_order.py), each slot's hook
+one micro-batch on one stream in the order `ShardedParams` issues them (parallel/zero/order.py), each slot's hook
 waiting for its own gather and then issuing the next `depth`."""
 from dataclasses import replace
 

@@ -1,7 +1,7 @@
-"""ZeRO's order of events is stated once (parallel/zero_order.py): the runtime runs it and the planner
+"""ZeRO's order of events is stated once (parallel/zero/order.py): the runtime runs it and the planner
 replays it, neither keeps its own copy."""
-from fivefold.parallel import zero_order
-from fivefold.parallel.zero_order import backward_prefetch, backward_slots, forward_prefetch, frees_after_forward
+from fivefold.parallel.zero import order as zero_order
+from fivefold.parallel.zero.order import backward_prefetch, backward_slots, forward_prefetch, frees_after_forward
 from fivefold.plan import buffers
 
 
@@ -24,8 +24,8 @@ def test_deeper_prefetch_takes_the_next_slots_in_running_order():
 
 
 def test_planner_and_runtime_share_it():
-    import fivefold.parallel.zero as zero
-    import fivefold.parallel.zero_stage as zero_stage   # ZeRO-3's gathers and frees
+    import fivefold.parallel.zero.engine as zero
+    import fivefold.parallel.zero.stages as zero_stage   # ZeRO-3's gathers and frees
 
     assert buffers.MAX_INFLIGHT is zero_order.MAX_INFLIGHT is zero.MAX_INFLIGHT
     for name in ("forward_prefetch", "backward_prefetch", "frees_after_forward"):

@@ -1,4 +1,4 @@
-"""ZeRO as composed parts (parallel/zero.py): the stage (what is sharded), the reduce policy (when a unit's
+"""ZeRO as composed parts (parallel/zero/engine.py): the stage (what is sharded), the reduce policy (when a unit's
 gradients are reduce-scattered) and the state store (where masters and moments live and how the step
 reaches them) are separate objects, each chosen by one setting; the three stores step alike, bit for bit.
 Single process, no ranks: the multi-rank equivalences live in test_zero.py and test_offload.py."""
@@ -7,11 +7,12 @@ import torch
 from torch import nn
 
 from fivefold.comm import Group
-from fivefold.parallel.offload import DiskState, HostState
-from fivefold.parallel.zero_reduce import EachMicrobatch, OncePerStep, reduce_policy
-from fivefold.parallel.zero_spec import ZeroSpec
-from fivefold.parallel.zero_state import DeviceState, state_store
-from fivefold.parallel.zero_unit import Unit
+from fivefold.parallel.zero.offload import DiskState, HostState
+from fivefold.parallel.zero.reduce import EachMicrobatch, OncePerStep, reduce_policy
+from fivefold.parallel.zero.spec import ZeroSpec
+from fivefold.parallel.zero.stages import FullParams, ShardedParams
+from fivefold.parallel.zero.state import DeviceState, state_store
+from fivefold.parallel.zero.units import Unit
 from fivefold.rules import block_units
 from fivefold.train.optim import AdamW
 from fivefold.train.trainer import Trainer
@@ -91,13 +92,15 @@ def test_state_stores_step_alike(mode, dtype, tmp_path):
 @pytest.mark.parametrize("stage", (1, 2, 3))
 @pytest.mark.parametrize("offload", ("none", "cpu", "nvme"))
 def test_engine_is_composed_of_its_parts(stage, offload, tmp_path):
-    """The trainer's engine names its parts; ZeRO-3 with nvme keeps its parameter shards in the store."""
+    """The trainer's engine names its parts and was handed the config's ZeroSpec; ZeRO-3 with nvme keeps its
+    parameter shards in the store."""
     cfg = tiny_config(zero=stage, offload=offload, microbatches=2)
     if offload == "nvme":
         cfg.parallel.offload_dir = str(tmp_path)
     tr = Trainer(cfg, quiet=True)
     e = tr.engine
-    assert e.sharding.number == stage and e.sharding.shards_grads == (stage >= 2)
+    assert e.spec == ZeroSpec.of(cfg.parallel) and e.spec.shards_grads == (stage >= 2)
+    assert isinstance(e.sharding, ShardedParams if stage == 3 else FullParams)
     assert isinstance(e.policy, OncePerStep if stage == 1 else EachMicrobatch)
     assert isinstance(e.state, {"none": DeviceState, "cpu": HostState, "nvme": DiskState}[offload])
     on_disk = stage == 3 and offload == "nvme"

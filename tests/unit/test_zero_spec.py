@@ -1,4 +1,4 @@
-"""ZeRO's composition as one value (parallel/zero_spec.py): the facts the engine is built from and the
+"""ZeRO's composition as one value (parallel/zero/spec.py): the facts the engine is built from and the
 planner reads, against the rules written out here from the papers (ZeRO, SC 2020; ZeRO-Offload, ATC 2021;
 ZeRO-Infinity, SC 2021; FSDP under torch.distributed.pipelining), and the engine of a run holding the
 same value the planner derives from the run's config."""
@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from fivefold.config import ConfigError
-from fivefold.parallel.zero_spec import ZeroSpec
+from fivefold.parallel.zero.spec import ZeroSpec
 from fivefold.plan.layout import from_config
 from fivefold.train.trainer import Trainer
 

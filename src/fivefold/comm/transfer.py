@@ -1,5 +1,5 @@
 """Recorded copies: the bytes offloaded state moves between device and host memory and between host
-memory and disk (parallel/offload.py), in the same ledger as the collectives.
+memory and disk (parallel/zero/offload.py), in the same ledger as the collectives.
 
     copy(dst, src, ledger, "d2h")                  # device -> host (or "h2d"); non_blocking on CUDA
     read_file(fd, dst, offset, ledger)             # disk -> host memory ("nvme_read"), os.preadv

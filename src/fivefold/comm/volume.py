@@ -64,7 +64,7 @@ ALGORITHMS = {
              "all_to_all": ("pairwise", 0), "send": ("direct", 0), "recv": ("direct", 0)},
 }
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv")
-# copies of offloaded state (parallel/offload.py, comm/transfer.py): one rank's own bytes over PCIe or to disk
+# copies of offloaded state (parallel/zero/offload.py, comm/transfer.py): one rank's own bytes over PCIe or to disk
 COPIES = ("d2h", "h2d", "nvme_read", "nvme_write")
 
 

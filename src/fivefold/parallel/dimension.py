@@ -17,9 +17,6 @@ default, which changes nothing:
                                                   schedule); None: the direct one (parallelize.py)
     forward_only(...)                 None        run an evaluation's forwards itself, no gradient (pp:
                                                   F/SEND_F/RECV_F); None: the direct one
-    schedules_backward: bool          False       its backwards interleave with other micro-batches'
-                                                  forwards, so the engine accumulates the step's
-                                                  gradients and reduces them once (pp)
     loss_group: str | None            None        a group whose ranks each hold part of the loss, summed
                                                   for reporting (pp: only the last stage has it)
     gather_state / split_state        identity    a full single-process state from this rank's pieces,
@@ -50,7 +47,7 @@ import torch
 from torch import nn
 
 HOOKS = ("name", "apply", "loss", "shard_batch", "positions", "forward_backward", "forward_only",
-         "schedules_backward", "loss_group", "gather_state", "split_state", "checkpoint_aliases", "write")
+         "loss_group", "gather_state", "split_state", "checkpoint_aliases", "write")
 
 
 class Dimension:
@@ -60,7 +57,6 @@ class Dimension:
     positions: torch.Tensor | None = None
     forward_backward = None
     forward_only = None
-    schedules_backward: bool = False
     loss_group: str | None = None
     checkpoint_aliases = MappingProxyType({})
 

@@ -7,11 +7,11 @@ backward on the last stage (`loss_scratch` beside `zero_at_loss`), the embedding
 (`edge_scratch` beside `zero_at_edge`) and the optimizer step's scratch (`step_scratch`: one bounded pass of
 rules.STEP_CHUNK elements). `zero_buffers` is what ZeRO-2/3 hold during a step beyond the states between steps. ZeRO-3's
 gathered units (the root unit of embedding, final norm and head included), gradient buffers and
-reduce-scatters in flight are replayed in the runtime's order (parallel/zero.py), so the peak is the
+reduce-scatters in flight are replayed in the runtime's order (parallel/zero/engine.py), so the peak is the
 runtime's to the byte (tests/ranks/test_plan_memory.py measures it from the runtime's tensors).
 
 Offload (`Layout.offload`, docs/plan.md "Offload"): the optimizer state leaves the device (`offloaded`)
-for host memory or a file (`offload_bytes`, the runtime's parallel/offload.py to the byte); the device's
+for host memory or a file (`offload_bytes`, the runtime's parallel/zero/offload.py to the byte); the device's
 total no longer counts it, the row's `host` and `disk` do. ZeRO-3 with nvme (`ZeroSpec.params_on_disk`) moves the
 parameter shards to the file too: the device's `weights` are 0 (`offloaded_params`: what left), and only
 the gathered units `zero_buffers` replays hold parameters on the device.
@@ -22,10 +22,10 @@ import math
 from functools import lru_cache
 
 from .. import rules
-from ..parallel.zero_order import (MAX_INFLIGHT, backward_prefetch, backward_slots, forward_prefetch,
+from ..parallel.zero.order import (MAX_INFLIGHT, backward_prefetch, backward_slots, forward_prefetch,
                                    frees_after_forward)
 from ..parallel.pipeline.schedules import build_schedule, receives_alive_in_backward
-from ..parallel.zero_reduce import LANDING
+from ..parallel.zero.reduce import LANDING
 from ..shapes import padded, padded_vocab, shard_size
 from .activations import hidden_tensor_bytes, rank_tokens, routed_per_token
 from .layout import Layout, Workload, microbatches
@@ -34,13 +34,13 @@ from .units import ExpertSplit, block_rank_params, head_stage, held_root, is_fro
 
 
 # -- ZeRO's buffers during a step ---------------------------------------------------------------------
-# MAX_INFLIGHT and the gather/free order are the runtime's (parallel/zero_order.py), not mirrored here
+# MAX_INFLIGHT and the gather/free order are the runtime's (parallel/zero/order.py), not mirrored here
 
 
 class BufferTimeline:
     """Bytes alive while a step is replayed, and their peak. A reduce-scatter in flight holds its unit's
     full gradient and a shard-sized result until it is folded in, which happens to the oldest once more
-    than MAX_INFLIGHT are in flight (parallel/zero_order.py; zero.py `_reduce`)."""
+    than MAX_INFLIGHT are in flight (parallel/zero/order.py; zero.py `_reduce`)."""
 
     def __init__(self):
         self.live = self.peak = 0
@@ -64,7 +64,7 @@ class BufferTimeline:
 
 
 def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """ZeRO-3's gather slots on one rank of `stage` (parallel/zero_unit.py `block_slots`): the root
+    """ZeRO-3's gather slots on one rank of `stage` (parallel/zero/units.py `block_slots`): the root
     (every parameter outside the blocks: embedding on the first stage, final norm and untied head on the
     last), then each block (the MTP modules' last, `units.mtp_blocks`), each slot's units as (elements,
     group size): dense over dp·cp, routed experts over edp. Every unit is a flat buffer padded to a
@@ -80,7 +80,7 @@ def zero3_slots(model: PlanModel, layout: Layout, stage: int) -> tuple[tuple[tup
 
 
 def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int, depth: int = 1) -> int:
-    """Peak bytes of ZeRO-3 outside a pipeline, replaying `micro` micro-batches as `Stage3` runs them.
+    """Peak bytes of ZeRO-3 outside a pipeline, replaying `micro` micro-batches as `ShardedParams` runs them.
 
     Forward: the root is gathered for the whole forward (its hook wraps the model), each block is
     gathered with the next `depth` prefetched, and freed after its forward (reshard_after_forward; else
@@ -136,7 +136,7 @@ def _replay_direct(slots: tuple, w: int, g: int, reshard: bool, micro: int, dept
 
 def _replay_buckets(units: tuple, g: int, micro: int) -> int:
     """Peak bytes of ZeRO-2's gradient buckets outside a pipeline, replaying `micro` micro-batches as the
-    engine runs them (parallel/zero.py `_on_grad`, `_reduce`, `_fold`): in backward order each bucket's
+    engine runs them (parallel/zero/engine.py `_on_grad`, `_reduce`, `_fold`): in backward order each bucket's
     full gradient fills, is reduce-scattered into a shard-sized result, and is freed with the result once
     it is folded in, which happens to the oldest once more than MAX_INFLIGHT are in flight. `units`:
     (elements, group size) in the engine's order. With streamed gradients (offload) nothing else of the
@@ -185,7 +185,7 @@ def _replay_each_microbatch(slots: tuple, w: int, g: int, held: bool) -> int:
     """Peak bytes of ZeRO-2/3 reducing every micro-batch under a pipeline (`reduce_each_microbatch`): the
     root gathered all step (ZeRO-3, w > 0), one block gathered, a held root's full gradient for the whole
     step (a tied copy, reduced once), the block whose gradient is filling and the two reductions still in
-    flight behind it (each a full gradient and its shard; parallel/zero_order.py MAX_INFLIGHT)."""
+    flight behind it (each a full gradient and its shard; parallel/zero/order.py MAX_INFLIGHT)."""
     root = sum(padded(*u) for u in slots[0])
     units = [sum(padded(*u) for u in s) for s in slots[1:]] + ([] if held else [root])
     shards = [sum(shard_size(*u) for u in s) for s in slots[1:]] + ([] if held else [sum(shard_size(*u) for u in slots[0])])
@@ -207,7 +207,7 @@ def _zero3_buffers(model: PlanModel, layout: Layout, stage: int, w: int, g: int,
 def zero_buffers(model: PlanModel, layout: Layout, work: Workload, stage: int) -> float:
     """What ZeRO-2/3 hold beyond the model states between steps, at their peak during a step.
 
-    ZeRO-3 (parallel/zero_stage.py, `Stage3`) is replayed event by event on its padded units (`zero3_slots`):
+    ZeRO-3 (parallel/zero/stages.py, `ShardedParams`) is replayed event by event on its padded units (`zero3_slots`):
     gathered parameters (w bytes each), full gradient buffers and reduce-scatters in flight (g bytes;
     each keeps its unit's full gradient and a shard-sized result until folded). The root unit (embedding,
     final norm, head) counts in full: outside a pipeline it is gathered for the whole forward and the
@@ -293,7 +293,7 @@ def offload_units(model: PlanModel, layout: Layout, work: Workload, stage: int) 
 
 def offload_bytes(model: PlanModel, layout: Layout, work: Workload, stage: int) -> dict:
     """What rank 0 of `stage` keeps off the device under `layout.offload`, as the runtime's offloaded state
-    reports it (parallel/offload.py, `bytes()`): {"optimizer": 0, "host": {params, grads, optimizer, total}, "disk": {...}}.
+    reports it (parallel/zero/offload.py, `bytes()`): {"optimizer": 0, "host": {params, grads, optimizer, total}, "disk": {...}}.
     Per unit of shard k elements (padded), mb / g / w bytes per master / gradient / parameter element,
     s = w when the parameters are not in the master dtype (their staging copy for the copy up), else 0:
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Literal
 from .. import rules
 from ..config import Config
 from ..grid import DEFAULT_ORDER, check_grids_agree, parse_order
-from ..parallel.zero_spec import ZeroSpec
+from ..parallel.zero.spec import ZeroSpec
 from ..rules import (DUALPIPE, INTERLEAVED, ONE_F_ONE_B, ConfigError, CpMode, Offload, PlannedScheduleKind, Recompute,
                      SpMode, ZeroStage)
 from ..parallel.pipeline.spec import Schedule
@@ -114,7 +114,7 @@ class Layout:
     @cached_property
     def zero_spec(self) -> ZeroSpec:
         """ZeRO's composition (stage, pipeline, reduce policy, offload, resharding), the value the runtime's
-        engine is built from (parallel/zero_spec.py)."""
+        engine is built from (parallel/zero/spec.py)."""
         return ZeroSpec.of(self)
 
     def short(self) -> str:
@@ -149,7 +149,7 @@ class Layout:
             parts.append("reduce-after")
         if self.reduce_each_microbatch and self.pp > 1:
             parts.append("reduce-each-mb")
-        if not self.overlap_param_gather and self.zero in (1, 2):
+        if not self.overlap_param_gather and self.zero_spec.shards_states and not self.zero_spec.shards_params:
             parts.append("gather-after")
         if self.offload != "none":
             parts.append(f"offload-{self.offload}")

@@ -61,7 +61,7 @@ from functools import lru_cache
 from .. import rules
 from ..comm import volume
 from ..parallel.pipeline import schedules as _schedules
-from ..parallel.zero_order import MAX_INFLIGHT, backward_slots
+from ..parallel.zero.order import MAX_INFLIGHT, backward_slots
 from ..rules import INTERLEAVED, ONE_F_ONE_B, ZB
 from ..shapes import padded, shard_size
 from .buffers import zero3_slots
@@ -389,7 +389,7 @@ def zero3_gather_slots(model: PlanModel, L: Layout, work: Workload, acc, stage: 
 def prefetch_exposed(weights: list[float], gather: float, reduce: float, t_f: float, t_b: float, t_head: float,
                      depth: int) -> tuple[float, float]:
     """(forward, backward) seconds of one micro-batch's ZeRO-3 collectives past its compute outside a
-    pipeline, as `Stage3` orders them (parallel/zero_order.py): `gather` seconds of all-gathers each pass and
+    pipeline, as `ShardedParams` orders them (parallel/zero/order.py): `gather` seconds of all-gathers each pass and
     `reduce` of reduce-scatters, split over the slots by `weights` (their shares of the bytes; slot 0 the
     root), all on one stream in the order they are issued.
 
@@ -419,7 +419,7 @@ def prefetch_exposed(weights: list[float], gather: float, reduce: float, t_f: fl
             if reduces and k:
                 stream = max(stream, clock) + r[k]
                 inflight.append(stream)
-                while len(inflight) > MAX_INFLIGHT:   # the oldest reduction is waited for (parallel/zero.py)
+                while len(inflight) > MAX_INFLIGHT:   # the oldest reduction is waited for (parallel/zero/engine.py)
                     clock = max(clock, inflight.pop(0))
         if reduces:
             stream = max(stream, clock) + r[0]
@@ -630,7 +630,7 @@ def host_step_seconds(work: Workload, acc, shard: float) -> float:
 
 def offload_exposed(units: int, d2h: float, host: float, h2d: float, read: float = 0.0, write: float = 0.0) -> float:
     """Seconds the offloaded optimizer step takes after the gradients are reduced and clipped, as the
-    runtime runs it (parallel/offload.py), for `units` ZeRO units taken as equal parts; d2h, host (the
+    runtime runs it (parallel/zero/offload.py), for `units` ZeRO units taken as equal parts; d2h, host (the
     host's Adam), h2d, read and write are the seconds of all units.
 
     cpu: every gradient copy is issued at once on a side stream, the host updates unit j as soon as its
@@ -705,9 +705,9 @@ def first_touch_bytes(model: PlanModel, layout: Layout, work: Workload, stage: i
     """(gathered, gradient) bytes of fresh host pages one rank of `stage` writes per step in ZeRO's units.
     A host block of at least `rules.MMAP_THRESHOLD_BYTES` is mapped on its own and unmapped when freed
     (train/malloc.py), so every such block allocated anew is faulted in page by page on first touch. ZeRO-3
-    frees each gathered unit and re-gathers it into a re-grown storage (parallel/zero_stage.py `free_bytes`,
+    frees each gathered unit and re-gathers it into a re-grown storage (parallel/zero/stages.py `free_bytes`,
     `regather_buffer`) `ZeroSpec.gathers` times a step (the root once under a pipeline); ZeRO-2 and
-    3 make each unit's whole gradient buffer (parallel/zero.py `_unit_grad`, zeroed) for every reduction
+    3 make each unit's whole gradient buffer (parallel/zero/engine.py `_unit_grad`, zeroed) for every reduction
     and free it after (`ZeroSpec.reductions` a step). Units under the threshold come from the heap,
     whose pages stay. Without ZeRO-2/3 nothing is fresh: DDP's buckets and ZeRO-1's gradients live for
     the run. Activations above the threshold are fresh too and are not counted here."""

@@ -538,7 +538,7 @@ def _grad_flows(f: Flows, dim: str, group: str, n: int, params: int, L: Layout, 
                 units: tuple[int, ...], root: int = 0, held: bool = False) -> None:
     """Gradient reduction and ZeRO gathers for `params` parameters over n ranks: one call per bucket
     (DDP, ZeRO-1/2) or unit (ZeRO-3), `units` their sizes (the first `root` of them ZeRO-3's root unit);
-    ZeRO's are padded to a multiple of n (parallel/zero.py). Gradients travel in the reduce dtype
+    ZeRO's are padded to a multiple of n (parallel/zero/engine.py). Gradients travel in the reduce dtype
     (`Workload.reduce_bytes`); bucket boundaries follow the accumulation dtype."""
     if n == 1 or params == 0:
         return
@@ -703,7 +703,7 @@ def eval_all_ranks(model: PlanModel, layout: Layout, work: Workload, batches: in
 
 def _offload_flows(f: Flows, model: PlanModel, L: Layout, w: Workload, stage: int, m: int = 1,
                    root: int = 0) -> None:
-    """Offload copies of one rank of `stage` in one step (parallel/offload.py): once per ZeRO unit
+    """Offload copies of one rank of `stage` in one step (parallel/zero/offload.py): once per ZeRO unit
     (`buffers.offload_units`, shard k elements), "d2h" of the reduced gradient shard (k·g bytes) and "h2d"
     of the updated parameter shard (k·w); with nvme also "nvme_read" and "nvme_write" of the master,
     exp_avg and exp_avg_sq (3·k·mb each way). ZeRO-2/3 stream the gradients (`ZeroSpec.streams_grads`):

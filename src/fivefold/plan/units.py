@@ -14,7 +14,7 @@ holding E/ep experts, 1/etp of each one's width: `ExpertSplit`).
 A pipeline rank's layers are the runtime's split (`stage_layers`); `candidate_stages` and `time_stages`
 name the stages that can be the most loaded or the slowest. `layer_tensors` and `root_tensors` list a
 rank's tensors in registration order, `zero_units` packs them into the flat buffers ZeRO shards (as
-parallel/zero.py), and `unit_states` / `model_states` turn the units into bytes.
+parallel/zero/engine.py), and `unit_states` / `model_states` turn the units into bytes.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 from .. import rules
 from ..parallel.pipeline.partition import partition_layers
+from ..parallel.zero.spec import ZeroSpec
 from ..shapes import bucket_ranges, padded, padded_vocab, segments, shard_size
 from .layout import Layout, Workload
 from .models import PlanModel
@@ -386,7 +387,7 @@ def root_tensors(model: PlanModel, tp: int, pp: int, stage: int, head_first: boo
 
 
 def zero_units(model: PlanModel, layout: Layout, grad_bytes: int, stage: int, expert: bool = False) -> tuple[int, ...]:
-    """Sizes of the flat buffers ZeRO shards, each padded to a multiple of n (parallel/zero.py): one per
+    """Sizes of the flat buffers ZeRO shards, each padded to a multiple of n (parallel/zero/engine.py): one per
     transformer block plus a root unit (embedding, norm, head) for ZeRO-3; buckets of at most bucket_mb
     MiB in backward order for ZeRO-1/2 (and, with zero = 0, DDP's all-reduce buckets, parallel/data.py).
     `expert` selects the routed-expert parameters instead."""
@@ -492,16 +493,16 @@ def optimizer_bytes_per_param(work: Workload) -> int:
     return 2 * work.master_bytes + (work.master_bytes if work.param_bytes != work.master_bytes else 0)
 
 
-def zero_states(params: int, n: int, zero: int, w: int, g: int, k: int) -> dict:
+def zero_states(params: int, n: int, spec: ZeroSpec, w: int, g: int, k: int) -> dict:
     """Bytes of weights, gradients and optimizer state per rank for `params` parameters sharded over n
-    ranks by ZeRO stage `zero` (Rajbhandari et al. 2020, §5.1 / Table 1)."""
+    ranks as ZeRO setting `spec` shards them (Rajbhandari et al. 2020, §5.1 / Table 1)."""
     sh = shard_size(params, n)
-    return {"weights": w * (sh if zero >= 3 else params),
-            "grads": g * (sh if zero >= 2 else params),
-            "optimizer": k * (sh if zero >= 1 else params)}
+    return {"weights": w * (sh if spec.shards_params else params),
+            "grads": g * (sh if spec.shards_grads else params),
+            "optimizer": k * (sh if spec.shards_states else params)}
 
 
-def unit_states(units: tuple[int, ...], n: int, zero: int, work: Workload, rank: int = 0) -> dict:
+def unit_states(units: tuple[int, ...], n: int, spec: ZeroSpec, work: Workload, rank: int = 0) -> dict:
     """Model-state bytes of group rank `rank` for ZeRO units (flat buffers padded to a multiple of n;
     rank r owns elements [r·k, (r+1)·k)): stage 1/2 keep the padded parameters, stage 1 the padded
     gradients too, stage 2/3 a gradient shard of k; Adam m, v over the real elements owned, the
@@ -517,7 +518,7 @@ def unit_states(units: tuple[int, ...], n: int, zero: int, work: Workload, rank:
     moment = mb
     if work.optimizer_dtype == "bf16":   # bf16 moments, no master copy (`optimizer_bytes_per_param`)
         master, moment = 0, 2
-    return {"weights": w * (k if zero >= 3 else total), "grads": g * (total if zero == 1 else k),
+    return {"weights": w * (k if spec.shards_params else total), "grads": g * (k if spec.shards_grads else total),
             "optimizer": 2 * moment * owned + master}
 
 
@@ -526,24 +527,24 @@ def model_states(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     edp = tp·cp·dp/(etp·ep). Without ZeRO, the ZeRO paper's (w + g + k)·Φ; with it, per padded unit
     (`unit_states`)."""
     L = layout
-    return dict(_model_states(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.etp, L.zero, L.bucket_mb, L.dp * L.cp,
-                              L.edp, work, stage, L.reduce_each_microbatch))
+    return dict(_model_states(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.etp, L.zero_spec, L.bucket_mb,
+                              L.dp * L.cp, L.edp, work, stage))
 
 
 @lru_cache(maxsize=65536)
-def _model_states(model, tp, pp, vpp, partition, ep, etp, zero, bucket_mb, n_dense, n_expert, work, stage,
-                  each: bool = False) -> tuple:
+def _model_states(model, tp, pp, vpp, partition, ep, etp, spec: ZeroSpec, bucket_mb, n_dense, n_expert, work,
+                  stage) -> tuple:
     # (dp = n_dense stands for dp x cp: the units depend on neither, the shard counts are passed)
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, partition=partition, ep=ep, etp=etp, zero=zero, bucket_mb=bucket_mb,
-                    dp=n_dense, reduce_each_microbatch=each)
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, partition=partition, ep=ep, etp=etp, zero=spec.stage, bucket_mb=bucket_mb,
+                    dp=n_dense, reduce_each_microbatch=spec.each_microbatch)
     dense, expert = stage_params(model, layout, stage)
     w, g, k = work.param_bytes, work.grad_bytes, optimizer_bytes_per_param(work)
     groups = [(dense, n_dense, False)] + ([(expert, n_expert, True)] if expert else [])
     out = {"weights": w * frozen_params(model, layout, stage), "grads": 0, "optimizer": 0}
     for count, n, is_expert in groups:
-        if zero == 0 or n == 1:
-            part = zero_states(count, 1, 0, w, g, k)
+        if not spec.shards_states or n == 1:
+            part = zero_states(count, 1, spec, w, g, k)
         else:
-            part = unit_states(zero_units(model, layout, g, stage, is_expert), n, zero, work)
+            part = unit_states(zero_units(model, layout, g, stage, is_expert), n, spec, work)
         out = {c: out[c] + part[c] for c in out}
     return tuple(out.items())

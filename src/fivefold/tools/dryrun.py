@@ -94,7 +94,7 @@ def live_bytes(saved=None):
             self.now -= self.live.pop(key, 0)
 
         def _resized(self, storage, nbytes: int) -> None:
-            """A storage given back or given bytes in place (ZeRO-3's gathered units: parallel/zero.py
+            """A storage given back or given bytes in place (ZeRO-3's gathered units: parallel/zero/engine.py
             `free_bytes`), which no op reports."""
             key = storage._cdata
             if key in self.live:

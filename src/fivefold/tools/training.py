@@ -333,7 +333,7 @@ def check_host_memory(planned: dict, ranks_here: int, params: int) -> None:
 def check_offload_dir(cfg, ranks_here: int, planned: dict) -> None:
     """parallel.offload = nvme: offload_dir must be a folder this process can write (made here when
     missing, as the run would), on a disk with room for the offloaded state of the `ranks_here` ranks
-    that share it: the planner's `disk` bytes per rank (`planned_memory`, what parallel/offload.py
+    that share it: the planner's `disk` bytes per rank (`planned_memory`, what parallel/zero/offload.py
     writes). Checked before any rank starts, not at the first step."""
     import shutil
 

@@ -49,7 +49,7 @@ class AdamW:
     def hold(self, params: list[torch.Tensor], decay: list[bool], exp_avg: list[torch.Tensor],
              exp_avg_sq: list[torch.Tensor]) -> "AdamW":
         """Update `params` with moments kept in the caller's tensors (shaped like `params`: views of a ZeRO
-        engine's padded moment shards, parallel/zero_state.py) instead of moments of its own."""
+        engine's padded moment shards, parallel/zero/state.py) instead of moments of its own."""
         self.params, self.decay, self.exp_avg, self.exp_avg_sq = params, decay, exp_avg, exp_avg_sq
         return self
 
@@ -64,7 +64,7 @@ class AdamW:
 
     def advance(self) -> None:
         """Start step t + 1: its bias corrections. `step` = advance + `update` of every tensor; an engine
-        whose state lives elsewhere (parallel/offload.py) calls the two itself, unit by unit, on its own
+        whose state lives elsewhere (parallel/zero/offload.py) calls the two itself, unit by unit, on its own
         state tensors (then `params` and the moment lists may be empty)."""
         self.t += 1
         self.bc1 = 1 - self.beta1 ** self.t

@@ -74,7 +74,8 @@ from ..parallel.engine import Engine, sum_partial_grads, unique_params
 from ..parallel.expert import moe_step_stats
 from ..parallel.microbatch import MicroBatch, cut as cut_micro_batches
 from ..parallel.parallelize import loss_function, parallelize, positions_of, shard_batch, step_functions, sum_loss
-from ..parallel.zero import Zero
+from ..parallel.zero.engine import ZeroEngine
+from ..parallel.zero.spec import ZeroSpec
 from . import rundir
 from .activations import ActivationMeter
 from .checkpointer import Checkpointer
@@ -185,7 +186,7 @@ class Trainer:
         self.state = RankState(self.model, self.mesh, self.dims)
         positions = positions_of(self.dims)
         self.positions = None if positions is None else positions.to(self.device)   # (cp: not contiguous)
-        self.engine = make_engine(cfg, self.model, self.mesh, self.dims, self.dtype, self.master_dtype, self.quiet)
+        self.engine = make_engine(cfg, self.model, self.mesh, self.dtype, self.master_dtype, self.quiet)
         self.state.attach(self.engine)
         self.source = weight_source(cfg)   # the seeded init, or a Hugging Face folder (--init-hf)
         self.filled = dry                   # a dry run's fake tensors take no values
@@ -381,7 +382,7 @@ class Trainer:
         return self.record.info(self.model_state_bytes(), self.activations.peak, self.memory_info(), mixture)
 
 
-def make_engine(cfg: Config, model: torch.nn.Module, mesh: ParallelMesh, dims: list, dtype: torch.dtype,
+def make_engine(cfg: Config, model: torch.nn.Module, mesh: ParallelMesh, dtype: torch.dtype,
                 master_dtype: torch.dtype, quiet: bool) -> Engine:
     """DDP, or ZeRO-1/2/3, over the groups the parameters' placements name, with AdamW on `master_dtype`
     masters and the gradients in fp32 (train.main_grads_fp32) or the compute `dtype`."""
@@ -397,11 +398,8 @@ def make_engine(cfg: Config, model: torch.nn.Module, mesh: ParallelMesh, dims: l
                                      decay_embeddings=t.decay_embeddings)
     if p.dp == 1 and not quiet:
         print(f"note: ZeRO-{p.zero} with dp=1 shards over a single rank and saves no memory", file=sys.stderr)
-    scheduled = any(d.schedules_backward for d in dims)
-    return Zero(model, mesh, p.zero, make_optimizer, p.bucket_mb, master_dtype, grad_dtype,
-                p.reshard_after_forward, pipeline=scheduled, reduce_each_microbatch=p.reduce_each_microbatch,
-                offload=p.offload, offload_dir=p.offload_dir,   # offload: parallel/offload.py
-                decay_embeddings=t.decay_embeddings, prefetch=p.zero_prefetch)
+    return ZeroEngine(model, mesh, ZeroSpec.of(p), make_optimizer, p.bucket_mb, master_dtype, grad_dtype,
+                      p.offload_dir, t.decay_embeddings)   # the setting as one value (parallel/zero/spec.py)
 
 
 def rank_micro_batches(cfg: Config, dp_rank: int, dims: list, device: torch.device, batches, step: int,

@@ -29,7 +29,6 @@ class PipelineParallelism(Dimension):
 
     name = "pp"
     loss_group = "pp"          # only the last stage computes the loss
-    schedules_backward = True  # micro-batch backwards spread over the step: engines reduce once, at its end
 
     def __init__(self, mesh, cfg: Config):
         from .spec import Schedule

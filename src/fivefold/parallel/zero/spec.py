@@ -1,8 +1,8 @@
 """ZeRO's composition as one value: `ZeroSpec(stage, pipeline, each_microbatch, offload, reshard_after_forward,
 prefetch)`.
 
-A run's ZeRO engine (zero.py) and the planner (plan/) both need the same facts about a ZeRO setting:
-what it shards, when it reduce-scatters a unit (zero_reduce.py's policies), whether its units are whole
+A run's ZeRO engine (engine.py) and the planner (plan/) both need the same facts about a ZeRO setting:
+what it shards, when it reduce-scatters a unit (reduce.py's policies), whether its units are whole
 blocks, how many gathers and reductions a unit makes in a step, where the optimizer state lives and what
 leaves the device during the backward. They are derived here, once, from the five settings that decide
 them (and ZeRO-3's prefetch depth); the engine is built from this value and the planner reads it (`plan.layout.Layout.zero_spec`), as
@@ -13,7 +13,7 @@ both read the pipeline's `Schedule` (pipeline/spec.py).
     each_microbatch         parallel.reduce_each_microbatch: reduce-scatter after every backward under a pipeline
     offload                 "none", "cpu" (ZeRO-Offload) or "nvme" (ZeRO-Infinity)
     reshard_after_forward   ZeRO-3 outside a pipeline: free a unit after its forward and gather it again
-    prefetch                ZeRO-3 outside a pipeline: slots gathered ahead of the one running (zero_order.py)
+    prefetch                ZeRO-3 outside a pipeline: slots gathered ahead of the one running (order.py)
 
 Pure Python: the planner imports it (no torch). Construction checks the rules the settings must keep.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import rules
+from ... import rules
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class ZeroSpec:
         """Stage 3 keeps only this rank's shard of each parameter, gathering a unit before each use."""
         return self.stage == 3
 
-    # -- when a unit is reduced (zero_reduce.py) ---------------------------------------------------------
+    # -- when a unit is reduced (reduce.py) ---------------------------------------------------------
     @property
     def once_per_step(self) -> bool:
         """Gradients accumulate unsharded and each unit is reduce-scattered once a step (`OncePerStep`):
@@ -89,7 +89,7 @@ class ZeroSpec:
         return 1 if held or self.once_per_step else microbatches
 
     def gathers(self, microbatches: int, root: bool = False) -> int:
-        """All-gathers of one ZeRO-3 unit per step on one rank (zero_stage.py `Stage3`): without a pipeline
+        """All-gathers of one ZeRO-3 unit per step on one rank (stages.py `ShardedParams`): without a pipeline
         before each micro-batch's forward and again before its backward (once with reshard_after_forward
         off), the root unit included; under one, a block before every forward and backward it runs, the
         `root` unit once for the step. Full recompute adds none: recompute.py re-runs a block inside its

@@ -6,7 +6,7 @@ flat buffer padded to a multiple of its group's size n; rank r of the group owns
 of every unit, k = padded/n. Bucket units (`bucket_units`) hold at most `bucket_mb` MiB in backward order,
 like data.py's buckets; block units (`block_slots`) are one unit per transformer block (and group) plus
 "root" units (embedding, final norm, head), so a block's weights can be gathered just before it runs.
-No communication here: the engine (zero.py) and the stage (zero_stage.py) move the units' bytes.
+No communication here: the engine (engine.py) and the stage (stages.py) move the units' bytes.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..comm import Group
-from ..model.init import is_placeholder
-from ..shapes import padded, segments
-from .data import bucketize
-from .engine import backward_order, reduce_partitions, unique_params
+from ...comm import Group
+from ...model.init import is_placeholder
+from ...shapes import padded, segments
+from ..data import bucketize
+from ..engine import backward_order, reduce_partitions, unique_params
 
 
 class Unit:

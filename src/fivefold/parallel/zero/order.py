@@ -1,4 +1,4 @@
-"""ZeRO's order of events, torch-free: what the runtime (zero.py) does and the planner (plan/buffers.py,
+"""ZeRO's order of events, torch-free: what the runtime (engine.py) does and the planner (plan/buffers.py,
 plan/time.py `prefetch_exposed`) replays, stated once.
 
 Slots: slot 0 is the root unit (every parameter outside the blocks: embedding, final norm, head; its

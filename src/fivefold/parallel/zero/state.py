@@ -1,6 +1,6 @@
 """Where a ZeRO engine's optimizer state lives, and how the optimizer step reaches it: the `StateStore`.
 
-Per unit j (zero_unit.py) this rank owns a shard of k_j padded elements; its optimizer state is the fp32
+Per unit j (units.py) this rank owns a shard of k_j padded elements; its optimizer state is the fp32
 master shard (the parameter shard itself when the parameters are fp32) and AdamW's two moments
 (Loshchilov & Hutter 2019), each a padded shard of k_j elements. Three stores keep it, behind one protocol:
 
@@ -8,7 +8,7 @@ master shard (the parameter shard itself when the parameters are fp32) and AdamW
   AdamW over every segment of every shard (train/optim.py), then the masters are copied into the
   parameter shards when their dtypes differ. No communication.
 * `HostState` (offload "cpu", ZeRO-Offload) and `DiskState` (offload "nvme", ZeRO-Infinity; with ZeRO-3
-  the parameter shards too: `holds_params`): parallel/offload.py, which documents the device <-> host
+  the parameter shards too: `holds_params`): parallel/zero/offload.py, which documents the device <-> host
   and host <-> disk transfers they record in the ledger under dim "offload".
 
 All three run AdamW's own arithmetic on the same per-parameter segments in the same order, so where the
@@ -20,8 +20,8 @@ from typing import Protocol
 
 import torch
 
-from ..comm.ledger import CommLedger
-from .engine import nbytes
+from ...comm.ledger import CommLedger
+from ..engine import nbytes
 from .offload import DiskState, HostState
 
 

@@ -8,15 +8,15 @@ optimizer state by n, stage 2 also the gradients, stage 3 also the parameters.
 
 The engine here is composed of three parts, each one idea in its own file, chosen by one setting:
 
-* the stage (zero_stage.py: `ZeroStage` for 1 and 2, `Stage3`): what is sharded, where the parameters
+* the stage (stages.py: `FullParams` for 1 and 2, `ShardedParams`): what is sharded, where the parameters
   live between uses, what happens after the step (stages 1, 2 all-gather; 3 gathers before each use);
-* the reduce policy (zero_reduce.py: `EachMicrobatch`, `OncePerStep`): when a unit's gradients are
+* the reduce policy (reduce.py: `EachMicrobatch`, `OncePerStep`): when a unit's gradients are
   reduce-scattered, after every micro-batch's backward or once per step (the pipeline's
   accumulate-then-reduce);
-* the state store (zero_state.py: `DeviceState`; offload.py: `HostState`, `DiskState`): where the
+* the state store (state.py: `DeviceState`; offload.py: `HostState`, `DiskState`): where the
   masters and moments (and ZeRO-3 nvme's parameter shards) live and how the step reaches them.
 
-What stays here is what every combination shares: the units (zero_unit.py) and their gradient buffers,
+What stays here is what every combination shares: the units (units.py) and their gradient buffers,
 the post-accumulate hooks, the reduce-scatter, the engine protocol (engine.py) and checkpoint state.
 
 Layout. Parameters are partitioned by the group their gradient is summed over (`placement.reduce`:
@@ -55,7 +55,7 @@ after, and keeps the root unit gathered for the step.
 The optimizer (train/optim.py's AdamW) updates this rank's shard through per-parameter views, so the
 arithmetic on every element is the single-process arithmetic.
 
-Offload (`offload="cpu" | "nvme"`, parallel/offload.py: ZeRO-Offload, ZeRO-Infinity): the masters and
+Offload (`offload="cpu" | "nvme"`, parallel/zero/offload.py: ZeRO-Offload, ZeRO-Infinity): the masters and
 moments of this rank's shards live in host memory or in files instead, and the step runs there unit by
 unit (gradient shard device -> host, AdamW, parameter shard host -> device); the device keeps the
 parameters; with stages 2 and 3 the gradients too leave it during the backward (`streams_grads`): each
@@ -73,31 +73,31 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .. import comm
-from ..comm import Group
-from .engine import Engine, counted, decays, held, nbytes, unique_params
-from .zero_order import MAX_INFLIGHT
-from .zero_reduce import ReducePolicy, reduce_policy
-from .zero_spec import ZeroSpec
-from .zero_stage import Stage3, ZeroStage
-from .zero_state import StateStore, state_store
-from .zero_unit import Unit, block_slots, bucket_units, modules_to_gather
+from ... import comm
+from ...comm import Group
+from ..engine import Engine, counted, decays, held, nbytes, unique_params
+from .order import MAX_INFLIGHT
+from .reduce import ReducePolicy, reduce_policy
+from .spec import ZeroSpec
+from .stages import FullParams, ShardedParams
+from .state import StateStore, state_store
+from .units import Unit, block_slots, bucket_units, modules_to_gather
 
 
 class ZeroEngine(Engine):
     """ZeRO over the placement groups: units of this model's parameters, composed of what its stage shards
-    (`sharding`: a `ZeroStage` or `Stage3`; the stage number is `spec.stage`), a reduce policy (`policy`)
+    (`sharding`: a `FullParams` or `ShardedParams`; the stage number is `spec.stage`), a reduce policy (`policy`)
     and a state store (`state`). An `Engine` (engine.py)."""
 
-    def __init__(self, model: nn.Module, groups: Mapping[str, Group], stage: int, make_optimizer,
+    def __init__(self, model: nn.Module, groups: Mapping[str, Group], spec: ZeroSpec, make_optimizer,
                  bucket_mb: float = 25.0, master_dtype: torch.dtype = torch.float32,
-                 grad_dtype: torch.dtype | None = None, reshard_after_forward: bool = True, pipeline: bool = False,
-                 reduce_each_microbatch: bool = False, offload: str = "none", offload_dir: str = "",
-                 decay_embeddings: bool = True, prefetch: int = 1):
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        # the setting, as the planner reads it too (zero_spec.py)
-        self.spec = spec = ZeroSpec(stage, pipeline, reduce_each_microbatch, offload, reshard_after_forward, prefetch)
+                 grad_dtype: torch.dtype | None = None, offload_dir: str = "", decay_embeddings: bool = True):
+        """`spec`: the ZeRO setting (spec.py, built once from the config: `ZeroSpec.of(parallel)`), stage 1-3;
+        `make_optimizer(params, decay)` makes AdamW (train/optim.py) over this rank's shards; `offload_dir`:
+        the files of spec.offload "nvme"."""
+        if not spec.shards_states:
+            raise ValueError(f"a ZeRO engine shards something: stage 1, 2 or 3, got {spec.stage}")
+        self.spec = spec
         self.model = model
         self.policy: ReducePolicy = reduce_policy(spec)
         self.params = unique_params(model)
@@ -109,6 +109,7 @@ class ZeroEngine(Engine):
         self._inflight: list = []   # (unit, handle, reduced shard, source) not yet folded in
         self._hooks = []
         slots = []
+        pipeline = spec.pipeline
         if spec.block_units:
             slots = block_slots(model, self.params, self.names, groups, pipeline)
             self.units = [u for slot in slots for u in slot]
@@ -120,22 +121,23 @@ class ZeroEngine(Engine):
         self.unit_of = {p: u for u in self.units for p in u.params}
         if spec.shards_params:
             modules = [holders for _, _, holders in modules_to_gather(model, self.params, pipeline)]
-            self.sharding: ZeroStage = Stage3(self.units, slots, modules, self.param_dtype, self.device, pipeline,
-                                              self.policy.keeps_full_grads, reshard_after_forward, prefetch)
+            self.sharding: FullParams = ShardedParams(self.units, slots, modules, self.param_dtype, self.device, pipeline,
+                                                      self.policy.keeps_full_grads, spec.reshard_after_forward,
+                                                      spec.prefetch)
         else:
-            self.sharding = ZeroStage(stage, self.units, self.param_dtype, self.device)
+            self.sharding = FullParams(self.units, self.param_dtype, self.device)
         decay = [[decays(u.names[i], u.shapes[i], decay_embeddings) for i, _, _ in u.segments]
                  for u in self.units]
         world = self.norm_group
         # ZeRO-Offload streams the gradients of the stages that shard them (2, 3) to the host in the backward
-        self.state: StateStore = state_store(offload, self.units, decay, self.sharding.param_shards, master_dtype,
+        self.state: StateStore = state_store(spec.offload, self.units, decay, self.sharding.param_shards, master_dtype,
                                              self.grad_dtype, make_optimizer, world.ledger, offload_dir,
                                              world.global_rank(world.rank), spec.params_on_disk,
                                              streams_grads=spec.streams_grads)
         self.sharding.use(self.state)
         self.grad_buffer_bytes = self.grad_buffer_peak = 0   # device: units' full gradients, results in flight
         # stage 1 keeps full gradients; its shard is its slice of them (the reduced values copied in)
-        self.grad_shards = self.state.grad_shards() if self.sharding.shards_grads else \
+        self.grad_shards = self.state.grad_shards() if self.spec.shards_grads else \
             [self._unit_grad(u)[u.lo:u.hi] for u in self.units]
         self.optimizer = self.state.optimizer
         for p in self.unit_of:
@@ -172,7 +174,7 @@ class ZeroEngine(Engine):
         self._count(tmp.numel())
         handle = comm.reduce_scatter(tmp, u.grad, u.group, async_op=True)
         self._inflight.append((u, handle, tmp, u.grad))
-        if self.sharding.shards_grads:
+        if self.spec.shards_grads:
             u.grad = None
         if self.policy.restarts_at_reduce:
             u.pending = set(u.params)   # the next micro-batch's backward of this chunk starts over
@@ -184,7 +186,7 @@ class ZeroEngine(Engine):
         u, handle, tmp, grad = item
         handle.wait()
         self._count(-tmp.numel())
-        if self.sharding.shards_grads:   # reduced every micro-batch (or once), summed into the shard (offload:
+        if self.spec.shards_grads:   # reduced every micro-batch (or once), summed into the shard (offload:
             self.state.add_grad(u.pos, tmp)   # streamed to the host); the unit's full gradient goes
             self._count(-grad.numel())
         else:                         # stage 1: reduced once per step, into the slice that held the local sum
@@ -208,7 +210,7 @@ class ZeroEngine(Engine):
 
     def finish(self) -> None:
         """Wait for every reduce-scatter; afterwards `owned_grads()` holds the reduced shards."""
-        if self.sharding.shards_grads and any(u.grad is not None and u.pending != set(u.params) for u in self.units):
+        if self.spec.shards_grads and any(u.grad is not None and u.pending != set(u.params) for u in self.units):
             raise RuntimeError("a unit holds gradients never reduced: call end_backward() after each backward")
         while self._inflight:
             self._fold(self._inflight.pop(0))
@@ -231,7 +233,7 @@ class ZeroEngine(Engine):
         during the step have one: stage 1, and stages 2/3 under a pipeline."""
         u = self.unit_of[p]
         if not (self.policy.keeps_full_grads or u.held):
-            raise RuntimeError(f"ZeRO-{self.sharding.number} reducing every micro-batch keeps no full local gradient")
+            raise RuntimeError(f"ZeRO-{self.spec.stage} reducing every micro-batch keeps no full local gradient")
         self._unit_grad(u)
         return u.grad_view(p)
 
@@ -248,7 +250,7 @@ class ZeroEngine(Engine):
         for u in self.units:
             u.pending = set(u.params)
             u.seen = set()
-            if self.sharding.shards_grads:
+            if self.spec.shards_grads:
                 if u.grad is not None:   # a unit whose gradient was never reduced
                     self._count(-u.grad.numel())
                 u.grad = None
@@ -275,7 +277,7 @@ class ZeroEngine(Engine):
         # stage 1 holds full gradients (its shards are slices of them); the others hold shards
         full = nbytes(u.grad for u in self.units if u.grad is not None)
         shards = 0 if self.state.streams_grads else nbytes(self.grad_shards)   # streamed: in host memory
-        grads = shards + full if self.sharding.shards_grads else full
+        grads = shards + full if self.spec.shards_grads else full
         off_device = self.state.bytes()
         opt = off_device.pop("optimizer")
         return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt, **off_device}
@@ -357,20 +359,3 @@ def read_param(read_into, dst: torch.Tensor, name: str, master_dtype: torch.dtyp
     staged = torch.empty(dst.numel(), dtype=master_dtype, device=dst.device)
     read_into(staged, name, 0, "model")
     dst.copy_(staged)
-
-
-def Zero(model: nn.Module, groups: Mapping[str, Group], stage: int, make_optimizer, bucket_mb: float = 25.0,
-         master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
-         reshard_after_forward: bool = True, pipeline: bool = False,
-         reduce_each_microbatch: bool = False, offload: str = "none", offload_dir: str = "",
-         decay_embeddings: bool = True, prefetch: int = 1) -> ZeroEngine:
-    """ZeRO stage 1, 2 or 3 for `model`, each parameter over `groups[placement.reduce]`, with AdamW
-    (from `make_optimizer(params, decay)`) on this rank's shards, on the device or offloaded to host
-    memory ("cpu") or to files in offload_dir ("nvme"); stage 3 gathers `prefetch` units ahead (zero_order.py).
-
-        z = Zero(model, mesh, stage=3, make_optimizer=lambda params, decay: AdamW(params, decay))
-        ... the engine protocol (engine.py) ...
-    """
-    return ZeroEngine(model, groups, stage, make_optimizer, bucket_mb, master_dtype, grad_dtype,
-                      reshard_after_forward, pipeline, reduce_each_microbatch, offload, offload_dir, decay_embeddings,
-                      prefetch)

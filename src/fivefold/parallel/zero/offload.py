@@ -6,7 +6,7 @@ Rajbhandari et al., "ZeRO-Infinity: Breaking the GPU Memory Wall for Extreme Sca
 gradients) and moves the rest of model state, the fp32 master weights and Adam's two moments (12 of
 the 16 bytes per parameter of mixed-precision Adam), together with the optimizer step itself, to host
 memory; ZeRO-Infinity moves that state on to NVMe. Both keep ZeRO's partitioning: each rank offloads
-only its own shard [lo, hi) of every unit (zero.py).
+only its own shard [lo, hi) of every unit (engine.py).
 
 `parallel.offload`:
 
@@ -18,7 +18,7 @@ only its own shard [lo, hi) of every unit (zero.py).
   updates next, and each unit's parameter copy runs while the host updates the next unit.
 - Gradients streamed to the host (ZeRO-2 and 3, both modes; Ren et al. 2021, §4.1; `streams_grads`):
   the reduced gradient shards never stay on the device. When the engine folds a unit's reduce-scatter
-  in (parallel/zero.py `_fold`, at most MAX_INFLIGHT behind the backward) `add_grad` copies the shard
+  in (parallel/zero/engine.py `_fold`, at most MAX_INFLIGHT behind the backward) `add_grad` copies the shard
   down (d2h; on CUDA on the side stream, behind the reduce-scatter) into one of LANDING host buffers of
   the largest shard, then adds it to the unit's host gradient shard, where the micro-batches accumulate
   (as DeepSpeed accumulates into the CPU partition), and the unit's device gradient and result are
@@ -89,9 +89,9 @@ from pathlib import Path
 
 import torch
 
-from ..comm import transfer
-from ..comm.ledger import CommLedger
-from .zero_reduce import LANDING
+from ...comm import transfer
+from ...comm.ledger import CommLedger
+from .reduce import LANDING
 
 MODES = ("cpu", "nvme")
 SLOTS = 2   # disk mode: units whose state is in host memory at once (the one updated, the one read ahead)
@@ -111,7 +111,7 @@ def _sizes(params: int = 0, grads: int = 0, optimizer: int = 0) -> dict:
 
 class OffloadedState:
     """The optimizer state of a ZeRO engine's units off the device, and the step that updates it (a
-    `StateStore`, zero_state.py).
+    `StateStore`, state.py).
 
     `units`: the engine's units (shard_size, segments); `decay[j]`: per segment of unit j, whether it
     decays; `params[j]`: the device parameter shard of unit j, which also initialises the master;

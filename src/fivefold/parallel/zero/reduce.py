@@ -1,5 +1,5 @@
 """When ZeRO reduce-scatters a unit's gradients: after every micro-batch's backward, or once per step.
-Torch-free: the runtime (zero.py) follows it and the planner may read it.
+Torch-free: the runtime (engine.py) follows it and the planner may read it.
 
 Two policies (Rajbhandari et al., "ZeRO", SC 2020; Zhao et al., "PyTorch FSDP", VLDB 2023):
 
@@ -15,13 +15,13 @@ Two policies (Rajbhandari et al., "ZeRO", SC 2020; Zhao et al., "PyTorch FSDP", 
   backwards are spread over the step (FSDP under torch.distributed.pipelining, Megatron's distributed
   optimizer). Bytes: one reduce-scatter per step; memory: the full gradient during the backward phase.
 
-The communication is the reduce-scatter of `comm.reduce_scatter`, issued by the engine (zero.py).
+The communication is the reduce-scatter of `comm.reduce_scatter`, issued by the engine (engine.py).
 """
 from __future__ import annotations
 
 from typing import Protocol
 
-from .zero_spec import ZeroSpec
+from .spec import ZeroSpec
 
 
 class ReducePolicy(Protocol):
@@ -63,7 +63,7 @@ def reduce_policy(spec: ZeroSpec) -> ReducePolicy:
     return EachMicrobatch(spec.pipeline)
 
 
-# ZeRO-Offload's streamed gradients (parallel/offload.py): host buffers of the largest shard a reduced shard
+# ZeRO-Offload's streamed gradients (parallel/zero/offload.py): host buffers of the largest shard a reduced shard
 # lands in (d2h) before it is added to its host shard; on CUDA the copy of one may still run when the next
 # comes. The planner counts them in host memory (plan/buffers.py `offload_bytes`).
 LANDING = 2

@@ -4,30 +4,30 @@ Paper: Rajbhandari et al., "ZeRO" (SC 2020). Stage 1 shards the optimizer state,
 gradients, stage 3 also the parameters (per parameter, of the 2 + 2 + K bytes of mixed-precision
 model state, a rank keeps 1/n of K, then of 2 + K, then of everything).
 
-* `ZeroStage` (stages 1 and 2): every parameter whole in its unit's flat buffer (the parameters are views
+* `FullParams` (stages 1 and 2): every parameter whole in its unit's flat buffer (the parameters are views
   of it); this rank's slice [lo, hi) is its parameter shard, updated by the step, then every unit is
   all-gathered over its group (Φ(n-1)/n · w per rank). Stage 1 keeps each unit's whole gradient as well
-  (its gradient shard is the slice of it); stage 2 only the shard (`shards_grads`).
-* `Stage3`: only the parameter shards stay. A unit is all-gathered before its module runs (forward and
-  backward, with the next unit prefetched: zero_order.py, which the planner replays) and freed after;
+  (its gradient shard is the slice of it); stage 2 only the shard (the engine reads `ZeroSpec.shards_grads`).
+* `ShardedParams`: only the parameter shards stay. A unit is all-gathered before its module runs (forward and
+  backward, with the next unit prefetched: order.py, which the planner replays) and freed after;
   the step updates the shards in place and gathers nothing. With parameters in the state store
   (ZeRO-Infinity, offload "nvme": `StateStore.holds_params`) the device keeps no shard either: each
   gather first reads its unit's shard from the store into the shard's own slot of the gathered buffer.
 
-The gradients' reduce-scatter is the engine's (zero.py), its timing the reduce policy's (zero_reduce.py).
+The gradients' reduce-scatter is the engine's (engine.py), its timing the reduce policy's (reduce.py).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .. import comm
-from .engine import nbytes
-from .zero_order import backward_prefetch, forward_prefetch, frees_after_forward
-from .zero_unit import Unit
+from ... import comm
+from ..engine import nbytes
+from .order import backward_prefetch, forward_prefetch, frees_after_forward
+from .units import Unit
 
 
-class ZeroStage:
+class FullParams:
     """Stages 1 and 2: full parameters in flat per-unit buffers, this rank's slice is its shard; after the
     step each unit's shards are all-gathered. The hooks (`after_grad`, `after_reduce`, `finish`,
     `release`) are stage 3's; here they do nothing."""
@@ -35,9 +35,8 @@ class ZeroStage:
     loads_full_params = True   # a rank holds every parameter whole: a load fills them too
 
     @torch.no_grad()
-    def __init__(self, number: int, units: list[Unit], param_dtype: torch.dtype, device):
-        self.number, self.units = number, units
-        self.shards_grads = number >= 2   # stage 1 keeps the whole gradient; its shard is a slice of it
+    def __init__(self, units: list[Unit], param_dtype: torch.dtype, device):
+        self.units = units
         self.param_dtype, self.device = param_dtype, device
         self.param_flats, self.param_shards = [], []
         for u in units:
@@ -48,7 +47,7 @@ class ZeroStage:
             self.param_shards.append(flat[u.lo:u.hi])
 
     def use(self, state) -> None:
-        """The engine's state store (zero_state.py) exists: stage 3 may keep its parameter shards there."""
+        """The engine's state store (state.py) exists: stage 3 may keep its parameter shards there."""
         self.state = state
 
     def after_grad(self, u: Unit, p: nn.Parameter) -> None:
@@ -97,14 +96,14 @@ def regather_buffer(full: torch.Tensor | None, numel: int, dtype: torch.dtype, d
     return full
 
 
-class Stage3(ZeroStage):
+class ShardedParams(FullParams):
     """ZeRO stage 3: only parameter shards stay; a unit is all-gathered before its module runs (forward
     and backward) and freed after, with the next unit prefetched.
 
     `slots[i]`: the units of the i-th module that runs as a whole (root, then the blocks) and
     `modules[i]` the modules whose forward needs them (zero_unit.modules_to_gather); `keeps_full_grads`:
     the reduce policy keeps gradients until the step (then a block is freed once its backward is done);
-    `prefetch`: the slots gathered ahead of the running one (zero_order.py)."""
+    `prefetch`: the slots gathered ahead of the running one (order.py)."""
 
     loads_full_params = False
 
@@ -112,8 +111,7 @@ class Stage3(ZeroStage):
     def __init__(self, units: list[Unit], slots: list[list[Unit]], modules: list[list[nn.Module]],
                  param_dtype: torch.dtype, device, pipeline: bool, keeps_full_grads: bool,
                  reshard_after_forward: bool = True, prefetch: int = 1):
-        self.number, self.units, self.slots = 3, units, slots
-        self.shards_grads = True
+        self.units, self.slots = units, slots
         self.param_dtype, self.device = param_dtype, device
         self.pipeline, self.keeps_full_grads = pipeline, keeps_full_grads
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
@@ -198,7 +196,7 @@ class Stage3(ZeroStage):
             self._free(slot)
 
     def _install_hooks(self, modules: list[list[nn.Module]]) -> None:
-        """The gather/free order of zero_order.py (which the planner replays)."""
+        """The gather/free order of order.py (which the planner replays)."""
         last = len(self.slots) - 1
 
         def pre_forward(idx):

@@ -45,9 +45,9 @@ def run_steps(rank, world, cfg_dict, steps=3):
            "shards": [u.shard_size for u in e.units],
            "widths": (width(e.grad_dtype), width(e.param_dtype), width(e.master_dtype)),
            "params_on_disk": e.state.holds_params, "streams": e.state.streams_grads,
-           "reductions": 1 if e.sharding.number == 1 or tr.cfg.parallel.pp > 1 else tr.cfg.parallel.microbatches,
+           "reductions": 1 if e.spec.stage == 1 or tr.cfg.parallel.pp > 1 else tr.cfg.parallel.microbatches,
            "grad_peak": e.grad_buffer_peak, "padded": [u.padded for u in e.units],
-           "gathers": [zero3_gathers(e, u, tr.cfg.parallel.microbatches) for u in e.units] if e.sharding.number == 3 else []}
+           "gathers": [zero3_gathers(e, u, tr.cfg.parallel.microbatches) for u in e.units] if e.spec.stage == 3 else []}
     state = tr.full_state()
     out["state"] = {s: state[s] for s in SECTIONS}
     out["opt_t"] = state["opt_t"]

@@ -57,12 +57,11 @@ def bench_rank(rank: int, world: int, cfg_dict: dict, warmup: int) -> dict:
 
 def planned_state(cfg) -> dict:
     """The planner's model-state bytes of rank 0 of stage 0 for the same config (plan.units.model_states)."""
-    from fivefold.plan.layout import from_config
-    from fivefold.plan.models import from_model_config
+    from fivefold.plan.run import plan_of
     from fivefold.plan.units import model_states
 
-    layout, work = from_config(cfg)
-    return model_states(from_model_config(cfg.model), layout, work, 0)
+    run = plan_of(cfg)
+    return model_states(run.model, run.layout, run.work, 0)
 
 
 def measure(name: str, steps: int, warmup: int, seq: int, hidden: int | None, layers: int | None) -> dict:

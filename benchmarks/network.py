@@ -128,17 +128,15 @@ def measured(out: Path, res: dict) -> dict:
 
 def plan(cfg_dict: dict, topo) -> dict:
     from fivefold.config import Config
-    from fivefold.plan.layout import from_config
-    from fivefold.plan.models import from_model_config
+    from fivefold.plan.run import plan_of
     from fivefold.plan.estimate import fastest_order
     from fivefold.plan.traffic import stage_flows
     from fivefold.plan.tiers import link_bytes, recommend_order
 
     cfg = Config.from_dict(cfg_dict)
     p = predict(cfg, topo)
-    layout, work = from_config(cfg)
-    work = dataclasses.replace(work, efficiency=1.0)
-    model = from_model_config(cfg.model, train=cfg.train)
+    run = plan_of(cfg)
+    model, layout, work = run.model, run.layout, dataclasses.replace(run.work, efficiency=1.0)
     p["links"] = link_bytes(model, layout, work, topo, cfg.parallel.order)
     p["by_bytes"] = recommend_order(stage_flows(model, layout, work, 0))
     p["recommended"] = fastest_order(model, layout, work, topo)[0]

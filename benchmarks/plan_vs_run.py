@@ -3,7 +3,7 @@
 Each layout below trains one small model (hidden 256, 8 heads / 4 KV heads, ffn 704, vocab 256, seq 128,
 global batch 16, fp32) with the real `Trainer` on local gloo ranks (`run_ranks`, one intra-op thread
 per rank, as `fivefold train --nproc N`), for a few warm-up steps and then `--steps` timed ones. The
-same config goes to the planner (`plan.layout.from_config`, `plan.models.from_model_config`,
+same config goes to the planner (`plan.run.plan_of`: `plan.layout.from_config`, `plan.models.from_model_config`,
 `plan.estimate.estimate`) with efficiency 1.0 and the topology `fivefold calibrate` measured for that
 many ranks (calibrated at the start, or `--topology FILE`, repeatable, one per rank count, or with
 `--calibrate-each` just before each layout runs: this machine's speed drifts by 10-25% within minutes, so
@@ -273,17 +273,15 @@ def measure(cfg: Config, world: int, warmup: int, rounds: int, max_load: float, 
 def predict(cfg: Config, topo) -> dict:
     """The planner's estimate of this config at efficiency 1.0 (achieved peaks)."""
     from fivefold.plan.estimate import estimate
-    from fivefold.plan.layout import from_config
-    from fivefold.plan.models import from_model_config
+    from fivefold.plan.run import plan_of
 
-    layout, work = from_config(cfg)
-    work = dataclasses.replace(work, efficiency=1.0)
-    est = estimate(from_model_config(cfg.model, train=cfg.train), layout, work, topo)
+    run = plan_of(cfg)
+    est = estimate(run.model, run.layout, dataclasses.replace(run.work, efficiency=1.0), topo)
     t = est.time
     comm = {}
     for fl in est.flows:
         comm[fl.dim] = comm.get(fl.dim, 0.0) + fl.seconds
-    return {"step_s": t.step_time_s, "bubble": t.bubble if layout.pp > 1 else None, "bubble_source": t.bubble_source,
+    return {"step_s": t.step_time_s, "bubble": t.bubble if run.layout.pp > 1 else None, "bubble_source": t.bubble_source,
             "compute_s": t.compute_s, "layer_comm_s": t.layer_comm_s, "pipeline_s": t.pipeline_s,
             "grad_comm_s": t.grad_comm_s, "step_comm_s": t.step_comm_s, "optimizer_s": t.optimizer_s,
             "flow_s": comm}

@@ -148,22 +148,16 @@ def ours_ep(model, rank, world, mcfg, sequences):
 
 
 def deepspeed_ep(model, rank, world, mcfg, sequences):
-    import torch
     import torch.distributed as tdist
     from torch import nn
 
     # DeepSpeed reads its launcher's variables; this process group is already up (gloo)
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
     import deepspeed
-    from deepspeed.moe.layer import MoE as DeepSpeedMoE
     from deepspeed.utils import logger as ds_logger
-
-    from fivefold.model.layers import SwiGLU
 
     ds_logger.setLevel("WARNING")
     deepspeed.init_distributed(dist_backend="gloo")   # wraps torch's group; first call JIT-builds a shm op
-    e, local = mcfg.experts, mcfg.experts // world
-    drop = mcfg.capacity_factor > 0
 
     class DeepSpeedBlock(nn.Module):
         """Our MoE block's contract (x_bsh -> y_bsh, aux loss through the model's channel) on DeepSpeed's layer."""
@@ -171,17 +165,7 @@ def deepspeed_ep(model, rank, world, mcfg, sequences):
         def __init__(self, ours):
             super().__init__()
             self.aux = ours.aux
-            self.moe = DeepSpeedMoE(mcfg.hidden, SwiGLU(mcfg.hidden, mcfg.expert_ffn), num_experts=e, ep_size=world,
-                                    k=mcfg.top_k, capacity_factor=mcfg.capacity_factor or 1.0, drop_tokens=drop,
-                                    use_rts=False, top2_2nd_expert_sampling=False)
-            self.moe.set_deepspeed_parallelism()      # ep_size_2 expert / expert-data groups, no engine needed
-            with torch.no_grad():
-                self.moe.deepspeed_moe.gate.wg.weight.copy_(ours.router.weight)
-                for j, ex in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
-                    g = rank * local + j
-                    ex.gate.weight.copy_(ours.experts.w_gate[g])
-                    ex.up.weight.copy_(ours.experts.w_up[g])
-                    ex.down.weight.copy_(ours.experts.w_down[g])
+            self.moe = deepspeed_moe_of(ours, mcfg, world, rank)   # ep_size_2 groups, no engine needed
 
         def forward(self, x_bsh):
             y_bsh, l_aux, _ = self.moe(x_bsh)
@@ -261,16 +245,13 @@ def deepspeed_folded(model, mesh, mcfg, world):
     """Each MoE layer of `model` (tp-parallelised, experts whole on every rank) swapped for DeepSpeed's MoE
     with ep_size = world, our tp group as DeepSpeed's mpu; its gate summed over dp, its experts (an
     expert-data-parallel group of one) not at all."""
-    import torch
     from torch import nn
 
     os.environ.update(LOCAL_RANK=str(mesh.rank), RANK=str(mesh.rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
     import deepspeed
-    from deepspeed.moe.layer import MoE as DeepSpeedMoE
     from deepspeed.utils import groups as ds_groups
     from deepspeed.utils import logger as ds_logger
 
-    from fivefold.model.layers import SwiGLU
     from fivefold.model.moe import MoE
     from fivefold.parallel.placement import place
 
@@ -295,24 +276,13 @@ def deepspeed_folded(model, mesh, mcfg, world):
         shaped = output.view((output.numel() // tensor.numel() * tensor.shape[0],) + tuple(tensor.shape[1:]))
         return plain_gather(shaped, tensor, *args, **kwargs)
     deepspeed.comm.all_gather_into_tensor = gather_shaped
-    e, local, rank = mcfg.experts, mcfg.experts // world, mesh.rank
+    rank = mesh.rank
 
     class DeepSpeedBlock(nn.Module):
         def __init__(self, ours):
             super().__init__()
             self.aux = ours.aux
-            self.moe = DeepSpeedMoE(mcfg.hidden, SwiGLU(mcfg.hidden, mcfg.expert_ffn), num_experts=e, ep_size=world,
-                                    k=mcfg.top_k, capacity_factor=mcfg.capacity_factor or 1.0,
-                                    drop_tokens=mcfg.capacity_factor > 0, use_rts=False,
-                                    top2_2nd_expert_sampling=False)
-            self.moe.set_deepspeed_parallelism()
-            with torch.no_grad():
-                self.moe.deepspeed_moe.gate.wg.weight.copy_(ours.router.weight)
-                for j, ex in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
-                    g = rank * local + j
-                    ex.gate.weight.copy_(ours.experts.w_gate[g])
-                    ex.up.weight.copy_(ours.experts.w_up[g])
-                    ex.down.weight.copy_(ours.experts.w_down[g])
+            self.moe = deepspeed_moe_of(ours, mcfg, world, rank)
             place(self.moe.deepspeed_moe.gate.wg.weight, reduce="dp")
             for p in self.moe.deepspeed_moe.experts.parameters():
                 place(p, reduce=None)
@@ -325,6 +295,29 @@ def deepspeed_folded(model, mesh, mcfg, world):
         if isinstance(block.mlp, MoE):
             block.mlp = DeepSpeedBlock(block.mlp)
     return AllToAllCount("ep")
+
+
+def deepspeed_moe_of(ours, mcfg, ep_size: int, rank: int):
+    """DeepSpeed's MoE layer with ep_size = `ep_size` and our layer's weights (its gate from our router, its
+    local expert j from our global expert rank·(E/ep) + j), after `set_deepspeed_parallelism()`."""
+    import torch
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    from fivefold.model.layers import SwiGLU
+
+    local = mcfg.experts // ep_size
+    moe = DeepSpeedMoE(mcfg.hidden, SwiGLU(mcfg.hidden, mcfg.expert_ffn), num_experts=mcfg.experts, ep_size=ep_size,
+                       k=mcfg.top_k, capacity_factor=mcfg.capacity_factor or 1.0, drop_tokens=mcfg.capacity_factor > 0,
+                       use_rts=False, top2_2nd_expert_sampling=False)
+    moe.set_deepspeed_parallelism()
+    with torch.no_grad():
+        moe.deepspeed_moe.gate.wg.weight.copy_(ours.router.weight)
+        for j, ex in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
+            g = rank * local + j
+            ex.gate.weight.copy_(ours.experts.w_gate[g])
+            ex.up.weight.copy_(ours.experts.w_up[g])
+            ex.down.weight.copy_(ours.experts.w_down[g])
+    return moe
 
 
 def capacity_rows(batch, seq, cf):

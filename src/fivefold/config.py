@@ -383,7 +383,9 @@ class TrainConfig:
     calibration: str = "local.toml"       # CPU runs: `fivefold calibrate`'s topology, whose peak gives MFU (missing: no MFU)
     init_hf: str = ""                     # start from a Hugging Face folder (save_pretrained's: its config.json sets
                                           # [model], its safetensors are read slice by slice into each rank's
-                                          # shards, its tokenizer becomes the run's; "": the seeded init)
+                                          # shards, its tokenizer becomes the run's; "": the seeded init). It
+                                          # changes defaults: without train.lr the run fine-tunes at 5e-5 with
+                                          # min_lr a tenth of lr; with lr below the default min_lr, min_lr = lr/10
     eos: str = ""                         # the tokenizer's end-of-text token, put after each text document and where
                                           # generate stops ("": found by name; none: no such token)
     bos: str = ""                         # a start-of-text token put before each text document ("": none)
@@ -414,7 +416,9 @@ class TrainConfig:
         for name in ("steps", "global_batch", "seq_len", "keep_checkpoints", "max_skips"):
             rules.check_positive(f"train.{name}", getattr(self, name))
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+            raise ConfigError(f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={self.lr:g}, min_lr={self.min_lr:g}"
+                              f" (the default min_lr is {TrainConfig.min_lr:g}); valid: --min-lr from 0 to the lr, "
+                              f"e.g. --min-lr {max(self.lr, 0) / 10:g}")
         for name, note in (("warmup", ""), ("weight_decay", ""), ("grad_clip", "0: no clipping"),
                            ("data_limit_mb", "0: no limit"), ("log_every", "0: about 20 lines a run"),
                            ("checkpoint_every", "0: only at the end")):

@@ -178,3 +178,23 @@ def test_eval_scalars_and_report_summary(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in (step, evaluated, {**step, "step": 2})))
     table = summary([read_run(run)])
     assert "eval loss" in table.splitlines()[0] and "4.5000" in table and f"{math.exp(4.5):.4f}" in table
+
+
+def test_eval_of_a_keep_best_run_and_too_little_data_say_what_eval_can_change(tmp_path):
+    """`fivefold eval` of a run that kept its best checkpoint failed on the run's own keep-best rule (it judges
+    evaluations the eval command does not schedule); too little data named train.eval_fraction, which eval
+    cannot set, instead of --seq-len and --global-batch."""
+    import argparse
+
+    from fivefold.tools.evaluate import add_eval_args, eval_config
+    from fivefold.train.corpus import eval_batch_count
+
+    run = tiny_config()
+    run.train.keep_best, run.train.stop_after, run.train.eval_every, run.train.eval_fraction = True, 2, 4, 0.1
+    ap = argparse.ArgumentParser()
+    add_eval_args(ap)
+    cfg = eval_config(run, ap.parse_args([str(tmp_path), "--data", str(tmp_path / "x.txt")]))
+    cfg.validate(1)
+    assert (cfg.train.keep_best, cfg.train.stop_after, cfg.train.eval_every) == (False, 0, 0)
+    with pytest.raises(ConfigError, match=r"lower train.seq_len or train.global_batch \(--seq-len, --global-batch\)"):
+        eval_batch_count(100, 32, 8, 512)

@@ -111,3 +111,41 @@ def test_init_hf_without_lr_fine_tunes_at_a_fine_tuning_rate_and_says_so():
     assert t.lr == 1e-3
     with pytest.raises(ConfigError, match="min_lr = 0.001 is above"):
         fine_tuning_lr(TrainConfig(min_lr=1e-3), {"min_lr"})
+
+
+def test_init_hf_with_a_low_lr_takes_min_lr_a_tenth_of_it_and_the_error_names_min_lr():
+    """The docs/data.md walk gave --init-hf --lr 2e-4: min_lr stayed at the pretraining 3e-4 and the run was
+    refused by a rule naming neither --min-lr nor where 3e-4 came from."""
+    t = TrainConfig(lr=2e-4)
+    fine_tuning_lr(t, {"lr"})
+    assert (t.lr, t.min_lr) == (2e-4, 2e-5)
+    t = TrainConfig(lr=2e-4, min_lr=1e-4)
+    fine_tuning_lr(t, {"lr", "min_lr"})
+    assert t.min_lr == 1e-4                          # a min_lr the user gave is theirs
+    with pytest.raises(ConfigError, match=r"default min_lr is 0.0003\); valid: --min-lr from 0 to the lr, e.g. --min-lr 1e-05"):
+        TrainConfig(lr=1e-4).validate()              # without --init-hf the default min_lr is kept, and named
+
+
+def test_a_lora_option_without_a_rank_is_refused_in_one_line(tmp_path):
+    """--lora-alpha (or dropout, targets) without --lora-rank trained every weight, silently."""
+    from fivefold.tools.training import check_lora_flags
+
+    for key, flag in (("train.lora_alpha", "--lora-alpha"), ("train.lora_targets", "--lora-targets")):
+        with pytest.raises(ConfigError, match=f"{flag}: LoRA options, but train.lora_rank is 0.*--lora-rank R"):
+            check_lora_flags(TrainConfig(), {key})
+    check_lora_flags(TrainConfig(lora_rank=8), {"train.lora_alpha"})
+    check_lora_flags(TrainConfig(), set())
+    import argparse
+
+    from fivefold.tools.training import add_train_args, resolve_train_config
+
+    ap = argparse.ArgumentParser()
+    add_train_args(ap)
+    with pytest.raises(ConfigError, match="--lora-alpha: LoRA options"):
+        resolve_train_config(ap.parse_args(["--lora-alpha", "32", "--out", str(tmp_path)]), 1)
+    # a run's config.toml lists every key with its value: its defaults are no choice the user made
+    (tmp_path / "run.toml").write_text("[train]\nlora_rank = 0\nlora_alpha = 16.0\nlora_dropout = 0.0\n")
+    resolve_train_config(ap.parse_args(["--config", str(tmp_path / "run.toml"), "--out", str(tmp_path)]), 1)
+    (tmp_path / "run.toml").write_text("[train]\nlora_alpha = 64.0\n")
+    with pytest.raises(ConfigError, match="--lora-alpha: LoRA options"):
+        resolve_train_config(ap.parse_args(["--config", str(tmp_path / "run.toml"), "--out", str(tmp_path)]), 1)

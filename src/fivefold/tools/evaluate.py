@@ -63,6 +63,7 @@ def eval_config(cfg: Config, args: argparse.Namespace) -> Config:
     t = cfg.train
     t.data, t.eval_data, t.eval_fraction, t.eval_every = list(args.data), list(args.data), 0.0, 0
     t.checkpoint, t.tensorboard = False, False
+    t.keep_best, t.stop_after = False, 0   # the run's judgement of its evaluations: nothing to judge here
     overrides = {key: getattr(args, flag) for flag, key in EVAL_FLAGS.items()}
     overrides.update(parse_sets(args.set))
     apply_overrides(cfg, overrides)

@@ -120,6 +120,9 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
         fine_tuning_lr(cfg.train, lr_given(args, overrides))
     vocab_from_tokenizer(cfg, "model.vocab" in overrides or sets_key(args.config, "model", "vocab")
                          or bool(cfg.train.init_hf))
+    check_lora_flags(cfg.train, {k for k, v in overrides.items() if v is not None} | {   # a run's config.toml lists
+        f"train.{k}" for k in file_keys(args.config, "train")                          # every key: its defaults
+        if k in LORA_OPTIONS and getattr(cfg.train, k) != default_of(f"train.{k}")})   # are no choice
     p = cfg.parallel
     world = world or args.nproc
     if world and args.dp is None and p.world_size != world:
@@ -132,6 +135,17 @@ def resolve_train_config(args: argparse.Namespace, world: int | None = None):
 
 
 FINE_TUNE_LR = 5e-5     # Hugging Face Trainer's default learning rate
+LORA_OPTIONS = ("lora_alpha", "lora_dropout", "lora_targets")   # they shape adapters: meaningless without a rank
+
+
+def check_lora_flags(train, given: set[str]) -> None:
+    """A LoRA option given (flag, --set or the config file) without train.lora_rank would train every weight,
+    silently: one line naming the rank."""
+    named = [k for k in LORA_OPTIONS if f"train.{k}" in given]
+    if named and not train.lora_rank:
+        flags = ", ".join("--" + k.replace("_", "-") for k in named)
+        raise ConfigError(f"{flags}: LoRA options, but train.lora_rank is 0 (no LoRA: every weight would train); "
+                          f"valid: --lora-rank R (typical 8-64) for LoRA, or leave out {flags} for full fine-tuning")
 
 
 def train_overrides(args: argparse.Namespace) -> dict:
@@ -149,8 +163,11 @@ def lr_given(args: argparse.Namespace, overrides: dict) -> set[str]:
 
 def fine_tuning_lr(train, given: set[str]) -> None:
     """--init-hf without a learning rate: fine-tune at FINE_TUNE_LR (min_lr a tenth of it), not at the
-    pretraining default (`fine_tuning_note` says so once the run's checks pass)."""
+    pretraining default (`fine_tuning_note` says so once the run's checks pass); with --lr but no --min-lr
+    below the pretraining default min_lr, min_lr is a tenth of that lr."""
     if "lr" in given:
+        if "min_lr" not in given and train.min_lr > train.lr:   # the pretraining default above a fine-tuning lr
+            train.min_lr = train.lr / 10
         return
     train.lr = FINE_TUNE_LR
     if "min_lr" not in given:

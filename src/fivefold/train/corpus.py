@@ -459,7 +459,8 @@ def eval_batch_count(n_tokens: int, seq_len: int, global_batch: int, eval_tokens
     if windows < global_batch:
         raise ConfigError(f"the evaluation data has {n_tokens} tokens, fewer than one global batch of "
                           f"windows (train.global_batch x train.seq_len + 1 = {global_batch * seq_len + 1}); "
-                          f"add evaluation data or raise train.eval_fraction")
+                          f"add evaluation data, lower train.seq_len or train.global_batch (--seq-len, "
+                          f"--global-batch), or raise train.eval_fraction")
     return min(-(-eval_tokens // (global_batch * seq_len)), windows // global_batch)
 
 

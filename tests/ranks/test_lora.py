@@ -313,6 +313,10 @@ def test_the_readme_walk_from_jsonl_to_a_lora_run_to_a_merged_chat_folder(tmp_pa
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**QWEN2, "vocab_size": 320, "eos_token_id": end})
                                   ).save_pretrained(tmp_path / "base")
+    sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+                "pad_token_id": tok.convert_tokens_to_ids("<|endoftext|>")}   # Qwen2-Instruct's kind of defaults
+    gen = json.loads((tmp_path / "base" / "generation_config.json").read_text())
+    (tmp_path / "base" / "generation_config.json").write_text(json.dumps({**gen, **sampling}))
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(60)))
     steps = [("tokenize", tmp_path / "sft.jsonl", "--format", "chat", "--tokenizer", tmp_path / "base" / "tokenizer.json",
               "--out", tmp_path / "sft.bin"),
@@ -325,6 +329,9 @@ def test_the_readme_walk_from_jsonl_to_a_lora_run_to_a_merged_chat_folder(tmp_pa
         assert r.returncode == 0, (argv[0], r.stderr[-2000:])
     merged = tmp_path / "merged"
     assert end in json.loads((merged / "generation_config.json").read_text())["eos_token_id"]   # the turn's end
+    kept = transformers.GenerationConfig.from_pretrained(merged)   # the base's sampling, not greedy decoding
+    assert {k: getattr(kept, k) for k in sampling} == sampling
+    assert json.loads((merged / "config.json").read_text())["pad_token_id"] == sampling["pad_token_id"]
     theirs = transformers.AutoTokenizer.from_pretrained(merged)
     messages = conversation(3)
     assert theirs.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(messages, tokenize=False)

@@ -36,7 +36,7 @@ from pathlib import Path
 from ..config import ConfigError
 from ..rules import install_hint
 from .generate import find_checkpoint, run_of
-from .stops import stop_ids
+from .stops import generation_defaults, stop_ids
 from ..tokenizer import HFTokenizer, load_tokenizer, missing_eos, read_specials
 from ..train import checkpoint, rundir
 from ..train.instructions import TEMPLATE_FILE, ChatTemplate
@@ -96,6 +96,7 @@ def write_folder(ckpt: Path, dest: Path, max_shard_bytes: int, eos: str, bos: st
     tokenizer = write_tokenizer(rundir.checked_tokenizer_file(ckpt), dest, max_seq, eos, bos)
     stops = sorted(stop_ids(tokenizer, run_of(ckpt)))   # the tokenizer's end, and --init-hf's eos ids the run kept
     set_special_ids(dest, stops[0] if len(stops) == 1 else (stops or None), tokenizer.bos_id)
+    keep_sampling_defaults(dest, run_of(ckpt), tokenizer.vocab_size)
     template = ChatTemplate.from_run(run_of(ckpt))   # the run's chat template (its tokenizer folder's), if any
     if template is not None:
         (dest / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
@@ -152,6 +153,22 @@ def byte_level_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return tok
+
+
+def keep_sampling_defaults(dest: Path, run: Path, vocab: int) -> None:
+    """The sampling defaults of the run's --init-hf folder, which the run kept (stops.py), into
+    generation_config.json (and its pad id into config.json), so transformers generates from the export as it
+    did from its base (without them it decodes greedily)."""
+    kept = generation_defaults(run)
+    pad = kept.get("pad_token_id")
+    if pad is not None and pad >= vocab:
+        raise ConfigError(f"{run / 'generation_config.json'}: pad_token_id {pad} is not below the vocabulary ({vocab})")
+    for name, keys in (("generation_config.json", kept), ("config.json", {"pad_token_id": pad} if pad is not None else {})):
+        path = dest / name
+        if keys and path.is_file():
+            config = json.loads(path.read_text())
+            config.update(keys)
+            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def set_special_ids(dest: Path, eos_id: int | list[int] | None, bos_id: int | None = None) -> None:

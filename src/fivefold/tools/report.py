@@ -256,9 +256,33 @@ def figure_class():
     return Figure
 
 
-def plot_metrics(runs: list[Run], path: Path) -> Path:
-    """Panels over steps (loss, gradient norm, tokens/s, learning rate, and `panels`' optional ones), a
-    line per run."""
+AXES = {"step": "step", "tokens": "tokens trained", "epoch": "epoch (passes over the training data)"}
+
+
+def x_of(record: dict, axis: str) -> float:
+    """Where a step's record sits on the x axis: its step, the tokens trained through it (metrics.jsonl's
+    tokens_seen; step x tokens for a run older than it) or its epoch."""
+    if axis == "step":
+        return record["step"]
+    if axis == "tokens":
+        return record.get("tokens_seen", record["step"] * record.get("tokens", 0))
+    return record["epoch"]
+
+
+def check_axis(runs: list[Run], axis: str) -> None:
+    """--x epoch needs every run's epochs (metrics.jsonl from a fivefold that records them)."""
+    if axis not in AXES:
+        raise ReportError(f"--x must be one of {', '.join(AXES)}, got {axis!r}")
+    if axis == "epoch":
+        old = [run.name for run in runs if any("epoch" not in r for r in run.metrics)]
+        if old:
+            raise ReportError(f"--x epoch: {', '.join(old)} recorded no epochs (metrics.jsonl from an older "
+                              f"fivefold); valid: --x step or --x tokens")
+
+
+def plot_metrics(runs: list[Run], path: Path, axis: str = "step") -> Path:
+    """Panels over steps, tokens trained or epochs (`axis`: loss, gradient norm, tokens/s, learning rate,
+    and `panels`' optional ones), a line per run."""
     from matplotlib.ticker import MaxNLocator
 
     shown_panels = panels(runs)
@@ -269,16 +293,17 @@ def plot_metrics(runs: list[Run], path: Path) -> Path:
         ax.set_visible(False)
     for ax, (key, title) in zip(axes, shown_panels):
         for run in runs:
-            steps = [r["step"] for r in run.metrics]
-            line, = ax.plot(steps, [value(r, key) for r in run.metrics], marker="." if len(steps) < 50 else None,
+            xs = [x_of(r, axis) for r in run.metrics]
+            line, = ax.plot(xs, [value(r, key) for r in run.metrics], marker="." if len(xs) < 50 else None,
                             label=run.label)
             evals = [r for r in run.metrics if r.get("eval_loss") is not None]
             if key == "loss" and evals:
-                ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], linestyle="--", marker="o",
+                ax.plot([x_of(r, axis) for r in evals], [r["eval_loss"] for r in evals], linestyle="--", marker="o",
                         color=line.get_color(), label=f"{run.label} eval")
         ax.set_title(title, loc="left", fontsize=10)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(AXES[axis])
+        if axis == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -374,14 +399,16 @@ def plot_pipeline(run: Run, path: Path) -> Path:
         raise ReportError(f"{run.path / 'pipeline.json'}: not a pipeline report (missing {e})") from None
 
 
-def write_report(runs: list[Run], out: str | Path, fmt: str = "png") -> list[Path]:
-    """Every drawing of the runs into `out`; returns the paths written."""
+def write_report(runs: list[Run], out: str | Path, fmt: str = "png", axis: str = "step") -> list[Path]:
+    """Every drawing of the runs into `out` (the metrics over `axis`: step, tokens or epoch); returns the
+    paths written."""
     if fmt not in FORMATS:
         raise ReportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    check_axis(runs, axis)
     figure_class()   # before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    written = [plot_metrics(runs, out / f"metrics.{fmt}"), plot_comm(runs, out / f"comm.{fmt}")]
+    written = [plot_metrics(runs, out / f"metrics.{fmt}", axis), plot_comm(runs, out / f"comm.{fmt}")]
     if any(run.links and run.links["steps"] for run in runs):
         written.append(plot_links(runs, out / f"links.{fmt}"))
     for run in runs:
@@ -396,12 +423,14 @@ def add_report_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", help="folder for the drawings (default: the first RUN's report/); files of the "
                     "same name in it are replaced")
     ap.add_argument("--format", choices=FORMATS, default="png", help="image format (default png)")
+    ap.add_argument("--x", dest="axis", choices=list(AXES), default="step",
+                    help="the metrics' x axis: step, tokens trained, or epoch of the training data (default step)")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     try:
         runs = [read_run(folder, name) for folder, name in zip(args.runs, run_names(args.runs))]
-        paths = write_report(runs, args.out or Path(args.runs[0]) / "report", args.format)
+        paths = write_report(runs, args.out or Path(args.runs[0]) / "report", args.format, args.axis)
     except ReportError as e:
         print(f"fivefold report: {e}", file=sys.stderr)
         return 2

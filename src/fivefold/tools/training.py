@@ -541,7 +541,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     nodes = f" as {world // k} emulated nodes of {k}" if 0 < k < world else ""
     print(f"fivefold train: {world} rank(s){nodes}, dp={cfg.parallel.dp} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
           f"cp={cfg.parallel.cp} ep={cfg.parallel.ep} zero={cfg.parallel.zero}, "
-          f"{cfg.model.num_params():,} parameters, {banner_tokens(cfg, start, n_tokens)}, steps {start + 1}..{cfg.train.steps} "
+          f"{trainable_text(cfg)}, {banner_tokens(cfg, start, n_tokens)}, steps {start + 1}..{cfg.train.steps} "
           f"-> {out}; {peak_text(speed, cfg.train.calibration)}", file=sys.stderr)
     results = run_ranks(TRAIN_RANK, world, (cfg.to_dict(), out, ckpt, planned, speed), timeout_s=args.timeout)
     lock.release()
@@ -561,11 +561,29 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def banner_tokens(cfg, start: int, data_tokens: int) -> str:
-    """What the run will train on: steps x global_batch x seq_len tokens (the steps left), beside the data's size."""
+    """What the run will train on: steps x global_batch x seq_len tokens (the steps left), beside the data's size
+    and the epochs of it they make."""
     t = cfg.train
     steps = t.steps - start
-    return (f"{steps * t.global_batch * t.seq_len:,} tokens to train ({steps} steps x {t.global_batch} x {t.seq_len}; "
-            f"the data holds {data_tokens:,})")
+    tokens = steps * t.global_batch * t.seq_len
+    return (f"{tokens:,} tokens to train ({steps} steps x {t.global_batch} x {t.seq_len}; the data holds "
+            f"{data_tokens:,}: {tokens / max(data_tokens, 1):.3g} epochs)")
+
+
+def trainable_text(cfg) -> str:
+    """What trains: every parameter, or (LoRA, train.freeze) how many and their share, and the adapters."""
+    if not trains_a_subset(cfg.train):
+        return f"{cfg.model.num_params():,} parameters, all trained"
+    from ..model import Transformer
+    from ..model.lora import choose_trainable
+
+    meta = choose_trainable(Transformer(cfg.model, device="meta"), cfg.train)   # no memory: shapes only
+    total = sum(p.numel() for p in meta.parameters())
+    trained = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    t = cfg.train
+    what = (f"LoRA rank {t.lora_rank}, alpha {t.lora_alpha:g} on {' '.join(t.lora_targets)}" if t.lora_rank
+            else f"frozen: {' '.join(t.freeze)}")
+    return f"{total:,} parameters, {trained:,} trained ({trained / total:.2%}; {what})"
 
 
 def stop_code(signal_name: str | None) -> int:

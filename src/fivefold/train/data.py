@@ -99,6 +99,7 @@ class BatchSource(Protocol):
     def local(self, step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def local_documents(self, step: int, dp_rank: int, dp: int) -> torch.Tensor: ...
     def tokens_per_step(self) -> int: ...
+    def data_tokens(self) -> int: ...
     def loss_tokens(self, step: int) -> int: ...
     def mixture(self, first_step: int, steps: int = 1) -> dict | None: ...
 
@@ -164,6 +165,10 @@ class Batches:
 
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+    def data_tokens(self) -> int:
+        """The training stream's tokens: one epoch (metrics.jsonl's `epoch` counts them)."""
+        return len(self.tokens)
 
 
 def target_mask(mask, offs: list[int], seq_len: int) -> np.ndarray:
@@ -282,6 +287,10 @@ class MixtureBatches:
             counts += np.bincount(self.source_of(lo, n), minlength=len(self.sources))
         return {name: int(c) * self.seq_len for name, c in zip(self.names, counts)}
 
+    def data_tokens(self) -> int:
+        """Every source's tokens: one epoch of the mixture's data."""
+        return sum(src.data_tokens() for src in self.sources)
+
     def mixture(self, first_step: int, steps: int = 1) -> dict:
         """The sources' weights and the tokens each gave over `steps` steps from `first_step`."""
         return {"weights": dict(zip(self.names, self.weights)), "tokens": self.drawn(first_step, steps)}
@@ -357,6 +366,9 @@ class SyntheticBatches:
         return torch.zeros((self.global_batch // dp, self.seq_len), dtype=torch.long)
 
     def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def data_tokens(self) -> int:
         return self.global_batch * self.seq_len
 
     def mixture(self, first_step: int, steps: int = 1) -> None:

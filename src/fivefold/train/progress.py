@@ -64,7 +64,7 @@ class Progress:
     def line(self, m: dict, done: int) -> str:
         fill = min(int(self.width * done / max(self.total, 1)), self.width)
         return (f"step {done:>5}/{self.total} [{'#' * fill}{'.' * (self.width - fill)}] "
-                f"loss {m['loss']:.4f}  grad {m['grad_norm']:.3f}  lr {m['lr']:.2e}"
+                f"loss {m['loss']:.4f}  grad {m['grad_norm']:.3f}  lr {m['lr']:.2e}" + seen_text(m)
                 + rates_text(self.speed.scalars(*self.window)) + memory_text(m) + self.eta_text(done)
                 + moe_text(m) + straggler_text(m)
                 + (f"  eval {m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})" if "eval_loss" in m else ""))
@@ -84,6 +84,21 @@ class Progress:
     def close(self) -> None:
         if self.enabled and self.tty:
             sys.stderr.write("\n")
+
+
+def seen_text(m: dict) -> str:
+    """Tokens trained so far and the epochs of the data they make."""
+    if "tokens_seen" not in m:
+        return ""
+    return f"  {count_text(m['tokens_seen'])} tok (epoch {m['epoch']:.3g})"
+
+
+def count_text(n: float) -> str:
+    """1.23M, 456k, 789: a count at a glance."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def rates_text(s: dict) -> str:

@@ -10,7 +10,8 @@ data. `step(k)` runs one optimizer step over the global batch of step k and retu
     OUT/metrics.jsonl  one line per step: step (1-based: steps done, as checkpoints/step-N and the
                        console count), loss, grad_norm, lr, tokens, seconds, tokens_per_s, tflops and
                        mfu where known (speed.py), peak_memory_bytes (the largest rank's so far), eta_s
-                       (seconds left at the run's pace: the console's ETA) (NaN/inf: null);
+                       (seconds left at the run's pace: the console's ETA), tokens_seen (tokens trained through
+                       this step) and epoch (tokens_seen over the training data's tokens) (NaN/inf: null);
                        with experts the routing counts, expert_imbalance and dropped_fraction;
                        eval_loss, eval_ppl, eval_loss_tokens on the steps followed by an evaluation
                        (`evaluate`); data_tokens (tokens per source) when the data is a mixture;
@@ -242,7 +243,9 @@ class Trainer:
         self.stop, peak, slowest = self.guard.agree(peak_memory(self.device), busy)
         self.step_count = step + 1
         seconds = time.perf_counter() - t0
+        seen = (step + 1) * n_tokens   # every step trains global_batch x seq_len tokens, whatever the layout
         return {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "tokens": n_tokens,   # step: 1-based
+                "tokens_seen": seen, "epoch": seen / max(self.batches.data_tokens(), 1),
                 **({"loss_tokens": n_loss} if self.batches.masked else {}),
                 "seconds": seconds, "time": time.time(),
                 **self.link_counters.read_at_step_end(self.mesh["world"], self.device),

@@ -345,8 +345,12 @@ class TrainConfig:
                                           # train.lr_schedule to train.min_lr)
     min_lr: float = 3e-4                  # learning rate at the last step (cosine, linear, wsd)
     warmup: int = 20                      # steps of linear warmup from lr / warmup to lr
+    warmup_ratio: float = 0.0             # transformers' warmup_ratio: warmup = ceil(ratio x steps) steps, in place of
+                                          # train.warmup (0: train.warmup)
     lr_schedule: LrSchedule = "cosine"   # after warmup: cosine | linear to min_lr, constant, or wsd (stable, then
-                                          # linear to min_lr over the last train.decay_fraction of the steps)
+                                          # linear to min_lr over the last train.decay_fraction of the steps); or
+                                          # transformers' hf_linear, hf_cosine, constant_with_warmup (its warmup
+                                          # from lr 0 at step 0, its decay to 0: min_lr unused), as get_scheduler
     decay_fraction: float = 0.2           # wsd: the share of the steps after warmup that decays
     weight_decay: float = 0.1             # decoupled weight decay (AdamW) of 2-D+ weights; norms and biases never
                                           # decay, embeddings unless train.decay_embeddings=false
@@ -410,6 +414,11 @@ class TrainConfig:
                                           # (fnmatch: 'embed.*' 'layers.0.*'): no gradient, no optimizer state, no
                                           # data-parallel traffic
 
+    @property
+    def warmup_steps(self) -> int:
+        """The steps of warmup: ceil(warmup_ratio x steps) with a ratio (transformers' rule), else warmup."""
+        return math.ceil(self.warmup_ratio * self.steps) if self.warmup_ratio > 0 else self.warmup
+
     def validate(self) -> None:
         _check_choices(self, "train")
         _check_finite(self, "train")
@@ -424,6 +433,7 @@ class TrainConfig:
                            ("checkpoint_every", "0: only at the end")):
             _check_at_least_zero(f"train.{name}", getattr(self, name), note)
         _check_unit("train.decay_fraction", self.decay_fraction, "typical: 0.1-0.2")
+        _check_unit("train.warmup_ratio", self.warmup_ratio, "0: train.warmup; typical 0.03-0.1")
         _check_unit("train.beta1", self.beta1, "typical: 0.9")
         _check_unit("train.beta2", self.beta2, "typical: 0.95 or 0.999")
         _check_above_zero("train.eps", self.eps, "1e-8")

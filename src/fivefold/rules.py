@@ -24,7 +24,8 @@ Recompute = Literal["none", "selective", "full"]      # activation checkpointing
 PartitionKind = Literal["even", "llama3"]             # named layer splits; a list "3,5,5,3" is the third kind
 Dtype = Literal["fp32", "bf16", "fp64"]               # fp64 for exactness checks
 Device = Literal["auto", "cpu", "cuda"]
-LrSchedule = Literal["cosine", "linear", "constant", "wsd"]   # after the warmup (train/optim.py lr_at)
+LrSchedule = Literal["cosine", "linear", "constant", "wsd",   # after the warmup (train/optim.py lr_at)
+                     "hf_linear", "hf_cosine", "constant_with_warmup"]   # transformers' (step 0 at lr 0, to 0)
 Dim = Literal["tp", "cp", "ep", "dp", "pp"]           # the grid's dimensions
 RouterKind = Literal["softmax_topk_norm", "softmax_topk", "sigmoid_bias"]   # Mixtral, Qwen2-MoE, DeepSeek-V3
 Offload = Literal["none", "cpu", "nvme"]             # where ZeRO's optimizer state lives (parallel/zero/offload.py)

@@ -28,6 +28,7 @@ TRAIN_FLAGS = {
     "vpp": "parallel.vpp", "microbatch_group": "parallel.microbatch_group", "bucket_mb": "parallel.bucket_mb", "partition": "parallel.partition",
     "recompute": "train.recompute", "steps": "train.steps", "global_batch": "train.global_batch",
     "seq_len": "train.seq_len", "lr": "train.lr", "min_lr": "train.min_lr", "warmup": "train.warmup",
+    "warmup_ratio": "train.warmup_ratio",
     "lr_schedule": "train.lr_schedule", "weight_decay": "train.weight_decay", "clip": "train.grad_clip",
     "dtype": "train.dtype", "device": "train.device",
     "seed": "train.seed", "out": "train.out", "data": "train.data", "tokenizer": "train.tokenizer",

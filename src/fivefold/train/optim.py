@@ -146,6 +146,21 @@ def foreach_chunks(sizes: list[int], limit: int) -> list[tuple[int, int]]:
     return out
 
 
+HF_SCHEDULES = ("hf_linear", "hf_cosine", "constant_with_warmup")
+
+
+def hf_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
+    """transformers' multiplier of the peak lr at optimizer step `step` (0-based), as its LambdaLR applies it."""
+    if step < warmup:
+        return step / max(1, warmup)
+    if schedule == "constant_with_warmup":
+        return 1.0
+    if schedule == "hf_linear":
+        return max(0.0, (total - step) / max(1, total - warmup))
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int, schedule: str = "cosine",
           decay_fraction: float = 0.2) -> float:
     """The learning rate of step `step` (0-based) of `total`: linear warmup over `warmup` steps, then
@@ -153,7 +168,13 @@ def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int, schedule
     - linear: a straight line from lr to min_lr at the last step;
     - constant: lr;
     - wsd (warmup-stable-decay; Hu et al. 2024, MiniCPM): lr until the last `decay_fraction` of the
-      steps after warmup, then a straight line to min_lr at the last step."""
+      steps after warmup, then a straight line to min_lr at the last step;
+    - hf_linear, hf_cosine, constant_with_warmup: transformers' `get_scheduler` of the same names (linear,
+      cosine, constant_with_warmup), whose optimizer step k runs at lr x lambda(k): warmup k / warmup (step
+      0 at lr 0), then (total - k) / (total - warmup), 0.5 (1 + cos(pi (k - warmup) / (total - warmup))),
+      or 1; down to 0, never to min_lr."""
+    if schedule in HF_SCHEDULES:
+        return lr * hf_lambda(step, warmup, total, schedule)
     if step < warmup:
         return lr * (step + 1) / warmup
     if total <= warmup + 1 or schedule == "constant":

@@ -228,7 +228,7 @@ class Trainer:
         norm = global_grad_norm(self.engine.norm_grads(), self.engine.norm_group, self.device, self.value)
         sum_loss(loss_local, self.mesh, self.dims)   # the step's loss, the same on every rank
         loss = self.value(loss_local)
-        lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps, cfg.lr_schedule, cfg.decay_fraction)
+        lr = lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule, cfg.decay_fraction)
         finite = math.isfinite(loss) and math.isfinite(norm)   # both global: every rank decides alike
         if finite:
             clip_(self.engine.owned_grads(), norm, cfg.grad_clip)

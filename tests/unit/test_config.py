@@ -117,7 +117,7 @@ def test_every_float_field_is_covered():
     model = ("rope_theta", "norm_eps", "init_std", "dropout", "capacity_factor", "aux_loss_coef", "z_loss_coef",
              "bias_update_rate", "routed_scaling_factor")
     train = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "data_limit_mb", "eval_fraction",
-             "decay_fraction", "lora_alpha", "lora_dropout")
+             "decay_fraction", "lora_alpha", "lora_dropout", "warmup_ratio")
     assert set(_float_keys()) == ({f"model.{n}" for n in model} | {f"train.{n}" for n in train}
                                   | {"parallel.bucket_mb"})
 

@@ -398,6 +398,9 @@ class TrainConfig:
     eval_fraction: float = 0.0            # evaluate on this last fraction of the training tokens, held out (0: none)
     eval_every: int = 0                   # steps between evaluations, and one at the end (0: no evaluation)
     eval_tokens: int = 65536              # tokens one evaluation covers (whole global batches of windows)
+    loss_mask: bool = True                # train only the tokens instruction data marks (assistant turns, completions:
+                                          # TRL's assistant_only_loss / completion_only_loss); false: every token,
+                                          # the loss over the whole conversation
     document_mask: bool = False           # attention stays inside each packed document, positions restart per
                                           # document (Llama 3 §3.2; needs document boundaries: model/documents.py)
     keep_best: bool = False               # checkpoint each evaluation that lowers the eval loss and keep the best

@@ -106,6 +106,12 @@ def test_batches_set_the_masked_targets_to_ignore_and_count_the_rest(folders, tm
         assert (y[r][torch.from_numpy(~keep)] == -100).all()
         assert y[r][torch.from_numpy(keep)].tolist() == np.fromfile(out, dtype=np.uint16)[o + 1:o + 33][keep].tolist()
     assert b.loss_tokens(3) == int((y != -100).sum()) < b.tokens_per_step() and b.masked
+    # train.loss_mask off: the loss over the whole conversation (TRL's default without assistant_only_loss)
+    whole = make_batches(TrainConfig(data=[str(out)], tokenizer=str(folder / "tokenizer.json"), seq_len=32,
+                                     global_batch=4, loss_mask=False), 320)
+    x_all, y_all = whole.rows(3, 0, 4)
+    assert not whole.masked and whole.loss_tokens(3) == whole.tokens_per_step() and (y_all != -100).all()
+    assert torch.equal(x_all, x) and torch.equal(y_all[y != -100], y[y != -100])
 
 
 COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -60,7 +60,12 @@ def make_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = Non
     kind = ShuffledBatches if uses_token_files(train) else Batches
     part = split_corpus(corpus, train.eval_fraction)[0]
     return kind(part, train.seq_len, train.global_batch, train.seed, starts=starts_within(starts, 0, len(part)),
-                mask=split_corpus(mask, train.eval_fraction)[0])
+                mask=split_corpus(loss_mask_of(train, mask), train.eval_fraction)[0])
+
+
+def loss_mask_of(train: TrainConfig, mask):
+    """The data's loss mask, or None (every token trained) with train.loss_mask off."""
+    return mask if train.loss_mask else None
 
 
 def source_batches(train: TrainConfig, file: str, vocab: int, index: int) -> "Batches":
@@ -72,7 +77,7 @@ def source_batches(train: TrainConfig, file: str, vocab: int, index: int) -> "Ba
     kind = ShuffledBatches if is_token_file(Path(file)) else Batches
     return kind(corpus, train.seq_len, train.global_batch, train.seed + SOURCE_SEED_STRIDE * index,
                 starts=starts_within(starts, 0, len(corpus)),
-                mask=split_corpus(mask, train.eval_fraction)[0])
+                mask=split_corpus(loss_mask_of(train, mask), train.eval_fraction)[0])
 
 
 def make_eval_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = None) -> "EvalBatches | None":
@@ -80,7 +85,8 @@ def make_eval_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None 
     corpus = eval_corpus(train, vocab, tokens)
     if corpus is None:
         return None
-    return EvalBatches(corpus[0], train.seq_len, train.global_batch, train.eval_tokens, corpus[1], corpus[2])
+    return EvalBatches(corpus[0], train.seq_len, train.global_batch, train.eval_tokens, corpus[1],
+                       loss_mask_of(train, corpus[2]))
 
 
 @runtime_checkable

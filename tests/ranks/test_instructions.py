@@ -229,3 +229,31 @@ def test_sft_of_a_mixture_of_experts_under_expert_parallelism(folders, tmp_path)
     expected = float(F.cross_entropy(logits.flatten(0, 1).double(), results[0]["y"].flatten(), ignore_index=-100))
     for r in results:
         assert r["losses"][0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_completion_ends_with_the_tokenizer_folders_eos_token_as_trl_appends_it(folders, tmp_path):
+    """TRL's SFTTrainer ends a completion with its tokenizer's eos_token: an Instruct model's end of turn
+    (tokenizer_config.json, Qwen2-Instruct's <|im_end|>), not the end-of-text fivefold found by name."""
+    import shutil
+
+    from fivefold.train.tokenize import open_token_file
+
+    base, fast = folders["chatml"]
+    instruct = tmp_path / "instruct"
+    shutil.copytree(base, instruct)
+    config = json.loads((instruct / "tokenizer_config.json").read_text())
+    (instruct / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_end|>"}))
+    data = tmp_path / "pc.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"why is the sky {i}", "completion": " blue so"}) + "\n"
+                            for i in range(3)))
+    ends = {}
+    for name, folder, eos in (("instruct", instruct, ""), ("base", base, ""), ("--eos", instruct, "<|endoftext|>")):
+        out = tmp_path / f"{name.strip('-')}.bin"
+        tokenize([data], folder / "tokenizer.json", out, fmt="prompt-completion", progress=False, eos=eos)
+        ids = open_token_file(out)[0].tolist()
+        mask = np.fromfile(mask_path(out), dtype=np.uint8).tolist()
+        # a record's end: its last trained token (the next record's prompt is not trained)
+        ends[name] = {t for i, t in enumerate(ids) if mask[i] and (i + 1 == len(ids) or not mask[i + 1])}
+    assert ends == {"instruct": {fast.convert_tokens_to_ids("<|im_end|>")},
+                    "base": {fast.convert_tokens_to_ids("<|endoftext|>")},
+                    "--eos": {fast.convert_tokens_to_ids("<|endoftext|>")}}

@@ -12,8 +12,9 @@ Supervised fine-tuning trains on the answers only. Two record forms, as TRL's SF
   found by rendering the conversation up to the turn with `add_generation_prompt=True` and then through
   it: the difference is the turn.
 - **prompt-completion**: `{"prompt": "...", "completion": "..."}`: the prompt is context, the completion
-  and the end-of-text token after it are trained (TRL's completion-only loss); the start-of-text token
-  (--bos) before the prompt when the run has one.
+  and the end token after it are trained (TRL's completion-only loss): the tokenizer folder's eos_token
+  (tokenizer_config.json: an Instruct model's end of turn, as TRL appends its tokenizer's eos_token), else
+  the end-of-text (`completion_end`); the start-of-text token (--bos) before the prompt when the run has one.
 
 Ids are the tokenizer's ids of the whole rendered text (as `apply_chat_template(tokenize=True)` gives
 them), and a token is trained when it lies in a trained piece: each piece's first token is the length of
@@ -179,10 +180,24 @@ def check_messages(messages, where: str) -> None:
             raise ConfigError(f"{where}: message {j} is not {{\"role\": str, \"content\": str}}")
 
 
+def completion_end(tokenizer: Tokenizer, tokenizer_path: str | Path | None, eos: str = "") -> int | None:
+    """The id a prompt-completion record's completion ends with, as TRL's SFTTrainer appends
+    `processing_class.eos_token`: the token --eos names; else the eos_token of the tokenizer folder's
+    tokenizer_config.json (an Instruct model's end of turn, Qwen2's <|im_end|>), when it is one token of the
+    vocabulary; else the tokenizer's end-of-text found by name."""
+    if eos or tokenizer_path is None:
+        return tokenizer.eos_id
+    config = Path(tokenizer_path).parent / "tokenizer_config.json"
+    name = _token_text(_read_json(config).get("eos_token")) if config.is_file() and not config.is_symlink() else ""
+    backend = getattr(tokenizer, "backend", None)
+    found = backend.token_to_id(name) if name and backend is not None else None
+    return found if found is not None else tokenizer.eos_id
+
+
 def encode_pieces(tokenizer: Tokenizer, pieces: list[tuple[str, bool]], where: str,
-                  eos_trained: bool = False) -> tuple[list[int], list[int]]:
-    """(ids of the pieces' whole text, 1 for each trained token else 0); `eos_trained`: the tokenizer's
-    end-of-text id appended, trained (a completion's end)."""
+                  eos_trained: bool = False, end_id: int | None = None) -> tuple[list[int], list[int]]:
+    """(ids of the pieces' whole text, 1 for each trained token else 0); `eos_trained`: `end_id` (default the
+    tokenizer's end-of-text id) appended, trained (a completion's end)."""
     text = "".join(t for t, _ in pieces)
     ids = tokenizer.encode(text)
     mask = [0] * len(ids)
@@ -193,8 +208,9 @@ def encode_pieces(tokenizer: Tokenizer, pieces: list[tuple[str, bool]], where: s
         hi = _prefix_length(tokenizer, text[:at], ids, where)
         if trained:
             mask[lo:hi] = [1] * (hi - lo)
-    if eos_trained and tokenizer.eos_id is not None:
-        ids.append(tokenizer.eos_id)
+    end = tokenizer.eos_id if end_id is None else end_id
+    if eos_trained and end is not None:
+        ids.append(end)
         mask.append(1)
     return ids, mask
 
@@ -220,12 +236,13 @@ def record_pieces(fmt: str, record, where: str, template: ChatTemplate | None) -
 
 
 def encode_record(fmt: str, record, where: str, tokenizer: Tokenizer,
-                  template: ChatTemplate | None) -> tuple[np.ndarray, np.ndarray]:
+                  template: ChatTemplate | None, end_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ids, loss mask) of one record: uint32 ids, uint8 mask (1: the token is trained). A prompt-completion
-    record starts with the start-of-text id when the run has one (--bos), untrained; a chat template writes
-    its own."""
+    record starts with the start-of-text id when the run has one (--bos), untrained, and ends with `end_id`
+    (`completion_end`; default the tokenizer's end-of-text); a chat template writes its own."""
     completion = fmt == "prompt-completion"
-    ids, mask = encode_pieces(tokenizer, record_pieces(fmt, record, where, template), where, eos_trained=completion)
+    ids, mask = encode_pieces(tokenizer, record_pieces(fmt, record, where, template), where, eos_trained=completion,
+                              end_id=end_id)
     if completion and tokenizer.bos_id is not None:
         ids, mask = [tokenizer.bos_id] + ids, [0] + mask
     return np.asarray(ids, dtype=np.uint32), np.asarray(mask, dtype=np.uint8)

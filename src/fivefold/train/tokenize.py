@@ -645,7 +645,7 @@ def tokenize_instructions(inputs: list[str | Path], tokenizer_path: str | Path |
     """Instruction records -> a token file and its loss mask (OUT.mask: one byte a token, 1 where the loss
     counts), one document a record. The chat template comes from `chat_template` (a Hugging Face folder),
     else from the tokenizer's folder. One process."""
-    from .instructions import FORMATS, ChatTemplate, encode_record
+    from .instructions import FORMATS, ChatTemplate, completion_end, encode_record
 
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -664,13 +664,14 @@ def tokenize_instructions(inputs: list[str | Path], tokenizer_path: str | Path |
                               "HF_FOLDER/tokenizer.json beside its tokenizer_config.json)")
         template = ChatTemplate.from_folder(folder)
     tokenizer = load_tokenizer(tokenizer_path, eos, bos)
+    end = completion_end(tokenizer, tokenizer_path, eos) if fmt == "prompt-completion" else None
     writer = TokenFileWriter(out, tokenizer, overwrite)
     bar = Progress(progress)
     docs = chars = 0
     try:
         for p in paths:
             for record, where in records(p, errors):
-                ids, mask = encode_record(fmt, record, where, tokenizer, template)
+                ids, mask = encode_record(fmt, record, where, tokenizer, template, end)
                 writer.write(ids, [len(ids)], mask)
                 docs += 1
                 chars += len(json.dumps(record, ensure_ascii=False))

@@ -257,3 +257,26 @@ def test_a_completion_ends_with_the_tokenizer_folders_eos_token_as_trl_appends_i
     assert ends == {"instruct": {fast.convert_tokens_to_ids("<|im_end|>")},
                     "base": {fast.convert_tokens_to_ids("<|endoftext|>")},
                     "--eos": {fast.convert_tokens_to_ids("<|endoftext|>")}}
+
+
+CHATML_GENERATION = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+                     "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+                     "{% endgeneration %}{{ '\\n' }}{% else %}{{ message['content'] + '<|im_end|>' + '\\n' }}{% endif %}"
+                     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_generation_blocks_mask_the_assistant_tokens_as_transformers_does(tmp_path):
+    """A template with {% generation %} blocks (TRL's assistant_only_loss) was refused; its blocks' tokens are
+    now the trained ones, equal to transformers' apply_chat_template(return_assistant_tokens_mask=True)."""
+    fast = hf_tokenizer(tmp_path / "gen", CHATML_GENERATION)
+    template = ChatTemplate.from_folder(tmp_path / "gen")
+    assert template.marks_generation and not ChatTemplate(CHATML).marks_generation
+    tok = load_tokenizer(tmp_path / "gen" / "tokenizer.json")
+    for i in range(6):
+        msgs = conversation(i)
+        ids, mask = encode_record("chat", {"messages": msgs}, f"record {i}", tok, template)
+        theirs = fast.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert ids.tolist() == list(theirs["input_ids"])
+        assert mask.tolist() == list(theirs["assistant_masks"])
+        assert fast.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if m]) == "".join(
+            m["content"] + "<|im_end|>" for m in msgs if m["role"] == "assistant")   # the "\n" after is context

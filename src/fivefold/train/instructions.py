@@ -10,7 +10,9 @@ Supervised fine-tuning trains on the answers only. Two record forms, as TRL's SF
   assistant turn count (its content and whatever the template closes it with, up to the next turn);
   the rest (system, user, the template's role headers) is context only. An assistant turn's text is
   found by rendering the conversation up to the turn with `add_generation_prompt=True` and then through
-  it: the difference is the turn.
+  it: the difference is the turn. A template that marks what the assistant generates with
+  `{% generation %}...{% endgeneration %}` (TRL's assistant_only_loss templates) trains exactly those
+  blocks' text, as transformers' `return_assistant_tokens_mask` finds it.
 - **prompt-completion**: `{"prompt": "...", "completion": "..."}`: the prompt is context, the completion
   and the end token after it are trained (TRL's completion-only loss): the tokenizer folder's eos_token
   (tokenizer_config.json: an Instruct model's end of turn, as TRL appends its tokenizer's eos_token), else
@@ -50,7 +52,7 @@ class ChatTemplate:
             raise ConfigError(f"{name}: {message}")
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=["jinja2.ext.loopcontrols", generation_extension()])
         env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
             x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
         env.globals["raise_exception"] = raise_exception
@@ -60,6 +62,7 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ConfigError(f"{name} is not a valid Jinja template ({e})") from None
         self.bos_token, self.eos_token, self.name, self.source = bos_token, eos_token, name, source
+        self.spans = next(e for e in env.extensions.values() if hasattr(e, "tracked"))   # {% generation %}
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ChatTemplate":
@@ -85,6 +88,55 @@ class ChatTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                     bos_token=self.bos_token, eos_token=self.eos_token)
+
+    @property
+    def marks_generation(self) -> bool:
+        """The template wraps what the assistant generates in {% generation %} blocks (TRL's assistant_only_loss
+        templates)."""
+        return self.spans.seen
+
+    def render_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text and the (start, end) characters of each {% generation %} block's output,
+        as transformers' apply_chat_template(return_assistant_tokens_mask=True) finds them: rendered chunk
+        by chunk, a block's start is the length of the text before it."""
+        self.spans.tracked, self.spans.found = [], []
+        try:
+            for chunk in self.template.generate(messages=messages, add_generation_prompt=False,
+                                                bos_token=self.bos_token, eos_token=self.eos_token):
+                self.spans.tracked.append(chunk)
+            return "".join(self.spans.tracked), list(self.spans.found)
+        finally:
+            self.spans.tracked = self.spans.found = None
+
+
+def generation_extension():
+    """A Jinja extension for {% generation %}...{% endgeneration %} (transformers' AssistantTracker): renders
+    its body; while `tracked` holds the chunks rendered so far, records the span the body produced."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationSpans(Extension):
+        tags = {"generation"}
+
+        def __init__(self, environment):
+            super().__init__(environment)
+            self.tracked = self.found = None
+            self.seen = False
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            self.seen = True
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_span"), [], [], body).set_lineno(lineno)
+
+        def _span(self, caller):
+            out = caller()
+            if self.tracked is not None:
+                start = len("".join(self.tracked))
+                self.found.append((start, start + len(out)))
+            return out
+
+    return GenerationSpans
 
 
 RUN_TEMPLATE = "chat_template.json"   # a run folder's copy of its tokenizer folder's template
@@ -142,6 +194,8 @@ def chat_pieces(template: ChatTemplate, messages, where: str) -> list[tuple[str,
     """(text, trained) pieces of one conversation whose concatenation is its rendering: every assistant
     turn trained, everything else not."""
     check_messages(messages, where)
+    if template.marks_generation:
+        return generation_pieces(template, messages, where)
     full = template.render(messages)
     pieces, done = [], 0
     for i, m in enumerate(messages):
@@ -159,6 +213,22 @@ def chat_pieces(template: ChatTemplate, messages, where: str) -> list[tuple[str,
     pieces.append((full[done:], False))
     if not any(trained and text for text, trained in pieces):
         raise ConfigError(f"{where}: no assistant turn with text: nothing to train on")
+    return [(t, trained) for t, trained in pieces if t]
+
+
+def generation_pieces(template: ChatTemplate, messages, where: str) -> list[tuple[str, bool]]:
+    """(text, trained) pieces of a conversation under a template that marks what the assistant generates:
+    the {% generation %} blocks' text trained, the rest not (TRL's assistant_only_loss)."""
+    full, spans = template.render_spans(messages)
+    pieces, done = [], 0
+    for start, end in sorted(spans):
+        if start < done:
+            raise ConfigError(f"{where}: {template.name}'s generation blocks overlap")
+        pieces += [(full[done:start], False), (full[start:end], True)]
+        done = end
+    pieces.append((full[done:], False))
+    if not any(trained and text for text, trained in pieces):
+        raise ConfigError(f"{where}: the template's generation blocks hold no text: nothing to train on")
     return [(t, trained) for t, trained in pieces if t]
 
 

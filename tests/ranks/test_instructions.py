@@ -280,3 +280,29 @@ def test_generation_blocks_mask_the_assistant_tokens_as_transformers_does(tmp_pa
         assert mask.tolist() == list(theirs["assistant_masks"])
         assert fast.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if m]) == "".join(
             m["content"] + "<|im_end|>" for m in msgs if m["role"] == "assistant")   # the "\n" after is context
+
+
+def test_sharegpt_and_conversational_prompt_completion_records(folders, tmp_path):
+    """ShareGPT's {"conversations": [{"from", "value"}]} is the conversation its messages are; TRL's
+    conversational prompt-completion trains what the template renders after the prompt's generation prompt
+    (the template closes the turn: no end token added), as TRL's completion mask does."""
+    folder, fast = folders["chatml"]
+    template = ChatTemplate.from_folder(folder)
+    tok = load_tokenizer(folder / "tokenizer.json")
+    msgs = conversation(2)
+    share = {"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+                                "value": m["content"]} for m in msgs]}
+    got, want = encode_record("chat", share, "r", tok, template), encode_record("chat", {"messages": msgs}, "r", tok, template)
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    with pytest.raises(ConfigError, match="conversations turn 0 needs \"from\""):
+        encode_record("chat", {"conversations": [{"from": "narrator", "value": "x"}]}, "r", tok, template)
+    prompt = [{"role": "user", "content": "what is blue"}]
+    completion = [{"role": "assistant", "content": "the sky"}]
+    ids, mask = encode_record("prompt-completion", {"prompt": prompt, "completion": completion}, "r", tok, template)
+    before = fast.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    full = fast.apply_chat_template(prompt + completion, tokenize=False)
+    assert ids.tolist() == tok.encode(full)
+    assert fast.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if m]) == full[len(before):]
+    assert full[len(before):] == "the sky<|im_end|>\n"
+    with pytest.raises(ConfigError, match="needs a chat template"):
+        encode_record("prompt-completion", {"prompt": prompt, "completion": completion}, "r", tok, None)

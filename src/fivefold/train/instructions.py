@@ -296,12 +296,54 @@ def _prefix_length(tokenizer: Tokenizer, prefix: str, ids: list[int], where: str
     return len(head)
 
 
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "tool": "tool", "function_call": "assistant", "observation": "tool"}
+
+
+def sharegpt_messages(conversations, where: str) -> list[dict]:
+    """ShareGPT's {"conversations": [{"from": "human" | "gpt" | "system", "value": ...}]} as chat messages."""
+    if not isinstance(conversations, list) or not conversations:
+        raise ConfigError(f"{where}: \"conversations\" must be a non-empty list of {{\"from\", \"value\"}} turns")
+    out = []
+    for i, turn in enumerate(conversations):
+        role = SHAREGPT_ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
+        if role is None or not isinstance(turn.get("value"), str):
+            raise ConfigError(f"{where}: conversations turn {i} needs \"from\" (one of {', '.join(SHAREGPT_ROLES)}) "
+                              f"and a string \"value\"")
+        out.append({"role": role, "content": turn["value"]})
+    return out
+
+
+def conversational_completion_pieces(template: ChatTemplate | None, record: dict, where: str) -> list[tuple[str, bool]]:
+    """TRL's conversational prompt-completion ({"prompt": [messages], "completion": [messages]}): the prompt
+    rendered with the generation prompt is context, the rest of prompt + completion's rendering is trained
+    (the template closes the turn: no end token is added)."""
+    if template is None:
+        raise ConfigError(f"{where}: a conversational prompt-completion record needs a chat template: "
+                          f"--chat-template HF_FOLDER (or --tokenizer HF_FOLDER/tokenizer.json)")
+    prompt, completion = record["prompt"], record.get("completion")
+    check_messages(prompt, where)
+    check_messages(completion, where)
+    before = template.render(prompt, add_generation_prompt=True)
+    full = template.render(prompt + completion)
+    if not full.startswith(before) or len(full) == len(before):
+        raise ConfigError(f"{where}: the chat template does not render the prompt as a prefix of prompt and "
+                          f"completion, so the completion's tokens cannot be told apart")
+    return [(before, False), (full[len(before):], True)]
+
+
 def record_pieces(fmt: str, record, where: str, template: ChatTemplate | None) -> list[tuple[str, bool]]:
-    """The (text, trained) pieces of one record of format `fmt` ("chat" or "prompt-completion")."""
+    """The (text, trained) pieces of one record of format `fmt` ("chat": {"messages"} or ShareGPT's
+    {"conversations"}; "prompt-completion": strings, or TRL's conversational lists of messages)."""
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
     if fmt == "chat":
-        return chat_pieces(template, record.get("messages"), where)
+        messages = record.get("messages")
+        if messages is None and "conversations" in record:
+            messages = sharegpt_messages(record["conversations"], where)
+        return chat_pieces(template, messages, where)
+    if isinstance(record.get("prompt"), list):
+        return conversational_completion_pieces(template, record, where)
     return completion_pieces(record, where)
 
 
@@ -310,7 +352,7 @@ def encode_record(fmt: str, record, where: str, tokenizer: Tokenizer,
     """(ids, loss mask) of one record: uint32 ids, uint8 mask (1: the token is trained). A prompt-completion
     record starts with the start-of-text id when the run has one (--bos), untrained, and ends with `end_id`
     (`completion_end`; default the tokenizer's end-of-text); a chat template writes its own."""
-    completion = fmt == "prompt-completion"
+    completion = fmt == "prompt-completion" and not (isinstance(record, dict) and isinstance(record.get("prompt"), list))
     ids, mask = encode_pieces(tokenizer, record_pieces(fmt, record, where, template), where, eos_trained=completion,
                               end_id=end_id)
     if completion and tokenizer.bos_id is not None:

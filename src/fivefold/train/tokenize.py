@@ -645,7 +645,7 @@ def tokenize_instructions(inputs: list[str | Path], tokenizer_path: str | Path |
     """Instruction records -> a token file and its loss mask (OUT.mask: one byte a token, 1 where the loss
     counts), one document a record. The chat template comes from `chat_template` (a Hugging Face folder),
     else from the tokenizer's folder. One process."""
-    from .instructions import FORMATS, ChatTemplate, completion_end, encode_record
+    from .instructions import FORMATS, ChatTemplate, completion_end, encode_record, template_fields
 
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -657,21 +657,25 @@ def tokenize_instructions(inputs: list[str | Path], tokenizer_path: str | Path |
             raise ConfigError(f"input {p}: instruction data (--format {fmt}) comes as .jsonl, .parquet, .arrow or "
                               f"a datasets folder, one record a line or row")
     template = None
+    folder = chat_template or (Path(tokenizer_path).parent if tokenizer_path else None)
     if fmt == "chat":
-        folder = chat_template or (Path(tokenizer_path).parent if tokenizer_path else None)
         if folder is None:
             raise ConfigError("--format chat needs a chat template: --chat-template HF_FOLDER (or --tokenizer "
                               "HF_FOLDER/tokenizer.json beside its tokenizer_config.json)")
+        template = ChatTemplate.from_folder(folder)
+    elif folder is not None and template_fields(folder) is not None:   # conversational prompt-completion records
         template = ChatTemplate.from_folder(folder)
     tokenizer = load_tokenizer(tokenizer_path, eos, bos)
     end = completion_end(tokenizer, tokenizer_path, eos) if fmt == "prompt-completion" else None
     writer = TokenFileWriter(out, tokenizer, overwrite)
     bar = Progress(progress)
     docs = chars = 0
+    templated = False   # a record rendered by the template (chat, conversational prompt-completion)
     try:
         for p in paths:
             for record, where in records(p, errors):
                 ids, mask = encode_record(fmt, record, where, tokenizer, template, end)
+                templated = templated or fmt == "chat" or (isinstance(record, dict) and isinstance(record.get("prompt"), list))
                 writer.write(ids, [len(ids)], mask)
                 docs += 1
                 chars += len(json.dumps(record, ensure_ascii=False))
@@ -679,7 +683,7 @@ def tokenize_instructions(inputs: list[str | Path], tokenizer_path: str | Path |
         if not docs:
             raise ConfigError(f"no records in {', '.join(map(str, paths))}")
         header = writer.commit(inputs=[str(p) for p in paths], field=None, instructions=fmt,
-                               chat_template=template.name if template else None)
+                               chat_template=template.name if template and templated else None)
     except BaseException:
         writer.abort()
         raise

@@ -317,6 +317,9 @@ def test_the_readme_walk_from_jsonl_to_a_lora_run_to_a_merged_chat_folder(tmp_pa
                 "pad_token_id": tok.convert_tokens_to_ids("<|endoftext|>")}   # Qwen2-Instruct's kind of defaults
     gen = json.loads((tmp_path / "base" / "generation_config.json").read_text())
     (tmp_path / "base" / "generation_config.json").write_text(json.dumps({**gen, **sampling}))
+    tok_config = json.loads((tmp_path / "base" / "tokenizer_config.json").read_text())
+    (tmp_path / "base" / "tokenizer_config.json").write_text(json.dumps(
+        {**tok_config, "pad_token": "<|endoftext|>", "padding_side": "left"}))   # the base's tokenizer settings
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(60)))
     steps = [("tokenize", tmp_path / "sft.jsonl", "--format", "chat", "--tokenizer", tmp_path / "base" / "tokenizer.json",
               "--out", tmp_path / "sft.bin"),
@@ -333,6 +336,7 @@ def test_the_readme_walk_from_jsonl_to_a_lora_run_to_a_merged_chat_folder(tmp_pa
     assert {k: getattr(kept, k) for k in sampling} == sampling
     assert json.loads((merged / "config.json").read_text())["pad_token_id"] == sampling["pad_token_id"]
     theirs = transformers.AutoTokenizer.from_pretrained(merged)
+    assert (theirs.pad_token, theirs.padding_side) == ("<|endoftext|>", "left")   # kept from the base folder
     messages = conversation(3)
     assert theirs.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(messages, tokenize=False)
     x_bs = torch.tensor([tok.apply_chat_template(messages, tokenize=True, return_dict=False)[:32]])

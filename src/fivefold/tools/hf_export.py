@@ -39,7 +39,7 @@ from .generate import find_checkpoint, run_of
 from .stops import generation_defaults, stop_ids
 from ..tokenizer import HFTokenizer, load_tokenizer, missing_eos, read_specials
 from ..train import checkpoint, rundir
-from ..train.instructions import TEMPLATE_FILE, ChatTemplate
+from ..train.instructions import TEMPLATE_FILE, ChatTemplate, kept_tokenizer_settings
 
 
 def export_hf_folder(run: str | Path, dest: str | Path, step: str | Path | None = None,
@@ -93,7 +93,8 @@ def write_folder(ckpt: Path, dest: Path, max_shard_bytes: int, eos: str, bos: st
     except ValueError as e:    # a model no HF family matches
         raise ConfigError(f"cannot export to Hugging Face form: {e}") from None
     max_seq = rundir.read_index(ckpt)["config"]["model"]["max_seq"]
-    tokenizer = write_tokenizer(rundir.checked_tokenizer_file(ckpt), dest, max_seq, eos, bos)
+    tokenizer = write_tokenizer(rundir.checked_tokenizer_file(ckpt), dest, max_seq, eos, bos,
+                                kept_tokenizer_settings(run_of(ckpt)))
     stops = sorted(stop_ids(tokenizer, run_of(ckpt)))   # the tokenizer's end, and --init-hf's eos ids the run kept
     set_special_ids(dest, stops[0] if len(stops) == 1 else (stops or None), tokenizer.bos_id)
     keep_sampling_defaults(dest, run_of(ckpt), tokenizer.vocab_size)
@@ -115,9 +116,11 @@ def check_dest(dest: Path) -> None:
         raise ConfigError(f"--hf {dest} cannot be a folder: {parent} is a file")
 
 
-def write_tokenizer(path: Path | None, dest: Path, max_seq: int, eos: str = "", bos: str = ""):
+def write_tokenizer(path: Path | None, dest: Path, max_seq: int, eos: str = "", bos: str = "",
+                    settings: dict | None = None):
     """Put the run's tokenizer file (None: byte-level) into `dest` (module docstring); returns it loaded
-    (with `eos`, `bos` chosen)."""
+    (with `eos`, `bos` chosen). `settings`: the base tokenizer folder's (pad token, added tokens' flags, ...),
+    kept in tokenizer_config.json beside the run's class, length and eos / bos."""
     tokenizer = load_tokenizer(path, eos, bos)
     if path is not None and not isinstance(tokenizer, HFTokenizer):   # tiktoken: as it is
         shutil.copyfile(path, dest / "tokenizer.tiktoken")
@@ -126,8 +129,8 @@ def write_tokenizer(path: Path | None, dest: Path, max_seq: int, eos: str = "", 
         byte_level_tokenizer().save(str(dest / "tokenizer.json"))
     else:
         shutil.copyfile(path, dest / "tokenizer.json")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_seq,
-              "clean_up_tokenization_spaces": False}
+    config = {"clean_up_tokenization_spaces": False, **(settings or {}),
+              "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_seq}
     for name in ("eos", "bos"):   # the token's text (a Hugging Face vocabulary's; the byte-level one has none)
         token_id = getattr(tokenizer, f"{name}_id")
         if token_id is not None and isinstance(tokenizer, HFTokenizer):

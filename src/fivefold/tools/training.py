@@ -513,11 +513,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if lock is not None:
         from ..tokenizer import save_to_run
         from .stops import keep_stop_ids
-        from ..train.instructions import keep_in_run
+        from ..train.instructions import keep_in_run, keep_tokenizer_settings
 
         rundir.mark(out)                                            # OUT/.fivefold-run: fivefold's from now on
         save_to_run(cfg.train.tokenizer, out, cfg.train.eos, cfg.train.bos)   # OUT/tokenizer.*: generate and export read it
         keep_in_run(cfg.train.tokenizer, out)                       # OUT/chat_template.json, when it has one
+        keep_tokenizer_settings(cfg.train.tokenizer, out)           # OUT/tokenizer-config.json: pad token, ...
         keep_stop_ids(cfg.train.init_hf, out)                       # OUT/generation_config.json: --init-hf's eos ids
         write_run_config(cfg, out)                                  # OUT/config.toml: --config reruns it
     if ckpt and (env is None or env[0] == 0):

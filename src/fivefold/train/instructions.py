@@ -160,6 +160,48 @@ def template_fields(folder: str | Path) -> dict | None:
     return {"chat_template": source, **specials, "name": f"{folder / 'tokenizer_config.json'}: chat_template"}
 
 
+RUN_TOKENIZER_CONFIG = "tokenizer-config.json"   # a run folder's copy of its tokenizer folder's settings
+# the tokenizer_config.json fields an export keeps (its class, length, eos / bos and template are the run's own)
+TOKENIZER_SETTINGS = ("pad_token", "unk_token", "add_bos_token", "add_eos_token", "add_prefix_space", "padding_side",
+                      "truncation_side", "additional_special_tokens", "split_special_tokens", "errors",
+                      "model_input_names", "clean_up_tokenization_spaces", "added_tokens_decoder")
+MAX_TOKENIZER_CONFIG = 16 << 20   # bytes: a tokenizer_config.json larger than this is no settings file
+
+
+def tokenizer_settings(folder: str | Path | None) -> dict:
+    """The TOKENIZER_SETTINGS a Hugging Face folder's tokenizer_config.json holds ({} without one)."""
+    path = Path(folder) / "tokenizer_config.json" if folder else None
+    if path is None or not path.is_file() or path.is_symlink():
+        return {}
+    if path.stat().st_size > MAX_TOKENIZER_CONFIG:
+        raise ConfigError(f"{path} is {path.stat().st_size:,} bytes: more than a tokenizer's settings "
+                          f"({MAX_TOKENIZER_CONFIG:,} at most)")
+    config = _read_json(path)
+    return {k: config[k] for k in TOKENIZER_SETTINGS if k in config}
+
+
+def keep_tokenizer_settings(tokenizer_path: str | Path | None, out: str | Path) -> Path | None:
+    """Keep the run's tokenizer folder's settings (pad token, added tokens' flags, padding side, ...) in the
+    run folder, for `export --hf`'s tokenizer_config.json; a stale copy goes."""
+    dest = Path(out) / RUN_TOKENIZER_CONFIG
+    kept = tokenizer_settings(Path(tokenizer_path).parent) if tokenizer_path else {}
+    if not kept:
+        dest.unlink(missing_ok=True)
+        return None
+    dest.write_text(json.dumps(kept, indent=1) + "\n")
+    return dest
+
+
+def kept_tokenizer_settings(run: str | Path) -> dict:
+    """What `keep_tokenizer_settings` kept in a run folder, checked again (a JSON object of the kept keys)."""
+    path = Path(run) / RUN_TOKENIZER_CONFIG
+    if not path.is_file() or path.is_symlink():   # never followed out of the run folder
+        return {}
+    if path.stat().st_size > MAX_TOKENIZER_CONFIG:
+        raise ConfigError(f"{path} is larger than a tokenizer's settings")
+    return {k: v for k, v in _read_json(path).items() if k in TOKENIZER_SETTINGS}
+
+
 def keep_in_run(tokenizer_path: str | Path | None, out: str | Path) -> Path | None:
     """Keep the chat template of the run's tokenizer folder (train.tokenizer's; --init-hf's folder gives it)
     in the run folder as RUN_TEMPLATE, for `generate RUN --chat` and `export --hf`; a stale copy goes."""

@@ -34,7 +34,8 @@ from typing import Any, ClassVar, Literal
 
 from . import rules
 from .grid import DEFAULT_ORDER, check_grids_agree, parse_order
-from .rules import (ONE_F_ONE_B, ConfigError, CpMode, Device, Dtype, LrSchedule, Offload, Recompute, RouterKind, ScheduleKind,
+from .rules import (ONE_F_ONE_B, ConfigError, CpMode, Device, Dtype, LrSchedule, Offload, RecordOverflow, Records,
+                    Recompute, RouterKind, ScheduleKind,
                     SpMode, ZeroStage, check_choice, choices, divisors, nearest)
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "apply_overrides",
@@ -398,6 +399,11 @@ class TrainConfig:
     eval_fraction: float = 0.0            # evaluate on this last fraction of the training tokens, held out (0: none)
     eval_every: int = 0                   # steps between evaluations, and one at the end (0: no evaluation)
     eval_tokens: int = 65536              # tokens one evaluation covers (whole global batches of windows)
+    records: Records = "stream"           # how records (a token file's documents) fill rows: stream (windows cut
+                                          # anywhere), padded (a record a row, padded), packed (best-fit decreasing,
+                                          # needs train.document_mask); never a record across rows but in stream
+    record_overflow: RecordOverflow = "truncate"   # padded / packed: a record past seq_len + 1 tokens is cut to
+                                          # them or dropped (counted on the console and in run.json)
     loss_mask: bool = True                # train only the tokens instruction data marks (assistant turns, completions:
                                           # TRL's assistant_only_loss / completion_only_loss); false: every token,
                                           # the loss over the whole conversation
@@ -437,6 +443,9 @@ class TrainConfig:
             _check_at_least_zero(f"train.{name}", getattr(self, name), note)
         _check_unit("train.decay_fraction", self.decay_fraction, "typical: 0.1-0.2")
         _check_unit("train.warmup_ratio", self.warmup_ratio, "0: train.warmup; typical 0.03-0.1")
+        if self.records == "packed" and not self.document_mask:
+            raise ConfigError("train.records = packed puts several records in a row: attention must stay inside "
+                              "each (train.document_mask); valid: document_mask true, or records padded")
         _check_unit("train.beta1", self.beta1, "typical: 0.9")
         _check_unit("train.beta2", self.beta2, "typical: 0.95 or 0.999")
         _check_above_zero("train.eps", self.eps, "1e-8")

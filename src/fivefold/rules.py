@@ -24,6 +24,8 @@ Recompute = Literal["none", "selective", "full"]      # activation checkpointing
 PartitionKind = Literal["even", "llama3"]             # named layer splits; a list "3,5,5,3" is the third kind
 Dtype = Literal["fp32", "bf16", "fp64"]               # fp64 for exactness checks
 Device = Literal["auto", "cpu", "cuda"]
+Records = Literal["stream", "padded", "packed"]   # how record data fills rows (train/data.py RecordBatches)
+RecordOverflow = Literal["truncate", "drop"]      # a record longer than a row
 LrSchedule = Literal["cosine", "linear", "constant", "wsd",   # after the warmup (train/optim.py lr_at)
                      "hf_linear", "hf_cosine", "constant_with_warmup"]   # transformers' (step 0 at lr 0, to 0)
 Dim = Literal["tp", "cp", "ep", "dp", "pp"]           # the grid's dimensions

@@ -18,7 +18,7 @@ from fivefold.model.hf_weights import hf_config  # noqa: E402
 from fivefold.tokenizer import load_tokenizer  # noqa: E402
 from fivefold.train.data import make_batches  # noqa: E402
 from fivefold.train.instructions import ChatTemplate, encode_record  # noqa: E402
-from fivefold.train.tokenize import mask_path, open_loss_mask, read_header, tokenize  # noqa: E402
+from fivefold.train.tokenize import mask_path, open_loss_mask, open_token_file, read_header, tokenize  # noqa: E402
 
 from tests.support.spawn import spawn_jobs  # noqa: E402
 from tests.support.chat import CHATML, LLAMA3, conversation, hf_tokenizer  # noqa: E402
@@ -306,3 +306,84 @@ def test_sharegpt_and_conversational_prompt_completion_records(folders, tmp_path
     assert full[len(before):] == "the sky<|im_end|>\n"
     with pytest.raises(ConfigError, match="needs a chat template"):
         encode_record("prompt-completion", {"prompt": prompt, "completion": completion}, "r", tok, None)
+
+
+def records_file(folder, tmp_path, n=60):
+    """Short prompt-completion records (8-20 tokens): several fit a row of 33 tokens."""
+    data = tmp_path / "pc.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "why is the sky " * (1 + i % 3), "completion": f" blue so {i}"})
+                            + "\n" for i in range(n)))
+    out = tmp_path / "pc.bin"
+    tokenize([data], folder / "tokenizer.json", out, fmt="prompt-completion", progress=False)
+    return out
+
+
+def test_records_stay_whole_padded_or_packed_and_what_is_cut_is_counted(folders, tmp_path):
+    """train.records: every record in one row, from its first token, each once an epoch; padding and the
+    target after a record's end untrained; best-fit decreasing packs rows (never past seq_len + 1);
+    a record past a row is cut or dropped, and counted."""
+    from fivefold.train.data import RecordBatches, best_fit_decreasing
+
+    folder, _ = folders["chatml"]
+    out = records_file(folder, tmp_path)
+    tokens = np.asarray(open_token_file(out)[0][:])
+    base = dict(data=[str(out)], tokenizer=str(folder / "tokenizer.json"), seq_len=32, global_batch=4)
+    padded = make_batches(TrainConfig(records="padded", **base), 320)
+    packed = make_batches(TrainConfig(records="packed", document_mask=True, **base), 320)
+    assert isinstance(padded, RecordBatches) and len(padded.bins) == 60 and padded.cut == padded.dropped == 0
+    assert len(packed.bins) < 30 and sorted(r for b in packed.bins for r in b) == sorted(padded.records)
+    assert all(sum(n for _, n in b) <= 33 for b in packed.bins)
+    for b in (padded, packed):
+        seen = [r for j in range(len(b.bins)) for r in b.bin_of(j)]            # one epoch of rows
+        assert sorted(seen) == sorted(b.records)
+        win, keep, ids = b.row(5)
+        at = 0
+        for k, (lo, n) in enumerate(b.bin_of(5)):
+            assert win[at:at + n].tolist() == tokens[lo:lo + n].tolist() and set(ids[at:at + n]) == {k}
+            assert keep[at + n - 1] == 0 if at + n - 1 < 32 else True          # the next record's first token
+            at += n
+        assert (win[at:] == 0).all() and not keep[at:].any()                    # padding, untrained
+    assert packed.summary()["padding"] < padded.summary()["padding"]
+    short = dict(base, seq_len=12)
+    cut = make_batches(TrainConfig(records="padded", record_overflow="truncate", **short), 320)
+    drop = make_batches(TrainConfig(records="padded", record_overflow="drop", **short), 320)
+    assert cut.cut > 0 and cut.dropped == 0 and drop.dropped == cut.cut and drop.cut == 0
+    assert best_fit_decreasing([(0, 5), (5, 4), (9, 3), (12, 2)], 7) == [[(0, 5), (12, 2)], [(5, 4), (9, 3)]]
+    with pytest.raises(ConfigError, match=r"records = packed .* \(train.document_mask\)"):
+        TrainConfig(records="packed").validate()
+
+
+def records_steps(rank, world, cfg_dict):
+    from fivefold.train.trainer import Trainer
+
+    t = Trainer(Config.from_dict(cfg_dict), rank, world, quiet=True)
+    x_bs, y_bs = t.batches.rows(0, 0, t.cfg.train.global_batch)
+    return {"losses": [t.step(i)["loss"] for i in range(3)], "x": x_bs, "y": y_bs, "records": t.run_info().get("records")}
+
+
+@pytest.mark.parametrize("records", ["padded", "packed"])
+def test_whole_records_train_alike_under_every_layout(folders, tmp_path, records):
+    """Padded and packed rows equal one process under dp, tp, pp and cp; padded rows' first loss is
+    transformers' with labels -100 on the padding (a row is one record: no mask needed)."""
+    folder, _ = folders["chatml"]
+    data = records_file(folder, tmp_path)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON))
+    model.save_pretrained(tmp_path / "qwen2")
+
+    def config(**parallel):
+        cfg = sft_config(tmp_path / "qwen2", folder, data, **parallel)
+        cfg.train.records, cfg.train.document_mask = records, records == "packed"
+        return cfg.to_dict()
+    one = records_steps(0, 1, config())
+    assert one["records"]["rows"] == (60 if records == "padded" else one["records"]["rows"]) and one["records"]["cut"] == 0
+    layouts = [dict(dp=2), dict(tp=2), dict(pp=2, microbatches=2), dict(cp=2)]
+    results = spawn_jobs(2, [(str(i), records_steps, (config(**p),)) for i, p in enumerate(layouts)])
+    for i, layout in enumerate(layouts):
+        for r in results[str(i)]:
+            assert r["losses"] == pytest.approx(one["losses"], rel=1e-5), layout
+    if records == "padded":
+        with torch.no_grad():
+            logits = model.eval()(one["x"]).logits
+        expected = float(F.cross_entropy(logits.flatten(0, 1).double(), one["y"].flatten(), ignore_index=-100))
+        assert one["losses"][0] == pytest.approx(expected, rel=1e-5)

@@ -52,13 +52,21 @@ def make_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = Non
         part = split_corpus(tokens, train.eval_fraction)[0]
         return Batches(part, train.seq_len, train.global_batch, train.seed, vocab, one_document(train))
     mixture = mixture_of(train)
+    if mixture and train.records != "stream":
+        raise ConfigError(f"train.records = {train.records} keeps one file's records whole; a mixture draws windows "
+                          f"(records stream); valid: one data file, or records stream")
     if mixture:
         return MixtureBatches([source_batches(train, f, vocab, i) for i, (f, _) in enumerate(mixture)],
                               [w for _, w in mixture], [f for f, _ in mixture], train.seed)
+    whole = train.records != "stream"
     corpus, starts, mask = read_corpus(train.data, train.data_limit_mb, vocab, run_tokenizer_of(train),
-                                       train.document_mask)
+                                       train.document_mask or whole)
     kind = ShuffledBatches if uses_token_files(train) else Batches
     part = split_corpus(corpus, train.eval_fraction)[0]
+    if whole:   # records kept whole: the held-out tail's records left out
+        return RecordBatches(part, starts_within(starts, 0, len(part)), split_corpus(loss_mask_of(train, mask),
+                             train.eval_fraction)[0], train.seq_len, train.global_batch, train.seed, train.records,
+                             train.record_overflow)
     return kind(part, train.seq_len, train.global_batch, train.seed, starts=starts_within(starts, 0, len(part)),
                 mask=split_corpus(loss_mask_of(train, mask), train.eval_fraction)[0])
 
@@ -300,6 +308,119 @@ class MixtureBatches:
     def mixture(self, first_step: int, steps: int = 1) -> dict:
         """The sources' weights and the tokens each gave over `steps` steps from `first_step`."""
         return {"weights": dict(zip(self.names, self.weights)), "tokens": self.drawn(first_step, steps)}
+
+
+class RecordBatches:
+    """Batches of whole records (train.records; instruction data: one record a document): each row holds
+    whole records and padding, never a record cut across rows (TRL keeps records whole).
+
+    - "padded": a record a row, padded to seq_len + 1 tokens (TRL without packing);
+    - "packed": best-fit decreasing packing of the records into rows of seq_len + 1 tokens (TRL's "bfd"),
+      each record its own document (attention kept inside it: train.document_mask), the rest padding.
+
+    A record longer than seq_len + 1 tokens is truncated to them or dropped (train.record_overflow); the
+    counts are `cut` and `dropped` (the console and run.json say them). Padding is token 0, its targets
+    ignored, and so is the target after a record's last token (the next record's first). Row j of the run
+    (j = step·B + r) is bin `permute(j mod N, N, key(seed, j // N))` of the N bins, so every bin is trained
+    once an epoch and step k depends on (seed, k, the data) alone: the same under every layout."""
+
+    def __init__(self, tokens, starts: np.ndarray, mask, seq_len: int, global_batch: int, seed: int, mode: str,
+                 overflow: str):
+        self.tokens, self.mask, self.seq_len, self.global_batch, self.seed = tokens, mask, seq_len, global_batch, seed
+        window = seq_len + 1
+        bounds = np.append(np.asarray(starts, dtype=np.int64), len(tokens))
+        records, self.cut, self.dropped = [], 0, 0
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            if hi - lo > window:
+                if overflow == "drop":
+                    self.dropped += 1
+                    continue
+                self.cut += 1
+                hi = lo + window
+            if hi > lo:
+                records.append((lo, hi - lo))
+        if not records:
+            raise ConfigError(f"every record is longer than seq_len + 1 = {window} tokens and "
+                              f"train.record_overflow = drop: nothing to train on; valid: a longer train.seq_len, "
+                              f"or record_overflow truncate")
+        self.records = records
+        self.bins = [[r] for r in records] if mode == "padded" else best_fit_decreasing(records, window)
+        if len(self.bins) < global_batch:
+            raise ConfigError(f"the data makes {len(self.bins)} rows of whole records, fewer than one global batch "
+                              f"({global_batch}); valid: more records or a smaller train.global_batch")
+
+    def bin_of(self, j: int) -> list[tuple[int, int]]:
+        n = len(self.bins)
+        return self.bins[permute(j % n, n, mix(self.seed, j // n))]
+
+    def row(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, target mask, document ids) of row j: seq_len + 1 tokens; seq_len target flags (1: the
+        loss counts); seq_len + 1 document ids (record k of the row: k; padding: the row's record count)."""
+        window = self.seq_len + 1
+        recs = self.bin_of(j)
+        win = np.zeros(window, dtype=np.int64)
+        keep = np.zeros(window, dtype=np.uint8)     # whether the token at each position is a trained target
+        ids = np.full(window, len(recs), dtype=np.int64)
+        at = 0
+        for k, (lo, n) in enumerate(recs):
+            win[at:at + n] = np.asarray(self.tokens[lo:lo + n], dtype=np.int64)
+            keep[at + 1:at + n] = 1 if self.mask is None else np.asarray(self.mask[lo + 1:lo + n], dtype=np.uint8)
+            ids[at:at + n] = k
+            at += n
+        return win, keep[1:], ids
+
+    def rows(self, step: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        got = [self.row(step * self.global_batch + r) for r in range(start, stop)]
+        win_bs = torch.from_numpy(np.stack([w for w, _, _ in got]))
+        return win_bs[:, :-1].contiguous(), masked_targets(win_bs[:, 1:].contiguous(), np.stack([k for _, k, _ in got]))
+
+    def local(self, step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows(step, *local_rows(self.global_batch, dp_rank, dp))
+
+    def local_documents(self, step: int, dp_rank: int, dp: int) -> torch.Tensor:
+        start, stop = local_rows(self.global_batch, dp_rank, dp)
+        return torch.from_numpy(np.stack([self.row(step * self.global_batch + r)[2][:-1] for r in range(start, stop)]))
+
+    @property
+    def masked(self) -> bool:
+        return True   # padding is never trained
+
+    def loss_tokens(self, step: int) -> int:
+        return max(1, sum(int(self.row(step * self.global_batch + r)[1].sum()) for r in range(self.global_batch)))
+
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def data_tokens(self) -> int:
+        return sum(n for _, n in self.records)
+
+    def mixture(self, first_step: int, steps: int = 1) -> None:
+        return None
+
+    def summary(self) -> dict:
+        """What run.json and the console say of the records: rows, records, and those cut or dropped."""
+        return {"rows": len(self.bins), "records": len(self.records) + self.dropped, "cut": self.cut,
+                "dropped": self.dropped, "padding": 1 - self.data_tokens() / (len(self.bins) * (self.seq_len + 1))}
+
+
+def best_fit_decreasing(records: list[tuple[int, int]], capacity: int) -> list[list[tuple[int, int]]]:
+    """Records (start, length) packed into bins of `capacity` tokens: longest first, each into the bin it
+    fills the most (the least room left that still holds it), a new bin when none does; bins in the
+    order they were opened, records in each in the order they went in."""
+    import bisect
+
+    bins: list[list[tuple[int, int]]] = []
+    room: list[tuple[int, int]] = []   # (room left, bin index), sorted
+    for rec in sorted(records, key=lambda r: (-r[1], r[0])):
+        i = bisect.bisect_left(room, (rec[1], -1))
+        if i < len(room):
+            left, b = room.pop(i)
+            bins[b].append(rec)
+            bisect.insort(room, (left - rec[1], b))
+        else:
+            bins.append([rec])
+            bisect.insort(room, (capacity - rec[1], len(bins) - 1))
+    return bins
 
 
 class EvalBatches(Batches):

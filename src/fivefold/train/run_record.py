@@ -62,8 +62,9 @@ class RunRecord:
     """The run's record: `planned` is the planner's memory for this layout (or None)."""
 
     def __init__(self, cfg: Config, world_size: int, n_params: int, n_trainable: int, data_id: dict,
-                 planned: dict | None):
+                 planned: dict | None, records: dict | None = None):
         self.cfg, self.world_size, self.planned, self.data_id = cfg, world_size, planned, data_id
+        self.records = records   # train.records padded / packed: rows, records, cut, dropped, padding
         self.n_params, self.n_trainable = n_params, n_trainable
         self.ranks: dict[str, list] = {}   # every rank's figures, once gathered
 
@@ -79,7 +80,8 @@ class RunRecord:
         mem = self.ranks.get("memory") or [memory]
         stages = (self.planned or {}).get("stages")
         planned = [stages[m["pp_stage"]]["total"] if stages else None for m in mem]
-        return {**({"data_mixture": mixture} if mixture else {}), "config": self.cfg.to_dict(), "data": self.data_id,
+        return {**({"data_mixture": mixture} if mixture else {}), **({"records": self.records} if self.records else {}),
+                "config": self.cfg.to_dict(), "data": self.data_id,
                 "params": self.n_params, "trainable_params": self.n_trainable,
                 "world_size": self.world_size, "model_state_bytes_per_rank": state_bytes,
                 "model_state_bytes_by_rank": self.ranks.get("state"),

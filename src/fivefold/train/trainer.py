@@ -200,9 +200,13 @@ class Trainer:
         self.value = lambda t: float(self.read(t.reshape(())) if isinstance(t, torch.Tensor) else t)   # one number
         self.batches: BatchSource = SyntheticBatches(t) if dry else make_batches(t, cfg.model.vocab, tokens)
         self.data_id = data_identity(t)   # saved in checkpoints: a resume on other data is warned about
+        records = self.batches.summary() if t.records != "stream" and not dry else None
+        if records and not self.quiet:
+            print(f"records: {records['records']:,} in {records['rows']:,} rows ({t.records}, {records['padding']:.1%} "
+                  f"padding); {records['cut']:,} cut to seq_len + 1, {records['dropped']:,} dropped", file=sys.stderr)
         self.evaluator = Evaluator(t, None if dry else make_eval_batches(t, cfg.model.vocab, tokens), self.quiet)
         self.checkpointer = Checkpointer(cfg, rank, world_size, self.quiet)
-        self.record = RunRecord(cfg, world_size, self.n_params, self.n_trainable, self.data_id, planned)
+        self.record = RunRecord(cfg, world_size, self.n_params, self.n_trainable, self.data_id, planned, records)
         self.guard = StepGuard(t, rank, self.mesh["world"], p.ranks_per_node, self.device, self.value, self.quiet)
         self.step_count = 0
         self.stop = None        # a stop signal the ranks agreed on at the end of the last step

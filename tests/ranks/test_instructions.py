@@ -387,3 +387,22 @@ def test_whole_records_train_alike_under_every_layout(folders, tmp_path, records
             logits = model.eval()(one["x"]).logits
         expected = float(F.cross_entropy(logits.flatten(0, 1).double(), one["y"].flatten(), ignore_index=-100))
         assert one["losses"][0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_stream_rows_say_how_many_records_they_cut(folders, tmp_path):
+    """The default (train.records = stream) cuts records across rows; it says how many, on the console and in
+    run.json, never silently."""
+    from fivefold.train.trainer import records_line
+
+    folder, _ = folders["chatml"]
+    out = records_file(folder, tmp_path)
+    b = make_batches(TrainConfig(data=[str(out)], tokenizer=str(folder / "tokenizer.json"), seq_len=32,
+                                 global_batch=4), 320)
+    tokens = np.asarray(open_token_file(out)[0][:])
+    starts = np.asarray(read_header(out)["doc_starts"] if "doc_starts" in read_header(out) else
+                        [r[0] for r in make_batches(TrainConfig(data=[str(out)], tokenizer=str(folder / "tokenizer.json"),
+                                                                seq_len=32, global_batch=4, records="padded"), 320).records])
+    ends = np.append(starts[1:], len(tokens))
+    want = sum(1 for lo, hi in zip(starts, ends) if hi > (lo // 32) * 32 + 33)   # no window [32k, 32k + 33) holds it
+    assert b.stream_records == {"mode": "stream", "records": 60, "cut": want} and 0 < want < 60
+    assert f"{want:,} of 60 records straddle rows" in records_line(b.stream_records, "stream")

@@ -63,6 +63,14 @@ def make_batches(train: TrainConfig, vocab: int, tokens: np.ndarray | None = Non
                                        train.document_mask or whole)
     kind = ShuffledBatches if uses_token_files(train) else Batches
     part = split_corpus(corpus, train.eval_fraction)[0]
+    if mask is not None and kind is ShuffledBatches and not whole:   # instruction data in stream windows: say
+        records = starts if starts is not None else read_corpus(            # how many records rows cut
+            train.data, train.data_limit_mb, vocab, run_tokenizer_of(train), True)[1]
+        batches = kind(part, train.seq_len, train.global_batch, train.seed, starts=starts_within(starts, 0, len(part)),
+                       mask=split_corpus(loss_mask_of(train, mask), train.eval_fraction)[0])
+        within = starts_within(records, 0, len(part))
+        batches.stream_records = {"mode": "stream", "records": len(within), "cut": batches.records_cut(within)}
+        return batches
     if whole:   # records kept whole: the held-out tail's records left out
         return RecordBatches(part, starts_within(starts, 0, len(part)), split_corpus(loss_mask_of(train, mask),
                              train.eval_fraction)[0], train.seq_len, train.global_batch, train.seed, train.records,
@@ -219,6 +227,15 @@ class ShuffledBatches(Batches):
                  starts: np.ndarray | None = None, mask=None):
         super().__init__(tokens, seq_len, global_batch, seed, vocab, starts, mask)
         self.windows = (len(tokens) - 1) // seq_len
+        self.stream_records: dict | None = None   # instruction data: its records and how many windows cut
+
+    def records_cut(self, records: np.ndarray) -> int:
+        """How many of the records starting at `records` (sorted offsets) no window holds whole: window k
+        holds tokens [k·seq_len, k·seq_len + seq_len + 1)."""
+        s = self.seq_len
+        starts = np.asarray(records, dtype=np.int64)
+        ends = np.append(starts[1:], len(self.tokens))
+        return int(np.count_nonzero(ends > (starts // s) * s + s + 1))
 
     def offsets(self, step: int) -> torch.Tensor:
         first = step * self.global_batch

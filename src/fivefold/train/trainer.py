@@ -200,10 +200,10 @@ class Trainer:
         self.value = lambda t: float(self.read(t.reshape(())) if isinstance(t, torch.Tensor) else t)   # one number
         self.batches: BatchSource = SyntheticBatches(t) if dry else make_batches(t, cfg.model.vocab, tokens)
         self.data_id = data_identity(t)   # saved in checkpoints: a resume on other data is warned about
-        records = self.batches.summary() if t.records != "stream" and not dry else None
+        records = None if dry else self.batches.summary() if t.records != "stream" else \
+            getattr(self.batches, "stream_records", None)
         if records and not self.quiet:
-            print(f"records: {records['records']:,} in {records['rows']:,} rows ({t.records}, {records['padding']:.1%} "
-                  f"padding); {records['cut']:,} cut to seq_len + 1, {records['dropped']:,} dropped", file=sys.stderr)
+            print(records_line(records, t.records), file=sys.stderr)
         self.evaluator = Evaluator(t, None if dry else make_eval_batches(t, cfg.model.vocab, tokens), self.quiet)
         self.checkpointer = Checkpointer(cfg, rank, world_size, self.quiet)
         self.record = RunRecord(cfg, world_size, self.n_params, self.n_trainable, self.data_id, planned, records)
@@ -432,6 +432,16 @@ def rank_micro_batches(cfg: Config, dp_rank: int, dims: list, device: torch.devi
     keys_bs = tensors_bs[-1].to(device) if draws else None
     n_loss = batches.loss_tokens(step) if loss_tokens is None else loss_tokens
     return cut_micro_batches(x_bs, y_bs, p.microbatches, n_loss, docs, keys_bs)
+
+
+def records_line(records: dict, mode: str) -> str:
+    """The start-up line on instruction data's records: how rows hold them and what they cut."""
+    if mode == "stream":
+        return (f"note: {records['cut']:,} of {records['records']:,} records straddle rows of seq_len + 1 tokens "
+                f"(train.records = stream), trained without all of their context; --set train.records=padded (or "
+                f"packed with train.document_mask) keeps each record whole in one row")
+    return (f"records: {records['records']:,} in {records['rows']:,} rows ({mode}, {records['padding']:.1%} padding); "
+            f"{records['cut']:,} cut to seq_len + 1, {records['dropped']:,} dropped")
 
 
 def zeros_of_shape(t: torch.Tensor):

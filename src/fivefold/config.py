@@ -433,7 +433,8 @@ class TrainConfig:
         _check_finite(self, "train")
         for name in ("steps", "global_batch", "seq_len", "keep_checkpoints", "max_skips"):
             rules.check_positive(f"train.{name}", getattr(self, name))
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+        uses_min_lr = self.lr_schedule not in ("hf_linear", "hf_cosine", "constant_with_warmup")   # transformers': to 0
+        if self.lr <= 0 or self.min_lr < 0 or (uses_min_lr and self.min_lr > self.lr):
             raise ConfigError(f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={self.lr:g}, min_lr={self.min_lr:g}"
                               f" (the default min_lr is {TrainConfig.min_lr:g}); valid: --min-lr from 0 to the lr, "
                               f"e.g. --min-lr {max(self.lr, 0) / 10:g}")

@@ -38,3 +38,10 @@ def test_warmup_ratio_is_transformers_ceil_of_ratio_times_steps():
     assert TrainConfig(steps=300, warmup=20).warmup_steps == 20
     with pytest.raises(ConfigError, match="train.warmup_ratio"):
         TrainConfig(warmup_ratio=1.5).validate()
+
+
+def test_min_lr_binds_only_the_schedules_that_decay_to_it():
+    """transformers' schedules decay to 0: a --lr below the default min_lr is no error there."""
+    TrainConfig(lr=2e-4, lr_schedule="hf_cosine").validate()
+    with pytest.raises(ConfigError, match="--min-lr"):
+        TrainConfig(lr=2e-4, lr_schedule="cosine").validate()

@@ -568,8 +568,10 @@ def banner_tokens(cfg, start: int, data_tokens: int) -> str:
     t = cfg.train
     steps = t.steps - start
     tokens = steps * t.global_batch * t.seq_len
+    epochs = f": {tokens / max(data_tokens, 1):.3g} epochs" if t.records == "stream" else " (whole records: the rows' "\
+        "epochs follow)"
     return (f"{tokens:,} tokens to train ({steps} steps x {t.global_batch} x {t.seq_len}; the data holds "
-            f"{data_tokens:,}: {tokens / max(data_tokens, 1):.3g} epochs)")
+            f"{data_tokens:,}{epochs})")
 
 
 def trainable_text(cfg) -> str:

@@ -409,15 +409,17 @@ class RecordBatches:
         return self.global_batch * self.seq_len
 
     def data_tokens(self) -> int:
-        return sum(n for _, n in self.records)
+        """One epoch's tokens: every row once (padding included), so `epoch` counts passes over the rows."""
+        return len(self.bins) * self.seq_len
 
     def mixture(self, first_step: int, steps: int = 1) -> None:
         return None
 
     def summary(self) -> dict:
         """What run.json and the console say of the records: rows, records, and those cut or dropped."""
+        kept = sum(n for _, n in self.records)
         return {"rows": len(self.bins), "records": len(self.records) + self.dropped, "cut": self.cut,
-                "dropped": self.dropped, "padding": 1 - self.data_tokens() / (len(self.bins) * (self.seq_len + 1))}
+                "dropped": self.dropped, "padding": 1 - kept / (len(self.bins) * (self.seq_len + 1))}
 
 
 def best_fit_decreasing(records: list[tuple[int, int]], capacity: int) -> list[list[tuple[int, int]]]:

@@ -72,3 +72,13 @@ def test_fivefold_help_lists_one_command_a_line():
         said = [line.split() for line in lines if line.split()[:1] == [cmd]]
         assert len(said) == 1 and len(said[0]) > 3, cmd                                # what it does, one line
         assert sum(line.strip().startswith(f"fivefold {cmd} ") for line in lines) == 1, cmd   # its usage, one line
+
+
+def test_the_docs_key_lists_are_the_config_fields():
+    """docs/training.md "Config keys" lists every key of each part, and no other."""
+    from tests.support.paths import ROOT
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    for part, cls in PARTS.items():
+        block = text.split(f"- `[{part}]`:", 1)[1].split("\n- ", 1)[0].split("\n\n", 1)[0]
+        assert block.split() == [f.name for f in dataclasses.fields(cls)], part

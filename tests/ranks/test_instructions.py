@@ -344,6 +344,11 @@ def test_records_stay_whole_padded_or_packed_and_what_is_cut_is_counted(folders,
             at += n
         assert (win[at:] == 0).all() and not keep[at:].any()                    # padding, untrained
     assert packed.summary()["padding"] < padded.summary()["padding"]
+    for b in (padded, packed):   # the loss divisor: the trained targets of the step's rows
+        for step in (0, 3):
+            assert b.loss_tokens(step) == int((b.rows(step, 0, 4)[1] != -100).sum())
+            docs = b.local_documents(step, 1, 2)
+            assert torch.equal(docs, torch.from_numpy(np.stack([b.row(step * 4 + r)[2][:-1] for r in (2, 3)])))
     short = dict(base, seq_len=12)
     cut = make_batches(TrainConfig(records="padded", record_overflow="truncate", **short), 320)
     drop = make_batches(TrainConfig(records="padded", record_overflow="drop", **short), 320)

@@ -260,10 +260,11 @@ class MoE(nn.Module):
         x_th = x_bsh.reshape(b * s, h)
         experts_tk, weights_tk, scores_te, logits_te = self.route(x_bsh)
         loss = self.router_loss(scores_te, logits_te, experts_tk.view(b, s, -1)) if torch.is_grad_enabled() else None
+        unsent = 0   # second choices random routing did not send (not drops)
         if self.random_routing and keys_bs is not None:
             keys_bs = keys_bs if self.keys_view is None else self.keys_view(keys_bs)
             experts_tk, weights_tk = skip_seconds(experts_tk, weights_tk, uniform(keys_bs.reshape(-1), self.seed, self.layer))
-        unsent = (experts_tk < 0).sum()
+            unsent = (experts_tk < 0).sum()
         if self.capacity_factor > 0:
             experts_tk, weights_tk = self.drop(experts_tk, weights_tk, b, s)
             y_th = self.dispatcher(x_th, experts_tk, weights_tk, self.experts, capacity=(s, self.capacity(s)))

@@ -753,7 +753,7 @@ def _norm_mla_rungs(recompute: str, options: list[bool]) -> list[bool]:
 def reduce_policies(kw: dict) -> list[bool]:
     """`reduce_each_microbatch` choices of a layout: once per step, then every micro-batch, where it means
     something (ZeRO-2/3 under a pipeline)."""
-    return [False, True] if ZeroSpec(kw["zero"], pipeline=kw["pp"] > 1).shards_grads and kw["pp"] > 1 else [False]
+    return [False, True] if ZeroSpec(kw["zero"]).shards_grads and kw["pp"] > 1 else [False]
 
 
 def _over(model, lay: Layout, work, limit: float) -> tuple[list, dict | None]:

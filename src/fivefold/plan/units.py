@@ -527,8 +527,10 @@ def model_states(model: PlanModel, layout: Layout, work: Workload, stage: int) -
     edp = tp·cp·dp/(etp·ep). Without ZeRO, the ZeRO paper's (w + g + k)·Φ; with it, per padded unit
     (`unit_states`)."""
     L = layout
-    return dict(_model_states(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.etp, L.zero_spec, L.bucket_mb,
-                              L.dp * L.cp, L.edp, work, stage))
+    z = L.zero_spec   # the states depend on the stage and the reduce policy alone: the cache key keeps just those
+    return dict(_model_states(model, L.tp, L.pp, L.vpp, L.partition, L.ep, L.etp,
+                              ZeroSpec(z.stage, each_microbatch=z.each_microbatch), L.bucket_mb, L.dp * L.cp, L.edp,
+                              work, stage))
 
 
 @lru_cache(maxsize=65536)

@@ -362,29 +362,42 @@ class RecordBatches:
                               f"or record_overflow truncate")
         self.records = records
         self.bins = [[r] for r in records] if mode == "padded" else best_fit_decreasing(records, window)
+        # each bin's trained targets, counted once: a step's loss divisor is the sum over its rows' bins
+        self.trained = [sum(n - 1 if mask is None else int(np.count_nonzero(np.asarray(mask[lo + 1:lo + n])))
+                            for lo, n in b) for b in self.bins]
         if len(self.bins) < global_batch:
             raise ConfigError(f"the data makes {len(self.bins)} rows of whole records, fewer than one global batch "
                               f"({global_batch}); valid: more records or a smaller train.global_batch")
 
-    def bin_of(self, j: int) -> list[tuple[int, int]]:
+    def bin_index(self, j: int) -> int:
         n = len(self.bins)
-        return self.bins[permute(j % n, n, mix(self.seed, j // n))]
+        return permute(j % n, n, mix(self.seed, j // n))
+
+    def bin_of(self, j: int) -> list[tuple[int, int]]:
+        return self.bins[self.bin_index(j)]
+
+    def documents_of(self, j: int) -> np.ndarray:
+        """(seq_len + 1,) document ids of row j: record k of the row k, padding the row's record count."""
+        recs = self.bin_of(j)
+        ids = np.full(self.seq_len + 1, len(recs), dtype=np.int64)
+        at = 0
+        for k, (_, n) in enumerate(recs):
+            ids[at:at + n] = k
+            at += n
+        return ids
 
     def row(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens, target mask, document ids) of row j: seq_len + 1 tokens; seq_len target flags (1: the
         loss counts); seq_len + 1 document ids (record k of the row: k; padding: the row's record count)."""
         window = self.seq_len + 1
-        recs = self.bin_of(j)
         win = np.zeros(window, dtype=np.int64)
         keep = np.zeros(window, dtype=np.uint8)     # whether the token at each position is a trained target
-        ids = np.full(window, len(recs), dtype=np.int64)
         at = 0
-        for k, (lo, n) in enumerate(recs):
+        for lo, n in self.bin_of(j):
             win[at:at + n] = np.asarray(self.tokens[lo:lo + n], dtype=np.int64)
             keep[at + 1:at + n] = 1 if self.mask is None else np.asarray(self.mask[lo + 1:lo + n], dtype=np.uint8)
-            ids[at:at + n] = k
             at += n
-        return win, keep[1:], ids
+        return win, keep[1:], self.documents_of(j)
 
     def rows(self, step: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         got = [self.row(step * self.global_batch + r) for r in range(start, stop)]
@@ -396,14 +409,16 @@ class RecordBatches:
 
     def local_documents(self, step: int, dp_rank: int, dp: int) -> torch.Tensor:
         start, stop = local_rows(self.global_batch, dp_rank, dp)
-        return torch.from_numpy(np.stack([self.row(step * self.global_batch + r)[2][:-1] for r in range(start, stop)]))
+        return torch.from_numpy(np.stack([self.documents_of(step * self.global_batch + r)[:-1]
+                                          for r in range(start, stop)]))
 
     @property
     def masked(self) -> bool:
         return True   # padding is never trained
 
     def loss_tokens(self, step: int) -> int:
-        return max(1, sum(int(self.row(step * self.global_batch + r)[1].sum()) for r in range(self.global_batch)))
+        first = step * self.global_batch
+        return max(1, sum(self.trained[self.bin_index(j)] for j in range(first, first + self.global_batch)))
 
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
